@@ -1,0 +1,174 @@
+"""Load Hugging Face checkpoints (config.json + safetensors, single or sharded) into the params pytree.
+
+Tensors are read one at a time from memory-mapped files straight into the stacked host arrays, so
+peak host memory stays near one copy of the weights; each stacked array is then placed on its
+sharding (only each device's shard is transferred). Pickle checkpoints are refused: loading them
+executes code.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.errors import ModelLoadError
+from jaxserve.model.weights import LayerParams, Params, param_specs
+
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def checkpoint_dtype(model_dir: str) -> str | None:
+    """The dtype the checkpoint was saved in (config.json `dtype` / `torch_dtype`), if it says."""
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        hf = json.load(f)
+    dtype = hf.get("dtype") or hf.get("torch_dtype")
+    return dtype if dtype in ("float32", "bfloat16", "float16") else None
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The weight files of a directory: the index's shards, or model.safetensors, else a clear error."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(model_dir, s))]
+        if missing:
+            raise ModelLoadError(f"{model_dir}: the safetensors index names missing shard(s) {missing}")
+        return [os.path.join(model_dir, s) for s in shards]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    others = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if others:
+        return [os.path.join(model_dir, f) for f in others]
+    pickles = sorted(f for f in os.listdir(model_dir) if f.endswith(_PICKLE_SUFFIXES))
+    if pickles:
+        raise ModelLoadError(
+            f"{model_dir} holds only pickle weights ({', '.join(pickles)}); jaxserve loads safetensors only, "
+            "because unpickling executes code. Convert once with transformers: "
+            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
+        )
+    raise ModelLoadError(f"{model_dir} has no model.safetensors (nor a sharded model.safetensors.index.json)")
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for every tensor of one file, each a view into a read-only memory map."""
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        (header_len,) = struct.unpack("<Q", mapped[:8])
+        header = json.loads(mapped[8 : 8 + header_len])
+    except (struct.error, ValueError) as err:
+        raise ModelLoadError(f"{path} is not a valid safetensors file ({err})") from None
+    base = 8 + header_len
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ModelLoadError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+        yield name, np.frombuffer(mapped, dtype=dtype, count=(end - start) // dtype.itemsize,
+                                  offset=base + start).reshape(info["shape"])
+
+
+# HF name (after "model.layers.{i}.") -> (our LayerParams field, transpose?)
+_LAYER_NAMES = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+    "self_attn.q_proj.bias": ("bq", False),
+    "self_attn.k_proj.bias": ("bk", False),
+    "self_attn.v_proj.bias": ("bv", False),
+    "self_attn.o_proj.bias": ("bo", False),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+_TOP_NAMES = {
+    "model.embed_tokens.weight": ("embed", False),
+    "model.norm.weight": ("final_norm", False),
+    "lm_head.weight": ("lm_head", True),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_hf_params(model_dir: str, cfg: ModelConfig, dtype: Any, shardings: Params | None = None) -> Params:
+    """Read every tensor once, check it against the expected shape, stack layers, place on devices."""
+    specs = param_specs(cfg)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    host: dict[str, np.ndarray] = {}  # flat field name -> stacked host array
+    filled: dict[str, set[int]] = {}
+
+    def target(field: str, shape: tuple[int, ...]) -> np.ndarray:
+        if field not in host:
+            host[field] = np.empty(shape, np_dtype)
+            filled[field] = set()
+        return host[field]
+
+    layer_specs = {name: getattr(specs.layers, name) for name, _ in _LAYER_NAMES.values()}
+    for path in safetensors_files(model_dir):
+        for name, tensor in iter_safetensors(path):
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name.startswith("model.layers."):
+                index_str, _, rest = name[len("model.layers."):].partition(".")
+                field, transpose = _LAYER_NAMES.get(rest, (None, False))
+                spec = layer_specs.get(field) if field else None
+                layer = int(index_str)
+                if spec is None or layer >= cfg.num_layers:
+                    raise ModelLoadError(f"{path}: unexpected tensor {name} for this config")
+                _copy_into(target(field, spec.shape), layer, tensor, transpose, name)
+                filled[field].add(layer)
+            elif name in _TOP_NAMES:
+                field, transpose = _TOP_NAMES[name]
+                spec = getattr(specs, field)
+                if spec is None:  # lm_head saved alongside tied embeddings: identical, ignore
+                    continue
+                _copy_into(target(field, spec.shape), None, tensor, transpose, name)
+                filled[field].add(0)
+            else:
+                raise ModelLoadError(f"{path}: unexpected tensor {name!r} (not a {cfg.architecture} weight)")
+
+    missing = [f for f in layer_specs if layer_specs[f] is not None and len(filled.get(f, ())) != cfg.num_layers]
+    missing += [f for f in ("embed", "final_norm", "lm_head") if getattr(specs, f) is not None and f not in host]
+    if missing:
+        raise ModelLoadError(f"{model_dir}: checkpoint lacks weights for {', '.join(missing)}")
+
+    def place(field: str, sharding: Any) -> jax.Array:
+        array = host.pop(field)  # drop our host copy as soon as it is on the device
+        return jax.device_put(array, sharding) if sharding is not None else jnp.asarray(array)
+
+    layer_shardings = shardings.layers if shardings is not None else None
+    layers = LayerParams(**{
+        f: place(f, getattr(layer_shardings, f) if layer_shardings is not None else None)
+        if spec is not None else None
+        for f, spec in layer_specs.items()
+    })
+    top = {f: place(f, getattr(shardings, f) if shardings is not None else None)
+           for f in ("embed", "final_norm", "lm_head") if getattr(specs, f) is not None}
+    return Params(embed=top["embed"], layers=layers, final_norm=top["final_norm"], lm_head=top.get("lm_head"))
+
+
+def _copy_into(dest: np.ndarray, layer: int | None, tensor: np.ndarray, transpose: bool, name: str) -> None:
+    src = tensor.T if transpose else tensor
+    slot = dest if layer is None else dest[layer]
+    if src.shape != slot.shape:
+        raise ModelLoadError(f"tensor {name} has shape {tensor.shape}, config implies {slot.shape[::-1] if transpose else slot.shape}")
+    slot[...] = src  # casts to the target dtype

@@ -1,0 +1,221 @@
+"""Frozen configs: ModelConfig (read from a Hugging Face config.json) and EngineConfig (every engine setting).
+
+Both are hashable so they can be static arguments of `jax.jit`; everything that varies per request is an array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+from jaxserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from jaxserve.settings import (
+    Settings,
+    choice,
+    format_int_tuple,
+    optional,
+    parse_bool,
+    parse_int,
+    parse_int_tuple,
+    parse_size,
+    parse_str,
+    setting,
+)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Rotary-embedding frequency scaling; `kind` is "linear" or "llama3" (Llama-3.1)."""
+
+    kind: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and options of a Llama-family decoder; hashable, so it is a static jit argument."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2, and Llama with attention_bias
+    o_bias: bool = False  # Llama with attention_bias
+    sliding_window: int | None = None  # Mistral: a query sees only the last `sliding_window` keys
+    architecture: str = "LlamaForCausalLM"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def num_params(self) -> int:
+        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * d * f + 2 * d
+        if self.qkv_bias:
+            per_layer += h * (self.num_heads + 2 * self.num_kv_heads)
+        if self.o_bias:
+            per_layer += d
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + d
+
+    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
+        """2 (K and V) * b * head_dim * kv_heads * layers (see DESIGN.md)."""
+        return 2 * bytes_per_element * self.head_dim * self.num_kv_heads * self.num_layers
+
+    @classmethod
+    def from_hf_dict(cls, hf: Mapping[str, Any]) -> "ModelConfig":
+        """Translate a Hugging Face config.json; refuse what we do not implement rather than run it wrongly."""
+        archs = hf.get("architectures") or [_arch_from_model_type(hf.get("model_type"))]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu' / SwiGLU)")
+        if hf.get("mlp_bias"):
+            raise UnsupportedModelError("mlp_bias=True is not supported")
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        head_dim = hf.get("head_dim") or hidden // num_heads
+        rope = dict(hf.get("rope_parameters") or {})  # transformers >= 5 keeps theta and scaling here
+        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        is_qwen = arch == "Qwen2ForCausalLM"
+        sliding_window = hf.get("sliding_window")
+        if is_qwen:
+            if hf.get("use_sliding_window"):
+                raise UnsupportedModelError("Qwen2 with use_sliding_window=True is not supported")
+            sliding_window = None
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        return cls(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if is_qwen else 1e-5)),
+            rope_theta=rope_theta,
+            rope_scaling=_rope_scaling(scaling),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen or bool(hf.get("attention_bias", False)),
+            o_bias=(not is_qwen) and bool(hf.get("attention_bias", False)),
+            sliding_window=int(sliding_window) if sliding_window else None,
+            architecture=arch,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str) -> "ModelConfig":
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isdir(path):
+            raise ModelLoadError(f"model directory {path!r} does not exist")
+        if not os.path.isfile(config_path):
+            raise ModelLoadError(f"{path!r} has no config.json; a Hugging Face model directory needs one")
+        with open(config_path, encoding="utf-8") as f:
+            try:
+                return cls.from_hf_dict(json.load(f))
+            except (KeyError, TypeError, ValueError) as err:
+                if isinstance(err, UnsupportedModelError):
+                    raise
+                raise ModelLoadError(f"{config_path}: cannot read the model config ({err!r})") from None
+
+
+def _arch_from_model_type(model_type: str | None) -> str:
+    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
+        model_type or "", f"unknown model_type {model_type!r}"
+    )
+
+
+def _rope_scaling(scaling: Mapping[str, Any] | None) -> RopeScaling | None:
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", factor=float(scaling["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            "llama3",
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3)")
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig(Settings):
+    """Every engine setting. The same name is a Python keyword, a YAML key and a `--kebab-case` flag."""
+
+    model: str | None = setting(None, "model directory (Hugging Face layout); default: the shipped model",
+                                optional(parse_str))
+    tokenizer: str | None = setting(None, "tokenizer directory or file; default: the model directory",
+                                    optional(parse_str))
+    dtype: str = setting("auto", "parameter and activation dtype; auto = the checkpoint's torch_dtype, else bfloat16",
+                         choice(*DTYPES))
+    load_format: str = setting("auto", "auto | safetensors | dummy (seeded random weights)",
+                               choice("auto", "safetensors", "dummy"))
+    seed: int = setting(0, "seed for dummy weights and default sampling", parse_int)
+    page_size: int = setting(16, "tokens per KV-cache page", parse_int)
+    num_pages: int | None = setting(None, "KV-cache pages per data-parallel replica", optional(parse_int))
+    kv_cache_memory: int | None = setting(None, "bytes for the KV cache per replica (e.g. 4GiB), if num_pages unset",
+                                          optional(parse_size))
+    max_model_len: int | None = setting(None, "longest sequence (prompt + output); default: the model's limit",
+                                        optional(parse_int))
+    max_num_seqs: int = setting(16, "most sequences in one decode step", parse_int)
+    max_num_batched_tokens: int = setting(512, "most prompt tokens prefilled in one step", parse_int)
+    mesh_shape: tuple[int, ...] = setting((1, 1), "device mesh (data, model), e.g. 1,4", parse_int_tuple,
+                                          cli_format=format_int_tuple)
+    scan_layers: bool | None = setting(None, "lax.scan over layers (true) or unrolled (false); default per backend",
+                                       optional(parse_bool))
+    attention_backend: str = setting("auto", "auto | reference | pallas", choice("auto", "reference", "pallas"))
+
+    def validate(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
+        if len(self.mesh_shape) != 2 or min(self.mesh_shape) < 1:
+            raise ConfigError(f"mesh_shape must be two positive sizes (data, model), got {self.mesh_shape}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_pages", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1, got {value}")
+        if self.num_pages is not None and self.kv_cache_memory is not None:
+            raise ConfigError("set num_pages or kv_cache_memory, not both")
+        if self.load_format == "dummy" and self.model is None:
+            raise ConfigError("load_format='dummy' needs model= a directory with a config.json to take the shape from")

@@ -1,0 +1,21 @@
+"""Exception types users can catch: each names the problem in words, never an XLA traceback."""
+
+
+class JaxServeError(Exception):
+    """Base class of every error jaxserve raises on purpose."""
+
+
+class ConfigError(JaxServeError, ValueError):
+    """A setting is unknown, malformed, or contradicts another setting."""
+
+
+class ModelLoadError(JaxServeError):
+    """A checkpoint or model directory cannot be loaded (missing files, bad format, unsupported)."""
+
+
+class UnsupportedModelError(ModelLoadError, ValueError):
+    """The checkpoint's architecture or one of its options is not implemented."""
+
+
+class RequestError(JaxServeError, ValueError):
+    """A request cannot be served as asked (too long, bad sampling parameters, bad token ids)."""

@@ -1,0 +1,1 @@
+"""Llama-family model: params pytree, layers, and the pure forward function."""

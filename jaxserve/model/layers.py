@@ -1,0 +1,98 @@
+"""Building blocks of the decoder: RMSNorm, rotary embeddings (with Llama-3.1 scaling), SwiGLU,
+and the plain-JAX paged attention that is the reference for the Pallas kernels."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Normalise in f32 and cast back before scaling, as HF does (matters for bf16 parity)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies (f32[H/2]), computed on the host once per config (it is static)."""
+    h = cfg.head_dim
+    # f32 arithmetic, like HF, so positions far out round the same way.
+    inv_freq = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, h, 2, dtype=np.float32) / np.float32(h)))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        pass
+    elif scaling.kind == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.kind == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape f32[..., H] for integer positions (halves duplicated, HF's layout)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [..., heads, H]; cos/sin: [..., H] broadcast over heads. Rotate-half convention of HF."""
+    cos = cos[..., None, :].astype(x.dtype)
+    sin = sin[..., None, :].astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def paged_attention_reference(
+    q: jax.Array,  # f[B, T, N, H]
+    k_pages: jax.Array,  # f[K, NP, S, H]  one layer of one replica
+    v_pages: jax.Array,  # f[K, NP, S, H]
+    page_table: jax.Array,  # i32[B, P]
+    positions: jax.Array,  # i32[B, T]  position of each query token
+    seq_lens: jax.Array,  # i32[B]  valid tokens in the cache (this chunk included)
+    sliding_window: int | None = None,
+) -> jax.Array:  # f[B, T, N, H]
+    """Causal attention of each query token over its sequence's pages (new K/V already written).
+
+    Keys past a sequence's length are masked out of the scores and zeroed in V, so garbage or NaN in
+    unused pages can never reach the output (0 * NaN would be NaN).
+    """
+    B, T, N, H = q.shape
+    K, _, S, _ = k_pages.shape
+    P = page_table.shape[1]
+    k = k_pages[:, page_table].reshape(K, B, P * S, H)  # f[K, B, P*S, H]
+    v = v_pages[:, page_table].reshape(K, B, P * S, H)
+    key_pos = jnp.arange(P * S, dtype=jnp.int32)
+    key_valid = key_pos[None, :] < seq_lens[:, None]  # bool[B, P*S]
+    v = jnp.where(key_valid[None, :, :, None], v, jnp.zeros((), v.dtype))
+    mask = key_valid[:, None, :] & (key_pos[None, None, :] <= positions[:, :, None])  # bool[B, T, P*S]
+    if sliding_window is not None:
+        mask &= positions[:, :, None] - key_pos[None, None, :] < sliding_window
+    qg = q.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("btkgh,kbsh->bkgts", qg, k, preferred_element_type=jnp.float32) * (H**-0.5)
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    # A padding row has no valid key at all: keep it finite (zeros) instead of NaN.
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask[:, None, None], probs, 0.0).astype(v.dtype)
+    out = jnp.einsum("bkgts,kbsh->btkgh", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, N, H).astype(q.dtype)

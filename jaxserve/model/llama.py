@@ -1,0 +1,105 @@
+"""The Llama-family forward pass as a pure function of (params, cache, batch) for one replica.
+
+Llama 2/3/3.1, Mistral (sliding window) and Qwen2 (q/k/v biases) differ only in ModelConfig flags.
+Each layer writes its new K/V into the pages first, then attends over the pages, so a prefill
+chunk, a decode token and a mix of both are the same computation.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+from jaxserve.kv_cache import write_kv
+from jaxserve.model.layers import apply_rope, paged_attention_reference, rms_norm, rope_cos_sin, swiglu
+from jaxserve.model.weights import LayerParams, Params
+
+# attention(q f[B,T,N,H], k_pages f[K,NP,S,H], v_pages, page_table i32[B,P], positions i32[B,T],
+#           seq_lens i32[B], sliding_window) -> f[B,T,N,H]
+AttentionFn = Callable[..., jax.Array]
+
+
+def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
+    y = x @ w
+    return y if b is None else y + b
+
+
+def _layer(
+    cfg: ModelConfig,
+    attention: AttentionFn,
+    lp: LayerParams,  # one layer's slice
+    layer: jax.Array | int,
+    x: jax.Array,  # f[B, T, D]
+    k_cache: jax.Array,  # f[L, K, NP, S, H]
+    v_cache: jax.Array,
+    cos: jax.Array,  # f32[B, T, H]
+    sin: jax.Array,
+    page_table: jax.Array,  # i32[B, P]
+    positions: jax.Array,  # i32[B, T]
+    valid: jax.Array,  # bool[B, T]
+    seq_lens: jax.Array,  # i32[B]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    B, T, _ = x.shape
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    q = _linear(h, lp.wq, lp.bq).reshape(B, T, N, H)
+    k = _linear(h, lp.wk, lp.bk).reshape(B, T, K, H)
+    v = _linear(h, lp.wv, lp.bv).reshape(B, T, K, H)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, page_table, positions, valid)
+    attn = attention(q, k_cache[layer], v_cache[layer], page_table, positions, seq_lens, cfg.sliding_window)
+    x = x + _linear(attn.reshape(B, T, N * H), lp.wo, lp.bo)
+    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    return x + swiglu(h, lp.w_gate, lp.w_up, lp.w_down), k_cache, v_cache
+
+
+def forward(
+    params: Params,
+    k_cache: jax.Array,  # f[L, K, NP, S, H]
+    v_cache: jax.Array,  # f[L, K, NP, S, H]
+    tokens: jax.Array,  # i32[B, T]
+    start_pos: jax.Array,  # i32[B]
+    num_new: jax.Array,  # i32[B]
+    page_table: jax.Array,  # i32[B, P]
+    *,
+    cfg: ModelConfig,
+    scan_layers: bool = False,
+    all_logits: bool = False,
+    attention: AttentionFn = paged_attention_reference,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Run one chunk for one replica. Returns (logits, k_cache, v_cache).
+
+    logits is f32[B, V] at each row's last valid token, or f32[B, T, V] with all_logits (parity tests,
+    prompt logprobs). Rows with num_new == 0 yield meaningless logits and write nothing.
+    """
+    T = tokens.shape[1]
+    positions = start_pos[:, None] + jnp.arange(T, dtype=jnp.int32)  # i32[B, T]
+    valid = jnp.arange(T, dtype=jnp.int32)[None, :] < num_new[:, None]  # bool[B, T]
+    seq_lens = start_pos + num_new
+    cos, sin = rope_cos_sin(positions, cfg)
+    x = params.embed[tokens]  # f[B, T, D]
+    layer_args = (cos, sin, page_table, positions, valid, seq_lens)
+
+    if scan_layers:
+        def body(carry, xs):
+            x, kc, vc = carry
+            lp, layer = xs
+            return _layer(cfg, attention, lp, layer, x, kc, vc, *layer_args), None
+
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (params.layers, layer_ids))
+    else:
+        for layer in range(cfg.num_layers):
+            lp = jax.tree.map(lambda w: w[layer], params.layers)
+            x, k_cache, v_cache = _layer(cfg, attention, lp, layer, x, k_cache, v_cache, *layer_args)
+
+    if not all_logits:
+        last = jnp.maximum(num_new - 1, 0)
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # f[B, D]
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    head = params.embed.T if params.lm_head is None else params.lm_head
+    logits = jnp.matmul(x, head, preferred_element_type=jnp.float32)
+    return logits, k_cache, v_cache

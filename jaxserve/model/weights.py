@@ -1,0 +1,123 @@
+"""The params pytree: one description per array (shape, logical axes, init), from which abstract
+shapes, dummy weights and shardings are all derived.
+
+Per-layer weights are stacked on a leading `layers` axis so the forward can scan or unroll over
+them without changing the pytree. Linear weights are stored as [in, out] (HF stores [out, in]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+
+
+@flax.struct.dataclass
+class LayerParams:
+    """Weights of all decoder layers, stacked on axis 0 (L = num_layers)."""
+
+    attn_norm: jax.Array  # f[L, D]
+    wq: jax.Array  # f[L, D, N*H]
+    wk: jax.Array  # f[L, D, K*H]
+    wv: jax.Array  # f[L, D, K*H]
+    wo: jax.Array  # f[L, N*H, D]
+    mlp_norm: jax.Array  # f[L, D]
+    w_gate: jax.Array  # f[L, D, F]
+    w_up: jax.Array  # f[L, D, F]
+    w_down: jax.Array  # f[L, F, D]
+    bq: jax.Array | None = None  # f[L, N*H] (Qwen2, Llama attention_bias)
+    bk: jax.Array | None = None  # f[L, K*H]
+    bv: jax.Array | None = None  # f[L, K*H]
+    bo: jax.Array | None = None  # f[L, D] (Llama attention_bias)
+
+
+@flax.struct.dataclass
+class Params:
+    """All weights of a Llama-family decoder."""
+
+    embed: jax.Array  # f[V, D]
+    layers: LayerParams
+    final_norm: jax.Array  # f[D]
+    lm_head: jax.Array | None = None  # f[D, V]; None when tied to `embed`
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    """How one array of the params pytree looks: shape, logical axis names, and its dummy init."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    init: str  # "normal" | "ones" | "zeros"
+
+
+def param_specs(cfg: ModelConfig) -> Params:
+    """A Params pytree whose leaves are ArraySpecs: the single description everything else derives from."""
+    L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    NH, KH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    bias = cfg.qkv_bias
+    layers = LayerParams(
+        attn_norm=ArraySpec((L, D), ("layers", "embed_replicated"), "ones"),
+        wq=ArraySpec((L, D, NH), ("layers", "embed", "heads"), "normal"),
+        wk=ArraySpec((L, D, KH), ("layers", "embed", "kv_heads"), "normal"),
+        wv=ArraySpec((L, D, KH), ("layers", "embed", "kv_heads"), "normal"),
+        wo=ArraySpec((L, NH, D), ("layers", "heads", "embed"), "normal"),
+        mlp_norm=ArraySpec((L, D), ("layers", "embed_replicated"), "ones"),
+        w_gate=ArraySpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+        w_up=ArraySpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+        w_down=ArraySpec((L, F, D), ("layers", "mlp", "embed"), "normal"),
+        bq=ArraySpec((L, NH), ("layers", "heads"), "zeros") if bias else None,
+        bk=ArraySpec((L, KH), ("layers", "kv_heads"), "zeros") if bias else None,
+        bv=ArraySpec((L, KH), ("layers", "kv_heads"), "zeros") if bias else None,
+        bo=ArraySpec((L, D), ("layers", "embed_replicated"), "zeros") if cfg.o_bias else None,
+    )
+    return Params(
+        embed=ArraySpec((V, D), ("vocab", "embed"), "normal"),
+        layers=layers,
+        final_norm=ArraySpec((D,), ("embed_replicated",), "ones"),
+        lm_head=None if cfg.tie_word_embeddings else ArraySpec((D, V), ("embed", "vocab"), "normal"),
+    )
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, ArraySpec)
+
+
+def map_specs(fn: Callable[[ArraySpec], Any], cfg: ModelConfig) -> Params:
+    return jax.tree.map(fn, param_specs(cfg), is_leaf=_is_spec)
+
+
+def abstract_params(cfg: ModelConfig, dtype: Any, shardings: Params | None = None) -> Params:
+    """ShapeDtypeStructs of the params (for AOT compilation and sharded restore)."""
+    abstract = map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), cfg)
+    if shardings is None:
+        return abstract
+    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
+
+
+def logical_axes(cfg: ModelConfig) -> Params:
+    """Logical axis names per array, for the sharding rules."""
+    return map_specs(lambda s: s.axes, cfg)
+
+
+def init_dummy_params(cfg: ModelConfig, seed: int, dtype: Any, std: float = 0.02) -> Params:
+    """Seeded random weights (benchmarks and tests): normal(std) matrices, unit norms, zero biases."""
+    specs, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=_is_spec)
+    keys = jax.random.split(jax.random.key(seed), len(specs))
+
+    def make(spec: ArraySpec, key: jax.Array) -> jax.Array:
+        if spec.init == "ones":
+            return jnp.ones(spec.shape, dtype)
+        if spec.init == "zeros":
+            return jnp.zeros(spec.shape, dtype)
+        return (std * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype)
+
+    return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(specs, keys)])
+
+
+def param_bytes(params: Params) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))

@@ -1,0 +1,217 @@
+"""One schema for every setting: a field of a frozen dataclass is a Python keyword, a YAML key and a CLI flag.
+
+`snake_case` names are the keywords and YAML keys; `--kebab-case` the flags. Each field declares its
+parser once (`setting(...)`), so the three spellings cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+from jaxserve.errors import ConfigError
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as "4GiB", "512MB", "1.5GiB"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"expected a size in bytes, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _SIZE_UNITS:
+            raise ConfigError(f"cannot read {value!r} as a size; use bytes or e.g. '4GiB', '512MB'")
+        size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ConfigError(f"a size must be positive, got {value!r}")
+    return size
+
+
+def parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"cannot read {value!r} as a boolean (true/false)")
+
+
+def parse_int(value: Any) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ConfigError(f"expected an integer, got {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"expected an integer, got {value!r}") from None
+
+
+def parse_float(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"expected a number, got {value!r}") from None
+
+
+def parse_str(value: Any) -> str:
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise ConfigError(f"expected a string, got {value!r}")
+    return str(value)
+
+
+def parse_int_tuple(value: Any) -> tuple[int, ...]:
+    """(1, 4), [1, 4] or "1,4" -> (1, 4)."""
+    if isinstance(value, str):
+        value = [part for part in value.replace("x", ",").split(",") if part.strip()]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"expected a list of integers such as 1,4 — got {value!r}")
+    return tuple(parse_int(v) for v in value)
+
+
+def optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Wrap a parser so that None (YAML null, CLI 'none') passes through."""
+
+    def parse_optional(value: Any) -> Any:
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")):
+            return None
+        return parse(value)
+
+    return parse_optional
+
+
+def choice(*options: str) -> Callable[[Any], str]:
+    def parse_choice(value: Any) -> str:
+        text = parse_str(value)
+        if text not in options:
+            raise ConfigError(f"{value!r} is not one of {', '.join(options)}")
+        return text
+
+    parse_choice.options = options  # type: ignore[attr-defined]
+    return parse_choice
+
+
+def setting(default: Any, help: str, parse: Callable[[Any], Any], cli_format: Callable[[Any], str] | None = None):
+    """A dataclass field that knows how to parse itself from YAML/CLI and print itself back for the CLI."""
+    return dataclasses.field(default=default, metadata={"help": help, "parse": parse, "cli_format": cli_format})
+
+
+def format_int_tuple(value: Sequence[int]) -> str:
+    return ",".join(str(v) for v in value)
+
+
+class Settings:
+    """Mixin for frozen dataclasses whose fields are declared with `setting(...)`."""
+
+    def __post_init__(self) -> None:
+        # Normalise every field through its parser, so LLM(mesh_shape=[1, 4]) and YAML agree.
+        for field in dataclasses.fields(self):
+            parse = field.metadata.get("parse")
+            if parse is None:
+                continue
+            try:
+                object.__setattr__(self, field.name, parse(getattr(self, field.name)))
+            except ConfigError as err:
+                raise ConfigError(f"setting {field.name!r}: {err}") from None
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks between fields; subclasses override."""
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]):
+        """From YAML-style keys; an unknown key is an error that names it and the known ones."""
+        known = set(cls.field_names())
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown setting(s) {', '.join(map(repr, unknown))}; known settings: {', '.join(sorted(known))}"
+            )
+        return cls(**dict(values))
+
+    @classmethod
+    def from_yaml(cls, path: str, overrides: Mapping[str, Any] | None = None):
+        import yaml
+
+        try:
+            with open(path, encoding="utf-8") as f:
+                values = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r} does not exist") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path!r} is not valid YAML: {err}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping of setting: value")
+        values.update(overrides or {})
+        try:
+            return cls.from_dict(values)
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """YAML-ready values (tuples become lists)."""
+        out = {}
+        for name in self.field_names():
+            value = getattr(self, name)
+            out[name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def replace(self, **changes: Any):
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+    # ---- command line -------------------------------------------------------------------------
+    @classmethod
+    def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """One `--kebab-case` flag per field; values stay strings and are parsed by the dataclass."""
+        group = parser.add_argument_group(cls.__name__)
+        for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+            parse = field.metadata["parse"]
+            options = getattr(parse, "options", None)
+            help_text = field.metadata["help"] + f" (default: {field.default!r})"
+            group.add_argument(
+                "--" + field.name.replace("_", "-"),
+                dest=field.name,
+                default=argparse.SUPPRESS,
+                choices=options,
+                help=help_text,
+            )
+
+    @classmethod
+    def cli_values(cls, namespace: argparse.Namespace) -> dict[str, Any]:
+        """The fields given on the command line, as raw values (for merging over YAML)."""
+        return {name: getattr(namespace, name) for name in cls.field_names() if hasattr(namespace, name)}
+
+    @classmethod
+    def from_cli(cls, argv: Sequence[str]):
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--config", default=None, help="YAML file of settings; flags override it")
+        cls.add_cli_arguments(parser)
+        namespace = parser.parse_args(list(argv))
+        values = cls.cli_values(namespace)
+        if namespace.config:
+            return cls.from_yaml(namespace.config, overrides=values)
+        return cls.from_dict(values)
+
+    def to_cli_args(self) -> list[str]:
+        """Flags that rebuild this object through `from_cli` (only non-default values)."""
+        args = []
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, field.name)
+            if value == field.default:
+                continue
+            fmt = field.metadata.get("cli_format") or (lambda v: "none" if v is None else str(v))
+            args += ["--" + field.name.replace("_", "-"), fmt(value)]
+        return args

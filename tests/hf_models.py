@@ -1,0 +1,56 @@
+"""Tiny random Hugging Face models for parity tests, initialised with a wide spread.
+
+Default-initialised tiny models repeat one token, which a wrong model can match; std 0.1 embeddings
+and 0.25 elsewhere give varied, well-separated logits.
+"""
+
+from __future__ import annotations
+
+import os
+
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama3_rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+         "rope_theta": 500000.0, "tie_word_embeddings": True},
+    ),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24, "head_dim": 16}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+}
+
+
+def make_hf_model(out_dir: str, arch: str = "llama", seed: int = 0, dtype: str = "float32", **overrides):
+    """Build, randomise and save_pretrained a tiny model; returns the torch model (eval mode, f32)."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, extra = ARCHS[arch]
+    kwargs = {**TINY, **extra, **overrides}
+    config = getattr(transformers, config_cls)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, 0.25)
+    model = model.to(getattr(torch, dtype))
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    return model
