@@ -1,0 +1,1 @@
+"""The serving engine: host-side scheduling and KV-cache page bookkeeping around the compiled model step."""

@@ -1,0 +1,110 @@
+"""Shape buckets, the persistent compilation cache, and a counter of XLA compilations.
+
+Every step shape comes from a small fixed bucket table compiled at start-up; the counter lets tests
+(and /metrics) prove that nothing compiles afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # every compile request (cache hits too)
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2lo, 4lo, ... capped by hi, with hi itself always included."""
+    out, n = [], lo
+    while n < hi:
+        out.append(n)
+        n *= 2
+    out.append(hi)
+    return tuple(sorted(set(out)))
+
+
+def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """Smallest bucket >= n; a value above the table is a bug of the caller (checked at admission)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketTable:
+    """The shapes compiled at start-up: rows per replica, tokens per row, pages per row."""
+
+    batch_sizes: tuple[int, ...]
+    chunk_sizes: tuple[int, ...]  # tokens per row of a prefill step (decode is always 1)
+    page_counts: tuple[int, ...]
+
+    @classmethod
+    def build(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int) -> "BucketTable":
+        return cls(
+            batch_sizes=powers_of_two(1, max_num_seqs),
+            chunk_sizes=powers_of_two(min(16, max_num_batched_tokens), max_num_batched_tokens),
+            page_counts=powers_of_two(min(4, max_pages_per_seq), max_pages_per_seq),
+        )
+
+
+class CompileCounter:
+    """Counts XLA compilations in this process (persistent-cache hits are counted apart)."""
+
+    _lock = threading.Lock()
+    _installed = False
+    requests = 0
+    cache_hits = 0
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if cls._installed:
+                return
+            cls._installed = True
+
+        def on_duration(event: str, duration: float, **kwargs) -> None:
+            if event == _COMPILE_EVENT:
+                with cls._lock:
+                    cls.requests += 1
+
+        def on_event(event: str, **kwargs) -> None:
+            if event == _CACHE_HIT_EVENT:
+                with cls._lock:
+                    cls.cache_hits += 1
+
+        jax.monitoring.register_event_duration_secs_listener(on_duration)
+        jax.monitoring.register_event_listener(on_event)
+
+    @classmethod
+    def compiles(cls) -> int:
+        """Compilations XLA actually performed (requests not served from the persistent cache)."""
+        return cls.requests - cls.cache_hits
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxserve", "xla")
+
+
+def enable_compilation_cache(cache_dir: str | None) -> str | None:
+    """Turn on JAX's persistent cache in `cache_dir/<jax version>-<backend>`; "" or "none" disables it.
+
+    JAX's cache key already covers the jaxlib version and device kind; the versioned subdirectory
+    just keeps stale entries of other versions out of the way.
+    """
+    if cache_dir is not None and cache_dir.lower() in ("", "none", "off"):
+        return None
+    root = cache_dir or default_cache_dir()
+    path = os.path.join(root, f"jax-{jax.__version__}-{jax.default_backend()}")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path

@@ -1,0 +1,52 @@
+"""Turn settings into a ready model: config, dtype, and params (from safetensors or seeded dummy weights)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxserve.checkpoint import checkpoint_dtype, load_hf_params
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.errors import ModelLoadError
+from jaxserve.model.weights import Params, init_dummy_params
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    params: Params
+    dtype: Any  # jnp dtype of params, activations and the KV cache
+    model_dir: str
+
+
+def resolve_model_dir(settings: EngineConfig) -> str:
+    if settings.model is None:
+        raise ModelLoadError("no model given: pass model=PATH (a Hugging Face model directory)")
+    path = os.path.expanduser(settings.model)
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"model directory {settings.model!r} does not exist")
+    return path
+
+
+def resolve_dtype(settings: EngineConfig, model_dir: str) -> Any:
+    name = settings.dtype
+    if name == "auto":
+        name = checkpoint_dtype(model_dir) or "bfloat16"
+    return jnp.dtype(name)
+
+
+def load_model(settings: EngineConfig, shardings: Params | None = None) -> LoadedModel:
+    model_dir = resolve_model_dir(settings)
+    cfg = ModelConfig.from_dir(model_dir)
+    dtype = resolve_dtype(settings, model_dir)
+    if settings.load_format == "dummy":
+        params = init_dummy_params(cfg, settings.seed, dtype)
+        if shardings is not None:
+            import jax
+            params = jax.device_put(params, shardings)
+    else:
+        params = load_hf_params(model_dir, cfg, dtype, shardings)
+    return LoadedModel(cfg=cfg, params=params, dtype=dtype, model_dir=model_dir)
