@@ -13,6 +13,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ConfigError
@@ -51,6 +52,33 @@ class StepBatch:
     start_pos: jax.Array  # i32[R, B]  tokens already in the cache before this chunk
     num_new: jax.Array  # i32[R, B]  valid tokens of this chunk (<= T)
     page_table: jax.Array  # i32[R, B, P]
+
+    @classmethod
+    def build(
+        cls,
+        tokens: list[list[int]],
+        start_pos: list[int],
+        page_tables: list[list[int]],
+        chunk: int | None = None,
+        max_pages: int | None = None,
+    ) -> "StepBatch":
+        """One replica's batch from Python lists, padded to `chunk` tokens and `max_pages` pages.
+
+        Keep `chunk` and `max_pages` fixed across calls so every step reuses one compilation.
+        """
+        T = chunk or max(len(t) for t in tokens)
+        P = max_pages or max(len(p) for p in page_tables)
+        tok = np.zeros((1, len(tokens), T), np.int32)
+        table = np.zeros((1, len(tokens), P), np.int32)
+        for b, (t, p) in enumerate(zip(tokens, page_tables)):
+            tok[0, b, : len(t)] = t
+            table[0, b, : len(p)] = p
+        return cls(
+            tokens=tok,
+            start_pos=np.asarray([start_pos], np.int32),
+            num_new=np.asarray([[len(t) for t in tokens]], np.int32),
+            page_table=table,
+        )
 
     @property
     def positions(self) -> jax.Array:  # i32[R, B, T]
