@@ -205,6 +205,9 @@ class EngineConfig(Settings):
     scan_layers: bool | None = setting(None, "lax.scan over layers (true) or unrolled (false); default per backend",
                                        optional(parse_bool))
     attention_backend: str = setting("auto", "auto | reference | pallas", choice("auto", "reference", "pallas"))
+    compilation_cache_dir: str | None = setting(
+        None, "persistent XLA compilation cache; default ~/.cache/jaxserve/xla, 'none' disables it", optional(parse_str)
+    )
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -10,13 +10,14 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.block_manager import BlockManager
-from jaxserve.engine.compile import BucketTable
+from jaxserve.engine.compile import BucketTable, enable_compilation_cache
 from jaxserve.engine.runner import ModelRunner, RowWork
 from jaxserve.errors import ConfigError, RequestError
 from jaxserve.kv_cache import init_cache
 from jaxserve.memory_plan import plan_memory
 from jaxserve.model.weights import param_bytes
 from jaxserve.model_loader import load_model
+from jaxserve.sharding import make_mesh
 from jaxserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
 from jaxserve.steps import StepOptions
 
@@ -38,9 +39,12 @@ class LLM:
         except TypeError as err:
             raise ConfigError(str(err)) from None
         s = self.settings
-        if s.mesh_shape != (1, 1):
-            raise ConfigError("mesh_shape other than (1, 1) is not supported by LLM yet")
-        loaded = load_model(s)
+        cache_path = enable_compilation_cache(s.compilation_cache_dir)
+        logger.info("persistent compilation cache: %s", cache_path or "off")
+        self.mesh = make_mesh(s.mesh_shape)
+        loaded = load_model(s, self.mesh)
+        self.shardings = loaded.shardings
+        self.num_replicas = self.shardings.num_replicas
         self.model_config, self.dtype = loaded.cfg, loaded.dtype
         self.plan = plan_memory(loaded.cfg, s, loaded.dtype, param_bytes(loaded.params))
         logger.info(self.plan.describe())
@@ -51,9 +55,11 @@ class LLM:
         options = StepOptions(scan_layers=scan, attention_backend="reference")
         max_chunk = min(s.max_num_batched_tokens, self.plan.max_model_len)
         buckets = BucketTable.build(s.max_num_seqs, max_chunk, self.plan.max_pages_per_seq)
-        cache = init_cache(loaded.cfg, self.plan.num_pages, s.page_size, loaded.dtype)
-        self.runner = ModelRunner(loaded.cfg, loaded.params, cache, buckets, options)
-        self.blocks = BlockManager(self.plan.num_pages, s.page_size, enable_prefix_caching=False, watermark=0.0)
+        cache = init_cache(loaded.cfg, self.plan.num_pages, s.page_size, loaded.dtype, self.num_replicas,
+                           self.shardings.cache)
+        self.runner = ModelRunner(loaded.cfg, loaded.params, cache, buckets, options, self.shardings)
+        self.blocks = BlockManager(self.plan.num_pages, s.page_size, self.num_replicas,
+                                   enable_prefix_caching=False, watermark=0.0)
         if warm_up:
             self.runner.warm_up()
         self._next_id = 0
@@ -123,17 +129,28 @@ class LLM:
         group: list[tuple[int, str | None, list[int], SamplingParams]] = []
         for text, ids, params in requests:
             total = min(len(ids) + params.max_tokens, self.plan.max_model_len)
-            if len(group) == self.settings.max_num_seqs or not self.blocks.can_admit(0, total):
+            replica = self._pick_replica(group, total)
+            if replica is None:
                 outputs += self._generate_group(group)
                 group = []
+                replica = self._pick_replica(group, total)
             seq_id = self._next_id
             self._next_id += 1
             # Reserve pages for the whole request, so a group never runs out mid-way.
-            self.blocks.admit(seq_id, 0, ids)
+            self.blocks.admit(seq_id, replica, ids)
             if not self.blocks.ensure_capacity(seq_id, total):
                 raise RequestError(f"no KV pages left for a request of {total} tokens")
             group.append((seq_id, text, ids, params))
         return outputs + self._generate_group(group)
+
+    def _pick_replica(self, group, total_tokens: int) -> int | None:
+        """The replica with the most free pages that has room for one more sequence, if any."""
+        counts = [0] * self.num_replicas
+        for seq_id, *_ in group:
+            counts[self.blocks.replica_of(seq_id)] += 1
+        fits = [r for r in range(self.num_replicas)
+                if counts[r] < self.settings.max_num_seqs and self.blocks.can_admit(r, total_tokens)]
+        return max(fits, key=lambda r: (self.blocks.num_free_pages(r), -counts[r]), default=None)
 
     def _generate_group(self, group) -> list[RequestOutput]:
         """Prefill each prompt in chunks, then decode the whole group together until all stop.
@@ -149,7 +166,7 @@ class LLM:
         for i, (seq_id, _, ids, params) in enumerate(group):
             for pos in range(0, len(ids), chunk):
                 row = RowWork(ids[pos : pos + chunk], pos, self.blocks.page_table(seq_id),
-                              self._sampling_row(seq_id, params, 0))
+                              self._sampling_row(seq_id, params, 0), self.blocks.replica_of(seq_id))
                 token = int(self.runner.execute([row])[0])
             self._append(i, token, ids, params, generated, finish)
 
@@ -160,7 +177,8 @@ class LLM:
             rows = [
                 RowWork([generated[i][-1]], len(all_ids[i]) + len(generated[i]) - 1,
                         self.blocks.page_table(seq_ids[i]),
-                        self._sampling_row(seq_ids[i], all_params[i], len(generated[i])))
+                        self._sampling_row(seq_ids[i], all_params[i], len(generated[i])),
+                        self.blocks.replica_of(seq_ids[i]))
                 for i in active
             ]
             for i, token in zip(active, self.runner.execute(rows)):

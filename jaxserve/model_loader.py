@@ -6,12 +6,15 @@ import dataclasses
 import os
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxserve.checkpoint import checkpoint_dtype, load_hf_params
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.model.weights import Params, init_dummy_params
+from jaxserve.sharding import Shardings, make_shardings
 
 
 @dataclasses.dataclass
@@ -20,6 +23,7 @@ class LoadedModel:
     params: Params
     dtype: Any  # jnp dtype of params, activations and the KV cache
     model_dir: str
+    shardings: Shardings
 
 
 def resolve_model_dir(settings: EngineConfig) -> str:
@@ -38,15 +42,15 @@ def resolve_dtype(settings: EngineConfig, model_dir: str) -> Any:
     return jnp.dtype(name)
 
 
-def load_model(settings: EngineConfig, shardings: Params | None = None) -> LoadedModel:
+def load_model(settings: EngineConfig, mesh: Mesh) -> LoadedModel:
+    """Read the config, derive the shardings on `mesh`, and put each weight straight onto its shards."""
     model_dir = resolve_model_dir(settings)
     cfg = ModelConfig.from_dir(model_dir)
+    shardings = make_shardings(cfg, mesh)
     dtype = resolve_dtype(settings, model_dir)
     if settings.load_format == "dummy":
-        params = init_dummy_params(cfg, settings.seed, dtype)
-        if shardings is not None:
-            import jax
-            params = jax.device_put(params, shardings)
+        init = jax.jit(init_dummy_params, static_argnums=(0, 1, 2), out_shardings=shardings.params)
+        params = init(cfg, settings.seed, dtype)
     else:
-        params = load_hf_params(model_dir, cfg, dtype, shardings)
-    return LoadedModel(cfg=cfg, params=params, dtype=dtype, model_dir=model_dir)
+        params = load_hf_params(model_dir, cfg, dtype, shardings.params)
+    return LoadedModel(cfg=cfg, params=params, dtype=dtype, model_dir=model_dir, shardings=shardings)

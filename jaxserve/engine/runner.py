@@ -38,15 +38,19 @@ class RowWork:
     replica: int = 0
 
 
-def _generate_step(params, cache, batch, sampling, cfg, options):
+def _generate_step(params, cache, batch, sampling, cfg, options, cache_sharding=None):
     logits, cache = model_step(params, cache, batch, cfg, options)  # f32[R, B, V]
+    if cache_sharding is not None:  # keep the donated cache's layout stable from step to step
+        cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
     R, B, V = logits.shape
     flat = jax.tree.map(lambda x: jnp.broadcast_to(x, (R, B)).reshape(R * B), sampling)
     tokens = sample(logits.reshape(R * B, V), flat).reshape(R, B)
     return tokens, cache
 
 
-_generate_step_jit = jax.jit(_generate_step, static_argnames=("cfg", "options"), donate_argnames=("cache",))
+_generate_step_jit = jax.jit(
+    _generate_step, static_argnames=("cfg", "options", "cache_sharding"), donate_argnames=("cache",)
+)
 
 
 class ModelRunner:
@@ -66,7 +70,7 @@ class ModelRunner:
         self.cache = cache
         self.buckets = buckets
         self.options = options
-        self.shardings = shardings  # jaxserve.sharding.StepShardings or None
+        self.shardings = shardings  # jaxserve.sharding.Shardings or None
         self.num_replicas = cache.num_replicas
         self._executables: dict[tuple[int, int, int], Any] = {}
         self.unplanned_compiles = 0  # shapes that were not in the warmed table
@@ -106,7 +110,8 @@ class ModelRunner:
         if executable is None:
             batch, sampling = self._abstract_inputs(shape)
             lowered = _generate_step_jit.trace(
-                self.params, self.cache, batch, sampling, cfg=self.cfg, options=self.options
+                self.params, self.cache, batch, sampling, cfg=self.cfg, options=self.options,
+                cache_sharding=self.shardings.cache if self.shardings is not None else None,
             ).lower()
             executable = self._executables[shape] = lowered.compile()
         return executable
@@ -161,6 +166,14 @@ class ModelRunner:
             seed=sampling[..., 3].astype(np.uint32),
             step=sampling[..., 4].astype(np.int32),
         )
+        if self.shardings is not None:
+            batch = StepBatch(
+                tokens=jax.device_put(tokens, self.shardings.batch3),
+                start_pos=jax.device_put(start, self.shardings.batch2),
+                num_new=jax.device_put(num_new, self.shardings.batch2),
+                page_table=jax.device_put(table, self.shardings.batch3),
+            )
+            st = jax.device_put(st, self.shardings.batch2)
         out, self.cache = executable(self.params, self.cache, batch, st)
         out = np.asarray(out)
         result = np.empty(len(rows), np.int32)
