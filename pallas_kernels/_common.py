@@ -1,0 +1,75 @@
+"""Helpers shared by every kernel family: backend choice, interpret plumbing, small integer math."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+
+BACKENDS = ("tpu", "gpu")
+
+# A finite "minus infinity": masked logits use it so that `m_new - m_old` never
+# becomes `-inf - -inf = NaN` in the online softmax.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    return cdiv(a, b) * b
+
+
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def is_pow2(x: int) -> bool:
+    return x >= 1 and (x & (x - 1)) == 0
+
+
+def resolve_backend(backend: str | None, interpret: bool, *, fn_name: str) -> str:
+    """Returns "tpu" or "gpu"; picks from the default JAX backend when `backend` is None."""
+    if backend is None:
+        platform = jax.default_backend()
+        if platform == "tpu":
+            return "tpu"
+        if platform in ("gpu", "cuda", "rocm"):
+            return "gpu"
+        raise ValueError(
+            f"{fn_name}: no Pallas backend for the default JAX platform {platform!r}. "
+            f"Pass backend='tpu' or backend='gpu' together with interpret=True to run the "
+            f"kernel in the Pallas interpreter on this machine, or call "
+            f"pallas_kernels.reference_{fn_name} for the plain-JAX version."
+        )
+    if backend not in BACKENDS:
+        raise ValueError(f"{fn_name}: backend must be one of {BACKENDS} or None, got {backend!r}.")
+    return backend
+
+
+def tpu_interpret_arg(interpret: bool):
+    """The `interpret=` value for a Mosaic TPU pallas_call.
+
+    TPU kernels use DMAs, semaphores and scratch memory that the generic HLO
+    interpreter cannot model, so interpret mode needs the TPU simulator
+    (`InterpretParams`; uninitialized VMEM reads NaN there, which catches reads of
+    buffers the kernel never filled).
+    """
+    return pltpu.InterpretParams() if interpret else False
+
+
+def tpu_sublane_tile(dtype) -> int:
+    """Rows of one native TPU (sublane x 128 lane) tile: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit."""
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
+def check_int32(name: str, x, fn_name: str) -> None:  # x: any-shape array
+    if jnp.dtype(x.dtype) != jnp.int32:
+        raise ValueError(f"{fn_name}: {name} must be int32, got {x.dtype}.")
+
+
+def check_float_dtype(name: str, x, fn_name: str) -> None:  # x: any-shape array
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"{fn_name}: {name} must be float32, bfloat16 or float16, got {x.dtype}.")

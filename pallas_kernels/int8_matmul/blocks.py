@@ -1,0 +1,43 @@
+"""Block-size table of the int8 matmul kernels (initial guesses, to be tuned on hardware)."""
+
+# The values are INITIAL GUESSES, not measurements: they follow the usual shape
+# of such tables (small-m decode rows vs large-m prefill tiles, lane-dense n) and
+# must be replaced by numbers tuned on real TPUs/GPUs.
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels._common import next_pow2, round_up
+
+# backend -> [(max_m, block_m, block_n, block_k)], first row with m <= max_m wins.
+# Large-k / large-n weights stream through; m is the batch of tokens.
+TABLE = {
+    "tpu": [
+        (16, 16, 512, 1024),  # decode: few rows, wide weight tiles to keep DMAs long
+        (128, 128, 512, 512),
+        (None, 256, 512, 512),  # prefill
+    ],
+    "gpu": [
+        (16, 16, 128, 128),  # decode: tl.dot minimum m
+        (64, 64, 128, 64),
+        (None, 128, 128, 64),  # prefill
+    ],
+}
+
+
+def pick_blocks(backend: str, m: int, k: int, n: int, x_dtype, block_m=None, block_n=None, block_k=None):
+    """(block_m, block_n, block_k) from the table, shrunk to the problem, user overrides kept."""
+    for max_m, bm, bn, bk in TABLE[backend]:
+        if max_m is None or m <= max_m:
+            break
+    if backend == "tpu":
+        sub = 8 * (4 // jnp.dtype(x_dtype).itemsize)  # sublane tile of x
+        bm = min(bm, round_up(m, sub))
+        bn = min(bn, round_up(n, 128))
+        bk = min(bk, round_up(k, 128))
+    else:
+        bm = min(bm, max(16, next_pow2(m)))
+        bn = min(bn, max(16, next_pow2(n)))
+        bk = min(bk, max(16, next_pow2(k)))
+    return block_m or bm, block_n or bn, block_k or bk

@@ -1,0 +1,156 @@
+"""Ragged paged attention for GPUs through the Pallas Triton lowering (one program = query block x KV head)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import MASK_VALUE, cdiv, next_pow2, round_up
+from pallas_kernels.ragged_paged_attention import plan as plan_lib
+from pallas_kernels.ragged_paged_attention.validation import RaggedDims
+
+# Initial guesses, untuned: <= 128 query rows and 64 key tokens per step keep
+# the logits tile and the gathered K/V tile in registers.
+_MAX_ROWS = 128
+_TARGET_BLOCK_TOKENS = 64
+
+
+def default_queries_per_block(num_tokens: int, max_seqs: int, group_padded: int) -> int:
+    avg = cdiv(num_tokens, max(1, max_seqs))
+    bq = max(1, cdiv(16, group_padded))  # tl.dot needs M >= 16
+    while bq < min(avg, 64) and 2 * bq * group_padded <= _MAX_ROWS:
+        bq *= 2
+    return bq
+
+
+def default_pages_per_block(page_size: int) -> int:
+    return next_pow2(max(1, _TARGET_BLOCK_TOKENS // page_size, cdiv(16, page_size)))
+
+
+def _ragged_kernel(
+    seq_ref,  # i32[] sequence of this work item
+    qlen_ref,  # i32[] query rows of this item (0 = idle)
+    pos_ref,  # i32[] cache position of the item's first query token
+    pt_ref,  # i32[max_seqs, max_pages_padded] whole page table
+    q_ref,  # [bq * gp, head_dim] rows token-major
+    k_ref,  # [num_pages, page_size, head_dim] this KV head's pages
+    v_ref,  # [num_pages, page_size, head_dim]
+    o_ref,  # [bq * gp, head_dim]
+    *,
+    sm_scale: float,
+    ppcb: int,
+    group: int,
+    window: int | None,
+):
+    rows, head_dim = q_ref.shape
+    page_size = k_ref.shape[1]
+    bk = ppcb * page_size
+    seq = seq_ref[...]
+    q_len = qlen_ref[...]
+    p0 = pos_ref[...]
+    hi = p0 + q_len
+    lo = jnp.maximum(p0 - window + 1, 0) if window is not None else jnp.int32(0)
+    blk_lo = lo // bk
+    blk_hi = jnp.where(q_len > 0, pl.cdiv(hi, bk), blk_lo)
+    page_lo = lo // page_size
+    page_hi = pl.cdiv(hi, page_size)
+    q = q_ref[...]
+    compute_dtype = q.dtype
+    r = lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
+    col = lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
+
+    def body(blk, carry):
+        acc, m, l = carry
+        page_idx = blk * ppcb + lax.broadcasted_iota(jnp.int32, (ppcb,), 0)
+        ids = pt_ref[seq, pl.ds(blk * ppcb, ppcb)]
+        # Never follow table entries outside the visible pages (may be garbage).
+        ids = jnp.where(jnp.logical_and(page_idx >= page_lo, page_idx < page_hi), ids, 0)
+        k = k_ref[ids].reshape(bk, head_dim)
+        v = v_ref[ids].reshape(bk, head_dim)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * sm_scale
+        # Row r is query token r // group; (key - p0) * group <= r <=> causal.
+        rel = blk * bk + col - p0
+        allowed = jnp.logical_and(rel * group <= r, r < q_len * group)
+        if window is not None:
+            allowed = jnp.logical_and(allowed, r < (rel + window) * group)
+        s = jnp.where(allowed, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(allowed, jnp.exp(s - m_new[:, None]), 0.0)
+        l_new = alpha * l + jnp.sum(p, axis=1)
+        kpos = blk * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+        v_ok = jnp.logical_and(kpos >= lo, kpos < hi)
+        v = jnp.where(v_ok[:, None], v, jnp.zeros_like(v))  # 0 * NaN guard
+        pv = jnp.dot(p.astype(compute_dtype), v, preferred_element_type=jnp.float32)
+        return acc * alpha[:, None] + pv, m_new, l_new
+
+    acc0 = jnp.zeros((rows, head_dim), jnp.float32)
+    m0 = jnp.full((rows,), MASK_VALUE, jnp.float32)
+    l0 = jnp.zeros((rows,), jnp.float32)
+    acc, m, l = lax.fori_loop(blk_lo, blk_hi, body, (acc0, m0, l0))
+    o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+
+
+def ragged_paged_attention_gpu(
+    q,  # [num_tokens, num_q_heads, head_dim]
+    k_pages,  # [num_kv_heads, num_pages, page_size, head_dim]
+    v_pages,  # [num_kv_heads, num_pages, page_size, head_dim]
+    page_table,  # i32[max_seqs, max_pages]
+    context_lens,  # i32[max_seqs]
+    query_start_loc,  # i32[max_seqs + 1]
+    num_seqs,  # i32[] or i32[1]
+    *,
+    dims: RaggedDims,
+    queries_per_block: int | None,
+    pages_per_compute_block: int | None,
+    interpret: bool,
+):
+    d = dims
+    gp = next_pow2(d.group)  # Triton tensors are power-of-two sized
+    bq = queries_per_block or default_queries_per_block(d.num_tokens, d.max_seqs, gp)
+    rows = bq * gp
+    if rows < 16:
+        raise ValueError(
+            f"ragged_paged_attention: the GPU kernel needs queries_per_block * next_pow2(group) >= 16 "
+            f"(tl.dot minimum), got {bq} * {gp}."
+        )
+    ppcb = pages_per_compute_block or default_pages_per_block(d.page_size)
+    if ppcb * d.page_size < 16:
+        raise ValueError(
+            f"ragged_paged_attention: the GPU kernel needs pages_per_compute_block * page_size >= 16, "
+            f"got {ppcb} * {d.page_size}."
+        )
+    context_lens = jnp.clip(context_lens, 0, d.max_pages * d.page_size)
+    plan = plan_lib.make_plan(
+        context_lens, query_start_loc, num_seqs, num_tokens=d.num_tokens, max_seqs=d.max_seqs, bq=bq
+    )
+    qw = plan_lib.arrange_queries(plan_lib.gather_queries(q, plan), d.num_kv_heads, d.group, gp)
+    # Whole blocks of table columns are loaded; pad so the last one stays in bounds.
+    pt = jnp.pad(page_table, ((0, 0), (0, round_up(d.max_pages, ppcb) - d.max_pages)))
+
+    item_spec = pl.BlockSpec((None,), lambda w, h: (w,))
+    row_spec = pl.BlockSpec((None, None, rows, d.head_dim), lambda w, h: (w, h, 0, 0))
+    page_spec = pl.BlockSpec((None, d.num_pages, d.page_size, d.head_dim), lambda w, h: (h, 0, 0, 0))
+    ow = pl.pallas_call(
+        functools.partial(_ragged_kernel, sm_scale=d.sm_scale, ppcb=ppcb, group=gp, window=d.sliding_window),
+        grid=(plan.num_items, d.num_kv_heads),
+        in_specs=[
+            item_spec, item_spec, item_spec,
+            pl.BlockSpec(pt.shape, lambda w, h: (0, 0)),
+            row_spec, page_spec, page_spec,
+        ],
+        out_specs=row_spec,
+        out_shape=jax.ShapeDtypeStruct(qw.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+    )(plan.seq, plan.q_len, plan.first_pos, pt, qw, k_pages, v_pages)
+    return plan_lib.scatter_outputs(
+        ow, plan, query_start_loc, num_seqs, num_tokens=d.num_tokens, max_seqs=d.max_seqs,
+        num_kv_heads=d.num_kv_heads, group=d.group, group_padded=gp, dtype=q.dtype,
+    )
