@@ -205,6 +205,12 @@ class EngineConfig(Settings):
     scan_layers: bool | None = setting(None, "lax.scan over layers (true) or unrolled (false); default per backend",
                                        optional(parse_bool))
     attention_backend: str = setting("auto", "auto | reference | pallas", choice("auto", "reference", "pallas"))
+    enable_prefix_caching: bool = setting(True, "reuse the KV pages of shared prompt prefixes", parse_bool)
+    scheduling: str = setting("continuous", "continuous (iteration-level) or static batching (the baseline)",
+                              choice("continuous", "static"))
+    preemption_mode: str = setting(
+        "recompute", "recompute: admit greedily, preempt and recompute when pages run out; "
+        "reserve: admit only when pages for prompt + max_tokens are free", choice("recompute", "reserve"))
     compilation_cache_dir: str | None = setting(
         None, "persistent XLA compilation cache; default ~/.cache/jaxserve/xla, 'none' disables it", optional(parse_str)
     )

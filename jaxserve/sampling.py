@@ -1,52 +1,232 @@
-"""On-device batched sampling: every row has its own temperature, top-k, top-p and PRNG stream.
-
-Parameters are arrays, not Python values, so one compiled step serves any mix of requests. Random
-numbers are keyed by (request seed, output index): a request's tokens do not depend on what else is
-in the batch.
-"""
+"""On-device batched sampling, per-row parameters as arrays: penalties, temperature, top-k/p, min-p, logprobs."""
 
 from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+# Temperatures below this are greedy (vLLM's threshold): dividing by a smaller one overflows the logits.
+SAMPLING_EPS = 1e-5
+# The static top-N the engine compiles for when any row asks for top logprobs (OpenAI's maximum is 20).
+MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """Host-side parameters of one row; defaults are neutral, so a padding row is greedy and unpenalised."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 (or -1) = no limit
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt and output tokens
+    presence_penalty: float = 0.0  # over output tokens only
+    frequency_penalty: float = 0.0  # over output tokens only
+    seed: int = 0
+    step: int = 0  # index of the token being sampled within its request's output
+    prompt_ids: Sequence[int] = ()  # only read when a penalty is set
+    output_ids: Sequence[int] = ()  # tokens generated before this step; only read when a penalty is set
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @classmethod
+    def from_params(cls, params: Any, *, seed: int, step: int, prompt_ids: Sequence[int] = (),
+                    output_ids: Sequence[int] = ()) -> RowSampling:
+        """From a SamplingParams; fields it does not have yet take their neutral value."""
+        return cls(
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=getattr(params, "min_p", 0.0),
+            repetition_penalty=getattr(params, "repetition_penalty", 1.0),
+            presence_penalty=getattr(params, "presence_penalty", 0.0),
+            frequency_penalty=getattr(params, "frequency_penalty", 0.0),
+            seed=seed,
+            step=step,
+            prompt_ids=prompt_ids,
+            output_ids=output_ids,
+        )
 
 
 @flax.struct.dataclass
 class SamplingTensors:
-    """Per-row sampling parameters (padding rows: temperature 0)."""
+    """Per-row sampling parameters as arrays, so one compiled step serves any mix of requests.
 
-    temperature: jax.Array  # f32[B]  0 = greedy
+    B may be any batch shape (e.g. [R, B] in the runner); `sample` flattens it.
+    """
+
+    temperature: jax.Array  # f32[B]  < SAMPLING_EPS = greedy
     top_k: jax.Array  # i32[B]  0 = no limit
     top_p: jax.Array  # f32[B]  1 = no limit
+    min_p: jax.Array  # f32[B]  0 = no limit
+    repetition_penalty: jax.Array  # f32[B]  1 = off
+    presence_penalty: jax.Array  # f32[B]  0 = off
+    frequency_penalty: jax.Array  # f32[B]  0 = off
     seed: jax.Array  # u32[B]
-    step: jax.Array  # i32[B]  index of the token being sampled within its request's output
+    step: jax.Array  # i32[B]  output index: the PRNG stream is keyed by (seed, step) only
+    history: jax.Array  # i32[B, Lh]  prompt ids then output ids, -1 padding; all -1 for unpenalised rows
+    prompt_len: jax.Array  # i32[B]  how many leading history entries are prompt (not output) tokens
+
+    @classmethod
+    def pack(cls, rows: Sequence[RowSampling | None], batch: int | tuple[int, ...],
+             history_len: int = 1) -> SamplingTensors:
+        """NumPy tensors for `rows` laid out row-major over `batch`; missing or None rows are padding.
+
+        `history_len` (Lh) is part of the compiled shape, so it should come from a fixed bucket. The
+        history of rows without penalties is left empty: nothing reads it.
+        """
+        shape = (batch,) if isinstance(batch, int) else tuple(batch)
+        n = math.prod(shape)
+        if len(rows) > n:
+            raise ValueError(f"{len(rows)} rows do not fit a batch of {shape}")
+        st = {
+            "temperature": np.zeros(n, np.float32),
+            "top_k": np.zeros(n, np.int32),
+            "top_p": np.ones(n, np.float32),
+            "min_p": np.zeros(n, np.float32),
+            "repetition_penalty": np.ones(n, np.float32),
+            "presence_penalty": np.zeros(n, np.float32),
+            "frequency_penalty": np.zeros(n, np.float32),
+            "seed": np.zeros(n, np.uint32),
+            "step": np.zeros(n, np.int32),
+            "history": np.full((n, history_len), -1, np.int32),
+            "prompt_len": np.zeros(n, np.int32),
+        }
+        for i, row in enumerate(rows):
+            if row is None:
+                continue
+            for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                         "frequency_penalty", "seed", "step"):
+                st[name][i] = getattr(row, name)
+            st["top_k"][i] = max(row.top_k, 0)  # -1 means no limit too
+            if row.uses_penalties:
+                length = len(row.prompt_ids) + len(row.output_ids)
+                if length > history_len:
+                    raise ValueError(f"row {i}: {length} history tokens exceed history_len={history_len}")
+                st["history"][i, : len(row.prompt_ids)] = row.prompt_ids
+                st["history"][i, len(row.prompt_ids) : length] = row.output_ids
+                st["prompt_len"][i] = len(row.prompt_ids)
+        return cls(**{k: v.reshape(shape + v.shape[1:]) for k, v in st.items()})
+
+    @classmethod
+    def spec(cls, batch: tuple[int, ...], history_len: int, row_sharding=None,
+             history_sharding=None) -> SamplingTensors:
+        """ShapeDtypeStructs of packed tensors, for ahead-of-time lowering."""
+        def s(dtype, extra=(), sharding=row_sharding):
+            return jax.ShapeDtypeStruct(tuple(batch) + extra, dtype, sharding=sharding)
+        f32, i32 = jnp.float32, jnp.int32
+        return cls(
+            temperature=s(f32), top_k=s(i32), top_p=s(f32), min_p=s(f32), repetition_penalty=s(f32),
+            presence_penalty=s(f32), frequency_penalty=s(f32), seed=s(jnp.uint32), step=s(i32),
+            history=s(i32, (history_len,), history_sharding), prompt_len=s(i32),
+        )
 
 
-def _filtered_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
-    """Temperature-scaled logits with everything outside top-k / top-p set to -inf."""
-    scaled = logits / jnp.maximum(st.temperature, 1e-6)[:, None]
+@flax.struct.dataclass
+class SampleOutput:
+    tokens: jax.Array  # i32[B]
+    logprobs: jax.Array  # f32[B]  log_softmax(raw logits) at the chosen token
+    top_ids: jax.Array  # i32[B, N]  N = want_logprobs; the N most likely tokens of the raw distribution
+    top_logprobs: jax.Array  # f32[B, N]  their logprobs, descending
+
+
+def apply_penalties(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """Repetition (prompt + output tokens, HF/vLLM) then frequency and presence (output only, OpenAI)."""
+    B, V = logits.shape
+    Lh = st.history.shape[-1]
+    valid = st.history >= 0
+    # -1 padding becomes V, which mode="drop" discards (a negative index would wrap to the last token).
+    ids = jnp.where(valid, st.history, V)
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, Lh))
+    is_output = valid & (jnp.arange(Lh)[None, :] >= st.prompt_len[:, None])
+    seen = jnp.zeros((B, V), jnp.bool_).at[rows, ids].set(True, mode="drop")
+    counts = jnp.zeros((B, V), jnp.int32).at[rows, ids].add(is_output.astype(jnp.int32), mode="drop")
+    rep = st.repetition_penalty[:, None]
+    # Dividing a positive logit and multiplying a negative one both make the token less likely.
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - st.frequency_penalty[:, None] * counts.astype(logits.dtype)
+    return logits - st.presence_penalty[:, None] * (counts > 0).astype(logits.dtype)
+
+
+def _topk_topp_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """f32[B, 1]: the smallest scaled logit kept by top-k then top-p (on the renormalised top-k mass).
+
+    Keeping everything >= a value keeps ties at the boundary, as vLLM's top-k does.
+    """
+    V = scaled.shape[-1]
     sorted_desc = -jnp.sort(-scaled, axis=-1)  # f32[B, V]
-    vocab = logits.shape[-1]
-    k = jnp.where(st.top_k > 0, jnp.minimum(st.top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)  # f32[B, 1]
-    # top-p: keep the smallest prefix of sorted tokens whose mass reaches p (the first always kept).
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = mass_before < st.top_p[:, None]
-    num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
-    pth = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
-    threshold = jnp.maximum(kth, pth)
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    in_k = jnp.arange(V)[None, :] < k[:, None]
+    probs = jax.nn.softmax(jnp.where(in_k, sorted_desc, -jnp.inf), axis=-1)
+    # Mass of this token and every less likely one, summed from the tail (vLLM's ascending cumsum):
+    # with top_p = 1 rounding can then never drop a token of nonzero probability.
+    tail = jnp.flip(jnp.cumsum(jnp.flip(probs, -1), axis=-1), -1)
+    keep = in_k & ((tail > 1 - top_p[:, None]) | (top_p[:, None] >= 1))
+    num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)  # the kept set is a prefix; the top token always stays
+    return jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
 
 
-def sample(logits: jax.Array, st: SamplingTensors) -> jax.Array:
-    """Tokens i32[B] from logits f32[B, V]. The sort is skipped when every row is greedy."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def _draw(logits: jax.Array, st: SamplingTensors, sampled: jax.Array) -> jax.Array:
+    """i32[B]: temperature, then top-k/top-p/min-p filtering, then a draw keyed by (seed, step)."""
+    scaled = logits / jnp.where(sampled, st.temperature, 1.0)[:, None]
+    V = logits.shape[-1]
+    # The sort is the only expensive part; skip it when no sampled row limits top-k or top-p.
+    needs_sort = jnp.any(sampled & (((st.top_k > 0) & (st.top_k < V)) | (st.top_p < 1)))
+    threshold = jax.lax.cond(
+        needs_sort,
+        lambda: _topk_topp_threshold(scaled, st.top_k, st.top_p),
+        lambda: jnp.full((logits.shape[0], 1), -jnp.inf, scaled.dtype),
+    )
+    # min-p needs no sort: p / p_max = exp(l - l_max), and keeping p >= min_p * p_max is a logit bound.
+    min_p_bound = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(st.min_p)[:, None]
+    filtered = jnp.where((scaled >= threshold) & (scaled >= min_p_bound), scaled, -jnp.inf)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(st.seed, st.step)
+    return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
 
-    def draw(_):
-        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(st.seed, st.step)
-        drawn = jax.vmap(jax.random.categorical)(keys, _filtered_logits(logits, st)).astype(jnp.int32)
-        return jnp.where(st.temperature > 0, drawn, greedy)
 
-    return jax.lax.cond(jnp.any(st.temperature > 0), draw, lambda _: greedy, None)
+def sample(logits: jax.Array, st: SamplingTensors, *, want_logprobs: int = 0) -> SampleOutput:
+    """Sample one token per row of logits f32[*B, V]; `want_logprobs` (static) is the top-N to return.
+
+    Order as vLLM: penalties -> temperature -> top-k/top-p/min-p -> sample (greedy rows take the
+    argmax of the penalised logits). Logprobs are of the raw model distribution, log_softmax(logits),
+    before penalties and temperature: vLLM's default (logprobs_mode="raw_logprobs").
+    """
+    batch, V = logits.shape[:-1], logits.shape[-1]
+    raw = logits.reshape(-1, V).astype(jnp.float32)
+    st = jax.tree.map(lambda x: x.reshape((raw.shape[0],) + x.shape[len(batch):]), st)
+
+    penalised = jnp.any((st.repetition_penalty != 1) | (st.presence_penalty != 0) | (st.frequency_penalty != 0))
+    # A cond, not a select: with no penalised row the scatters over [B, V] never run.
+    processed = jax.lax.cond(penalised, lambda: apply_penalties(raw, st), lambda: raw)
+
+    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    sampled = st.temperature >= SAMPLING_EPS
+    tokens = jax.lax.cond(
+        jnp.any(sampled),
+        lambda: jnp.where(sampled, _draw(processed, st, sampled), greedy),
+        lambda: greedy,
+    )
+
+    # Only the logsumexp is needed for the chosen token; the full log_softmax only for top-N.
+    lse = jax.nn.logsumexp(raw, axis=-1)
+    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - lse
+    if want_logprobs:
+        top_vals, top_ids = jax.lax.top_k(raw, want_logprobs)
+        top_logprobs = top_vals - lse[:, None]
+    else:
+        top_ids = jnp.zeros((raw.shape[0], 0), jnp.int32)
+        top_logprobs = jnp.zeros((raw.shape[0], 0), jnp.float32)
+    return SampleOutput(
+        tokens=tokens.reshape(batch),
+        logprobs=chosen.reshape(batch),
+        top_ids=top_ids.astype(jnp.int32).reshape(batch + (-1,)),
+        top_logprobs=top_logprobs.reshape(batch + (-1,)),
+    )

@@ -19,6 +19,16 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    n: int = 1
+    stop: Sequence[str] = ()  # strings; the returned text is cut before the first match
+    min_tokens: int = 0  # EOS and stop conditions are ignored before this many tokens
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt and output tokens (HF/vLLM semantics)
+    presence_penalty: float = 0.0  # over output tokens (OpenAI semantics)
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # top-N logprobs per output token (0: only the chosen token's)
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -34,6 +44,26 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed < 2**32:
             raise RequestError(f"seed must be in [0, 2**32), got {self.seed!r}")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise RequestError(f"n must be an integer >= 1, got {self.n!r}")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError("stop must be a list of non-empty strings")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise RequestError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not self.repetition_penalty > 0:
+            raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20):
+            raise RequestError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.min_tokens > self.max_tokens:
+            raise RequestError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
 
     @property
     def greedy(self) -> bool:
@@ -46,6 +76,9 @@ class CompletionOutput:
     token_ids: list[int]
     text: str
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    # Per output token, {token id: logprob} for the chosen token and the top-N (when logprobs was asked).
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclasses.dataclass

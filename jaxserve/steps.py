@@ -11,6 +11,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, StepBatch
@@ -28,10 +29,40 @@ class StepOptions:
     attention_backend: str = "reference"
 
 
-def attention_impl(backend: str):
-    if backend == "reference":
+# Resolved attention implementations (the engine turns the user's "auto" | "reference" | "pallas" into one).
+ATTENTION_IMPLS = ("reference", "pallas_tpu", "pallas_gpu", "pallas_interpret")
+
+
+def attention_impl(impl: str):
+    if impl == "reference":
         return paged_attention_reference
-    raise ValueError(f"attention_backend {backend!r} is not available in this build")
+    if impl in ("pallas_tpu", "pallas_gpu", "pallas_interpret"):
+        # Interpret mode runs the GPU-style kernels on the CPU (slow; for testing).
+        backend = "tpu" if impl == "pallas_tpu" else "gpu"
+        return functools.partial(pallas_attention, backend=backend, interpret=impl == "pallas_interpret")
+    raise ValueError(f"unknown attention implementation {impl!r}; expected one of {ATTENTION_IMPLS}")
+
+
+def pallas_attention(q, k_pages, v_pages, page_table, positions, seq_lens, sliding_window=None, *,
+                     backend: str, interpret: bool):
+    """The model's attention call on the Pallas kernels: the decode kernel for one token per row,
+    the ragged kernel otherwise (valid tokens packed to the front, outputs scattered back)."""
+    from pallas_kernels import paged_attention, ragged_paged_attention
+
+    B, T, N, H = q.shape
+    if T == 1 and sliding_window is None:
+        out = paged_attention(q[:, 0], k_pages, v_pages, seq_lens, page_table, backend=backend, interpret=interpret)
+        return out[:, None]
+    num_new = seq_lens - positions[:, 0]  # i32[B]
+    valid = (jnp.arange(T, dtype=jnp.int32)[None, :] < num_new[:, None]).reshape(B * T)
+    order = jnp.argsort(~valid, stable=True)  # valid tokens first, in row order
+    query_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(num_new, dtype=jnp.int32)])
+    flat = ragged_paged_attention(
+        q.reshape(B * T, N, H)[order], k_pages, v_pages, page_table, seq_lens, query_start, B,
+        sliding_window=sliding_window, backend=backend, interpret=interpret,
+    )
+    out = jnp.zeros_like(flat).at[order].set(flat)
+    return out.reshape(B, T, N, H)
 
 
 def model_step(

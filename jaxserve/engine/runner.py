@@ -17,9 +17,9 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine.compile import BucketTable, CompileCounter, pick_bucket
-from jaxserve.kv_cache import KVCache, StepBatch
+from jaxserve.kv_cache import KVCache, StepBatch, copy_pages_jit
 from jaxserve.model.weights import Params
-from jaxserve.sampling import SamplingTensors, sample
+from jaxserve.sampling import MAX_LOGPROBS, RowSampling, SampleOutput, SamplingTensors, sample
 from jaxserve.steps import StepOptions, model_step
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class RowWork:
     tokens: Sequence[int]
     start_pos: int
     page_ids: Sequence[int]
-    sampling: tuple[float, int, float, int, int] = (0.0, 0, 1.0, 0, 0)  # temperature, top_k, top_p, seed, step
+    sampling: RowSampling | None = None  # None: greedy
     replica: int = 0
 
 
@@ -42,10 +42,9 @@ def _generate_step(params, cache, batch, sampling, cfg, options, cache_sharding=
     logits, cache = model_step(params, cache, batch, cfg, options)  # f32[R, B, V]
     if cache_sharding is not None:  # keep the donated cache's layout stable from step to step
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
-    R, B, V = logits.shape
-    flat = jax.tree.map(lambda x: jnp.broadcast_to(x, (R, B)).reshape(R * B), sampling)
-    tokens = sample(logits.reshape(R * B, V), flat).reshape(R, B)
-    return tokens, cache
+    # Top logprobs are always computed: one top-k over the vocabulary is cheap beside the step, and a
+    # second compiled variant per bucket would double start-up time.
+    return sample(logits, sampling, want_logprobs=MAX_LOGPROBS), cache
 
 
 _generate_step_jit = jax.jit(
@@ -74,6 +73,9 @@ class ModelRunner:
         self.num_replicas = cache.num_replicas
         self._executables: dict[tuple[int, int, int], Any] = {}
         self.unplanned_compiles = 0  # shapes that were not in the warmed table
+        # Token history for repetition/presence/frequency penalties, padded to one fixed length so
+        # penalties never recompile (B x history_len int32s per step: small beside the weights).
+        self.history_len = buckets.page_counts[-1] * cache.page_size
         CompileCounter.install()
 
     # ---- compilation ---------------------------------------------------------------------------
@@ -96,13 +98,7 @@ class ModelRunner:
             num_new=spec((R, B), jnp.int32, sh and sh.batch2),
             page_table=spec((R, B, P), jnp.int32, sh and sh.batch3),
         )
-        sampling = SamplingTensors(
-            temperature=spec((R, B), jnp.float32, sh and sh.batch2),
-            top_k=spec((R, B), jnp.int32, sh and sh.batch2),
-            top_p=spec((R, B), jnp.float32, sh and sh.batch2),
-            seed=spec((R, B), jnp.uint32, sh and sh.batch2),
-            step=spec((R, B), jnp.int32, sh and sh.batch2),
-        )
+        sampling = SamplingTensors.spec((R, B), self.history_len, sh and sh.batch2, sh and sh.batch3)
         return batch, sampling
 
     def compile(self, shape: tuple[int, int, int]):
@@ -130,9 +126,21 @@ class ModelRunner:
             logger.info("bucket batch=%d tokens=%d pages=%d compiled in %.2fs", B, T, P, seconds)
         return timings
 
+    def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy pages src[i] -> dst[i] of one replica (forked sequences), padded to a fixed width so
+        every fork reuses one compilation; padding copies the padding page onto itself."""
+        width = self.buckets.batch_sizes[-1]
+        for start in range(0, len(src), width):
+            s = np.full(width, PADDING_PAGE, np.int32)
+            d = np.full(width, PADDING_PAGE, np.int32)
+            chunk = slice(start, start + width)
+            s[: len(src[chunk])], d[: len(dst[chunk])] = src[chunk], dst[chunk]
+            self.cache = copy_pages_jit(self.cache, s, d, replica=replica)
+
     # ---- execution -----------------------------------------------------------------------------
-    def execute(self, rows: Sequence[RowWork]) -> np.ndarray:
-        """Run one step for `rows` (any mix of replicas); returns the sampled token of each row."""
+    def execute(self, rows: Sequence[RowWork]) -> SampleOutput:
+        """Run one step for `rows` (any mix of replicas); returns each row's sample, in row order
+        (tokens i32[n], logprobs f32[n], top_ids i32[n, MAX_LOGPROBS], top_logprobs f32[n, MAX_LOGPROBS])."""
         R = self.num_replicas
         per_replica = [[i for i, r in enumerate(rows) if r.replica == rep] for rep in range(R)]
         B = pick_bucket(max(len(p) for p in per_replica), self.buckets.batch_sizes)
@@ -143,8 +151,7 @@ class ModelRunner:
         start = np.zeros((R, B), np.int32)
         num_new = np.zeros((R, B), np.int32)
         table = np.full((R, B, P), PADDING_PAGE, np.int32)
-        sampling = np.zeros((R, B, 5), np.float64)
-        sampling[..., 2] = 1.0
+        flat_sampling: list[RowSampling | None] = [None] * (R * B)
         for rep, indices in enumerate(per_replica):
             for b, i in enumerate(indices):
                 row = rows[i]
@@ -152,31 +159,27 @@ class ModelRunner:
                 start[rep, b] = row.start_pos
                 num_new[rep, b] = len(row.tokens)
                 table[rep, b, : len(row.page_ids)] = row.page_ids
-                sampling[rep, b] = row.sampling
+                flat_sampling[rep * B + b] = row.sampling
         shape = (B, T, P)
         if shape not in self._executables:
             self.unplanned_compiles += 1
             logger.warning("compiling unplanned step shape batch=%d tokens=%d pages=%d", *shape)
         executable = self.compile(shape)
         batch = StepBatch(tokens=tokens, start_pos=start, num_new=num_new, page_table=table)
-        st = SamplingTensors(
-            temperature=sampling[..., 0].astype(np.float32),
-            top_k=sampling[..., 1].astype(np.int32),
-            top_p=sampling[..., 2].astype(np.float32),
-            seed=sampling[..., 3].astype(np.uint32),
-            step=sampling[..., 4].astype(np.int32),
-        )
-        if self.shardings is not None:
-            batch = StepBatch(
-                tokens=jax.device_put(tokens, self.shardings.batch3),
-                start_pos=jax.device_put(start, self.shardings.batch2),
-                num_new=jax.device_put(num_new, self.shardings.batch2),
-                page_table=jax.device_put(table, self.shardings.batch3),
-            )
-            st = jax.device_put(st, self.shardings.batch2)
+        st = SamplingTensors.pack(flat_sampling, (R, B), self.history_len)
+        # Explicit transfers only (the step loop runs under jax.transfer_guard("disallow") in tests):
+        # one host->device copy of the packed inputs, one device->host copy of the samples.
+        sh = self.shardings
+        if sh is not None:
+            batch, st = jax.device_put((batch, st), (
+                StepBatch(sh.batch3, sh.batch2, sh.batch2, sh.batch3),
+                jax.tree.map(lambda _: sh.batch2, st).replace(history=sh.batch3),
+            ))
+        else:
+            batch, st = jax.device_put((batch, st))
         out, self.cache = executable(self.params, self.cache, batch, st)
-        out = np.asarray(out)
-        result = np.empty(len(rows), np.int32)
+        out = jax.device_get(out)
+        where = np.empty(len(rows), np.int64)  # flat [R*B] index of each row
         for rep, indices in enumerate(per_replica):
-            result[indices] = out[rep, : len(indices)]
-        return result
+            where[indices] = rep * B + np.arange(len(indices))
+        return jax.tree.map(lambda x: x.reshape((R * B,) + x.shape[2:])[where], out)

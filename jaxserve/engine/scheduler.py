@@ -1,0 +1,236 @@
+"""Iteration-level scheduling (no jax): every step re-forms the batch from running and waiting sequences.
+
+A step is either a prefill step (prompt chunks within the `max_num_batched_tokens` budget) or a
+decode step (one token for every decoding sequence). When both kinds of work exist they alternate,
+so a long prompt, split into chunks, delays running decodes by at most one chunk per token.
+When pages run out mid-decode, the most recently admitted sequence is preempted: its pages are freed
+and it is re-queued at the front, to be recomputed (its output so far is kept).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Iterable
+
+from jaxserve.engine.block_manager import BlockManager
+from jaxserve.engine.compile import BucketTable, pick_bucket
+from jaxserve.engine.sequence import Sequence, Status
+
+
+@dataclasses.dataclass
+class ScheduledRow:
+    seq: Sequence
+    start: int  # first token computed this step (= seq.num_computed when scheduled)
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The row reaches the sequence's last token, so its logits give the next one."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    kind: str  # "prefill" | "decode" | "idle"
+    rows: list[ScheduledRow]
+    page_copies: list[tuple[int, int, int]]  # (replica, src, dst) to copy before the step (forks)
+    preempted: list[Sequence]
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; the block manager owns the pages."""
+
+    def __init__(
+        self,
+        blocks: BlockManager,
+        buckets: BucketTable,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        scheduling: str = "continuous",
+        preemption_mode: str = "recompute",
+    ):
+        self.blocks = blocks
+        self.buckets = buckets
+        self.max_num_seqs = max_num_seqs  # per replica
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.scheduling = scheduling
+        self.preemption_mode = preemption_mode
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # admission order: the last is preempted first
+        self.num_preemptions = 0
+        self._last_kind = "decode"
+        self._pending_siblings: dict[str, list[Sequence]] = {}  # parent seq_id -> siblings not yet forked
+        self._new: list[Sequence] = []  # admitted this step (a 1-token prompt has nothing to prefill yet)
+
+    # ---- queue management ----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a sequence at once: it leaves the batch and its pages return to the pool."""
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.finished_time = time.monotonic()
+        if seq in self.running:
+            self.running.remove(seq)
+            self.blocks.free(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def sequences_of(self, request_id: str) -> list[Sequence]:
+        return [s for s in (*self.running, *self.waiting) if s.request_id == request_id]
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        copies = self._fork_ready_parents()
+        prefilling = [s for s in self.running if s.compute_target - s.num_computed > 1]
+        decoding = [s for s in self.running if s.compute_target - s.num_computed == 1]
+        may_admit = bool(self.waiting) and not (self.scheduling == "static" and self.running)
+        want_prefill = bool(prefilling) or may_admit
+        if want_prefill and (not decoding or self._last_kind == "decode"):
+            rows = self._schedule_prefill(prefilling, may_admit)
+            if rows:
+                self._last_kind = "prefill"
+                return SchedulerOutput("prefill", rows, copies, [])
+        if decoding:
+            rows, preempted = self._schedule_decode(decoding)
+            self._last_kind = "decode"
+            return SchedulerOutput("decode", rows, copies, preempted)
+        return SchedulerOutput("idle", [], copies, [])
+
+    def _fork_ready_parents(self) -> list[tuple[int, int, int]]:
+        """A parent that computed all but its last prompt token forks its n - 1 siblings now."""
+        copies = []
+        for parent in [s for s in self.running if s.num_siblings_to_fork and s.num_pending == 1]:
+            siblings = parent.num_siblings_to_fork
+            parent.num_siblings_to_fork = 0
+            for child in self._pending_siblings.pop(parent.seq_id, [])[:siblings]:
+                pairs = self.blocks.fork(parent.seq_id, child.seq_id)
+                copies += [(parent.replica, src, dst) for src, dst in pairs]
+                child.num_computed = parent.num_computed
+                child.replica = parent.replica
+                child.status = Status.RUNNING
+                self.running.append(child)
+        return copies
+
+    def add_siblings(self, parent: Sequence, siblings: Iterable[Sequence]) -> None:
+        """Siblings of an n > 1 request wait for their parent's prompt and then share its pages."""
+        self._pending_siblings[parent.seq_id] = list(siblings)
+
+    def drop_siblings(self, parent: Sequence) -> list[Sequence]:
+        return self._pending_siblings.pop(parent.seq_id, [])
+
+    def _rows_fit(self, per_replica: list[int], longest: int) -> bool:
+        """Whether the prefill rows so far fit a compiled (batch, tokens) bucket."""
+        rows = max(per_replica)
+        if rows > self.buckets.batch_sizes[-1] or longest > self.buckets.chunk_sizes[-1]:
+            return False
+        batch = pick_bucket(rows, self.buckets.batch_sizes)
+        return batch * pick_bucket(longest, self.buckets.chunk_sizes) <= self.buckets.chunk_sizes[-1]
+
+    def _schedule_prefill(self, prefilling: list[Sequence], may_admit: bool) -> list[ScheduledRow]:
+        if may_admit:
+            self._admit_waiting(sum(s.compute_target - s.num_computed for s in prefilling))
+        budget = self.max_num_batched_tokens
+        rows: list[ScheduledRow] = []
+        per_replica = [0] * self.blocks.num_replicas
+        longest = 0
+        for seq in [s for s in self.running if s.compute_target - s.num_computed > 1 or s in self._new]:
+            chunk = min(seq.compute_target - seq.num_computed, budget, self.buckets.chunk_sizes[-1])
+            if chunk < 1:
+                continue
+            per_replica[seq.replica] += 1
+            if not self._rows_fit(per_replica, max(longest, chunk)):
+                break
+            rows.append(ScheduledRow(seq, seq.num_computed, chunk))
+            budget -= chunk
+            longest = max(longest, chunk)
+            if budget <= 0:
+                break
+        self._new = []
+        return rows
+
+    def _admit_waiting(self, pending_tokens: int) -> None:
+        """Admit from the head of the queue, first come first served (nobody overtakes the head).
+
+        Continuous: while the prompt work in flight is under one step's token budget, so admitted
+        sequences do not sit on pages for long before they run. Static: everything that fits, once.
+        """
+        static = self.scheduling == "static"
+        while self.waiting and (static or pending_tokens < self.max_num_batched_tokens):
+            seq = self.waiting[0]
+            if self._admit(seq) is None:
+                break
+            self.waiting.popleft()
+            self._new.append(seq)
+            pending_tokens += seq.compute_target - seq.num_computed
+
+    def _admit(self, seq: Sequence) -> int | None:
+        """Give the head of the queue pages on the best replica, or None if none can take it now."""
+        tokens = seq.tokens
+        width = 1 + seq.num_siblings_to_fork
+        counts = [0] * self.blocks.num_replicas
+        for s in self.running:
+            counts[s.replica] += 1
+        best, best_key = None, None
+        for r in range(self.blocks.num_replicas):
+            if counts[r] + width > self.max_num_seqs:
+                continue
+            if self.preemption_mode == "reserve":
+                need = width * self.blocks.pages_for(self._reserved_tokens(seq))
+                if self.blocks.num_free_pages(r) < need:
+                    continue
+            elif not self.blocks.can_admit(r, len(tokens), tokens):
+                continue
+            # Prefer the replica holding this prefix, then the emptiest (most free pages, fewest sequences).
+            key = (self.blocks.lookup_prefix(r, tokens), self.blocks.num_free_pages(r), -counts[r])
+            if best_key is None or key > best_key:
+                best, best_key = r, key
+        if best is None:
+            return None
+        seq.num_computed = self.blocks.admit(seq.seq_id, best, tokens)
+        if self.preemption_mode == "reserve":
+            self.blocks.ensure_capacity(seq.seq_id, self._reserved_tokens(seq))
+        seq.replica = best
+        seq.status = Status.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+        self.running.append(seq)
+        return best
+
+    def _reserved_tokens(self, seq: Sequence) -> int:
+        return min(len(seq.prompt_token_ids) + seq.params.max_tokens, self.max_model_len)
+
+    def _schedule_decode(self, decoding: list[Sequence]) -> tuple[list[ScheduledRow], list[Sequence]]:
+        rows, preempted = [], []
+        for seq in decoding:
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            while not self.blocks.ensure_capacity(seq.seq_id, seq.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                rows.append(ScheduledRow(seq, seq.num_computed, 1))
+        rows = [r for r in rows if r.seq.status is Status.RUNNING]
+        return rows, preempted
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free all of a sequence's pages and queue it first; it is recomputed from its tokens later."""
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.status = Status.WAITING
+        seq.num_computed = 0
+        seq.replica = None
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

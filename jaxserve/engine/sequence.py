@@ -1,0 +1,71 @@
+"""Host-side state of one generated sequence (no jax): its tokens, how many have KV in the cache, its fate."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # no pages; queued for admission (new, or preempted)
+    RUNNING = "running"  # holds pages; computes a prompt chunk or one decode token per step
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One sample of a request (a request with n > 1 has n sequences sharing the prompt's pages).
+
+    The sequence's work is always `tokens[num_computed:]`: a prompt chunk while prefilling (or
+    recomputing after preemption), a single token while decoding. The step that computes its last
+    pending token samples the next one.
+    """
+
+    seq_id: str
+    request_id: str
+    index: int  # which of the request's n samples
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # this sample's random stream: tokens depend on (seed, output index) only
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # leading tokens whose K/V are in the cache
+    status: Status = Status.WAITING
+    replica: int | None = None
+    finish_reason: str | None = None
+    num_siblings_to_fork: int = 0  # n - 1 for a request's first sequence, until it forks
+    detokenizer: Any = None  # IncrementalDetokenizer, when the engine has a tokenizer
+    text: str = ""
+    stop_text_len: int | None = None  # where a stop string cut the text
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)  # when params.logprobs is set
+    cumulative_logprob: float = 0.0
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def compute_target(self) -> int:
+        """How far computing may go this round: a parent about to fork stops before the last prompt
+        token, so each sibling samples its own first token from it."""
+        return self.num_tokens - 1 if self.num_siblings_to_fork else self.num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,176 @@
+"""The continuous-batching engine: batch invariance, preemption, prefix caching, aborts, host traffic."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.engine.engine import LLMEngine
+from jaxserve.errors import RequestError
+
+BASE = dict(dtype="float32", page_size=8, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
+            warm_up=False)
+
+
+def make_requests(n, seed=0, max_prompt=40, max_out=24):
+    rng = np.random.RandomState(seed)
+    prompts = [rng.randint(0, 512, size=int(rng.randint(1, max_prompt))).tolist() for _ in range(n)]
+    params = [SamplingParams(max_tokens=int(rng.randint(1, max_out)), temperature=0, ignore_eos=True)
+              for _ in range(n)]
+    return prompts, params
+
+
+def tokens_of(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_pool_whole(llm):
+    blocks = llm.blocks
+    for r in range(blocks.num_replicas):
+        assert blocks.num_free_pages(r) == blocks.num_usable_pages  # free + evictable cached
+    blocks.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def llm(hf_model_dir):
+    path, _ = hf_model_dir("llama")
+    return LLM(path, **BASE)
+
+
+@pytest.fixture(scope="module")
+def solo_outputs(llm):
+    """Each request of the 64-request workload run alone."""
+    prompts, params = make_requests(64)
+    return [llm.generate(prompt_token_ids=[p], sampling_params=s)[0].outputs[0].token_ids
+            for p, s in zip(prompts, params)]
+
+
+def test_batch_invariance_64_requests(llm, solo_outputs):
+    prompts, params = make_requests(64)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert tokens_of(outputs) == solo_outputs
+    assert all(len(t) == p.max_tokens for t, p in zip(tokens_of(outputs), params))
+    assert_pool_whole(llm)
+
+
+def test_preemption_recomputes_to_the_same_output(hf_model_dir, solo_outputs):
+    path, _ = hf_model_dir("llama")
+    small = LLM(path, **{**BASE, "num_pages": 14})  # 13 usable pages of 8 tokens for 64 requests
+    prompts, params = make_requests(64)
+    outputs = small.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert tokens_of(outputs) == solo_outputs
+    assert_pool_whole(small)
+
+
+def test_reserve_mode_never_preempts(hf_model_dir, solo_outputs):
+    path, _ = hf_model_dir("llama")
+    reserve = LLM(path, **{**BASE, "num_pages": 14, "preemption_mode": "reserve"})
+    prompts, params = make_requests(64)
+    outputs = reserve.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert reserve.engine.scheduler.num_preemptions == 0
+    assert tokens_of(outputs) == solo_outputs
+
+
+def test_static_batching_gives_the_same_outputs(hf_model_dir, solo_outputs):
+    path, _ = hf_model_dir("llama")
+    static = LLM(path, **{**BASE, "scheduling": "static"})
+    prompts, params = make_requests(64)
+    assert tokens_of(static.generate(prompt_token_ids=prompts, sampling_params=params)) == solo_outputs
+
+
+def test_prefix_caching_recomputes_only_the_suffix(hf_model_dir):
+    path, _ = hf_model_dir("llama", max_position_embeddings=1024)
+    settings = {**BASE, "max_model_len": 640, "page_size": 16}
+    rng = np.random.RandomState(5)
+    prefix = rng.randint(0, 512, size=512).tolist()
+    first, second = prefix + [1, 2, 3], prefix + [4, 5, 6, 7, 8]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    cached = LLM(path, **settings)
+    cached.generate(prompt_token_ids=[first], sampling_params=greedy)
+    before = cached.engine.counters["prefill_tokens_computed"]
+    out = cached.generate(prompt_token_ids=[second], sampling_params=greedy)[0].outputs[0].token_ids
+    assert cached.engine.counters["prefill_tokens_computed"] - before == len(second) - 512
+    uncached = LLM(path, **settings, enable_prefix_caching=False)
+    assert uncached.generate(prompt_token_ids=[second], sampling_params=greedy)[0].outputs[0].token_ids == out
+
+
+def test_aborts_mid_prefill_and_mid_decode_free_every_page(llm):
+    engine = llm.engine
+    rng = np.random.RandomState(7)
+    for i in range(6):
+        engine.add_request(f"a{i}", prompt_token_ids=rng.randint(0, 512, size=100).tolist(),
+                           sampling_params=SamplingParams(max_tokens=20, temperature=0.7, seed=i))
+    engine.step()  # a prefill step: some prompts are partly computed
+    partial = [s for s in engine.scheduler.running if 0 < s.num_computed < s.num_tokens - 1]
+    assert partial, "expected a request mid-prefill"
+    engine.abort_request(partial[0].request_id)
+    for _ in range(12):
+        engine.step()
+    decoding = [s for s in engine.scheduler.running if s.output_token_ids]
+    assert decoding, "expected requests mid-decode"
+    out = engine.abort_request(decoding[0].request_id)
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_pool_whole(llm)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(llm):
+    prompts, _ = make_requests(6, seed=3)
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=100 + i) for i in range(6)]
+    together = tokens_of(llm.generate(prompt_token_ids=prompts, sampling_params=params))
+    alone = [llm.generate(prompt_token_ids=[p], sampling_params=s)[0].outputs[0].token_ids
+             for p, s in zip(prompts, params)]
+    assert together == alone
+    shuffled = tokens_of(llm.generate(prompt_token_ids=prompts[::-1], sampling_params=params[::-1]))
+    assert shuffled == together[::-1]
+
+
+def test_n_samples_share_the_prompt_pages(llm):
+    prompt = list(range(1, 30))
+    out = llm.generate(prompt_token_ids=[prompt],
+                       sampling_params=SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=11))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3  # different random streams
+    first = llm.generate(prompt_token_ids=[prompt],
+                         sampling_params=SamplingParams(max_tokens=12, temperature=1.0, seed=11))[0]
+    assert first.outputs[0].token_ids == out.outputs[0].token_ids  # sample 0 is the n=1 stream
+    assert_pool_whole(llm)
+
+
+def test_request_that_can_never_fit_is_rejected_at_add(llm):
+    with pytest.raises(RequestError, match="max_model_len"):
+        llm.engine.add_request("big", prompt_token_ids=[1] * 200)
+    with pytest.raises(RequestError, match="n=9 exceeds max_num_seqs"):
+        llm.engine.add_request("wide", prompt_token_ids=[1], sampling_params=SamplingParams(n=9))
+    with pytest.raises(RequestError, match="already in use"):
+        llm.engine.add_request("dup", prompt_token_ids=[1])
+        llm.engine.add_request("dup", prompt_token_ids=[1])
+    llm.engine.abort_request("dup")
+
+
+def test_decode_loop_makes_only_explicit_transfers(llm):
+    engine = llm.engine
+    prompts, params = make_requests(4, seed=9)
+    for i, (p, s) in enumerate(zip(prompts, params)):
+        engine.add_request(f"t{i}", prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=30, temperature=0))
+    while any(s.num_pending > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill (and compile) outside the guard
+    engine.step()
+    with jax.transfer_guard("disallow"):
+        for _ in range(5):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_engine_settings_reject_unknown_modes():
+    with pytest.raises(Exception, match="not one of"):
+        EngineConfig(model="x", scheduling="sometimes")
+
+
+def test_add_request_with_text_needs_a_tokenizer(llm):
+    with pytest.raises(RequestError, match="no tokenizer"):
+        LLMEngine.encode(llm.engine, "hello")
