@@ -38,7 +38,7 @@ class LLM:
         prompts: str | Sequence[str] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Every request is validated before any runs."""
         if (prompts is None) == (prompt_token_ids is None):

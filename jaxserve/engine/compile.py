@@ -55,7 +55,8 @@ class BucketTable:
 
 
 class CompileCounter:
-    """Counts XLA compilations in this process (persistent-cache hits are counted apart)."""
+    """Counts executables requested in this process (`requests`: a jit-cache miss, whether XLA then
+    compiles or loads it from the persistent cache) and those XLA actually compiled (`compiles()`)."""
 
     _lock = threading.Lock()
     _installed = False

@@ -111,7 +111,7 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         self.runner.warm_up()
-        self.compiles_at_warm_up = CompileCounter.compiles()
+        self.compiles_at_warm_up = CompileCounter.requests
 
     def _load_tokenizer(self, model_dir: str):
         from jaxserve.tokenizer import load_tokenizer
@@ -325,7 +325,7 @@ class LLMEngine:
             pages_free=[b.num_free_pages(r) for r in replicas],
             kv_cache_utilization=[b.kv_utilization(r) for r in replicas],
             prefix_cache_hit_rate=(b.num_prefix_hit_tokens / queried) if queried else 0.0,
-            compiles_after_warmup=(CompileCounter.compiles() - self.compiles_at_warm_up)
+            compiles_after_warmup=(CompileCounter.requests - self.compiles_at_warm_up)
             if self.compiles_at_warm_up is not None else None,
             prompt_tokens_total=self.counters["prompt_tokens"],
             generation_tokens_total=self.counters["generation_tokens"],
