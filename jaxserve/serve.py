@@ -1,0 +1,187 @@
+"""`python -m jaxserve.serve`: the OpenAI-compatible HTTP server.
+
+    python -m jaxserve.serve [--config FILE] [engine flags] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+                             [--max-waiting N] [--served-model-name NAME ...] [--max-body-bytes N]
+                             [--grace-seconds S] [--mock-engine]
+
+Engine flags are every `EngineConfig` setting as `--kebab-case` (`--model`, `--dtype`, `--mesh-shape`, ...);
+`--config` reads the same settings from YAML and flags override it. With no `--model` the server
+serves `checkpoints/default` when present, else SmolLM2-135M's shape with dummy (random) weights, and
+says so loudly. The server listens at once; `/health` is 503 until the engine is loaded and warm, then
+200. SIGTERM / SIGINT: stop accepting connections, let in-flight requests finish for up to
+`--grace-seconds`, shut the engine down, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from jaxserve.config import EngineConfig
+from jaxserve.errors import ConfigError, JaxServeError
+from jaxserve.settings import parse_size
+
+logger = logging.getLogger("jaxserve.serve")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CHECKPOINT = REPO_ROOT / "checkpoints" / "default"
+DUMMY_DEFAULT_MODEL = REPO_ROOT / "configs" / "models" / "smollm2-135m"
+DUMMY_DEFAULT_NAME = "smollm2-135m-dummy-weights"
+
+MOCK_DEFAULTS = dict(max_num_seqs=16, num_pages=512, page_size=16, max_model_len=512)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxserve.serve", description="OpenAI-compatible LLM server over jaxserve's JAX engine.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--config", default=None, help="YAML file of engine settings; flags override it")
+    EngineConfig.add_cli_arguments(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind")
+    g.add_argument("--port", type=int, default=8000, help="port to bind")
+    g.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXSERVE_API_KEY, else none)")
+    g.add_argument("--max-waiting", type=int, default=None,
+                   help="answer 503 at once when this many requests already wait (default: no bound)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients send; default: the --model path (or the default model's name)")
+    g.add_argument("--max-body-bytes", type=parse_size, default=8 * 2**20, help="bigger request bodies get 413")
+    g.add_argument("--grace-seconds", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, how long in-flight requests may take to finish")
+    g.add_argument("--device-bandwidth", type=float, default=None,
+                   help="peak memory bandwidth in bytes/s for the MBU metric (default: known devices only)")
+    g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    m = parser.add_argument_group("mock engine (tests, HTTP-layer fuzzing)")
+    m.add_argument("--mock-engine", action="store_true",
+                   help="serve the deterministic mock engine instead of a model (no JAX needed)")
+    m.add_argument("--mock-token-delay", type=float, default=0.002, help="seconds per mock engine step")
+    return parser
+
+
+def resolve_settings(ns: argparse.Namespace) -> tuple[EngineConfig, str, str | None]:
+    """EngineConfig from YAML + flags, with the default model filled in; returns (settings, name, weights note)."""
+    values = EngineConfig.cli_values(ns)
+    if ns.mock_engine:
+        values = {**MOCK_DEFAULTS, **values}
+    settings = EngineConfig.from_yaml(ns.config, overrides=values) if ns.config else EngineConfig.from_dict(values)
+    if ns.mock_engine:
+        return settings, "mock", "mock engine (deterministic fake tokens, no model)"
+    if settings.model is not None:
+        note = "dummy (random) weights" if settings.load_format == "dummy" else None
+        return settings, settings.model, note
+    if DEFAULT_CHECKPOINT.is_dir():
+        return settings.replace(model=str(DEFAULT_CHECKPOINT)), "jaxserve-default", None
+    logger.warning("=" * 78)
+    logger.warning("no --model and no checkpoints/default: serving %s with DUMMY RANDOM WEIGHTS", DUMMY_DEFAULT_MODEL)
+    logger.warning("its output is meaningless text; pass --model PATH to serve a real checkpoint")
+    logger.warning("=" * 78)
+    return (settings.replace(model=str(DUMMY_DEFAULT_MODEL), load_format="dummy"), DUMMY_DEFAULT_NAME,
+            "dummy (random) weights: output is meaningless")
+
+
+def build_engine(ns: argparse.Namespace, settings: EngineConfig) -> Any:
+    if ns.mock_engine:
+        from jaxserve.server.mock_engine import MockAsyncLLMEngine
+
+        tokenizer = None
+        if settings.tokenizer:
+            from jaxserve.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(settings.tokenizer)
+        return MockAsyncLLMEngine.from_settings(settings, token_delay=ns.mock_token_delay, tokenizer=tokenizer)
+    from jaxserve.engine.engine import AsyncLLMEngine  # lazy: pulls in JAX
+
+    return AsyncLLMEngine.from_settings(settings)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, ns.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings, default_name, note = resolve_settings(ns)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if ns.max_waiting is not None and ns.max_waiting < 0:
+        print("error: --max-waiting must be >= 0", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from jaxserve.server.api import ServerOptions, create_app
+
+    options = ServerOptions(
+        served_model_names=tuple(ns.served_model_name or [default_name]),
+        model_path=settings.model,
+        api_key=ns.api_key or None,
+        max_waiting=ns.max_waiting,
+        max_body_bytes=ns.max_body_bytes,
+        device_bandwidth=ns.device_bandwidth,
+        weights_note=note,
+    )
+    app = create_app(options)
+    state = app.state.jaxserve
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not state.draining:
+                logger.info("signal %s: draining (in-flight requests get up to %.0f s), then exiting",
+                            signal.Signals(sig).name, ns.grace_seconds)
+            state.draining = True
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, lifespan="on",
+                            timeout_graceful_shutdown=ns.grace_seconds, access_log=not ns.no_access_log)
+    server = Server(config)
+    failed: list[str] = []
+
+    def load() -> None:
+        start = time.perf_counter()
+        try:
+            logger.info("loading %s (%s)", settings.model or "the mock engine", note or "weights from the checkpoint")
+            engine = build_engine(ns, settings)
+            engine.start()
+        except BaseException as err:  # noqa: BLE001 - reported, and the server exits non-zero
+            message = str(err) if isinstance(err, JaxServeError) else f"{type(err).__name__}: {err}"
+            logger.error("the engine failed to start: %s", message,
+                         exc_info=not isinstance(err, JaxServeError))
+            state.load_error = message
+            failed.append(message)
+            server.should_exit = True
+            return
+        if state.draining:
+            engine.shutdown()
+            return
+        state.set_engine(engine)
+        logger.info("engine warm in %.1f s; ready on http://%s:%d (model %r)", time.perf_counter() - start,
+                    ns.host, ns.port, options.served_model_names[0])
+
+    loader = threading.Thread(target=load, name="engine-loader", daemon=True)
+    loader.start()
+    # uvicorn re-raises the signal it handled once it has shut down; with these no-op handlers in
+    # place (restored by uvicorn), that re-raise is harmless and the exit status is 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    if failed:
+        return 1
+    if loader.is_alive():  # shut down while the model was still loading: do not wait for compilation
+        logging.shutdown()
+        os._exit(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Prometheus metrics of one server: engine state read at scrape time, request latencies observed by the API.
+
+Every metric is named `jaxserve:...` and lives in the app's own registry, so several apps in one
+process (tests) do not collide.
+
+Model bandwidth utilisation (MBU) = bytes the last engine step had to read (weights + KV) / the
+step's time / the device's peak memory bandwidth. The peak comes from `--device-bandwidth`, else from a
+small table of known devices (by `jax.devices()[0].device_kind`); without it only the achieved bytes/s
+is exported.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+logger = logging.getLogger(__name__)
+
+# Peak HBM bandwidth in bytes/s, matched as a lower-case substring of the device kind (first match wins).
+DEVICE_BANDWIDTH = (
+    ("h200", 4.8e12),
+    ("h100 pcie", 2.0e12),
+    ("h100", 3.35e12),
+    ("a100-sxm4-80gb", 2.039e12),
+    ("a100 80gb", 1.935e12),
+    ("a100", 1.555e12),
+    ("l4", 0.3e12),
+    ("tpu v6", 1.64e12),
+    ("tpu v5 lite", 0.819e12),
+    ("tpu v5e", 0.819e12),
+    ("tpu v5p", 2.765e12),
+    ("tpu v5", 2.765e12),
+    ("tpu v4", 1.2e12),
+)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                   80.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+
+
+def detect_device_bandwidth() -> float | None:
+    """Peak bandwidth of the first device, if jax is already in use and the device is in the table."""
+    if "jax" not in sys.modules:
+        return None
+    try:
+        kind = sys.modules["jax"].devices()[0].device_kind.lower()
+    except Exception:  # noqa: BLE001 - no devices, no backend: simply unknown
+        return None
+    for key, bandwidth in DEVICE_BANDWIDTH:
+        if key in kind:
+            return bandwidth
+    return None
+
+
+class _EngineCollector:
+    def __init__(self, stats: Callable[[], dict | None], bandwidth: Callable[[], float | None]):
+        self._stats = stats
+        self._bandwidth = bandwidth
+
+    def collect(self):
+        stats = self._stats()
+        if not stats:
+            return
+        def total(key, mean=False):
+            v = stats.get(key)
+            if isinstance(v, (list, tuple)):
+                if not v:
+                    return None
+                return sum(float(x) for x in v) / (len(v) if mean else 1)
+            return None if v is None else float(v)
+
+        def gauge(name, doc, key, mean=False):
+            v = total(key, mean)
+            if v is not None:
+                yield GaugeMetricFamily(name, doc, value=v)
+
+        def counter(name, doc, key):
+            v = total(key)
+            if v is not None:
+                yield CounterMetricFamily(name, doc, value=v)
+
+        def per_replica(name, doc, key):
+            v = stats.get(key + "_per_replica", stats.get(key))
+            if isinstance(v, (list, tuple)) and v:
+                family = GaugeMetricFamily(name, doc, labels=["replica"])
+                for i, x in enumerate(v):
+                    family.add_metric([str(i)], float(x))
+                yield family
+
+        yield from gauge("jaxserve:num_requests_running", "Requests in the running batch.", "num_running")
+        yield from gauge("jaxserve:num_requests_waiting", "Requests waiting to be admitted.", "num_waiting")
+        yield from gauge("jaxserve:kv_cache_usage_perc",
+                         "KV-cache utilisation: tokens stored / token slots allocated (mean over replicas).",
+                         "kv_cache_utilization", mean=True)
+        yield from gauge("jaxserve:prefix_cache_hit_rate", "Share of prompt tokens served from the prefix cache.",
+                         "prefix_cache_hit_rate")
+        yield from gauge("jaxserve:kv_pages_used", "KV-cache pages in use (all replicas).", "pages_used")
+        yield from gauge("jaxserve:kv_pages_free", "KV-cache pages free (all replicas).", "pages_free")
+        yield from per_replica("jaxserve:kv_pages_used_replica", "KV-cache pages in use per replica.", "pages_used")
+        yield from per_replica("jaxserve:kv_pages_free_replica", "KV-cache pages free per replica.", "pages_free")
+        yield from per_replica("jaxserve:kv_cache_usage_perc_replica", "KV-cache utilisation per replica.",
+                               "kv_cache_utilization")
+        yield from counter("jaxserve:num_preemptions", "Sequences preempted (pages reclaimed, recomputed later).",
+                           "num_preemptions")
+        yield from counter("jaxserve:prompt_tokens", "Prompt tokens processed.", "prompt_tokens_total")
+        yield from counter("jaxserve:generation_tokens", "Tokens generated.", "generation_tokens_total")
+        yield from counter("jaxserve:compiles_after_warmup", "XLA compilations after warm-up (should stay 0).",
+                           "compiles_after_warmup")
+        seconds = stats.get("last_step_seconds")
+        nbytes = stats.get("last_step_bytes_read")
+        if seconds is not None:
+            yield GaugeMetricFamily("jaxserve:last_step_seconds", "Wall time of the last engine step.",
+                                    value=float(seconds))
+        if nbytes is not None:
+            yield GaugeMetricFamily("jaxserve:last_step_bytes_read", "Bytes the last step read (weights + KV).",
+                                    value=float(nbytes))
+        if seconds and nbytes is not None:
+            rate = float(nbytes) / float(seconds)
+            yield GaugeMetricFamily("jaxserve:model_bytes_read_per_second", "Bytes read per second in the last step.",
+                                    value=rate)
+            peak = self._bandwidth()
+            if peak:
+                yield GaugeMetricFamily("jaxserve:model_bandwidth_utilization",
+                                        "Model bandwidth utilisation of the last step: bytes read / time / peak.",
+                                        value=rate / peak)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict | None], device_bandwidth: float | None = None):
+        self.registry = CollectorRegistry()
+        self._bandwidth_value = device_bandwidth
+        self._bandwidth_detected = device_bandwidth is not None
+        r = self.registry
+        self.ttft = Histogram("jaxserve:time_to_first_token_seconds", "Time to first token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("jaxserve:time_per_output_token_seconds", "Time per output token after the first.",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("jaxserve:e2e_request_latency_seconds", "End-to-end request latency.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("jaxserve:request_queue_time_seconds", "Time from arrival to first scheduling.",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("jaxserve:http_requests", "HTTP requests answered, by route and status.",
+                                ["route", "status"], registry=r)
+        self.finished = Counter("jaxserve:request_finished", "Generation requests finished, by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.rejected = Counter("jaxserve:requests_rejected", "Requests rejected before reaching the engine.",
+                                ["reason"], registry=r)
+        r.register(_EngineCollector(stats, self.bandwidth))
+
+    def bandwidth(self) -> float | None:
+        if not self._bandwidth_detected:
+            self._bandwidth_value = detect_device_bandwidth()
+            self._bandwidth_detected = "jax" in sys.modules
+        return self._bandwidth_value
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

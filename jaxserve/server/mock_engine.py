@@ -1,0 +1,567 @@
+"""A deterministic stand-in for `AsyncLLMEngine`, for testing and fuzzing the HTTP layer without a model.
+
+Same interface as the real engine (`from_settings`, `.engine`, `start`, `generate`, `abort`, `stats`,
+`shutdown`), same threading model (a background step loop that hands outputs to the event loop), and
+the same output contract (cumulative `token_ids`/`text`, `finish_reason` "stop" | "length" | "abort").
+
+What it "generates" (JetStream's mock in spirit): output token k of a request is a pure function of
+the prompt's token ids and k (and, when sampling, of the seed and the sibling index), drawn from the
+letters a-z and space, with the end-of-sequence id now and then. So a solo run and a run under load
+give the same tokens, which is what the load tests check. Every step takes `token_delay` seconds and
+advances every running sequence by one token; at most `max_num_seqs` run at once, the rest wait.
+
+Pages are simulated: a request reserves ceil(min(prompt + max_tokens, max_model_len) / page_size) pages
+per sibling on admission and frees them when it finishes or is aborted, so `stats()["pages_used"]`
+returning to 0 shows that nothing leaked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import math
+import re
+import threading
+import time
+from typing import Any, AsyncIterator
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.errors import JaxServeError, RequestError
+from jaxserve.memory_plan import MemoryPlan
+from jaxserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+
+# ----------------------------------------------------------------------------------------------
+# A byte-level tokenizer: ids 0..3 are specials (as in jaxserve's trained byte-level tokenizers),
+# ids 4..259 the bytes.
+# ----------------------------------------------------------------------------------------------
+
+SPECIALS = ("<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
+NUM_SPECIAL = len(SPECIALS)
+EOS_ID = 0
+VOCAB_SIZE = NUM_SPECIAL + 256
+ALPHABET = "abcdefghijklmnopqrstuvwxyz "
+EOS_ONE_IN = 48  # roughly one generated token in 48 is EOS (unless ignore_eos)
+
+
+class MockTokenizer:
+    """Bytes as tokens; the four special strings are parsed out of text."""
+
+    kind = "mock"
+    vocab_size = VOCAB_SIZE
+    bos_token_id = EOS_ID
+    eos_token_ids = (EOS_ID,)
+    eos_token_id = EOS_ID
+    pad_token_id = 1
+    all_special_ids = tuple(range(NUM_SPECIAL))
+    add_bos_token = False
+    path = None
+    _special_re = re.compile("|".join(re.escape(s) for s in SPECIALS))
+
+    def __init__(self, chat_template: str | None = None):
+        self.chat_template = chat_template
+
+    def __len__(self) -> int:
+        return VOCAB_SIZE
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        del add_special_tokens  # like the trained byte-level tokenizers: no BOS added
+        ids: list[int] = []
+        pos = 0
+        for m in self._special_re.finditer(text):
+            ids.extend(b + NUM_SPECIAL for b in text[pos : m.start()].encode("utf-8"))
+            ids.append(SPECIALS.index(m.group(0)))
+            pos = m.end()
+        ids.extend(b + NUM_SPECIAL for b in text[pos:].encode("utf-8"))
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        out = bytearray()
+        parts: list[str] = []
+        for i in ids:
+            i = int(i)
+            if i >= NUM_SPECIAL:
+                out.append(i - NUM_SPECIAL)
+            elif not skip_special_tokens:
+                parts.append(out.decode("utf-8", errors="replace"))
+                out.clear()
+                parts.append(SPECIALS[i])
+        parts.append(out.decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+    def id_to_token(self, i: int) -> str | None:
+        i = int(i)
+        if 0 <= i < NUM_SPECIAL:
+            return SPECIALS[i]
+        if NUM_SPECIAL <= i < VOCAB_SIZE:
+            return bytes([i - NUM_SPECIAL]).decode("latin-1")
+        return None
+
+    def token_to_id(self, token: str) -> int | None:
+        if token in SPECIALS:
+            return SPECIALS.index(token)
+        data = token.encode("latin-1", errors="ignore")
+        return data[0] + NUM_SPECIAL if len(data) == 1 else None
+
+
+# ----------------------------------------------------------------------------------------------
+# SamplingParams and outputs with every field the server can pass. Fields the real SamplingParams
+# already has are inherited; the rest are added here with vLLM's defaults and checks.
+# ----------------------------------------------------------------------------------------------
+
+_HAVE = {f.name for f in dataclasses.fields(SamplingParams)}
+_EXTRA_FIELDS = [
+    ("n", int, 1),
+    ("stop", tuple, ()),
+    ("min_tokens", int, 0),
+    ("min_p", float, 0.0),
+    ("repetition_penalty", float, 1.0),
+    ("presence_penalty", float, 0.0),
+    ("frequency_penalty", float, 0.0),
+    ("logprobs", Any, None),
+    ("prompt_logprobs", Any, None),
+    ("include_stop_str_in_output", bool, False),
+    ("skip_special_tokens", bool, True),
+]
+
+
+def _mock_post_init(self) -> None:
+    SamplingParams.__post_init__(self)
+    if isinstance(self.stop, str):
+        self.stop = (self.stop,)
+    self.stop = tuple(self.stop)
+    if not isinstance(self.n, int) or self.n < 1:
+        raise RequestError(f"n must be an integer >= 1, got {self.n!r}")
+    if any(not isinstance(s, str) or not s for s in self.stop):
+        raise RequestError("stop strings must be non-empty strings")
+    if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        raise RequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+    if not 0 <= self.min_p <= 1:
+        raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+    if not self.repetition_penalty > 0:
+        raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(self, name) <= 2:
+            raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(self, name)
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise RequestError(f"{name} must be None or an integer >= 0, got {value!r}")
+
+
+MockSamplingParams = dataclasses.make_dataclass(
+    "MockSamplingParams",
+    [(name, typ, dataclasses.field(default=default)) for name, typ, default in _EXTRA_FIELDS if name not in _HAVE],
+    bases=(SamplingParams,),
+    namespace={"__post_init__": _mock_post_init, "__module__": __name__},
+)
+
+
+@dataclasses.dataclass
+class MockCompletionOutput(CompletionOutput):
+    # Per generated token: {token id: logprob} holding the chosen token and the top `logprobs` others.
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclasses.dataclass
+class MockRequestOutput(RequestOutput):
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    metrics: RequestMetrics | None = None
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Sibling:
+    index: int
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    text: str = ""
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: Any
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    digest: bytes
+    pages: int
+    metrics: RequestMetrics
+    siblings: list[_Sibling]
+    prompt_logprobs: list | None = None
+    done: bool = False
+    fail: int = 0  # 1: fail in the first step; 2: after the first token (tests the 500 / stream-error paths)
+
+
+class MockLLMEngine:
+    """What `AsyncLLMEngine.engine` exposes: tokenizer, model_config, settings, plan."""
+
+    def __init__(self, settings: EngineConfig, tokenizer: Any, plan: MemoryPlan):
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.plan = plan
+        self.model_config = ModelConfig(
+            vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=16, max_position_embeddings=plan.max_model_len,
+            bos_token_id=EOS_ID, eos_token_ids=(EOS_ID,),
+        )
+
+
+class MockAsyncLLMEngine:
+    """Deterministic fake of `jaxserve.engine.engine.AsyncLLMEngine` (see the module docstring)."""
+
+    sampling_params_cls = MockSamplingParams
+    is_mock = True
+
+    def __init__(
+        self,
+        settings: EngineConfig | None = None,
+        *,
+        token_delay: float = 0.002,
+        tokenizer: Any = None,
+        fail_marker: str | None = "<<mock-fail>>",
+    ):
+        settings = settings or EngineConfig(max_num_seqs=16, num_pages=512, page_size=16, max_model_len=512)
+        max_model_len = settings.max_model_len or 512
+        num_pages = settings.num_pages or 512
+        plan = MemoryPlan(
+            param_bytes=10_000_000, kv_bytes_per_token=2 * 2 * 16 * 2 * 2, page_size=settings.page_size,
+            num_pages=num_pages, max_model_len=max_model_len,
+            max_pages_per_seq=math.ceil(max_model_len / settings.page_size),
+        )
+        self.engine = MockLLMEngine(settings, tokenizer if tokenizer is not None else MockTokenizer(), plan)
+        self.token_delay = float(token_delay)
+        # A prompt containing this string makes the engine fail that one request in its first step (tests
+        # the 500 path); with "-later" appended, after its first token (tests the in-band stream error).
+        self.fail_marker = fail_marker
+        self._lock = threading.Condition()
+        self._waiting: list[_Request] = []
+        self._running: list[_Request] = []
+        self._by_id: dict[str, _Request] = {}
+        self._pages_free = num_pages - 1  # page 0 is the padding page, as in the real cache
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead = False
+        self._counters = dict(prompt_tokens_total=0, generation_tokens_total=0)
+        self._last_step_seconds = 0.0
+        self._last_step_bytes = 0
+
+    @classmethod
+    def from_settings(cls, settings: EngineConfig, **kwargs: Any) -> "MockAsyncLLMEngine":
+        return cls(settings, **kwargs)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._loop, name="mock-engine-loop", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=60)
+
+    # ---- requests -------------------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        sampling_params: Any = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        params = sampling_params if sampling_params is not None else MockSamplingParams()
+        if not isinstance(params, MockSamplingParams):
+            values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+            params = MockSamplingParams(**values)
+        tok = self.engine.tokenizer
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise RequestError("give a prompt or prompt_token_ids")
+            prompt_token_ids = tok.encode(prompt)
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise RequestError("a prompt must have at least one token")
+        bad = [t for t in ids if not 0 <= t < VOCAB_SIZE]
+        if bad:
+            raise RequestError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {VOCAB_SIZE})")
+        limit = self.engine.plan.max_model_len
+        if len(ids) >= limit:
+            raise RequestError(f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len={limit}")
+        total = min(len(ids) + params.max_tokens, limit)
+        pages = math.ceil(total / self.engine.plan.page_size) * params.n
+        if pages > self.engine.plan.num_pages - 1:
+            raise RequestError(
+                f"prompt + max_tokens needs {pages} KV pages; the cache has {self.engine.plan.num_pages - 1}")
+        text = tok.decode(ids, skip_special_tokens=False) if self.fail_marker else ""
+        fail = 0
+        if self.fail_marker and self.fail_marker[:-2] + "-later" + self.fail_marker[-2:] in text:
+            fail = 2
+        elif self.fail_marker and self.fail_marker in text:
+            fail = 1
+        loop = asyncio.get_running_loop()
+        req = _Request(
+            request_id=request_id, prompt=prompt, prompt_ids=ids, params=params, loop=loop, queue=asyncio.Queue(),
+            digest=hashlib.blake2b(repr(ids).encode(), digest_size=16).digest(), pages=pages,
+            metrics=RequestMetrics(arrival_time=time.time()),
+            siblings=[_Sibling(i) for i in range(params.n)], fail=fail,
+        )
+        with self._lock:
+            if self._stopping or self._dead:
+                raise JaxServeError("the engine is shutting down")
+            if request_id in self._by_id:
+                raise RequestError(f"request id {request_id!r} is already in use")
+            self._by_id[request_id] = req
+            self._waiting.append(req)
+            self._lock.notify_all()
+        finished = False
+        try:
+            while True:
+                item = await req.queue.get()
+                # Outputs are cumulative, so a consumer that fell behind only needs the newest one.
+                while not req.queue.empty() and not isinstance(item, BaseException):
+                    item = req.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._abort_now(request_id, notify=False)
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_now(request_id, notify=True)
+
+    def _abort_now(self, request_id: str, notify: bool) -> None:
+        with self._lock:
+            req = self._by_id.pop(request_id, None)
+            if req is None or req.done:
+                return
+            if req in self._waiting:
+                self._waiting.remove(req)
+            if req in self._running:
+                self._running.remove(req)
+                self._pages_free += req.pages
+            req.done = True
+            for s in req.siblings:
+                if s.finish_reason is None:
+                    s.finish_reason = "abort"
+            if notify:
+                self._deliver(req, self._output(req, finished=True))
+
+    # ---- the step loop --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._waiting and not self._running and not self._stopping:
+                    self._lock.wait(timeout=1.0)
+                if self._stopping and not self._waiting and not self._running:
+                    return
+                now = time.time()
+                while self._waiting and len(self._running) < self.engine.settings.max_num_seqs:
+                    req = self._waiting[0]
+                    if req.pages > self._pages_free:
+                        break
+                    self._waiting.pop(0)
+                    self._pages_free -= req.pages
+                    req.metrics.first_scheduled_time = now
+                    self._running.append(req)
+                    self._counters["prompt_tokens_total"] += len(req.prompt_ids)
+                batch = list(self._running)
+            start = time.perf_counter()
+            if self.token_delay > 0:
+                time.sleep(self.token_delay)
+            with self._lock:
+                tokens_read = 0
+                for req in batch:
+                    if req.done:
+                        continue
+                    self._advance(req)
+                    tokens_read += len(req.prompt_ids) + max(len(s.token_ids) for s in req.siblings)
+                self._last_step_seconds = time.perf_counter() - start
+                self._last_step_bytes = self.engine.plan.param_bytes + tokens_read * self.engine.plan.kv_bytes_per_token
+
+    def _advance(self, req: _Request) -> None:
+        params = req.params
+        tok = self.engine.tokenizer
+        if params.prompt_logprobs is not None and req.prompt_logprobs is None:
+            req.prompt_logprobs = [None] + [
+                self._logprob_entry(req.digest + b"p", k, t, params.prompt_logprobs)
+                for k, t in enumerate(req.prompt_ids[1:])
+            ]
+        if req.fail == 1 or (req.fail == 2 and req.siblings[0].token_ids):
+            req.done = True
+            self._running.remove(req)
+            self._pages_free += req.pages
+            self._by_id.pop(req.request_id, None)
+            self._deliver(req, RuntimeError("mock engine: injected failure while processing this request"))
+            return
+        for s in req.siblings:
+            if s.finish_reason is not None:
+                continue
+            k = len(s.token_ids)
+            token = self._token(req, s.index, k)
+            s.token_ids.append(token)
+            if params.logprobs is not None:
+                entry = self._logprob_entry(req.digest, k, token, params.logprobs)
+                s.logprobs.append(entry)
+                s.cumulative_logprob += entry[token]
+            self._counters["generation_tokens_total"] += 1
+            full = tok.decode(s.token_ids, skip_special_tokens=params.skip_special_tokens)
+            cut = _find_stop(full, params.stop)
+            if cut is not None:
+                pos, stop = cut
+                s.text = full[: pos + (len(stop) if params.include_stop_str_in_output else 0)]
+                s.finish_reason = "stop"
+                continue
+            if (token == EOS_ID and not params.ignore_eos) or token in params.stop_token_ids:
+                s.finish_reason = "stop"
+            elif (len(s.token_ids) >= params.max_tokens
+                  or len(req.prompt_ids) + len(s.token_ids) >= self.engine.plan.max_model_len):
+                s.finish_reason = "length"
+            # While running, hold back a tail that could still become a stop string.
+            s.text = full if s.finish_reason else full[: len(full) - _held_back(full, params.stop)]
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = time.time()
+        finished = all(s.finish_reason is not None for s in req.siblings)
+        if finished:
+            req.done = True
+            req.metrics.finished_time = time.time()
+            self._running.remove(req)
+            self._pages_free += req.pages
+            self._by_id.pop(req.request_id, None)
+        self._deliver(req, self._output(req, finished))
+
+    def _token(self, req: _Request, sibling: int, k: int) -> int:
+        params = req.params
+        if params.temperature == 0:
+            salt = b""
+        else:
+            salt = repr((params.seed, sibling, id(req) if params.seed is None else 0)).encode()
+        digest = hashlib.blake2b(req.digest + salt + k.to_bytes(4, "little"), digest_size=8).digest()
+        h = int.from_bytes(digest, "little")
+        token = EOS_ID if h % EOS_ONE_IN == 0 else NUM_SPECIAL + ord(ALPHABET[(h // EOS_ONE_IN) % len(ALPHABET)])
+        if token == EOS_ID and (params.ignore_eos or k < params.min_tokens or req.fail):
+            token = NUM_SPECIAL + ord(ALPHABET[(h // EOS_ONE_IN) % len(ALPHABET)])
+        if k < params.min_tokens and token in params.stop_token_ids:
+            token = NUM_SPECIAL + ord("x") if token != NUM_SPECIAL + ord("x") else NUM_SPECIAL + ord("y")
+        return token
+
+    @staticmethod
+    def _logprob_entry(digest: bytes, k: int, token: int, top: int) -> dict[int, float]:
+        h = int.from_bytes(hashlib.blake2b(digest + b"lp" + k.to_bytes(4, "little"), digest_size=8).digest(), "little")
+        chosen = -0.01 - (h % 1000) / 1000.0
+        entry = {token: chosen}
+        alt = NUM_SPECIAL + ord("a")
+        step = 1
+        while len(entry) < top + 1 and step < 64:
+            if alt not in entry:
+                entry[alt] = chosen - 0.5 * step
+            alt = NUM_SPECIAL + ord(ALPHABET[(step * 7) % 26])
+            step += 1
+        return entry
+
+    def _output(self, req: _Request, finished: bool) -> MockRequestOutput:
+        want_lp = req.params.logprobs is not None
+        return MockRequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=list(req.prompt_ids),
+            outputs=[
+                MockCompletionOutput(
+                    index=s.index, token_ids=list(s.token_ids), text=s.text, finish_reason=s.finish_reason,
+                    logprobs=[dict(e) for e in s.logprobs] if want_lp else None,
+                    cumulative_logprob=s.cumulative_logprob if want_lp else None,
+                )
+                for s in req.siblings
+            ],
+            finished=finished,
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+            metrics=dataclasses.replace(req.metrics),
+        )
+
+    @staticmethod
+    def _deliver(req: _Request, item: Any) -> None:
+        try:
+            req.loop.call_soon_threadsafe(req.queue.put_nowait, item)
+        except RuntimeError:  # the request's event loop is closed; nobody is listening
+            pass
+
+    # ---- observability --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        with self._lock:
+            total = self.engine.plan.num_pages - 1
+            used = total - self._pages_free
+            slots = sum(r.pages for r in self._running) * self.engine.plan.page_size
+            stored = sum(
+                (len(r.prompt_ids) + len(s.token_ids)) for r in self._running for s in r.siblings
+            )
+            return {
+                "num_running": len(self._running),
+                "num_waiting": len(self._waiting),
+                # per data-parallel replica, as the real engine reports them (the mock has one)
+                "kv_cache_utilization": [stored / slots if slots else 0.0],
+                "pages_used": [used],
+                "pages_free": [self._pages_free],
+                "prefix_cache_hit_rate": 0.0,
+                "num_preemptions": 0,
+                "compiles_after_warmup": 0,
+                "prompt_tokens_total": self._counters["prompt_tokens_total"],
+                "generation_tokens_total": self._counters["generation_tokens_total"],
+                "last_step_seconds": self._last_step_seconds,
+                "last_step_bytes_read": self._last_step_bytes,
+            }
+
+
+def _find_stop(text: str, stops) -> tuple[int, str] | None:
+    best = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+def _held_back(text: str, stops) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+    hold = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:n]):
+                hold = n
+                break
+    return hold
+
+
+def mock_settings(**overrides: Any) -> EngineConfig:
+    """EngineConfig defaults that suit the mock (a small page pool, short max_model_len)."""
+    values = dict(max_num_seqs=16, num_pages=512, page_size=16, max_model_len=512)
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+__all__ = ["MockAsyncLLMEngine", "MockSamplingParams", "MockTokenizer", "mock_settings"]

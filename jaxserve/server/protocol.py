@@ -1,0 +1,306 @@
+"""Request and response schemas of the OpenAI-compatible API (pydantic 2).
+
+Conventions:
+- A field sent as `null` counts as absent (many clients send every field), at every nesting level.
+- A field the schema does not know is rejected with a 400 that names it (error type
+  "unsupported_field"), never silently ignored; that includes OpenAI fields jaxserve does not
+  implement yet (`logit_bias`, `tools`, `suffix`, ...) and `response_format` other than text.
+- Types and ranges that the schema states (e.g. `temperature` in [0, 2]) fail with 422.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+MAX_N = 16
+MAX_PROMPTS = 64
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+
+# Fields of the OpenAI API (or vLLM's extras) that jaxserve knowingly does not implement; the error
+# names them as such rather than as unknown.
+KNOWN_UNSUPPORTED = {
+    "logit_bias": "logit_bias is not supported",
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "parallel_tool_calls": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "suffix": "suffix (insertion) is not supported",
+    "best_of": "best_of is not supported; use n",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "store": "stored completions are not supported",
+    "metadata": "stored completions are not supported",
+    "service_tier": "service_tier is not supported",
+    "reasoning_effort": "reasoning_effort is not supported",
+    "web_search_options": "web search is not supported",
+    "guided_json": "guided decoding is not supported",
+    "guided_regex": "guided decoding is not supported",
+    "guided_choice": "guided decoding is not supported",
+    "guided_grammar": "guided decoding is not supported",
+    "chat_template_kwargs": "chat_template_kwargs is not supported",
+    "tool_calls": "tool calls in messages are not supported",
+    "tool_call_id": "tool messages are not supported",
+    "refusal": "refusal in messages is not supported",
+}
+
+
+def unsupported(field: str, reason: str | None = None) -> PydanticCustomError:
+    reason = reason or KNOWN_UNSUPPORTED.get(field) or "unknown field"
+    return PydanticCustomError(
+        "unsupported_field",
+        "unsupported parameter '{field}': {reason}",
+        {"field": field, "reason": reason},
+    )
+
+
+class OpenAIBase(BaseModel):
+    """Nulls count as absent; unknown fields are rejected by name."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_absent_unknown_rejected(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if v is not None}
+        for key in data:
+            if key not in cls.model_fields:
+                raise unsupported(str(key))
+        return data
+
+
+NonNegInt = Annotated[int, Field(ge=0)]
+StopString = Annotated[str, Field(min_length=1)]
+StopField = Optional[Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP)]]]
+
+
+class StreamOptions(OpenAIBase):
+    include_usage: Optional[bool] = Field(None, description="send a last chunk with the usage of the whole request")
+
+
+class SamplingFields(OpenAIBase):
+    """Fields shared by completions and chat completions."""
+
+    model: Optional[str] = Field(None, description="a served model name (GET /v1/models); default: the served model")
+    temperature: Optional[float] = Field(None, ge=0, le=2, description="0 is greedy; default 1")
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    n: Optional[int] = Field(None, ge=1, le=MAX_N, description="completions per prompt")
+    stop: StopField = Field(None, description="stop strings, cut from the returned text")
+    stop_token_ids: Optional[Annotated[list[NonNegInt], Field(max_length=64)]] = None
+    seed: Optional[int] = Field(None, ge=0, lt=2**32)
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    user: Optional[str] = Field(None, description="an end-user id; recorded, not used")
+    # vLLM-style extras
+    top_k: Optional[int] = Field(None, ge=-1, description="0 or -1: no limit")
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=100)
+    ignore_eos: Optional[bool] = None
+    min_tokens: Optional[int] = Field(None, ge=0)
+    include_stop_str_in_output: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError(
+                "invalid_combination", "stream_options is only allowed when stream is true", {"field": "stream_options"}
+            )
+        return self
+
+
+PromptField = Union[
+    str,
+    Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)],
+    Annotated[list[NonNegInt], Field(min_length=1)],
+    Annotated[list[Annotated[list[NonNegInt], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)],
+]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptField = Field(..., description="a string, a list of strings, token ids, or a list of token-id lists")
+    max_tokens: Optional[int] = Field(None, ge=0, description="default 16; 0 only with echo (prompt logprobs only)")
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="log-probabilities of the top N tokens")
+    echo: Optional[bool] = Field(None, description="prepend the prompt to the completion")
+
+    @model_validator(mode="after")
+    def _max_tokens_zero_needs_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise PydanticCustomError(
+                "invalid_combination", "max_tokens=0 is only allowed with echo=true", {"field": "max_tokens"}
+            )
+        return self
+
+
+class ContentPart(OpenAIBase):
+    type: Literal["text"]
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") not in (None, "text"):
+            raise unsupported("content", f"content parts of type {data.get('type')!r} are not supported (only 'text')")
+        return data
+
+
+class ChatMessage(OpenAIBase):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text or "" for part in self.content)
+
+
+class ResponseFormat(OpenAIBase):
+    type: str
+    json_schema: Optional[dict[str, Any]] = None
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value: str) -> str:
+        if value != "text":
+            raise unsupported("response_format", f"response_format type {value!r} is not supported (only 'text')")
+        return value
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Optional[int] = Field(None, ge=1, description="default: what is left of max_model_len")
+    max_completion_tokens: Optional[int] = Field(None, ge=1, description="same as max_tokens")
+    logprobs: Optional[bool] = Field(None, description="return log-probabilities of the output tokens")
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: Optional[ResponseFormat] = None
+    add_generation_prompt: Optional[bool] = Field(None, description="default true")
+    continue_final_message: Optional[bool] = Field(None, description="continue the last (assistant) message")
+
+    @model_validator(mode="after")
+    def _checks(self):
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise PydanticCustomError(
+                "invalid_combination", "give max_tokens or max_completion_tokens, not both",
+                {"field": "max_completion_tokens"},
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise PydanticCustomError(
+                "invalid_combination", "top_logprobs needs logprobs=true", {"field": "top_logprobs"}
+            )
+        if self.continue_final_message and self.add_generation_prompt:
+            raise PydanticCustomError(
+                "invalid_combination", "continue_final_message and add_generation_prompt cannot both be true",
+                {"field": "continue_final_message"},
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise PydanticCustomError(
+                "invalid_combination", "continue_final_message needs the last message to be from the assistant",
+                {"field": "continue_final_message"},
+            )
+        return self
+
+
+# ---- responses (documentation of the shapes; the server builds plain dicts of these shapes) -------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[Optional[float]]
+    top_logprobs: list[Optional[dict[str, float]]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: Optional[list[TokenLogprob]] = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "jaxserve"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[Union[str, int]] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

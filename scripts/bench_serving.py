@@ -1,0 +1,372 @@
+#!/usr/bin/env python3
+"""Serving benchmark: a load generator against any OpenAI-compatible server (in the style of vLLM's).
+
+Seeded synthetic prompts with chosen input and output length distributions (optionally all sharing a
+fixed prefix), sent with Poisson arrivals at --request-rate (or all at once with `inf`), at most
+--max-concurrency in flight, every request streamed. Reports request throughput, output and total
+token throughput, TTFT, TPOT (time per output token after the first), ITL (inter-token latency,
+between streamed chunks) and end-to-end latency at mean/p50/p90/p99, and goodput (requests/s that
+meet every given --slo-ttft/--slo-tpot, in ms). Writes JSON; with --plot, a PNG of latency against
+request rate over the swept rates (--request-rate 1,2,4,inf), one line per server (--base-url may be
+repeated, with a --label each, e.g. continuous vs static batching).
+
+Examples:
+    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --num-prompts 200 \\
+        --input-len 128 --output-len 128 --request-rate 1,2,4,8,inf --result-json out.json --plot out.png
+    python scripts/bench_serving.py --shared-prefix-len 512 --input-len 64 --output-len 32 ...
+
+Prompts are token ids on /v1/completions by default (exact lengths, no tokenizer needed; ids drawn
+from [--token-id-low, --token-id-high)); `--prompt-format text` sends words instead, and
+/v1/chat/completions always sends text. Output lengths are exact unless --no-ignore-eos.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
+         "government company number group problem fact water room mother area money story month lot right study "
+         "book job word business issue side kind head house service friend father power hour game line end member "
+         "law car city community name president team minute idea kid body information back parent face others level "
+         "office door health art war history party result change morning reason research girl guy moment air "
+         "teacher force education").split()
+
+
+# ---- workload ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    index: int
+    prompt: Any  # list[int] or str
+    input_len: int
+    output_len: int
+
+
+def _lengths(rng: random.Random, mean: int, range_ratio: float, n: int) -> list[int]:
+    lo = max(1, int(round(mean * (1 - range_ratio))))
+    hi = max(lo, int(round(mean * (1 + range_ratio))))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def make_workload(args: argparse.Namespace) -> list[Request]:
+    rng = random.Random(args.seed)
+    inputs = _lengths(rng, args.input_len, args.input_len_range, args.num_prompts)
+    outputs = _lengths(rng, args.output_len, args.output_len_range, args.num_prompts)
+    text = args.prompt_format == "text" or args.endpoint.endswith("chat/completions")
+    lo, hi = args.token_id_low, args.token_id_high
+
+    def make(n: int):
+        if text:
+            return " ".join(rng.choice(WORDS) for _ in range(n))
+        return [rng.randrange(lo, hi) for _ in range(n)]
+
+    prefix = make(args.shared_prefix_len) if args.shared_prefix_len else ([] if not text else "")
+    requests = []
+    for i, (n_in, n_out) in enumerate(zip(inputs, outputs)):
+        body = make(n_in)
+        if text:
+            prompt = (prefix + " " + body).strip() if prefix else body
+        else:
+            prompt = list(prefix) + body
+        requests.append(Request(i, prompt, args.shared_prefix_len + n_in, n_out))
+    return requests
+
+
+# ---- one request ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    index: int
+    ok: bool = False
+    error: str = ""
+    input_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    start: float = 0.0
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens <= 1:
+            return None
+        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+
+async def send(client: httpx.AsyncClient, args: argparse.Namespace, model: str, req: Request) -> Result:
+    body: dict[str, Any] = {"model": model, "max_tokens": req.output_len, "stream": True,
+                            "stream_options": {"include_usage": True}, "temperature": args.temperature}
+    if not args.no_ignore_eos:
+        body["ignore_eos"] = True
+    if args.endpoint.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    result = Result(req.index, input_len=req.input_len)
+    start = time.perf_counter()
+    result.start = start
+    last = None
+    chunks = 0
+    usage_tokens = None
+    try:
+        async with client.stream("POST", args.endpoint, json=body) as r:
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread())[:300].decode(errors='replace')}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[6:]
+                if payload == "[DONE]":
+                    break
+                data = json.loads(payload)
+                if "error" in data:
+                    result.error = str(data["error"].get("message"))
+                    return result
+                if data.get("usage"):
+                    usage_tokens = data["usage"].get("completion_tokens")
+                if not data.get("choices"):
+                    continue
+                c = data["choices"][0]
+                delta = c.get("delta") or {}
+                if delta.get("role") and not delta.get("content") and not c.get("finish_reason"):
+                    continue  # chat's opening role chunk carries no token
+                # Otherwise a chunk means new tokens (their text may be empty: a server without a tokenizer).
+                now = time.perf_counter()
+                if last is None:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+                chunks += 1
+    except (httpx.HTTPError, json.JSONDecodeError) as err:
+        result.error = f"{type(err).__name__}: {err}"
+        return result
+    result.e2el = time.perf_counter() - start
+    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    result.ok = last is not None
+    if not result.ok:
+        result.error = "no tokens received"
+    return result
+
+
+# ---- one run at one rate -------------------------------------------------------------------------
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    f, c = math.floor(k), math.ceil(k)
+    return s[f] + (s[c] - s[f]) * (k - f)
+
+
+def summarize(results: list[Result], duration: float, args: argparse.Namespace) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.input_len for r in ok)
+    summary: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": out_tokens / duration if duration else 0.0,
+        "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
+    }
+    series = {
+        "ttft_ms": [r.ttft * 1e3 for r in ok],
+        "tpot_ms": [r.tpot * 1e3 for r in ok if r.tpot is not None],
+        "itl_ms": [x * 1e3 for r in ok for x in r.itl],
+        "e2el_ms": [r.e2el * 1e3 for r in ok],
+    }
+    for name, values in series.items():
+        summary[f"mean_{name}"] = sum(values) / len(values) if values else float("nan")
+        for q in (50, 90, 99):
+            summary[f"p{q}_{name}"] = _pct(values, q)
+    if args.slo_ttft is not None or args.slo_tpot is not None:
+        good = 0
+        for r in ok:
+            if args.slo_ttft is not None and r.ttft * 1e3 > args.slo_ttft:
+                continue
+            if args.slo_tpot is not None and r.tpot is not None and r.tpot * 1e3 > args.slo_tpot:
+                continue
+            good += 1
+        summary["goodput"] = good / duration if duration else 0.0
+        summary["slo_attainment"] = good / len(results) if results else 0.0
+    errors = sorted({r.error for r in results if not r.ok})
+    if errors:
+        summary["errors"] = errors[:10]
+    return summary
+
+
+async def run_rate(base_url: str, args: argparse.Namespace, rate: float, workload: list[Request]) -> dict:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limit = args.max_concurrency or len(workload)
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    timeout = httpx.Timeout(args.timeout, connect=30.0)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=timeout) as client:
+        model = args.model
+        if model is None:
+            r = await client.get("/v1/models")
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        for req in workload[: args.warmup]:
+            await send(client, args, model, req)
+        rng = random.Random(args.seed + 1)
+        sem = asyncio.Semaphore(limit)
+
+        async def limited(req: Request) -> Result:
+            async with sem:
+                return await send(client, args, model, req)
+
+        tasks = []
+        start = time.perf_counter()
+        for req in workload:
+            tasks.append(asyncio.create_task(limited(req)))
+            if math.isfinite(rate) and rate > 0:
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    summary = summarize(list(results), duration, args)
+    summary.update({"request_rate": rate if math.isfinite(rate) else "inf", "base_url": base_url, "model": model,
+                    "max_concurrency": args.max_concurrency})
+    if args.save_requests:
+        summary["requests"] = [asdict(r) for r in results]
+    return summary
+
+
+def print_summary(label: str, s: dict) -> None:
+    print(f"==== {label}  rate={s['request_rate']}  concurrency={s['max_concurrency']} ====")
+    print(f"  completed {s['completed']}  failed {s['failed']}  duration {s['duration_s']:.2f} s")
+    print(f"  request throughput {s['request_throughput']:.2f} req/s   output {s['output_throughput']:.1f} tok/s   "
+          f"total {s['total_token_throughput']:.1f} tok/s")
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        print(f"  {name.upper():5s} ms  mean {s[f'mean_{name}_ms']:9.2f}  p50 {s[f'p50_{name}_ms']:9.2f}  "
+              f"p90 {s[f'p90_{name}_ms']:9.2f}  p99 {s[f'p99_{name}_ms']:9.2f}")
+    if "goodput" in s:
+        print(f"  goodput {s['goodput']:.2f} req/s  (SLO attainment {100 * s['slo_attainment']:.1f}%)")
+    for err in s.get("errors", []):
+        print(f"  error: {err}")
+
+
+def plot(runs: dict[str, list[dict]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = (("ttft", "TTFT (ms)"), ("tpot", "TPOT (ms)"), ("e2el", "end-to-end latency (ms)"))
+    for label, summaries in runs.items():
+        rates = [s["request_rate"] for s in summaries]
+        finite = [r for r in rates if r != "inf"]
+        inf_x = (max(finite) * 2 if finite else 1.0)
+        xs = [inf_x if r == "inf" else r for r in rates]
+        for ax, (name, title) in zip(axes, panels):
+            ax.plot(xs, [s[f"p50_{name}_ms"] for s in summaries], marker="o", label=f"{label} p50")
+            ax.plot(xs, [s[f"p99_{name}_ms"] for s in summaries], marker="x", linestyle="--", label=f"{label} p99")
+            ax.set_title(title)
+            ax.set_xlabel("request rate (req/s; rightmost = inf)" if "inf" in rates else "request rate (req/s)")
+            ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if part:
+            rates.append(float("inf") if part == "inf" else float(part))
+    if not rates or any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError("request rates must be positive numbers or 'inf'")
+    return rates
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--base-url", action="append", default=None,
+                   help="server URL (repeat to compare servers); default http://127.0.0.1:8000")
+    p.add_argument("--label", action="append", default=None, help="a name per --base-url for the report and plot")
+    p.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"))
+    p.add_argument("--model", default=None, help="model name; default: the first of GET /v1/models")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--input-len", type=int, default=128, help="mean prompt length (tokens, or words for text)")
+    p.add_argument("--input-len-range", type=float, default=0.0, help="lengths uniform in mean*(1 +- this)")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--output-len-range", type=float, default=0.0)
+    p.add_argument("--shared-prefix-len", type=int, default=0, help="a fixed prefix of this length on every prompt")
+    p.add_argument("--prompt-format", choices=("ids", "text"), default="ids")
+    p.add_argument("--token-id-low", type=int, default=10)
+    p.add_argument("--token-id-high", type=int, default=250)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (lengths then vary)")
+    p.add_argument("--request-rate", type=parse_rates, default=[float("inf")],
+                   help="requests/s of the Poisson arrivals, or inf; a comma list sweeps the rates")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument("--warmup", type=int, default=0, help="requests sent one by one before measuring")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
+    p.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO on TTFT, ms")
+    p.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO on TPOT, ms")
+    p.add_argument("--result-json", default=None, help="write every run's summary here")
+    p.add_argument("--save-requests", action="store_true", help="include per-request records in the JSON")
+    p.add_argument("--plot", default=None, help="write a PNG of latency against request rate")
+    return p
+
+
+async def amain(args: argparse.Namespace) -> dict:
+    urls = args.base_url or ["http://127.0.0.1:8000"]
+    labels = args.label or ([] if len(urls) > 1 else ["server"])
+    if len(labels) < len(urls):
+        labels = labels + [f"server{i}" for i in range(len(labels), len(urls))]
+    workload = make_workload(args)
+    runs: dict[str, list[dict]] = {}
+    for url, label in zip(urls, labels):
+        runs[label] = []
+        for rate in args.request_rate:
+            summary = await run_rate(url.rstrip("/"), args, rate, workload)
+            summary["label"] = label
+            print_summary(label, summary)
+            runs[label].append(summary)
+    config = {k: v for k, v in vars(args).items() if k not in ("api_key",)}
+    config["request_rate"] = ["inf" if not math.isfinite(r) else r for r in args.request_rate]
+    report = {"config": config, "runs": runs}
+    if args.result_json:
+        with open(args.result_json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2, default=str)
+    if args.plot:
+        plot(runs, args.plot)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    report = asyncio.run(amain(args))
+    failed = sum(s["failed"] for summaries in report["runs"].values() for s in summaries)
+    return 1 if failed and all(s["completed"] == 0 for v in report["runs"].values() for s in v) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""scripts/bench_serving.py against a running server: a short seeded sweep of two rates, JSON and PNG."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from conftest import REPO, TEST_API_KEY
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_serving", REPO / "scripts" / "bench_serving.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serving"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_workload_is_seeded_and_shaped():
+    bench = load_bench()
+    args = bench.build_parser().parse_args(["--num-prompts", "50", "--input-len", "20", "--input-len-range", "0.5",
+                                            "--output-len", "10", "--shared-prefix-len", "8", "--seed", "3"])
+    a, b = bench.make_workload(args), bench.make_workload(args)
+    assert [r.prompt for r in a] == [r.prompt for r in b]
+    assert all(10 <= len(r.prompt) - 8 <= 30 and r.output_len == 10 for r in a)
+    assert len({tuple(r.prompt[:8]) for r in a}) == 1  # the shared prefix
+
+
+def test_sweep_writes_json_and_plot(shared_server, tmp_path):
+    pytest.importorskip("matplotlib")
+    bench = load_bench()
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = bench.main(["--base-url", shared_server.url, "--api-key", TEST_API_KEY, "--num-prompts", "16",
+                     "--input-len", "12", "--output-len", "8", "--output-len-range", "0.5",
+                     "--request-rate", "20,inf", "--max-concurrency", "8", "--slo-ttft", "5000", "--slo-tpot", "1000",
+                     "--result-json", str(out), "--plot", str(png)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    runs = report["runs"]["server"]
+    assert [r["request_rate"] for r in runs] == [20.0, "inf"]
+    for r in runs:
+        assert r["completed"] == 16 and r["failed"] == 0
+        assert 16 * 4 <= r["total_output_tokens"] <= 16 * 12 and r["total_input_tokens"] == 16 * 12
+        for key in ("request_throughput", "output_throughput", "total_token_throughput", "goodput",
+                    "mean_ttft_ms", "p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "p99_itl_ms",
+                    "p99_e2el_ms"):
+            assert r[key] == r[key] and r[key] >= 0, key  # present and not NaN
+    assert png.stat().st_size > 1000
