@@ -82,9 +82,20 @@ class CompletionOutput:
 
 
 @dataclasses.dataclass
+class RequestMetrics:
+    """Times on the time.monotonic() clock."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclasses.dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    metrics: RequestMetrics | None = None

@@ -26,7 +26,7 @@ from jaxserve.memory_plan import plan_memory
 from jaxserve.model.weights import param_bytes
 from jaxserve.model_loader import load_model
 from jaxserve.sampling import RowSampling
-from jaxserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from jaxserve.sampling_params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 from jaxserve.sharding import make_mesh
 from jaxserve.steps import StepOptions
 
@@ -105,12 +105,15 @@ class LLMEngine:
         self._seed_stream = np.random.default_rng(s.seed)
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens_computed=0, steps=0)
         self.last_step_seconds = 0.0
+        self.last_step_bytes_read = 0
         self.compiles_at_warm_up = None
         if warm_up:
             self.warm_up()
 
     def warm_up(self) -> None:
         self.runner.warm_up()
+        for replica in range(self.num_replicas):  # the page copy of forked (n > 1) sequences
+            self.runner.copy_pages(replica, np.zeros(0, np.int32), np.zeros(0, np.int32))
         self.compiles_at_warm_up = CompileCounter.requests
 
     def _load_tokenizer(self, model_dir: str):
@@ -218,6 +221,9 @@ class LLMEngine:
             for r in plan.rows
         ]
         sampled = self.runner.execute(rows)
+        # What the step had to read: every weight once, plus each row's cached K/V.
+        context = sum(r.start + r.num_tokens for r in plan.rows)
+        self.last_step_bytes_read = self.plan.param_bytes + context * self.plan.kv_bytes_per_token
         advanced: dict[str, Request] = {}
         for i, row in enumerate(plan.rows):
             seq = row.seq
@@ -310,6 +316,13 @@ class LLMEngine:
                 for s in request.seqs
             ],
             finished=request.finished,
+            metrics=RequestMetrics(
+                arrival_time=request.arrival_time,
+                first_scheduled_time=min((t for t in (s.first_scheduled_time for s in request.seqs) if t), default=None),
+                first_token_time=min((t for t in (s.first_token_time for s in request.seqs) if t), default=None),
+                finished_time=max((s.finished_time or 0.0 for s in request.seqs), default=None)
+                if request.finished else None,
+            ),
         )
 
     # ---- observability -------------------------------------------------------------------------
@@ -331,6 +344,7 @@ class LLMEngine:
             generation_tokens_total=self.counters["generation_tokens"],
             prefill_tokens_computed=self.counters["prefill_tokens_computed"],
             last_step_seconds=self.last_step_seconds,
+            last_step_bytes_read=self.last_step_bytes_read,
         )
 
 

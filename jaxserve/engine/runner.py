@@ -128,9 +128,10 @@ class ModelRunner:
 
     def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy pages src[i] -> dst[i] of one replica (forked sequences), padded to a fixed width so
-        every fork reuses one compilation; padding copies the padding page onto itself."""
+        every fork reuses one compilation; padding copies the padding page onto itself (so an empty
+        call compiles the copy at warm-up)."""
         width = self.buckets.batch_sizes[-1]
-        for start in range(0, len(src), width):
+        for start in range(0, max(len(src), 1), width):
             s = np.full(width, PADDING_PAGE, np.int32)
             d = np.full(width, PADDING_PAGE, np.int32)
             chunk = slice(start, start + width)

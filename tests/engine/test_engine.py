@@ -174,3 +174,17 @@ def test_engine_settings_reject_unknown_modes():
 def test_add_request_with_text_needs_a_tokenizer(llm):
     with pytest.raises(RequestError, match="no tokenizer"):
         LLMEngine.encode(llm.engine, "hello")
+
+
+def test_forks_after_warm_up_compile_nothing(hf_model_dir):
+    from jaxserve.engine.compile import CompileCounter
+
+    path, _ = hf_model_dir("llama")
+    llm = LLM(path, **{**BASE, "max_model_len": 32, "max_num_seqs": 2, "max_num_batched_tokens": 16,
+                       "warm_up": True})
+    before = CompileCounter.requests
+    out = llm.generate(prompt_token_ids=[list(range(1, 12))],
+                       sampling_params=SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1))[0]
+    assert len(out.outputs) == 2 and out.metrics.first_token_time >= out.metrics.arrival_time
+    assert CompileCounter.requests == before
+    assert llm.engine.stats()["last_step_bytes_read"] > llm.plan.param_bytes
