@@ -109,8 +109,14 @@ _TOP_NAMES = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_hf_params(model_dir: str, cfg: ModelConfig, dtype: Any, shardings: Params | None = None) -> Params:
-    """Read every tensor once, check it against the expected shape, stack layers, place on devices."""
+def load_hf_params(
+    model_dir: str, cfg: ModelConfig, dtype: Any, shardings: Params | None = None, stacked: bool = True
+) -> Params:
+    """Read every tensor once, check it against the expected shape, stack layers, place on devices.
+
+    With stacked=False the layers come back as a tuple of per-layer arrays (weights.unstack_layers),
+    each placed straight from its slice of the host array; `shardings` must then be of that form.
+    """
     specs = param_specs(cfg)
     np_dtype = np.dtype(jnp.dtype(dtype))
     host: dict[str, np.ndarray] = {}  # flat field name -> stacked host array
@@ -155,12 +161,22 @@ def load_hf_params(model_dir: str, cfg: ModelConfig, dtype: Any, shardings: Para
         array = host.pop(field)  # drop our host copy as soon as it is on the device
         return jax.device_put(array, sharding) if sharding is not None else jnp.asarray(array)
 
-    layer_shardings = shardings.layers if shardings is not None else None
-    layers = LayerParams(**{
-        f: place(f, getattr(layer_shardings, f) if layer_shardings is not None else None)
-        if spec is not None else None
-        for f, spec in layer_specs.items()
-    })
+    if stacked:
+        layer_shardings = shardings.layers if shardings is not None else None
+        layers = LayerParams(**{
+            f: place(f, getattr(layer_shardings, f) if layer_shardings is not None else None)
+            if spec is not None else None
+            for f, spec in layer_specs.items()
+        })
+    else:
+        per_layer = {f: host.pop(f) for f, spec in layer_specs.items() if spec is not None}
+
+        def put(f: str, i: int):
+            sharding = getattr(shardings.layers[i], f) if shardings is not None else None
+            return jax.device_put(per_layer[f][i], sharding) if sharding is not None else jnp.asarray(per_layer[f][i])
+
+        layers = tuple(LayerParams(**{f: put(f, i) if f in per_layer else None for f in layer_specs})
+                       for i in range(cfg.num_layers))
     top = {f: place(f, getattr(shardings, f) if shardings is not None else None)
            for f in ("embed", "final_norm", "lm_head") if getattr(specs, f) is not None}
     return Params(embed=top["embed"], layers=layers, final_norm=top["final_norm"], lm_head=top.get("lm_head"))

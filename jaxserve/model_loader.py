@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from jaxserve.checkpoint import checkpoint_dtype, load_hf_params
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.errors import ModelLoadError
-from jaxserve.model.weights import Params, init_dummy_params
+from jaxserve.model.weights import Params, init_dummy_params, unstack_layers
 from jaxserve.sharding import Shardings, make_shardings
 
 
@@ -42,15 +42,21 @@ def resolve_dtype(settings: EngineConfig, model_dir: str) -> Any:
     return jnp.dtype(name)
 
 
-def load_model(settings: EngineConfig, mesh: Mesh) -> LoadedModel:
-    """Read the config, derive the shardings on `mesh`, and put each weight straight onto its shards."""
+def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> LoadedModel:
+    """Read the config, derive the shardings on `mesh`, and put each weight straight onto its shards.
+
+    stacked=False returns per-layer weight arrays, for the unrolled forward."""
     model_dir = resolve_model_dir(settings)
     cfg = ModelConfig.from_dir(model_dir)
-    shardings = make_shardings(cfg, mesh)
+    shardings = make_shardings(cfg, mesh, stacked)
     dtype = resolve_dtype(settings, model_dir)
     if settings.load_format == "dummy":
-        init = jax.jit(init_dummy_params, static_argnums=(0, 1, 2), out_shardings=shardings.params)
+        def init(cfg, seed, dtype):
+            params = init_dummy_params(cfg, seed, dtype)
+            return params if stacked else unstack_layers(params)
+
+        init = jax.jit(init, static_argnums=(0, 1, 2), out_shardings=shardings.params)
         params = init(cfg, settings.seed, dtype)
     else:
-        params = load_hf_params(model_dir, cfg, dtype, shardings.params)
+        params = load_hf_params(model_dir, cfg, dtype, shardings.params, stacked)
     return LoadedModel(cfg=cfg, params=params, dtype=dtype, model_dir=model_dir, shardings=shardings)

@@ -78,10 +78,14 @@ class Shardings:
         return self.mesh.shape[DATA]
 
 
-def make_shardings(cfg: ModelConfig, mesh: Mesh) -> Shardings:
+def make_shardings(cfg: ModelConfig, mesh: Mesh, stacked: bool = True) -> Shardings:
+    """`stacked=False` gives the shardings of params whose layers are a tuple (weights.unstack_layers)."""
     rules = logical_rules(cfg, mesh.shape[MODEL])
     is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
     params = jax.tree.map(lambda axes: NamedSharding(mesh, spec_for(axes, rules)), logical_axes(cfg), is_leaf=is_axes)
+    if not stacked:
+        one_layer = jax.tree.map(lambda sh: NamedSharding(mesh, PartitionSpec(*sh.spec[1:])), params.layers)
+        params = params.replace(layers=(one_layer,) * cfg.num_layers)
     cache_axes = ("replica", "layers", "kv_heads", None, None, None)
     return Shardings(
         mesh=mesh,

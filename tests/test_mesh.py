@@ -35,8 +35,8 @@ def test_mesh_matches_single_device(hf_model_dir, single_device_tokens, mesh_sha
     assert cache.shape[0] == data  # one page pool per replica
     kv_split = model if llm.model_config.num_kv_heads % model == 0 else 1
     assert cache.addressable_shards[0].data.shape[2] == llm.model_config.num_kv_heads // kv_split
-    wq = llm.runner.params.layers.wq  # f[L, D, N*H], column-parallel
-    assert wq.addressable_shards[0].data.shape[2] == wq.shape[2] // model
+    wq = llm.runner.params.layers[0].wq  # f[D, N*H] (per-layer arrays on CPU), column-parallel
+    assert wq.addressable_shards[0].data.shape[1] == wq.shape[1] // model
     for r in range(data):  # requests were spread over the replicas
         assert llm.blocks.num_free_pages(r) == llm.plan.num_pages - 1
 

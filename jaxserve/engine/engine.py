@@ -83,13 +83,13 @@ class LLMEngine:
         cache_path = enable_compilation_cache(s.compilation_cache_dir)
         logger.info("persistent compilation cache: %s", cache_path or "off")
         self.mesh = make_mesh(s.mesh_shape)
-        loaded = load_model(s, self.mesh)
+        scan = s.scan_layers if s.scan_layers is not None else default_scan_layers(jax.default_backend())
+        loaded = load_model(s, self.mesh, stacked=scan)
         self.model_config, self.dtype, self.shardings = loaded.cfg, loaded.dtype, loaded.shardings
         self.num_replicas = self.shardings.num_replicas
         self.plan = plan_memory(loaded.cfg, s, loaded.dtype, param_bytes(loaded.params))
         logger.info(self.plan.describe())
         self.tokenizer = self._load_tokenizer(loaded.model_dir)
-        scan = s.scan_layers if s.scan_layers is not None else default_scan_layers(jax.default_backend())
         attention = resolve_attention(s.attention_backend, jax.default_backend(), s.mesh_shape)
         options = StepOptions(scan_layers=scan, attention_backend=attention)
         max_chunk = min(s.max_num_batched_tokens, self.plan.max_model_len)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Sequence
 
@@ -80,10 +81,15 @@ class ModelRunner:
 
     # ---- compilation ---------------------------------------------------------------------------
     def step_shapes(self) -> list[tuple[int, int, int]]:
-        """Every (batch, tokens, pages) the engine may run: decodes and prefill chunks."""
+        """Every (batch, tokens, pages) the engine may run: decodes and prefill chunks.
+
+        Decode, bound by bytes read, gets every page-count bucket; prefill steps always take the
+        largest page table, which costs them little (attention over masked keys) and keeps the
+        number of start-up compilations small.
+        """
         b, t, p = self.buckets.batch_sizes, self.buckets.chunk_sizes, self.buckets.page_counts
         decode = [(bs, 1, pc) for bs in b for pc in p]
-        prefill = [(bs, ts, pc) for ts in t for bs in b if bs * ts <= max(t) for pc in p]
+        prefill = [(bs, ts, p[-1]) for ts in t for bs in b if bs * ts <= max(t)]
         return decode + prefill
 
     def _abstract_inputs(self, shape: tuple[int, int, int]):
@@ -101,27 +107,45 @@ class ModelRunner:
         sampling = SamplingTensors.spec((R, B), self.history_len, sh and sh.batch2, sh and sh.batch3)
         return batch, sampling
 
+    def _lower(self, shape: tuple[int, int, int]):
+        batch, sampling = self._abstract_inputs(shape)
+        return _generate_step_jit.trace(
+            self.params, self.cache, batch, sampling, cfg=self.cfg, options=self.options,
+            cache_sharding=self.shardings.cache if self.shardings is not None else None,
+        ).lower()
+
     def compile(self, shape: tuple[int, int, int]):
         executable = self._executables.get(shape)
         if executable is None:
-            batch, sampling = self._abstract_inputs(shape)
-            lowered = _generate_step_jit.trace(
-                self.params, self.cache, batch, sampling, cfg=self.cfg, options=self.options,
-                cache_sharding=self.shardings.cache if self.shardings is not None else None,
-            ).lower()
-            executable = self._executables[shape] = lowered.compile()
+            executable = self._executables[shape] = self._lower(shape).compile()
         return executable
 
     def warm_up(self, shapes: list[tuple[int, int, int]] | None = None, progress: bool = True) -> list[tuple]:
-        """Compile every bucket ahead of time; returns (shape, seconds) per bucket."""
+        """Compile every bucket ahead of time; returns (shape, seconds) per bucket.
+
+        Tracing holds the GIL, so buckets are lowered one by one; XLA compiles them on all cores.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
         from tqdm import tqdm
 
-        shapes = shapes if shapes is not None else self.step_shapes()
-        timings = []
-        for shape in tqdm(shapes, desc="compiling step buckets", disable=not progress, unit="bucket"):
+        shapes = [s for s in (shapes if shapes is not None else self.step_shapes()) if s not in self._executables]
+        logger.info("compiling %d step buckets (batch, tokens, pages): %s", len(shapes), shapes)
+
+        def compile_one(shape, lowered):
             start = time.perf_counter()
-            self.compile(shape)
-            timings.append((shape, time.perf_counter() - start))
+            executable = lowered.compile()
+            return shape, executable, time.perf_counter() - start
+
+        timings = []
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool, \
+                tqdm(total=len(shapes), desc="compiling step buckets", disable=not progress, unit="bucket") as bar:
+            futures = [pool.submit(compile_one, shape, self._lower(shape)) for shape in shapes]
+            for future in futures:
+                shape, executable, seconds = future.result()
+                self._executables[shape] = executable
+                timings.append((shape, seconds))
+                bar.update(1)
         for (B, T, P), seconds in timings:
             logger.info("bucket batch=%d tokens=%d pages=%d compiled in %.2fs", B, T, P, seconds)
         return timings
@@ -147,7 +171,8 @@ class ModelRunner:
         B = pick_bucket(max(len(p) for p in per_replica), self.buckets.batch_sizes)
         max_tokens = max(len(r.tokens) for r in rows)
         T = 1 if max_tokens == 1 else pick_bucket(max_tokens, self.buckets.chunk_sizes)
-        P = pick_bucket(max(len(r.page_ids) for r in rows), self.buckets.page_counts)
+        P = self.buckets.page_counts[-1] if T > 1 else pick_bucket(
+            max(len(r.page_ids) for r in rows), self.buckets.page_counts)
         tokens = np.zeros((R, B, T), np.int32)
         start = np.zeros((R, B), np.int32)
         num_new = np.zeros((R, B), np.int32)

@@ -83,7 +83,10 @@ def forward(
     x = params.embed[tokens]  # f[B, T, D]
     layer_args = (cos, sin, page_table, positions, valid, seq_lens)
 
-    if scan_layers:
+    if isinstance(params.layers, tuple):  # per-layer arrays: the fast unrolled form
+        for layer, lp in enumerate(params.layers):
+            x, k_cache, v_cache = _layer(cfg, attention, lp, layer, x, k_cache, v_cache, *layer_args)
+    elif scan_layers:
         def body(carry, xs):
             x, kc, vc = carry
             lp, layer = xs
@@ -91,7 +94,7 @@ def forward(
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (params.layers, layer_ids))
-    else:
+    else:  # stacked weights, unrolled: correct but slow on CPU (see weights.Params)
         for layer in range(cfg.num_layers):
             lp = jax.tree.map(lambda w: w[layer], params.layers)
             x, k_cache, v_cache = _layer(cfg, attention, lp, layer, x, k_cache, v_cache, *layer_args)
