@@ -85,8 +85,22 @@ def resolve_settings(ns: argparse.Namespace) -> tuple[EngineConfig, str, str | N
     logger.warning("no --model and no checkpoints/default: serving %s with DUMMY RANDOM WEIGHTS", DUMMY_DEFAULT_MODEL)
     logger.warning("its output is meaningless text; pass --model PATH to serve a real checkpoint")
     logger.warning("=" * 78)
-    return (settings.replace(model=str(DUMMY_DEFAULT_MODEL), load_format="dummy"), DUMMY_DEFAULT_NAME,
-            "dummy (random) weights: output is meaningless")
+    tokenizer = settings.tokenizer or dummy_default_tokenizer()
+    return (settings.replace(model=str(DUMMY_DEFAULT_MODEL), load_format="dummy", tokenizer=tokenizer),
+            DUMMY_DEFAULT_NAME, "dummy (random) weights: output is meaningless")
+
+
+def dummy_default_tokenizer() -> str:
+    """A tokenizer of the dummy default's vocabulary size (49152), trained once (deterministically, a
+    few seconds) on the standard library sources and kept in the user's cache, so text prompts work."""
+    from jaxserve.engine.compile import default_cache_dir
+    from jaxserve.tokenizer import train_tokenizer
+
+    path = os.path.join(os.path.dirname(default_cache_dir()), "tokenizers", "bytelevel-49152")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        logger.info("training the dummy default's byte-level tokenizer (vocab 49152) into %s", path)
+        train_tokenizer(path, vocab_size=49152, kind="bytelevel", max_bytes=8_000_000)
+    return path
 
 
 def build_engine(ns: argparse.Namespace, settings: EngineConfig) -> Any:
