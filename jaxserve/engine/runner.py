@@ -137,15 +137,18 @@ class ModelRunner:
             executable = lowered.compile()
             return shape, executable, time.perf_counter() - start
 
-        timings = []
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool, \
                 tqdm(total=len(shapes), desc="compiling step buckets", disable=not progress, unit="bucket") as bar:
-            futures = [pool.submit(compile_one, shape, self._lower(shape)) for shape in shapes]
-            for future in futures:
-                shape, executable, seconds = future.result()
-                self._executables[shape] = executable
-                timings.append((shape, seconds))
-                bar.update(1)
+            futures = []
+            for shape in shapes:
+                future = pool.submit(compile_one, shape, self._lower(shape))
+                future.add_done_callback(lambda _: bar.update(1))
+                futures.append(future)
+            results = [f.result() for f in futures]
+        timings = []
+        for shape, executable, seconds in results:
+            self._executables[shape] = executable
+            timings.append((shape, seconds))
         for (B, T, P), seconds in timings:
             logger.info("bucket batch=%d tokens=%d pages=%d compiled in %.2fs", B, T, P, seconds)
         return timings
