@@ -187,7 +187,7 @@ class EngineConfig(Settings):
                                 optional(parse_str))
     tokenizer: str | None = setting(None, "tokenizer directory or file; default: the model directory",
                                     optional(parse_str))
-    dtype: str = setting("auto", "parameter and activation dtype; auto = the checkpoint's torch_dtype, else bfloat16",
+    dtype: str = setting("auto", "parameter and activation dtype; auto = float32 on CPU, else the checkpoint's dtype, else bfloat16",
                          choice(*DTYPES))
     load_format: str = setting("auto", "auto | safetensors | dummy (seeded random weights)",
                                choice("auto", "safetensors", "dummy"))

@@ -103,6 +103,8 @@ def forward(
         last = jnp.maximum(num_new - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # f[B, D]
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-    head = params.embed.T if params.lm_head is None else params.lm_head
-    logits = jnp.matmul(x, head, preferred_element_type=jnp.float32)
+    if params.lm_head is None:  # tied: contract with embed [V, D] directly (a .T materialised a copy)
+        logits = jnp.einsum("...d,vd->...v", x, params.embed, preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.matmul(x, params.lm_head, preferred_element_type=jnp.float32)
     return logits, k_cache, v_cache
