@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.errors import JaxServeError, RequestError
 from jaxserve.memory_plan import MemoryPlan
-from jaxserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from jaxserve.sampling_params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 
 # ----------------------------------------------------------------------------------------------
 # A byte-level tokenizer: ids 0..3 are specials (as in jaxserve's trained byte-level tokenizers),
@@ -158,24 +158,10 @@ MockSamplingParams = dataclasses.make_dataclass(
 
 
 @dataclasses.dataclass
-class MockCompletionOutput(CompletionOutput):
-    # Per generated token: {token id: logprob} holding the chosen token and the top `logprobs` others.
-    logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float | None = None
-
-
-@dataclasses.dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-
-
-@dataclasses.dataclass
 class MockRequestOutput(RequestOutput):
+    """The real output plus prompt_logprobs, which the real engine does not produce yet."""
+
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    metrics: RequestMetrics | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -324,7 +310,7 @@ class MockAsyncLLMEngine:
         req = _Request(
             request_id=request_id, prompt=prompt, prompt_ids=ids, params=params, loop=loop, queue=asyncio.Queue(),
             digest=hashlib.blake2b(repr(ids).encode(), digest_size=16).digest(), pages=pages,
-            metrics=RequestMetrics(arrival_time=time.time()),
+            metrics=RequestMetrics(arrival_time=time.monotonic()),
             siblings=[_Sibling(i) for i in range(params.n)], fail=fail,
         )
         with self._lock:
@@ -381,7 +367,7 @@ class MockAsyncLLMEngine:
                     self._lock.wait(timeout=1.0)
                 if self._stopping and not self._waiting and not self._running:
                     return
-                now = time.time()
+                now = time.monotonic()
                 while self._waiting and len(self._running) < self.engine.settings.max_num_seqs:
                     req = self._waiting[0]
                     if req.pages > self._pages_free:
@@ -446,11 +432,11 @@ class MockAsyncLLMEngine:
             # While running, hold back a tail that could still become a stop string.
             s.text = full if s.finish_reason else full[: len(full) - _held_back(full, params.stop)]
         if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = time.time()
+            req.metrics.first_token_time = time.monotonic()
         finished = all(s.finish_reason is not None for s in req.siblings)
         if finished:
             req.done = True
-            req.metrics.finished_time = time.time()
+            req.metrics.finished_time = time.monotonic()
             self._running.remove(req)
             self._pages_free += req.pages
             self._by_id.pop(req.request_id, None)
@@ -492,7 +478,7 @@ class MockAsyncLLMEngine:
             prompt=req.prompt,
             prompt_token_ids=list(req.prompt_ids),
             outputs=[
-                MockCompletionOutput(
+                CompletionOutput(
                     index=s.index, token_ids=list(s.token_ids), text=s.text, finish_reason=s.finish_reason,
                     logprobs=[dict(e) for e in s.logprobs] if want_lp else None,
                     cumulative_logprob=s.cumulative_logprob if want_lp else None,
