@@ -7,7 +7,6 @@ Layout (documented once, shared with `pallas_kernels`): for replica r and layer 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import flax.struct
@@ -16,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.errors import ConfigError
 
 
 @flax.struct.dataclass
@@ -89,20 +87,6 @@ class StepBatch:
         return self.start_pos + self.num_new
 
 
-def kv_dtype_bytes(dtype: Any) -> int:
-    return jnp.dtype(dtype).itemsize
-
-
-def pages_for_memory(cfg: ModelConfig, memory_bytes: int, page_size: int, dtype: Any) -> int:
-    page_bytes = cfg.kv_bytes_per_token(kv_dtype_bytes(dtype)) * page_size
-    pages = memory_bytes // page_bytes
-    if pages < 1:
-        raise ConfigError(
-            f"kv_cache_memory={memory_bytes} bytes holds no page of {page_bytes} bytes (page_size={page_size})"
-        )
-    return int(pages)
-
-
 def cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, num_replicas: int = 1) -> tuple[int, ...]:
     return (num_replicas, cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
 
@@ -152,7 +136,3 @@ def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array, replica: int = 0)
 
 
 copy_pages_jit = jax.jit(copy_pages, static_argnames=("replica",), donate_argnames=("cache",))
-
-
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    return math.ceil(num_tokens / page_size)

@@ -84,9 +84,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def sequences_of(self, request_id: str) -> list[Sequence]:
-        return [s for s in (*self.running, *self.waiting) if s.request_id == request_id]
-
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         copies = self._fork_ready_parents()

@@ -97,14 +97,6 @@ def map_specs(fn: Callable[[ArraySpec], Any], cfg: ModelConfig) -> Params:
     return jax.tree.map(fn, param_specs(cfg), is_leaf=_is_spec)
 
 
-def abstract_params(cfg: ModelConfig, dtype: Any, shardings: Params | None = None) -> Params:
-    """ShapeDtypeStructs of the params (for AOT compilation and sharded restore)."""
-    abstract = map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), cfg)
-    if shardings is None:
-        return abstract
-    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
-
-
 def logical_axes(cfg: ModelConfig) -> Params:
     """Logical axis names per array, for the sharding rules."""
     return map_specs(lambda s: s.axes, cfg)
