@@ -304,6 +304,10 @@ def hf_state_dict(params, cfg) -> dict:
         return torch.from_numpy(np.array(x, dtype=np.float32, order="C"))  # a writable copy
 
     L = params.layers
+    if isinstance(L, tuple):  # per-layer arrays (the unrolled engine's form): stack them back
+        import jax
+
+        L = jax.tree.map(lambda *ws: np.stack([np.asarray(w) for w in ws]), *L)
     sd = {"model.embed_tokens.weight": t(params.embed), "model.norm.weight": t(params.final_norm)}
     if params.lm_head is not None:
         sd["lm_head.weight"] = t(np.asarray(params.lm_head).T)
