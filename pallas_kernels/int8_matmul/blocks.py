@@ -41,3 +41,19 @@ def pick_blocks(backend: str, m: int, k: int, n: int, x_dtype, block_m=None, blo
         bn = min(bn, max(16, next_pow2(n)))
         bk = min(bk, max(16, next_pow2(k)))
     return block_m or bm, block_n or bn, block_k or bk
+
+
+def pad_to_blocks(x, w_q, w_scale, blocks: tuple[int, int, int]):
+    """Zero-pad x [m, k], w_q [k, n] and w_scale [n] up to whole blocks (both backends' kernels).
+
+    Zero padding of k is exact (adds 0 * 0); padded output rows and columns are sliced off by the
+    caller. Returns the padded operands and the padded (m, n, k).
+    """
+    m, k = x.shape
+    n = w_q.shape[1]
+    bm, bn, bk = blocks
+    mp, np_, kp = round_up(m, bm), round_up(n, bn), round_up(k, bk)
+    xp = jnp.pad(x, ((0, mp - m), (0, kp - k)))
+    wp = jnp.pad(w_q, ((0, kp - k), (0, np_ - n)))
+    sp = jnp.pad(w_scale, (0, np_ - n))
+    return xp, wp, sp, (mp, np_, kp)

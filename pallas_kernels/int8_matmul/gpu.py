@@ -10,7 +10,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import round_up
+from pallas_kernels.int8_matmul.blocks import pad_to_blocks
 
 
 def _kernel(
@@ -43,13 +43,9 @@ def int8_matmul_gpu(
     blocks: tuple[int, int, int],
     interpret: bool,
 ):
-    m, k = x.shape
-    n = w_q.shape[1]
+    m, n = x.shape[0], w_q.shape[1]
     bm, bn, bk = blocks
-    mp, np_, kp = round_up(m, bm), round_up(n, bn), round_up(k, bk)
-    xp = jnp.pad(x, ((0, mp - m), (0, kp - k)))
-    wp = jnp.pad(w_q, ((0, kp - k), (0, np_ - n)))
-    sp = jnp.pad(w_scale, (0, np_ - n))
+    xp, wp, sp, (mp, np_, kp) = pad_to_blocks(x, w_q, w_scale, blocks)
     out = pl.pallas_call(
         functools.partial(_kernel, bk=bk),
         grid=(mp // bm, np_ // bn),

@@ -8,7 +8,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import round_up, tpu_interpret_arg
+from pallas_kernels._common import tpu_interpret_arg
+from pallas_kernels.int8_matmul.blocks import pad_to_blocks
 
 
 def _kernel(
@@ -45,14 +46,10 @@ def int8_matmul_tpu(
     blocks: tuple[int, int, int],
     interpret: bool,
 ):
-    m, k = x.shape
-    n = w_q.shape[1]
+    m, n = x.shape[0], w_q.shape[1]
     bm, bn, bk = blocks
-    mp, np_, kp = round_up(m, bm), round_up(n, bn), round_up(k, bk)
-    # Zero padding of k is exact (adds 0 * 0); padded rows/cols are sliced off.
-    xp = jnp.pad(x, ((0, mp - m), (0, kp - k)))
-    wp = jnp.pad(w_q, ((0, kp - k), (0, np_ - n)))
-    sp = jnp.pad(w_scale, (0, np_ - n)).reshape(1, np_)
+    xp, wp, sp, (mp, np_, kp) = pad_to_blocks(x, w_q, w_scale, blocks)
+    sp = sp.reshape(1, np_)
     out = pl.pallas_call(
         _kernel,
         grid=(mp // bm, np_ // bn, kp // bk),
