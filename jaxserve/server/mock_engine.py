@@ -105,53 +105,22 @@ class MockTokenizer:
 
 
 # ----------------------------------------------------------------------------------------------
-# SamplingParams and outputs with every field the server can pass. Fields the real SamplingParams
-# already has are inherited; the rest are added here with vLLM's defaults and checks.
+# SamplingParams and outputs with every field the server can pass: the real ones plus
+# prompt_logprobs, which the real engine does not produce yet.
 # ----------------------------------------------------------------------------------------------
-
-_HAVE = {f.name for f in dataclasses.fields(SamplingParams)}
-_EXTRA_FIELDS = [
-    ("n", int, 1),
-    ("stop", tuple, ()),
-    ("min_tokens", int, 0),
-    ("min_p", float, 0.0),
-    ("repetition_penalty", float, 1.0),
-    ("presence_penalty", float, 0.0),
-    ("frequency_penalty", float, 0.0),
-    ("logprobs", Any, None),
-    ("prompt_logprobs", Any, None),
-    ("include_stop_str_in_output", bool, False),
-    ("skip_special_tokens", bool, True),
-]
 
 
 def _mock_post_init(self) -> None:
+    """The real checks, plus the one field only the mock has (prompt_logprobs)."""
     SamplingParams.__post_init__(self)
-    if isinstance(self.stop, str):
-        self.stop = (self.stop,)
-    self.stop = tuple(self.stop)
-    if not isinstance(self.n, int) or self.n < 1:
-        raise RequestError(f"n must be an integer >= 1, got {self.n!r}")
-    if any(not isinstance(s, str) or not s for s in self.stop):
-        raise RequestError("stop strings must be non-empty strings")
-    if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-        raise RequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-    if not 0 <= self.min_p <= 1:
-        raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
-    if not self.repetition_penalty > 0:
-        raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not -2 <= getattr(self, name) <= 2:
-            raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-    for name in ("logprobs", "prompt_logprobs"):
-        value = getattr(self, name)
-        if value is not None and (not isinstance(value, int) or value < 0):
-            raise RequestError(f"{name} must be None or an integer >= 0, got {value!r}")
+    value = self.prompt_logprobs
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise RequestError(f"prompt_logprobs must be None or an integer >= 0, got {value!r}")
 
 
 MockSamplingParams = dataclasses.make_dataclass(
     "MockSamplingParams",
-    [(name, typ, dataclasses.field(default=default)) for name, typ, default in _EXTRA_FIELDS if name not in _HAVE],
+    [("prompt_logprobs", Any, dataclasses.field(default=None))],
     bases=(SamplingParams,),
     namespace={"__post_init__": _mock_post_init, "__module__": __name__},
 )
