@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import parse_metrics, sse_events, wait_until  # noqa: F401 - tests/server/conftest.py
+from server_testlib import parse_metrics, sse_events, wait_until
 
 PROMPT = "The quick brown fox"
 

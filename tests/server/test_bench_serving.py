@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TEST_API_KEY
+from server_testlib import REPO, TEST_API_KEY
 
 
 def load_bench():

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from conftest import MAX_MODEL_LEN, MOCK_ARGS, TEST_API_KEY, server_kind, sse_events, wait_until
+from server_testlib import MAX_MODEL_LEN, MOCK_ARGS, TEST_API_KEY, server_kind, sse_events, wait_until
 
 openai = pytest.importorskip("openai")
 

@@ -10,7 +10,7 @@ import random
 
 import httpx
 
-from conftest import MAX_MODEL_LEN, TEST_API_KEY, wait_until
+from server_testlib import MAX_MODEL_LEN, TEST_API_KEY, wait_until
 
 WORDS = "alpha beta gamma delta river stone cloud light ember frost maple orbit quartz sable tide vale".split()
 NUM_REQUESTS, CONCURRENCY, NUM_DISTINCT, DISCONNECT_SHARE = 200, 64, 40, 0.10
