@@ -82,9 +82,33 @@ class ModelConfig:
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + d
 
-    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
-        """2 (K and V) * b * head_dim * kv_heads * layers (see DESIGN.md)."""
+    def kv_bytes_per_token(self, bytes_per_element: int, kv_cache_dtype: str = "auto") -> int:
+        """2 (K and V) * b * head_dim * kv_heads * layers (see DESIGN.md).
+
+        kv_cache_dtype="int8": one byte per element plus one f32 scale per (token, kv head, K or V)."""
+        if kv_cache_dtype == "int8":
+            return 2 * (self.head_dim + 4) * self.num_kv_heads * self.num_layers
         return 2 * bytes_per_element * self.head_dim * self.num_kv_heads * self.num_layers
+
+    def linear_params(self) -> int:
+        """Elements of the weights int8 quantization replaces (q/k/v/o, gate/up/down; not lm_head)."""
+        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        return self.num_layers * (d * h * (self.num_heads * 2 + self.num_kv_heads * 2) + 3 * d * f)
+
+    def linear_out_channels(self) -> int:
+        """Output channels of those weights: one f32 scale each when quantized."""
+        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        return self.num_layers * (h * (self.num_heads + 2 * self.num_kv_heads) + d + 2 * f + d)
+
+    def param_bytes(self, bytes_per_element: int, quantization: str = "none", quantize_lm_head: bool = False) -> int:
+        """Bytes of all parameters; with quantization="int8" the linear layers take 1 byte + f32 scales."""
+        total = self.num_params() * bytes_per_element
+        if quantization == "int8":
+            total -= self.linear_params() * (bytes_per_element - 1)
+            total += self.linear_out_channels() * 4
+            if quantize_lm_head and not self.tie_word_embeddings:
+                total -= self.vocab_size * self.hidden_size * (bytes_per_element - 1) - self.vocab_size * 4
+        return total
 
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any]) -> "ModelConfig":
@@ -211,6 +235,11 @@ class EngineConfig(Settings):
     preemption_mode: str = setting(
         "recompute", "recompute: admit greedily, preempt and recompute when pages run out; "
         "reserve: admit only when pages for prompt + max_tokens are free", choice("recompute", "reserve"))
+    quantization: str = setting("none", "none | int8 (weight-only, per-output-channel int8 linear layers)",
+                                choice("none", "int8"))
+    quantize_lm_head: bool = setting(False, "with quantization=int8, quantize the (untied) lm_head too", parse_bool)
+    kv_cache_dtype: str = setting("auto", "auto (the model dtype) | int8 (per-token, per-head scales)",
+                                  choice("auto", "int8"))
     compilation_cache_dir: str | None = setting(
         None, "persistent XLA compilation cache; default ~/.cache/jaxserve/xla, 'none' disables it", optional(parse_str)
     )
