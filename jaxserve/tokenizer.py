@@ -7,9 +7,10 @@ import json
 import numbers
 import os
 import re
-import sysconfig
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
+
+from jaxserve.corpus import iter_texts
 
 __all__ = [
     "TOKENIZER_FILES",
@@ -565,48 +566,9 @@ BYTELEVEL_SPECIALS = ("<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
 _SP_THREADS = 4
 
 
-def _stdlib_files() -> list[Path]:
-    root = sysconfig.get_paths()["stdlib"]
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        # Third-party packages are not part of the corpus, and walking them is most of the cost.
-        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__")]
-        rel = os.path.relpath(dirpath, root)
-        for name in filenames:
-            if name.endswith(".py"):
-                key = name if rel == "." else Path(rel, name).as_posix()
-                files.append((key, Path(dirpath, name)))
-    return [f for _, f in sorted(files)]
-
-
-def iter_stdlib_texts(max_bytes: int | None = None) -> Iterator[str]:
-    """The running interpreter's standard library *.py sources (UTF-8 ones), in sorted path order.
-
-    With `max_bytes`, stops after that many UTF-8 bytes, cutting the last file at a line end.
-    """
-    budget = max_bytes
-    for f in _stdlib_files():
-        try:
-            text = f.read_bytes().decode("utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue  # a few test fixtures are deliberately latin-1 / koi8-r
-        if budget is not None:
-            n = len(text.encode("utf-8"))
-            if n > budget:
-                kept, used = [], 0
-                for line in text.splitlines(keepends=True):
-                    ln = len(line.encode("utf-8"))
-                    if used + ln > budget:
-                        break
-                    kept.append(line)
-                    used += ln
-                if kept:
-                    yield "".join(kept)
-                return
-            budget -= n
-        yield text
-        if budget is not None and budget <= 0:
-            return
+def iter_stdlib_texts(max_bytes: int | None = None, split: str = "all") -> Iterator[str]:
+    """The stdlib sources of `split` (see `jaxserve.corpus`), in sorted path order, up to `max_bytes`."""
+    return (text for _, text in iter_texts(split, max_bytes))
 
 
 def _sp_sentences(texts: Iterable[str], target: int = 1024) -> Iterator[str]:
@@ -724,6 +686,7 @@ def train_tokenizer(
     kind: str = "sentencepiece",
     max_bytes: int | None = None,
     seed: int = 0,
+    split: str = "all",
 ) -> Path:
     """Train a BPE tokenizer of exactly `vocab_size` ids on the stdlib sources; write it to `out_dir`.
 
@@ -736,6 +699,7 @@ def train_tokenizer(
     byte-identical files (the corpus is the interpreter's stdlib, so another Python version gives
     another, equally deterministic, tokenizer). `seed` only feeds sentencepiece's RNG, which the
     full-corpus BPE trainer does not actually draw from; it is there for forward compatibility.
+    `split` picks the corpus files ("all", or "train" to keep the held-out files unseen).
     """
     if kind not in ("sentencepiece", "bytelevel"):
         raise ValueError(f"kind must be 'sentencepiece' or 'bytelevel', not {kind!r}")
@@ -745,7 +709,7 @@ def train_tokenizer(
     # A leftover file of the other kind would shadow ours (tokenizer.json is loaded first).
     for name in TOKENIZER_FILES:
         (out / name).unlink(missing_ok=True)
-    texts = iter_stdlib_texts(max_bytes)
+    texts = iter_stdlib_texts(max_bytes, split)
     if kind == "sentencepiece":
         proto = _train_sentencepiece(vocab_size, texts, seed)
         (out / "tokenizer.model").write_bytes(proto)

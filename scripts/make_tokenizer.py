@@ -15,10 +15,11 @@ except ImportError:  # run from a checkout without the package installed
 
 
 def make_tokenizer(
-    out_dir, vocab_size: int, kind: str = "sentencepiece", max_bytes: int | None = None, seed: int = 0
+    out_dir, vocab_size: int, kind: str = "sentencepiece", max_bytes: int | None = None, seed: int = 0,
+    split: str = "all",
 ) -> Path:
     """See `jaxserve.tokenizer.train_tokenizer`; returns the output directory."""
-    return train_tokenizer(out_dir, vocab_size, kind, max_bytes=max_bytes, seed=seed)
+    return train_tokenizer(out_dir, vocab_size, kind, max_bytes=max_bytes, seed=seed, split=split)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,10 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-bytes", type=int, default=None,
                     help="cap the training corpus at this many bytes (faster; default: whole stdlib)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--split", choices=("all", "train"), default="all",
+                    help="corpus files: all, or train (leaves the held-out 5%% unseen; default: %(default)s)")
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
-    out = make_tokenizer(args.out, args.vocab_size, args.kind, max_bytes=args.max_bytes, seed=args.seed)
+    out = make_tokenizer(args.out, args.vocab_size, args.kind, max_bytes=args.max_bytes, seed=args.seed,
+                         split=args.split)
     files = ", ".join(sorted(p.name for p in out.iterdir()))
     print(f"wrote {args.kind} tokenizer (vocab {args.vocab_size}) to {out}: {files} "
           f"in {time.perf_counter() - t0:.1f}s")

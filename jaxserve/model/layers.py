@@ -96,3 +96,26 @@ def paged_attention_reference(
     probs = jnp.where(mask[:, None, None], probs, 0.0).astype(v.dtype)
     out = jnp.einsum("bkgts,kbsh->btkgh", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(B, T, N, H).astype(q.dtype)
+
+
+def causal_attention(
+    q: jax.Array,  # f[B, T, N, H]
+    k: jax.Array,  # f[B, T, K, H]
+    v: jax.Array,  # f[B, T, K, H]
+    sliding_window: int | None = None,
+) -> jax.Array:  # f[B, T, N, H]
+    """Dense causal self-attention over whole sequences (training and scoring; no cache).
+
+    The same GQA grouping and f32 softmax as the paged reference, so a trained model means the
+    same thing in both."""
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    pos = jnp.arange(T, dtype=jnp.int32)
+    mask = pos[None, :] <= pos[:, None]  # bool[T(query), T(key)]
+    if sliding_window is not None:
+        mask &= pos[:, None] - pos[None, :] < sliding_window
+    qg = q.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * (H**-0.5)
+    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, N, H).astype(q.dtype)

@@ -14,7 +14,14 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import write_kv
-from jaxserve.model.layers import apply_rope, paged_attention_reference, rms_norm, rope_cos_sin, swiglu
+from jaxserve.model.layers import (
+    apply_rope,
+    causal_attention,
+    paged_attention_reference,
+    rms_norm,
+    rope_cos_sin,
+    swiglu,
+)
 from jaxserve.model.weights import LayerParams, Params
 
 # attention(q f[B,T,N,H], k_pages f[K,NP,S,H], v_pages, page_table i32[B,P], positions i32[B,T],
@@ -25,6 +32,25 @@ AttentionFn = Callable[..., jax.Array]
 def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
     y = x @ w
     return y if b is None else y + b
+
+
+def _project_qkv(cfg: ModelConfig, lp: LayerParams, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    """Pre-norm, q/k/v projections and rotary embeddings: q f[B,T,N,H], k and v f[B,T,K,H]."""
+    B, T, _ = x.shape
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    q = _linear(h, lp.wq, lp.bq).reshape(B, T, N, H)
+    k = _linear(h, lp.wk, lp.bk).reshape(B, T, K, H)
+    v = _linear(h, lp.wv, lp.bv).reshape(B, T, K, H)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _output_and_mlp(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Array) -> jax.Array:
+    """Output projection and residual, then the pre-norm SwiGLU block and its residual."""
+    B, T, N, H = attn.shape
+    x = x + _linear(attn.reshape(B, T, N * H), lp.wo, lp.bo)
+    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    return x + swiglu(h, lp.w_gate, lp.w_up, lp.w_down)
 
 
 def _layer(
@@ -42,18 +68,10 @@ def _layer(
     valid: jax.Array,  # bool[B, T]
     seq_lens: jax.Array,  # i32[B]
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    B, T, _ = x.shape
-    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    q = _linear(h, lp.wq, lp.bq).reshape(B, T, N, H)
-    k = _linear(h, lp.wk, lp.bk).reshape(B, T, K, H)
-    v = _linear(h, lp.wv, lp.bv).reshape(B, T, K, H)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = _project_qkv(cfg, lp, x, cos, sin)
     k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, page_table, positions, valid)
     attn = attention(q, k_cache[layer], v_cache[layer], page_table, positions, seq_lens, cfg.sliding_window)
-    x = x + _linear(attn.reshape(B, T, N * H), lp.wo, lp.bo)
-    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-    return x + swiglu(h, lp.w_gate, lp.w_up, lp.w_down), k_cache, v_cache
+    return _output_and_mlp(cfg, lp, x, attn), k_cache, v_cache
 
 
 def forward(
@@ -102,9 +120,33 @@ def forward(
     if not all_logits:
         last = jnp.maximum(num_new - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # f[B, D]
+    return _logits(params, cfg, x), k_cache, v_cache
+
+
+def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     if params.lm_head is None:  # tied: contract with embed [V, D] directly (a .T materialised a copy)
-        logits = jnp.einsum("...d,vd->...v", x, params.embed, preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,vd->...v", x, params.embed, preferred_element_type=jnp.float32)
+    return jnp.matmul(x, params.lm_head, preferred_element_type=jnp.float32)
+
+
+def forward_dense(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+    """Logits f32[B, T, V] of whole sequences from position 0, without a KV cache (training, scoring).
+
+    The same layers as `forward`, with dense causal attention; `layers` may be stacked (scanned)
+    or a tuple (unrolled)."""
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    cos, sin = rope_cos_sin(positions, cfg)
+    x = params.embed[tokens]
+
+    def layer(x, lp):
+        q, k, v = _project_qkv(cfg, lp, x, cos, sin)
+        return _output_and_mlp(cfg, lp, x, causal_attention(q, k, v, cfg.sliding_window))
+
+    if isinstance(params.layers, tuple):
+        for lp in params.layers:
+            x = layer(x, lp)
     else:
-        logits = jnp.matmul(x, params.lm_head, preferred_element_type=jnp.float32)
-    return logits, k_cache, v_cache
+        x, _ = jax.lax.scan(lambda x, lp: (layer(x, lp), None), x, params.layers)
+    return _logits(params, cfg, x)
