@@ -213,8 +213,9 @@ class EngineConfig(Settings):
                                     optional(parse_str))
     dtype: str = setting("auto", "parameter and activation dtype; auto = float32 on CPU, else the checkpoint's dtype, else bfloat16",
                          choice(*DTYPES))
-    load_format: str = setting("auto", "auto | safetensors | dummy (seeded random weights)",
-                               choice("auto", "safetensors", "dummy"))
+    load_format: str = setting("auto", "auto (orbax if the directory is a jaxserve checkpoint, else safetensors) | "
+                               "orbax | safetensors | dummy (seeded random weights)",
+                               choice("auto", "orbax", "safetensors", "dummy"))
     seed: int = setting(0, "seed for dummy weights and default sampling", parse_int)
     page_size: int = setting(16, "tokens per KV-cache page", parse_int)
     num_pages: int | None = setting(None, "KV-cache pages per data-parallel replica", optional(parse_int))
@@ -230,6 +231,9 @@ class EngineConfig(Settings):
                                        optional(parse_bool))
     attention_backend: str = setting("auto", "auto | reference | pallas", choice("auto", "reference", "pallas"))
     enable_prefix_caching: bool = setting(True, "reuse the KV pages of shared prompt prefixes", parse_bool)
+    enable_prompt_logprobs: bool = setting(
+        False, "accept prompt_logprobs (scoring, e.g. lm-eval): compiles a scoring variant of every prefill "
+        "bucket at start-up", parse_bool)
     scheduling: str = setting("continuous", "continuous (iteration-level) or static batching (the baseline)",
                               choice("continuous", "static"))
     preemption_mode: str = setting(

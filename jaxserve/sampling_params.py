@@ -29,6 +29,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # over output tokens (OpenAI semantics)
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # top-N logprobs per output token (0: only the chosen token's)
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (0: only the prompt token's)
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -60,8 +61,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20):
-            raise RequestError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 20):
+                raise RequestError(f"{name} must be an integer in [0, 20], got {value!r}")
         if self.min_tokens > self.max_tokens:
             raise RequestError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
 
@@ -99,3 +102,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # With prompt_logprobs: per prompt token, {token id: logprob} of it and the top-N given the tokens
+    # before it; None for the first token (nothing predicts it). Complete once the prompt is computed.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

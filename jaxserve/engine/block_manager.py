@@ -222,8 +222,9 @@ class BlockManager:
             hits, _ = self._match_prefix(pool, prompt_token_ids)
         return self._fits(pool, num_prompt_tokens, hits)
 
-    def admit(self, seq_id: Hashable, replica: int, prompt_token_ids: Sequence[int]) -> int:
-        """Give a new sequence pages for its whole prompt, reusing cached prefix pages.
+    def admit(self, seq_id: Hashable, replica: int, prompt_token_ids: Sequence[int], reuse_prefix: bool = True) -> int:
+        """Give a new sequence pages for its whole prompt, reusing cached prefix pages (unless
+        `reuse_prefix` is False: a request for prompt logprobs must compute every position).
 
         Returns how many leading prompt tokens are already computed (a multiple of page_size; the
         engine starts prefill there). Raises OutOfPagesError, changing nothing, if
@@ -236,7 +237,7 @@ class BlockManager:
         n = len(prompt_token_ids)
         if n == 0:
             raise BlockManagerError(f"sequence {seq_id!r}: empty prompt")
-        hits, last_key = self._match_prefix(pool, prompt_token_ids)
+        hits, last_key = self._match_prefix(pool, prompt_token_ids) if reuse_prefix else ([], _ROOT_KEY)
         if not self._fits(pool, n, hits):
             raise OutOfPagesError(
                 f"replica {replica}: {n}-token prompt does not fit in {pool.num_available()} free pages "

@@ -112,6 +112,8 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         self.runner.warm_up()
+        if self.settings.enable_prompt_logprobs:
+            self.runner.warm_up(self.runner.score_shapes())
         for replica in range(self.num_replicas):  # the page copy of forked (n > 1) sequences
             self.runner.copy_pages(replica, np.zeros(0, np.int32), np.zeros(0, np.int32))
         self.compiles_at_warm_up = CompileCounter.requests
@@ -151,6 +153,9 @@ class LLMEngine:
             raise RequestError(f"prompt + max_tokens needs {needed} KV pages; a replica's cache has {usable}")
         if params.n > self.settings.max_num_seqs:
             raise RequestError(f"n={params.n} exceeds max_num_seqs={self.settings.max_num_seqs}")
+        if params.prompt_logprobs is not None and not self.settings.enable_prompt_logprobs:
+            raise RequestError("prompt_logprobs needs the engine started with enable_prompt_logprobs=True "
+                               "(--enable-prompt-logprobs), which compiles the scoring steps")
 
     def add_request(
         self,
@@ -176,6 +181,8 @@ class LLMEngine:
             for i in range(params.n)
         ]
         seqs[0].num_siblings_to_fork = params.n - 1
+        if params.prompt_logprobs is not None:
+            seqs[0].prompt_logprobs = [None] * len(ids)
         self.requests[request_id] = Request(request_id, prompt, list(ids), params, seqs, time.monotonic())
         self.scheduler.add(seqs[0])
         if params.n > 1:
@@ -217,10 +224,15 @@ class LLMEngine:
             RowWork(r.seq.tokens[r.start : r.start + r.num_tokens], r.start, self.blocks.page_table(r.seq.seq_id),
                     RowSampling.from_params(r.seq.params, seed=r.seq.seed, step=len(r.seq.output_token_ids),
                                             prompt_ids=r.seq.prompt_token_ids, output_ids=r.seq.output_token_ids),
-                    r.seq.replica)
+                    r.seq.replica, self._prompt_targets(r.seq, r.start, r.num_tokens))
             for r in plan.rows
         ]
         sampled = self.runner.execute(rows)
+        if isinstance(sampled, tuple):
+            sampled, scores = sampled
+            for i, row in enumerate(plan.rows):
+                if rows[i].targets is not None:
+                    self._record_prompt_logprobs(row.seq, row.start, rows[i].targets, scores, i)
         # What the step had to read: every weight once, plus each row's cached K/V.
         context = sum(r.start + r.num_tokens for r in plan.rows)
         self.last_step_bytes_read = self.plan.param_bytes + context * self.plan.kv_bytes_per_token
@@ -249,6 +261,25 @@ class LLMEngine:
         for replica in {c[0] for c in plan.page_copies}:
             pairs = np.asarray([(s, d) for r, s, d in plan.page_copies if r == replica], np.int32)
             self.runner.copy_pages(replica, pairs[:, 0], pairs[:, 1])
+
+    @staticmethod
+    def _prompt_targets(seq: Sequence, start: int, num_tokens: int) -> list[int] | None:
+        """The next prompt token of each computed position, when this chunk has prompt tokens to score."""
+        prompt = seq.prompt_token_ids
+        if seq.prompt_logprobs is None or start + 1 >= len(prompt):
+            return None
+        return [prompt[p + 1] if p + 1 < len(prompt) else 0 for p in range(start, start + num_tokens)]
+
+    @staticmethod
+    def _record_prompt_logprobs(seq: Sequence, start: int, targets: list[int], scores, i: int) -> None:
+        top = seq.params.prompt_logprobs
+        for j in range(len(targets)):
+            position = start + j + 1  # the prompt token that position start + j predicts
+            if position >= len(seq.prompt_token_ids):
+                break
+            entry = {int(t): float(lp) for t, lp in zip(scores.top_ids[i, j, :top], scores.top_logprobs[i, j, :top])}
+            entry[targets[j]] = float(scores.target_logprobs[i, j])
+            seq.prompt_logprobs[position] = entry  # a recompute after preemption rewrites the same values
 
     def _record_logprobs(self, seq: Sequence, sampled, i: int) -> None:
         top = seq.params.logprobs
@@ -316,6 +347,8 @@ class LLMEngine:
                 for s in request.seqs
             ],
             finished=request.finished,
+            prompt_logprobs=list(request.seqs[0].prompt_logprobs) if request.params.prompt_logprobs is not None
+            else None,
             metrics=RequestMetrics(
                 arrival_time=request.arrival_time,
                 first_scheduled_time=min((t for t in (s.first_scheduled_time for s in request.seqs) if t), default=None),

@@ -12,6 +12,7 @@ import os
 import time
 from typing import Any, Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +38,8 @@ class RowWork:
     page_ids: Sequence[int]
     sampling: RowSampling | None = None  # None: greedy
     replica: int = 0
+    # With prompt logprobs: the token after each of `tokens` (what its logits are scored against).
+    targets: Sequence[int] | None = None
 
 
 def _generate_step(params, cache, batch, sampling, cfg, options, cache_sharding=None):
@@ -50,6 +53,34 @@ def _generate_step(params, cache, batch, sampling, cfg, options, cache_sharding=
 
 _generate_step_jit = jax.jit(
     _generate_step, static_argnames=("cfg", "options", "cache_sharding"), donate_argnames=("cache",)
+)
+
+
+@flax.struct.dataclass
+class PromptScores:
+    """Per chunk token t: the logprob of the token after it (`targets[t]`) and the top-N alternatives."""
+
+    target_logprobs: jax.Array  # f32[R, B, T]
+    top_ids: jax.Array  # i32[R, B, T, MAX_LOGPROBS]
+    top_logprobs: jax.Array  # f32[R, B, T, MAX_LOGPROBS]
+
+
+def _score_step(params, cache, batch, sampling, targets, cfg, options, cache_sharding=None):
+    """A prefill step that also scores every prompt token (prompt_logprobs): all positions' logits."""
+    options = dataclasses.replace(options, all_logits=True)
+    logits, cache = model_step(params, cache, batch, cfg, options)  # f32[R, B, T, V]
+    if cache_sharding is not None:
+        cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
+    last = jnp.maximum(batch.num_new - 1, 0)[..., None, None]
+    sampled = sample(jnp.take_along_axis(logits, last, axis=2)[:, :, 0], sampling, want_logprobs=MAX_LOGPROBS)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
+    target = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return (sampled, PromptScores(target, top_ids, top_logprobs)), cache
+
+
+_score_step_jit = jax.jit(
+    _score_step, static_argnames=("cfg", "options", "cache_sharding"), donate_argnames=("cache",)
 )
 
 
@@ -72,7 +103,7 @@ class ModelRunner:
         self.options = options
         self.shardings = shardings  # jaxserve.sharding.Shardings or None
         self.num_replicas = cache.num_replicas
-        self._executables: dict[tuple[int, int, int], Any] = {}
+        self._executables: dict[tuple, Any] = {}  # (batch, tokens, pages) or (..., "score")
         self.unplanned_compiles = 0  # shapes that were not in the warmed table
         # Token history for repetition/presence/frequency penalties, padded to one fixed length so
         # penalties never recompile (B x history_len int32s per step: small beside the weights).
@@ -107,11 +138,20 @@ class ModelRunner:
         sampling = SamplingTensors.spec((R, B), self.history_len, sh and sh.batch2, sh and sh.batch3)
         return batch, sampling
 
-    def _lower(self, shape: tuple[int, int, int]):
-        batch, sampling = self._abstract_inputs(shape)
+    def score_shapes(self) -> list[tuple]:
+        """The prefill shapes again, as prompt-scoring variants (compiled when prompt logprobs are enabled)."""
+        return [(B, T, P, "score") for B, T, P in self.step_shapes() if T > 1]
+
+    def _lower(self, shape: tuple):
+        batch, sampling = self._abstract_inputs(shape[:3])
+        cache_sharding = self.shardings.cache if self.shardings is not None else None
+        if len(shape) == 4:  # scoring variant
+            targets = jax.ShapeDtypeStruct(batch.tokens.shape, jnp.int32, sharding=batch.tokens.sharding)
+            return _score_step_jit.trace(self.params, self.cache, batch, sampling, targets, cfg=self.cfg,
+                                         options=self.options, cache_sharding=cache_sharding).lower()
         return _generate_step_jit.trace(
             self.params, self.cache, batch, sampling, cfg=self.cfg, options=self.options,
-            cache_sharding=self.shardings.cache if self.shardings is not None else None,
+            cache_sharding=cache_sharding,
         ).lower()
 
     def compile(self, shape: tuple[int, int, int]):
@@ -149,8 +189,8 @@ class ModelRunner:
         for shape, executable, seconds in results:
             self._executables[shape] = executable
             timings.append((shape, seconds))
-        for (B, T, P), seconds in timings:
-            logger.info("bucket batch=%d tokens=%d pages=%d compiled in %.2fs", B, T, P, seconds)
+        for shape, seconds in timings:
+            logger.info("bucket %s compiled in %.2fs", shape, seconds)
         return timings
 
     def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray) -> None:
@@ -166,20 +206,25 @@ class ModelRunner:
             self.cache = copy_pages_jit(self.cache, s, d, replica=replica)
 
     # ---- execution -----------------------------------------------------------------------------
-    def execute(self, rows: Sequence[RowWork]) -> SampleOutput:
+    def execute(self, rows: Sequence[RowWork]) -> SampleOutput | tuple[SampleOutput, PromptScores]:
         """Run one step for `rows` (any mix of replicas); returns each row's sample, in row order
-        (tokens i32[n], logprobs f32[n], top_ids i32[n, MAX_LOGPROBS], top_logprobs f32[n, MAX_LOGPROBS])."""
+        (tokens i32[n], logprobs f32[n], top_ids i32[n, MAX_LOGPROBS], top_logprobs f32[n, MAX_LOGPROBS]).
+
+        If any row has `targets`, the step also scores every token (the scoring variant) and returns
+        (samples, PromptScores with leading axis n)."""
         R = self.num_replicas
         per_replica = [[i for i, r in enumerate(rows) if r.replica == rep] for rep in range(R)]
         B = pick_bucket(max(len(p) for p in per_replica), self.buckets.batch_sizes)
         max_tokens = max(len(r.tokens) for r in rows)
-        T = 1 if max_tokens == 1 else pick_bucket(max_tokens, self.buckets.chunk_sizes)
+        score = any(r.targets is not None for r in rows)
+        T = 1 if max_tokens == 1 and not score else pick_bucket(max_tokens, self.buckets.chunk_sizes)
         P = self.buckets.page_counts[-1] if T > 1 else pick_bucket(
             max(len(r.page_ids) for r in rows), self.buckets.page_counts)
         tokens = np.zeros((R, B, T), np.int32)
         start = np.zeros((R, B), np.int32)
         num_new = np.zeros((R, B), np.int32)
         table = np.full((R, B, P), PADDING_PAGE, np.int32)
+        targets = np.zeros((R, B, T), np.int32)
         flat_sampling: list[RowSampling | None] = [None] * (R * B)
         for rep, indices in enumerate(per_replica):
             for b, i in enumerate(indices):
@@ -189,24 +234,28 @@ class ModelRunner:
                 num_new[rep, b] = len(row.tokens)
                 table[rep, b, : len(row.page_ids)] = row.page_ids
                 flat_sampling[rep * B + b] = row.sampling
-        shape = (B, T, P)
+                if row.targets is not None:
+                    targets[rep, b, : len(row.targets)] = row.targets
+        shape = (B, T, P, "score") if score else (B, T, P)
         if shape not in self._executables:
             self.unplanned_compiles += 1
-            logger.warning("compiling unplanned step shape batch=%d tokens=%d pages=%d", *shape)
+            logger.warning("compiling unplanned step shape %s", shape)
         executable = self.compile(shape)
         batch = StepBatch(tokens=tokens, start_pos=start, num_new=num_new, page_table=table)
         st = SamplingTensors.pack(flat_sampling, (R, B), self.history_len)
         # Explicit transfers only (the step loop runs under jax.transfer_guard("disallow") in tests):
         # one host->device copy of the packed inputs, one device->host copy of the samples.
         sh = self.shardings
+        inputs = (batch, st, targets) if score else (batch, st)
         if sh is not None:
-            batch, st = jax.device_put((batch, st), (
+            inputs = jax.device_put(inputs, (
                 StepBatch(sh.batch3, sh.batch2, sh.batch2, sh.batch3),
                 jax.tree.map(lambda _: sh.batch2, st).replace(history=sh.batch3),
-            ))
+                sh.batch3,
+            )[: len(inputs)])
         else:
-            batch, st = jax.device_put((batch, st))
-        out, self.cache = executable(self.params, self.cache, batch, st)
+            inputs = jax.device_put(inputs)
+        out, self.cache = executable(self.params, self.cache, *inputs)
         out = jax.device_get(out)
         where = np.empty(len(rows), np.int64)  # flat [R*B] index of each row
         for rep, indices in enumerate(per_replica):

@@ -172,6 +172,7 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> int | None:
         """Give the head of the queue pages on the best replica, or None if none can take it now."""
         tokens = seq.tokens
+        reuse = seq.params.prompt_logprobs is None  # prompt logprobs need every position computed
         width = 1 + seq.num_siblings_to_fork
         counts = [0] * self.blocks.num_replicas
         for s in self.running:
@@ -184,15 +185,15 @@ class Scheduler:
                 need = width * self.blocks.pages_for(self._reserved_tokens(seq))
                 if self.blocks.num_free_pages(r) < need:
                     continue
-            elif not self.blocks.can_admit(r, len(tokens), tokens):
+            elif not self.blocks.can_admit(r, len(tokens), tokens if reuse else None):
                 continue
             # Prefer the replica holding this prefix, then the emptiest (most free pages, fewest sequences).
-            key = (self.blocks.lookup_prefix(r, tokens), self.blocks.num_free_pages(r), -counts[r])
+            key = (self.blocks.lookup_prefix(r, tokens) if reuse else 0, self.blocks.num_free_pages(r), -counts[r])
             if best_key is None or key > best_key:
                 best, best_key = r, key
         if best is None:
             return None
-        seq.num_computed = self.blocks.admit(seq.seq_id, best, tokens)
+        seq.num_computed = self.blocks.admit(seq.seq_id, best, tokens, reuse_prefix=reuse)
         if self.preemption_mode == "reserve":
             self.blocks.ensure_capacity(seq.seq_id, self._reserved_tokens(seq))
         seq.replica = best

@@ -42,6 +42,9 @@ class Sequence:
     text: str = ""
     stop_text_len: int | None = None  # where a stop string cut the text
     logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)  # when params.logprobs is set
+    # When params.prompt_logprobs is set (first sample only; siblings share the prompt): one entry per
+    # prompt token, filled as prefill chunks are computed.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

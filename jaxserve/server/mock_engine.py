@@ -105,35 +105,6 @@ class MockTokenizer:
 
 
 # ----------------------------------------------------------------------------------------------
-# SamplingParams and outputs with every field the server can pass: the real ones plus
-# prompt_logprobs, which the real engine does not produce yet.
-# ----------------------------------------------------------------------------------------------
-
-
-def _mock_post_init(self) -> None:
-    """The real checks, plus the one field only the mock has (prompt_logprobs)."""
-    SamplingParams.__post_init__(self)
-    value = self.prompt_logprobs
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise RequestError(f"prompt_logprobs must be None or an integer >= 0, got {value!r}")
-
-
-MockSamplingParams = dataclasses.make_dataclass(
-    "MockSamplingParams",
-    [("prompt_logprobs", Any, dataclasses.field(default=None))],
-    bases=(SamplingParams,),
-    namespace={"__post_init__": _mock_post_init, "__module__": __name__},
-)
-
-
-@dataclasses.dataclass
-class MockRequestOutput(RequestOutput):
-    """The real output plus prompt_logprobs, which the real engine does not produce yet."""
-
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-
-
-# ----------------------------------------------------------------------------------------------
 # The engine
 # ----------------------------------------------------------------------------------------------
 
@@ -182,7 +153,7 @@ class MockLLMEngine:
 class MockAsyncLLMEngine:
     """Deterministic fake of `jaxserve.engine.engine.AsyncLLMEngine` (see the module docstring)."""
 
-    sampling_params_cls = MockSamplingParams
+    sampling_params_cls = SamplingParams
     is_mock = True
 
     def __init__(
@@ -246,10 +217,10 @@ class MockAsyncLLMEngine:
         sampling_params: Any = None,
         prompt_token_ids: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        params = sampling_params if sampling_params is not None else MockSamplingParams()
-        if not isinstance(params, MockSamplingParams):
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
             values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-            params = MockSamplingParams(**values)
+            params = SamplingParams(**values)
         tok = self.engine.tokenizer
         if prompt_token_ids is None:
             if prompt is None:
@@ -440,9 +411,9 @@ class MockAsyncLLMEngine:
             step += 1
         return entry
 
-    def _output(self, req: _Request, finished: bool) -> MockRequestOutput:
+    def _output(self, req: _Request, finished: bool) -> RequestOutput:
         want_lp = req.params.logprobs is not None
-        return MockRequestOutput(
+        return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=list(req.prompt_ids),
@@ -519,4 +490,4 @@ def mock_settings(**overrides: Any) -> EngineConfig:
     return EngineConfig(**values)
 
 
-__all__ = ["MockAsyncLLMEngine", "MockSamplingParams", "MockTokenizer", "mock_settings"]
+__all__ = ["MockAsyncLLMEngine", "MockTokenizer", "mock_settings"]
