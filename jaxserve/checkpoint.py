@@ -188,3 +188,44 @@ def _copy_into(dest: np.ndarray, layer: int | None, tensor: np.ndarray, transpos
     if src.shape != slot.shape:
         raise ModelLoadError(f"tensor {name} has shape {tensor.shape}, config implies {slot.shape[::-1] if transpose else slot.shape}")
     slot[...] = src  # casts to the target dtype
+
+
+_DTYPE_NAMES = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
+    """A safetensors file (header + raw little-endian bytes, 8-byte aligned), bfloat16 included."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    arrays = []
+    for name, array in tensors.items():
+        array = np.ascontiguousarray(array)
+        header[name] = {"dtype": _DTYPE_NAMES[array.dtype], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+        arrays.append(array)
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for array in arrays:
+            f.write(array.tobytes())
+
+
+def hf_tensors(params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The params under Hugging Face names and layouts ([out, in] linear weights): the inverse of loading."""
+    layers = params.layers
+    per_layer = layers if isinstance(layers, tuple) else [
+        jax.tree.map(lambda w, i=i: w[i], layers) for i in range(cfg.num_layers)]
+    out: dict[str, np.ndarray] = {}
+    for name, (field, transpose) in _TOP_NAMES.items():
+        value = getattr(params, field)
+        if value is not None:
+            out[name] = np.asarray(value).T if transpose else np.asarray(value)
+    for i, lp in enumerate(per_layer):
+        for name, (field, transpose) in _LAYER_NAMES.items():
+            value = getattr(lp, field)
+            if value is not None:
+                out[f"model.layers.{i}.{name}"] = np.asarray(value).T if transpose else np.asarray(value)
+    return out

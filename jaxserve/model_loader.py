@@ -14,6 +14,7 @@ from jaxserve.checkpoint import checkpoint_dtype, load_hf_params
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.model.weights import Params, init_dummy_params, unstack_layers
+from jaxserve.orbax_checkpoint import abstract_params, is_orbax_checkpoint, read_manifest, restore_params
 from jaxserve.sharding import Shardings, make_shardings
 
 
@@ -52,13 +53,35 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
     cfg = ModelConfig.from_dir(model_dir)
     shardings = make_shardings(cfg, mesh, stacked)
     dtype = resolve_dtype(settings, model_dir)
-    if settings.load_format == "dummy":
+    fmt = settings.load_format
+    if fmt == "auto":
+        fmt = "orbax" if is_orbax_checkpoint(model_dir) else "safetensors"
+    if fmt == "dummy":
         def init(cfg, seed, dtype):
             params = init_dummy_params(cfg, seed, dtype)
             return params if stacked else unstack_layers(params)
 
         init = jax.jit(init, static_argnums=(0, 1, 2), out_shardings=shardings.params)
         params = init(cfg, settings.seed, dtype)
+    elif fmt == "orbax":
+        params = load_orbax_params(model_dir, cfg, dtype, mesh, shardings, stacked)
     else:
         params = load_hf_params(model_dir, cfg, dtype, shardings.params, stacked)
     return LoadedModel(cfg=cfg, params=params, dtype=dtype, model_dir=model_dir, shardings=shardings)
+
+
+def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: Any, mesh: Mesh, shardings: Shardings,
+                      stacked: bool) -> Params:
+    """Restore a jaxserve orbax checkpoint straight onto the mesh, cast to `dtype` by orbax."""
+    if not is_orbax_checkpoint(model_dir):
+        raise ModelLoadError(f"{model_dir} is not a jaxserve orbax checkpoint (no jaxserve_checkpoint.json)")
+    manifest = read_manifest(model_dir)
+    if manifest.get("quantization", "none") != "none":
+        raise ModelLoadError(f"{model_dir} holds {manifest['quantization']}-quantized params; "
+                             "load it with quantization set accordingly")
+    stacked_shardings = shardings.params if stacked else make_shardings(cfg, mesh, stacked=True).params
+    params = restore_params(model_dir, abstract_params(cfg, dtype, stacked_shardings))
+    if stacked:
+        return params
+    # Slicing a stacked weight on its replicated layer axis keeps each device's own shard.
+    return jax.jit(unstack_layers, out_shardings=shardings.params)(params)
