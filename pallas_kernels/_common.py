@@ -30,6 +30,15 @@ def is_pow2(x: int) -> bool:
     return x >= 1 and (x & (x - 1)) == 0
 
 
+def pad_axis(x, axis: int, size: int):  # x: any-shape array
+    """Zero-pads `axis` of x at the end up to `size` (no-op when it is already that long)."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
 def resolve_backend(backend: str | None, interpret: bool, *, fn_name: str) -> str:
     """Returns "tpu" or "gpu"; picks from the default JAX backend when `backend` is None."""
     if backend is None:

@@ -6,9 +6,7 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
-from pallas_kernels._common import next_pow2, round_up
+from pallas_kernels._common import next_pow2, pad_axis, round_up, tpu_sublane_tile
 
 # backend -> [(max_m, block_m, block_n, block_k)], first row with m <= max_m wins.
 # Large-k / large-n weights stream through; m is the batch of tokens.
@@ -32,7 +30,7 @@ def pick_blocks(backend: str, m: int, k: int, n: int, x_dtype, block_m=None, blo
         if max_m is None or m <= max_m:
             break
     if backend == "tpu":
-        sub = 8 * (4 // jnp.dtype(x_dtype).itemsize)  # sublane tile of x
+        sub = tpu_sublane_tile(x_dtype)  # rows of one native tile of x
         bm = min(bm, round_up(m, sub))
         bn = min(bn, round_up(n, 128))
         bk = min(bk, round_up(k, 128))
@@ -53,7 +51,7 @@ def pad_to_blocks(x, w_q, w_scale, blocks: tuple[int, int, int]):
     n = w_q.shape[1]
     bm, bn, bk = blocks
     mp, np_, kp = round_up(m, bm), round_up(n, bn), round_up(k, bk)
-    xp = jnp.pad(x, ((0, mp - m), (0, kp - k)))
-    wp = jnp.pad(w_q, ((0, kp - k), (0, np_ - n)))
-    sp = jnp.pad(w_scale, (0, np_ - n))
+    xp = pad_axis(pad_axis(x, 0, mp), 1, kp)
+    wp = pad_axis(pad_axis(w_q, 0, kp), 1, np_)
+    sp = pad_axis(w_scale, 0, np_)
     return xp, wp, sp, (mp, np_, kp)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import check_float_dtype, is_pow2
+from pallas_kernels._common import check_float_dtype, is_pow2, tpu_sublane_tile
 
 FN = "int8_matmul"
 
@@ -43,7 +43,7 @@ def validate_int8_matmul(
         if b is not None and (int(b) != b or b < 1):
             raise ValueError(f"{FN}: {name} must be a positive int, got {b!r}.")
     if backend == "tpu":
-        sub = 8 * (4 // jnp.dtype(x.dtype).itemsize)
+        sub = tpu_sublane_tile(x.dtype)
         if block_m is not None and block_m % sub:
             raise ValueError(f"{FN}: on TPU block_m must be a multiple of {sub} for {jnp.dtype(x.dtype).name} x.")
         for name in ("block_n", "block_k"):

@@ -10,7 +10,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import MASK_VALUE, cdiv, next_pow2
+from pallas_kernels._common import MASK_VALUE, cdiv, next_pow2, pad_axis
+from pallas_kernels.paged_attention.reference import group_queries, ungroup_outputs
 from pallas_kernels.paged_attention.validation import PagedDims
 
 # Decode is bandwidth bound; ~64 tokens per step keeps the gathered K/V tile in
@@ -35,6 +36,41 @@ def split_plan(max_pages: int, ppcb: int, batch: int, num_kv_heads: int) -> tupl
     blocks_per_split = cdiv(nblocks, splits)
     splits = cdiv(nblocks, blocks_per_split)
     return splits, blocks_per_split * ppcb
+
+
+def check_block_tokens(ppcb: int, page_size: int, fn: str) -> None:
+    if ppcb * page_size < 16:
+        raise ValueError(
+            f"{fn}: the GPU kernel needs pages_per_compute_block * page_size >= 16, got {ppcb} * {page_size}."
+        )
+
+
+def softmax_start(rows: int, head_dim: int):
+    """Online-softmax loop carry of the GPU attention kernels: (numerator, running max, denominator)."""
+    return (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+
+
+def softmax_update(
+    carry,  # (acc f32[rows, head_dim], m f32[rows], l f32[rows])
+    s,  # f32[rows, bk] scaled logits of one key block
+    mask,  # bool[rows, bk] (or broadcastable) visible keys
+    v,  # [bk, head_dim] values in the compute dtype, masked rows already zeroed (0 * NaN = NaN)
+    p_scale=None,  # f32[1, bk] per-token V scales (int8 cache) | None
+):
+    """One key block of the online softmax (shared with the ragged kernel); returns the new carry."""
+    acc, m, l = carry
+    # Select rather than add the mask: K slots past the length may hold NaN.
+    s = jnp.where(mask, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+    l_new = alpha * l + jnp.sum(p, axis=1)
+    if p_scale is not None:
+        # Re-select after scaling: a masked slot's scale may be NaN.
+        p = jnp.where(mask, p * p_scale, 0.0)
+    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return acc * alpha[:, None] + pv, m_new, l_new
 
 
 def _decode_kernel(
@@ -65,7 +101,6 @@ def _decode_kernel(
     compute_dtype = q.dtype
 
     def body(i, carry):
-        acc, m, l = carry
         local = i * ppcb + lax.broadcasted_iota(jnp.int32, (ppcb,), 0)
         ids = pt_ref[pl.ds(i * ppcb, ppcb)]
         # Table entries past the sequence may be stale or garbage: never follow them.
@@ -78,24 +113,11 @@ def _decode_kernel(
         s = s * sm_scale
         if ks_ref is not None:
             s = s * ks_ref[ids].reshape(1, bk)
-        # Select rather than add the mask: K slots past the length may hold NaN.
-        s = jnp.where(valid[None, :], s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(valid[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-        l_new = alpha * l + jnp.sum(p, axis=1)
-        if vs_ref is not None:
-            # Re-select after scaling: a masked slot's scale may be NaN.
-            p = jnp.where(valid[None, :], p * vs_ref[ids].reshape(1, bk), 0.0)
-        # Zero masked V rows too: 0 * NaN would poison the whole row of the output.
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
-        pv = jnp.dot(p.astype(compute_dtype), v, preferred_element_type=jnp.float32)
-        return acc * alpha[:, None] + pv, m_new, l_new
+        p_scale = vs_ref[ids].reshape(1, bk) if vs_ref is not None else None
+        return softmax_update(carry, s, valid[None, :], v, p_scale)
 
-    acc0 = jnp.zeros((gp, head_dim), jnp.float32)
-    m0 = jnp.full((gp,), MASK_VALUE, jnp.float32)
-    l0 = jnp.zeros((gp,), jnp.float32)
-    acc, m, l = lax.fori_loop(0, nblk, body, (acc0, m0, l0))
+    acc, m, l = lax.fori_loop(0, nblk, body, softmax_start(gp, head_dim))
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -117,17 +139,11 @@ def paged_attention_gpu(
     d = dims
     gp = max(16, next_pow2(d.group))  # tl.dot needs M >= 16 and power-of-two tensors
     ppcb = pages_per_compute_block or default_pages_per_block(d.page_size, d.max_pages)
-    if ppcb * d.page_size < 16:
-        raise ValueError(
-            f"paged_attention: the GPU kernel needs pages_per_compute_block * page_size >= 16, "
-            f"got {ppcb} * {d.page_size}."
-        )
+    check_block_tokens(ppcb, d.page_size, "paged_attention")
     splits, pps = split_plan(d.max_pages, ppcb, d.batch, d.num_kv_heads)
 
-    qg = q.reshape(d.batch, d.num_kv_heads, d.group, d.head_dim)
-    if gp != d.group:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - d.group), (0, 0)))
-    pt = jnp.pad(page_table, ((0, 0), (0, splits * pps - d.max_pages)))
+    qg = group_queries(q, d.num_kv_heads, gp)
+    pt = pad_axis(page_table, 1, splits * pps)
     # A length beyond the table would index past it; clamp defensively.
     lens = jnp.clip(seq_lens, 0, d.max_pages * d.page_size)
 
@@ -169,5 +185,4 @@ def paged_attention_gpu(
     num = jnp.sum(o * w[..., None], axis=2)
     den = jnp.sum(l * w, axis=2)
     out = num / jnp.where(den == 0.0, 1.0, den)[..., None]  # seq_len 0 -> zeros
-    out = out[:, :, : d.group].reshape(d.batch, d.num_q_heads, d.head_dim)
-    return out.astype(q.dtype)
+    return ungroup_outputs(out, d.group).astype(q.dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._common import pad_axis
 from pallas_kernels.paged_attention.validation import validate_paged_attention
 
 
@@ -19,6 +20,25 @@ def gather_pages(
     return g.reshape(b, h, p * s, *g.shape[4:])
 
 
+def group_queries(
+    q,  # [batch, num_q_heads, head_dim]
+    num_kv_heads: int,
+    group_padded: int,
+):
+    """[batch, num_kv_heads, group_padded, head_dim]: the query heads of each KV head, zero rows appended
+    (the kernels' query tile); `ungroup_outputs` undoes it."""
+    batch, num_q_heads, head_dim = q.shape
+    return pad_axis(q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim), 2, group_padded)
+
+
+def ungroup_outputs(
+    out,  # [batch, num_kv_heads, group_padded, head_dim]
+    group: int,
+):
+    batch, num_kv_heads, _, head_dim = out.shape
+    return out[:, :, :group].reshape(batch, num_kv_heads * group, head_dim)
+
+
 def dequantize(
     pages,  # [..., tokens, head_dim] float or int8
     scale,  # f32[..., tokens] | None
@@ -27,6 +47,20 @@ def dequantize(
     if scale is None:
         return pages.astype(jnp.float32)
     return pages.astype(jnp.float32) * scale[..., None]
+
+
+def masked_softmax(
+    logits,  # f32[..., keys]
+    mask,  # bool[..., keys] (broadcastable) visible keys
+):
+    """Softmax over visible keys; a row with none gives all zeros (not NaN)."""
+    # Masked slots may hold NaN/garbage: select (not add) the mask.
+    logits = jnp.where(mask, logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(logits - m), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(l == 0.0, 1.0, l)
 
 
 def reference_paged_attention(
@@ -63,15 +97,7 @@ def reference_paged_attention(
     qg = q.astype(jnp.float32).reshape(d.batch, d.num_kv_heads, d.group, d.head_dim)
     logits = jnp.einsum("bhgd,bhtd->bhgt", qg, k, precision=jax.lax.Precision.HIGHEST) * d.sm_scale
     valid = jnp.arange(t)[None, :] < seq_lens[:, None]  # [b, t]
-    valid_l = valid[:, None, None, :]
-    # Masked slots may hold NaN/garbage: select (not add) the mask, zero their
-    # probabilities and their V rows, because 0 * NaN = NaN in the value matmul.
-    logits = jnp.where(valid_l, logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(valid_l, jnp.exp(logits - m), 0.0)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(l == 0.0, 1.0, l)  # seq_len 0 -> all-zero output
-    v = jnp.where(valid[:, None, :, None], v, 0.0)
+    p = masked_softmax(logits, valid[:, None, None, :])  # seq_len 0 -> all-zero output
+    v = jnp.where(valid[:, None, :, None], v, 0.0)  # masked V rows too: 0 * NaN = NaN in the value matmul
     out = jnp.einsum("bhgt,bhtd->bhgd", p, v, precision=jax.lax.Precision.HIGHEST)
     return out.reshape(q.shape).astype(q.dtype)

@@ -10,8 +10,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import MASK_VALUE, cdiv, round_up, tpu_interpret_arg
-from pallas_kernels.paged_attention.reference import gather_pages
+from pallas_kernels._common import MASK_VALUE, cdiv, pad_axis, round_up, tpu_interpret_arg
+from pallas_kernels.paged_attention.reference import gather_pages, group_queries, ungroup_outputs
 from pallas_kernels.paged_attention.validation import PagedDims
 
 # Tokens per compute block: big enough to amortise the per-block softmax
@@ -80,6 +80,59 @@ def as_f32_select(x, mask):
     return jnp.where(mask, x.astype(jnp.float32), 0.0)
 
 
+def attention_scratch(ppcb: int, page_size: int, head_dim: int, kv_dtype, rows: int) -> list:
+    """VMEM scratch of the TPU attention kernels (shared with the ragged kernel): double-buffered K/V
+    pages, their DMA semaphores, and the online-softmax state for `rows` query rows."""
+    return [
+        pltpu.VMEM((2, ppcb, page_size, head_dim), kv_dtype),  # kbuf
+        pltpu.VMEM((2, ppcb, page_size, head_dim), kv_dtype),  # vbuf
+        pltpu.SemaphoreType.DMA((2, 2)),  # sems [k/v, slot]
+        pltpu.VMEM((rows, _LANES), jnp.float32),  # m_ref: running max, lane-replicated
+        pltpu.VMEM((rows, _LANES), jnp.float32),  # l_ref: running denominator, lane-replicated
+        pltpu.VMEM((rows, head_dim), jnp.float32),  # acc_ref: running numerator
+    ]
+
+
+def softmax_init(m_ref, l_ref, acc_ref) -> None:
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
+def softmax_update(
+    s,  # f32[rows, bk] scaled logits of one key block
+    mask,  # bool[rows, bk] visible keys
+    v,  # [bk, head_dim] values in the compute dtype, masked rows already zeroed (0 * NaN = NaN)
+    m_ref,  # VMEM f32[rows, 128]
+    l_ref,  # VMEM f32[rows, 128]
+    acc_ref,  # VMEM f32[rows, head_dim]
+    *,
+    precision,
+    p_scale=None,  # f32[1, bk] per-token V scales (int8 cache) | None
+) -> None:
+    """One key block of the online softmax, accumulated in VMEM."""
+    # Select (not add) the mask: unfetched or stale slots may hold NaN.
+    s = jnp.where(mask, s, MASK_VALUE)
+    m_prev = m_ref[...]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    alpha = jnp.exp(m_prev - m_new)
+    p = jnp.where(mask, jnp.exp(s - m_new[:, :1]), 0.0)
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    m_ref[...] = m_new
+    if p_scale is not None:
+        # Re-select after scaling: a masked slot's scale may be NaN.
+        p = jnp.where(mask, p * p_scale, 0.0)
+    pv = lax.dot_general(
+        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision,
+    )
+    acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
+
+
+def softmax_finish(o_ref, l_ref, acc_ref) -> None:
+    l = l_ref[...][:, :1]
+    o_ref[...] = (acc_ref[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)  # no visible key -> zeros
+
+
 def _decode_kernel(
     lens_ref,  # SMEM i32[batch]
     pt_ref,  # SMEM i32[batch * max_pages] (flattened page table)
@@ -114,9 +167,7 @@ def _decode_kernel(
         max_pages=max_pages,
     )
 
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    softmax_init(m_ref, l_ref, acc_ref)
 
     @pl.when(nblk > 0)
     def _():
@@ -149,29 +200,14 @@ def _decode_kernel(
         if quantized:
             s = s * ks_ref[pl.ds(i, 1), :]
         valid = i * bk + lax.broadcasted_iota(jnp.int32, (gp, bk), 1) < length
-        # Select (not add) the mask: unfetched or stale slots may hold NaN.
-        s = jnp.where(valid, s, MASK_VALUE)
-        m_prev = m_ref[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_new)
-        p = jnp.where(valid, jnp.exp(s - m_new[:, :1]), 0.0)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        m_ref[...] = m_new
-        if quantized:
-            p = jnp.where(valid, p * vs_ref[pl.ds(i, 1), :], 0.0)
-        # Zero masked V rows as well: 0 * NaN = NaN inside the matmul.
         v_valid = i * bk + lax.broadcasted_iota(jnp.int32, (bk, head_dim), 0) < length
         v = as_f32_select(v, v_valid).astype(compute_dtype)
-        pv = lax.dot_general(
-            p.astype(compute_dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-            precision=precision,
-        )
-        acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
+        softmax_update(s, valid, v, m_ref, l_ref, acc_ref, precision=precision,
+                       p_scale=vs_ref[pl.ds(i, 1), :] if quantized else None)
         return carry
 
     lax.fori_loop(0, nblk, body, 0)
-    l = l_ref[...][:, :1]
-    o_ref[...] = (acc_ref[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)  # seq_len 0 -> zeros
+    softmax_finish(o_ref, l_ref, acc_ref)  # seq_len 0 -> zeros
 
 
 def paged_attention_tpu(
@@ -195,9 +231,7 @@ def paged_attention_tpu(
     bk = ppcb * d.page_size
     nb = cdiv(d.max_pages, ppcb)
 
-    qg = q.reshape(d.batch, d.num_kv_heads, d.group, d.head_dim)
-    if gp != d.group:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - d.group), (0, 0)))
+    qg = group_queries(q, d.num_kv_heads, gp)
     lens = jnp.clip(seq_lens, 0, d.max_pages * d.page_size)
     pt_flat = page_table.reshape(-1)  # 1-D keeps SMEM padding small
 
@@ -210,7 +244,7 @@ def paged_attention_tpu(
         # per block instead of transposing per-page scale vectors.
         for s in (k_scale, v_scale):
             st = gather_pages(s, page_table)  # [b, hkv, max_pages * page_size]
-            st = jnp.pad(st, ((0, 0), (0, 0), (0, nb * bk - st.shape[-1])))
+            st = pad_axis(st, 2, nb * bk)
             scale_args.append(st.reshape(d.batch, d.num_kv_heads, nb, bk))
         scale_spec = pl.BlockSpec((None, None, nb, bk), lambda b, h, *_: (b, h, 0, 0))
         in_specs += [scale_spec, scale_spec]
@@ -218,14 +252,7 @@ def paged_attention_tpu(
         in_specs += [None, None]
         scale_args = [None, None]
 
-    scratch = [
-        pltpu.VMEM((2, ppcb, d.page_size, d.head_dim), k_pages.dtype),
-        pltpu.VMEM((2, ppcb, d.page_size, d.head_dim), v_pages.dtype),
-        pltpu.SemaphoreType.DMA((2, 2)),
-        pltpu.VMEM((gp, _LANES), jnp.float32),
-        pltpu.VMEM((gp, _LANES), jnp.float32),
-        pltpu.VMEM((gp, d.head_dim), jnp.float32),
-    ]
+    scratch = attention_scratch(ppcb, d.page_size, d.head_dim, k_pages.dtype, gp)
     out = pl.pallas_call(
         functools.partial(_decode_kernel, sm_scale=d.sm_scale, ppcb=ppcb, max_pages=d.max_pages),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -242,4 +269,4 @@ def paged_attention_tpu(
         interpret=tpu_interpret_arg(interpret),
         name="paged_attention_decode_tpu",
     )(lens, pt_flat, qg, k_pages, v_pages, *scale_args)
-    return out[:, :, : d.group].reshape(d.batch, d.num_q_heads, d.head_dim)
+    return ungroup_outputs(out, d.group)

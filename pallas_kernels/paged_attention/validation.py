@@ -61,6 +61,29 @@ def validate_kv_cache(
     return quantized
 
 
+def validate_heads(
+    q,  # [rows, num_q_heads, head_dim]
+    k_pages,  # [num_kv_heads, num_pages, page_size, head_dim]
+    *,
+    fn: str,
+) -> None:
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads, head_dim_k = k_pages.shape[0], k_pages.shape[3]
+    if head_dim_k != head_dim:
+        raise ValueError(f"{fn}: q head_dim {head_dim} != k_pages head_dim {head_dim_k}.")
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"{fn}: num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
+
+
+def validate_block_sizes(backend: str | None, *, fn: str, **sizes: int | None) -> None:
+    """Tuning block sizes (None = default): >= 1, and powers of two for the GPU (Triton) kernels."""
+    for name, val in sizes.items():
+        if val is not None and val < 1:
+            raise ValueError(f"{fn}: {name} must be >= 1, got {val}.")
+        if backend == "gpu" and val is not None and not is_pow2(val):
+            raise ValueError(f"{fn}: the GPU kernel needs a power-of-two {name}, got {val}.")
+
+
 def validate_backend_layout(backend: str, *, page_size: int, head_dim: int, kv_dtype, q_dtype, fn: str) -> None:
     """Alignment rules of each lowering (checked for the chosen backend only)."""
     if backend == "tpu":
@@ -103,14 +126,9 @@ def validate_paged_attention(
     quantized = validate_kv_cache(k_pages, v_pages, k_scale, v_scale, fn=fn)
     if not quantized and k_pages.dtype != q.dtype:
         raise ValueError(f"{fn}: k_pages/v_pages dtype {k_pages.dtype} must equal q dtype {q.dtype} (or be int8).")
+    validate_heads(q, k_pages, fn=fn)
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size, head_dim_k = k_pages.shape
-    if head_dim_k != head_dim:
-        raise ValueError(f"{fn}: q head_dim {head_dim} != k_pages head_dim {head_dim_k}.")
-    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"{fn}: num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})."
-        )
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
     if seq_lens.shape != (batch,):
         raise ValueError(f"{fn}: seq_lens must have shape ({batch},), got {seq_lens.shape}.")
     check_int32("seq_lens", seq_lens, fn)
@@ -119,16 +137,13 @@ def validate_paged_attention(
     check_int32("page_table", page_table, fn)
     if page_table.shape[1] < 1:
         raise ValueError(f"{fn}: page_table needs at least one column.")
-    if pages_per_compute_block is not None and pages_per_compute_block < 1:
-        raise ValueError(f"{fn}: pages_per_compute_block must be >= 1, got {pages_per_compute_block}.")
+    validate_block_sizes(backend, fn=fn, pages_per_compute_block=pages_per_compute_block)
     if sm_scale is None:
         sm_scale = head_dim ** -0.5
     if backend is not None:
         validate_backend_layout(
             backend, page_size=page_size, head_dim=head_dim, kv_dtype=k_pages.dtype, q_dtype=q.dtype, fn=fn
         )
-        if backend == "gpu" and pages_per_compute_block is not None and not is_pow2(pages_per_compute_block):
-            raise ValueError(f"{fn}: the GPU kernel needs a power-of-two pages_per_compute_block.")
     return PagedDims(
         batch=batch, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, group=num_q_heads // num_kv_heads,
         head_dim=head_dim, num_pages=num_pages, page_size=page_size, max_pages=page_table.shape[1],

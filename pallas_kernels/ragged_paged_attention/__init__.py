@@ -3,14 +3,14 @@
 Signature::
 
     ragged_paged_attention(q, k_pages, v_pages, page_table, context_lens, query_start_loc, num_seqs, *,
-                           sm_scale=None, sliding_window=None, backend=None, interpret=False,
-                           queries_per_block=None, pages_per_compute_block=None)
+                           k_scale=None, v_scale=None, sm_scale=None, sliding_window=None, backend=None,
+                           interpret=False, queries_per_block=None, pages_per_compute_block=None)
 
 * q: [num_tokens, num_q_heads, head_dim], a flat batch of query rows.  Sequence i
   owns rows query_start_loc[i]:query_start_loc[i+1] (i < num_seqs); rows owned by
   no sequence (padding) produce zeros.
-* k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] in q's dtype
-  (int8 caches are decode-only: NotImplementedError here).
+* k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] in q's dtype, or
+  int8 with k_scale, v_scale f32[num_kv_heads, num_pages, page_size] (value = int8 * scale).
 * page_table: i32[max_seqs, max_pages_per_seq]; context_lens: i32[max_seqs] is the
   total length INCLUDING the new tokens, whose K/V are already in the pages.
 * query_start_loc: i32[max_seqs + 1] (cumulative; only the first num_seqs + 1
@@ -42,19 +42,19 @@ __all__ = ["ragged_paged_attention", "reference_ragged_paged_attention"]
     static_argnames=("sm_scale", "sliding_window", "backend", "interpret", "queries_per_block",
                      "pages_per_compute_block"),
 )
-def _ragged_jit(q, k_pages, v_pages, page_table, context_lens, query_start_loc, num_seqs, *, sm_scale,
-                sliding_window, backend, interpret, queries_per_block, pages_per_compute_block):
+def _ragged_jit(q, k_pages, v_pages, page_table, context_lens, query_start_loc, num_seqs, k_scale, v_scale, *,
+                sm_scale, sliding_window, backend, interpret, queries_per_block, pages_per_compute_block):
     dims = validate_ragged(
         q, k_pages, v_pages, page_table, context_lens, query_start_loc, num_seqs, sm_scale=sm_scale,
         sliding_window=sliding_window, backend=backend, queries_per_block=queries_per_block,
-        pages_per_compute_block=pages_per_compute_block,
+        pages_per_compute_block=pages_per_compute_block, k_scale=k_scale, v_scale=v_scale,
     )
     if backend == "tpu":
         from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu as impl
     else:
         from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu as impl
     return impl(
-        q, k_pages, v_pages, page_table, context_lens, query_start_loc, num_seqs, dims=dims,
+        q, k_pages, v_pages, page_table, context_lens, query_start_loc, num_seqs, k_scale, v_scale, dims=dims,
         queries_per_block=queries_per_block, pages_per_compute_block=pages_per_compute_block, interpret=interpret,
     )
 
@@ -68,6 +68,8 @@ def ragged_paged_attention(
     query_start_loc,  # i32[max_seqs + 1]
     num_seqs,  # i32[] | i32[1] | int
     *,
+    k_scale=None,  # f32[num_kv_heads, num_pages, page_size] for an int8 cache
+    v_scale=None,  # f32[num_kv_heads, num_pages, page_size] for an int8 cache
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     backend: str | None = None,
@@ -80,7 +82,7 @@ def ragged_paged_attention(
     if isinstance(num_seqs, int):
         num_seqs = jnp.asarray(num_seqs, jnp.int32)
     return _ragged_jit(
-        q, k_pages, v_pages, page_table, context_lens, query_start_loc, num_seqs,
+        q, k_pages, v_pages, page_table, context_lens, query_start_loc, num_seqs, k_scale, v_scale,
         sm_scale=None if sm_scale is None else float(sm_scale),
         sliding_window=None if sliding_window is None else int(sliding_window), backend=backend,
         interpret=bool(interpret), queries_per_block=queries_per_block,

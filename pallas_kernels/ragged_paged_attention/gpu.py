@@ -10,7 +10,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import MASK_VALUE, cdiv, next_pow2, round_up
+from pallas_kernels._common import cdiv, next_pow2, pad_axis, round_up
+from pallas_kernels.paged_attention.gpu import check_block_tokens, softmax_start, softmax_update
 from pallas_kernels.ragged_paged_attention import plan as plan_lib
 from pallas_kernels.ragged_paged_attention.validation import RaggedDims
 
@@ -40,6 +41,8 @@ def _ragged_kernel(
     q_ref,  # [bq * gp, head_dim] rows token-major
     k_ref,  # [num_pages, page_size, head_dim] this KV head's pages
     v_ref,  # [num_pages, page_size, head_dim]
+    ks_ref,  # f32[num_pages, page_size] | None  (int8 cache)
+    vs_ref,  # f32[num_pages, page_size] | None
     o_ref,  # [bq * gp, head_dim]
     *,
     sm_scale: float,
@@ -60,39 +63,32 @@ def _ragged_kernel(
     page_lo = lo // page_size
     page_hi = pl.cdiv(hi, page_size)
     q = q_ref[...]
-    compute_dtype = q.dtype
     r = lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
     col = lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
 
     def body(blk, carry):
-        acc, m, l = carry
         page_idx = blk * ppcb + lax.broadcasted_iota(jnp.int32, (ppcb,), 0)
         ids = pt_ref[seq, pl.ds(blk * ppcb, ppcb)]
         # Never follow table entries outside the visible pages (may be garbage).
         ids = jnp.where(jnp.logical_and(page_idx >= page_lo, page_idx < page_hi), ids, 0)
-        k = k_ref[ids].reshape(bk, head_dim)
-        v = v_ref[ids].reshape(bk, head_dim)
+        # An int8 cache widens to q's dtype (exact); its scales multiply the logits and probabilities.
+        k = k_ref[ids].reshape(bk, head_dim).astype(q.dtype)
+        v = v_ref[ids].reshape(bk, head_dim).astype(q.dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * sm_scale
+        if ks_ref is not None:
+            s = s * ks_ref[ids].reshape(1, bk)
         # Row r is query token r // group; (key - p0) * group <= r <=> causal.
         rel = blk * bk + col - p0
         allowed = jnp.logical_and(rel * group <= r, r < q_len * group)
         if window is not None:
             allowed = jnp.logical_and(allowed, r < (rel + window) * group)
-        s = jnp.where(allowed, s, MASK_VALUE)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(allowed, jnp.exp(s - m_new[:, None]), 0.0)
-        l_new = alpha * l + jnp.sum(p, axis=1)
         kpos = blk * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
         v_ok = jnp.logical_and(kpos >= lo, kpos < hi)
         v = jnp.where(v_ok[:, None], v, jnp.zeros_like(v))  # 0 * NaN guard
-        pv = jnp.dot(p.astype(compute_dtype), v, preferred_element_type=jnp.float32)
-        return acc * alpha[:, None] + pv, m_new, l_new
+        p_scale = vs_ref[ids].reshape(1, bk) if vs_ref is not None else None
+        return softmax_update(carry, s, allowed, v, p_scale)
 
-    acc0 = jnp.zeros((rows, head_dim), jnp.float32)
-    m0 = jnp.full((rows,), MASK_VALUE, jnp.float32)
-    l0 = jnp.zeros((rows,), jnp.float32)
-    acc, m, l = lax.fori_loop(blk_lo, blk_hi, body, (acc0, m0, l0))
+    acc, m, l = lax.fori_loop(blk_lo, blk_hi, body, softmax_start(rows, head_dim))
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
 
@@ -104,6 +100,8 @@ def ragged_paged_attention_gpu(
     context_lens,  # i32[max_seqs]
     query_start_loc,  # i32[max_seqs + 1]
     num_seqs,  # i32[] or i32[1]
+    k_scale,  # f32[num_kv_heads, num_pages, page_size] | None
+    v_scale,  # f32[num_kv_heads, num_pages, page_size] | None
     *,
     dims: RaggedDims,
     queries_per_block: int | None,
@@ -120,36 +118,33 @@ def ragged_paged_attention_gpu(
             f"(tl.dot minimum), got {bq} * {gp}."
         )
     ppcb = pages_per_compute_block or default_pages_per_block(d.page_size)
-    if ppcb * d.page_size < 16:
-        raise ValueError(
-            f"ragged_paged_attention: the GPU kernel needs pages_per_compute_block * page_size >= 16, "
-            f"got {ppcb} * {d.page_size}."
-        )
+    check_block_tokens(ppcb, d.page_size, "ragged_paged_attention")
     context_lens = jnp.clip(context_lens, 0, d.max_pages * d.page_size)
     plan = plan_lib.make_plan(
         context_lens, query_start_loc, num_seqs, num_tokens=d.num_tokens, max_seqs=d.max_seqs, bq=bq
     )
     qw = plan_lib.arrange_queries(plan_lib.gather_queries(q, plan), d.num_kv_heads, d.group, gp)
     # Whole blocks of table columns are loaded; pad so the last one stays in bounds.
-    pt = jnp.pad(page_table, ((0, 0), (0, round_up(d.max_pages, ppcb) - d.max_pages)))
+    pt = pad_axis(page_table, 1, round_up(d.max_pages, ppcb))
 
     item_spec = pl.BlockSpec((None,), lambda w, h: (w,))
     row_spec = pl.BlockSpec((None, None, rows, d.head_dim), lambda w, h: (w, h, 0, 0))
     page_spec = pl.BlockSpec((None, d.num_pages, d.page_size, d.head_dim), lambda w, h: (h, 0, 0, 0))
+    scale_spec = pl.BlockSpec((None, d.num_pages, d.page_size), lambda w, h: (h, 0, 0)) if d.quantized else None
     ow = pl.pallas_call(
         functools.partial(_ragged_kernel, sm_scale=d.sm_scale, ppcb=ppcb, group=gp, window=d.sliding_window),
         grid=(plan.num_items, d.num_kv_heads),
         in_specs=[
             item_spec, item_spec, item_spec,
             pl.BlockSpec(pt.shape, lambda w, h: (0, 0)),
-            row_spec, page_spec, page_spec,
+            row_spec, page_spec, page_spec, scale_spec, scale_spec,
         ],
         out_specs=row_spec,
         out_shape=jax.ShapeDtypeStruct(qw.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(plan.seq, plan.q_len, plan.first_pos, pt, qw, k_pages, v_pages)
+    )(plan.seq, plan.q_len, plan.first_pos, pt, qw, k_pages, v_pages, k_scale, v_scale)
     return plan_lib.scatter_outputs(
         ow, plan, query_start_loc, num_seqs, num_tokens=d.num_tokens, max_seqs=d.max_seqs,
         num_kv_heads=d.num_kv_heads, group=d.group, group_padded=gp, dtype=q.dtype,

@@ -14,6 +14,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._common import pad_axis
+
 
 def max_work_items(num_tokens: int, max_seqs: int, bq: int) -> int:
     """Static bound on sum_i cdiv(q_len_i, bq) given sum_i q_len_i <= num_tokens."""
@@ -104,9 +106,7 @@ def arrange_queries(
 ):
     """[W, bq, Hq, D] -> [W, Hkv, bq * gp, D]; rows token-major (row = token * gp + head-in-group)."""
     w, bq, hq, dim = qw.shape
-    qw = qw.reshape(w, bq, num_kv_heads, group, dim)
-    if group_padded != group:
-        qw = jnp.pad(qw, ((0, 0), (0, 0), (0, 0), (0, group_padded - group), (0, 0)))
+    qw = pad_axis(qw.reshape(w, bq, num_kv_heads, group, dim), 3, group_padded)
     qw = jnp.transpose(qw, (0, 2, 1, 3, 4))  # [W, Hkv, bq, gp, D]
     return qw.reshape(w, num_kv_heads, bq * group_padded, dim)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention.reference import gather_pages
+from pallas_kernels.paged_attention.reference import dequantize, gather_pages, masked_softmax
 from pallas_kernels.ragged_paged_attention.plan import token_sequence
 from pallas_kernels.ragged_paged_attention.validation import validate_ragged
 
@@ -19,6 +19,8 @@ def reference_ragged_paged_attention(
     query_start_loc,  # i32[max_seqs + 1]
     num_seqs,  # i32[] or i32[1]
     *,
+    k_scale=None,  # f32[num_kv_heads, num_pages, page_size] | None (int8 cache)
+    v_scale=None,  # f32[num_kv_heads, num_pages, page_size] | None
     sm_scale: float | None = None,
     sliding_window: int | None = None,
     backend: str | None = None,
@@ -36,14 +38,18 @@ def reference_ragged_paged_attention(
     d = validate_ragged(
         q, k_pages, v_pages, page_table, context_lens, query_start_loc, num_seqs, sm_scale=sm_scale,
         sliding_window=sliding_window, backend=None, queries_per_block=queries_per_block,
-        pages_per_compute_block=pages_per_compute_block,
+        pages_per_compute_block=pages_per_compute_block, k_scale=k_scale, v_scale=v_scale,
     )
     seq, valid = token_sequence(query_start_loc, num_seqs, d.max_seqs, d.num_tokens)
     t = jnp.arange(d.num_tokens, dtype=jnp.int32)
     q_len = query_start_loc[seq + 1] - query_start_loc[seq]
     pos = context_lens[seq] - q_len + (t - query_start_loc[seq])  # [T]
-    k = gather_pages(k_pages, page_table)[seq].astype(jnp.float32)  # [T, hkv, L, D]
-    v = gather_pages(v_pages, page_table)[seq].astype(jnp.float32)
+    def per_token(pages, scale):  # f32[T, hkv, L, D]: each query row's sequence, dequantized
+        pages = gather_pages(pages, page_table)[seq]
+        return dequantize(pages, None if scale is None else gather_pages(scale, page_table)[seq])
+
+    k = per_token(k_pages, k_scale)
+    v = per_token(v_pages, v_scale)
     length = k.shape[2]
     kpos = jnp.arange(length, dtype=jnp.int32)[None, :]
     allowed = valid[:, None] & (kpos <= pos[:, None]) & (kpos < context_lens[seq][:, None])
@@ -51,14 +57,7 @@ def reference_ragged_paged_attention(
         allowed &= kpos > pos[:, None] - d.sliding_window
     qg = q.astype(jnp.float32).reshape(d.num_tokens, d.num_kv_heads, d.group, d.head_dim)
     logits = jnp.einsum("thgd,thld->thgl", qg, k, precision=jax.lax.Precision.HIGHEST) * d.sm_scale
-    mask = allowed[:, None, None, :]
-    # Select the mask and zero masked V rows: unused cache slots may be NaN.
-    logits = jnp.where(mask, logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(mask, jnp.exp(logits - m), 0.0)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(l == 0.0, 1.0, l)
-    v = jnp.where(allowed[:, None, :, None], v, 0.0)
+    p = masked_softmax(logits, allowed[:, None, None, :])
+    v = jnp.where(allowed[:, None, :, None], v, 0.0)  # unused cache slots may be NaN: 0 * NaN = NaN
     out = jnp.einsum("thgl,thld->thgd", p, v, precision=jax.lax.Precision.HIGHEST)
     return out.reshape(q.shape).astype(q.dtype)

@@ -10,8 +10,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import MASK_VALUE, cdiv, tpu_interpret_arg
-from pallas_kernels.paged_attention.tpu import PageCopies, as_f32_select
+from pallas_kernels._common import cdiv, pad_axis, tpu_interpret_arg
+from pallas_kernels.paged_attention.reference import gather_pages
+from pallas_kernels.paged_attention.tpu import (
+    PageCopies,
+    as_f32_select,
+    attention_scratch,
+    softmax_finish,
+    softmax_init,
+    softmax_update,
+)
 from pallas_kernels.ragged_paged_attention import plan as plan_lib
 from pallas_kernels.ragged_paged_attention.validation import RaggedDims
 
@@ -20,7 +28,6 @@ from pallas_kernels.ragged_paged_attention.validation import RaggedDims
 # 256 KiB f32 and the MXU busy for prefill.
 _TARGET_ROWS = 256
 _TARGET_BLOCK_TOKENS = 256
-_LANES = 128
 
 
 def default_queries_per_block(num_tokens: int, max_seqs: int, group: int) -> int:
@@ -45,6 +52,8 @@ def _ragged_kernel(
     q_ref,  # VMEM [bq * group, head_dim] rows token-major
     k_hbm,  # HBM [num_kv_heads, num_pages, page_size, head_dim]
     v_hbm,  # HBM [num_kv_heads, num_pages, page_size, head_dim]
+    ks_ref,  # VMEM f32[nb, bk] | None  the item's sequence's K scales in token order (int8 cache)
+    vs_ref,  # VMEM f32[nb, bk] | None
     o_ref,  # VMEM [bq * group, head_dim]
     kbuf,  # VMEM [2, ppcb, page_size, head_dim]
     vbuf,  # VMEM [2, ppcb, page_size, head_dim]
@@ -77,9 +86,7 @@ def _ragged_kernel(
         page_hi=lax.div(hi + page_size - 1, page_size), ppcb=ppcb, max_pages=max_pages,
     )
 
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    softmax_init(m_ref, l_ref, acc_ref)
 
     @pl.when(nblk > 0)
     def _():
@@ -88,6 +95,7 @@ def _ragged_kernel(
     q = q_ref[...]
     compute_dtype = q.dtype
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+    quantized = ks_ref is not None
 
     def body(i, carry):
         slot = lax.rem(i, 2)
@@ -98,11 +106,17 @@ def _ragged_kernel(
             copies(blk=blk + 1, slot=1 - slot).start()
 
         copies(blk=blk, slot=slot).wait()
-        k = kbuf[slot].reshape(bk, head_dim)
-        v = vbuf[slot].reshape(bk, head_dim)
+        if quantized:  # int8 -> f32 -> compute dtype (exact), as in the decode kernel
+            k = kbuf[slot].astype(jnp.float32).reshape(bk, head_dim).astype(compute_dtype)
+            v = vbuf[slot].astype(jnp.float32).reshape(bk, head_dim)
+        else:
+            k = kbuf[slot].reshape(bk, head_dim)
+            v = vbuf[slot].reshape(bk, head_dim)
         s = lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
         ) * sm_scale
+        if quantized:
+            s = s * ks_ref[pl.ds(blk, 1), :]
         # Row r is query token r // group.  Compare rel * group <= r instead of
         # dividing, which avoids a vector integer division:
         #   key <= query pos  <=>  (key - p0) <= r // group  <=>  (key - p0) * group <= r.
@@ -111,26 +125,15 @@ def _ragged_kernel(
         allowed = jnp.logical_and(rel * group <= r, r < q_len * group)
         if window is not None:
             allowed = jnp.logical_and(allowed, r < (rel + window) * group)
-        s = jnp.where(allowed, s, MASK_VALUE)
-        m_prev = m_ref[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_new)
-        p = jnp.where(allowed, jnp.exp(s - m_new[:, :1]), 0.0)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        m_ref[...] = m_new
         # V rows outside [lo, hi) may come from pages that were never fetched.
         kpos = blk * bk + lax.broadcasted_iota(jnp.int32, (bk, head_dim), 0)
         v = as_f32_select(v, jnp.logical_and(kpos >= lo, kpos < hi)).astype(compute_dtype)
-        pv = lax.dot_general(
-            p.astype(compute_dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
-            precision=precision,
-        )
-        acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
+        softmax_update(s, allowed, v, m_ref, l_ref, acc_ref, precision=precision,
+                       p_scale=vs_ref[pl.ds(blk, 1), :] if quantized else None)
         return carry
 
     lax.fori_loop(0, nblk, body, 0)
-    l = l_ref[...][:, :1]
-    o_ref[...] = (acc_ref[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
+    softmax_finish(o_ref, l_ref, acc_ref)
 
 
 def ragged_paged_attention_tpu(
@@ -141,6 +144,8 @@ def ragged_paged_attention_tpu(
     context_lens,  # i32[max_seqs]
     query_start_loc,  # i32[max_seqs + 1]
     num_seqs,  # i32[] or i32[1]
+    k_scale,  # f32[num_kv_heads, num_pages, page_size] | None
+    v_scale,  # f32[num_kv_heads, num_pages, page_size] | None
     *,
     dims: RaggedDims,
     queries_per_block: int | None,
@@ -159,14 +164,19 @@ def ragged_paged_attention_tpu(
     qw = plan_lib.arrange_queries(plan_lib.gather_queries(q, plan), d.num_kv_heads, d.group, d.group)
 
     row_spec = pl.BlockSpec((None, None, rows, d.head_dim), lambda w, h, *_: (w, h, 0, 0))
-    scratch = [
-        pltpu.VMEM((2, ppcb, d.page_size, d.head_dim), k_pages.dtype),
-        pltpu.VMEM((2, ppcb, d.page_size, d.head_dim), v_pages.dtype),
-        pltpu.SemaphoreType.DMA((2, 2)),
-        pltpu.VMEM((rows, _LANES), jnp.float32),
-        pltpu.VMEM((rows, _LANES), jnp.float32),
-        pltpu.VMEM((rows, d.head_dim), jnp.float32),
-    ]
+    in_specs = [row_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+    scale_args = [None, None]
+    if d.quantized:
+        # As in the decode kernel: each sequence's scales gathered in token order, [nb, bk] per
+        # (sequence, KV head), so a block reads one lane-dense row; the item's sequence picks the block.
+        bk, nb = ppcb * d.page_size, cdiv(d.max_pages, ppcb)
+        scale_args = [pad_axis(gather_pages(s, page_table), 2, nb * bk).reshape(d.max_seqs, d.num_kv_heads, nb, bk)
+                      for s in (k_scale, v_scale)]
+        scale_spec = pl.BlockSpec((None, None, nb, bk), lambda w, h, seq_ref, *_: (seq_ref[w], h, 0, 0))
+        in_specs += [scale_spec, scale_spec]
+    else:
+        in_specs += [None, None]
+    scratch = attention_scratch(ppcb, d.page_size, d.head_dim, k_pages.dtype, rows)
     ow = pl.pallas_call(
         functools.partial(
             _ragged_kernel, sm_scale=d.sm_scale, ppcb=ppcb, max_pages=d.max_pages, group=d.group,
@@ -175,7 +185,7 @@ def ragged_paged_attention_tpu(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(plan.num_items, d.num_kv_heads),
-            in_specs=[row_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=in_specs,
             out_specs=row_spec,
             scratch_shapes=scratch,
         ),
@@ -184,7 +194,7 @@ def ragged_paged_attention_tpu(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=tpu_interpret_arg(interpret),
         name="ragged_paged_attention_tpu",
-    )(plan.seq, plan.q_len, plan.first_pos, page_table.reshape(-1), qw, k_pages, v_pages)
+    )(plan.seq, plan.q_len, plan.first_pos, page_table.reshape(-1), qw, k_pages, v_pages, *scale_args)
     return plan_lib.scatter_outputs(
         ow, plan, query_start_loc, num_seqs, num_tokens=d.num_tokens, max_seqs=d.max_seqs,
         num_kv_heads=d.num_kv_heads, group=d.group, group_padded=d.group, dtype=q.dtype,

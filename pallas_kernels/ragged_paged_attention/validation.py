@@ -6,8 +6,13 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_kernels._common import check_float_dtype, check_int32, is_pow2
-from pallas_kernels.paged_attention.validation import validate_backend_layout, validate_kv_cache
+from pallas_kernels._common import check_float_dtype, check_int32
+from pallas_kernels.paged_attention.validation import (
+    validate_backend_layout,
+    validate_block_sizes,
+    validate_heads,
+    validate_kv_cache,
+)
 
 FN = "ragged_paged_attention"
 
@@ -25,6 +30,7 @@ class RaggedDims:
     max_pages: int
     sm_scale: float
     sliding_window: int | None
+    quantized: bool = False  # int8 pages with f32 scales [num_kv_heads, num_pages, page_size]
 
 
 def validate_ragged(
@@ -41,25 +47,19 @@ def validate_ragged(
     backend: str | None,
     queries_per_block: int | None,
     pages_per_compute_block: int | None,
+    k_scale=None,  # f32[num_kv_heads, num_pages, page_size] | None (int8 cache)
+    v_scale=None,  # f32[num_kv_heads, num_pages, page_size] | None
 ) -> RaggedDims:
     fn = FN
     if q.ndim != 3:
         raise ValueError(f"{fn}: q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}.")
     check_float_dtype("q", q, fn)
-    if jnp.dtype(k_pages.dtype) == jnp.dtype(jnp.int8):
-        raise NotImplementedError(
-            f"{fn}: int8 KV caches are only supported by paged_attention (decode); "
-            f"dequantize before prefill or use a float cache."
-        )
-    validate_kv_cache(k_pages, v_pages, None, None, fn=fn)
-    if k_pages.dtype != q.dtype:
-        raise ValueError(f"{fn}: k_pages/v_pages dtype {k_pages.dtype} must equal q dtype {q.dtype}.")
+    quantized = validate_kv_cache(k_pages, v_pages, k_scale, v_scale, fn=fn)
+    if not quantized and k_pages.dtype != q.dtype:
+        raise ValueError(f"{fn}: k_pages/v_pages dtype {k_pages.dtype} must equal q dtype {q.dtype} (or be int8).")
+    validate_heads(q, k_pages, fn=fn)
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size, head_dim_k = k_pages.shape
-    if head_dim_k != head_dim:
-        raise ValueError(f"{fn}: q head_dim {head_dim} != k_pages head_dim {head_dim_k}.")
-    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
-        raise ValueError(f"{fn}: num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
     if page_table.ndim != 2 or page_table.shape[1] < 1:
         raise ValueError(f"{fn}: page_table must be [max_seqs, max_pages_per_seq], got {page_table.shape}.")
     check_int32("page_table", page_table, fn)
@@ -75,23 +75,17 @@ def validate_ragged(
     check_int32("num_seqs", num_seqs, fn)
     if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
         raise ValueError(f"{fn}: sliding_window must be a positive int or None, got {sliding_window!r}.")
-    for name, val in (("queries_per_block", queries_per_block), ("pages_per_compute_block", pages_per_compute_block)):
-        if val is not None and val < 1:
-            raise ValueError(f"{fn}: {name} must be >= 1, got {val}.")
+    validate_block_sizes(backend, fn=fn, queries_per_block=queries_per_block,
+                         pages_per_compute_block=pages_per_compute_block)
     if backend is not None:
         validate_backend_layout(
             backend, page_size=page_size, head_dim=head_dim, kv_dtype=k_pages.dtype, q_dtype=q.dtype, fn=fn
         )
-        if backend == "gpu":
-            for name, val in (("queries_per_block", queries_per_block),
-                              ("pages_per_compute_block", pages_per_compute_block)):
-                if val is not None and not is_pow2(val):
-                    raise ValueError(f"{fn}: the GPU kernel needs a power-of-two {name}, got {val}.")
     if sm_scale is None:
         sm_scale = head_dim ** -0.5
     return RaggedDims(
         num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         group=num_q_heads // num_kv_heads, head_dim=head_dim, num_pages=num_pages, page_size=page_size,
         max_seqs=max_seqs, max_pages=page_table.shape[1], sm_scale=float(sm_scale),
-        sliding_window=None if sliding_window is None else int(sliding_window),
+        sliding_window=None if sliding_window is None else int(sliding_window), quantized=quantized,
     )

@@ -3,11 +3,39 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import numpy as np
 import jax.numpy as jnp
+import pytest
 
 GARBAGE = 1e4
+
+# PALLAS_TESTS_NATIVE=1 (scripts/gpu_check.py sets it on a GPU; set it by hand on a TPU): the kernels of the
+# machine's own platform run compiled (interpret=False) and the other platform's kernels are skipped.
+# Unset (the default, CPU): every kernel runs in its interpreter.
+NATIVE = os.environ.get("PALLAS_TESTS_NATIVE", "") not in ("", "0")
+
+
+def native_platform() -> str:
+    import jax
+
+    platform = jax.default_backend()
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def interpret_for(backend: str) -> bool:
+    """`interpret=` for a test of `backend`'s kernel: True unless NATIVE; natively, other backends skip."""
+    if not NATIVE:
+        return True
+    if native_platform() != backend:
+        pytest.skip(f"PALLAS_TESTS_NATIVE: the {backend} kernel does not run natively on {native_platform()}")
+    return False
+
+
+def engine_attention_impl() -> str:
+    """The attention implementation attention_backend='pallas' resolves to in this test run."""
+    return "pallas_" + native_platform() if NATIVE else "pallas_interpret"
 
 
 def cdiv(a, b):
@@ -103,7 +131,7 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitter
 def fast_jit(fn):
     import jax
 
-    return jax.jit(fn, compiler_options=FAST_COMPILE)
+    return jax.jit(fn) if NATIVE else jax.jit(fn, compiler_options=FAST_COMPILE)
 
 
 def decode_lens(page_size):
@@ -131,14 +159,16 @@ def ragged_seqs(page_size):
 
 
 def make_ragged_case(seed, *, page_size, head_dim, group, dtype, num_kv_heads=2, seqs=None, pad_tokens=3,
-                     spare_seq_slots=1):
-    """Flat query batch + cache; pads the token axis and the sequence slots with junk that must be ignored."""
+                     spare_seq_slots=1, quantized=False):
+    """Flat query batch + cache; pads the token axis and the sequence slots with junk that must be ignored.
+    quantized=True: an int8 cache, its scales under "k_scale"/"v_scale" (None otherwise)."""
     rng = np.random.default_rng(seed)
     seqs = ragged_seqs(page_size) if seqs is None else seqs
     ctx = [c for c, _ in seqs] + [0] * spare_seq_slots
     q_lens = [n for _, n in seqs]
-    k, v, table, _, _ = build_paged_cache(
+    k, v, table, ks, vs = build_paged_cache(
         rng, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, lens=ctx, dtype=dtype,
+        quantized=quantized,
     )
     qsl = np.zeros(len(ctx) + 1, np.int32)
     qsl[1: len(seqs) + 1] = np.cumsum(q_lens)
@@ -146,7 +176,7 @@ def make_ragged_case(seed, *, page_size, head_dim, group, dtype, num_kv_heads=2,
     num_tokens = sum(q_lens) + pad_tokens
     q = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)), dtype)
     return dict(q=q, k_pages=k, v_pages=v, page_table=table, context_lens=jnp.asarray(ctx, jnp.int32),
-                query_start_loc=jnp.asarray(qsl), num_seqs=jnp.asarray(len(seqs), jnp.int32))
+                query_start_loc=jnp.asarray(qsl), num_seqs=jnp.asarray(len(seqs), jnp.int32), k_scale=ks, v_scale=vs)
 
 
 def covering_grid(per_pair=2):

@@ -5,7 +5,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.engine import resolve_attention
-from jaxserve.errors import ConfigError
+from kernels_testlib import engine_attention_impl
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])  # mistral: sliding window through the ragged kernel
@@ -20,14 +20,14 @@ def test_pallas_attention_matches_reference(hf_model_dir, arch):
         llm = LLM(path, attention_backend=backend, **settings)
         outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts,
                                                                          sampling_params=greedy)]
-    assert llm.runner.options.attention_backend == "pallas_interpret"
+    assert llm.runner.options.attention_backend == engine_attention_impl()
     assert outputs["pallas"] == outputs["reference"]
 
 
 def test_auto_choice_is_explicit():
     assert resolve_attention("auto", "cpu", (1, 1)) == "reference"
     assert resolve_attention("auto", "tpu", (1, 1)) == "pallas_tpu"
-    assert resolve_attention("auto", "gpu", (1, 4)) == "reference"  # no shard_map wrapper yet
+    assert resolve_attention("auto", "gpu", (1, 4)) == "pallas_gpu"  # per device under shard_map
     assert resolve_attention("pallas", "cpu", (1, 1)) == "pallas_interpret"
-    with pytest.raises(ConfigError, match="shard_map"):
-        resolve_attention("pallas", "gpu", (2, 2))
+    assert resolve_attention("pallas", "gpu", (2, 2)) == "pallas_gpu"
+    assert resolve_attention("pallas", "cpu", (2, 2)) == "pallas_interpret"

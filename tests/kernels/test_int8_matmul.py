@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_testlib import fast_jit
+from kernels_testlib import NATIVE, fast_jit, interpret_for
 from pallas_kernels.int8_matmul import int8_matmul, reference_int8_matmul
 from pallas_kernels.int8_matmul.blocks import TABLE, pick_blocks
 
@@ -29,7 +29,8 @@ def check(out, ref, dtype):
 
 def run_both(x, w, s, backend, **kw):
     ref = fast_jit(reference_int8_matmul)(x, w, s)
-    out = fast_jit(lambda *a: int8_matmul(*a, backend=backend, interpret=True, **kw))(x, w, s)
+    interpret = interpret_for(backend)
+    out = fast_jit(lambda *a: int8_matmul(*a, backend=backend, interpret=interpret, **kw))(x, w, s)
     assert out.shape == ref.shape and out.dtype == x.dtype
     return out, ref
 
@@ -131,6 +132,8 @@ def test_tpu_kernel_under_force_tpu_interpret_mode():
     # The other way to interpret Mosaic kernels: a context manager around an uninterpreted call.
     from jax.experimental.pallas import tpu as pltpu
 
+    if NATIVE:
+        pytest.skip("PALLAS_TESTS_NATIVE: an interpreter test")
     x, w, s = make_case(0, 8, 128, 128, jnp.float32)
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
         out = fast_jit(lambda *a: int8_matmul(*a, backend="tpu"))(x, w, s)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_testlib import assert_close, covering_grid, fast_jit, make_decode_case
+from kernels_testlib import assert_close, covering_grid, fast_jit, interpret_for, make_decode_case
 from pallas_kernels.paged_attention import paged_attention, reference_paged_attention
 from pallas_kernels.paged_attention import gpu as pa_gpu
 
@@ -17,8 +17,9 @@ def run_both(case, backend, **kw):
     scales = dict(k_scale=case["k_scale"], v_scale=case["v_scale"])
     ref = fast_jit(lambda *a: reference_paged_attention(*a[:5], k_scale=a[5], v_scale=a[6], **kw))(
         *args, scales["k_scale"], scales["v_scale"])
+    interpret = interpret_for(backend)
     out = fast_jit(lambda *a: paged_attention(*a[:5], k_scale=a[5], v_scale=a[6], backend=backend,
-                                              interpret=True, **kw))(*args, scales["k_scale"], scales["v_scale"])
+                                              interpret=interpret, **kw))(*args, scales["k_scale"], scales["v_scale"])
     return out, ref
 
 

@@ -5,16 +5,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_testlib import assert_close, covering_grid, fast_jit, make_ragged_case
+from kernels_testlib import assert_close, covering_grid, fast_jit, interpret_for, make_ragged_case
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, reference_ragged_paged_attention
 
 ARG_ORDER = ("q", "k_pages", "v_pages", "page_table", "context_lens", "query_start_loc", "num_seqs")
 
 
 def run_both(case, backend, **kw):
-    args = [case[n] for n in ARG_ORDER]
-    ref = fast_jit(lambda *a: reference_ragged_paged_attention(*a, **kw))(*args)
-    out = fast_jit(lambda *a: ragged_paged_attention(*a, backend=backend, interpret=True, **kw))(*args)
+    args = [case[n] for n in ARG_ORDER] + [case["k_scale"], case["v_scale"]]  # scales: None unless int8
+    split = lambda a: (a[:-2], dict(k_scale=a[-2], v_scale=a[-1]))  # noqa: E731
+    ref = fast_jit(lambda *a: reference_ragged_paged_attention(*split(a)[0], **split(a)[1], **kw))(*args)
+    interpret = interpret_for(backend)
+    out = fast_jit(lambda *a: ragged_paged_attention(*split(a)[0], **split(a)[1], backend=backend,
+                                                     interpret=interpret, **kw))(*args)
     return out, ref
 
 
@@ -51,13 +54,26 @@ def test_gpu_pure_decode_and_window_of_one():
         assert_close(out, ref, jnp.float32)
 
 
+@pytest.mark.parametrize("page_size,head_dim,group,dtype,window", [
+    (16, 64, 4, jnp.float32, None), (8, 128, 1, jnp.bfloat16, 11), (32, 64, 8, jnp.float16, None),
+])
+def test_gpu_int8_kv_cache(page_size, head_dim, group, dtype, window):
+    """int8 pages with per-token scales; NaN scales on unused pages and past each length must not leak."""
+    case = make_ragged_case(9 + group, page_size=page_size, head_dim=head_dim, group=group, dtype=dtype,
+                            quantized=True)
+    out, ref = run_both(case, "gpu", sliding_window=window)
+    assert_close(out, ref, dtype)
+    assert_padding_rows_zero(out, case)
+
+
 def test_gpu_num_seqs_as_python_int_and_shape_1():
     case = make_ragged_case(3, page_size=16, head_dim=64, group=1, dtype=jnp.float32)
     n = int(case["num_seqs"])
     args = [case[k] for k in ARG_ORDER[:-1]]
     ref = fast_jit(lambda *a: reference_ragged_paged_attention(*a, n))(*args)
+    interpret = interpret_for("gpu")
     out = fast_jit(lambda *a: ragged_paged_attention(*a, jnp.full((1,), n, jnp.int32), backend="gpu",
-                                                     interpret=True))(*args)
+                                                     interpret=interpret))(*args)
     assert_close(out, ref, jnp.float32)
 
 
@@ -69,15 +85,18 @@ TPU_CASES = [
     (32, 64, 8, jnp.float32, None, None, None),  # default block sizes
     (16, 128, 1, jnp.bfloat16, None, 16, 3),  # block not dividing the table width
     (16, 64, 8, jnp.bfloat16, 11, 8, 2),
+    (32, 64, 4, jnp.bfloat16, 11, 8, 1, True),  # int8 cache (TPU pages of 32 int8 rows), window
+    (32, 128, 1, jnp.float32, None, 16, 2, True),  # int8 cache
 ]
 
 
-@pytest.mark.parametrize("page_size,head_dim,group,dtype,window,bq,ppcb", TPU_CASES)
-def test_tpu_matches_reference(page_size, head_dim, group, dtype, window, bq, ppcb):
+@pytest.mark.parametrize("page_size,head_dim,group,dtype,window,bq,ppcb,quantized",
+                         [c if len(c) == 8 else c + (False,) for c in TPU_CASES])
+def test_tpu_matches_reference(page_size, head_dim, group, dtype, window, bq, ppcb, quantized):
     # Fewer tokens than the GPU mix: every grid step costs real time in the TPU simulator.
     seqs = [(1, 1), (2 * page_size + 5, page_size + 3), (page_size, 1), (7, 0)]
     case = make_ragged_case(page_size + group, page_size=page_size, head_dim=head_dim, group=group, dtype=dtype,
-                            num_kv_heads=1, seqs=seqs, pad_tokens=2)
+                            num_kv_heads=1, seqs=seqs, pad_tokens=2, quantized=quantized)
     out, ref = run_both(case, "tpu", sliding_window=window, queries_per_block=bq, pages_per_compute_block=ppcb)
     assert_close(out, ref, dtype)
     assert_padding_rows_zero(out, case)
@@ -138,7 +157,7 @@ def test_validation_options_and_backends():
         _trace(kw=dict(queries_per_block=12))
     with pytest.raises(ValueError, match="multiple of 16"):
         _trace("tpu", k_pages=_sds((2, 12, 8, 64), jnp.bfloat16), v_pages=_sds((2, 12, 8, 64), jnp.bfloat16))
-    with pytest.raises(NotImplementedError, match="int8"):
+    with pytest.raises(ValueError, match="needs k_scale"):
         _trace(k_pages=_sds((2, 12, 16, 64), jnp.int8), v_pages=_sds((2, 12, 16, 64), jnp.int8))
     if jax.default_backend() == "cpu":
         with pytest.raises(ValueError, match="interpret=True"):
@@ -160,6 +179,17 @@ def test_lowers_for_tpu(dtype, head_dim):
     f = lambda *a: ragged_paged_attention(*a, backend="tpu", sliding_window=64)
     exported = jax.export.export(jax.jit(f), platforms=["tpu"])(*_lowering_args(dtype, head_dim, 32))
     assert "tpu_custom_call" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("platform,page_size", [("tpu", 32), ("cuda", 16)])
+def test_int8_cache_lowers(platform, page_size):
+    args = _lowering_args(jnp.bfloat16, 128, page_size)
+    args[1] = args[2] = _sds(args[1].shape, jnp.int8)
+    scale = _sds(args[1].shape[:3], jnp.float32)
+    backend = "tpu" if platform == "tpu" else "gpu"
+    f = lambda *a: ragged_paged_attention(*a[:7], k_scale=a[7], v_scale=a[8], backend=backend, sliding_window=64)
+    text = jax.jit(f).trace(*args, scale, scale).lower(lowering_platforms=(platform,)).as_text()
+    assert ("tpu_custom_call" if platform == "tpu" else "triton") in text
 
 
 @pytest.mark.parametrize("dtype,head_dim", LOWER_CASES)
