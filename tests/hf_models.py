@@ -54,3 +54,34 @@ def make_hf_model(out_dir: str, arch: str = "llama", seed: int = 0, dtype: str =
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     return model
+
+
+# ---- greedy parity with the near-tie rule ----
+
+NEAR_TIE = 1e-3  # reference top-2 logit gap below which a divergence is accepted (and logged)
+
+
+def hf_greedy(model, prompt, steps_):
+    """Greedy continuation by full forwards (no HF cache); also each step's logits and top-2 gap."""
+    import numpy as np
+    import torch
+
+    ids = list(prompt)
+    gaps = []
+    with torch.no_grad():
+        for _ in range(steps_):
+            logits = model(torch.tensor([ids])).logits[0, -1].double().numpy()
+            top2 = np.sort(logits)[-2:]
+            gaps.append(top2[1] - top2[0])
+            ids.append(int(np.argmax(logits)))
+    return ids[len(prompt):], gaps
+
+
+def assert_same_greedy(ours, ref, gaps, label):
+    """Identical tokens, except that a divergence right at a reference near-tie ends the comparison."""
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            assert gaps[i] < NEAR_TIE, f"{label}: token {i} differs ({a} vs HF {b}); HF top-2 gap {gaps[i]:.4f}"
+            print(f"{label}: diverged at token {i} on a near-tie (HF top-2 gap {gaps[i]:.2e}); accepted")
+            return
+    assert len(ours) == len(ref)
