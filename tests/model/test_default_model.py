@@ -1,0 +1,77 @@
+"""The shipped default model (checkpoints/default): it loads through the public API, scores its
+held-out file as its README says, matches transformers after export, and restores onto a mesh."""
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.corpus import iter_texts
+from jaxserve.model.llama import forward_dense
+from jaxserve.model_loader import load_model
+from jaxserve.sharding import make_mesh
+
+from hf_models import assert_same_greedy, hf_greedy
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT = ROOT / "checkpoints" / "default"
+DRAFT = ROOT / "checkpoints" / "default-draft"
+COMMON = dict(dtype="float32", page_size=16, max_num_seqs=8, max_num_batched_tokens=256, warm_up=False)
+
+
+def readme_figure(path: Path) -> float:
+    match = re.search(r"mean loss ([0-9.]+)", (path / "README.md").read_text())
+    assert match, f"{path}/README.md quotes no score-file loss"
+    return float(match.group(1))
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(str(DEFAULT), max_model_len=2048, enable_prompt_logprobs=True, **COMMON)
+
+
+@pytest.mark.parametrize("checkpoint", [DEFAULT, DRAFT], ids=["default", "draft"])
+def test_scoring_the_held_out_file_reproduces_the_readme_loss(checkpoint, llm):
+    scorer = llm if checkpoint == DEFAULT else LLM(str(checkpoint), max_model_len=2048,
+                                                   enable_prompt_logprobs=True, **COMMON)
+    text = (checkpoint / "heldout_score.py").read_text()
+    tok = scorer.engine.tokenizer
+    ids = tok.encode(text) + [tok.eos_token_ids[0]]  # <s> text </s>, as the README's figure was computed
+    out = scorer.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    losses = [-entry[t] for t, entry in zip(ids[1:], out.prompt_logprobs[1:])]
+    assert np.mean(losses) == pytest.approx(readme_figure(checkpoint), rel=0.01)
+
+
+def test_exported_model_gives_the_same_greedy_tokens_in_transformers(llm, tmp_path):
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from export_orbax_to_hf import export
+
+    model = AutoModelForCausalLM.from_pretrained(str(export(str(DEFAULT), str(tmp_path / "hf"))),
+                                                 dtype=torch.float32)
+    tok = llm.engine.tokenizer
+    prompts = [tok.encode(text[:200]) for _, text in list(iter_texts("heldout"))[:8]]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
+        max_tokens=24, temperature=0, ignore_eos=True))
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        ref, gaps = hf_greedy(model, prompt, 24)
+        assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"held-out prompt {i}")
+
+
+def test_restore_onto_a_1x2_mesh_gives_the_same_logits():
+    tokens = jnp.asarray(np.random.RandomState(0).randint(4, 8192, size=(2, 32)), jnp.int32)
+    logits = []
+    for shape in ((1, 1), (1, 2)):
+        loaded = load_model(EngineConfig(model=str(DEFAULT), dtype="float32"), make_mesh(shape), stacked=True)
+        logits.append(np.asarray(jax.jit(forward_dense, static_argnames="cfg")(loaded.params, tokens, cfg=loaded.cfg)))
+    np.testing.assert_allclose(logits[1], logits[0], atol=1e-4, rtol=0)
