@@ -330,10 +330,11 @@ def main(argv: list[str] | None = None) -> int:
         shipped_heldout = mean_loss(cfg, shipped, windows, args.batch)
         extra = (f"| held-out loss of the stored bf16 weights | {shipped_heldout:.4f} (perplexity "
                  f"{math.exp(shipped_heldout):.2f}) |\n"
-                 f"| `{SCORE_FILE}` | the held-out stdlib file `{score_key}`, {len(score_ids)} tokens with <s> and "
+                 f"| `default/{SCORE_FILE}` | the held-out stdlib file `{score_key}`, {len(score_ids)} tokens with <s> and "
                  f"</s>: mean loss {score:.4f} (stored weights, scored in float32) |\n")
         export(shape, cfg, params, log, tokenizer_dir, out / shape.name, args, extra)
-        (out / shape.name / SCORE_FILE).write_text(score_text)
+        if shape.name == "default":  # one copy, shipped with the target; the draft's README points at it
+            (out / shape.name / SCORE_FILE).write_text(score_text)
         print(f"{shape.name}: wrote {out / shape.name} (held-out loss {shipped_heldout:.4f} as stored, "
               f"{SCORE_FILE} loss {score:.4f})")
     plot({s.name: results[s.name][2] for s in shapes}, out / "training_loss.png")

@@ -41,7 +41,7 @@ def llm():
 def test_scoring_the_held_out_file_reproduces_the_readme_loss(checkpoint, llm):
     scorer = llm if checkpoint == DEFAULT else LLM(str(checkpoint), max_model_len=2048,
                                                    enable_prompt_logprobs=True, **COMMON)
-    text = (checkpoint / "heldout_score.py").read_text()
+    text = (DEFAULT / "heldout_score.py").read_text()  # one score file, shipped with the target
     tok = scorer.engine.tokenizer
     ids = tok.encode(text) + [tok.eos_token_ids[0]]  # <s> text </s>, as the README's figure was computed
     out = scorer.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
