@@ -244,9 +244,35 @@ class EngineConfig(Settings):
     quantize_lm_head: bool = setting(False, "with quantization=int8, quantize the (untied) lm_head too", parse_bool)
     kv_cache_dtype: str = setting("auto", "auto (the model dtype) | int8 (per-token, per-head scales)",
                                   choice("auto", "int8"))
+    quantized_matmul_backend: str = setting(
+        "auto", "int8 weights' matmul: auto (Pallas int8_matmul on one TPU/GPU, else XLA) | reference (XLA) | pallas",
+        choice("auto", "reference", "pallas"))
+    speculative_model: str | None = setting(
+        None, "draft model directory for speculative decoding (same vocabulary as the model)", optional(parse_str))
+    speculative_method: str = setting(
+        "draft", "draft (proposals from speculative_model) | ngram (prompt lookup: copy from earlier tokens)",
+        choice("draft", "ngram"))
+    num_speculative_tokens: int = setting(0, "tokens proposed per verify step; 0 = speculative decoding off",
+                                          parse_int)
+    prompt_lookup_min: int = setting(1, "ngram speculation: shortest suffix to look up", parse_int)
+    prompt_lookup_max: int = setting(4, "ngram speculation: longest suffix to look up (tried first)", parse_int)
+    speculative_adaptive: bool = setting(
+        True, "per request, lower the proposals (to none) when the measured acceptance does not pay for them",
+        parse_bool)
     compilation_cache_dir: str | None = setting(
         None, "persistent XLA compilation cache; default ~/.cache/jaxserve/xla, 'none' disables it", optional(parse_str)
     )
+    # Multi-host serving (jaxserve.multihost, docs/multihost.md): one process per host, all with the same settings
+    # but process_id; process 0 runs the scheduler (and the HTTP server) and hands every step to the others.
+    coordinator_address: str | None = setting(
+        None, "multi-host: HOST:PORT where process 0 hosts the jax.distributed coordinator (every process gives "
+        "the same); unset = a single process", optional(parse_str))
+    num_processes: int = setting(1, "multi-host: processes in the job (one per host); 1 = single process", parse_int)
+    process_id: int = setting(0, "multi-host: this process's index in [0, num_processes); 0 schedules and serves HTTP",
+                              parse_int)
+    distributed_timeout: int = setting(
+        30, "multi-host: seconds without a heartbeat after which a process counts as dead (the others then exit)",
+        parse_int)
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -261,3 +287,37 @@ class EngineConfig(Settings):
             raise ConfigError("set num_pages or kv_cache_memory, not both")
         if self.load_format == "dummy" and self.model is None:
             raise ConfigError("load_format='dummy' needs model= a directory with a config.json to take the shape from")
+        self._validate_speculation()
+        self._validate_distributed()
+
+    def _validate_distributed(self) -> None:
+        n, i = self.num_processes, self.process_id
+        if n < 1 or not 0 <= i < n:
+            raise ConfigError(f"need num_processes >= 1 and 0 <= process_id < num_processes, got {n}, {i}")
+        if n > 1 and not self.coordinator_address:
+            raise ConfigError(f"num_processes={n} needs coordinator_address=HOST:PORT (process 0's address)")
+        if self.distributed_timeout < 1:
+            raise ConfigError(f"distributed_timeout must be at least 1 second, got {self.distributed_timeout}")
+        if n > 1 and self.num_speculative_tokens > 0:
+            raise ConfigError("speculative decoding is not supported with num_processes > 1 yet")
+
+    def _validate_speculation(self) -> None:
+        k, method = self.num_speculative_tokens, self.speculative_method
+        if k < 0:
+            raise ConfigError(f"num_speculative_tokens must be >= 0, got {k}")
+        if method == "ngram" and self.speculative_model is not None:
+            raise ConfigError("speculative_method='ngram' needs no speculative_model; drop one of them")
+        if method == "draft" and k > 0 and self.speculative_model is None:
+            raise ConfigError("num_speculative_tokens > 0 needs speculative_model=PATH (a draft model), "
+                              "or speculative_method='ngram'")
+        if self.speculative_model is not None and k == 0:
+            raise ConfigError("speculative_model is set but num_speculative_tokens is 0: set how many tokens "
+                              "the draft proposes per step (e.g. 4)")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
+                              f"{self.prompt_lookup_max}")
+
+    @property
+    def speculation(self) -> str | None:
+        """The speculative decoding in use: "draft", "ngram" or None (off)."""
+        return self.speculative_method if self.num_speculative_tokens > 0 else None

@@ -3,6 +3,8 @@
 Layout (documented once, shared with `pallas_kernels`): for replica r and layer l, `k[r, l]` is
 `[kv_heads, num_pages, page_size, head_dim]`. The token at position p of a sequence lives in page
 `page_table[p // page_size]`, slot `p % page_size`. Page ids are local to a data-parallel replica.
+An int8 cache (kv_cache_dtype="int8") keeps one f32 scale per (token, KV head) beside the pages,
+`k_scale[r, l]` f32[kv_heads, num_pages, page_size]: the value of a slot is int8 * scale.
 """
 
 from __future__ import annotations
@@ -15,14 +17,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.quant import quantize_kv
 
 
 @flax.struct.dataclass
 class KVCache:
-    """K and V pages of every layer, preallocated once and donated into every step."""
+    """K and V pages of every layer, preallocated once and donated into every step.
 
-    k: jax.Array  # f[R, L, K, num_pages, page_size, H]
-    v: jax.Array  # f[R, L, K, num_pages, page_size, H]
+    Inside a step (`model.llama.forward`) the same pytree holds one replica: the leading R axis gone.
+    """
+
+    k: jax.Array  # f[R, L, K, num_pages, page_size, H], or i8 with scales
+    v: jax.Array  # f[R, L, K, num_pages, page_size, H], or i8 with scales
+    k_scale: jax.Array | None = None  # f32[R, L, K, num_pages, page_size]; None unless int8
+    v_scale: jax.Array | None = None  # f32[R, L, K, num_pages, page_size]
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
     @property
     def num_replicas(self) -> int:
@@ -91,48 +103,76 @@ def cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, num_replicas: 
     return (num_replicas, cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
 
 
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
 def init_cache(
-    cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, num_replicas: int = 1, sharding: Any = None
+    cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, num_replicas: int = 1, sharding: Any = None,
+    kv_cache_dtype: str = "auto", scale_sharding: Any = None,
 ) -> KVCache:
-    """Allocate the whole cache once (zeros). Called at start-up; never again."""
+    """Allocate the whole cache once (zeros). Called at start-up; never again.
+
+    kv_cache_dtype="auto" stores K/V in `dtype`; "int8" stores int8 pages plus f32 scales (on
+    `scale_sharding`: `Shardings.cache_scale`)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     shape = cache_shape(cfg, num_pages, page_size, num_replicas)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return KVCache(k=zeros(), v=zeros())
+    quantized = kv_cache_dtype == "int8"
+    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.int8 if quantized else dtype), out_shardings=sharding)
+    if not quantized:
+        return KVCache(k=zeros(), v=zeros())
+    scale_zeros = jax.jit(lambda: jnp.zeros(shape[:-1], jnp.float32), out_shardings=scale_sharding)
+    return KVCache(k=zeros(), v=zeros(), k_scale=scale_zeros(), v_scale=scale_zeros())
+
+
+def cache_shardings(shardings: Any, kv_cache_dtype: str = "auto") -> KVCache:
+    """The cache's pytree of shardings from a `sharding.Shardings` (the cache's layout, step to step)."""
+    if kv_cache_dtype == "int8":
+        return KVCache(k=shardings.cache, v=shardings.cache, k_scale=shardings.cache_scale,
+                       v_scale=shardings.cache_scale)
+    return KVCache(k=shardings.cache, v=shardings.cache)
 
 
 def write_kv(
-    k_cache: jax.Array,  # f[L, K, NP, S, H]  (one replica)
-    v_cache: jax.Array,  # f[L, K, NP, S, H]
+    cache: KVCache,  # one replica: k, v f[L, K, NP, S, H] (i8 with k_scale, v_scale f32[L, K, NP, S])
     layer: jax.Array | int,
     k_new: jax.Array,  # f[B, T, K, H]
     v_new: jax.Array,  # f[B, T, K, H]
     page_table: jax.Array,  # i32[B, P]
     positions: jax.Array,  # i32[B, T]
     valid: jax.Array,  # bool[B, T]
-) -> tuple[jax.Array, jax.Array]:
+) -> KVCache:
     """Scatter this chunk's K/V into its pages. Invalid (padding) tokens are dropped, not written.
 
     The cache is viewed as rows of head_dim so one scatter handles every head: flattening a donated
-    buffer is free, and the scatter updates it in place.
+    buffer is free, and the scatter updates it in place. An int8 cache quantizes each (token, head)
+    vector on the way in (absmax / 127) and scatters its scale to the same row of the scales.
     """
-    L, K, NP, S, H = k_cache.shape
+    L, K, NP, S, H = cache.k.shape
     page = jnp.take_along_axis(page_table, positions // S, axis=1, mode="clip")  # i32[B, T]
     slot = page * S + positions % S  # i32[B, T]  within one head's pages
     head = jnp.arange(K, dtype=jnp.int32)[:, None, None]  # i32[K, 1, 1]
     rows = (layer * K + head) * (NP * S) + slot[None]  # i32[K, B, T]
     rows = jnp.where(valid[None], rows, L * K * NP * S)  # out of range -> dropped
-    def scatter(cache, new):
-        flat = cache.reshape(L * K * NP * S, H)
-        flat = flat.at[rows].set(new.transpose(2, 0, 1, 3).astype(cache.dtype), mode="drop")
-        return flat.reshape(cache.shape)
-    return scatter(k_cache, k_new), scatter(v_cache, v_new)
+
+    def scatter(pages, new):  # new [B, T, K, *rest] -> rows of pages viewed as [L*K*NP*S, *rest]
+        flat = pages.reshape(L * K * NP * S, *pages.shape[4:])
+        flat = flat.at[rows].set(jnp.moveaxis(new, 2, 0).astype(pages.dtype), mode="drop")
+        return flat.reshape(pages.shape)
+
+    if not cache.quantized:
+        return cache.replace(k=scatter(cache.k, k_new), v=scatter(cache.v, v_new))
+    (kq, ks), (vq, vs) = quantize_kv(k_new), quantize_kv(v_new)  # i8[B, T, K, H], f32[B, T, K]
+    return KVCache(k=scatter(cache.k, kq), v=scatter(cache.v, vq), k_scale=scatter(cache.k_scale, ks),
+                   v_scale=scatter(cache.v_scale, vs))
 
 
 def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array, replica: int = 0) -> KVCache:
-    """Copy whole pages (all layers and heads) src[i] -> dst[i]: copy-on-write for forked sequences."""
-    k = cache.k.at[replica, :, :, dst].set(cache.k[replica, :, :, src])
-    v = cache.v.at[replica, :, :, dst].set(cache.v[replica, :, :, src])
-    return KVCache(k=k, v=v)
+    """Copy whole pages (all layers and heads, and their scales) src[i] -> dst[i]: copy-on-write for
+    forked sequences."""
+    def copy(x):
+        return None if x is None else x.at[replica, :, :, dst].set(x[replica, :, :, src])
+    return KVCache(k=copy(cache.k), v=copy(cache.v), k_scale=copy(cache.k_scale), v_scale=copy(cache.v_scale))
 
 
 copy_pages_jit = jax.jit(copy_pages, static_argnames=("replica",), donate_argnames=("cache",))

@@ -1,4 +1,7 @@
-"""How the KV cache is sized: pages from `num_pages` or `kv_cache_memory`, and the plan logged at start-up."""
+"""How the KV cache is sized: pages from `num_pages` or `kv_cache_memory`, and the plan logged at start-up.
+
+Bytes come from ModelConfig's arithmetic (`param_bytes`, `kv_bytes_per_token`), shared with the
+planner, for the chosen dtype, weight quantization and KV-cache dtype."""
 
 from __future__ import annotations
 
@@ -23,6 +26,17 @@ class MemoryPlan:
     num_pages: int  # per replica, the padding page included
     max_model_len: int
     max_pages_per_seq: int
+    dtype: str = "float32"  # the model dtype
+    quantization: str = "none"  # weights: "none" | "int8"
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8"
+    kv_bytes_per_token_model_dtype: int | None = None  # what a cache in the model dtype would take
+    draft_kv_bytes_per_token: int = 0  # speculative decoding: the draft's cache, in the same pages
+
+    @property
+    def tokens_in_model_dtype(self) -> int:
+        """Tokens the same cache bytes would hold in the model dtype (whole pages, padding page excluded)."""
+        per_token = self.kv_bytes_per_token_model_dtype or self.kv_bytes_per_token
+        return max(self.kv_cache_bytes // (per_token * self.page_size) - RESERVED_PAGES, 0) * self.page_size
 
     @property
     def tokens_that_fit(self) -> int:
@@ -34,28 +48,49 @@ class MemoryPlan:
 
     def describe(self) -> str:
         gib = 2**30
-        return (
-            f"memory plan: params {self.param_bytes / gib:.3f} GiB; KV {self.kv_bytes_per_token} bytes/token; "
+        weights = "int8 linear layers" if self.quantization == "int8" else self.dtype
+        kv = "int8 + f32 scales" if self.kv_cache_dtype == "int8" else self.dtype
+        text = (
+            f"memory plan: params {self.param_bytes / gib:.3f} GiB ({weights}, {self.dtype} activations); "
+            f"KV {self.kv_bytes_per_token} bytes/token ({kv}); "
             f"{self.num_pages} pages x {self.page_size} tokens = {self.kv_cache_bytes / gib:.3f} GiB per replica, "
             f"{self.tokens_that_fit} tokens fit; max_model_len {self.max_model_len} "
             f"({self.max_pages_per_seq} pages/sequence)"
         )
+        if self.draft_kv_bytes_per_token:
+            draft = self.num_pages * self.page_size * self.draft_kv_bytes_per_token
+            text += (f"; draft model KV {self.draft_kv_bytes_per_token} bytes/token in the same pages "
+                     f"(+{draft / gib:.3f} GiB)")
+        if self.kv_cache_dtype == "int8" and self.kv_bytes_per_token_model_dtype:
+            base = self.tokens_in_model_dtype
+            more = self.tokens_that_fit - base
+            ratio = f", {self.tokens_that_fit / base:.2f}x" if base else ""
+            text += (f"; int8 KV: {more} more tokens fit than in {self.dtype} "
+                     f"({self.kv_bytes_per_token_model_dtype} bytes/token: {base} tokens in these bytes{ratio})")
+        return text
 
 
-def plan_memory(cfg: ModelConfig, settings: EngineConfig, dtype: Any, param_bytes: int) -> MemoryPlan:
+def plan_memory(cfg: ModelConfig, settings: EngineConfig, dtype: Any, param_bytes: int | None = None,
+                draft_kv_bytes_per_token: int = 0) -> MemoryPlan:
+    """Pages per replica and the byte figures; `param_bytes` defaults to ModelConfig's arithmetic for
+    the settings' quantization (the engine checks it against the loaded params). A speculative draft
+    model keeps its K/V in the same pages, so a memory budget buys pages of both."""
     max_model_len = settings.max_model_len or cfg.max_position_embeddings
     if max_model_len > cfg.max_position_embeddings:
         raise ConfigError(
             f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}"
         )
     page_size = settings.page_size
-    kv_per_token = cfg.kv_bytes_per_token(jnp.dtype(dtype).itemsize)
+    itemsize = jnp.dtype(dtype).itemsize
+    kv_per_token = cfg.kv_bytes_per_token(itemsize, settings.kv_cache_dtype)
+    if param_bytes is None:
+        param_bytes = cfg.param_bytes(itemsize, settings.quantization, settings.quantize_lm_head)
     max_pages_per_seq = math.ceil(max_model_len / page_size)
     if settings.num_pages is not None:
         num_pages = settings.num_pages
     else:
         budget = settings.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-        num_pages = budget // (kv_per_token * page_size)
+        num_pages = budget // ((kv_per_token + draft_kv_bytes_per_token) * page_size)
         if settings.kv_cache_memory is None:  # no need to hold more than every slot at full length
             num_pages = min(num_pages, settings.max_num_seqs * max_pages_per_seq + RESERVED_PAGES)
     if num_pages <= RESERVED_PAGES:
@@ -63,4 +98,8 @@ def plan_memory(cfg: ModelConfig, settings: EngineConfig, dtype: Any, param_byte
             f"the KV cache would hold {num_pages} page(s) of {page_size} tokens; at least 2 are needed "
             "(page 0 is reserved): raise num_pages or kv_cache_memory"
         )
-    return MemoryPlan(param_bytes, kv_per_token, page_size, int(num_pages), max_model_len, max_pages_per_seq)
+    return MemoryPlan(param_bytes, kv_per_token, page_size, int(num_pages), max_model_len, max_pages_per_seq,
+                      dtype=jnp.dtype(dtype).name, quantization=settings.quantization,
+                      kv_cache_dtype=settings.kv_cache_dtype,
+                      kv_bytes_per_token_model_dtype=cfg.kv_bytes_per_token(itemsize),
+                      draft_kv_bytes_per_token=draft_kv_bytes_per_token)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jaxserve import quant
 from jaxserve.checkpoint import checkpoint_dtype, load_hf_params
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.errors import ModelLoadError
@@ -48,10 +49,15 @@ def resolve_dtype(settings: EngineConfig, model_dir: str) -> Any:
 def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> LoadedModel:
     """Read the config, derive the shardings on `mesh`, and put each weight straight onto its shards.
 
-    stacked=False returns per-layer weight arrays, for the unrolled forward."""
+    stacked=False returns per-layer weight arrays, for the unrolled forward. quantization="int8"
+    quantizes the float weights as they arrive, one weight at a time (quant.quantize_params_placed),
+    unless the checkpoint is an int8 orbax one (scripts/quantize.py): that restores as it was saved.
+    """
     model_dir = resolve_model_dir(settings)
     cfg = ModelConfig.from_dir(model_dir)
-    shardings = make_shardings(cfg, mesh, stacked)
+    shardings = make_shardings(cfg, mesh, stacked, settings.quantization, settings.quantize_lm_head)
+    quantized = settings.quantization == "int8"
+    float_shardings = make_shardings(cfg, mesh, stacked) if quantized else shardings
     dtype = resolve_dtype(settings, model_dir)
     fmt = settings.load_format
     if fmt == "auto":
@@ -61,26 +67,38 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
             params = init_dummy_params(cfg, seed, dtype)
             return params if stacked else unstack_layers(params)
 
-        init = jax.jit(init, static_argnums=(0, 1, 2), out_shardings=shardings.params)
+        init = jax.jit(init, static_argnums=(0, 1, 2), out_shardings=float_shardings.params)
         params = init(cfg, settings.seed, dtype)
     elif fmt == "orbax":
-        params = load_orbax_params(model_dir, cfg, dtype, mesh, shardings, stacked)
+        stored = read_manifest(model_dir).get("quantization", "none")
+        params = load_orbax_params(model_dir, cfg, dtype, mesh, shardings if stored != "none" else float_shardings,
+                                   stacked, settings.quantization, settings.quantize_lm_head)
+        quantized &= stored == "none"  # an int8 checkpoint is restored as int8: nothing left to quantize
     else:
-        params = load_hf_params(model_dir, cfg, dtype, shardings.params, stacked)
+        params = load_hf_params(model_dir, cfg, dtype, float_shardings.params, stacked)
+    if quantized:
+        params = quant.quantize_params_placed(params, shardings.params, settings.quantize_lm_head)
     return LoadedModel(cfg=cfg, params=params, dtype=dtype, model_dir=model_dir, shardings=shardings)
 
 
 def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: Any, mesh: Mesh, shardings: Shardings,
-                      stacked: bool) -> Params:
-    """Restore a jaxserve orbax checkpoint straight onto the mesh, cast to `dtype` by orbax."""
+                      stacked: bool, quantization: str = "none", quantize_lm_head: bool = False) -> Params:
+    """Restore a jaxserve orbax checkpoint straight onto the mesh, cast to `dtype` by orbax.
+
+    An int8 checkpoint (manifest quantization="int8") needs the same `quantization` and
+    `quantize_lm_head` settings, and `shardings` of the int8 layout; its int8 values and f32 scales
+    are restored as saved."""
     if not is_orbax_checkpoint(model_dir):
         raise ModelLoadError(f"{model_dir} is not a jaxserve orbax checkpoint (no jaxserve_checkpoint.json)")
     manifest = read_manifest(model_dir)
-    if manifest.get("quantization", "none") != "none":
-        raise ModelLoadError(f"{model_dir} holds {manifest['quantization']}-quantized params; "
-                             "load it with quantization set accordingly")
-    stacked_shardings = shardings.params if stacked else make_shardings(cfg, mesh, stacked=True).params
-    params = restore_params(model_dir, abstract_params(cfg, dtype, stacked_shardings))
+    stored = manifest.get("quantization", "none")
+    stored_head = bool(manifest.get("quantize_lm_head", False))
+    if stored != "none" and (stored != quantization or stored_head != quantize_lm_head):
+        raise ModelLoadError(f"{model_dir} holds {stored}-quantized params (quantize_lm_head={stored_head}); "
+                             f"load it with quantization={stored!r}, quantize_lm_head={stored_head}")
+    stacked_shardings = shardings.params if stacked else make_shardings(
+        cfg, mesh, True, stored, quantize_lm_head).params
+    params = restore_params(model_dir, abstract_params(cfg, dtype, stacked_shardings, stored, quantize_lm_head))
     if stacked:
         return params
     # Slicing a stacked weight on its replicated layer axis keeps each device's own shard.

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve import quant
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.model.weights import Params, param_specs
@@ -74,14 +75,19 @@ def save_params(model_dir: str, params: Params, **manifest_extra: Any) -> None:
         f.write("\n")
 
 
-def abstract_params(cfg: ModelConfig, dtype: Any, shardings: Params | None) -> Params:
-    """The stacked params as ShapeDtypeStructs with their target shardings: what restore fills."""
+def abstract_params(cfg: ModelConfig, dtype: Any, shardings: Params | None, quantization: str = "none",
+                    quantize_lm_head: bool = False) -> Params:
+    """The stacked params as ShapeDtypeStructs with their target shardings: what restore fills.
+
+    quantization="int8" (a checkpoint saved with QuantArray leaves, manifest quantization="int8"):
+    the linear weights are QuantArray(values i8, scales f32) and `shardings` is that layout's."""
     specs = param_specs(cfg)
+    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=lambda x: hasattr(x, "init"))
+    if quantization == "int8":
+        abstract = jax.eval_shape(lambda p: quant.quantize_params(p, quantize_lm_head), abstract)
     if shardings is None:
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs,
-                            is_leaf=lambda x: hasattr(x, "init"))
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh), specs, shardings,
-                        is_leaf=lambda x: hasattr(x, "init"))
+        return abstract
+    return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)
 
 
 def restore_params(model_dir: str, abstract: Any) -> Any:

@@ -174,8 +174,15 @@ def _topk_topp_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) 
     return jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
 
 
-def _draw(logits: jax.Array, st: SamplingTensors, sampled: jax.Array) -> jax.Array:
-    """i32[B]: temperature, then top-k/top-p/min-p filtering, then a draw keyed by (seed, step)."""
+def penalise(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """f32[B, V]: the penalties of the rows that ask for them (a cond: unpenalised batches skip the scatters)."""
+    penalised = jnp.any((st.repetition_penalty != 1) | (st.presence_penalty != 0) | (st.frequency_penalty != 0))
+    return jax.lax.cond(penalised, lambda: apply_penalties(logits, st), lambda: logits)
+
+
+def filter_logits(logits: jax.Array, st: SamplingTensors, sampled: jax.Array) -> jax.Array:
+    """f32[B, V]: temperature, then top-k/top-p/min-p as -inf; softmax of it is the distribution a
+    sampled row draws from (shared by normal sampling and speculative verification)."""
     scaled = logits / jnp.where(sampled, st.temperature, 1.0)[:, None]
     V = logits.shape[-1]
     # The sort is the only expensive part; skip it when no sampled row limits top-k or top-p.
@@ -187,9 +194,18 @@ def _draw(logits: jax.Array, st: SamplingTensors, sampled: jax.Array) -> jax.Arr
     )
     # min-p needs no sort: p / p_max = exp(l - l_max), and keeping p >= min_p * p_max is a logit bound.
     min_p_bound = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(st.min_p)[:, None]
-    filtered = jnp.where((scaled >= threshold) & (scaled >= min_p_bound), scaled, -jnp.inf)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(st.seed, st.step)
-    return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    return jnp.where((scaled >= threshold) & (scaled >= min_p_bound), scaled, -jnp.inf)
+
+
+def step_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
+    """The PRNG key of each row's output index: keyed by (seed, step) only, never by the batch."""
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seed, step)
+
+
+def _draw(logits: jax.Array, st: SamplingTensors, sampled: jax.Array) -> jax.Array:
+    """i32[B]: temperature, then top-k/top-p/min-p filtering, then a draw keyed by (seed, step)."""
+    filtered = filter_logits(logits, st, sampled)
+    return jax.vmap(jax.random.categorical)(step_keys(st.seed, st.step), filtered).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, st: SamplingTensors, *, want_logprobs: int = 0) -> SampleOutput:
@@ -203,9 +219,7 @@ def sample(logits: jax.Array, st: SamplingTensors, *, want_logprobs: int = 0) ->
     raw = logits.reshape(-1, V).astype(jnp.float32)
     st = jax.tree.map(lambda x: x.reshape((raw.shape[0],) + x.shape[len(batch):]), st)
 
-    penalised = jnp.any((st.repetition_penalty != 1) | (st.presence_penalty != 0) | (st.frequency_penalty != 0))
-    # A cond, not a select: with no penalised row the scatters over [B, V] never run.
-    processed = jax.lax.cond(penalised, lambda: apply_penalties(raw, st), lambda: raw)
+    processed = penalise(raw, st)
 
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     sampled = st.temperature >= SAMPLING_EPS

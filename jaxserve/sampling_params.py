@@ -92,6 +92,25 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding (None when it is off): draft tokens proposed, how many of them the target
+    # accepted, and the verify steps that had at least one draft (summed over the request's samples).
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
+    spec_verify_steps: int | None = None
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        if self.spec_draft_tokens is None:
+            return None
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens per verify step: accepted drafts plus the target's own token."""
+        if self.spec_verify_steps is None:
+            return None
+        steps = self.spec_verify_steps
+        return (self.spec_accepted_tokens + steps) / steps if steps else 0.0
 
 
 @dataclasses.dataclass

@@ -10,6 +10,11 @@ serves `checkpoints/default` when present, else SmolLM2-135M's shape with dummy 
 says so loudly. The server listens at once; `/health` is 503 until the engine is loaded and warm, then
 200. SIGTERM / SIGINT: stop accepting connections, let in-flight requests finish for up to
 `--grace-seconds`, shut the engine down, exit 0.
+
+Multi-host (docs/multihost.md): run the same command on every host with `--coordinator-address
+HOST:PORT --num-processes N --process-id I`. Process 0 serves HTTP and schedules; the others load the
+same model, compile the same steps and run each step process 0 hands them, and exit 0 when it stops.
+If a process dies the others exit non-zero (3 when a step fails) with an error naming the cause.
 """
 
 from __future__ import annotations
@@ -137,6 +142,32 @@ def build_engine(ns: argparse.Namespace, settings: EngineConfig) -> Any:
     return AsyncLLMEngine.from_settings(settings)
 
 
+def run_follower(settings: EngineConfig) -> int:
+    """A multi-host process other than 0: no HTTP server. Load the model and compile the steps as
+    process 0 does, then run every step it hands over until it shuts down (exit 0)."""
+    from jaxserve import multihost
+    from jaxserve.engine.engine import LLMEngine  # lazy: pulls in JAX
+
+    logger.info("process %d of %d: following process 0 (coordinator %s); no HTTP server here",
+                settings.process_id, settings.num_processes, settings.coordinator_address)
+    try:
+        engine = LLMEngine(settings)
+    except BaseException as err:  # noqa: BLE001 - reported; the job cannot run without this process
+        message = str(err) if isinstance(err, JaxServeError) else f"{type(err).__name__}: {err}"
+        logger.error("the engine failed to start on process %d: %s", settings.process_id, message,
+                     exc_info=not isinstance(err, JaxServeError))
+        logging.shutdown()
+        os._exit(1)  # not a normal exit: jax.distributed's shutdown barrier would wait for the others
+    return multihost.run_follower(engine)
+
+
+def stop_followers(engine: Any) -> None:
+    """Multi-host, process 0: tell the other processes to exit (the engine's step thread has stopped)."""
+    leader = getattr(getattr(engine, "engine", None), "multihost", None)
+    if leader is not None:
+        leader.shutdown()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -150,6 +181,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.max_waiting is not None and ns.max_waiting < 0:
         print("error: --max-waiting must be >= 0", file=sys.stderr)
         return 2
+    if settings.num_processes > 1:
+        if ns.mock_engine:
+            print("error: --mock-engine runs in one process; drop --num-processes", file=sys.stderr)
+            return 2
+        if settings.process_id != 0:
+            return run_follower(settings)
 
     import uvicorn
 
@@ -208,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run()
+    stop_followers(state.engine)
     if failed:
         return 1
     if loader.is_alive():  # shut down while the model was still loading: do not wait for compilation

@@ -9,12 +9,14 @@ pool. Model code names logical axes only; it never writes a PartitionSpec.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxserve import quant
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ConfigError
 from jaxserve.model.weights import Params, logical_axes
@@ -70,6 +72,7 @@ class Shardings:
     mesh: Mesh
     params: Params  # a Params pytree of NamedShardings
     cache: NamedSharding  # f[R, L, K, NP, S, H]
+    cache_scale: NamedSharding  # f32[R, L, K, NP, S]  (the int8 cache's scales)
     batch2: NamedSharding  # [R, B]
     batch3: NamedSharding  # [R, B, X]
 
@@ -78,11 +81,16 @@ class Shardings:
         return self.mesh.shape[DATA]
 
 
-def make_shardings(cfg: ModelConfig, mesh: Mesh, stacked: bool = True) -> Shardings:
-    """`stacked=False` gives the shardings of params whose layers are a tuple (weights.unstack_layers)."""
+def make_shardings(cfg: ModelConfig, mesh: Mesh, stacked: bool = True, quantization: str = "none",
+                   quantize_lm_head: bool = False) -> Shardings:
+    """`stacked=False` gives the shardings of params whose layers are a tuple (weights.unstack_layers);
+    quantization="int8" those of the quantized layout (a QuantArray of shardings per linear weight)."""
     rules = logical_rules(cfg, mesh.shape[MODEL])
     is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
-    params = jax.tree.map(lambda axes: NamedSharding(mesh, spec_for(axes, rules)), logical_axes(cfg), is_leaf=is_axes)
+    axes = logical_axes(cfg)
+    if quantization == "int8":
+        axes = quant.map_linear(axes, quant.quantized_axes, quantize_lm_head)
+    params = jax.tree.map(lambda axes: NamedSharding(mesh, spec_for(axes, rules)), axes, is_leaf=is_axes)
     if not stacked:
         one_layer = jax.tree.map(lambda sh: NamedSharding(mesh, PartitionSpec(*sh.spec[1:])), params.layers)
         params = params.replace(layers=(one_layer,) * cfg.num_layers)
@@ -91,6 +99,61 @@ def make_shardings(cfg: ModelConfig, mesh: Mesh, stacked: bool = True) -> Shardi
         mesh=mesh,
         params=params,
         cache=NamedSharding(mesh, spec_for(cache_axes, rules)),
+        cache_scale=NamedSharding(mesh, spec_for(cache_axes[:-1], rules)),
         batch2=NamedSharding(mesh, spec_for(("replica", None), rules)),
         batch3=NamedSharding(mesh, spec_for(("replica", None, None), rules)),
     )
+
+
+def shard_attention(attention: Callable[..., jax.Array], mesh: Mesh) -> Callable[..., jax.Array]:
+    """`attention` (the per-replica call the model makes) run once per device under `jax.shard_map`.
+
+    GSPMD cannot partition a Pallas kernel (an opaque custom call), so each device runs it on its own
+    shard: query heads split on `model`; KV heads split on `model` when it divides them, else
+    replicated; page table, positions and lengths whole. The replica axis is added on `data` by the
+    caller's `jax.vmap(..., spmd_axis_name="data")` (see steps.model_step). Keyword arrays laid out
+    like the pages with KV heads first (e.g. int8 scales f32[K, NP, S]) follow the pages.
+    With replicated KV heads each device first takes the KV heads its query heads read (a copy of
+    those heads' pages per layer: correct, but extra traffic; prefer a model axis dividing K).
+    """
+    model = mesh.shape[MODEL]
+
+    def wrapped(q, k_pages, v_pages, page_table, positions, seq_lens, sliding_window=None, **kv_arrays):
+        # q f[B, T, N, H]; k_pages, v_pages f[K, NP, S, H]; page_table i32[B, P]; positions i32[B, T];
+        # seq_lens i32[B]
+        num_heads, num_kv_heads = q.shape[2], k_pages.shape[0]
+        if num_heads % model:
+            raise ConfigError(f"the model axis ({model}) must divide the {num_heads} query heads")
+        kv_split = num_kv_heads % model == 0
+        kv_axis = MODEL if kv_split else None
+        q_spec = PartitionSpec(None, None, MODEL, None)
+        names = sorted(n for n, a in kv_arrays.items() if a is not None)
+        absent = {n: None for n in kv_arrays if kv_arrays[n] is None}
+
+        def per_device(q, k_pages, v_pages, page_table, positions, seq_lens, *extras):
+            kv = (k_pages, v_pages, *extras)
+            if not kv_split:
+                kv = _local_kv_heads(kv, num_heads // model, num_heads // num_kv_heads)
+            return attention(q, kv[0], kv[1], page_table, positions, seq_lens, sliding_window,
+                             **dict(zip(names, kv[2:])), **absent)
+
+        in_specs = (q_spec, PartitionSpec(kv_axis), PartitionSpec(kv_axis), PartitionSpec(), PartitionSpec(),
+                    PartitionSpec(), *(PartitionSpec(kv_axis) for _ in names))
+        # check_vma=False: a pallas_call's outputs carry no varying-axes type (jax asks kernels to declare it).
+        return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
+            q, k_pages, v_pages, page_table, positions, seq_lens, *(kv_arrays[n] for n in names))
+
+    return wrapped
+
+
+def _local_kv_heads(arrays: tuple[jax.Array, ...], heads_here: int, group: int) -> tuple[jax.Array, ...]:
+    """The KV heads (leading axis) that this device's `heads_here` query heads read, from replicated arrays.
+
+    Query head h reads KV head h // group. When the device's query heads all fall in one group (the
+    usual case: power-of-two counts, model axis > K) that one head is kept and the group stays; else
+    each query head gets its own copy of its KV head (group 1)."""
+    first = jax.lax.axis_index(MODEL) * heads_here  # first query head on this device
+    if group % heads_here == 0:
+        return tuple(jax.lax.dynamic_slice_in_dim(a, first // group, 1, axis=0) for a in arrays)
+    ids = (first + jnp.arange(heads_here)) // group
+    return tuple(a[ids] for a in arrays)

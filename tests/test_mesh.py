@@ -1,13 +1,16 @@
-"""Tensor- and data-parallel meshes on 4 virtual CPU devices give the same greedy tokens as one device."""
+"""Tensor- and data-parallel meshes on 4 virtual CPU devices give the same greedy tokens as one device,
+with the reference attention and with the Pallas kernels run per device under shard_map."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, SamplingParams, steps
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ConfigError
-from jaxserve.sharding import make_mesh, make_shardings
+from jaxserve.model.layers import paged_attention_reference
+from jaxserve.sharding import make_mesh, make_shardings, shard_attention
 
 SETTINGS = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                 warm_up=False)
@@ -57,3 +60,70 @@ def test_mesh_that_does_not_divide_heads_is_refused(hf_model_dir):
         LLM(path, mesh_shape=(1, 3), **SETTINGS)
     with pytest.raises(ConfigError, match="needs 8 devices"):
         LLM(path, mesh_shape=(2, 4), **SETTINGS)
+
+
+# ---------------------------------------------------------------- Pallas kernels per device (shard_map)
+# Interpret mode is slow on CPU: two short prompts, a few tokens, a single prefill bucket.
+PALLAS_SETTINGS = dict(dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16,
+                       warm_up=False)
+PALLAS_PROMPTS = [np.random.RandomState(10 + i).randint(0, 512, size=n).tolist() for i, n in enumerate((5, 9))]
+PALLAS_GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+def _greedy(llm):
+    outputs = llm.generate(prompt_token_ids=PALLAS_PROMPTS, sampling_params=PALLAS_GREEDY)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def small_reference_tokens(hf_model_dir):
+    path, _ = hf_model_dir("llama")
+    return _greedy(LLM(path, attention_backend="reference", **PALLAS_SETTINGS))
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 2), (2, 2)])
+def test_pallas_mesh_matches_reference(hf_model_dir, small_reference_tokens, mesh_shape):
+    path, _ = hf_model_dir("llama")
+    llm = LLM(path, mesh_shape=mesh_shape, attention_backend="pallas", **PALLAS_SETTINGS)
+    assert llm.runner.options.attention_backend == "pallas_interpret"
+    assert _greedy(llm) == small_reference_tokens
+
+
+def _dequantizing_reference(q, k_pages, v_pages, page_table, positions, seq_lens, sliding_window=None, *,
+                            k_scale=None, v_scale=None):
+    # Stands in for a kernel taking int8-style scales [K, NP, S]: checks they follow their KV heads.
+    return paged_attention_reference(q, k_pages * k_scale[..., None], v_pages * v_scale[..., None], page_table,
+                                     positions, seq_lens, sliding_window)
+
+
+# (query heads, KV heads) on a (1, 4) mesh: KV heads replicated; one KV head per device (4, 2), or a device's
+# query heads spanning two KV heads (12, 3: the per-query-head gather).
+@pytest.mark.parametrize("num_heads,num_kv_heads,impl", [
+    (4, 2, "pallas_interpret"), (4, 2, "scaled_reference"), (12, 3, "scaled_reference"),
+])
+def test_shard_attention_with_replicated_kv_heads(num_heads, num_kv_heads, impl):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    R, B, T, H, S, NP = 1, 2, 1, 16, 8, 6
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((R, B, T, num_heads, H)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((R, num_kv_heads, NP, S, H)), jnp.float32) for _ in range(2))
+    scales = {n: jnp.asarray(rng.uniform(0.5, 2.0, (R, num_kv_heads, NP, S)), jnp.float32)
+              for n in ("k_scale", "v_scale")}
+    page_table = jnp.asarray([[[1, 4], [2, 5]]], jnp.int32)
+    seq_lens = jnp.asarray([[11, 6]], jnp.int32)
+    positions = seq_lens[..., None] - T
+    if impl == "pallas_interpret":
+        inner, extra = steps.attention_impl(impl), {}
+    else:
+        inner, extra = _dequantizing_reference, scales
+    mesh = make_mesh((1, 4))
+
+    def run(fn, spmd):
+        per_replica = lambda q, k, v, pt, pos, sl, ex: fn(q, k, v, pt, pos, sl, None, **ex)  # noqa: E731
+        return jax.jit(jax.vmap(per_replica, spmd_axis_name=spmd))(q, k, v, page_table, positions, seq_lens, extra)
+
+    want = run(inner, None)
+    q = jax.device_put(q, NamedSharding(mesh, P("data", None, None, "model")))
+    got = run(shard_attention(inner, mesh), "data")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

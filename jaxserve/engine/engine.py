@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve import multihost
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.compile import BucketTable, CompileCounter, enable_compilation_cache
 from jaxserve.engine.runner import ModelRunner, RowWork
@@ -25,9 +26,10 @@ from jaxserve.kv_cache import init_cache
 from jaxserve.memory_plan import plan_memory
 from jaxserve.model.weights import param_bytes
 from jaxserve.model_loader import load_model
-from jaxserve.sampling import RowSampling
+from jaxserve.sampling import RowSampling, SampleOutput
 from jaxserve.sampling_params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 from jaxserve.sharding import make_mesh
+from jaxserve.spec_decode.decoder import draft_kv_bytes_per_token
 from jaxserve.steps import StepOptions
 
 logger = logging.getLogger(__name__)
@@ -59,8 +61,6 @@ def resolve_attention(setting: str, platform: str, mesh_shape: tuple[int, int]) 
     if setting == "auto":
         if platform not in ("tpu", "gpu"):
             impl, why = "reference", f"plain-JAX reference on {platform} (the kernels only interpret there)"
-        elif sharded:
-            impl, why = "reference", "plain-JAX reference: the kernels' shard_map wrapper for meshes is not built yet"
         else:
             impl, why = "pallas_" + platform, f"Pallas kernels on {platform}"
     elif setting == "pallas":
@@ -69,9 +69,34 @@ def resolve_attention(setting: str, platform: str, mesh_shape: tuple[int, int]) 
     else:
         impl, why = "reference", "plain-JAX reference, as asked"
     if impl != "reference" and sharded:
-        raise ConfigError("attention_backend 'pallas' under a multi-device mesh needs the shard_map wrapper, "
-                          "which is not implemented yet; use attention_backend='reference' with this mesh")
+        why += f", per device under shard_map on the {tuple(mesh_shape)} mesh"
     logger.info("attention: %s (attention_backend=%s): %s", impl, setting, why)
+    return impl
+
+
+def resolve_quantized_matmul(setting: str, platform: str, mesh_shape: tuple[int, int], quantization: str) -> str:
+    """How int8 weights are multiplied (one of quant.MATMUL_IMPLS), logged with the reason."""
+    if quantization == "none":
+        return "reference"  # no int8 weights: nothing to choose
+    sharded = tuple(mesh_shape) != (1, 1)
+    if setting == "auto":
+        if platform not in ("tpu", "gpu") and not sharded:
+            impl, why = "xla_cpu", "XLA on CPU, decode rows widening each weight in cache-sized chunks"
+        elif platform not in ("tpu", "gpu"):
+            impl, why = "reference", f"XLA (int8 -> activation dtype per weight, then the matmul) on {platform}"
+        elif sharded:
+            impl, why = "reference", "XLA: GSPMD cannot split the Pallas kernel over a multi-device mesh"
+        else:
+            impl, why = "pallas_" + platform, f"Pallas int8_matmul on {platform}"
+    elif setting == "pallas":
+        if sharded:
+            raise ConfigError("quantized_matmul_backend='pallas' runs on a single device only (no shard_map "
+                              "wrapper for the int8 matmul yet); use 'auto' or 'reference' with this mesh")
+        impl = "pallas_" + platform if platform in ("tpu", "gpu") else "pallas_interpret"
+        why = "Pallas int8_matmul, as asked" + (" (interpret mode on CPU: slow, for testing)" if platform == "cpu" else "")
+    else:
+        impl, why = "reference", "XLA, as asked"
+    logger.info("int8 matmul: %s (quantized_matmul_backend=%s): %s", impl, setting, why)
     return impl
 
 
@@ -80,6 +105,7 @@ class LLMEngine:
 
     def __init__(self, settings: EngineConfig, warm_up: bool = True):
         self.settings = s = settings
+        multihost.initialize(s)  # num_processes > 1: jax.distributed, before any device is touched
         cache_path = enable_compilation_cache(s.compilation_cache_dir)
         logger.info("persistent compilation cache: %s", cache_path or "off")
         self.mesh = make_mesh(s.mesh_shape)
@@ -87,20 +113,27 @@ class LLMEngine:
         loaded = load_model(s, self.mesh, stacked=scan)
         self.model_config, self.dtype, self.shardings = loaded.cfg, loaded.dtype, loaded.shardings
         self.num_replicas = self.shardings.num_replicas
-        self.plan = plan_memory(loaded.cfg, s, loaded.dtype, param_bytes(loaded.params))
+        self.plan = plan_memory(loaded.cfg, s, loaded.dtype,
+                                draft_kv_bytes_per_token=draft_kv_bytes_per_token(s, loaded.dtype))
         logger.info(self.plan.describe())
+        if param_bytes(loaded.params) != self.plan.param_bytes:
+            logger.warning("loaded params take %d bytes; the config's arithmetic says %d",
+                           param_bytes(loaded.params), self.plan.param_bytes)
         self.tokenizer = self._load_tokenizer(loaded.model_dir)
         attention = resolve_attention(s.attention_backend, jax.default_backend(), s.mesh_shape)
-        options = StepOptions(scan_layers=scan, attention_backend=attention)
+        matmul = resolve_quantized_matmul(s.quantized_matmul_backend, jax.default_backend(), s.mesh_shape,
+                                          s.quantization)
+        options = StepOptions(scan_layers=scan, attention_backend=attention, mesh=self.mesh, matmul_backend=matmul)
         max_chunk = min(s.max_num_batched_tokens, self.plan.max_model_len)
         self.buckets = BucketTable.build(s.max_num_seqs, max_chunk, self.plan.max_pages_per_seq)
         cache = init_cache(loaded.cfg, self.plan.num_pages, s.page_size, loaded.dtype, self.num_replicas,
-                           self.shardings.cache)
+                           self.shardings.cache, s.kv_cache_dtype, self.shardings.cache_scale)
         self.runner = ModelRunner(loaded.cfg, loaded.params, cache, self.buckets, options, self.shardings)
         self.blocks = BlockManager(self.plan.num_pages, s.page_size, self.num_replicas,
                                    enable_prefix_caching=s.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, self.buckets, s.max_num_seqs, max_chunk, self.plan.max_model_len,
                                    scheduling=s.scheduling, preemption_mode=s.preemption_mode)
+        self.spec = self._speculative_decoder(loaded) if s.speculation else None
         self.requests: dict[str, Request] = {}
         self._seed_stream = np.random.default_rng(s.seed)
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens_computed=0, steps=0)
@@ -109,6 +142,9 @@ class LLMEngine:
         self.compiles_at_warm_up = None
         if warm_up:
             self.warm_up()
+        # Multi-host: process 0 hands every later device call to the other processes, which run
+        # multihost.run_follower(engine) instead of serving (None in a single process and on followers).
+        self.multihost = multihost.attach(self)
 
     def warm_up(self) -> None:
         self.runner.warm_up()
@@ -116,7 +152,21 @@ class LLMEngine:
             self.runner.warm_up(self.runner.score_shapes())
         for replica in range(self.num_replicas):  # the page copy of forked (n > 1) sequences
             self.runner.copy_pages(replica, np.zeros(0, np.int32), np.zeros(0, np.int32))
+        if self.spec is not None:
+            self.spec.warm_up()
         self.compiles_at_warm_up = CompileCounter.requests
+
+    def _speculative_decoder(self, loaded):
+        """Speculative decoding (jaxserve.spec_decode): the draft shares the pages and page tables."""
+        from jaxserve.spec_decode import SpeculativeDecoder, load_draft
+
+        s = self.settings
+        draft = None
+        if s.speculation == "draft":
+            draft = load_draft(s, self.mesh, self.runner.options.scan_layers, loaded.cfg, self.tokenizer, self.dtype)
+        spec = SpeculativeDecoder(s, self.runner, self.blocks, self.buckets, self.plan.max_model_len, draft)
+        self.scheduler.lookahead = spec.lookahead
+        return spec
 
     def _load_tokenizer(self, model_dir: str):
         from jaxserve.tokenizer import load_tokenizer
@@ -220,6 +270,8 @@ class LLMEngine:
         self._copy_forked_pages(plan)
         if not plan.rows:
             return []
+        if self.spec is not None and plan.kind == "decode" and any(r.num_lookahead for r in plan.rows):
+            return self._speculative_step(plan, start)
         rows = [
             RowWork(r.seq.tokens[r.start : r.start + r.num_tokens], r.start, self.blocks.page_table(r.seq.seq_id),
                     RowSampling.from_params(r.seq.params, seed=r.seq.seed, step=len(r.seq.output_token_ids),
@@ -228,6 +280,8 @@ class LLMEngine:
             for r in plan.rows
         ]
         sampled = self.runner.execute(rows)
+        if self.spec is not None:
+            self.spec.after_step(plan.kind, plan.rows, rows)
         if isinstance(sampled, tuple):
             sampled, scores = sampled
             for i, row in enumerate(plan.rows):
@@ -240,7 +294,7 @@ class LLMEngine:
         for i, row in enumerate(plan.rows):
             seq = row.seq
             seq.num_computed += row.num_tokens
-            self.blocks.mark_computed(seq.seq_id, seq.tokens, seq.num_computed)
+            self._mark_computed(seq, seq.tokens)
             if plan.kind == "prefill":
                 self.counters["prefill_tokens_computed"] += row.num_tokens
             if row.samples:
@@ -248,6 +302,9 @@ class LLMEngine:
                     self._record_logprobs(seq, sampled, i)
                 self._append_token(seq, int(sampled.tokens[i]))
                 advanced[seq.request_id] = self.requests[seq.request_id]
+        return self._finish_step(advanced, start)
+
+    def _finish_step(self, advanced: dict[str, Request], start: float) -> list[RequestOutput]:
         outputs = []
         for request in advanced.values():
             outputs.append(self._output(request))
@@ -255,12 +312,45 @@ class LLMEngine:
                 del self.requests[request.request_id]
         self.counters["steps"] += 1
         self.last_step_seconds = time.perf_counter() - start
+        if self.spec is not None:  # measured step times steer how much to speculate
+            self.spec.record_step_time(self.last_step_seconds)
         return outputs
+
+    def _mark_computed(self, seq: Sequence, tokens: list[int]) -> None:
+        """Tell the block manager what is computed. With a draft model, only tokens whose draft K/V is
+        written too (the draft may lag by a token or more), so a prefix-cache hit serves both caches."""
+        lag = seq.spec.lag if seq.spec is not None else 0
+        self.blocks.mark_computed(seq.seq_id, tokens, seq.num_computed - lag)
+
+    def _speculative_step(self, plan: SchedulerOutput, start: float) -> list[RequestOutput]:
+        """Decode with speculation: each row emits its accepted drafts and the target's next token;
+        EOS, stop strings and max_tokens cut the run where they occur."""
+        out = self.spec.run(plan.rows)
+        context = sum(r.start + 1 + r.num_lookahead for r in plan.rows)
+        self.last_step_bytes_read = self.plan.param_bytes + context * self.plan.kv_bytes_per_token
+        advanced: dict[str, Request] = {}
+        for i, row in enumerate(plan.rows):
+            seq = row.seq
+            accepted = int(out.num_accepted[i])
+            emitted = out.tokens[i, : accepted + 1].tolist()
+            seq.num_computed += accepted + 1  # the pending token and the accepted drafts
+            self._mark_computed(seq, seq.tokens + emitted[:accepted])
+            for j, token in enumerate(emitted):
+                if seq.params.logprobs is not None:
+                    self._record_logprobs(seq, SampleOutput(out.tokens[i], out.logprobs[i], out.top_ids[i],
+                                                            out.top_logprobs[i]), j)
+                self._append_token(seq, token)
+                if seq.is_finished:
+                    break
+            advanced[seq.request_id] = self.requests[seq.request_id]
+        return self._finish_step(advanced, start)
 
     def _copy_forked_pages(self, plan: SchedulerOutput) -> None:
         for replica in {c[0] for c in plan.page_copies}:
             pairs = np.asarray([(s, d) for r, s, d in plan.page_copies if r == replica], np.int32)
             self.runner.copy_pages(replica, pairs[:, 0], pairs[:, 1])
+            if self.spec is not None:
+                self.spec.copy_pages(replica, pairs[:, 0], pairs[:, 1])
 
     @staticmethod
     def _prompt_targets(seq: Sequence, start: int, num_tokens: int) -> list[int] | None:
@@ -355,8 +445,17 @@ class LLMEngine:
                 first_token_time=min((t for t in (s.first_token_time for s in request.seqs) if t), default=None),
                 finished_time=max((s.finished_time or 0.0 for s in request.seqs), default=None)
                 if request.finished else None,
+                **self._spec_metrics(request.seqs),
             ),
         )
+
+    def _spec_metrics(self, seqs: list[Sequence]) -> dict:
+        if self.spec is None:
+            return {}
+        states = [s.spec for s in seqs if s.spec is not None]
+        return dict(spec_draft_tokens=sum(st.proposed for st in states),
+                    spec_accepted_tokens=sum(st.accepted for st in states),
+                    spec_verify_steps=sum(st.verify_steps for st in states))
 
     # ---- observability -------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -365,6 +464,7 @@ class LLMEngine:
         queried = b.num_prefix_queried_tokens
         return dict(
             num_running=len(s.running),
+            num_running_per_replica=[sum(q.replica == r for q in s.running) for r in replicas],
             num_waiting=len(s.waiting),
             num_preemptions=s.num_preemptions,
             pages_used=[b.num_used_pages(r) for r in replicas],
@@ -378,6 +478,8 @@ class LLMEngine:
             prefill_tokens_computed=self.counters["prefill_tokens_computed"],
             last_step_seconds=self.last_step_seconds,
             last_step_bytes_read=self.last_step_bytes_read,
+            **(self.spec.stats() if self.spec is not None else {}),
+            **(self.multihost.stats() if self.multihost is not None else {}),
         )
 
 

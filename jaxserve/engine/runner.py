@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine.compile import BucketTable, CompileCounter, pick_bucket
-from jaxserve.kv_cache import KVCache, StepBatch, copy_pages_jit
+from jaxserve.engine.compile import BucketTable, CompileCounter, pick_bucket, step_compiler_options
+from jaxserve.kv_cache import KVCache, StepBatch, cache_shardings, copy_pages_jit
 from jaxserve.model.weights import Params
 from jaxserve.sampling import MAX_LOGPROBS, RowSampling, SampleOutput, SamplingTensors, sample
 from jaxserve.steps import StepOptions, model_step
@@ -42,17 +42,20 @@ class RowWork:
     targets: Sequence[int] | None = None
 
 
-def _generate_step(params, cache, batch, sampling, cfg, options, cache_sharding=None):
+def _generate_step(params, cache, batch, sampling, cfg, options, cache_sharding=None, out_sharding=None):
     logits, cache = model_step(params, cache, batch, cfg, options)  # f32[R, B, V]
     if cache_sharding is not None:  # keep the donated cache's layout stable from step to step
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
     # Top logprobs are always computed: one top-k over the vocabulary is cheap beside the step, and a
     # second compiled variant per bucket would double start-up time.
-    return sample(logits, sampling, want_logprobs=MAX_LOGPROBS), cache
+    out = sample(logits, sampling, want_logprobs=MAX_LOGPROBS)
+    if out_sharding is not None:  # multi-host: every process reads its own full copy of the samples
+        out = jax.lax.with_sharding_constraint(out, out_sharding)
+    return out, cache
 
 
 _generate_step_jit = jax.jit(
-    _generate_step, static_argnames=("cfg", "options", "cache_sharding"), donate_argnames=("cache",)
+    _generate_step, static_argnames=("cfg", "options", "cache_sharding", "out_sharding"), donate_argnames=("cache",)
 )
 
 
@@ -65,7 +68,7 @@ class PromptScores:
     top_logprobs: jax.Array  # f32[R, B, T, MAX_LOGPROBS]
 
 
-def _score_step(params, cache, batch, sampling, targets, cfg, options, cache_sharding=None):
+def _score_step(params, cache, batch, sampling, targets, cfg, options, cache_sharding=None, out_sharding=None):
     """A prefill step that also scores every prompt token (prompt_logprobs): all positions' logits."""
     options = dataclasses.replace(options, all_logits=True)
     logits, cache = model_step(params, cache, batch, cfg, options)  # f32[R, B, T, V]
@@ -76,11 +79,14 @@ def _score_step(params, cache, batch, sampling, targets, cfg, options, cache_sha
     logp = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
     target = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return (sampled, PromptScores(target, top_ids, top_logprobs)), cache
+    out = (sampled, PromptScores(target, top_ids, top_logprobs))
+    if out_sharding is not None:
+        out = jax.lax.with_sharding_constraint(out, out_sharding)
+    return out, cache
 
 
 _score_step_jit = jax.jit(
-    _score_step, static_argnames=("cfg", "options", "cache_sharding"), donate_argnames=("cache",)
+    _score_step, static_argnames=("cfg", "options", "cache_sharding", "out_sharding"), donate_argnames=("cache",)
 )
 
 
@@ -108,6 +114,15 @@ class ModelRunner:
         # Token history for repetition/presence/frequency penalties, padded to one fixed length so
         # penalties never recompile (B x history_len int32s per step: small beside the weights).
         self.history_len = buckets.page_counts[-1] * cache.page_size
+        self.compiler_options = step_compiler_options(jax.default_backend())
+        # Multi-host, process 0 only: hands each step's packed inputs and each page copy to the other
+        # processes before running it (jaxserve.multihost.Leader); None in a single process.
+        self.broadcaster: Any = None
+        # A mesh spanning processes: the samples are made replicated in the step, since a process can
+        # only read the shards on its own devices.
+        self.out_sharding = None
+        if shardings is not None and shardings.mesh.is_multi_process:
+            self.out_sharding = jax.sharding.NamedSharding(shardings.mesh, jax.sharding.PartitionSpec())
         CompileCounter.install()
 
     # ---- compilation ---------------------------------------------------------------------------
@@ -144,20 +159,22 @@ class ModelRunner:
 
     def _lower(self, shape: tuple):
         batch, sampling = self._abstract_inputs(shape[:3])
-        cache_sharding = self.shardings.cache if self.shardings is not None else None
+        cache_sharding = None if self.shardings is None else cache_shardings(
+            self.shardings, "int8" if self.cache.quantized else "auto")
         if len(shape) == 4:  # scoring variant
             targets = jax.ShapeDtypeStruct(batch.tokens.shape, jnp.int32, sharding=batch.tokens.sharding)
             return _score_step_jit.trace(self.params, self.cache, batch, sampling, targets, cfg=self.cfg,
-                                         options=self.options, cache_sharding=cache_sharding).lower()
+                                         options=self.options, cache_sharding=cache_sharding,
+                                         out_sharding=self.out_sharding).lower()
         return _generate_step_jit.trace(
             self.params, self.cache, batch, sampling, cfg=self.cfg, options=self.options,
-            cache_sharding=cache_sharding,
+            cache_sharding=cache_sharding, out_sharding=self.out_sharding,
         ).lower()
 
     def compile(self, shape: tuple[int, int, int]):
         executable = self._executables.get(shape)
         if executable is None:
-            executable = self._executables[shape] = self._lower(shape).compile()
+            executable = self._executables[shape] = self._lower(shape).compile(self.compiler_options)
         return executable
 
     def warm_up(self, shapes: list[tuple[int, int, int]] | None = None, progress: bool = True) -> list[tuple]:
@@ -174,7 +191,7 @@ class ModelRunner:
 
         def compile_one(shape, lowered):
             start = time.perf_counter()
-            executable = lowered.compile()
+            executable = lowered.compile(self.compiler_options)
             return shape, executable, time.perf_counter() - start
 
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool, \
@@ -197,6 +214,8 @@ class ModelRunner:
         """Copy pages src[i] -> dst[i] of one replica (forked sequences), padded to a fixed width so
         every fork reuses one compilation; padding copies the padding page onto itself (so an empty
         call compiles the copy at warm-up)."""
+        if self.broadcaster is not None:
+            self.broadcaster.copy_pages(replica, src, dst)
         width = self.buckets.batch_sizes[-1]
         for start in range(0, max(len(src), 1), width):
             s = np.full(width, PADDING_PAGE, np.int32)
@@ -237,16 +256,35 @@ class ModelRunner:
                 if row.targets is not None:
                     targets[rep, b, : len(row.targets)] = row.targets
         shape = (B, T, P, "score") if score else (B, T, P)
+        batch = StepBatch(tokens=tokens, start_pos=start, num_new=num_new, page_table=table)
+        st = SamplingTensors.pack(flat_sampling, (R, B), self.history_len)
+        inputs = (batch, st, targets) if score else (batch, st)
+        if self.broadcaster is None:
+            out = self.run_packed(shape, inputs)
+        else:  # multi-host: the other processes run the same call with the same inputs
+            self.broadcaster.step(shape, inputs)
+            try:
+                out = self.run_packed(shape, inputs)
+            except Exception as err:  # noqa: BLE001 - the processes are out of step: fatal (it exits)
+                self.broadcaster.step_failed(err)
+                raise
+        where = np.empty(len(rows), np.int64)  # flat [R*B] index of each row
+        for rep, indices in enumerate(per_replica):
+            where[indices] = rep * B + np.arange(len(indices))
+        return jax.tree.map(lambda x: x.reshape((R * B,) + x.shape[2:])[where], out)
+
+    def run_packed(self, shape: tuple, inputs: tuple) -> Any:
+        """Run the compiled step of bucket `shape` on packed host inputs ((StepBatch, SamplingTensors[,
+        targets]) of NumPy arrays, leading axes [R, B]); returns the samples on the host, [R, B, ...].
+        Multi-host followers call this with the inputs process 0 packed."""
         if shape not in self._executables:
             self.unplanned_compiles += 1
             logger.warning("compiling unplanned step shape %s", shape)
         executable = self.compile(shape)
-        batch = StepBatch(tokens=tokens, start_pos=start, num_new=num_new, page_table=table)
-        st = SamplingTensors.pack(flat_sampling, (R, B), self.history_len)
+        st = inputs[1]
         # Explicit transfers only (the step loop runs under jax.transfer_guard("disallow") in tests):
         # one host->device copy of the packed inputs, one device->host copy of the samples.
         sh = self.shardings
-        inputs = (batch, st, targets) if score else (batch, st)
         if sh is not None:
             inputs = jax.device_put(inputs, (
                 StepBatch(sh.batch3, sh.batch2, sh.batch2, sh.batch3),
@@ -256,8 +294,4 @@ class ModelRunner:
         else:
             inputs = jax.device_put(inputs)
         out, self.cache = executable(self.params, self.cache, *inputs)
-        out = jax.device_get(out)
-        where = np.empty(len(rows), np.int64)  # flat [R*B] index of each row
-        for rep, indices in enumerate(per_replica):
-            where[indices] = rep * B + np.arange(len(indices))
-        return jax.tree.map(lambda x: x.reshape((R * B,) + x.shape[2:])[where], out)
+        return jax.device_get(out)

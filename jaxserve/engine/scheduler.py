@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.compile import BucketTable, pick_bucket
@@ -24,6 +24,7 @@ class ScheduledRow:
     seq: Sequence
     start: int  # first token computed this step (= seq.num_computed when scheduled)
     num_tokens: int
+    num_lookahead: int = 0  # speculative decoding: draft tokens to verify after it (their pages are allocated)
 
     @property
     def samples(self) -> bool:
@@ -65,6 +66,9 @@ class Scheduler:
         self._last_kind = "decode"
         self._pending_siblings: dict[str, list[Sequence]] = {}  # parent seq_id -> siblings not yet forked
         self._new: list[Sequence] = []  # admitted this step (a 1-token prompt has nothing to prefill yet)
+        # Speculative decoding: how many draft tokens a decoding sequence wants to verify this step.
+        # They get pages when free ones exist; a sequence short of pages decodes one token instead.
+        self.lookahead: Callable[[Sequence, int], int] | None = None  # (sequence, rows in the batch) -> tokens
 
     # ---- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -175,8 +179,8 @@ class Scheduler:
         reuse = seq.params.prompt_logprobs is None  # prompt logprobs need every position computed
         width = 1 + seq.num_siblings_to_fork
         counts = [0] * self.blocks.num_replicas
-        for s in self.running:
-            counts[s.replica] += 1
+        for s in self.running:  # siblings still to fork will run on their parent's replica
+            counts[s.replica] += 1 + s.num_siblings_to_fork
         best, best_key = None, None
         for r in range(self.blocks.num_replicas):
             if counts[r] + width > self.max_num_seqs:
@@ -220,6 +224,11 @@ class Scheduler:
             else:
                 rows.append(ScheduledRow(seq, seq.num_computed, 1))
         rows = [r for r in rows if r.seq.status is Status.RUNNING]
+        if self.lookahead is not None:  # after every row has its own page: speculation never preempts
+            for row in rows:
+                extra = self.lookahead(row.seq, len(rows))
+                if extra and self.blocks.ensure_capacity(row.seq.seq_id, row.seq.num_tokens + extra):
+                    row.num_lookahead = extra
         return rows, preempted
 
     def _preempt(self, seq: Sequence) -> None:

@@ -47,6 +47,7 @@ class Sequence:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
+    spec: Any = None  # spec_decode.SpecState when speculative decoding is on: draft lag, acceptance
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

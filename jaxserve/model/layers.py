@@ -10,6 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.quant import QuantArray, matmul
+
+Weight = jax.Array | QuantArray
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -59,8 +62,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+def swiglu(x: jax.Array, w_gate: Weight, w_up: Weight, w_down: Weight) -> jax.Array:
+    return matmul(jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up), w_down)
 
 
 def paged_attention_reference(
@@ -71,17 +74,21 @@ def paged_attention_reference(
     positions: jax.Array,  # i32[B, T]  position of each query token
     seq_lens: jax.Array,  # i32[B]  valid tokens in the cache (this chunk included)
     sliding_window: int | None = None,
+    k_scale: jax.Array | None = None,  # f32[K, NP, S] with int8 pages
+    v_scale: jax.Array | None = None,  # f32[K, NP, S]
 ) -> jax.Array:  # f[B, T, N, H]
     """Causal attention of each query token over its sequence's pages (new K/V already written).
 
     Keys past a sequence's length are masked out of the scores and zeroed in V, so garbage or NaN in
-    unused pages can never reach the output (0 * NaN would be NaN).
+    unused pages can never reach the output (0 * NaN would be NaN). With an int8 cache the pages
+    enter the matmuls as exact integers in q's dtype; the K scales multiply the scores and the V
+    scales the probabilities (both per key token), as the Pallas kernels do.
     """
     B, T, N, H = q.shape
     K, _, S, _ = k_pages.shape
     P = page_table.shape[1]
-    k = k_pages[:, page_table].reshape(K, B, P * S, H)  # f[K, B, P*S, H]
-    v = v_pages[:, page_table].reshape(K, B, P * S, H)
+    k = k_pages[:, page_table].reshape(K, B, P * S, H).astype(q.dtype)  # f[K, B, P*S, H]
+    v = v_pages[:, page_table].reshape(K, B, P * S, H).astype(q.dtype)
     key_pos = jnp.arange(P * S, dtype=jnp.int32)
     key_valid = key_pos[None, :] < seq_lens[:, None]  # bool[B, P*S]
     v = jnp.where(key_valid[None, :, :, None], v, jnp.zeros((), v.dtype))
@@ -90,12 +97,23 @@ def paged_attention_reference(
         mask &= positions[:, :, None] - key_pos[None, None, :] < sliding_window
     qg = q.reshape(B, T, K, N // K, H)
     scores = jnp.einsum("btkgh,kbsh->bkgts", qg, k, preferred_element_type=jnp.float32) * (H**-0.5)
+    if k_scale is not None:
+        scores = scores * _token_scales(k_scale, page_table)
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     # A padding row has no valid key at all: keep it finite (zeros) instead of NaN.
     probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(mask[:, None, None], probs, 0.0).astype(v.dtype)
+    if v_scale is not None:
+        probs = probs * _token_scales(v_scale, page_table)
+    probs = jnp.where(mask[:, None, None], probs, 0.0).astype(v.dtype)  # after the scales: unused ones may be NaN
     out = jnp.einsum("bkgts,kbsh->btkgh", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(B, T, N, H).astype(q.dtype)
+
+
+def _token_scales(scale: jax.Array, page_table: jax.Array) -> jax.Array:
+    """f32[K, NP, S] per-slot scales -> f32[B, K, 1, 1, P*S] in each sequence's token order."""
+    K = scale.shape[0]
+    B, P = page_table.shape
+    return scale[:, page_table].reshape(K, B, -1).transpose(1, 0, 2)[:, :, None, None, :]
 
 
 def causal_attention(

@@ -12,8 +12,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxserve import quant
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import write_kv
+from jaxserve.kv_cache import KVCache, write_kv
 from jaxserve.model.layers import (
     apply_rope,
     causal_attention,
@@ -25,12 +26,12 @@ from jaxserve.model.layers import (
 from jaxserve.model.weights import LayerParams, Params
 
 # attention(q f[B,T,N,H], k_pages f[K,NP,S,H], v_pages, page_table i32[B,P], positions i32[B,T],
-#           seq_lens i32[B], sliding_window) -> f[B,T,N,H]
+#           seq_lens i32[B], sliding_window, k_scale=f32[K,NP,S] | None, v_scale=...) -> f[B,T,N,H]
 AttentionFn = Callable[..., jax.Array]
 
 
-def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
-    y = x @ w
+def _linear(x: jax.Array, w: jax.Array | quant.QuantArray, b: jax.Array | None) -> jax.Array:
+    y = quant.matmul(x, w)  # a float or an int8 (QuantArray) weight
     return y if b is None else y + b
 
 
@@ -59,25 +60,24 @@ def _layer(
     lp: LayerParams,  # one layer's slice
     layer: jax.Array | int,
     x: jax.Array,  # f[B, T, D]
-    k_cache: jax.Array,  # f[L, K, NP, S, H]
-    v_cache: jax.Array,
+    cache: KVCache,  # one replica: k, v f[L, K, NP, S, H] (+ scales when int8)
     cos: jax.Array,  # f32[B, T, H]
     sin: jax.Array,
     page_table: jax.Array,  # i32[B, P]
     positions: jax.Array,  # i32[B, T]
     valid: jax.Array,  # bool[B, T]
     seq_lens: jax.Array,  # i32[B]
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, KVCache]:
     q, k, v = _project_qkv(cfg, lp, x, cos, sin)
-    k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, page_table, positions, valid)
-    attn = attention(q, k_cache[layer], v_cache[layer], page_table, positions, seq_lens, cfg.sliding_window)
-    return _output_and_mlp(cfg, lp, x, attn), k_cache, v_cache
+    cache = write_kv(cache, layer, k, v, page_table, positions, valid)
+    scales = {} if not cache.quantized else dict(k_scale=cache.k_scale[layer], v_scale=cache.v_scale[layer])
+    attn = attention(q, cache.k[layer], cache.v[layer], page_table, positions, seq_lens, cfg.sliding_window, **scales)
+    return _output_and_mlp(cfg, lp, x, attn), cache
 
 
 def forward(
     params: Params,
-    k_cache: jax.Array,  # f[L, K, NP, S, H]
-    v_cache: jax.Array,  # f[L, K, NP, S, H]
+    cache: KVCache,  # one replica: k, v f[L, K, NP, S, H], or i8 with k_scale, v_scale f32[L, K, NP, S]
     tokens: jax.Array,  # i32[B, T]
     start_pos: jax.Array,  # i32[B]
     num_new: jax.Array,  # i32[B]
@@ -87,12 +87,16 @@ def forward(
     scan_layers: bool = False,
     all_logits: bool = False,
     attention: AttentionFn = paged_attention_reference,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Run one chunk for one replica. Returns (logits, k_cache, v_cache).
+    matmul: str = "reference",
+) -> tuple[jax.Array, KVCache]:
+    """Run one chunk for one replica. Returns (logits, cache).
 
     logits is f32[B, V] at each row's last valid token, or f32[B, T, V] with all_logits (parity tests,
-    prompt logprobs). Rows with num_new == 0 yield meaningless logits and write nothing.
+    prompt logprobs). Rows with num_new == 0 yield meaningless logits and write nothing. `matmul`
+    (one of quant.MATMUL_IMPLS) is how int8 (QuantArray) weights are multiplied.
     """
+    if matmul != "reference":
+        params = quant.with_kernel(params, matmul)
     T = tokens.shape[1]
     positions = start_pos[:, None] + jnp.arange(T, dtype=jnp.int32)  # i32[B, T]
     valid = jnp.arange(T, dtype=jnp.int32)[None, :] < num_new[:, None]  # bool[B, T]
@@ -103,31 +107,31 @@ def forward(
 
     if isinstance(params.layers, tuple):  # per-layer arrays: the fast unrolled form
         for layer, lp in enumerate(params.layers):
-            x, k_cache, v_cache = _layer(cfg, attention, lp, layer, x, k_cache, v_cache, *layer_args)
+            x, cache = _layer(cfg, attention, lp, layer, x, cache, *layer_args)
     elif scan_layers:
         def body(carry, xs):
-            x, kc, vc = carry
+            x, cache = carry
             lp, layer = xs
-            return _layer(cfg, attention, lp, layer, x, kc, vc, *layer_args), None
+            return _layer(cfg, attention, lp, layer, x, cache, *layer_args), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (params.layers, layer_ids))
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_ids))
     else:  # stacked weights, unrolled: correct but slow on CPU (see weights.Params)
         for layer in range(cfg.num_layers):
             lp = jax.tree.map(lambda w: w[layer], params.layers)
-            x, k_cache, v_cache = _layer(cfg, attention, lp, layer, x, k_cache, v_cache, *layer_args)
+            x, cache = _layer(cfg, attention, lp, layer, x, cache, *layer_args)
 
     if not all_logits:
         last = jnp.maximum(num_new - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # f[B, D]
-    return _logits(params, cfg, x), k_cache, v_cache
+    return _logits(params, cfg, x), cache
 
 
 def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     if params.lm_head is None:  # tied: contract with embed [V, D] directly (a .T materialised a copy)
         return jnp.einsum("...d,vd->...v", x, params.embed, preferred_element_type=jnp.float32)
-    return jnp.matmul(x, params.lm_head, preferred_element_type=jnp.float32)
+    return quant.matmul(x, params.lm_head, preferred_element_type=jnp.float32)
 
 
 def forward_dense(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:

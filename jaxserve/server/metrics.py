@@ -104,12 +104,33 @@ class _EngineCollector:
         yield from per_replica("jaxserve:kv_pages_free_replica", "KV-cache pages free per replica.", "pages_free")
         yield from per_replica("jaxserve:kv_cache_usage_perc_replica", "KV-cache utilisation per replica.",
                                "kv_cache_utilization")
+        yield from per_replica("jaxserve:num_requests_running_replica", "Sequences running per replica.",
+                               "num_running")
+        # Multi-host (process 0 only): the per-step message to the other processes.
+        yield from counter("jaxserve:multihost_messages", "Step messages sent to the other processes.",
+                           "multihost_messages_total")
+        yield from counter("jaxserve:multihost_message_bytes", "Bytes of step messages sent to the other processes.",
+                           "multihost_message_bytes_total")
+        yield from counter("jaxserve:multihost_send_seconds", "Seconds process 0 spent sending step messages.",
+                           "multihost_send_seconds_total")
         yield from counter("jaxserve:num_preemptions", "Sequences preempted (pages reclaimed, recomputed later).",
                            "num_preemptions")
         yield from counter("jaxserve:prompt_tokens", "Prompt tokens processed.", "prompt_tokens_total")
         yield from counter("jaxserve:generation_tokens", "Tokens generated.", "generation_tokens_total")
         yield from counter("jaxserve:compiles_after_warmup", "XLA compilations after warm-up (should stay 0).",
                            "compiles_after_warmup")
+        # Speculative decoding (only when it is on).
+        yield from counter("jaxserve:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                           "spec_decode_num_draft_tokens")
+        yield from counter("jaxserve:spec_decode_num_accepted_tokens", "Draft tokens the target accepted.",
+                           "spec_decode_num_accepted_tokens")
+        yield from counter("jaxserve:spec_decode_num_verify_steps",
+                           "Verify steps of a sequence with at least one draft token.", "spec_decode_num_verify_steps")
+        yield from gauge("jaxserve:spec_decode_acceptance_rate", "Accepted / proposed draft tokens (since start).",
+                         "spec_decode_acceptance_rate")
+        yield from gauge("jaxserve:spec_decode_mean_accepted_length",
+                         "Tokens per verify step: accepted drafts + the target's own token (since start).",
+                         "spec_decode_mean_accepted_length")
         seconds = stats.get("last_step_seconds")
         nbytes = stats.get("last_step_bytes_read")
         if seconds is not None:

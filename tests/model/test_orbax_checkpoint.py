@@ -87,5 +87,5 @@ def test_a_different_layout_version_is_refused(converted, tmp_path):
     bare = tmp_path / "bare"  # a config.json alone, forced to load as orbax
     bare.mkdir()
     shutil.copy(copy / "config.json", bare / "config.json")
-    with pytest.raises(ModelLoadError, match="not a jaxserve orbax checkpoint"):
+    with pytest.raises(ModelLoadError, match="jaxserve_checkpoint.json"):  # names the missing manifest
         load_model(EngineConfig(model=str(bare), load_format="orbax"), make_mesh((1, 1)))

@@ -1,0 +1,484 @@
+"""SpeculativeDecoder: the host side of speculative decoding. It loads the draft and its cache, decides
+each sequence's proposals (with the scheduler, which gives them pages), packs a speculative step
+into bucketed arrays, runs its AOT-compiled executable, and keeps the draft's cache in step with the
+target's (draft prefill alongside every target prefill; catch-up when it fell behind).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.compile import BucketTable, pick_bucket
+from jaxserve.errors import ConfigError
+from jaxserve.kv_cache import KVCache, StepBatch, cache_shardings, copy_pages_jit, init_cache
+from jaxserve.model.weights import param_bytes
+from jaxserve.sampling import RowSampling, SamplingTensors
+from jaxserve.spec_decode.ngram import TokenBuffer, propose_ngram
+from jaxserve.spec_decode.policy import SpecPolicy, SpecState
+from jaxserve.spec_decode.rejection import VerifyOutput
+from jaxserve.spec_decode.step import SpecInputs, SpecOptions, draft_prefill_jit, spec_step_jit
+
+logger = logging.getLogger(__name__)
+
+PADDING_PAGE = 0
+CALIBRATION_RUNS = 5  # timed calls of each compiled step when measuring speculation's cost
+STEP_TIME_DECAY = 0.9  # exponential average of the engine's step times
+
+
+def draft_buckets(k: int, platform: str) -> tuple[int, ...]:
+    """Draft counts that get their own executable (verify width = count + 1).
+
+    On a CPU a verify pass costs about proportionally more per position (measured: 2 positions 1.7x,
+    7 positions 2.9x a decode step), so a step verifies only as many positions as its longest proposal
+    needs: 1, 2, 4, ... below K, and K. On accelerators a wider verify costs about the same as one
+    position, so K alone (one executable per batch and page bucket)."""
+    if platform != "cpu":
+        return (k,)
+    counts, c = {k}, 1
+    while c < k:
+        counts.add(c)
+        c *= 2
+    return tuple(sorted(counts))
+
+
+def load_draft(settings: EngineConfig, mesh: Any, stacked: bool, target_cfg: ModelConfig, tokenizer: Any,
+               dtype: Any):
+    """Load speculative_model like the model (in its dtype, on its mesh); refuse a different vocabulary."""
+    from jaxserve.model_loader import load_model
+
+    path = settings.speculative_model
+    draft_cfg = ModelConfig.from_dir(path)
+    why = "speculative decoding needs the draft to share the model's tokenizer and vocabulary"
+    if draft_cfg.vocab_size != target_cfg.vocab_size:
+        raise ConfigError(f"the draft model {path!r} has a vocabulary of {draft_cfg.vocab_size} tokens and the "
+                          f"model {target_cfg.vocab_size}: {why}")
+    if tokenizer is not None:
+        _check_same_tokenizer(path, tokenizer, why)
+    draft_settings = settings.replace(model=path, tokenizer=None, speculative_model=None, num_speculative_tokens=0,
+                                      dtype=jnp.dtype(dtype).name)
+    return load_model(draft_settings, mesh, stacked=stacked)
+
+
+def _check_same_tokenizer(path: str, tokenizer: Any, why: str) -> None:
+    from jaxserve.tokenizer import load_tokenizer
+
+    try:
+        draft_tok = load_tokenizer(path)
+    except FileNotFoundError:
+        logger.warning("the draft model %s has no tokenizer: assuming the model's (same vocabulary size)", path)
+        return
+    if len(draft_tok) != len(tokenizer):
+        raise ConfigError(f"the draft model's tokenizer ({path}) has {len(draft_tok)} tokens and the model's "
+                          f"{len(tokenizer)}: {why}")
+    for i in range(len(tokenizer)):
+        if draft_tok.id_to_token(i) != tokenizer.id_to_token(i):
+            raise ConfigError(f"the draft model's tokenizer ({path}) maps id {i} to {draft_tok.id_to_token(i)!r}, "
+                              f"the model's to {tokenizer.id_to_token(i)!r}: {why}")
+
+
+def draft_kv_bytes_per_token(settings: EngineConfig, dtype: Any) -> int:
+    """KV bytes one token takes in the draft's cache (0 without a draft); it shares the target's pages."""
+    if settings.speculation != "draft":
+        return 0
+    return ModelConfig.from_dir(settings.speculative_model).kv_bytes_per_token(jnp.dtype(dtype).itemsize)
+
+
+@dataclasses.dataclass
+class SpecCounters:
+    proposed: int = 0  # draft tokens proposed
+    accepted: int = 0  # of them accepted
+    verified: int = 0  # (sequence, step) pairs with at least one draft verified
+    steps: int = 0  # engine steps run speculatively
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verify (accepted drafts + the target's own token)."""
+        return (self.accepted + self.verified) / self.verified if self.verified else 0.0
+
+
+class SpeculativeDecoder:
+    """Speculative decoding for one engine: `lookahead` (scheduler hook), `run` (a speculative step),
+    `after_step` (keeps the draft's cache in step after plain steps), `copy_pages` (forks)."""
+
+    def __init__(self, settings: EngineConfig, runner: Any, blocks: Any, buckets: BucketTable, max_model_len: int,
+                 draft: Any = None):
+        self.method = settings.speculation
+        self.k = settings.num_speculative_tokens
+        self.settings = settings
+        self.runner = runner
+        self.blocks = blocks
+        self.buckets = buckets
+        self.max_model_len = max_model_len
+        self.num_replicas = runner.num_replicas
+        self.draft_buckets = draft_buckets(self.k, jax.default_backend())
+        self.accept_all = False  # a deliberately wrong verifier: only the test that must catch it sets this
+        self.counters = SpecCounters()
+        self.decode_steps = 0
+        self._executables: dict[tuple, Any] = {}
+        self.unplanned_compiles = 0
+        sh = runner.shardings
+        self._cache_sharding = None if sh is None else cache_shardings(sh, "int8" if runner.cache.quantized else "auto")
+        self.draft_cfg = self.draft_params = self.draft_cache = self._draft_cache_sharding = None
+        # Seconds per decode step: ("plain", batch) and ("spec", batch, drafts). `_device` from timing the
+        # compiled steps (calibration), `_wall` an average of the engine's whole steps (host work too).
+        self._device: dict[tuple, float] = {}
+        self._wall: dict[tuple, float] = {}
+        self._timing: tuple | None = None  # what the current engine step is, for record_step_time
+        self._untimed = False  # the current step compiled or calibrated something: not a sample
+        self._runner_compiles = runner.unplanned_compiles
+        if self.method == "draft":
+            if draft is None:
+                raise ValueError("the draft method needs the loaded draft model")
+            if draft.cfg.max_position_embeddings < max_model_len:
+                raise ConfigError(f"the draft model handles {draft.cfg.max_position_embeddings} positions, fewer "
+                                  f"than max_model_len={max_model_len}: lower max_model_len")
+            self.draft_cfg, self.draft_params = draft.cfg, draft.params
+            self.draft_cache = init_cache(draft.cfg, runner.cache.num_pages, runner.cache.page_size, draft.dtype,
+                                          self.num_replicas, draft.shardings.cache)
+            self._draft_cache_sharding = cache_shardings(draft.shardings, "auto")
+            logger.info("draft model: %.1f M parameters (the model: %.1f M)", param_bytes(draft.params) / 4e6,
+                        param_bytes(runner.params) / 4e6)
+        self.policy = SpecPolicy(self.k, settings.speculative_adaptive)
+        logger.info("speculative decoding: %s, %d tokens per step%s (adaptive=%s)", self.method, self.k,
+                    f" from {settings.speculative_model}" if draft is not None else "", settings.speculative_adaptive)
+
+    # ---- per-sequence decisions (called by the scheduler) ------------------------------------------
+    @staticmethod
+    def state(seq: Any) -> SpecState:
+        if seq.spec is None:
+            seq.spec = SpecState()
+        return seq.spec
+
+    def lookahead(self, seq: Any, batch_size: int) -> int:
+        """Draft tokens to propose for `seq` this decode step in a batch of `batch_size` rows (the
+        scheduler then gives them pages)."""
+        state = self.state(seq)
+        costs = self.costs(batch_size) if self.policy.adaptive else None
+        k = min(self.policy.choose(state, self.decode_steps, costs),
+                seq.params.max_tokens - len(seq.output_token_ids) - 1,  # k + 1 tokens may be emitted
+                self.max_model_len - seq.num_tokens - 1)
+        if k <= 0:
+            return 0
+        if self.method == "ngram":
+            if state.tokens is None:
+                state.tokens = TokenBuffer()
+            tokens = state.tokens.view(seq.prompt_token_ids, seq.output_token_ids)
+            state.proposal = propose_ngram(tokens, k, self.settings.prompt_lookup_min, self.settings.prompt_lookup_max)
+            return len(state.proposal)
+        return k
+
+    # ---- what speculation costs -------------------------------------------------------------------
+    def costs(self, batch_size: int) -> list[float]:
+        """costs[k]: a step verifying k drafts (its width bucket), in plain decode steps of this batch."""
+        B = pick_bucket(batch_size, self.buckets.batch_sizes)
+        if ("plain", B) not in self._device:
+            self._calibrate(B)
+        # Host work per step (the engine around the compiled step), from every kind of step seen so far;
+        # a kind not seen yet is estimated as its device time plus that.
+        seen = [self._wall[key] - self._device[key] for key in self._wall if key[1] == B and key in self._device]
+        host = max(float(np.mean(seen)), 0.0) if seen else 0.0
+
+        def seconds(key):
+            return self._wall.get(key) or self._device[key] + host
+
+        plain = seconds(("plain", B))
+        return [1.0] + [seconds(("spec", B, self._bucket(k))) / plain for k in range(1, self.k + 1)]
+
+    def record_step_time(self, seconds: float) -> None:
+        """The engine's wall time of the step just run (called for every step)."""
+        key, self._timing = self._timing, None
+        untimed = self._untimed or self.runner.unplanned_compiles != self._runner_compiles
+        self._untimed, self._runner_compiles = False, self.runner.unplanned_compiles
+        if key is None or untimed:
+            return
+        old = self._wall.get(key)
+        self._wall[key] = seconds if old is None else STEP_TIME_DECAY * old + (1 - STEP_TIME_DECAY) * seconds
+
+    def _bucket(self, drafts: int) -> int:
+        return pick_bucket(max(drafts, 1), self.draft_buckets)
+
+    def _calibrate(self, B: int) -> None:
+        """Time the compiled plain decode step and the speculative step of every width (all rows on the
+        padding page, which no sequence owns). Device time only; the engine's step times replace these
+        as steps run."""
+        R, P = self.num_replicas, self.buckets.page_counts[0]
+        sampling = self._put(SamplingTensors.pack([None] * (R * B), (R, B), self.runner.history_len))
+        plain_batch = self._put(StepBatch(tokens=np.zeros((R, B, 1), np.int32), start_pos=np.zeros((R, B), np.int32),
+                                          num_new=np.ones((R, B), np.int32),
+                                          page_table=np.zeros((R, B, P), np.int32)))
+        plain = self.runner.compile((B, 1, P))
+
+        def run_plain():
+            out, self.runner.cache = plain(self.runner.params, self.runner.cache, plain_batch, sampling)
+            return out
+
+        def run_spec(d):
+            inputs = self._put(self._empty_inputs(R, B, P, d).replace(num_new=np.full((R, B), d + 1, np.int32),
+                                                                     draft_len=np.ones((R, B), np.int32)))
+            executable = self._executable((B, P, d))
+
+            def run():
+                out, self.runner.cache, self.draft_cache = executable(
+                    self.runner.params, self.runner.cache, self.draft_params, self.draft_cache, inputs, sampling)
+                return out
+            return run
+
+        self._untimed = True
+        self._device[("plain", B)] = _median_seconds(run_plain)
+        for d in self.draft_buckets:
+            self._device[("spec", B, d)] = _median_seconds(run_spec(d))
+        logger.info("speculation at batch %d: plain decode step %.2f ms; speculative step %s", B,
+                    self._device[("plain", B)] * 1e3, ", ".join(
+                        f"{self._device[('spec', B, d)] * 1e3:.2f} ms with {d} drafts" for d in self.draft_buckets))
+
+    @staticmethod
+    def _empty_inputs(R: int, B: int, P: int, d: int) -> SpecInputs:
+        def zeros(*shape):
+            return np.zeros(shape, np.int32)
+        return SpecInputs(last_token=zeros(R, B), pos=zeros(R, B), num_new=zeros(R, B), page_table=zeros(R, B, P),
+                          drafts=zeros(R, B, d), draft_tokens=zeros(R, B, 2), draft_start=zeros(R, B),
+                          draft_len=zeros(R, B), want_logprobs=np.zeros((R, B), bool))
+
+    # ---- compilation -------------------------------------------------------------------------------
+    def step_shapes(self) -> list[tuple]:
+        """(batch, pages, drafts) of the speculative step, and (batch, tokens, pages, "draft") of the
+        draft's prefill."""
+        b, t, p = self.buckets.batch_sizes, self.buckets.chunk_sizes, self.buckets.page_counts
+        shapes: list[tuple] = [(bs, pc, d) for bs in b for pc in p for d in self.draft_buckets]
+        if self.method == "draft":
+            prefill = {(bs, ts, p[-1], "draft") for ts in t for bs in b if bs * ts <= max(t)}
+            prefill |= {(bs, t[0], p[-1], "draft") for bs in b}  # rows of a token or two
+            shapes += sorted(prefill)
+        return shapes
+
+    def _lower(self, shape: tuple):
+        R = self.num_replicas
+        sh = self.runner.shardings
+
+        def spec(dims, dtype, sharding):
+            return jax.ShapeDtypeStruct(dims, dtype, sharding=None if sh is None else sharding)
+
+        if len(shape) == 4:
+            B, T, P, _ = shape
+            batch = StepBatch(tokens=spec((R, B, T), jnp.int32, sh and sh.batch3),
+                              start_pos=spec((R, B), jnp.int32, sh and sh.batch2),
+                              num_new=spec((R, B), jnp.int32, sh and sh.batch2),
+                              page_table=spec((R, B, P), jnp.int32, sh and sh.batch3))
+            return draft_prefill_jit.trace(self.draft_params, self.draft_cache, batch, cfg=self.draft_cfg,
+                                           options=self.runner.options,
+                                           cache_sharding=self._draft_cache_sharding).lower()
+        B, P, d = shape
+        two, three = (sh and sh.batch2), (sh and sh.batch3)
+        inputs = jax.tree.map(lambda x: spec(x.shape, x.dtype, two if x.ndim == 2 else three),
+                              self._empty_inputs(R, B, P, d))
+        sampling = SamplingTensors.spec((R, B), self.runner.history_len, two, three)
+        options = SpecOptions(method=self.method, num_tokens=d, accept_all=self.accept_all)
+        return spec_step_jit.trace(
+            self.runner.params, self.runner.cache, self.draft_params, self.draft_cache, inputs, sampling,
+            cfg=self.runner.cfg, draft_cfg=self.draft_cfg, options=self.runner.options, spec=options,
+            cache_sharding=self._cache_sharding, draft_cache_sharding=self._draft_cache_sharding).lower()
+
+    def _executable(self, shape: tuple):
+        executable = self._executables.get(shape)
+        if executable is None:
+            self._untimed = True
+            self.unplanned_compiles += 1
+            logger.warning("compiling unplanned speculative shape %s", shape)
+            executable = self._executables[shape] = self._lower(shape).compile(self._compiler_options())
+        return executable
+
+    def _compiler_options(self):
+        return getattr(self.runner, "compiler_options", None)
+
+    def warm_up(self, progress: bool = True) -> list[tuple]:
+        """Compile every speculative bucket ahead of time (lowered one by one, compiled in parallel)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tqdm import tqdm
+
+        shapes = [s for s in self.step_shapes() if s not in self._executables]
+        logger.info("compiling %d speculative buckets: %s", len(shapes), shapes)
+        timings = []
+
+        def compile_one(shape, lowered):
+            start = time.perf_counter()
+            return shape, lowered.compile(self._compiler_options()), time.perf_counter() - start
+
+        with ThreadPoolExecutor(max_workers=2) as pool, tqdm(total=len(shapes), desc="compiling speculative buckets",
+                                                            disable=not progress, unit="bucket") as bar:
+            futures = []
+            for shape in shapes:
+                future = pool.submit(compile_one, shape, self._lower(shape))
+                future.add_done_callback(lambda _: bar.update(1))
+                futures.append(future)
+            for future in futures:
+                shape, executable, seconds = future.result()
+                self._executables[shape] = executable
+                timings.append((shape, seconds))
+        if self.method == "draft":
+            for replica in range(self.num_replicas):
+                self.copy_pages(replica, np.zeros(0, np.int32), np.zeros(0, np.int32))
+        if self.policy.adaptive:
+            for batch in self.buckets.batch_sizes:
+                self.costs(batch)
+        return timings
+
+    # ---- keeping the draft's cache in step ---------------------------------------------------------
+    def after_step(self, kind: str, rows: Sequence[Any], works: Sequence[Any]) -> None:
+        """After a plain (non-speculative) step: the draft prefills what the target prefilled; a plain
+        decode step leaves the draft one more token behind (caught up before its next proposal)."""
+        self._timing = ("plain", pick_bucket(len(rows), self.buckets.batch_sizes)) if kind == "decode" else None
+        if kind == "prefill":
+            for row in rows:
+                self.state(row.seq).lag = 0
+            if self.method == "draft":
+                self._draft_prefill([(w.tokens, w.start_pos, w.page_ids, w.replica) for w in works])
+        elif kind == "decode":
+            self.decode_steps += 1
+            if self.method == "draft":
+                for row in rows:
+                    self.state(row.seq).lag += 1
+
+    def _draft_prefill(self, works: list[tuple[Sequence[int], int, Sequence[int], int]]) -> None:
+        """Write (tokens, start, page ids, replica) chunks into the draft's cache, in compiled buckets."""
+        R = self.num_replicas
+        per_replica = [[w for w in works if w[3] == rep] for rep in range(R)]
+        B = pick_bucket(max(len(p) for p in per_replica), self.buckets.batch_sizes)
+        T = pick_bucket(max(max(len(w[0]) for w in works), self.buckets.chunk_sizes[0]), self.buckets.chunk_sizes)
+        P = self.buckets.page_counts[-1]
+        tokens = np.zeros((R, B, T), np.int32)
+        start = np.zeros((R, B), np.int32)
+        num_new = np.zeros((R, B), np.int32)
+        table = np.full((R, B, P), PADDING_PAGE, np.int32)
+        for rep, rows in enumerate(per_replica):
+            for b, (toks, pos, pages, _) in enumerate(rows):
+                tokens[rep, b, : len(toks)] = toks
+                start[rep, b], num_new[rep, b] = pos, len(toks)
+                table[rep, b, : len(pages)] = pages
+        batch = self._put(StepBatch(tokens=tokens, start_pos=start, num_new=num_new, page_table=table))
+        self.draft_cache = self._executable((B, T, P, "draft"))(self.draft_params, self.draft_cache, batch)
+
+    def _catch_up(self, rows: Sequence[Any]) -> None:
+        """Rows whose draft is 2+ tokens behind (plain decode steps ran without it) catch up to 1 behind."""
+        limit = self.buckets.chunk_sizes[-1]  # one row per call: any chunk bucket fits
+        for row in rows:
+            seq, state = row.seq, self.state(row.seq)
+            pos = seq.num_computed
+            while state.lag >= 2:
+                begin = pos - state.lag
+                chunk = seq.tokens[begin : min(pos - 1, begin + limit)]
+                self._draft_prefill([(chunk, begin, self.blocks.page_table(seq.seq_id), seq.replica)])
+                state.lag -= len(chunk)
+
+    def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray) -> None:
+        """The draft's half of a fork's page copies (the runner copies the target's)."""
+        if self.draft_cache is None:
+            return
+        width = self.buckets.batch_sizes[-1]
+        for begin in range(0, max(len(src), 1), width):
+            s = np.full(width, PADDING_PAGE, np.int32)
+            d = np.full(width, PADDING_PAGE, np.int32)
+            part = slice(begin, begin + width)
+            s[: len(src[part])], d[: len(dst[part])] = src[part], dst[part]
+            self.draft_cache = copy_pages_jit(self.draft_cache, s, d, replica=replica)
+
+    # ---- the speculative step ----------------------------------------------------------------------
+    def run(self, rows: Sequence[Any]) -> VerifyOutput:
+        """One speculative decode step for scheduled decode rows (`row.num_lookahead` drafts each).
+
+        Returns, per row in order, tokens i32[n, d+1] (accepted drafts then the target's token),
+        num_accepted i32[n] and their logprobs; updates each sequence's draft lag and acceptance."""
+        if self.method == "draft":
+            self._catch_up(rows)
+        R = self.num_replicas
+        per_replica = [[i for i, r in enumerate(rows) if r.seq.replica == rep] for rep in range(R)]
+        B = pick_bucket(max(len(p) for p in per_replica), self.buckets.batch_sizes)
+        tables = [self.blocks.page_table(r.seq.seq_id) for r in rows]
+        P = pick_bucket(max(len(t) for t in tables), self.buckets.page_counts)
+        d = self._bucket(max(r.num_lookahead for r in rows))
+        inputs = self._empty_inputs(R, B, P, d)
+        last_token, pos, num_new, table, drafts = (inputs.last_token, inputs.pos, inputs.num_new, inputs.page_table,
+                                                   inputs.drafts)
+        draft_tokens, draft_start, draft_len = inputs.draft_tokens, inputs.draft_start, inputs.draft_len
+        flat_sampling: list[RowSampling | None] = [None] * (R * B)
+        where = np.empty(len(rows), np.int64)
+        for rep, indices in enumerate(per_replica):
+            for b, i in enumerate(indices):
+                row, seq = rows[i], rows[i].seq
+                state, k = self.state(seq), rows[i].num_lookahead
+                tokens = seq.tokens
+                p = seq.num_computed  # the pending token's position
+                last_token[rep, b], pos[rep, b], num_new[rep, b] = tokens[p], p, k + 1
+                table[rep, b, : len(tables[i])] = tables[i]
+                if self.method == "ngram":
+                    drafts[rep, b, :k] = state.proposal[:k]
+                else:
+                    lag = state.lag
+                    draft_tokens[rep, b, : lag + 1] = tokens[p - lag : p + 1]
+                    draft_start[rep, b], draft_len[rep, b] = p - lag, lag + 1
+                inputs.want_logprobs[rep, b] = seq.params.logprobs is not None
+                flat_sampling[rep * B + b] = RowSampling.from_params(
+                    seq.params, seed=seq.seed, step=len(seq.output_token_ids), prompt_ids=seq.prompt_token_ids,
+                    output_ids=seq.output_token_ids)
+                where[i] = rep * B + b
+        sampling = SamplingTensors.pack(flat_sampling, (R, B), self.runner.history_len)
+        inputs, sampling = self._put(inputs), self._put(sampling)
+        executable = self._executable((B, P, d))
+        self._timing = ("spec", B, d)
+        out, self.runner.cache, self.draft_cache = executable(
+            self.runner.params, self.runner.cache, self.draft_params, self.draft_cache, inputs, sampling)
+        out = jax.tree.map(lambda x: x.reshape((R * B,) + x.shape[2:])[where], jax.device_get(out))
+
+        self.decode_steps += 1
+        self.counters.steps += 1
+        for i, row in enumerate(rows):
+            state, k, n = self.state(row.seq), row.num_lookahead, int(out.num_accepted[i])
+            state.record(k, n)
+            if k > 0:
+                self.counters.proposed += k
+                self.counters.accepted += n
+                self.counters.verified += 1
+            if self.method == "draft":
+                state.lag = 1 if 0 < k == n else 0  # a fully accepted run: the draft never fed its last draft
+        return out
+
+    def _put(self, tree):
+        """One explicit host->device transfer, on the batch shardings when there is a mesh."""
+        sh = self.runner.shardings
+        if sh is None:
+            return jax.device_put(tree)
+        return jax.device_put(tree, jax.tree.map(lambda x: sh.batch2 if np.ndim(x) == 2 else sh.batch3, tree))
+
+    # ---- observability -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        c = self.counters
+        return dict(
+            spec_decode_num_draft_tokens=c.proposed,
+            spec_decode_num_accepted_tokens=c.accepted,
+            spec_decode_num_verify_steps=c.verified,
+            spec_decode_num_steps=c.steps,
+            spec_decode_acceptance_rate=c.acceptance_rate,
+            spec_decode_mean_accepted_length=c.mean_accepted_length,
+        )
+
+
+def _median_seconds(run, repeats: int = CALIBRATION_RUNS) -> float:
+    jax.block_until_ready(run())  # the first call may compile, or page in buffers
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(run())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))

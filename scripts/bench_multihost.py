@@ -1,0 +1,176 @@
+"""Per-step cost of the multi-host step message on loopback: 2 local processes, jax.distributed on CPU.
+
+    python scripts/bench_multihost.py [--iters 1000] [--batch 16] [--pages 64] [--json OUT]
+
+Process 0 encodes a typical decode step's packed inputs (jaxserve.multihost.encode_step: `--batch`
+sampled rows, one token each, page tables in a `--pages` bucket, no penalties) and publishes it in the
+jax.distributed key-value store, as the Leader does every step; process 1 receives and decodes it, as a
+follower does, and acknowledges with a 1-byte key. Reported per message (mean, p50, p99 in µs):
+  encode   process 0 packing the message
+  send     process 0's key_value_set_bytes: what the leader's step loop pays
+  round    send -> follower receives and decodes -> its ack arrives (one-way delivery ≈ round / 2)
+  decode   the follower unpacking it
+For comparison, `multihost_utils.broadcast_one_to_all` of the same bytes in a fixed buffer (the next
+power of two; a collective over all devices, the other way to hand data from process 0 to the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--iters", type=int, default=1000)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--broadcast-iters", type=int, default=200)
+    p.add_argument("--batch", type=int, default=16, help="decode rows in the step")
+    p.add_argument("--pages", type=int, default=64, help="page-table bucket (max_model_len / page_size)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+class Layout:
+    """The input layout of one bucket, as ModelRunner._abstract_inputs gives it (R = 1)."""
+
+    def __init__(self, history_len):
+        self.history_len = history_len
+
+    def _abstract_inputs(self, shape):
+        import jax.numpy as jnp
+        from jax import ShapeDtypeStruct as S
+
+        from jaxserve.kv_cache import StepBatch
+        from jaxserve.sampling import SamplingTensors
+
+        B, T, P = shape
+        batch = StepBatch(tokens=S((1, B, T), jnp.int32), start_pos=S((1, B), jnp.int32),
+                          num_new=S((1, B), jnp.int32), page_table=S((1, B, P), jnp.int32))
+        return batch, SamplingTensors.spec((1, B), self.history_len)
+
+
+def decode_step_inputs(batch, pages, page_size, rng):
+    """A decode step of `batch` sampled rows with 40-90% of the page table in use, packed as the runner does."""
+    from jaxserve.kv_cache import StepBatch
+    from jaxserve.sampling import RowSampling, SamplingTensors
+
+    tokens = rng.integers(0, 32000, (1, batch, 1)).astype(np.int32)
+    used = rng.integers(int(0.4 * pages), int(0.9 * pages), batch)
+    start = (used * page_size - rng.integers(1, page_size, batch)).astype(np.int32)[None]
+    table = np.zeros((1, batch, pages), np.int32)
+    for b, n in enumerate(used):
+        table[0, b, :n] = rng.choice(np.arange(1, 8 * pages), n, replace=False)
+    rows = [RowSampling(temperature=0.7, top_p=0.95, seed=int(rng.integers(2**31)), step=int(s)) for s in start[0]]
+    st = SamplingTensors.pack(rows, (1, batch), pages * page_size)
+    return (StepBatch(tokens, start, np.ones((1, batch), np.int32), table), st)
+
+
+def summary(seconds):
+    us = np.asarray(seconds) * 1e6
+    return dict(mean_us=float(us.mean()), p50_us=float(np.percentile(us, 50)), p99_us=float(np.percentile(us, 99)))
+
+
+def worker(args) -> None:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import jax
+
+    jax.distributed.initialize(f"127.0.0.1:{args.port}", 2, args.process_id, heartbeat_timeout_seconds=30)
+    from jax.experimental import multihost_utils
+
+    from jaxserve import multihost
+
+    client, leader = multihost._client(), args.process_id == 0
+    channel = multihost.KVChannel(client)
+    shape = (args.batch, 1, args.pages)
+    layout = Layout(args.pages * args.page_size)
+    inputs = decode_step_inputs(args.batch, args.pages, args.page_size, np.random.default_rng(0))
+    leaves = jax.tree.leaves(inputs)
+    full_bytes = sum(x.nbytes for x in leaves)
+    timings = {k: [] for k in ("encode", "send", "round", "decode")}
+    size = 0
+    for seq in range(args.warmup + args.iters):
+        keep = seq >= args.warmup
+        if leader:
+            t0 = time.perf_counter()
+            data = multihost.encode_step(seq, shape, leaves)
+            t1 = time.perf_counter()
+            channel.send(seq, data)
+            t2 = time.perf_counter()
+            client.blocking_key_value_get_bytes(f"bench/ack/{seq}", 60_000)
+            t3 = time.perf_counter()
+            size = len(data)
+            if keep:
+                timings["encode"].append(t1 - t0)
+                timings["send"].append(t2 - t1)
+                timings["round"].append(t3 - t1)
+        else:
+            data = channel.receive(seq)
+            t0 = time.perf_counter()
+            message = multihost.decode(data, layout)
+            t1 = time.perf_counter()
+            client.key_value_set_bytes(f"bench/ack/{seq}", b"1")
+            if keep:
+                timings["decode"].append(t1 - t0)
+            assert message.shape == shape
+    data = multihost.encode_step(0, shape, leaves)
+    buffer = np.zeros(1 << (len(data) - 1).bit_length(), np.uint8)
+    buffer[: len(data)] = np.frombuffer(data, np.uint8)
+    broadcast = []
+    for i in range(args.warmup + args.broadcast_iters):
+        t0 = time.perf_counter()
+        multihost_utils.broadcast_one_to_all(buffer)
+        if i >= args.warmup:
+            broadcast.append(time.perf_counter() - t0)
+    # The follower's decode timings travel to process 0 through the store too.
+    if leader:
+        follower = json.loads(client.blocking_key_value_get("bench/decode", 60_000))
+        result = dict(
+            machine=dict(cpus=os.cpu_count(), jax=jax.__version__, load_average=os.getloadavg()),
+            message=dict(batch=args.batch, pages=args.pages, page_size=args.page_size, bytes=size,
+                         unpacked_bytes=full_bytes),
+            iters=args.iters,
+            encode=summary(timings["encode"]), send=summary(timings["send"]), round=summary(timings["round"]),
+            decode=follower, broadcast_one_to_all=dict(buffer_bytes=len(buffer), **summary(broadcast)),
+        )
+        print(json.dumps(result, indent=2))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+    else:
+        client.key_value_set("bench/decode", json.dumps(summary(timings["decode"])))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.process_id is not None:
+        worker(args)
+        return 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = argv if argv is not None else sys.argv[1:]
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--process-id", str(i),
+                               "--port", str(port)], stderr=subprocess.DEVNULL if i else None) for i in range(2)]
+    try:
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return max(codes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

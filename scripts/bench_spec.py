@@ -1,0 +1,272 @@
+#!/usr/bin/env python
+"""Speculative decoding benchmark: speedup over plain decoding, acceptance rate, mean accepted length,
+and the draft/target cost ratio per step, for n-gram and draft-model speculation at several batch sizes.
+
+Workloads (prompts from held-out standard-library files, so the default model never trained on them):
+* copy     - a function's source, then "# The same function, copied unchanged:" and its first line;
+             the greedy continuation re-types code that is in the prompt (n-gram's best case).
+* natural  - the first lines of a file; the model continues it (the draft model's case).
+* random   - uniformly random token ids: nothing to copy, nothing predictable (low acceptance: the
+             adaptive policy must keep speculation from slowing decoding down).
+
+Every configuration gets an untimed pass first (it compiles the shapes the timed passes use); the
+timed passes alternate between configurations, and each figure is the median. Greedy decoding with
+EOS ignored, so every configuration produces the same tokens (checked and reported).
+
+    python scripts/bench_spec.py --model checkpoints/default --draft checkpoints/default-draft \\
+        --batch-sizes 1,8 --workloads copy,natural,random --out out/bench_spec.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+COPY_HEADER = "\n\n# The same function, copied unchanged:\n"
+
+
+def functions(split: str, min_lines: int, max_lines: int) -> list[str]:
+    """Top-level functions of the stdlib files of `split` (jaxserve.corpus), min_lines..max_lines long."""
+    from jaxserve.corpus import iter_texts
+
+    found = []
+    for _, text in iter_texts(split):
+        lines = text.splitlines()
+        starts = [i for i, line in enumerate(lines) if re.match(r"def \w+\(", line)]
+        for i in starts:
+            end = next((j for j in range(i + 1, len(lines)) if lines[j] and not lines[j][0].isspace()), len(lines))
+            body = lines[i:end]
+            while body and not body[-1].strip():
+                body.pop()
+            if min_lines <= len(body) <= max_lines:
+                found.append("\n".join(body))
+    return found
+
+
+def make_prompts(workload: str, tokenizer, vocab_size: int, count: int, seed: int) -> list[list[int]]:
+    rng = np.random.RandomState(seed)
+    if workload == "random":
+        return [rng.randint(3, vocab_size, size=64).tolist() for _ in range(count)]
+    if tokenizer is None:
+        raise SystemExit(f"the {workload!r} workload needs a tokenizer (the model directory has none)")
+    if workload == "copy":
+        held_out = functions("heldout", 12, 40)
+        chosen = [held_out[i] for i in rng.choice(len(held_out), size=count, replace=False)]
+        return [tokenizer.encode(f + COPY_HEADER + f.splitlines()[0] + "\n") for f in chosen]
+    if workload == "natural":
+        from jaxserve.corpus import iter_texts
+
+        texts = [t for _, t in iter_texts("heldout") if len(t) > 2000]
+        chosen = [texts[i] for i in rng.choice(len(texts), size=count, replace=False)]
+        return [tokenizer.encode("\n".join(t.splitlines()[:12]) + "\n") for t in chosen]
+    raise SystemExit(f"unknown workload {workload!r}")
+
+
+def spec_settings(method: str, args) -> dict:
+    if method == "off":
+        return {}
+    if method == "ngram":
+        return dict(speculative_method="ngram", num_speculative_tokens=args.k_ngram,
+                    prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max)
+    if method == "draft":
+        return dict(speculative_model=args.draft, num_speculative_tokens=args.k_draft)
+    raise SystemExit(f"unknown method {method!r}")
+
+
+def timed_generate(llm, prompts: list[list[int]], batch: int, new_tokens: int):
+    """Generate for `prompts` in groups of `batch` (one generate call each); returns seconds, outputs."""
+    from jaxserve import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    outputs = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        outputs += llm.generate(prompt_token_ids=prompts[i : i + batch], sampling_params=params, use_tqdm=False)
+    return time.perf_counter() - start, [o.outputs[0].token_ids for o in outputs]
+
+
+def step_cost(llm, batch: int, pages: int) -> float:
+    """Median seconds of one decode step (T = 1) of the target at `batch` rows over `pages` pages,
+    called straight on the compiled step (no engine around it)."""
+    import jax
+
+    from jaxserve import steps
+    from jaxserve.kv_cache import StepBatch
+
+    return _time_decode(steps, StepBatch, jax, llm.runner.params, llm.runner.cache, llm.model_config,
+                        llm.runner.options, batch, pages)
+
+
+def draft_step_cost(llm, batch: int, pages: int) -> float:
+    import jax
+
+    from jaxserve import steps
+    from jaxserve.kv_cache import StepBatch
+
+    spec = llm.engine.spec
+    return _time_decode(steps, StepBatch, jax, spec.draft_params, spec.draft_cache, spec.draft_cfg,
+                        llm.runner.options, batch, pages)
+
+
+def verify_step_cost(llm, batch: int, pages: int, k: int) -> float:
+    """Median seconds of the target's forward over k + 1 tokens per row (what verification computes)."""
+    import jax
+
+    from jaxserve import steps
+    from jaxserve.kv_cache import StepBatch
+
+    return _time_decode(steps, StepBatch, jax, llm.runner.params, llm.runner.cache, llm.model_config,
+                        llm.runner.options, batch, pages, tokens=k + 1)
+
+
+def _time_decode(steps, StepBatch, jax, params, cache, cfg, options, batch, pages, iters=30, tokens=1) -> float:
+    table = np.tile(np.arange(1, pages + 1, dtype=np.int32), (1, batch, 1))
+    step = StepBatch(tokens=np.ones((1, batch, tokens), np.int32),
+                     start_pos=np.full((1, batch), pages * 8 - tokens, np.int32),
+                     num_new=np.full((1, batch), tokens, np.int32), page_table=table)
+    step = jax.device_put(step)
+    fn = steps.decode_nodonate if tokens == 1 else steps.prefill_nodonate
+    run = lambda: jax.block_until_ready(fn(params, cache, step, cfg=cfg, options=options))  # noqa: E731
+    run()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def machine() -> dict:
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return dict(cpu=cpu, cores=os.cpu_count(), load_average=os.getloadavg(),
+                tcmalloc=("tcmalloc" in open("/proc/self/maps").read()) if os.path.exists("/proc/self/maps") else None,
+                date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="checkpoints/default")
+    ap.add_argument("--draft", default="checkpoints/default-draft", help="draft model directory ('' to skip)")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--methods", default="ngram,draft")
+    ap.add_argument("--workloads", default="copy,natural,random")
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per (workload, batch size)")
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--k-ngram", type=int, default=6)
+    ap.add_argument("--k-draft", type=int, default=4)
+    ap.add_argument("--lookup-min", type=int, default=2)
+    ap.add_argument("--lookup-max", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    from jaxserve import LLM
+
+    methods = ["off"] + [m for m in args.methods.split(",") if m and not (m == "draft" and not args.draft)]
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    workloads = args.workloads.split(",")
+    # Warmed up like a server: adaptive speculation picks (batch, pages, width) shapes as it goes, and
+    # a timed pass must never compile.
+    common = dict(load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
+                  max_num_seqs=max(batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens, warm_up=True,
+                  # Off: a timed pass would hit the prefix cache of the untimed one, and run (and compile)
+                  # shorter prefill chunks than it did.
+                  enable_prefix_caching=False)
+    engines = {m: LLM(args.model, **common, **spec_settings(m, args)) for m in methods}
+    base = engines["off"]
+    prompt_sets = {w: make_prompts(w, base.tokenizer, base.model_config.vocab_size, args.prompts, args.seed)
+                   for w in workloads}
+
+    results = []
+    for workload in workloads:
+        prompts = prompt_sets[workload]
+        for batch in batch_sizes:
+            outputs, times, spec_stats = {}, {m: [] for m in methods}, {}
+            for m in methods:  # untimed: settles the measured step times (and would compile a missed shape)
+                _, outputs[m] = timed_generate(engines[m], prompts, batch, args.new_tokens)
+            compiles = {m: engines[m].engine.stats()["compiles_after_warmup"] for m in methods}
+            for _ in range(args.repeats):
+                for m in methods:
+                    before = dict(engines[m].engine.stats())
+                    seconds, out = timed_generate(engines[m], prompts, batch, args.new_tokens)
+                    times[m].append(seconds)
+                    after = engines[m].engine.stats()
+                    if m != "off":
+                        spec_stats[m] = {k: after[k] - before[k] for k in
+                                         ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                                          "spec_decode_num_verify_steps", "spec_decode_num_steps")}
+                        spec_stats[m]["engine_steps"] = engines[m].engine.counters["steps"]
+            tokens = sum(len(o) for o in outputs["off"])
+            for m in methods:
+                row = dict(workload=workload, batch=batch, method=m, tokens=tokens,
+                           seconds=statistics.median(times[m]), all_seconds=times[m],
+                           tok_per_s=tokens / statistics.median(times[m]),
+                           speedup=statistics.median(times["off"]) / statistics.median(times[m]),
+                           same_tokens=outputs[m] == outputs["off"],
+                           timed_compiles=engines[m].engine.stats()["compiles_after_warmup"] - compiles[m])
+                if m != "off":
+                    s = spec_stats[m]
+                    proposed, accepted, verified = (s["spec_decode_num_draft_tokens"],
+                                                    s["spec_decode_num_accepted_tokens"],
+                                                    s["spec_decode_num_verify_steps"])
+                    row.update(acceptance_rate=accepted / proposed if proposed else 0.0,
+                               mean_accepted_length=(accepted + verified) / verified if verified else 0.0,
+                               draft_tokens=proposed, verify_steps=verified, spec_steps=s["spec_decode_num_steps"])
+                results.append(row)
+                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                                  if k != "all_seconds"}), flush=True)
+
+    costs = {}
+    for batch in batch_sizes:  # compiled steps alone (no engine): a decode step, a verify pass, a draft step
+        target = step_cost(base, batch, 8)
+        costs[batch] = dict(target_decode_ms=target * 1e3)
+        for m, k in (("ngram", args.k_ngram), ("draft", args.k_draft)):
+            if m in engines:
+                verify = verify_step_cost(base, batch, 8, k)
+                costs[batch][f"verify_k{k}_ms"] = verify * 1e3
+                costs[batch][f"verify_k{k}_over_decode"] = verify / target
+        if "draft" in engines:
+            draft = draft_step_cost(engines["draft"], batch, 8)
+            costs[batch].update(draft_ms=draft * 1e3, draft_over_target=draft / target)
+        print(f"batch {batch}: " + ", ".join(f"{k} {v:.2f}" for k, v in costs[batch].items()), flush=True)
+    report = dict(args=vars(args), machine=machine(), results=results, step_costs=costs)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    print("\n| workload | batch | method | tok/s | speedup | acceptance | mean accepted length | same tokens |")
+    print("|---|---:|---|---:|---:|---:|---:|---|")
+    for r in results:
+        acc = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "–"
+        length = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "–"
+        print(f"| {r['workload']} | {r['batch']} | {r['method']} | {r['tok_per_s']:.1f} | {r['speedup']:.2f}x | "
+              f"{acc} | {length} | {r['same_tokens']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The engine with int8 weights and an int8 KV cache: settings wired through loading, the memory plan and
+the cache; the choice of matmul implementation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams, quant, steps
+from jaxserve.engine.engine import resolve_quantized_matmul
+from jaxserve.errors import ConfigError
+from jaxserve.kv_cache import StepBatch, init_cache
+from jaxserve.model.weights import param_bytes
+
+
+def test_engine_serves_int8_weights_and_cache(hf_model_dir):
+    path, _ = hf_model_dir("llama")
+    llm = LLM(path, dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16,
+              quantization="int8", kv_cache_dtype="int8", warm_up=False)
+    params, cache, cfg = llm.runner.params, llm.runner.cache, llm.model_config
+    assert isinstance(params.layers[0].wq, quant.QuantArray) and params.embed.dtype == jnp.float32
+    assert cache.k.dtype == jnp.int8 and cache.k_scale.dtype == jnp.float32
+    assert llm.plan.param_bytes == param_bytes(params) == cfg.param_bytes(4, "int8")
+    assert llm.plan.kv_bytes_per_token == cfg.kv_bytes_per_token(4, "int8")
+    assert "more tokens fit than in float32" in llm.plan.describe()
+
+    prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, size=11).tolist()
+    greedy = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+
+    # Greedy tokens are the argmax of the same model's logits over its own output (one prefill, with
+    # stacked weights and the same int8 cache arithmetic).
+    full = np.asarray(prompt + greedy[:-1], np.int32)
+    one = init_cache(cfg, 5, 8, jnp.float32, kv_cache_dtype="int8")
+    batch = StepBatch(tokens=full[None, None], start_pos=np.zeros((1, 1), np.int32),
+                      num_new=np.full((1, 1), len(full), np.int32), page_table=np.arange(1, 5, dtype=np.int32)[None, None])
+    stacked = jax.tree.map(lambda *ws: jnp.stack(ws), *params.layers)
+    logits, _ = steps.prefill(params.replace(layers=stacked), one, batch, cfg=cfg,
+                              options=steps.StepOptions(all_logits=True, scan_layers=True))
+    assert np.asarray(logits[0, 0, len(prompt) - 1:]).argmax(-1).tolist() == greedy
+
+
+def test_matmul_choice_is_explicit():
+    assert resolve_quantized_matmul("auto", "cpu", (1, 1), "int8") == "xla_cpu"
+    assert resolve_quantized_matmul("auto", "cpu", (2, 2), "int8") == "reference"
+    assert resolve_quantized_matmul("reference", "cpu", (1, 1), "int8") == "reference"
+    assert resolve_quantized_matmul("auto", "tpu", (1, 1), "int8") == "pallas_tpu"
+    assert resolve_quantized_matmul("auto", "gpu", (1, 1), "int8") == "pallas_gpu"
+    assert resolve_quantized_matmul("auto", "gpu", (1, 4), "int8") == "reference"  # GSPMD cannot split a kernel
+    assert resolve_quantized_matmul("pallas", "cpu", (1, 1), "int8") == "pallas_interpret"
+    assert resolve_quantized_matmul("pallas", "tpu", (1, 1), "none") == "reference"  # nothing quantized
+    with pytest.raises(ConfigError, match="single device"):
+        resolve_quantized_matmul("pallas", "gpu", (2, 1), "int8")
