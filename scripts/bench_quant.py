@@ -4,8 +4,9 @@
 Builds the (dummy-weight) model once per variant through the public API and times batch-1 decode
 with scripts/bench_decode.py's functions: LLM.generate ((N-token time - 1-token time) / (N - 1))
 and the compiled step alone, synced every step. Variants are timed round-robin, one repeat each per
-round, so a shared machine's load falls on all of them alike. Also reports, from the memory plan's arithmetic, parameter bytes, KV bytes per
-token, and how many sequences of --context tokens fit in a --kv-budget of KV memory.
+round, so a shared machine's load falls on all of them alike. Also reports, from the memory plan's
+arithmetic, parameter bytes, KV bytes per token, and how many sequences of --context tokens fit in
+a --kv-budget of KV memory.
 
 Variants (--variants, comma-separated):
   float32, bfloat16            float weights and activations
@@ -71,7 +72,9 @@ def generate_fn(llm, prompt: list[int], n: int):
     from jaxserve import SamplingParams
 
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    return lambda: llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0].token_ids
+    def run():
+        return llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0].token_ids
+    return run
 
 
 def capacity(cfg, dtype: str, kv_cache_dtype: str, budget: int, context: int, page_size: int) -> dict:

@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("src", help="Hugging Face model directory or jaxserve orbax checkpoint")
     ap.add_argument("out", help="output directory")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                    help="dtype of the unquantized params (embeddings, norms) (default: the checkpoint's, else float32)")
+                    help="dtype of the params left unquantized (embeddings, norms); default: the checkpoint's, "
+                    "else float32")
     ap.add_argument("--quantize-lm-head", action="store_true", help="quantize an untied lm_head too")
     args = ap.parse_args(argv)
     print(f"wrote {quantize_checkpoint(args.src, args.out, args.dtype, args.quantize_lm_head)}")

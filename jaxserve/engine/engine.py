@@ -93,7 +93,9 @@ def resolve_quantized_matmul(setting: str, platform: str, mesh_shape: tuple[int,
             raise ConfigError("quantized_matmul_backend='pallas' runs on a single device only (no shard_map "
                               "wrapper for the int8 matmul yet); use 'auto' or 'reference' with this mesh")
         impl = "pallas_" + platform if platform in ("tpu", "gpu") else "pallas_interpret"
-        why = "Pallas int8_matmul, as asked" + (" (interpret mode on CPU: slow, for testing)" if platform == "cpu" else "")
+        why = "Pallas int8_matmul, as asked"
+        if platform == "cpu":
+            why += " (interpret mode on CPU: slow, for testing)"
     else:
         impl, why = "reference", "XLA, as asked"
     logger.info("int8 matmul: %s (quantized_matmul_backend=%s): %s", impl, setting, why)

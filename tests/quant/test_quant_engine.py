@@ -33,7 +33,8 @@ def test_engine_serves_int8_weights_and_cache(hf_model_dir):
     full = np.asarray(prompt + greedy[:-1], np.int32)
     one = init_cache(cfg, 5, 8, jnp.float32, kv_cache_dtype="int8")
     batch = StepBatch(tokens=full[None, None], start_pos=np.zeros((1, 1), np.int32),
-                      num_new=np.full((1, 1), len(full), np.int32), page_table=np.arange(1, 5, dtype=np.int32)[None, None])
+                      num_new=np.full((1, 1), len(full), np.int32),
+                      page_table=np.arange(1, 5, dtype=np.int32)[None, None])
     stacked = jax.tree.map(lambda *ws: jnp.stack(ws), *params.layers)
     logits, _ = steps.prefill(params.replace(layers=stacked), one, batch, cfg=cfg,
                               options=steps.StepOptions(all_logits=True, scan_layers=True))
