@@ -15,6 +15,22 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Free each module's compiled executables when it ends.
+
+    XLA:CPU maps every executable's JIT-compiled code into memory, several mappings per kernel; a
+    whole suite's worth alive in one process passes the kernel's limit of memory mappings
+    (vm.max_map_count, 65530 by default), after which LLVM fails with "Cannot allocate memory" and
+    the process aborts. Modules share nothing compiled, so dropping JAX's caches between them is free."""
+    yield
+    import gc
+
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def hf_model_dir(tmp_path_factory):
     """Factory: path of a tiny random HF model of an architecture (built once per session)."""
