@@ -205,6 +205,10 @@ class LLMEngine:
             raise RequestError(f"prompt + max_tokens needs {needed} KV pages; a replica's cache has {usable}")
         if params.n > self.settings.max_num_seqs:
             raise RequestError(f"n={params.n} exceeds max_num_seqs={self.settings.max_num_seqs}")
+        forked = self.blocks.pages_for(len(ids)) + params.n - 1  # the n samples fork with a page each
+        if forked > usable:
+            raise RequestError(f"n={params.n} samples of a {len(ids)}-token prompt need {forked} KV pages to start; "
+                               f"a replica's cache has {usable}")
         if params.prompt_logprobs is not None and not self.settings.enable_prompt_logprobs:
             raise RequestError("prompt_logprobs needs the engine started with enable_prompt_logprobs=True "
                                "(--enable-prompt-logprobs), which compiles the scoring steps")

@@ -14,7 +14,7 @@ import dataclasses
 import time
 from typing import Callable, Iterable
 
-from jaxserve.engine.block_manager import BlockManager
+from jaxserve.engine.block_manager import BlockManager, OutOfPagesError
 from jaxserve.engine.compile import BucketTable, pick_bucket
 from jaxserve.engine.sequence import Sequence, Status
 
@@ -107,12 +107,23 @@ class Scheduler:
         return SchedulerOutput("idle", [], copies, [])
 
     def _fork_ready_parents(self) -> list[tuple[int, int, int]]:
-        """A parent that computed all but its last prompt token forks its n - 1 siblings now."""
+        """A parent that computed all but its last prompt token forks its n - 1 siblings now.
+
+        Each sibling needs a page of its own when the prompt ends inside a page; if the replica lacks
+        them, the most recently admitted other sequences there are preempted (as a decode step would).
+        Admission checked that the prompt plus one page per sibling fits an empty replica."""
         copies = []
         for parent in [s for s in self.running if s.num_siblings_to_fork and s.num_pending == 1]:
-            siblings = parent.num_siblings_to_fork
+            children = self._pending_siblings.pop(parent.seq_id, [])[: parent.num_siblings_to_fork]
             parent.num_siblings_to_fork = 0
-            for child in self._pending_siblings.pop(parent.seq_id, [])[:siblings]:
+            need = len(children) if parent.num_computed % self.blocks.page_size else 0
+            while self.blocks.num_free_pages(parent.replica) < need:
+                others = [s for s in self.running if s is not parent and s.replica == parent.replica]
+                if not others:
+                    raise OutOfPagesError(f"replica {parent.replica}: no pages to fork {len(children)} samples of "
+                                          f"{parent.seq_id!r} with nothing left to preempt")
+                self._preempt(others[-1])
+            for child in children:
                 pairs = self.blocks.fork(parent.seq_id, child.seq_id)
                 copies += [(parent.replica, src, dst) for src, dst in pairs]
                 child.num_computed = parent.num_computed

@@ -140,6 +140,29 @@ def test_n_samples_share_the_prompt_pages(llm):
     assert_pool_whole(llm)
 
 
+def test_n_samples_fork_under_page_pressure(hf_model_dir):
+    """Forking n samples needs a page each; when the pool is short, other sequences are preempted (and
+    recomputed later) instead of the fork failing. Same tokens as with pages to spare."""
+    path, _ = hf_model_dir("llama")
+    rng = np.random.RandomState(3)
+    prompts = [rng.randint(0, 512, size=40).tolist() for _ in range(2)]  # 5 pages each, growing to 9
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 2
+    wide = SamplingParams(n=4, max_tokens=10, temperature=1.0, seed=5)
+    prompt = list(range(1, 22))  # 3 pages, the last part-filled: every sample needs a page of its own
+
+    def run(llm):
+        outs = llm.generate(prompt_token_ids=[prompt] + prompts, sampling_params=[wide] + params)
+        return tokens_of(outs[1:]), [c.token_ids for c in outs[0].outputs]
+
+    roomy = LLM(path, **BASE)
+    small = LLM(path, **{**BASE, "num_pages": 14})  # 13 usable: all taken by the three prompts
+    assert run(small) == run(roomy)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert_pool_whole(small)
+    with pytest.raises(RequestError, match="n=8 samples"):
+        small.engine.add_request("too-wide", prompt_token_ids=list(range(1, 60)), sampling_params=SamplingParams(n=8))
+
+
 def test_request_that_can_never_fit_is_rejected_at_add(llm):
     with pytest.raises(RequestError, match="max_model_len"):
         llm.engine.add_request("big", prompt_token_ids=[1] * 200)
