@@ -6,6 +6,7 @@ target's (draft prefill alongside every target prefill; catch-up when it fell be
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -30,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 PADDING_PAGE = 0
 CALIBRATION_RUNS = 5  # timed calls of each compiled step when measuring speculation's cost
-STEP_TIME_DECAY = 0.9  # exponential average of the engine's step times
+STEP_TIME_SAMPLES = 16  # the engine's recent step times kept per kind of step (their median is used)
+MIN_STEP_TIME_SAMPLES = 3  # fewer than this: the calibrated device time plus the host time seen elsewhere
 
 
 def draft_buckets(k: int, platform: str) -> tuple[int, ...]:
@@ -132,9 +134,11 @@ class SpeculativeDecoder:
         self._cache_sharding = None if sh is None else cache_shardings(sh, "int8" if runner.cache.quantized else "auto")
         self.draft_cfg = self.draft_params = self.draft_cache = self._draft_cache_sharding = None
         # Seconds per decode step: ("plain", batch) and ("spec", batch, drafts). `_device` from timing the
-        # compiled steps (calibration), `_wall` an average of the engine's whole steps (host work too).
+        # compiled steps (calibration), `_wall` the engine's recent whole steps (host work too). A median,
+        # not an average: one slow step (a collection, another process on the core) must not price a
+        # kind of step so high that the policy never picks, and so never re-measures, it again.
         self._device: dict[tuple, float] = {}
-        self._wall: dict[tuple, float] = {}
+        self._wall: dict[tuple, collections.deque] = {}
         self._timing: tuple | None = None  # what the current engine step is, for record_step_time
         self._untimed = False  # the current step compiled or calibrated something: not a sample
         self._runner_compiles = runner.unplanned_compiles
@@ -187,11 +191,13 @@ class SpeculativeDecoder:
             self._calibrate(B)
         # Host work per step (the engine around the compiled step), from every kind of step seen so far;
         # a kind not seen yet is estimated as its device time plus that.
-        seen = [self._wall[key] - self._device[key] for key in self._wall if key[1] == B and key in self._device]
-        host = max(float(np.mean(seen)), 0.0) if seen else 0.0
+        walls = {key: float(np.median(times)) for key, times in self._wall.items()
+                 if key[1] == B and len(times) >= MIN_STEP_TIME_SAMPLES}
+        seen = [wall - self._device[key] for key, wall in walls.items() if key in self._device]
+        host = max(float(np.median(seen)), 0.0) if seen else 0.0
 
         def seconds(key):
-            return self._wall.get(key) or self._device[key] + host
+            return walls.get(key) or self._device[key] + host
 
         plain = seconds(("plain", B))
         return [1.0] + [seconds(("spec", B, self._bucket(k))) / plain for k in range(1, self.k + 1)]
@@ -203,8 +209,7 @@ class SpeculativeDecoder:
         self._untimed, self._runner_compiles = False, self.runner.unplanned_compiles
         if key is None or untimed:
             return
-        old = self._wall.get(key)
-        self._wall[key] = seconds if old is None else STEP_TIME_DECAY * old + (1 - STEP_TIME_DECAY) * seconds
+        self._wall.setdefault(key, collections.deque(maxlen=STEP_TIME_SAMPLES)).append(seconds)
 
     def _bucket(self, drafts: int) -> int:
         return pick_bucket(max(drafts, 1), self.draft_buckets)
