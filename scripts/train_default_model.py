@@ -218,6 +218,23 @@ def mean_loss(cfg, params, windows: np.ndarray, batch: int) -> float:
     return float(np.mean([loss(params, jnp.asarray(windows[i:i + batch])) for i in range(0, len(windows), batch)]))
 
 
+def greedy_agreement(cfg_a, params_a, cfg_b, params_b, windows: np.ndarray, batch: int) -> float:
+    """Fraction of positions where two models' argmax next tokens agree: the acceptance rate a draft
+    would get in greedy speculative decoding against a target, at every position of `windows`."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.model.llama import forward_dense
+
+    @jax.jit
+    def same(pa, pb, tokens):
+        a = jnp.argmax(forward_dense(pa, tokens, cfg=cfg_a), axis=-1)
+        return jnp.mean((a == jnp.argmax(forward_dense(pb, tokens, cfg=cfg_b), axis=-1)).astype(jnp.float32))
+
+    return float(np.mean([same(params_a, params_b, jnp.asarray(windows[i:i + batch, :-1]))
+                          for i in range(0, len(windows), batch)]))
+
+
 def as_shipped(params):
     """The params as the checkpoint stores them (bfloat16), back in f32: what the README's figures describe."""
     import jax
@@ -323,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         (k, t, ids) for k, t in iter_texts("heldout")
         if 500 <= len(ids := [BOS] + sp.encode(t) + [EOS]) <= 1500)
     windows = eval_windows(heldout, args.eval_windows, args.seq)
+    agreement = None
+    if {"default", "default-draft"} <= set(results):
+        (cfg_t, p_t, _), (cfg_d, p_d, _) = results["default"], results["default-draft"]
+        agreement = greedy_agreement(cfg_t, as_shipped(p_t), cfg_d, as_shipped(p_d), windows, args.batch)
     for shape in shapes:
         cfg, params, log = results[shape.name]
         shipped = as_shipped(params)
@@ -332,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
                  f"{math.exp(shipped_heldout):.2f}) |\n"
                  f"| `default/{SCORE_FILE}` | the held-out stdlib file `{score_key}`, {len(score_ids)} tokens with <s> and "
                  f"</s>: mean loss {score:.4f} (stored weights, scored in float32) |\n")
+        if agreement is not None:
+            extra += (f"| greedy agreement of the draft with the target | {100 * agreement:.1f}% of next-token "
+                      f"argmaxes on the held-out windows (the draft's expected greedy acceptance rate) |\n")
         export(shape, cfg, params, log, tokenizer_dir, out / shape.name, args, extra)
         if shape.name == "default":  # one copy, shipped with the target; the draft's README points at it
             (out / shape.name / SCORE_FILE).write_text(score_text)

@@ -75,3 +75,47 @@ def test_restore_onto_a_1x2_mesh_gives_the_same_logits():
         loaded = load_model(EngineConfig(model=str(DEFAULT), dtype="float32"), make_mesh(shape), stacked=True)
         logits.append(np.asarray(jax.jit(forward_dense, static_argnames="cfg")(loaded.params, tokens, cfg=loaded.cfg)))
     np.testing.assert_allclose(logits[1], logits[0], atol=1e-4, rtol=0)
+
+
+# Function headers in the style of the standard library (the training corpus).
+HEADERS = ["def __repr__(self):\n", "def __init__(self, name, value=None):\n", "def close(self):\n",
+           "def get(self, key, default=None):\n", "def __len__(self):\n", "def _check_name(name):\n",
+           "def read_lines(path):\n", "def is_valid(self, value):\n"]
+
+
+def function_parses(header: str, completion: str, finished: bool) -> bool:
+    """Whether header + completion is a function that parses: the completion is cut where the function
+    ends (the first non-blank line at column 0); if generation stopped mid-function, its last (maybe
+    incomplete) line is dropped. An empty body does not count."""
+    import ast
+
+    lines = completion.split("\n")
+    body = []
+    for i, line in enumerate(lines):
+        if line.strip() and not line[0].isspace():
+            finished = True
+            break
+        body.append(line)
+    if not finished and body:
+        body.pop()
+    if not any(line.strip() for line in body):
+        return False
+    try:
+        ast.parse(header + "\n".join(body) + "\n")
+    except SyntaxError:
+        return False
+    return True
+
+
+def parsing_completions(scorer) -> int:
+    outs = scorer.generate(HEADERS, SamplingParams(max_tokens=64, temperature=0))
+    return sum(function_parses(h, o.outputs[0].text, o.outputs[0].finish_reason == "stop")
+               for h, o in zip(HEADERS, outs))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 7, open: after 800 steps (held-out perplexity 80) greedy completions "
+                   "still degenerate into unterminated repetition; none of the 8 parses, as with random weights")
+def test_function_headers_complete_to_python_more_often_than_with_random_weights(llm):
+    trained = parsing_completions(llm)
+    random = parsing_completions(LLM(str(DEFAULT), load_format="dummy", max_model_len=256, **COMMON))
+    assert trained > random, (trained, random)
