@@ -58,3 +58,15 @@ def test_second_start_compiles_nothing(hf_model_dir, tmp_path):
     first, second = start(), start()
     assert first["compiles"] > 0
     assert second["requests"] >= first["compiles"] and second["compiles"] == 0
+
+
+def test_memory_mapping_use_is_reported_on_cpu(monkeypatch, caplog):
+    from jaxserve.engine import compile as compile_mod
+
+    assert compile_mod.check_memory_mappings("gpu") is None
+    fraction = compile_mod.check_memory_mappings("cpu")
+    assert 0 < fraction < 1
+    monkeypatch.setattr(compile_mod, "MAPPINGS_WARN_FRACTION", 0.0)
+    with caplog.at_level("WARNING"):
+        compile_mod.check_memory_mappings("cpu")
+    assert "vm.max_map_count" in caplog.text

@@ -102,6 +102,35 @@ class CompileCounter:
         return cls.requests - cls.cache_hits
 
 
+MAPPINGS_WARN_FRACTION = 0.5
+
+
+def check_memory_mappings(platform: str) -> float | None:
+    """Warn when this process holds over half the kernel's limit of memory mappings; returns the fraction.
+
+    XLA:CPU maps each compiled executable's JIT code in a few hundred pieces (~300 for a step of the
+    default model), and Linux caps a process at vm.max_map_count mappings (65530 by default). Past
+    it, the next compilation fails inside LLVM ("Cannot allocate memory") and aborts the process, so
+    a CPU engine with many buckets (speculation multiplies them), or several engines in one process,
+    should know before that. Accelerator backends are unaffected."""
+    if platform != "cpu":
+        return None
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            used = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+    except OSError:  # not Linux
+        return None
+    fraction = used / limit
+    if fraction > MAPPINGS_WARN_FRACTION:
+        logger.warning("this process holds %d memory mappings, %.0f%% of vm.max_map_count=%d: XLA:CPU maps every "
+                       "compiled executable's code, and compiling past the limit aborts the process. Raise it "
+                       "(sysctl -w vm.max_map_count=262144), or compile fewer buckets (max_num_seqs, "
+                       "max_model_len, num_speculative_tokens) or engines per process", used, 100 * fraction, limit)
+    return fraction
+
+
 def default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "jaxserve", "xla")

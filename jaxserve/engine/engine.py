@@ -17,7 +17,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve import multihost
 from jaxserve.engine.block_manager import BlockManager
-from jaxserve.engine.compile import BucketTable, CompileCounter, enable_compilation_cache
+from jaxserve.engine.compile import BucketTable, CompileCounter, check_memory_mappings, enable_compilation_cache
 from jaxserve.engine.runner import ModelRunner, RowWork
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import Sequence, Status
@@ -157,6 +157,7 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.warm_up()
         self.compiles_at_warm_up = CompileCounter.requests
+        check_memory_mappings(jax.default_backend())
 
     def _speculative_decoder(self, loaded):
         """Speculative decoding (jaxserve.spec_decode): the draft shares the pages and page tables."""
