@@ -376,16 +376,31 @@ class SpeculativeDecoder:
         self.draft_cache = self._executable((B, T, P, "draft"))(self.draft_params, self.draft_cache, batch)
 
     def _catch_up(self, rows: Sequence[Any]) -> None:
-        """Rows whose draft is 2+ tokens behind (plain decode steps ran without it) catch up to 1 behind."""
-        limit = self.buckets.chunk_sizes[-1]  # one row per call: any chunk bucket fits
-        for row in rows:
-            seq, state = row.seq, self.state(row.seq)
-            pos = seq.num_computed
-            while state.lag >= 2:
+        """Rows whose draft is 2+ tokens behind (plain decode steps ran without it) catch up to 1 behind:
+        every lagging row's next chunk in one draft prefill call per round (one round unless a lag
+        exceeds the largest chunk bucket)."""
+        limit = self.buckets.chunk_sizes[-1]
+        while True:
+            works = []
+            for row in rows:
+                seq, state = row.seq, self.state(row.seq)
+                if state.lag < 2:
+                    continue
+                pos = seq.num_computed
                 begin = pos - state.lag
                 chunk = seq.tokens[begin : min(pos - 1, begin + limit)]
-                self._draft_prefill([(chunk, begin, self.blocks.page_table(seq.seq_id), seq.replica)])
+                works.append((chunk, begin, self.blocks.page_table(seq.seq_id), seq.replica))
                 state.lag -= len(chunk)
+            if not works:
+                return
+            for at in range(0, len(works), self._rows_per_prefill(works)):
+                self._draft_prefill(works[at : at + self._rows_per_prefill(works)])
+
+    def _rows_per_prefill(self, works: list[tuple]) -> int:
+        """Rows of these chunks that one compiled draft-prefill bucket takes (see step_shapes)."""
+        b, t = self.buckets.batch_sizes, self.buckets.chunk_sizes
+        T = pick_bucket(max(max(len(w[0]) for w in works), t[0]), t)
+        return b[-1] if T == t[0] else max([bs for bs in b if bs * T <= t[-1]] or [1])
 
     def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray) -> None:
         """The draft's half of a fork's page copies (the runner copies the target's)."""
