@@ -19,14 +19,13 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine.compile import BucketTable, CompileCounter, pick_bucket, step_compiler_options
-from jaxserve.kv_cache import KVCache, StepBatch, cache_shardings, copy_pages_jit
+from jaxserve.kv_cache import PADDING_PAGE, KVCache, StepBatch, cache_shardings, copy_pages_padded
 from jaxserve.model.weights import Params
 from jaxserve.sampling import MAX_LOGPROBS, RowSampling, SampleOutput, SamplingTensors, sample
 from jaxserve.steps import StepOptions, model_step
 
 logger = logging.getLogger(__name__)
 
-PADDING_PAGE = 0  # page 0 of every replica is never given to a sequence; padding rows point at it
 
 
 @dataclasses.dataclass
@@ -211,18 +210,10 @@ class ModelRunner:
         return timings
 
     def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray) -> None:
-        """Copy pages src[i] -> dst[i] of one replica (forked sequences), padded to a fixed width so
-        every fork reuses one compilation; padding copies the padding page onto itself (so an empty
-        call compiles the copy at warm-up)."""
+        """Copy pages src[i] -> dst[i] of one replica (forked sequences), in one compiled width."""
         if self.broadcaster is not None:
             self.broadcaster.copy_pages(replica, src, dst)
-        width = self.buckets.batch_sizes[-1]
-        for start in range(0, max(len(src), 1), width):
-            s = np.full(width, PADDING_PAGE, np.int32)
-            d = np.full(width, PADDING_PAGE, np.int32)
-            chunk = slice(start, start + width)
-            s[: len(src[chunk])], d[: len(dst[chunk])] = src[chunk], dst[chunk]
-            self.cache = copy_pages_jit(self.cache, s, d, replica=replica)
+        self.cache = copy_pages_padded(self.cache, replica, src, dst, self.buckets.batch_sizes[-1])
 
     # ---- execution -----------------------------------------------------------------------------
     def execute(self, rows: Sequence[RowWork]) -> SampleOutput | tuple[SampleOutput, PromptScores]:

@@ -19,7 +19,7 @@ import numpy as np
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.compile import BucketTable, pick_bucket
 from jaxserve.errors import ConfigError
-from jaxserve.kv_cache import KVCache, StepBatch, cache_shardings, copy_pages_jit, init_cache
+from jaxserve.kv_cache import PADDING_PAGE, KVCache, StepBatch, cache_shardings, copy_pages_padded, init_cache
 from jaxserve.model.weights import param_bytes
 from jaxserve.sampling import RowSampling, SamplingTensors
 from jaxserve.spec_decode.ngram import TokenBuffer, propose_ngram
@@ -29,7 +29,6 @@ from jaxserve.spec_decode.step import SpecInputs, SpecOptions, draft_prefill_jit
 
 logger = logging.getLogger(__name__)
 
-PADDING_PAGE = 0
 CALIBRATION_RUNS = 5  # timed calls of each compiled step when measuring speculation's cost
 STEP_TIME_SAMPLES = 16  # the engine's recent step times kept per kind of step (their median is used)
 MIN_STEP_TIME_SAMPLES = 3  # fewer than this: the calibrated device time plus the host time seen elsewhere
@@ -404,15 +403,8 @@ class SpeculativeDecoder:
 
     def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray) -> None:
         """The draft's half of a fork's page copies (the runner copies the target's)."""
-        if self.draft_cache is None:
-            return
-        width = self.buckets.batch_sizes[-1]
-        for begin in range(0, max(len(src), 1), width):
-            s = np.full(width, PADDING_PAGE, np.int32)
-            d = np.full(width, PADDING_PAGE, np.int32)
-            part = slice(begin, begin + width)
-            s[: len(src[part])], d[: len(dst[part])] = src[part], dst[part]
-            self.draft_cache = copy_pages_jit(self.draft_cache, s, d, replica=replica)
+        if self.draft_cache is not None:
+            self.draft_cache = copy_pages_padded(self.draft_cache, replica, src, dst, self.buckets.batch_sizes[-1])
 
     # ---- the speculative step ----------------------------------------------------------------------
     def run(self, rows: Sequence[Any]) -> VerifyOutput:
