@@ -138,6 +138,7 @@ class SpeculativeDecoder:
         # kind of step so high that the policy never picks, and so never re-measures, it again.
         self._device: dict[tuple, float] = {}
         self._wall: dict[tuple, collections.deque] = {}
+        self._wall_median: dict[tuple, float] = {}  # of the kinds with MIN_STEP_TIME_SAMPLES samples or more
         self._timing: tuple | None = None  # what the current engine step is, for record_step_time
         self._untimed = False  # the current step compiled or calibrated something: not a sample
         self._runner_compiles = runner.unplanned_compiles
@@ -190,8 +191,7 @@ class SpeculativeDecoder:
             self._calibrate(B)
         # Host work per step (the engine around the compiled step), from every kind of step seen so far;
         # a kind not seen yet is estimated as its device time plus that.
-        walls = {key: float(np.median(times)) for key, times in self._wall.items()
-                 if key[1] == B and len(times) >= MIN_STEP_TIME_SAMPLES}
+        walls = {key: wall for key, wall in self._wall_median.items() if key[1] == B}
         seen = [wall - self._device[key] for key, wall in walls.items() if key in self._device]
         host = max(float(np.median(seen)), 0.0) if seen else 0.0
 
@@ -208,7 +208,10 @@ class SpeculativeDecoder:
         self._untimed, self._runner_compiles = False, self.runner.unplanned_compiles
         if key is None or untimed:
             return
-        self._wall.setdefault(key, collections.deque(maxlen=STEP_TIME_SAMPLES)).append(seconds)
+        times = self._wall.setdefault(key, collections.deque(maxlen=STEP_TIME_SAMPLES))
+        times.append(seconds)
+        if len(times) >= MIN_STEP_TIME_SAMPLES:  # once per step here, not per row in costs()
+            self._wall_median[key] = float(np.median(times))
 
     def _bucket(self, drafts: int) -> int:
         return pick_bucket(max(drafts, 1), self.draft_buckets)
@@ -392,8 +395,9 @@ class SpeculativeDecoder:
                 state.lag -= len(chunk)
             if not works:
                 return
-            for at in range(0, len(works), self._rows_per_prefill(works)):
-                self._draft_prefill(works[at : at + self._rows_per_prefill(works)])
+            rows_per_call = self._rows_per_prefill(works)
+            for at in range(0, len(works), rows_per_call):
+                self._draft_prefill(works[at : at + rows_per_call])
 
     def _rows_per_prefill(self, works: list[tuple]) -> int:
         """Rows of these chunks that one compiled draft-prefill bucket takes (see step_shapes)."""
