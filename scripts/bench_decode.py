@@ -221,8 +221,8 @@ def bench_steps(args, llm, token: int, start: int, max_len: int) -> dict:
     """Decode below LLM.generate: `ModelRunner.execute` on a prepared row (host packing + compiled step
     + token fetch), and the compiled executable alone on device-resident inputs, synced every step
     (as decode must be, to feed the token back) and pipelined (no sync: the device-time floor)."""
-    import jax
     from jaxserve.engine.runner import RowWork
+    from jaxserve.step_timing import capture_step, time_step
 
     runner = llm.runner
     page_ids = list(range(1, math.ceil(max_len / llm.plan.page_size) + 1))  # page 0 is the padding page
@@ -235,32 +235,12 @@ def bench_steps(args, llm, token: int, start: int, max_len: int) -> dict:
             tok = first_token(runner.execute([row(tok, start + i)]))
         return (time.perf_counter() - t) / steps
 
-    # Capture the exact arguments the runner hands its executable for this row.
-    captured = {}
-    originals = dict(runner._executables)
-    for shape, exe in originals.items():
-        def recorder(*a, _exe=exe, _shape=shape):
-            captured["shape"], captured["args"] = _shape, a
-            return _exe(*a)
-        runner._executables[shape] = recorder
-    try:
-        runner.execute([row(token, start)])
-    finally:
-        runner._executables.update(originals)
-    shape = captured["shape"]
-    exe = runner._executables[shape]
-    inputs = jax.device_put(captured["args"][2:])  # after params and cache
-    del captured
+    # The exact executable and arguments the runner hands XLA for this row (jaxserve.step_timing).
+    step = capture_step(runner, [row(token, start)])
+    shape = step.shape
 
     def step_loop(steps: int, sync: bool) -> float:
-        t = time.perf_counter()
-        out = None
-        for _ in range(steps):
-            out, runner.cache = exe(runner.params, runner.cache, *inputs)
-            if sync:
-                jax.device_get(out)  # what the runner fetches each step
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t) / steps
+        return sum(time_step(runner, step, steps, sync)) / steps
 
     runner_loop(4), step_loop(4, True), step_loop(4, False)  # warm-up
     steps = args.step_iters
