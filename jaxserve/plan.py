@@ -8,6 +8,10 @@ plan that does not fit is refused (exit status 2) with the shortfall in bytes.
     python -m jaxserve.plan --config configs/llama3-70b-tp8-int8.yaml --device h100
     python -m jaxserve.plan --model configs/models/llama3-8b --device tpu-v5e --devices 4 --context 8192
     python -m jaxserve.plan --config configs/smollm2-135m-dummy.yaml --device cpu --measure-bandwidth
+    python -m jaxserve.plan capacity out/bench.json --target-rate 20 --device h100   # replicas for a rate
+
+`capacity` reads a scripts/bench_serving.py result (one replica measured at several request rates,
+with --slo-ttft/--slo-tpot) and sizes the replicas for a target rate; `capacity --help`.
 
 Every bound is a *lower* bound on time (an upper bound on throughput): the step reads each weight
 and each sequence's KV once at peak bandwidth, multiplies at peak FLOP/s, and all-reduces at peak
@@ -246,11 +250,24 @@ class Plan:
     def num_replicas(self) -> int:
         return self.target.mesh_shape[0]
 
+    @property
+    def usd_per_million_input_tokens(self) -> float | None:
+        """At the prefill bound (compute-bound: prompt tokens are processed many to a step)."""
+        return self.prefill.usd_per_million_tokens if self.prefill else None
+
+    @property
+    def usd_per_million_output_tokens(self) -> float | None:
+        """At the decode bound of the planned batch (memory-bound: one token per sequence per step)."""
+        planned = [d for d in self.decode if d.batch == self.batch] or list(self.decode[-1:])
+        return planned[0].usd_per_million_tokens if planned else None
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["cfg"] = dataclasses.asdict(self.cfg)
         out["target"]["spec"] = self.target.spec.name
-        out.update(fits=self.fits, tokens_per_replica=self.tokens_per_replica)
+        out.update(fits=self.fits, tokens_per_replica=self.tokens_per_replica,
+                   usd_per_million_input_tokens=self.usd_per_million_input_tokens,
+                   usd_per_million_output_tokens=self.usd_per_million_output_tokens)
         return out
 
 
@@ -434,6 +451,181 @@ def suggest_mesh(settings: EngineConfig, spec: DeviceSpec, num_devices: int, *, 
     return fitting[0] if fitting else None
 
 
+# ---- capacity: replicas for a request rate under a latency SLO, from a measured replica --------------
+def request_goodput(requests: Sequence[dict], duration_s: float, slo_ttft_ms: float | None = None,
+                    slo_tpot_ms: float | None = None) -> tuple[float, float]:
+    """(goodput in requests/s, SLO attainment) of bench_serving's per-request records (--save-requests:
+    ok, ttft and e2el in seconds, output_tokens): the requests that succeeded with TTFT <= slo_ttft_ms
+    and TPOT = (e2el - ttft) / (output_tokens - 1) <= slo_tpot_ms (an SLO left None is not checked),
+    per second of the run, and as a share of all requests (failed ones count against it)."""
+    good = 0
+    for r in requests:
+        if not r.get("ok"):
+            continue
+        if slo_ttft_ms is not None and r["ttft"] * 1e3 > slo_ttft_ms:
+            continue
+        n = r.get("output_tokens", 0)
+        if slo_tpot_ms is not None and n > 1 and (r["e2el"] - r["ttft"]) / (n - 1) * 1e3 > slo_tpot_ms:
+            continue
+        good += 1
+    return (good / duration_s if duration_s else 0.0), (good / len(requests) if requests else 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaCapacity:
+    """The most requests/s one replica served within the SLO, and the run that showed it."""
+
+    requests_per_s: float  # goodput of the chosen run
+    attainment: float  # its share of requests within the SLO
+    offered_rate: float | str  # that run's request rate (or "inf")
+    mean_input_tokens: float
+    mean_output_tokens: float
+    p99_tpot_ms: float
+    p99_ttft_ms: float
+    meets_attainment: bool  # False: no run reached min_attainment; the best goodput is used anyway
+
+
+def replica_capacity(runs: Sequence[dict], min_attainment: float = 0.9, slo_ttft_ms: float | None = None,
+                     slo_tpot_ms: float | None = None) -> ReplicaCapacity:
+    """One replica's capacity from bench_serving run summaries (one per request rate): the highest
+    goodput among the runs where at least `min_attainment` of requests met the SLO (past that rate,
+    queueing breaks the SLO). With an SLO given here the goodput is recomputed from each run's
+    per-request records (bench_serving --save-requests); without, each run's own `goodput` (measured
+    with bench_serving's --slo-ttft/--slo-tpot) is used. No run reaching `min_attainment`: the
+    best goodput, marked meets_attainment=False."""
+    measured = []
+    for run in runs:
+        if run.get("completed", 0) == 0:
+            continue
+        if slo_ttft_ms is not None or slo_tpot_ms is not None:
+            if "requests" not in run:
+                raise ConfigError("an SLO given to the capacity planner needs per-request records: run "
+                                  "bench_serving.py with --save-requests (or give the SLO to bench_serving.py instead)")
+            goodput, attainment = request_goodput(run["requests"], run["duration_s"], slo_ttft_ms, slo_tpot_ms)
+        elif "goodput" in run:
+            goodput, attainment = run["goodput"], run["slo_attainment"]
+        else:
+            raise ConfigError("the benchmark has no goodput: run bench_serving.py with --slo-ttft/--slo-tpot "
+                              "(or --save-requests and give the SLO here)")
+        measured.append((goodput, attainment, run))
+    if not measured:
+        raise ConfigError("the benchmark has no run with a completed request")
+    meeting = [m for m in measured if m[1] >= min_attainment]
+    goodput, attainment, run = max(meeting or measured, key=lambda m: m[0])
+    return ReplicaCapacity(
+        requests_per_s=goodput, attainment=attainment, offered_rate=run.get("request_rate", "inf"),
+        mean_input_tokens=run["total_input_tokens"] / run["completed"],
+        mean_output_tokens=run["total_output_tokens"] / run["completed"],
+        p99_tpot_ms=run.get("p99_tpot_ms", float("nan")), p99_ttft_ms=run.get("p99_ttft_ms", float("nan")),
+        meets_attainment=bool(meeting))
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityPlan:
+    target_rate: float  # requests/s to serve
+    per_replica_rate: float  # requests/s one replica serves within the SLO
+    headroom: float  # extra share of capacity kept spare (0.2 = 20 %)
+    replicas: int
+    devices_per_replica: int
+    devices: int
+    utilisation: float  # target_rate / (replicas * per_replica_rate)
+    cost_per_hour: float | None  # all devices, USD
+    usd_per_million_input_tokens: float | None  # at the target rate, the whole cost charged to input tokens
+    usd_per_million_output_tokens: float | None  # ... or to output tokens
+
+
+def capacity_plan(target_rate: float, per_replica_rate: float, devices_per_replica: int = 1,
+                  cost_per_device_hour: float | None = None, headroom: float = 0.0,
+                  mean_input_tokens: float | None = None, mean_output_tokens: float | None = None) -> CapacityPlan:
+    """Replicas = ceil(target_rate · (1 + headroom) / per_replica_rate); devices = replicas ·
+    devices_per_replica; cost = devices · cost_per_device_hour. Token costs at the target rate:
+    cost_per_million_tokens(cost, devices, target_rate · mean tokens per request)."""
+    if target_rate <= 0 or per_replica_rate <= 0:
+        raise ConfigError(f"need a positive target rate and per-replica rate, got {target_rate}, {per_replica_rate}")
+    if devices_per_replica < 1 or headroom < 0:
+        raise ConfigError("devices_per_replica must be >= 1 and headroom >= 0")
+    replicas = max(1, math.ceil(target_rate * (1 + headroom) / per_replica_rate - 1e-9))
+    devices = replicas * devices_per_replica
+    cost = None if cost_per_device_hour is None else cost_per_device_hour * devices
+
+    def per_million(tokens_per_request: float | None) -> float | None:
+        if cost_per_device_hour is None or not tokens_per_request:
+            return None
+        return cost_per_million_tokens(cost_per_device_hour, devices, target_rate * tokens_per_request)
+
+    return CapacityPlan(target_rate, per_replica_rate, headroom, replicas, devices_per_replica, devices,
+                        target_rate / (replicas * per_replica_rate), cost, per_million(mean_input_tokens),
+                        per_million(mean_output_tokens))
+
+
+def build_capacity_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxserve.plan capacity",
+        description="Replicas (and devices) needed to serve --target-rate requests/s within a latency SLO, from "
+                    "one replica's goodput measured by scripts/bench_serving.py (its --result-json).")
+    p.add_argument("bench_json", help="scripts/bench_serving.py --result-json output, runs at several rates")
+    p.add_argument("--target-rate", type=float, required=True, help="requests/s to serve")
+    p.add_argument("--label", default=None, help="which server of the JSON (default: the first)")
+    p.add_argument("--slo-ttft", type=float, default=None,
+                   help="TTFT SLO, ms (needs --save-requests records; default: the goodput the JSON holds)")
+    p.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO, ms (as --slo-ttft)")
+    p.add_argument("--min-attainment", type=float, default=0.9,
+                   help="share of requests that must meet the SLO at a rate for it to count")
+    p.add_argument("--headroom", type=float, default=0.0, help="spare capacity to keep, e.g. 0.2 for 20%%")
+    p.add_argument("--devices-per-replica", type=int, default=None,
+                   help="devices one measured server used (default: the JSON's --num-devices, else 1)")
+    p.add_argument("--device", default=None, help="price devices at this table entry's $/hour")
+    p.add_argument("--cost-per-hour", type=float, default=None,
+                   help="USD per device-hour (default: --device's, else the JSON's --cost-per-hour)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    return p
+
+
+def capacity_main(argv: Sequence[str]) -> int:
+    args = build_capacity_parser().parse_args(list(argv))
+    try:
+        with open(args.bench_json, encoding="utf-8") as f:
+            report = json.load(f)
+        runs_by_label = report.get("runs") or {}
+        if not runs_by_label:
+            raise ConfigError(f"{args.bench_json} has no runs")
+        label = args.label or next(iter(runs_by_label))
+        if label not in runs_by_label:
+            raise ConfigError(f"no server labelled {label!r} in {args.bench_json}; labels: {', '.join(runs_by_label)}")
+        bench_config = report.get("config") or {}
+        replica = replica_capacity(runs_by_label[label], args.min_attainment, args.slo_ttft, args.slo_tpot)
+        cost = args.cost_per_hour
+        if cost is None and args.device:
+            cost = get_device(args.device).cost_per_hour
+        if cost is None:
+            cost = bench_config.get("cost_per_hour")
+        per_replica = args.devices_per_replica or bench_config.get("num_devices") or 1
+        result = capacity_plan(args.target_rate, replica.requests_per_s, per_replica, cost, args.headroom,
+                               replica.mean_input_tokens, replica.mean_output_tokens)
+    except (JaxServeError, ValueError, OSError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"replica": dataclasses.asdict(replica), "plan": dataclasses.asdict(result)}, indent=2))
+        return 0
+    slo = (f"TTFT <= {args.slo_ttft} ms, TPOT <= {args.slo_tpot} ms" if args.slo_ttft or args.slo_tpot
+           else f"TTFT <= {bench_config.get('slo_ttft')} ms, TPOT <= {bench_config.get('slo_tpot')} ms")
+    print(f"one replica ({label}, {per_replica} device(s)): {replica.requests_per_s:.3f} requests/s within the SLO "
+          f"({slo}; {100 * replica.attainment:.1f}% of requests at offered rate {replica.offered_rate}; "
+          f"p99 TPOT {replica.p99_tpot_ms:.1f} ms, p99 TTFT {replica.p99_ttft_ms:.0f} ms)")
+    if not replica.meets_attainment:
+        print(f"warning: no measured rate kept {100 * args.min_attainment:.0f}% of requests within the SLO; "
+              "this is the best goodput seen, not a safe capacity: measure lower rates", file=sys.stderr)
+    print(f"target {result.target_rate:g} requests/s (+{100 * result.headroom:.0f}% headroom): "
+          f"{result.replicas} replica(s) = {result.devices} device(s), at {100 * result.utilisation:.0f}% of "
+          "their measured capacity")
+    if result.cost_per_hour is not None:
+        print(f"cost ${result.cost_per_hour:.2f}/hour: ${result.usd_per_million_input_tokens:.4f} per million input "
+              f"tokens or ${result.usd_per_million_output_tokens:.4f} per million output tokens (each charged the "
+              f"whole cost; {replica.mean_input_tokens:.0f} in / {replica.mean_output_tokens:.0f} out per request)")
+    return 0
+
+
 # ---- output -------------------------------------------------------------------------------------------
 def fmt_bytes(n: float) -> str:
     for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
@@ -501,6 +693,9 @@ def describe(plan: Plan) -> str:
         lines.append(f"  prefill of one {p.tokens}-token prompt: ≥ {fmt_seconds(p.seconds)} (compute "
                      f"{fmt_seconds(p.compute_s)}, memory {fmt_seconds(p.memory_s)}, all-reduce "
                      f"{fmt_seconds(p.allreduce_s)}): time to first token ≥ that")
+        lines.append(f"  cost at the bounds: ≥ ${p.usd_per_million_tokens:.4f} per million input (prompt) tokens "
+                     f"(prefill, {p.tokens_per_s:,.0f} tokens/s ≤), ≥ ${plan.usd_per_million_output_tokens:.4f} per "
+                     f"million output tokens (decode at batch {plan.batch}/replica)")
         if model > 1:
             lines.append(f"  all-reduce: 2 x {cfg.num_layers} per step (+ a few µs of latency each, not counted)")
     for note in plan.notes:
@@ -607,6 +802,9 @@ def resolve_spec(name: str | None, settings: EngineConfig, args: argparse.Namesp
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["capacity"]:
+        return capacity_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.list_devices:

@@ -6,7 +6,9 @@ fixed prefix), sent with Poisson arrivals at --request-rate (or all at once with
 --max-concurrency in flight, every request streamed. Reports request throughput, output and total
 token throughput, TTFT, TPOT (time per output token after the first), ITL (inter-token latency,
 between streamed chunks) and end-to-end latency at mean/p50/p90/p99, and goodput (requests/s that
-meet every given --slo-ttft/--slo-tpot, in ms). Writes JSON; with --plot, a PNG of latency against
+meet every given --slo-ttft/--slo-tpot, in ms), and with --cost-per-hour (USD per device-hour, times
+--num-devices) the cost per million input and per million output tokens at the measured throughput.
+`python -m jaxserve.plan capacity OUT.json --target-rate R` turns the goodput into replicas. Writes JSON; with --plot, a PNG of latency against
 request rate over the swept rates (--request-rate 1,2,4,inf), one line per server (--base-url may be
 repeated, with a --label each, e.g. continuous vs static batching).
 
@@ -34,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # jaxserve.plan, for costs
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact water room mother area money story month lot right study "
@@ -209,10 +213,33 @@ def summarize(results: list[Result], duration: float, args: argparse.Namespace) 
             good += 1
         summary["goodput"] = good / duration if duration else 0.0
         summary["slo_attainment"] = good / len(results) if results else 0.0
+    cost = getattr(args, "cost_per_hour", None)
+    if cost is not None:
+        summary.update(token_costs(summary, cost, getattr(args, "num_devices", 1) or 1))
     errors = sorted({r.error for r in results if not r.ok})
     if errors:
         summary["errors"] = errors[:10]
     return summary
+
+
+def token_costs(summary: dict, cost_per_device_hour: float, num_devices: int = 1) -> dict:
+    """USD per million input, output and all tokens at the run's measured token throughputs (jaxserve.plan's
+    cost_per_million_tokens: cost_per_device_hour · num_devices / 3600 / tokens_per_s · 10⁶). Each
+    charges the whole cost to that kind of token; None where the run moved no such tokens."""
+    from jaxserve.plan import cost_per_million_tokens
+
+    duration = summary.get("duration_s") or 0.0
+
+    def per_million(tokens: float) -> float | None:
+        if not duration or not tokens:
+            return None
+        return cost_per_million_tokens(cost_per_device_hour, num_devices, tokens / duration)
+
+    inputs, outputs = summary.get("total_input_tokens", 0), summary.get("total_output_tokens", 0)
+    return {"cost_per_hour": cost_per_device_hour * num_devices, "num_devices": num_devices,
+            "usd_per_million_input_tokens": per_million(inputs),
+            "usd_per_million_output_tokens": per_million(outputs),
+            "usd_per_million_tokens": per_million(inputs + outputs)}
 
 
 async def run_rate(base_url: str, args: argparse.Namespace, rate: float, workload: list[Request]) -> dict:
@@ -261,6 +288,13 @@ def print_summary(label: str, s: dict) -> None:
               f"p90 {s[f'p90_{name}_ms']:9.2f}  p99 {s[f'p99_{name}_ms']:9.2f}")
     if "goodput" in s:
         print(f"  goodput {s['goodput']:.2f} req/s  (SLO attainment {100 * s['slo_attainment']:.1f}%)")
+    if s.get("cost_per_hour") is not None:
+        def usd(x):
+            return "n/a" if x is None else f"${x:.4f}"
+        print(f"  cost ${s['cost_per_hour']:.2f}/hour ({s['num_devices']} device(s)): "
+              f"{usd(s['usd_per_million_input_tokens'])} per M input tokens, "
+              f"{usd(s['usd_per_million_output_tokens'])} per M output tokens, "
+              f"{usd(s['usd_per_million_tokens'])} per M tokens of both")
     for err in s.get("errors", []):
         print(f"  error: {err}")
 
@@ -330,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
     p.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO on TTFT, ms")
     p.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO on TPOT, ms")
+    p.add_argument("--cost-per-hour", type=float, default=None,
+                   help="USD per device-hour: report cost per million input / output tokens at the measured throughput")
+    p.add_argument("--num-devices", type=int, default=1, help="devices the server uses (for --cost-per-hour)")
     p.add_argument("--result-json", default=None, help="write every run's summary here")
     p.add_argument("--save-requests", action="store_true", help="include per-request records in the JSON")
     p.add_argument("--plot", default=None, help="write a PNG of latency against request rate")
