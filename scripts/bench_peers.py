@@ -269,9 +269,9 @@ class Prompts:
 
 def time_generate(gen, prompts: Prompts, batch: int, n: int, repeats: int) -> dict:
     """`gen(list_of_prompts, k)` -> tokens of row 0; untimed warm-up, then `repeats` of each length,
-    every call on fresh prompts."""
+    every call on fresh prompts. The warm-up of a batch is shorter (the shapes are the same)."""
     gen(prompts.take(batch), 1)
-    gen(prompts.take(batch), n)
+    gen(prompts.take(batch), n if batch == 1 else min(n, 8))
     t1, tn = [], []
     for _ in range(repeats):
         t1.append(timed(lambda: gen(prompts.take(batch), 1))[0])
@@ -414,7 +414,8 @@ def hf_logits(model, prompt: list[int]) -> np.ndarray:
 def llama_cpp_model(gguf: Path, args, kv_type: str):
     import llama_cpp
 
-    kv = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16, "bf16": llama_cpp.GGML_TYPE_BF16}[kv_type]
+    bf16 = getattr(llama_cpp, "GGML_TYPE_BF16", 30)  # ggml.h's value; the bindings do not export it
+    kv = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16, "bf16": bf16}[kv_type]
     return llama_cpp.Llama(model_path=str(gguf), n_ctx=args.prompt_len + args.new_tokens + 16, n_batch=512,
                            n_ubatch=512, n_threads=args.threads, n_threads_batch=args.threads, type_k=kv, type_v=kv,
                            seed=args.seed, verbose=False)
@@ -435,8 +436,8 @@ def llama_cpp_gen(llm):
 
 def llama_cpp_logits(llm, prompt: list[int]) -> np.ndarray:
     llm.reset()
-    llm.eval(prompt)
-    return np.array(llm.scores[len(prompt) - 1], dtype=np.float32)
+    llm.eval(prompt)  # without logits_all only the last position's logits exist (and are not copied out)
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).astype(np.float32)
 
 
 def logits_check(ours: np.ndarray, theirs: np.ndarray, k: int = 5) -> dict:
