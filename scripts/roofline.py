@@ -43,8 +43,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_decode's tcmalloc helpers
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_decode's tcmalloc helpers
+if ROOT not in sys.path:  # jaxserve and pallas_kernels from this checkout when not installed
+    sys.path.insert(1, ROOT)
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "smollm2-135m-dummy.yaml")
 KNEE_FACTOR = 2.0  # the measured turn: where the step takes this many times its batch-1 time
 TINY_MODEL = {  # --quick: a 2-layer Llama, compiles in a second or two
