@@ -225,6 +225,10 @@ class EngineConfig(Settings):
                                         optional(parse_int))
     max_num_seqs: int = setting(16, "most sequences in one decode step", parse_int)
     max_num_batched_tokens: int = setting(512, "most prompt tokens prefilled in one step", parse_int)
+    num_scheduler_steps: int = setting(
+        1, "decode steps per host round-trip: > 1 runs that many decode steps in one compiled call (less host "
+        "overhead per token, burstier streaming, prefills wait longer; compiles a multi-step variant of every "
+        "decode bucket)", parse_int)
     mesh_shape: tuple[int, ...] = setting((1, 1), "device mesh (data, model), e.g. 1,4", parse_int_tuple,
                                           cli_format=format_int_tuple)
     scan_layers: bool | None = setting(None, "lax.scan over layers (true) or unrolled (false); default per backend",
@@ -279,7 +283,7 @@ class EngineConfig(Settings):
             raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
         if len(self.mesh_shape) != 2 or min(self.mesh_shape) < 1:
             raise ConfigError(f"mesh_shape must be two positive sizes (data, model), got {self.mesh_shape}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_pages", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "num_pages", "max_model_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
@@ -310,6 +314,9 @@ class EngineConfig(Settings):
         if method == "draft" and k > 0 and self.speculative_model is None:
             raise ConfigError("num_speculative_tokens > 0 needs speculative_model=PATH (a draft model), "
                               "or speculative_method='ngram'")
+        if k > 0 and self.num_scheduler_steps > 1:
+            raise ConfigError("num_scheduler_steps > 1 and speculative decoding both batch decode work per host "
+                              "round-trip; use one of them (set num_scheduler_steps=1 or num_speculative_tokens=0)")
         if self.speculative_model is not None and k == 0:
             raise ConfigError("speculative_model is set but num_speculative_tokens is 0: set how many tokens "
                               "the draft proposes per step (e.g. 4)")

@@ -43,11 +43,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.engine.runner import MULTI_STEP
 from jaxserve.errors import ConfigError, JaxServeError
 
 logger = logging.getLogger(__name__)
 
 OP_STEP, OP_COPY_PAGES, OP_SHUTDOWN = 1, 2, 3
+STEP_VARIANTS = ((), ("score",), (MULTI_STEP,))  # a step message's bucket variant, by its index
 _MAGIC, _VERSION = 0x4D53584A, 1  # b"JXSM" little-endian
 # magic u32, version u16, op u16, seq u64, four int32 arguments (step: B, T, P, score; copy: replica, n)
 _HEADER = struct.Struct("<IHHQ4i")
@@ -167,8 +169,10 @@ def step_input_specs(runner: Any, shape: tuple) -> tuple[list[tuple[tuple[int, .
     """(shape, dtype) of each input array of bucket `shape`, in pytree order, and the tree structure."""
     batch, sampling = runner._abstract_inputs(shape[:3])
     tree = (batch, sampling)
-    if len(shape) == 4:  # scoring variant: the targets too
+    if shape[3:] == ("score",):  # scoring variant: the targets too
         tree += (jax.ShapeDtypeStruct(batch.tokens.shape, jnp.int32),)
+    elif shape[3:] == (MULTI_STEP,):  # several decode steps: each row's count of them
+        tree += (jax.ShapeDtypeStruct(batch.start_pos.shape, jnp.int32),)
     leaves, treedef = jax.tree.flatten(tree)
     return [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves], treedef
 
@@ -198,7 +202,7 @@ def _encode_leaf(a: np.ndarray) -> tuple[bytes, list[bytes]]:
 
 def encode_step(seq: int, shape: tuple, leaves: list[np.ndarray]) -> bytes:
     B, T, P = shape[:3]
-    metas, payload = [_HEADER.pack(_MAGIC, _VERSION, OP_STEP, seq, B, T, P, int(len(shape) == 4))], []
+    metas, payload = [_HEADER.pack(_MAGIC, _VERSION, OP_STEP, seq, B, T, P, STEP_VARIANTS.index(shape[3:]))], []
     for a in leaves:
         meta, parts = _encode_leaf(a)
         metas.append(meta)
@@ -239,7 +243,7 @@ def decode(data: bytes, runner: Any = None) -> Message:
         return Message(op, seq, replica=a0, src=pages[:a1].copy(), dst=pages[a1:].copy())
     if op != OP_STEP:
         raise PeerFailureError(f"unknown message op {op}")
-    shape = (a0, a1, a2, "score") if a3 else (a0, a1, a2)
+    shape = (a0, a1, a2) + STEP_VARIANTS[a3]
     specs, treedef = step_input_specs(runner, shape)
     metas = [_LEAF.unpack_from(data, offset + i * _LEAF.size) for i in range(len(specs))]
     offset += len(specs) * _LEAF.size

@@ -129,6 +129,16 @@ class SamplingTensors:
             history=s(i32, (history_len,), history_sharding), prompt_len=s(i32),
         )
 
+    def advanced(self, tokens: jax.Array) -> SamplingTensors:
+        """The tensors of the next output index after sampling `tokens` (i32[*B]), on device: the step
+        moves on (the PRNG stream is keyed by it) and penalised rows append the token to their history,
+        so several decode steps can run in one call (num_scheduler_steps) and sample exactly as
+        single steps would."""
+        penalised = self.history[..., 0] >= 0  # unpenalised rows keep an all -1 (unread) history
+        position = self.prompt_len + self.step  # the history holds prompt ids, then output ids
+        at = (jnp.arange(self.history.shape[-1]) == position[..., None]) & penalised[..., None]
+        return self.replace(step=self.step + 1, history=jnp.where(at, tokens[..., None], self.history))
+
 
 @flax.struct.dataclass
 class SampleOutput:

@@ -65,7 +65,7 @@ def _packed(runner, shape, rng, dense):
     return tuple(jax.tree.unflatten(treedef, leaves))
 
 
-@pytest.mark.parametrize("shape", [(4, 1, 8), (2, 16, 8), (1, 32, 8, "score")])
+@pytest.mark.parametrize("shape", [(4, 1, 8), (2, 16, 8), (1, 32, 8, "score"), (4, 1, 8, "multi-step")])
 def test_step_message_round_trip(llm, shape):
     import jax
 

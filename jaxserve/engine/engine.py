@@ -19,7 +19,7 @@ from jaxserve import multihost
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.compile import BucketTable, CompileCounter, check_memory_mappings, enable_compilation_cache
 from jaxserve.engine.runner import ModelRunner, RowWork
-from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import Sequence, Status
 from jaxserve.errors import ConfigError, RequestError
 from jaxserve.kv_cache import init_cache
@@ -130,12 +130,15 @@ class LLMEngine:
         self.buckets = BucketTable.build(s.max_num_seqs, max_chunk, self.plan.max_pages_per_seq)
         cache = init_cache(loaded.cfg, self.plan.num_pages, s.page_size, loaded.dtype, self.num_replicas,
                            self.shardings.cache, s.kv_cache_dtype, self.shardings.cache_scale)
-        self.runner = ModelRunner(loaded.cfg, loaded.params, cache, self.buckets, options, self.shardings)
+        self.runner = ModelRunner(loaded.cfg, loaded.params, cache, self.buckets, options, self.shardings,
+                                  num_scheduler_steps=s.num_scheduler_steps)
         self.blocks = BlockManager(self.plan.num_pages, s.page_size, self.num_replicas,
                                    enable_prefix_caching=s.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, self.buckets, s.max_num_seqs, max_chunk, self.plan.max_model_len,
                                    scheduling=s.scheduling, preemption_mode=s.preemption_mode)
         self.spec = self._speculative_decoder(loaded) if s.speculation else None
+        if s.num_scheduler_steps > 1:  # pages for the extra decode steps, where free ones exist
+            self.scheduler.lookahead = self._multi_step_lookahead
         self.requests: dict[str, Request] = {}
         self._seed_stream = np.random.default_rng(s.seed)
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens_computed=0, steps=0)
@@ -277,15 +280,11 @@ class LLMEngine:
         self._copy_forked_pages(plan)
         if not plan.rows:
             return []
-        if self.spec is not None and plan.kind == "decode" and any(r.num_lookahead for r in plan.rows):
-            return self._speculative_step(plan, start)
-        rows = [
-            RowWork(r.seq.tokens[r.start : r.start + r.num_tokens], r.start, self.blocks.page_table(r.seq.seq_id),
-                    RowSampling.from_params(r.seq.params, seed=r.seq.seed, step=len(r.seq.output_token_ids),
-                                            prompt_ids=r.seq.prompt_token_ids, output_ids=r.seq.output_token_ids),
-                    r.seq.replica, self._prompt_targets(r.seq, r.start, r.num_tokens))
-            for r in plan.rows
-        ]
+        if plan.kind == "decode" and any(r.num_lookahead for r in plan.rows):
+            if self.spec is not None:
+                return self._speculative_step(plan, start)
+            return self._multi_step(plan, start)
+        rows = self._row_work(plan.rows)
         sampled = self.runner.execute(rows)
         if self.spec is not None:
             self.spec.after_step(plan.kind, plan.rows, rows)
@@ -309,6 +308,45 @@ class LLMEngine:
                     self._record_logprobs(seq, sampled, i)
                 self._append_token(seq, int(sampled.tokens[i]))
                 advanced[seq.request_id] = self.requests[seq.request_id]
+        return self._finish_step(advanced, start)
+
+    def _row_work(self, rows: list[ScheduledRow]) -> list[RowWork]:
+        return [
+            RowWork(r.seq.tokens[r.start : r.start + r.num_tokens], r.start, self.blocks.page_table(r.seq.seq_id),
+                    RowSampling.from_params(r.seq.params, seed=r.seq.seed, step=len(r.seq.output_token_ids),
+                                            prompt_ids=r.seq.prompt_token_ids, output_ids=r.seq.output_token_ids),
+                    r.seq.replica, self._prompt_targets(r.seq, r.start, r.num_tokens))
+            for r in rows
+        ]
+
+    def _multi_step_lookahead(self, seq: Sequence, batch_size: int) -> int:
+        """num_scheduler_steps: the decode steps after this one that `seq` may still take (the scheduler
+        gives them pages); none past max_tokens or max_model_len."""
+        return max(0, min(self.settings.num_scheduler_steps - 1,
+                          seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                          self.plan.max_model_len - seq.num_tokens - 1))
+
+    def _multi_step(self, plan: SchedulerOutput, start: float) -> list[RequestOutput]:
+        """Several decode steps in one call (num_scheduler_steps): each row emits up to 1 + its lookahead
+        tokens; EOS, stop strings and max_tokens cut the run where they occur, as in single steps."""
+        steps = [1 + r.num_lookahead for r in plan.rows]
+        out = self.runner.execute_multi(self._row_work(plan.rows), steps)
+        context = sum(r.start + 1 + r.num_lookahead for r in plan.rows)
+        self.last_step_bytes_read = (max(steps) * self.plan.param_bytes
+                                     + context * self.plan.kv_bytes_per_token)
+        advanced: dict[str, Request] = {}
+        for i, row in enumerate(plan.rows):
+            seq = row.seq
+            emitted = out.tokens[: steps[i], i].tolist()
+            seq.num_computed += len(emitted)  # the pending token and every emitted one but the last
+            self._mark_computed(seq, seq.tokens + emitted[:-1])
+            for j, token in enumerate(emitted):
+                if seq.params.logprobs is not None:
+                    self._record_logprobs(seq, jax.tree.map(lambda x: x[j], out), i)
+                self._append_token(seq, token)
+                if seq.is_finished:
+                    break
+            advanced[seq.request_id] = self.requests[seq.request_id]
         return self._finish_step(advanced, start)
 
     def _finish_step(self, advanced: dict[str, Request], start: float) -> list[RequestOutput]:

@@ -25,7 +25,7 @@ from jaxserve.sampling import MAX_LOGPROBS, RowSampling, SampleOutput, SamplingT
 from jaxserve.steps import StepOptions, model_step
 
 logger = logging.getLogger(__name__)
-
+MULTI_STEP = "multi-step"  # the bucket variant running num_scheduler_steps decode steps per call
 
 
 @dataclasses.dataclass
@@ -55,6 +55,31 @@ def _generate_step(params, cache, batch, sampling, cfg, options, cache_sharding=
 
 _generate_step_jit = jax.jit(
     _generate_step, static_argnames=("cfg", "options", "cache_sharding", "out_sharding"), donate_argnames=("cache",)
+)
+
+
+def _multi_decode_step(params, cache, batch, sampling, steps, cfg, options, num_steps, cache_sharding=None,
+                       out_sharding=None):
+    """`num_steps` decode steps in one call (num_scheduler_steps): each feeds the token it sampled to
+    the next, so the host is not needed in between. Row i takes part in its first steps[i] steps and is
+    padding after (it writes nothing: its pages beyond those are not its own). Samples: [num_steps, ...]."""
+    def one(carry, k):
+        cache, batch, sampling = carry
+        active = (k < steps).astype(jnp.int32)
+        batch = batch.replace(num_new=active)
+        out, cache = _generate_step(params, cache, batch, sampling, cfg, options, cache_sharding)
+        batch = batch.replace(tokens=out.tokens[..., None].astype(jnp.int32), start_pos=batch.start_pos + active)
+        return (cache, batch, sampling.advanced(out.tokens)), out
+
+    (cache, _, _), out = jax.lax.scan(one, (cache, batch, sampling), jnp.arange(num_steps, dtype=jnp.int32))
+    if out_sharding is not None:
+        out = jax.lax.with_sharding_constraint(out, out_sharding)
+    return out, cache
+
+
+_multi_decode_step_jit = jax.jit(
+    _multi_decode_step, static_argnames=("cfg", "options", "num_steps", "cache_sharding", "out_sharding"),
+    donate_argnames=("cache",),
 )
 
 
@@ -89,6 +114,20 @@ _score_step_jit = jax.jit(
 )
 
 
+@dataclasses.dataclass
+class PackedRows:
+    """Rows laid out in a bucket, and where each row landed (to read its samples back)."""
+
+    shape: tuple[int, int, int]  # (batch, tokens, pages)
+    batch: StepBatch
+    sampling: SamplingTensors
+    targets: np.ndarray  # i32[R, B, T]
+    where: np.ndarray  # each row's flat index in [R * B]
+
+    def unpack(self, x: np.ndarray) -> np.ndarray:  # x: [R, B, ...] -> [rows, ...]
+        return x.reshape((-1,) + x.shape[2:])[self.where]
+
+
 class ModelRunner:
     """Owns params and the KV cache; runs one bucketed step at a time."""
 
@@ -100,6 +139,7 @@ class ModelRunner:
         buckets: BucketTable,
         options: StepOptions = StepOptions(),
         shardings: Any = None,
+        num_scheduler_steps: int = 1,
     ):
         self.cfg = cfg
         self.params = params
@@ -108,6 +148,7 @@ class ModelRunner:
         self.options = options
         self.shardings = shardings  # jaxserve.sharding.Shardings or None
         self.num_replicas = cache.num_replicas
+        self.num_scheduler_steps = num_scheduler_steps  # > 1: decode buckets get a multi-step variant
         self._executables: dict[tuple, Any] = {}  # (batch, tokens, pages) or (..., "score")
         self.unplanned_compiles = 0  # shapes that were not in the warmed table
         # Token history for repetition/presence/frequency penalties, padded to one fixed length so
@@ -135,7 +176,8 @@ class ModelRunner:
         b, t, p = self.buckets.batch_sizes, self.buckets.chunk_sizes, self.buckets.page_counts
         decode = [(bs, 1, pc) for bs in b for pc in p]
         prefill = [(bs, ts, p[-1]) for ts in t for bs in b if bs * ts <= max(t)]
-        return decode + prefill
+        multi = [(bs, 1, pc, MULTI_STEP) for bs in b for pc in p] if self.num_scheduler_steps > 1 else []
+        return decode + prefill + multi
 
     def _abstract_inputs(self, shape: tuple[int, int, int]):
         B, T, P = shape
@@ -154,13 +196,19 @@ class ModelRunner:
 
     def score_shapes(self) -> list[tuple]:
         """The prefill shapes again, as prompt-scoring variants (compiled when prompt logprobs are enabled)."""
-        return [(B, T, P, "score") for B, T, P in self.step_shapes() if T > 1]
+        return [shape + ("score",) for shape in self.step_shapes() if len(shape) == 3 and shape[1] > 1]
 
     def _lower(self, shape: tuple):
         batch, sampling = self._abstract_inputs(shape[:3])
         cache_sharding = None if self.shardings is None else cache_shardings(
             self.shardings, "int8" if self.cache.quantized else "auto")
-        if len(shape) == 4:  # scoring variant
+        if shape[3:] == (MULTI_STEP,):
+            steps = jax.ShapeDtypeStruct(batch.start_pos.shape, jnp.int32, sharding=batch.start_pos.sharding)
+            return _multi_decode_step_jit.trace(
+                self.params, self.cache, batch, sampling, steps, cfg=self.cfg, options=self.options,
+                num_steps=self.num_scheduler_steps, cache_sharding=cache_sharding, out_sharding=self.out_sharding,
+            ).lower()
+        if shape[3:] == ("score",):  # scoring variant
             targets = jax.ShapeDtypeStruct(batch.tokens.shape, jnp.int32, sharding=batch.tokens.sharding)
             return _score_step_jit.trace(self.params, self.cache, batch, sampling, targets, cfg=self.cfg,
                                          options=self.options, cache_sharding=cache_sharding,
@@ -222,11 +270,31 @@ class ModelRunner:
 
         If any row has `targets`, the step also scores every token (the scoring variant) and returns
         (samples, PromptScores with leading axis n)."""
+        score = any(r.targets is not None for r in rows)
+        packed = self._pack(rows, score=score)
+        inputs = (packed.batch, packed.sampling, packed.targets) if score else (packed.batch, packed.sampling)
+        out = self._run(packed.shape + (("score",) if score else ()), inputs)
+        return jax.tree.map(packed.unpack, out)
+
+    def execute_multi(self, rows: Sequence[RowWork], steps: Sequence[int]) -> SampleOutput:
+        """Run `num_scheduler_steps` decode steps for single-token `rows` in one call; row i takes part
+        in its first steps[i] (its pages must hold start_pos + steps[i] tokens). Returns the samples
+        with a leading step axis: tokens i32[num_scheduler_steps, n], and so on; a row's samples past
+        its steps are meaningless."""
+        if not 1 <= max(steps) <= self.num_scheduler_steps:
+            raise ValueError(f"steps per row must be in [1, {self.num_scheduler_steps}], got {list(steps)}")
+        packed = self._pack(rows, score=False)
+        per_row = np.zeros(packed.batch.start_pos.shape, np.int32)
+        per_row.reshape(-1)[packed.where] = steps
+        out = self._run(packed.shape + (MULTI_STEP,), (packed.batch, packed.sampling, per_row))
+        return jax.tree.map(lambda x: x.reshape(x.shape[:1] + (-1,) + x.shape[3:])[:, packed.where], out)
+
+    def _pack(self, rows: Sequence[RowWork], score: bool) -> "PackedRows":
+        """Lay rows out in the smallest (batch, tokens, pages) bucket: NumPy arrays with leading [R, B]."""
         R = self.num_replicas
         per_replica = [[i for i, r in enumerate(rows) if r.replica == rep] for rep in range(R)]
         B = pick_bucket(max(len(p) for p in per_replica), self.buckets.batch_sizes)
         max_tokens = max(len(r.tokens) for r in rows)
-        score = any(r.targets is not None for r in rows)
         T = 1 if max_tokens == 1 and not score else pick_bucket(max_tokens, self.buckets.chunk_sizes)
         P = self.buckets.page_counts[-1] if T > 1 else pick_bucket(
             max(len(r.page_ids) for r in rows), self.buckets.page_counts)
@@ -236,6 +304,7 @@ class ModelRunner:
         table = np.full((R, B, P), PADDING_PAGE, np.int32)
         targets = np.zeros((R, B, T), np.int32)
         flat_sampling: list[RowSampling | None] = [None] * (R * B)
+        where = np.empty(len(rows), np.int64)  # flat [R*B] index of each row
         for rep, indices in enumerate(per_replica):
             for b, i in enumerate(indices):
                 row = rows[i]
@@ -244,25 +313,22 @@ class ModelRunner:
                 num_new[rep, b] = len(row.tokens)
                 table[rep, b, : len(row.page_ids)] = row.page_ids
                 flat_sampling[rep * B + b] = row.sampling
+                where[i] = rep * B + b
                 if row.targets is not None:
                     targets[rep, b, : len(row.targets)] = row.targets
-        shape = (B, T, P, "score") if score else (B, T, P)
         batch = StepBatch(tokens=tokens, start_pos=start, num_new=num_new, page_table=table)
         st = SamplingTensors.pack(flat_sampling, (R, B), self.history_len)
-        inputs = (batch, st, targets) if score else (batch, st)
+        return PackedRows((B, T, P), batch, st, targets, where)
+
+    def _run(self, shape: tuple, inputs: tuple) -> Any:
         if self.broadcaster is None:
-            out = self.run_packed(shape, inputs)
-        else:  # multi-host: the other processes run the same call with the same inputs
-            self.broadcaster.step(shape, inputs)
-            try:
-                out = self.run_packed(shape, inputs)
-            except Exception as err:  # noqa: BLE001 - the processes are out of step: fatal (it exits)
-                self.broadcaster.step_failed(err)
-                raise
-        where = np.empty(len(rows), np.int64)  # flat [R*B] index of each row
-        for rep, indices in enumerate(per_replica):
-            where[indices] = rep * B + np.arange(len(indices))
-        return jax.tree.map(lambda x: x.reshape((R * B,) + x.shape[2:])[where], out)
+            return self.run_packed(shape, inputs)
+        self.broadcaster.step(shape, inputs)  # multi-host: the other processes run the same call
+        try:
+            return self.run_packed(shape, inputs)
+        except Exception as err:  # noqa: BLE001 - the processes are out of step: fatal (it exits)
+            self.broadcaster.step_failed(err)
+            raise
 
     def run_packed(self, shape: tuple, inputs: tuple) -> Any:
         """Run the compiled step of bucket `shape` on packed host inputs ((StepBatch, SamplingTensors[,
@@ -277,10 +343,11 @@ class ModelRunner:
         # one host->device copy of the packed inputs, one device->host copy of the samples.
         sh = self.shardings
         if sh is not None:
+            extra = sh.batch2 if shape[3:] == (MULTI_STEP,) else sh.batch3  # steps [R, B] | targets [R, B, T]
             inputs = jax.device_put(inputs, (
                 StepBatch(sh.batch3, sh.batch2, sh.batch2, sh.batch3),
                 jax.tree.map(lambda _: sh.batch2, st).replace(history=sh.batch3),
-                sh.batch3,
+                extra,
             )[: len(inputs)])
         else:
             inputs = jax.device_put(inputs)
