@@ -176,6 +176,9 @@ def bench_jaxserve(args, dtype: str, prompt: list[int]) -> tuple[dict, object, l
     t_build, llm = timed(lambda: LLM(
         model=args.model, load_format="dummy", dtype=dtype, seed=args.seed,
         max_num_seqs=1, max_num_batched_tokens=len(prompt), max_model_len=max_len, warm_up=False,
+        # Every timed run sends the same prompt: with prefix caching its pages would be reused and the
+        # "TTFT" would skip the prefill it is meant to measure.
+        enable_prefix_caching=False,
     ))
     logging.getLogger("jaxserve.engine.runner").setLevel(logging.ERROR)  # "compiling unplanned shape"
     runner = llm.runner
