@@ -483,6 +483,7 @@ class ReplicaCapacity:
     p99_tpot_ms: float
     p99_ttft_ms: float
     meets_attainment: bool  # False: no run reached min_attainment; the best goodput is used anyway
+    saturated: bool = False  # the run served under 90% of its offered rate: a queue was building up
 
 
 def replica_capacity(runs: Sequence[dict], min_attainment: float = 0.9, slo_ttft_ms: float | None = None,
@@ -517,7 +518,15 @@ def replica_capacity(runs: Sequence[dict], min_attainment: float = 0.9, slo_ttft
         mean_input_tokens=run["total_input_tokens"] / run["completed"],
         mean_output_tokens=run["total_output_tokens"] / run["completed"],
         p99_tpot_ms=run.get("p99_tpot_ms", float("nan")), p99_ttft_ms=run.get("p99_ttft_ms", float("nan")),
-        meets_attainment=bool(meeting))
+        meets_attainment=bool(meeting), saturated=_saturated(run))
+
+
+def _saturated(run: dict) -> bool:
+    """Served under 90% of a finite offered rate: in a longer run its queue, and TTFT, would keep growing."""
+    rate = run.get("request_rate")
+    if not isinstance(rate, (int, float)) or not math.isfinite(rate):
+        return rate == "inf" or rate == float("inf")
+    return run.get("request_throughput", rate) < 0.9 * rate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -613,6 +622,10 @@ def capacity_main(argv: Sequence[str]) -> int:
     print(f"one replica ({label}, {per_replica} device(s)): {replica.requests_per_s:.3f} requests/s within the SLO "
           f"({slo}; {100 * replica.attainment:.1f}% of requests at offered rate {replica.offered_rate}; "
           f"p99 TPOT {replica.p99_tpot_ms:.1f} ms, p99 TTFT {replica.p99_ttft_ms:.0f} ms)")
+    if replica.saturated:
+        print(f"warning: that run served fewer requests/s than offered ({replica.offered_rate}): the replica was "
+              "saturated and a longer run would queue more and break the TTFT SLO; the capacity is optimistic, "
+              "measure a rate just below it with more prompts", file=sys.stderr)
     if not replica.meets_attainment:
         print(f"warning: no measured rate kept {100 * args.min_attainment:.0f}% of requests within the SLO; "
               "this is the best goodput seen, not a safe capacity: measure lower rates", file=sys.stderr)

@@ -105,6 +105,9 @@ def test_replica_capacity_takes_the_best_rate_within_the_slo():
     runs = [run(1.0, 0.98, 1.0), run(2.0, 1.9, 0.95), run(4.0, 2.5, 0.6), run("inf", 2.7, 0.3)]
     cap = planner.replica_capacity(runs, min_attainment=0.9)
     assert cap.requests_per_s == 1.9 and cap.offered_rate == 2.0 and cap.meets_attainment
+    assert not cap.saturated  # no request_throughput recorded: taken as served
+    assert planner.replica_capacity([{**runs[1], "request_throughput": 1.5}]).saturated  # 1.5 of 2 offered
+    assert planner.replica_capacity([runs[3]], min_attainment=0.1).saturated  # rate inf: saturation by design
     assert (cap.mean_input_tokens, cap.mean_output_tokens) == (100, 20)
     loose = planner.replica_capacity(runs, min_attainment=0.5)
     assert loose.requests_per_s == 2.5
