@@ -402,6 +402,38 @@ def knob_curves(rows: list[dict], rate: str) -> dict[str, list[tuple[str, float,
     return curves
 
 
+def effects_table(rows: list[dict], rate: str = "inf") -> str:
+    """Markdown: each knob value's figures at one request rate, and its ratio to the knob's default."""
+    def ratio(x: float, base: float) -> str:
+        return f" ({x / base:.2f}x)" if base and not math.isnan(x) and not math.isnan(base) else ""
+
+    lines = ["| knob | value | output tok/s | TTFT p50 (ms) | TPOT p99 (ms) | ITL p99 (ms) | KV pages used (peak / pool) "
+             "| page fill (mean) | peak RSS (MiB) | start (s) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    defaults = {r["knob"]: r for r in rows if str(r["request_rate"]) == rate and str(r["is_default"]) == "1"}
+    for r in rows:
+        if r["knob"] == "baseline" or (r["note"] and str(r["request_rate"]) == ""):
+            if r["note"]:
+                lines.append(f"| {r['knob']} | {r['value']} | {r['note']} |||||||")
+            continue
+        if str(r["request_rate"]) != rate:
+            continue
+        d = defaults.get(r["knob"], {})
+        f = {k: _float(r.get(k)) for k in ("output_throughput", "p50_ttft_ms", "p99_tpot_ms", "p99_itl_ms",
+                                           "kv_pages_used_max", "kv_pages_total", "kv_usage_mean",
+                                           "server_peak_rss_mib", "server_start_s")}
+        b = {k: _float(d.get(k)) for k in f}
+        mark = " (default)" if str(r["is_default"]) == "1" else ""
+        lines.append(
+            f"| {r['knob']} | {r['value']}{mark} | {f['output_throughput']:.0f}"
+            f"{ratio(f['output_throughput'], b['output_throughput']) if not mark else ''} | "
+            f"{f['p50_ttft_ms']:.0f}{ratio(f['p50_ttft_ms'], b['p50_ttft_ms']) if not mark else ''} | "
+            f"{f['p99_tpot_ms']:.1f}{ratio(f['p99_tpot_ms'], b['p99_tpot_ms']) if not mark else ''} | "
+            f"{f['p99_itl_ms']:.0f} | {f['kv_pages_used_max']:.0f} / {f['kv_pages_total']:.0f} | "
+            f"{f['kv_usage_mean']:.2f} | {f['server_peak_rss_mib']:.0f} | {f['server_start_s']:.0f} |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: str, title: str = "") -> None:
     import matplotlib
 
@@ -452,6 +484,8 @@ def report(args: argparse.Namespace, skipped: list[str]) -> list[dict]:
     csv_path = os.path.join(args.out, "sweep_knobs.csv")
     write_csv(rows, csv_path)
     print(f"wrote {csv_path} ({len(rows)} rows)")
+    for rate in dict.fromkeys(str(r["request_rate"]) for r in rows if r["request_rate"] != ""):
+        print(f"\nrequest rate {rate}:\n" + effects_table(rows, rate))
     if args.plot != "none":
         plot_path = args.plot or os.path.join(args.out, "sweep_knobs.png")
         try:
@@ -565,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scrape-interval", type=float, default=0.5, help="seconds between /metrics scrapes")
     p.add_argument("--max-busy", type=float, default=0.7,
                    help="before each run wait until fewer cores than this are busy (others' work on a shared machine)")
-    p.add_argument("--max-busy-wait", type=float, default=120.0, help="most seconds to wait for that")
+    p.add_argument("--max-busy-wait", type=float, default=30.0, help="most seconds to wait for that")
     p.add_argument("--force", action="store_true", help="re-run points already recorded under OUT/points")
     p.add_argument("--report-only", action="store_true", help="only rebuild the CSV and plot from OUT/points")
     p.add_argument("--dry-run", action="store_true", help="print the servers that would run, and exit")

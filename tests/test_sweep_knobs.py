@@ -111,6 +111,9 @@ def test_rows_csv_and_curves(sweep, tmp_path):
     assert [p[0] for p in curves["page_size"]] == ["8", "16", "32"]  # numeric order
     assert curves["page_size"][1] == ("16", 60.0, 250.0)
     assert curves["quantization"] == [("none", 60.0, 250.0)]  # the failed point is not on its curve
+    table = sweep.effects_table(read, "inf")
+    assert "| page_size | 16 (default) | 250 |" in table and "| page_size | 8 | 260 (1.04x) |" in table
+    assert "failed: boom" in table
 
 
 def test_report_from_points_folder(sweep, tmp_path):
