@@ -458,19 +458,10 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
 
     def wait_healthy(self, timeout: float) -> float:
-        import httpx
-
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"{self.name} not healthy after {timeout:.0f} s; see {self.log_path}")
+        try:
+            return import_script("bench_serving").wait_for_health(self.url, self.proc, timeout)
+        except RuntimeError as err:
+            raise RuntimeError(f"{self.name}: {err}; see {self.log_path}") from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:

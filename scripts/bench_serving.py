@@ -170,6 +170,23 @@ async def send(client: httpx.AsyncClient, args: argparse.Namespace, model: str, 
 # ---- one run at one rate -------------------------------------------------------------------------
 
 
+def wait_for_health(base_url: str, proc: Any, timeout: float) -> float:
+    """Poll `base_url`/health until it answers 200 (a server this process started as `proc`, a
+    subprocess.Popen); returns the seconds it took. Raises RuntimeError if the process exits first or
+    the server is not healthy within `timeout` seconds (callers add where its log is)."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with status {proc.returncode}")
+        try:
+            if httpx.get(base_url + "/health", timeout=5).status_code == 200:
+                return time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"server not healthy after {timeout:.0f} s")
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")

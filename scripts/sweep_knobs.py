@@ -203,19 +203,12 @@ class Server:
         """Start and wait for /health 200; returns seconds to healthy. Raises RuntimeError with the
         log's tail when the server exits or does not get healthy in time."""
         log = open(self.log_path, "w", encoding="utf-8")
-        start = time.perf_counter()
         self.proc = subprocess.Popen(self.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        while time.perf_counter() - start < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with status {self.proc.returncode}: {self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return time.perf_counter() - start
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        raise RuntimeError(f"server not healthy after {timeout:.0f} s: {self.log_tail()}")
+        try:
+            return bench_serving.wait_for_health(self.url, self.proc, timeout)
+        except RuntimeError as err:
+            raise RuntimeError(f"{err}: {self.log_tail()}") from None
 
     def log_tail(self, lines: int = 6) -> str:
         try:

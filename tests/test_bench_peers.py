@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
+import bench_peers as bp
 import pytest
-
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "bench_peers.py"
-_spec = importlib.util.spec_from_file_location("bench_peers", _PATH)
-bp = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bp)
 
 
 def _report(**over) -> dict:

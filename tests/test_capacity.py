@@ -3,11 +3,10 @@ and `python -m jaxserve.plan capacity` (replicas for a request rate from one rep
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
-import sys
 
+import bench_serving as bench
 import pytest
 
 from jaxserve import plan as planner
@@ -18,16 +17,7 @@ from jaxserve.errors import ConfigError
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_serving", REPO / "scripts" / "bench_serving.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_bench_token_costs_by_hand():
-    bench = load_bench()
     # 10 s, 36,000 input and 3,600 output tokens on 2 devices at $9/device-hour = $18/h = $0.005/s.
     summary = {"duration_s": 10.0, "total_input_tokens": 36_000, "total_output_tokens": 3_600}
     costs = bench.token_costs(summary, 9.0, 2)
@@ -39,7 +29,6 @@ def test_bench_token_costs_by_hand():
 
 
 def test_bench_summary_reports_costs_only_when_priced():
-    bench = load_bench()
     result = bench.Result(0, ok=True, input_len=100, output_tokens=11, ttft=0.1, e2el=1.1, itl=[0.1] * 10)
     args = bench.build_parser().parse_args([])
     assert "usd_per_million_output_tokens" not in bench.summarize([result], 2.0, args)
@@ -146,7 +135,6 @@ def test_capacity_cli(tmp_path, capsys):
 
 def test_capacity_reads_a_real_bench_serving_report(tmp_path):
     """The JSON bench_serving writes (amain's report) is what the capacity CLI reads."""
-    bench = load_bench()
     args = bench.build_parser().parse_args(["--slo-ttft", "500", "--slo-tpot", "120", "--cost-per-hour", "2"])
     ok = bench.Result(0, ok=True, input_len=50, output_tokens=11, ttft=0.1, e2el=1.1)
     slow = bench.Result(1, ok=True, input_len=50, output_tokens=11, ttft=0.9, e2el=1.9)

@@ -2,17 +2,15 @@
 breakdown). No timing assertions; the script itself is run by hand (docs/BENCHMARKS.md, Roofline)."""
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
+import roofline
+
+from jaxserve import plan
+from jaxserve.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-
-import roofline  # noqa: E402
-from jaxserve import plan  # noqa: E402
-from jaxserve.config import ModelConfig  # noqa: E402
 
 GB = 1e9
 

@@ -4,23 +4,18 @@ Prometheus parsing, the KV summary, and the CSV schema and curves built from rec
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import pathlib
-import sys
 
 import pytest
+import sweep_knobs
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def sweep():
-    spec = importlib.util.spec_from_file_location("sweep_knobs", REPO / "scripts" / "sweep_knobs.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sweep_knobs"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return sweep_knobs
 
 
 def test_every_knob_maps_to_a_server_flag(sweep):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import random
 import shutil
@@ -11,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import make_tokenizer
 import pytest
 
 from jaxserve.tokenizer import (
@@ -196,10 +196,7 @@ def test_cli_and_script_function(tmp_path):
          "--max-bytes", "200000", "--out", str(tmp_path / "cli")],
         check=True, capture_output=True, cwd=tmp_path,
     )
-    spec = importlib.util.spec_from_file_location("make_tokenizer_script", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.make_tokenizer(tmp_path / "fn", 600, "bytelevel", max_bytes=200_000)
+    make_tokenizer.make_tokenizer(tmp_path / "fn", 600, "bytelevel", max_bytes=200_000)
     assert _digest(tmp_path / "cli") == _digest(tmp_path / "fn")
     assert load_tokenizer(tmp_path / "cli").vocab_size == 600
 

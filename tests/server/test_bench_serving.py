@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
+import bench_serving as bench
 import pytest
 
-from server_testlib import REPO, TEST_API_KEY
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_serving", REPO / "scripts" / "bench_serving.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from server_testlib import TEST_API_KEY
 
 
 def test_workload_is_seeded_and_shaped():
-    bench = load_bench()
     args = bench.build_parser().parse_args(["--num-prompts", "50", "--input-len", "20", "--input-len-range", "0.5",
                                             "--output-len", "10", "--shared-prefix-len", "8", "--seed", "3"])
     a, b = bench.make_workload(args), bench.make_workload(args)
@@ -31,7 +21,6 @@ def test_workload_is_seeded_and_shaped():
 
 def test_sweep_writes_json_and_plot(shared_server, tmp_path):
     pytest.importorskip("matplotlib")
-    bench = load_bench()
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     rc = bench.main(["--base-url", shared_server.url, "--api-key", TEST_API_KEY, "--num-prompts", "16",
                      "--input-len", "12", "--output-len", "8", "--output-len-range", "0.5",
