@@ -339,17 +339,24 @@ class LLMEngine:
         advanced: dict[str, Request] = {}
         for i, row in enumerate(plan.rows):
             seq = row.seq
-            emitted = out.tokens[: steps[i], i].tolist()
-            seq.num_computed += len(emitted)  # the pending token and every emitted one but the last
-            self._mark_computed(seq, seq.tokens + emitted[:-1])
-            for j, token in enumerate(emitted):
-                if seq.params.logprobs is not None:
-                    self._record_logprobs(seq, jax.tree.map(lambda x: x[j], out), i)
-                self._append_token(seq, token)
-                if seq.is_finished:
-                    break
+            self._emit_run(seq, out.tokens[: steps[i], i].tolist(),
+                           lambda j: self._record_logprobs(seq, jax.tree.map(lambda x: x[j], out), i))
             advanced[seq.request_id] = self.requests[seq.request_id]
         return self._finish_step(advanced, start)
+
+    def _emit_run(self, seq: Sequence, emitted: list[int], record_logprobs) -> None:
+        """Append the tokens one call produced for `seq` (a verified speculation, or several decode
+        steps): the pending token and every emitted one but the last were the call's inputs, so their
+        K/V is written. EOS, stop strings and max_tokens cut the run where they occur.
+        `record_logprobs(j)` records the logprobs of emitted[j] (called only when they are asked for)."""
+        seq.num_computed += len(emitted)
+        self._mark_computed(seq, seq.tokens + emitted[:-1])
+        for j, token in enumerate(emitted):
+            if seq.params.logprobs is not None:
+                record_logprobs(j)
+            self._append_token(seq, token)
+            if seq.is_finished:
+                break
 
     def _finish_step(self, advanced: dict[str, Request], start: float) -> list[RequestOutput]:
         outputs = []
@@ -378,17 +385,10 @@ class LLMEngine:
         advanced: dict[str, Request] = {}
         for i, row in enumerate(plan.rows):
             seq = row.seq
-            accepted = int(out.num_accepted[i])
-            emitted = out.tokens[i, : accepted + 1].tolist()
-            seq.num_computed += accepted + 1  # the pending token and the accepted drafts
-            self._mark_computed(seq, seq.tokens + emitted[:accepted])
-            for j, token in enumerate(emitted):
-                if seq.params.logprobs is not None:
-                    self._record_logprobs(seq, SampleOutput(out.tokens[i], out.logprobs[i], out.top_ids[i],
-                                                            out.top_logprobs[i]), j)
-                self._append_token(seq, token)
-                if seq.is_finished:
-                    break
+            # The accepted drafts, then the target's token.
+            self._emit_run(seq, out.tokens[i, : int(out.num_accepted[i]) + 1].tolist(),
+                           lambda j: self._record_logprobs(seq, SampleOutput(out.tokens[i], out.logprobs[i],
+                                                                              out.top_ids[i], out.top_logprobs[i]), j))
             advanced[seq.request_id] = self.requests[seq.request_id]
         return self._finish_step(advanced, start)
 
