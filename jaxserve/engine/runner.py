@@ -23,6 +23,7 @@ from jaxserve.kv_cache import PADDING_PAGE, KVCache, StepBatch, cache_shardings,
 from jaxserve.model.weights import Params
 from jaxserve.sampling import MAX_LOGPROBS, RowSampling, SampleOutput, SamplingTensors, sample
 from jaxserve.steps import StepOptions, model_step
+from jaxserve.transfer import Layout, from_buffer
 
 logger = logging.getLogger(__name__)
 MULTI_STEP = "multi-step"  # the bucket variant running num_scheduler_steps decode steps per call
@@ -53,9 +54,9 @@ def _generate_step(params, cache, batch, sampling, cfg, options, cache_sharding=
     return out, cache
 
 
-_generate_step_jit = jax.jit(
-    _generate_step, static_argnames=("cfg", "options", "cache_sharding", "out_sharding"), donate_argnames=("cache",)
-)
+# The compiled steps take (params, cache, packed inputs): see jaxserve.transfer.
+_generate_step_jit = jax.jit(from_buffer(_generate_step, 2), static_argnames=(
+    "layout", "cfg", "options", "cache_sharding", "out_sharding"), donate_argnums=(1,))
 
 
 def _multi_decode_step(params, cache, batch, sampling, steps, cfg, options, num_steps, cache_sharding=None,
@@ -77,10 +78,8 @@ def _multi_decode_step(params, cache, batch, sampling, steps, cfg, options, num_
     return out, cache
 
 
-_multi_decode_step_jit = jax.jit(
-    _multi_decode_step, static_argnames=("cfg", "options", "num_steps", "cache_sharding", "out_sharding"),
-    donate_argnames=("cache",),
-)
+_multi_decode_step_jit = jax.jit(from_buffer(_multi_decode_step, 2), static_argnames=(
+    "layout", "cfg", "options", "num_steps", "cache_sharding", "out_sharding"), donate_argnums=(1,))
 
 
 @flax.struct.dataclass
@@ -109,9 +108,8 @@ def _score_step(params, cache, batch, sampling, targets, cfg, options, cache_sha
     return out, cache
 
 
-_score_step_jit = jax.jit(
-    _score_step, static_argnames=("cfg", "options", "cache_sharding", "out_sharding"), donate_argnames=("cache",)
-)
+_score_step_jit = jax.jit(from_buffer(_score_step, 2), static_argnames=(
+    "layout", "cfg", "options", "cache_sharding", "out_sharding"), donate_argnums=(1,))
 
 
 @dataclasses.dataclass
@@ -150,6 +148,7 @@ class ModelRunner:
         self.num_replicas = cache.num_replicas
         self.num_scheduler_steps = num_scheduler_steps  # > 1: decode buckets get a multi-step variant
         self._executables: dict[tuple, Any] = {}  # (batch, tokens, pages) or (..., "score")
+        self._layouts: dict[tuple, Layout] = {}  # how each bucket's inputs are packed
         self.unplanned_compiles = 0  # shapes that were not in the warmed table
         # Token history for repetition/presence/frequency penalties, padded to one fixed length so
         # penalties never recompile (B x history_len int32s per step: small beside the weights).
@@ -202,21 +201,18 @@ class ModelRunner:
         batch, sampling = self._abstract_inputs(shape[:3])
         cache_sharding = None if self.shardings is None else cache_shardings(
             self.shardings, "int8" if self.cache.quantized else "auto")
+        static = dict(cfg=self.cfg, options=self.options, cache_sharding=cache_sharding,
+                      out_sharding=self.out_sharding)
         if shape[3:] == (MULTI_STEP,):
-            steps = jax.ShapeDtypeStruct(batch.start_pos.shape, jnp.int32, sharding=batch.start_pos.sharding)
-            return _multi_decode_step_jit.trace(
-                self.params, self.cache, batch, sampling, steps, cfg=self.cfg, options=self.options,
-                num_steps=self.num_scheduler_steps, cache_sharding=cache_sharding, out_sharding=self.out_sharding,
-            ).lower()
-        if shape[3:] == ("score",):  # scoring variant
-            targets = jax.ShapeDtypeStruct(batch.tokens.shape, jnp.int32, sharding=batch.tokens.sharding)
-            return _score_step_jit.trace(self.params, self.cache, batch, sampling, targets, cfg=self.cfg,
-                                         options=self.options, cache_sharding=cache_sharding,
-                                         out_sharding=self.out_sharding).lower()
-        return _generate_step_jit.trace(
-            self.params, self.cache, batch, sampling, cfg=self.cfg, options=self.options,
-            cache_sharding=cache_sharding, out_sharding=self.out_sharding,
-        ).lower()
+            steps = jax.ShapeDtypeStruct(batch.start_pos.shape, jnp.int32)
+            step, inputs, static["num_steps"] = _multi_decode_step_jit, (batch, sampling, steps), self.num_scheduler_steps
+        elif shape[3:] == ("score",):  # scoring variant
+            step, inputs = _score_step_jit, (batch, sampling, jax.ShapeDtypeStruct(batch.tokens.shape, jnp.int32))
+        else:
+            step, inputs = _generate_step_jit, (batch, sampling)
+        layout = self._layouts[shape] = Layout.of(inputs)
+        buffer = layout.spec(None if self.shardings is None else self.shardings.batch2)
+        return step.trace(self.params, self.cache, buffer, layout=layout, **static).lower()
 
     def compile(self, shape: tuple[int, int, int]):
         executable = self._executables.get(shape)
@@ -338,18 +334,13 @@ class ModelRunner:
             self.unplanned_compiles += 1
             logger.warning("compiling unplanned step shape %s", shape)
         executable = self.compile(shape)
-        st = inputs[1]
         # Explicit transfers only (the step loop runs under jax.transfer_guard("disallow") in tests):
         # one host->device copy of the packed inputs, one device->host copy of the samples.
-        sh = self.shardings
-        if sh is not None:
-            extra = sh.batch2 if shape[3:] == (MULTI_STEP,) else sh.batch3  # steps [R, B] | targets [R, B, T]
-            inputs = jax.device_put(inputs, (
-                StepBatch(sh.batch3, sh.batch2, sh.batch2, sh.batch3),
-                jax.tree.map(lambda _: sh.batch2, st).replace(history=sh.batch3),
-                extra,
-            )[: len(inputs)])
-        else:
-            inputs = jax.device_put(inputs)
-        out, self.cache = executable(self.params, self.cache, *inputs)
+        out, self.cache = executable(self.params, self.cache, self.put_inputs(shape, inputs))
         return jax.device_get(out)
+
+    def put_inputs(self, shape: tuple, inputs: tuple) -> jax.Array:
+        """Bucket `shape`'s host inputs packed into one array and copied to the device (sharded over
+        the replicas on a mesh) in one transfer; the bucket must have been compiled."""
+        sh = self.shardings
+        return jax.device_put(self._layouts[shape].pack(inputs), None if sh is None else sh.batch2)

@@ -26,6 +26,7 @@ from jaxserve.spec_decode.ngram import TokenBuffer, propose_ngram
 from jaxserve.spec_decode.policy import SpecPolicy, SpecState
 from jaxserve.spec_decode.rejection import VerifyOutput
 from jaxserve.spec_decode.step import SpecInputs, SpecOptions, draft_prefill_jit, spec_step_jit
+from jaxserve.transfer import Layout
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class SpeculativeDecoder:
         self.counters = SpecCounters()
         self.decode_steps = 0
         self._executables: dict[tuple, Any] = {}
+        self._layouts: dict[tuple, Layout] = {}  # how each compiled shape's inputs are packed
         self.unplanned_compiles = 0
         sh = runner.shardings
         self._cache_sharding = None if sh is None else cache_shardings(sh, "int8" if runner.cache.quantized else "auto")
@@ -221,24 +223,24 @@ class SpeculativeDecoder:
         padding page, which no sequence owns). Device time only; the engine's step times replace these
         as steps run."""
         R, P = self.num_replicas, self.buckets.page_counts[0]
-        sampling = self._put(SamplingTensors.pack([None] * (R * B), (R, B), self.runner.history_len))
-        plain_batch = self._put(StepBatch(tokens=np.zeros((R, B, 1), np.int32), start_pos=np.zeros((R, B), np.int32),
-                                          num_new=np.ones((R, B), np.int32),
-                                          page_table=np.zeros((R, B, P), np.int32)))
+        sampling = SamplingTensors.pack([None] * (R * B), (R, B), self.runner.history_len)
+        plain_batch = StepBatch(tokens=np.zeros((R, B, 1), np.int32), start_pos=np.zeros((R, B), np.int32),
+                                num_new=np.ones((R, B), np.int32), page_table=np.zeros((R, B, P), np.int32))
         plain = self.runner.compile((B, 1, P))
+        plain_inputs = self.runner.put_inputs((B, 1, P), (plain_batch, sampling))
 
         def run_plain():
-            out, self.runner.cache = plain(self.runner.params, self.runner.cache, plain_batch, sampling)
+            out, self.runner.cache = plain(self.runner.params, self.runner.cache, plain_inputs)
             return out
 
         def run_spec(d):
-            inputs = self._put(self._empty_inputs(R, B, P, d).replace(num_new=np.full((R, B), d + 1, np.int32),
-                                                                     draft_len=np.ones((R, B), np.int32)))
             executable = self._executable((B, P, d))
+            inputs = self._put((B, P, d), (self._empty_inputs(R, B, P, d).replace(
+                num_new=np.full((R, B), d + 1, np.int32), draft_len=np.ones((R, B), np.int32)), sampling))
 
             def run():
                 out, self.runner.cache, self.draft_cache = executable(
-                    self.runner.params, self.runner.cache, self.draft_params, self.draft_cache, inputs, sampling)
+                    self.runner.params, self.runner.cache, self.draft_params, self.draft_cache, inputs)
                 return out
             return run
 
@@ -249,6 +251,11 @@ class SpeculativeDecoder:
         logger.info("speculation at batch %d: plain decode step %.2f ms; speculative step %s", B,
                     self._device[("plain", B)] * 1e3, ", ".join(
                         f"{self._device[('spec', B, d)] * 1e3:.2f} ms with {d} drafts" for d in self.draft_buckets))
+
+    @staticmethod
+    def _empty_prefill(R: int, B: int, T: int, P: int) -> StepBatch:
+        return StepBatch(tokens=np.zeros((R, B, T), np.int32), start_pos=np.zeros((R, B), np.int32),
+                         num_new=np.zeros((R, B), np.int32), page_table=np.full((R, B, P), PADDING_PAGE, np.int32))
 
     @staticmethod
     def _empty_inputs(R: int, B: int, P: int, d: int) -> SpecInputs:
@@ -274,27 +281,21 @@ class SpeculativeDecoder:
         R = self.num_replicas
         sh = self.runner.shardings
 
-        def spec(dims, dtype, sharding):
-            return jax.ShapeDtypeStruct(dims, dtype, sharding=None if sh is None else sharding)
+        buffer_sharding = None if sh is None else sh.batch2
 
         if len(shape) == 4:
             B, T, P, _ = shape
-            batch = StepBatch(tokens=spec((R, B, T), jnp.int32, sh and sh.batch3),
-                              start_pos=spec((R, B), jnp.int32, sh and sh.batch2),
-                              num_new=spec((R, B), jnp.int32, sh and sh.batch2),
-                              page_table=spec((R, B, P), jnp.int32, sh and sh.batch3))
-            return draft_prefill_jit.trace(self.draft_params, self.draft_cache, batch, cfg=self.draft_cfg,
-                                           options=self.runner.options,
+            layout = self._layouts[shape] = Layout.of((self._empty_prefill(R, B, T, P),))
+            return draft_prefill_jit.trace(self.draft_params, self.draft_cache, layout.spec(buffer_sharding),
+                                           layout=layout, cfg=self.draft_cfg, options=self.runner.options,
                                            cache_sharding=self._draft_cache_sharding).lower()
         B, P, d = shape
-        two, three = (sh and sh.batch2), (sh and sh.batch3)
-        inputs = jax.tree.map(lambda x: spec(x.shape, x.dtype, two if x.ndim == 2 else three),
-                              self._empty_inputs(R, B, P, d))
-        sampling = SamplingTensors.spec((R, B), self.runner.history_len, two, three)
+        layout = self._layouts[shape] = Layout.of((self._empty_inputs(R, B, P, d),
+                                                   SamplingTensors.spec((R, B), self.runner.history_len)))
         options = SpecOptions(method=self.method, num_tokens=d, accept_all=self.accept_all)
         return spec_step_jit.trace(
-            self.runner.params, self.runner.cache, self.draft_params, self.draft_cache, inputs, sampling,
-            cfg=self.runner.cfg, draft_cfg=self.draft_cfg, options=self.runner.options, spec=options,
+            self.runner.params, self.runner.cache, self.draft_params, self.draft_cache, layout.spec(buffer_sharding),
+            layout=layout, cfg=self.runner.cfg, draft_cfg=self.draft_cfg, options=self.runner.options, spec=options,
             cache_sharding=self._cache_sharding, draft_cache_sharding=self._draft_cache_sharding).lower()
 
     def _executable(self, shape: tuple):
@@ -365,17 +366,14 @@ class SpeculativeDecoder:
         B = pick_bucket(max(len(p) for p in per_replica), self.buckets.batch_sizes)
         T = pick_bucket(max(max(len(w[0]) for w in works), self.buckets.chunk_sizes[0]), self.buckets.chunk_sizes)
         P = self.buckets.page_counts[-1]
-        tokens = np.zeros((R, B, T), np.int32)
-        start = np.zeros((R, B), np.int32)
-        num_new = np.zeros((R, B), np.int32)
-        table = np.full((R, B, P), PADDING_PAGE, np.int32)
+        batch = self._empty_prefill(R, B, T, P)
         for rep, rows in enumerate(per_replica):
             for b, (toks, pos, pages, _) in enumerate(rows):
-                tokens[rep, b, : len(toks)] = toks
-                start[rep, b], num_new[rep, b] = pos, len(toks)
-                table[rep, b, : len(pages)] = pages
-        batch = self._put(StepBatch(tokens=tokens, start_pos=start, num_new=num_new, page_table=table))
-        self.draft_cache = self._executable((B, T, P, "draft"))(self.draft_params, self.draft_cache, batch)
+                batch.tokens[rep, b, : len(toks)] = toks
+                batch.start_pos[rep, b], batch.num_new[rep, b] = pos, len(toks)
+                batch.page_table[rep, b, : len(pages)] = pages
+        executable = self._executable((B, T, P, "draft"))
+        self.draft_cache = executable(self.draft_params, self.draft_cache, self._put((B, T, P, "draft"), (batch,)))
 
     def _catch_up(self, rows: Sequence[Any]) -> None:
         """Rows whose draft is 2+ tokens behind (plain decode steps ran without it) catch up to 1 behind:
@@ -450,11 +448,11 @@ class SpeculativeDecoder:
                     output_ids=seq.output_token_ids)
                 where[i] = rep * B + b
         sampling = SamplingTensors.pack(flat_sampling, (R, B), self.runner.history_len)
-        inputs, sampling = self._put(inputs), self._put(sampling)
         executable = self._executable((B, P, d))
         self._timing = ("spec", B, d)
         out, self.runner.cache, self.draft_cache = executable(
-            self.runner.params, self.runner.cache, self.draft_params, self.draft_cache, inputs, sampling)
+            self.runner.params, self.runner.cache, self.draft_params, self.draft_cache,
+            self._put((B, P, d), (inputs, sampling)))
         out = jax.tree.map(lambda x: x.reshape((R * B,) + x.shape[2:])[where], jax.device_get(out))
 
         self.decode_steps += 1
@@ -470,12 +468,11 @@ class SpeculativeDecoder:
                 state.lag = 1 if 0 < k == n else 0  # a fully accepted run: the draft never fed its last draft
         return out
 
-    def _put(self, tree):
-        """One explicit host->device transfer, on the batch shardings when there is a mesh."""
+    def _put(self, shape: tuple, inputs: Any) -> jax.Array:
+        """Host inputs of compiled shape `shape` packed and copied to the device in one explicit transfer
+        (sharded over the replicas on a mesh); the shape must have been compiled."""
         sh = self.runner.shardings
-        if sh is None:
-            return jax.device_put(tree)
-        return jax.device_put(tree, jax.tree.map(lambda x: sh.batch2 if np.ndim(x) == 2 else sh.batch3, tree))
+        return jax.device_put(self._layouts[shape].pack(inputs), None if sh is None else sh.batch2)
 
     # ---- observability -------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -22,6 +22,7 @@ from jaxserve.sampling import SamplingTensors
 from jaxserve.spec_decode.draft import propose
 from jaxserve.spec_decode.rejection import VerifyOutput, verify
 from jaxserve.steps import StepOptions, model_step
+from jaxserve.transfer import from_buffer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +94,9 @@ def spec_step(
     return jax.tree.map(lambda x: x.reshape((R, B) + x.shape[1:]), out), cache, draft_cache
 
 
-spec_step_jit = jax.jit(
-    spec_step, static_argnames=("cfg", "draft_cfg", "options", "spec", "cache_sharding", "draft_cache_sharding"),
-    donate_argnames=("cache", "draft_cache"),
-)
+# Compiled as (params, cache, draft params, draft cache, packed inputs): see jaxserve.transfer.
+spec_step_jit = jax.jit(from_buffer(spec_step, 4), static_argnames=(
+    "layout", "cfg", "draft_cfg", "options", "spec", "cache_sharding", "draft_cache_sharding"), donate_argnums=(1, 3))
 
 
 def draft_prefill(params: Params, cache: KVCache, batch: StepBatch, *, cfg: ModelConfig, options: StepOptions,
@@ -106,5 +106,5 @@ def draft_prefill(params: Params, cache: KVCache, batch: StepBatch, *, cfg: Mode
     return constrain(cache, cache_sharding)
 
 
-draft_prefill_jit = jax.jit(draft_prefill, static_argnames=("cfg", "options", "cache_sharding"),
-                            donate_argnames=("cache",))
+draft_prefill_jit = jax.jit(from_buffer(draft_prefill, 2), static_argnames=(
+    "layout", "cfg", "options", "cache_sharding"), donate_argnums=(1,))

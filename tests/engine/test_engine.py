@@ -174,7 +174,7 @@ def test_request_that_can_never_fit_is_rejected_at_add(llm):
     llm.engine.abort_request("dup")
 
 
-def test_decode_loop_makes_only_explicit_transfers(llm):
+def test_decode_loop_makes_one_explicit_transfer_each_way_per_step(llm, monkeypatch):
     engine = llm.engine
     prompts, params = make_requests(4, seed=9)
     for i, (p, s) in enumerate(zip(prompts, params)):
@@ -182,9 +182,17 @@ def test_decode_loop_makes_only_explicit_transfers(llm):
     while any(s.num_pending > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill (and compile) outside the guard
     engine.step()
+    calls = {"device_put": 0, "device_get": 0}
+    for name in calls:
+        def counted(*args, _real=getattr(jax, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(jax, name, counted)
     with jax.transfer_guard("disallow"):
         for _ in range(5):
             engine.step()
+    assert calls == {"device_put": 5, "device_get": 5}  # the packed inputs in, the samples out
+    monkeypatch.undo()
     while engine.has_unfinished_requests():
         engine.step()
 

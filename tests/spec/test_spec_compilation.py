@@ -11,17 +11,30 @@ from jaxserve.engine.compile import CompileCounter
 SETTINGS = dict(dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16)
 
 
+class SpeculateEvery:
+    """A policy proposing 3 tokens every `interval` decode steps, whatever speculation costs."""
+    adaptive = False
+
+    def __init__(self, interval: int):
+        self.interval = interval
+
+    def choose(self, state, step_count, costs):
+        return 3 if step_count % self.interval == 0 else 0
+
+
 @pytest.mark.parametrize("method", ["draft", "ngram"])
 def test_no_compilation_after_warm_up_with_speculation(hf_model_dir, tmp_path, method):
     path, model = hf_model_dir("llama")
     if method == "draft":
-        # A draft as big as the target: the adaptive policy finds it not worth its cost and decodes
-        # plainly, probing with one draft every 16 steps (after a catch-up of the draft's cache).
         spec = dict(speculative_model=perturbed_copy(model, str(tmp_path / "draft"), scale=0.003))
     else:
         spec = dict(speculative_method="ngram")
     llm = LLM(path, **SETTINGS, **spec, num_speculative_tokens=3)
     decoder = llm.engine.spec
+    # Not the adaptive policy: on a model this small the measured costs are mostly host time and vary
+    # with the machine's load. The draft speculates every third decode step (plain steps leave it
+    # behind, so speculative steps run its catch-up too); n-gram on every step, where it finds a match.
+    decoder.policy = SpeculateEvery(3 if method == "draft" else 1)
     assert set(decoder.step_shapes()) <= set(decoder._executables)
     before = CompileCounter.requests
     rng = np.random.RandomState(0)
@@ -38,5 +51,4 @@ def test_no_compilation_after_warm_up_with_speculation(hf_model_dir, tmp_path, m
     assert llm.runner.unplanned_compiles == 0 and decoder.unplanned_compiles == 0
     stats = llm.engine.stats()
     assert stats["spec_decode_num_steps"] > 0 and stats["compiles_after_warmup"] == 0
-    if method == "draft":  # plain steps ran too, and the draft caught up before its probes
-        assert stats["spec_decode_num_steps"] < decoder.decode_steps
+    assert stats["spec_decode_num_steps"] < decoder.decode_steps  # plain steps ran too
