@@ -150,6 +150,10 @@ class ModelRunner:
         self._executables: dict[tuple, Any] = {}  # (batch, tokens, pages) or (..., "score")
         self._layouts: dict[tuple, Layout] = {}  # how each bucket's inputs are packed
         self.unplanned_compiles = 0  # shapes that were not in the warmed table
+        # Calls that ran a bucket's executable for the first time: on a CPU such a call takes ~15 ms
+        # more than the next ones (measured), so timings of those steps are not representative.
+        self.first_runs = 0
+        self._ran: set[tuple] = set()
         # Token history for repetition/presence/frequency penalties, padded to one fixed length so
         # penalties never recompile (B x history_len int32s per step: small beside the weights).
         self.history_len = buckets.page_counts[-1] * cache.page_size
@@ -334,6 +338,9 @@ class ModelRunner:
             self.unplanned_compiles += 1
             logger.warning("compiling unplanned step shape %s", shape)
         executable = self.compile(shape)
+        if shape not in self._ran:
+            self._ran.add(shape)
+            self.first_runs += 1
         # Explicit transfers only (the step loop runs under jax.transfer_guard("disallow") in tests):
         # one host->device copy of the packed inputs, one device->host copy of the samples.
         out, self.cache = executable(self.params, self.cache, self.put_inputs(shape, inputs))

@@ -163,3 +163,28 @@ def test_speculative_steps_make_only_explicit_transfers(draft_llm):
     while engine.has_unfinished_requests():
         engine.step()
     assert_pool_whole(draft_llm)
+
+
+def test_first_runs_of_an_executable_are_not_step_time_samples(draft_llm):
+    """The adaptive policy prices steps by their measured times; a step that ran some executable for
+    the first time (~15 ms slower on a CPU) would price its kind out for good, so it is no sample."""
+    spec, runner = draft_llm.engine.spec, draft_llm.runner
+
+    def generate():
+        draft_llm.generate(prompt_token_ids=[[1, 2, 3, 4, 5]],
+                           sampling_params=SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+
+    generate()
+    generate()  # a prefix-cache hit the second time: other prefill shapes
+    key = ("plain", 1)
+    before = len(spec._wall.get(key, ()))
+    spec._timing = key
+    runner.first_runs += 1  # as run_packed counts a bucket's first call
+    spec.record_step_time(1.0)
+    assert len(spec._wall.get(key, ())) == before
+    spec._timing = key
+    spec.record_step_time(0.005)
+    assert len(spec._wall[key]) == before + 1 and 1.0 not in spec._wall[key]
+    runs = runner.first_runs
+    generate()
+    assert runner.first_runs == runs  # the same buckets again: no first runs
