@@ -72,6 +72,14 @@ class Layout:
             words.append(flat.view(_WORD) if leaf.dtype in _BITCAST else flat.astype(_WORD))
         return np.concatenate(words, axis=1)
 
+    def put(self, tree: Any, sharding: Any = None) -> jax.Array:
+        """`pack(tree)` copied to the device in one explicit transfer (`sharding`: over the replicas)."""
+        return jax.device_put(self.pack(tree), sharding)
+
+    def zeros(self, sharding: Any = None) -> jax.Array:
+        """All-zero inputs on the device: every row on the padding page (warm-up calls)."""
+        return jax.device_put(np.zeros((self.replicas, self.width), np.int32), sharding)
+
     def unpack(self, buffer: jax.Array) -> Any:
         """Device side (traced): the pytree back from the packed buffer."""
         leaves, at = [], 0
