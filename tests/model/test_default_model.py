@@ -84,15 +84,20 @@ HEADERS = ["def __repr__(self):\n", "def __init__(self, name, value=None):\n", "
 
 
 def function_parses(header: str, completion: str, finished: bool) -> bool:
-    """Whether header + completion is a function that parses: the completion is cut where the function
-    ends (the first non-blank line at column 0); if generation stopped mid-function, its last (maybe
-    incomplete) line is dropped. An empty body does not count."""
+    """Whether header + completion is a function that parses. The body is the completion's lines up to
+    the first non-blank one indented less than the body's first line: where the function ends (the
+    model writes methods, so the next `def` often comes at 4 spaces after a body at 8). If generation
+    stopped inside the body, its last (maybe incomplete) line is dropped. An empty body does not count."""
     import ast
 
     lines = completion.split("\n")
+    first = next((line for line in lines if line.strip()), "")
+    if not first[:1].isspace():
+        return False
+    indent = len(first) - len(first.lstrip())
     body = []
-    for i, line in enumerate(lines):
-        if line.strip() and not line[0].isspace():
+    for line in lines:
+        if line.strip() and len(line) - len(line.lstrip()) < indent:
             finished = True
             break
         body.append(line)
@@ -113,8 +118,6 @@ def parsing_completions(scorer) -> int:
                for h, o in zip(HEADERS, outs))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 7, open: after 800 steps (held-out perplexity 80) greedy completions "
-                   "still degenerate into unterminated repetition; none of the 8 parses, as with random weights")
 def test_function_headers_complete_to_python_more_often_than_with_random_weights(llm):
     trained = parsing_completions(llm)
     random = parsing_completions(LLM(str(DEFAULT), load_format="dummy", max_model_len=256, **COMMON))
