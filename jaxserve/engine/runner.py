@@ -183,19 +183,15 @@ class ModelRunner:
         return decode + prefill + multi
 
     def _abstract_inputs(self, shape: tuple[int, int, int]):
+        """ShapeDtypeStructs of a bucket's StepBatch and SamplingTensors (packed for the device: see
+        jaxserve.transfer, which gives the one packed array its sharding)."""
         B, T, P = shape
         R = self.num_replicas
-        sh = self.shardings
-        def spec(dims, dtype, sharding=None):
-            return jax.ShapeDtypeStruct(dims, dtype, sharding=sharding)
-        batch = StepBatch(
-            tokens=spec((R, B, T), jnp.int32, sh and sh.batch3),
-            start_pos=spec((R, B), jnp.int32, sh and sh.batch2),
-            num_new=spec((R, B), jnp.int32, sh and sh.batch2),
-            page_table=spec((R, B, P), jnp.int32, sh and sh.batch3),
-        )
-        sampling = SamplingTensors.spec((R, B), self.history_len, sh and sh.batch2, sh and sh.batch3)
-        return batch, sampling
+        batch = StepBatch(tokens=jax.ShapeDtypeStruct((R, B, T), jnp.int32),
+                          start_pos=jax.ShapeDtypeStruct((R, B), jnp.int32),
+                          num_new=jax.ShapeDtypeStruct((R, B), jnp.int32),
+                          page_table=jax.ShapeDtypeStruct((R, B, P), jnp.int32))
+        return batch, SamplingTensors.spec((R, B), self.history_len)
 
     def score_shapes(self) -> list[tuple]:
         """The prefill shapes again, as prompt-scoring variants (compiled when prompt logprobs are enabled)."""
