@@ -262,12 +262,20 @@ class MockAsyncLLMEngine:
             self._waiting.append(req)
             self._lock.notify_all()
         finished = False
+        error: BaseException | None = None
         try:
             while True:
-                item = await req.queue.get()
-                # Outputs are cumulative, so a consumer that fell behind only needs the newest one.
-                while not req.queue.empty() and not isinstance(item, BaseException):
-                    item = req.queue.get_nowait()
+                item = error or await req.queue.get()
+                # Outputs are cumulative, so a consumer that fell behind only needs the newest one. An error
+                # queued behind outputs comes after the newest of them, as with the real engine: what was
+                # produced before a failure is still delivered (a consumer on a busy machine falls behind).
+                error = None
+                while not isinstance(item, BaseException) and not req.queue.empty():
+                    newer = req.queue.get_nowait()
+                    if isinstance(newer, BaseException):
+                        error = newer
+                        break
+                    item = newer
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:

@@ -357,6 +357,33 @@ def test_engine_failure_is_500_and_server_keeps_serving(client):
     assert complete(client, max_tokens=3).status_code == 200
 
 
+def test_mock_engine_delivers_what_it_produced_before_a_failure_to_a_slow_consumer():
+    """The fake engine coalesces outputs a consumer fell behind on; a failure queued behind them still
+    comes after the newest output (a busy machine once turned the in-band stream error above into a 500)."""
+    import asyncio
+
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.server.mock_engine import MockAsyncLLMEngine
+
+    engine = MockAsyncLLMEngine(token_delay=0.001)
+    engine.start()
+
+    async def consume():
+        gen = engine.generate("slow", prompt="<<mock-fail-later>>", sampling_params=SamplingParams(max_tokens=5))
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)  # the request is queued
+        time.sleep(0.2)  # the consumer falls behind: its first token and the failure are both queued
+        out = await first
+        assert len(out.outputs[0].token_ids) == 1 and not out.finished
+        with pytest.raises(RuntimeError, match="injected failure"):
+            await gen.__anext__()
+
+    try:
+        asyncio.run(consume())
+    finally:
+        engine.shutdown()
+
+
 def test_fields_the_engine_lacks_are_named(make_client):
     """An engine whose SamplingParams lacks fields: they are refused by name; n is fanned out by the server."""
     from jaxserve.sampling_params import SamplingParams
