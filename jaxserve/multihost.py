@@ -40,7 +40,6 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.engine.runner import MULTI_STEP
@@ -167,13 +166,7 @@ def attach(engine: Any) -> "Leader | None":
 @functools.lru_cache(maxsize=1024)
 def step_input_specs(runner: Any, shape: tuple) -> tuple[list[tuple[tuple[int, ...], np.dtype]], Any]:
     """(shape, dtype) of each input array of bucket `shape`, in pytree order, and the tree structure."""
-    batch, sampling = runner._abstract_inputs(shape[:3])
-    tree = (batch, sampling)
-    if shape[3:] == ("score",):  # scoring variant: the targets too
-        tree += (jax.ShapeDtypeStruct(batch.tokens.shape, jnp.int32),)
-    elif shape[3:] == (MULTI_STEP,):  # several decode steps: each row's count of them
-        tree += (jax.ShapeDtypeStruct(batch.start_pos.shape, jnp.int32),)
-    leaves, treedef = jax.tree.flatten(tree)
+    leaves, treedef = jax.tree.flatten(runner.step_inputs(shape))
     return [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves], treedef
 
 

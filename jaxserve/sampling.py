@@ -117,16 +117,15 @@ class SamplingTensors:
         return cls(**{k: v.reshape(shape + v.shape[1:]) for k, v in st.items()})
 
     @classmethod
-    def spec(cls, batch: tuple[int, ...], history_len: int, row_sharding=None,
-             history_sharding=None) -> SamplingTensors:
+    def spec(cls, batch: tuple[int, ...], history_len: int) -> SamplingTensors:
         """ShapeDtypeStructs of packed tensors, for ahead-of-time lowering."""
-        def s(dtype, extra=(), sharding=row_sharding):
-            return jax.ShapeDtypeStruct(tuple(batch) + extra, dtype, sharding=sharding)
+        def s(dtype, extra=()):
+            return jax.ShapeDtypeStruct(tuple(batch) + extra, dtype)
         f32, i32 = jnp.float32, jnp.int32
         return cls(
             temperature=s(f32), top_k=s(i32), top_p=s(f32), min_p=s(f32), repetition_penalty=s(f32),
             presence_penalty=s(f32), frequency_penalty=s(f32), seed=s(jnp.uint32), step=s(i32),
-            history=s(i32, (history_len,), history_sharding), prompt_len=s(i32),
+            history=s(i32, (history_len,)), prompt_len=s(i32),
         )
 
     def advanced(self, tokens: jax.Array) -> SamplingTensors:

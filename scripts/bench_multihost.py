@@ -42,19 +42,19 @@ def parse_args(argv=None):
 
 
 class Layout:
-    """The input layout of one bucket, as ModelRunner._abstract_inputs gives it (R = 1)."""
+    """The input layout of one plain bucket, as ModelRunner.step_inputs gives it (R = 1)."""
 
     def __init__(self, history_len):
         self.history_len = history_len
 
-    def _abstract_inputs(self, shape):
+    def step_inputs(self, shape):
         import jax.numpy as jnp
         from jax import ShapeDtypeStruct as S
 
         from jaxserve.kv_cache import StepBatch
         from jaxserve.sampling import SamplingTensors
 
-        B, T, P = shape
+        B, T, P = shape[:3]
         batch = StepBatch(tokens=S((1, B, T), jnp.int32), start_pos=S((1, B), jnp.int32),
                           num_new=S((1, B), jnp.int32), page_table=S((1, B, P), jnp.int32))
         return batch, SamplingTensors.spec((1, B), self.history_len)

@@ -182,35 +182,39 @@ class ModelRunner:
         multi = [(bs, 1, pc, MULTI_STEP) for bs in b for pc in p] if self.num_scheduler_steps > 1 else []
         return decode + prefill + multi
 
-    def _abstract_inputs(self, shape: tuple[int, int, int]):
-        """ShapeDtypeStructs of a bucket's StepBatch and SamplingTensors (packed for the device: see
-        jaxserve.transfer, which gives the one packed array its sharding)."""
-        B, T, P = shape
+    def step_inputs(self, shape: tuple) -> tuple:
+        """ShapeDtypeStructs of the host inputs of bucket `shape`, as `run_packed` takes them: (StepBatch,
+        SamplingTensors), plus the targets of a scoring variant or each row's step count of a multi-step
+        one. (They travel packed: jaxserve.transfer gives the one packed array its sharding.)"""
+        B, T, P = shape[:3]
         R = self.num_replicas
         batch = StepBatch(tokens=jax.ShapeDtypeStruct((R, B, T), jnp.int32),
                           start_pos=jax.ShapeDtypeStruct((R, B), jnp.int32),
                           num_new=jax.ShapeDtypeStruct((R, B), jnp.int32),
                           page_table=jax.ShapeDtypeStruct((R, B, P), jnp.int32))
-        return batch, SamplingTensors.spec((R, B), self.history_len)
+        inputs = (batch, SamplingTensors.spec((R, B), self.history_len))
+        if shape[3:] == ("score",):  # each token's next token, scored
+            return inputs + (jax.ShapeDtypeStruct((R, B, T), jnp.int32),)
+        if shape[3:] == (MULTI_STEP,):  # how many of the decode steps each row takes part in
+            return inputs + (jax.ShapeDtypeStruct((R, B), jnp.int32),)
+        return inputs
 
     def score_shapes(self) -> list[tuple]:
         """The prefill shapes again, as prompt-scoring variants (compiled when prompt logprobs are enabled)."""
         return [shape + ("score",) for shape in self.step_shapes() if len(shape) == 3 and shape[1] > 1]
 
     def _lower(self, shape: tuple):
-        batch, sampling = self._abstract_inputs(shape[:3])
         cache_sharding = None if self.shardings is None else cache_shardings(
             self.shardings, "int8" if self.cache.quantized else "auto")
         static = dict(cfg=self.cfg, options=self.options, cache_sharding=cache_sharding,
                       out_sharding=self.out_sharding)
         if shape[3:] == (MULTI_STEP,):
-            steps = jax.ShapeDtypeStruct(batch.start_pos.shape, jnp.int32)
-            step, inputs, static["num_steps"] = _multi_decode_step_jit, (batch, sampling, steps), self.num_scheduler_steps
-        elif shape[3:] == ("score",):  # scoring variant
-            step, inputs = _score_step_jit, (batch, sampling, jax.ShapeDtypeStruct(batch.tokens.shape, jnp.int32))
+            step, static["num_steps"] = _multi_decode_step_jit, self.num_scheduler_steps
+        elif shape[3:] == ("score",):
+            step = _score_step_jit
         else:
-            step, inputs = _generate_step_jit, (batch, sampling)
-        layout = self._layouts[shape] = Layout.of(inputs)
+            step = _generate_step_jit
+        layout = self._layouts[shape] = Layout.of(self.step_inputs(shape))
         return step.trace(self.params, self.cache, layout.spec(self.buffer_sharding), layout=layout, **static).lower()
 
     def compile(self, shape: tuple[int, int, int]):
