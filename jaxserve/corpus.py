@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sysconfig
 from pathlib import Path
 from typing import Iterator
@@ -67,3 +68,25 @@ def iter_texts(split: str = "all", max_bytes: int | None = None) -> Iterator[tup
         yield key, text
         if budget is not None and budget <= 0:
             return
+
+
+def functions_in(text: str, min_lines: int, max_lines: int) -> list[str]:
+    """Source of the top-level `def`s in `text` that are min_lines..max_lines long: a function ends at
+    the next line that starts unindented (trailing blank lines dropped)."""
+    lines = text.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if not re.match(r"def \w+\(", line):
+            continue
+        end = next((j for j in range(i + 1, len(lines)) if lines[j] and not lines[j][0].isspace()), len(lines))
+        body = lines[i:end]
+        while body and not body[-1].strip():
+            body.pop()
+        if min_lines <= len(body) <= max_lines:
+            found.append("\n".join(body))
+    return found
+
+
+def top_level_functions(split: str, min_lines: int, max_lines: int) -> list[str]:
+    """functions_in over every file of `split`, in file order."""
+    return [f for _, text in iter_texts(split) for f in functions_in(text, min_lines, max_lines)]

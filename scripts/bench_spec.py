@@ -24,7 +24,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -37,24 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 COPY_HEADER = "\n\n# The same function, copied unchanged:\n"
 
 
-def functions(split: str, min_lines: int, max_lines: int) -> list[str]:
-    """Top-level functions of the stdlib files of `split` (jaxserve.corpus), min_lines..max_lines long."""
-    from jaxserve.corpus import iter_texts
-
-    found = []
-    for _, text in iter_texts(split):
-        lines = text.splitlines()
-        starts = [i for i, line in enumerate(lines) if re.match(r"def \w+\(", line)]
-        for i in starts:
-            end = next((j for j in range(i + 1, len(lines)) if lines[j] and not lines[j][0].isspace()), len(lines))
-            body = lines[i:end]
-            while body and not body[-1].strip():
-                body.pop()
-            if min_lines <= len(body) <= max_lines:
-                found.append("\n".join(body))
-    return found
-
-
 def make_prompts(workload: str, tokenizer, vocab_size: int, count: int, seed: int) -> list[list[int]]:
     rng = np.random.RandomState(seed)
     if workload == "random":
@@ -62,7 +43,9 @@ def make_prompts(workload: str, tokenizer, vocab_size: int, count: int, seed: in
     if tokenizer is None:
         raise SystemExit(f"the {workload!r} workload needs a tokenizer (the model directory has none)")
     if workload == "copy":
-        held_out = functions("heldout", 12, 40)
+        from jaxserve.corpus import top_level_functions
+
+        held_out = top_level_functions("heldout", 12, 40)
         chosen = [held_out[i] for i in rng.choice(len(held_out), size=count, replace=False)]
         return [tokenizer.encode(f + COPY_HEADER + f.splitlines()[0] + "\n") for f in chosen]
     if workload == "natural":
