@@ -7,6 +7,11 @@ Steps (each resumable: rerunning the same command continues where it stopped):
 2. the corpus tokenized once (documents = files, each <s> ... </s>), cached as .npy;
 3. the target and the draft trained with AdamW (warm-up + cosine), seeded batches drawn per step,
    held-out loss logged every `--eval-every` steps, training state saved with orbax;
+3b. optionally (`--copy-steps N`, off in the shipped recipe) a copy stage of N more steps at a
+   constant `--copy-lr`: each row ends with a training-split function, a comment asking for it
+   again, and the function re-typed, to teach the model to copy code it was shown (what editing code
+   in a prompt needs and n-gram speculation exploits; the 2000-step model re-types ~30% of a copy's
+   tokens). It has not helped enough yet to ship: see docs/BENCHMARKS.md, speculative decoding;
 4. `checkpoints/default` and `checkpoints/default-draft` written: orbax params in bfloat16, HF
    config.json, tokenizer, generation_config.json, README.md; plus the loss curves (PNG, JSON).
 """
@@ -44,6 +49,8 @@ class ModelShape:
     ffn: int
     steps: int
     peak_lr: float
+    copy_steps: int = 0  # the optional copy stage, after `steps` (see copy_batch_at)
+    copy_lr: float = 3e-4  # its constant learning rate
 
     def hf_config(self, max_len: int) -> dict:
         return {
@@ -124,6 +131,67 @@ def eval_windows(stream: np.ndarray, count: int, seq: int) -> np.ndarray:
     return np.stack([stream[s : s + seq + 1] for s in starts]).astype(np.int32)
 
 
+# Comments that introduce a re-typed function in copy-stage rows (one drawn per row).
+COPY_PROMPTS = (
+    "\n\n# The same function, copied unchanged:\n",
+    "\n\n# Again, exactly as above:\n",
+    "\n\n# A verbatim copy of the function above:\n",
+    "\n\n# Repeated without changes:\n",
+)
+COPY_MIN_LINES, COPY_MAX_LINES = 6, 60
+
+
+def copy_examples(sp, split: str, max_tokens: int, seed: int) -> list[np.ndarray]:
+    """Token ids of "function, copy prompt, the same function" for `split`'s top-level functions that
+    fit in `max_tokens` (one prompt per function, drawn with `seed`)."""
+    from jaxserve.corpus import top_level_functions
+
+    rng = np.random.default_rng(seed)
+    found = []
+    for f in top_level_functions(split, COPY_MIN_LINES, COPY_MAX_LINES):
+        ids = sp.encode(f + COPY_PROMPTS[rng.integers(len(COPY_PROMPTS))] + f + "\n")
+        if len(ids) <= max_tokens:
+            found.append(np.asarray(ids, np.int32))
+    return found
+
+
+def copy_batch_at(examples: list[np.ndarray], stream: np.ndarray, step: int, batch: int, seq: int,
+                  seed: int) -> np.ndarray:
+    """Copy-stage batch `step`: each row a copy example preceded by a random window of plain text up to
+    seq+1 tokens; a pure function of (seed, step) like batch_at."""
+    rng = np.random.default_rng([seed, step, 1])
+    rows = []
+    for i in rng.integers(0, len(examples), size=batch):
+        fill = seq + 1 - len(examples[i])
+        start = int(rng.integers(0, stream.size - fill))
+        rows.append(np.concatenate([stream[start : start + fill].astype(np.int32), examples[i]]))
+    return np.stack(rows)
+
+
+def copy_accuracy(cfg, params, examples: list[np.ndarray], length: int) -> float:
+    """Share of the copies' tokens the model predicts exactly (greedy, given the true prefix): about the
+    acceptance rate n-gram speculation sees when the model re-types code from its prompt. Examples are
+    right-padded to `length` (causal attention: padding never affects the scored positions)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.model.llama import forward_dense
+
+    @jax.jit
+    def predicted(params, tokens):
+        return jnp.argmax(forward_dense(params, tokens, cfg=cfg), axis=-1)
+
+    right = total = 0
+    for ids in examples:
+        padded = np.zeros((1, length), np.int32)
+        padded[0, : len(ids)] = ids
+        guess = np.asarray(predicted(params, jnp.asarray(padded)))[0, : len(ids) - 1]
+        n = (len(ids) - 1) // 2  # the second half: the copy (and a little of the prompt)
+        right += int((guess[-n:] == ids[1:][-n:]).sum())
+        total += n
+    return right / total
+
+
 # ----------------------------------------------------------------------------- training
 
 def make_fns(cfg, shape: ModelShape, args):
@@ -134,7 +202,8 @@ def make_fns(cfg, shape: ModelShape, args):
     from jaxserve.model.llama import forward_dense
 
     warmup = min(args.warmup, shape.steps // 2)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, shape.peak_lr, warmup, shape.steps, shape.peak_lr * 0.1)
+    main_schedule = optax.warmup_cosine_decay_schedule(0.0, shape.peak_lr, warmup, shape.steps, shape.peak_lr * 0.1)
+    schedule = lambda count: jnp.where(count < shape.steps, main_schedule(count), shape.copy_lr)  # noqa: E731
     # Decay matrices only: norms (1-D) keep their scale.
     decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
     opt = optax.chain(optax.clip_by_global_norm(1.0),
@@ -155,7 +224,8 @@ def make_fns(cfg, shape: ModelShape, args):
     return opt, train_step, jax.jit(loss_fn)
 
 
-def train_model(shape: ModelShape, train: np.ndarray, heldout: np.ndarray, work: Path, args) -> tuple:
+def train_model(shape: ModelShape, train: np.ndarray, heldout: np.ndarray, copies: list[np.ndarray], work: Path,
+                args) -> tuple:
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
@@ -182,14 +252,19 @@ def train_model(shape: ModelShape, train: np.ndarray, heldout: np.ndarray, work:
 
     params, opt_state, step = state["params"], state["opt_state"], int(state["step"])
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    print(f"{shape.name}: {n_params / 1e6:.2f}M params, {shape.steps} steps of {args.batch}x{args.seq} tokens")
+    total = shape.steps + shape.copy_steps
+    print(f"{shape.name}: {n_params / 1e6:.2f}M params, {shape.steps} steps of {args.batch}x{args.seq} tokens"
+          f" then {shape.copy_steps} copy-stage steps of {args.batch // 2}x{2 * args.seq}")
     t0, losses = time.time(), []
-    while step < shape.steps:
-        tokens = jnp.asarray(batch_at(train, step, args.batch, args.seq, args.seed))
+    while step < total:
+        if step < shape.steps:
+            tokens = jnp.asarray(batch_at(train, step, args.batch, args.seq, args.seed))
+        else:  # same tokens per step: half the rows, twice as long (a function and its copy fit)
+            tokens = jnp.asarray(copy_batch_at(copies, train, step, args.batch // 2, 2 * args.seq, args.seed))
         params, opt_state, loss = train_step(params, opt_state, tokens)
         losses.append(loss)
         step += 1
-        if step % args.eval_every == 0 or step == shape.steps:
+        if step % args.eval_every == 0 or step in (shape.steps, total):
             entry = {"step": step, "train_loss": float(np.mean([float(x) for x in losses])),
                      "heldout_loss": evaluate(params), "seconds": round(time.time() - t0, 1)}
             losses = []
@@ -263,6 +338,8 @@ def export(shape: ModelShape, cfg, params, log, tokenizer_dir: Path, out: Path, 
     save_params(str(out), jax.tree.map(lambda x: x.astype(jnp.bfloat16), params),
                 stored_dtypes=["bfloat16"], trained_steps=log[-1]["step"])
     final = log[-1]
+    copy_stage = (f"; then a copy stage of {shape.copy_steps} steps x {args.batch // 2} x {2 * args.seq} tokens at lr "
+                  f"{shape.copy_lr:g}" if shape.copy_steps else "")
     (out / "README.md").write_text(f"""# {shape.name}
 
 A Llama-architecture model trained by jaxserve on the Python standard library sources of CPython
@@ -273,7 +350,7 @@ see `jaxserve/corpus.py`), with jaxserve's own model code.
 | --- | --- |
 | parameters | {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.2f}M ({shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, {shape.kv_heads} KV heads, FFN {shape.ffn}, tied embeddings) |
 | tokenizer | sentencepiece BPE, {VOCAB_SIZE} pieces, byte fallback |
-| training | {final['step']} steps x {args.batch} x {args.seq} tokens, AdamW, peak lr {shape.peak_lr}, f32 |
+| training | {shape.steps} steps x {args.batch} x {args.seq} tokens, AdamW, peak lr {shape.peak_lr}, f32{copy_stage} |
 | held-out loss | {final['heldout_loss']:.4f} nats/token (perplexity {math.exp(final['heldout_loss']):.2f}) on {args.eval_windows} fixed windows of {args.seq} tokens |
 | weights | bfloat16, orbax (`params/`), layout version in `jaxserve_checkpoint.json` |
 {extra_readme}
@@ -315,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-windows", type=int, default=32)
     ap.add_argument("--tokenizer-bytes", type=int, default=16_000_000)
     ap.add_argument("--steps", type=int, default=None, help="override both models' step counts (smoke runs)")
+    ap.add_argument("--copy-steps", type=int, default=None, help="override both models' copy-stage steps")
+    ap.add_argument("--copy-lr", type=float, default=None, help="override both models' copy-stage learning rate")
     ap.add_argument("--only", choices=sorted(SHAPES), default=None, help="train just this model")
     args = ap.parse_args(argv)
     args.argv = argv
@@ -331,12 +410,19 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [SHAPES[args.only]] if args.only else list(SHAPES.values())
     if args.steps:
         shapes = [dataclasses.replace(s, steps=args.steps) for s in shapes]
-    results = {s.name: train_model(s, train, heldout, work, args) for s in shapes}
-
-    out = Path(args.out)
+    if args.copy_steps is not None:
+        shapes = [dataclasses.replace(s, copy_steps=args.copy_steps) for s in shapes]
+    if args.copy_lr is not None:
+        shapes = [dataclasses.replace(s, copy_lr=args.copy_lr) for s in shapes]
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / "tokenizer.model"))
+    copy_len = 2 * args.seq
+    copies = copy_examples(sp, "train", copy_len - 32, args.seed)  # at least 33 tokens of plain text first
+    heldout_copies = copy_examples(sp, "heldout", copy_len, args.seed)
+    results = {s.name: train_model(s, train, heldout, copies, work, args) for s in shapes}
+
+    out = Path(args.out)
     # The score file: the first held-out file of 500-1500 tokens (the checkpoint test scores it).
     score_key, score_text, score_ids = next(
         (k, t, ids) for k, t in iter_texts("heldout")
@@ -351,10 +437,13 @@ def main(argv: list[str] | None = None) -> int:
         shipped = as_shipped(params)
         score = mean_loss(cfg, shipped, np.asarray([score_ids]), 1)
         shipped_heldout = mean_loss(cfg, shipped, windows, args.batch)
+        copying = copy_accuracy(cfg, shipped, heldout_copies, copy_len)
         extra = (f"| held-out loss of the stored bf16 weights | {shipped_heldout:.4f} (perplexity "
                  f"{math.exp(shipped_heldout):.2f}) |\n"
                  f"| `default/{SCORE_FILE}` | the held-out stdlib file `{score_key}`, {len(score_ids)} tokens with <s> and "
-                 f"</s>: mean loss {score:.4f} (stored weights, scored in float32) |\n")
+                 f"</s>: mean loss {score:.4f} (stored weights, scored in float32) |\n"
+                 f"| copying | {100 * copying:.1f}% of the tokens of {len(heldout_copies)} held-out functions re-typed "
+                 f"after a copy prompt predicted exactly (greedy, teacher-forced; `copy_accuracy`) |\n")
         if agreement is not None:
             extra += (f"| greedy agreement of the draft with the target | {100 * agreement:.1f}% of next-token "
                       f"argmaxes on the held-out windows (the draft's expected greedy acceptance rate) |\n")
