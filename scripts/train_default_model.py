@@ -254,7 +254,7 @@ def train_model(shape: ModelShape, train: np.ndarray, heldout: np.ndarray, copie
     n_params = sum(x.size for x in jax.tree.leaves(params))
     total = shape.steps + shape.copy_steps
     print(f"{shape.name}: {n_params / 1e6:.2f}M params, {shape.steps} steps of {args.batch}x{args.seq} tokens"
-          f" then {shape.copy_steps} copy-stage steps of {args.batch // 2}x{2 * args.seq}")
+          + (f" then {shape.copy_steps} copy-stage steps of {args.batch // 2}x{2 * args.seq}" if shape.copy_steps else ""))
     t0, losses = time.time(), []
     while step < total:
         if step < shape.steps:
