@@ -801,16 +801,6 @@ async def _serve(state: ServerState, request: Request, body: Any, chat: bool):
                 sub_params = dataclasses.replace(params, seed=(params.seed + s) % 2**32)
             subs.append(_Sub(f"{rid}-{p}-{s}", p, p * n + s, ids, text, sub_params, arrival=arrival,
                              width=n if fanout == 1 else 1))
-    choices: dict[int, _Choice] = {}
-    for sub in subs:
-        width = n if fanout == 1 else 1
-        for k in range(width):
-            echo_text = ""
-            if echo:
-                echo_text = sub.prompt_text if sub.prompt_text is not None else (
-                    tok.decode(sub.prompt_ids, skip_special_tokens=False) if tok is not None else "")
-            choices[sub.base_choice + k] = _Choice(sub.base_choice + k, sub, echo_text, drop_generated)
-
     fan = _Fanout(state, subs)
     try:
         await _race_disconnect(fan.prime(), request)
@@ -822,6 +812,21 @@ async def _serve(state: ServerState, request: Request, body: Any, chat: bool):
         if isinstance(err, asyncio.CancelledError):
             raise
         raise _engine_error(err) from None
+
+    # After the engine accepted the prompts: echoing decodes their token ids, which it has checked.
+    choices: dict[int, _Choice] = {}
+    try:
+        for sub in subs:
+            width = n if fanout == 1 else 1
+            for k in range(width):
+                echo_text = ""
+                if echo:
+                    echo_text = sub.prompt_text if sub.prompt_text is not None else (
+                        tok.decode(sub.prompt_ids, skip_special_tokens=False) if tok is not None else "")
+                choices[sub.base_choice + k] = _Choice(sub.base_choice + k, sub, echo_text, drop_generated)
+    except BaseException:
+        fan.close()  # the engine's requests are running: abort them rather than leave them orphaned
+        raise
 
     ctx = _RequestContext(state, rid, model, chat, subs, choices, n_logprobs, echo, tok, body)
     if body.stream:
