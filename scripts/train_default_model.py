@@ -418,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / "tokenizer.model"))
     copy_len = 2 * args.seq
-    copies = copy_examples(sp, "train", copy_len - 32, args.seed)  # at least 33 tokens of plain text first
+    copies = (copy_examples(sp, "train", copy_len - 32, args.seed)  # at least 33 tokens of plain text first
+              if any(s.copy_steps for s in shapes) else [])
     heldout_copies = copy_examples(sp, "heldout", copy_len, args.seed)
     results = {s.name: train_model(s, train, heldout, copies, work, args) for s in shapes}
 

@@ -122,14 +122,13 @@ def test_logprobs_and_echo(client):
     assert all(v is not None and v < 0 for v in lp["token_logprobs"][1:])
 
 
-
 def test_echo_of_token_ids_outside_the_vocabulary_is_a_400_not_a_crash(client):
     # Found by the fuzz test: echo decoded the prompt's ids before the engine had checked them.
-    vocab = VOCAB_SIZE  # the mock engine's model and tokenizer
     for stream in (False, True):
-        r = complete(client, prompt=[vocab], echo=True, max_tokens=2, stream=stream)
+        r = complete(client, prompt=[VOCAB_SIZE], echo=True, max_tokens=2, stream=stream)
         assert_error(r, 400, "outside the vocabulary")
-    assert complete(client, prompt=[vocab - 1], echo=True, max_tokens=1).status_code == 200
+    assert complete(client, prompt=[VOCAB_SIZE - 1], echo=True, max_tokens=1).status_code == 200
+
 
 def test_prompt_logprobs(client):
     out = complete(client, prompt="abc", max_tokens=2, prompt_logprobs=1).json()["choices"][0]
