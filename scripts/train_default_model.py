@@ -12,6 +12,9 @@ Steps (each resumable: rerunning the same command continues where it stopped):
    again, and the function re-typed, to teach the model to copy code it was shown (what editing code
    in a prompt needs and n-gram speculation exploits; the 2000-step model re-types ~30% of a copy's
    tokens). It has not helped enough yet to ship: see docs/BENCHMARKS.md, speculative decoding;
+3c. optionally (`--copy-every N`, off in the shipped recipe) the same copy batches mixed into the
+   main run, one step in N, some of their rows (`--copy-repeats R`) a random segment repeated
+   instead (repeat_row); tried, not shipped either (same place);
 4. `checkpoints/default` and `checkpoints/default-draft` written: orbax params in bfloat16, HF
    config.json, tokenizer, generation_config.json, README.md; plus the loss curves (PNG, JSON).
 """
@@ -51,6 +54,8 @@ class ModelShape:
     peak_lr: float
     copy_steps: int = 0  # the optional copy stage, after `steps` (see copy_batch_at)
     copy_lr: float = 3e-4  # its constant learning rate
+    copy_every: int = 0  # if > 0, every copy_every-th step of the main run is a copy batch
+    copy_repeats: int = 0  # rows of each copy batch that are repeat_row's instead of function copies
 
     def hf_config(self, max_len: int) -> dict:
         return {
@@ -156,16 +161,32 @@ def copy_examples(sp, split: str, max_tokens: int, seed: int) -> list[np.ndarray
 
 
 def copy_batch_at(examples: list[np.ndarray], stream: np.ndarray, step: int, batch: int, seq: int,
-                  seed: int) -> np.ndarray:
-    """Copy-stage batch `step`: each row a copy example preceded by a random window of plain text up to
-    seq+1 tokens; a pure function of (seed, step) like batch_at."""
+                  seed: int, repeats: int = 0) -> np.ndarray:
+    """Copy batch `step`: each row a copy example preceded by a random window of plain text up to seq+1
+    tokens, except the last `repeats` rows, which are repeat_row's; a pure function of (seed, step)
+    like batch_at (the function rows do not depend on `repeats`)."""
     rng = np.random.default_rng([seed, step, 1])
     rows = []
     for i in rng.integers(0, len(examples), size=batch):
         fill = seq + 1 - len(examples[i])
         start = int(rng.integers(0, stream.size - fill))
         rows.append(np.concatenate([stream[start : start + fill].astype(np.int32), examples[i]]))
+    repeat_rng = np.random.default_rng([seed, step, 2])
+    for r in range(batch - repeats, batch):
+        rows[r] = repeat_row(repeat_rng, stream, seq + 1)
     return np.stack(rows)
+
+
+def repeat_row(rng: np.random.Generator, stream: np.ndarray, length: int) -> np.ndarray:
+    """A short window of plain text, then one segment of 16-128 uniformly random token ids repeated to
+    the row's end. After its first occurrence the segment is predictable only by looking back for the
+    previous token and copying what followed it (an induction head), the circuit a model needs to
+    re-type code from its prompt. (The 5M model did not form it in a few hundred steps of such rows.)"""
+    fill = int(rng.integers(0, length // 4))
+    start = int(rng.integers(0, stream.size - fill))
+    segment = rng.integers(4, VOCAB_SIZE, size=int(rng.integers(16, 129))).astype(np.int32)
+    body = np.tile(segment, -(-(length - fill) // segment.size))[: length - fill]
+    return np.concatenate([stream[start : start + fill].astype(np.int32), body])
 
 
 def copy_accuracy(cfg, params, examples: list[np.ndarray], length: int) -> float:
@@ -224,8 +245,8 @@ def make_fns(cfg, shape: ModelShape, args):
     return opt, train_step, jax.jit(loss_fn)
 
 
-def train_model(shape: ModelShape, train: np.ndarray, heldout: np.ndarray, copies: list[np.ndarray], work: Path,
-                args) -> tuple:
+def train_model(shape: ModelShape, train: np.ndarray, heldout: np.ndarray, copies: list[np.ndarray],
+                heldout_copies: list[np.ndarray], work: Path, args) -> tuple:
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
@@ -253,24 +274,31 @@ def train_model(shape: ModelShape, train: np.ndarray, heldout: np.ndarray, copie
     params, opt_state, step = state["params"], state["opt_state"], int(state["step"])
     n_params = sum(x.size for x in jax.tree.leaves(params))
     total = shape.steps + shape.copy_steps
+    copy_shape = f"{args.batch // 2}x{2 * args.seq}"
     print(f"{shape.name}: {n_params / 1e6:.2f}M params, {shape.steps} steps of {args.batch}x{args.seq} tokens"
-          + (f" then {shape.copy_steps} copy-stage steps of {args.batch // 2}x{2 * args.seq}" if shape.copy_steps else ""))
+          + (f", one in {shape.copy_every} a copy batch of {copy_shape}" if shape.copy_every else "")
+          + (f" then {shape.copy_steps} copy-stage steps of {copy_shape}" if shape.copy_steps else ""))
     t0, losses = time.time(), []
     while step < total:
-        if step < shape.steps:
+        mixed_in = shape.copy_every and step % shape.copy_every == shape.copy_every - 1
+        if step < shape.steps and not mixed_in:
             tokens = jnp.asarray(batch_at(train, step, args.batch, args.seq, args.seed))
         else:  # same tokens per step: half the rows, twice as long (a function and its copy fit)
-            tokens = jnp.asarray(copy_batch_at(copies, train, step, args.batch // 2, 2 * args.seq, args.seed))
+            tokens = jnp.asarray(copy_batch_at(copies, train, step, args.batch // 2, 2 * args.seq, args.seed,
+                                               shape.copy_repeats))
         params, opt_state, loss = train_step(params, opt_state, tokens)
         losses.append(loss)
         step += 1
         if step % args.eval_every == 0 or step in (shape.steps, total):
             entry = {"step": step, "train_loss": float(np.mean([float(x) for x in losses])),
                      "heldout_loss": evaluate(params), "seconds": round(time.time() - t0, 1)}
+            if copies:  # the copying curve, when copying is trained
+                entry["copy_accuracy"] = copy_accuracy(cfg, params, heldout_copies, 2 * args.seq)
             losses = []
             log.append(entry)
             print(f"{shape.name} step {step}: train {entry['train_loss']:.3f} heldout {entry['heldout_loss']:.3f} "
-                  f"({entry['seconds']:.0f}s this session)", flush=True)
+                  + (f"copying {100 * entry['copy_accuracy']:.1f}% " if copies else "")
+                  + f"({entry['seconds']:.0f}s this session)", flush=True)
             manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state, "step": step}))
             manager.wait_until_finished()
             (work / shape.name / "log.json").write_text(json.dumps(log, indent=1))
@@ -338,8 +366,10 @@ def export(shape: ModelShape, cfg, params, log, tokenizer_dir: Path, out: Path, 
     save_params(str(out), jax.tree.map(lambda x: x.astype(jnp.bfloat16), params),
                 stored_dtypes=["bfloat16"], trained_steps=log[-1]["step"])
     final = log[-1]
-    copy_stage = (f"; then a copy stage of {shape.copy_steps} steps x {args.batch // 2} x {2 * args.seq} tokens at lr "
-                  f"{shape.copy_lr:g}" if shape.copy_steps else "")
+    copy_mix = (f"; one step in {shape.copy_every} a copy batch ({shape.copy_repeats} of its {args.batch // 2} rows "
+                f"repeated random segments)" if shape.copy_every else "")
+    copy_stage = copy_mix + (f"; then a copy stage of {shape.copy_steps} steps x {args.batch // 2} x {2 * args.seq} "
+                             f"tokens at lr {shape.copy_lr:g}" if shape.copy_steps else "")
     (out / "README.md").write_text(f"""# {shape.name}
 
 A Llama-architecture model trained by jaxserve on the Python standard library sources of CPython
@@ -394,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="override both models' step counts (smoke runs)")
     ap.add_argument("--copy-steps", type=int, default=None, help="override both models' copy-stage steps")
     ap.add_argument("--copy-lr", type=float, default=None, help="override both models' copy-stage learning rate")
+    ap.add_argument("--copy-every", type=int, default=None,
+                    help="override both models' copy mix: every N-th main-run step is a copy batch (0: none)")
+    ap.add_argument("--copy-repeats", type=int, default=None,
+                    help="override both models' number of repeated-random-segment rows per copy batch")
     ap.add_argument("--only", choices=sorted(SHAPES), default=None, help="train just this model")
     args = ap.parse_args(argv)
     args.argv = argv
@@ -414,14 +448,18 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [dataclasses.replace(s, copy_steps=args.copy_steps) for s in shapes]
     if args.copy_lr is not None:
         shapes = [dataclasses.replace(s, copy_lr=args.copy_lr) for s in shapes]
+    if args.copy_every is not None:
+        shapes = [dataclasses.replace(s, copy_every=args.copy_every) for s in shapes]
+    if args.copy_repeats is not None:
+        shapes = [dataclasses.replace(s, copy_repeats=args.copy_repeats) for s in shapes]
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / "tokenizer.model"))
     copy_len = 2 * args.seq
     copies = (copy_examples(sp, "train", copy_len - 32, args.seed)  # at least 33 tokens of plain text first
-              if any(s.copy_steps for s in shapes) else [])
+              if any(s.copy_steps or s.copy_every for s in shapes) else [])
     heldout_copies = copy_examples(sp, "heldout", copy_len, args.seed)
-    results = {s.name: train_model(s, train, heldout, copies, work, args) for s in shapes}
+    results = {s.name: train_model(s, train, heldout, copies, heldout_copies, work, args) for s in shapes}
 
     out = Path(args.out)
     # The score file: the first held-out file of 500-1500 tokens (the checkpoint test scores it).

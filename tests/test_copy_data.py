@@ -50,3 +50,17 @@ def test_copy_batches_end_with_an_example_after_plain_text_and_are_a_function_of
         assert np.all(plain >= 5000) and np.all(np.diff(plain) == 1)  # one contiguous window of the stream
     np.testing.assert_array_equal(batch, train.copy_batch_at(examples, stream, 7, 6, 63, 0))
     assert not np.array_equal(batch, train.copy_batch_at(examples, stream, 8, 6, 63, 0))
+
+
+def test_repeat_rows_are_plain_text_then_one_random_segment_repeated_to_the_end():
+    examples = [np.arange(100, 110, dtype=np.int32)]
+    stream = np.arange(9000, 10000, dtype=np.uint16)  # above the vocabulary: tells plain text from the segment
+    plain_batch = train.copy_batch_at(examples, stream, step=3, batch=4, seq=511, seed=0)
+    batch = train.copy_batch_at(examples, stream, step=3, batch=4, seq=511, seed=0, repeats=2)
+    np.testing.assert_array_equal(batch[:2], plain_batch[:2])  # the function rows do not move
+    for row in batch[2:]:
+        fill = int(np.sum(row >= 9000))
+        assert np.all(row[:fill] >= 9000) and np.all(np.diff(row[:fill]) == 1)
+        body = row[fill:]
+        period = next(p for p in range(16, 129) if np.array_equal(body[p:], body[:-p]))
+        assert len(body) >= 3 * period and np.all((body >= 4) & (body < train.VOCAB_SIZE))
