@@ -57,15 +57,27 @@ def make_prompts(workload: str, tokenizer, vocab_size: int, count: int, seed: in
     raise SystemExit(f"unknown workload {workload!r}")
 
 
+# Per-method overrides of the flags, e.g. --methods ngram,ngram:k=8:min=1 compares two n-gram settings.
+METHOD_KEYS = {"k": "num_speculative_tokens", "min": "prompt_lookup_min", "max": "prompt_lookup_max"}
+
+
 def spec_settings(method: str, args) -> dict:
-    if method == "off":
-        return {}
-    if method == "ngram":
-        return dict(speculative_method="ngram", num_speculative_tokens=args.k_ngram,
-                    prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max)
-    if method == "draft":
-        return dict(speculative_model=args.draft, num_speculative_tokens=args.k_draft)
-    raise SystemExit(f"unknown method {method!r}")
+    name, *overrides = method.split(":")
+    if name == "off":
+        settings = {}
+    elif name == "ngram":
+        settings = dict(speculative_method="ngram", num_speculative_tokens=args.k_ngram,
+                        prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max)
+    elif name == "draft":
+        settings = dict(speculative_model=args.draft, num_speculative_tokens=args.k_draft)
+    else:
+        raise SystemExit(f"unknown method {method!r}")
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key not in METHOD_KEYS or not value.isdigit() or (key != "k" and name != "ngram"):
+            raise SystemExit(f"bad override {override!r} in {method!r} (k=N; ngram also min=N, max=N)")
+        settings[METHOD_KEYS[key]] = int(value)
+    return settings
 
 
 def timed_generate(llm, prompts: list[list[int]], batch: int, new_tokens: int):
@@ -170,7 +182,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     from jaxserve import LLM
 
-    methods = ["off"] + [m for m in args.methods.split(",") if m and not (m == "draft" and not args.draft)]
+    methods = ["off"] + [m for m in args.methods.split(",") if m and not (m.startswith("draft") and not args.draft)]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     workloads = args.workloads.split(",")
     # Warmed up like a server: adaptive speculation picks (batch, pages, width) shapes as it goes, and
@@ -228,11 +240,10 @@ def main() -> None:
     for batch in batch_sizes:  # compiled steps alone (no engine): a decode step, a verify pass, a draft step
         target = step_cost(base, batch, 8)
         costs[batch] = dict(target_decode_ms=target * 1e3)
-        for m, k in (("ngram", args.k_ngram), ("draft", args.k_draft)):
-            if m in engines:
-                verify = verify_step_cost(base, batch, 8, k)
-                costs[batch][f"verify_k{k}_ms"] = verify * 1e3
-                costs[batch][f"verify_k{k}_over_decode"] = verify / target
+        for k in sorted({engines[m].engine.spec.k for m in methods if m != "off"}):
+            verify = verify_step_cost(base, batch, 8, k)
+            costs[batch][f"verify_k{k}_ms"] = verify * 1e3
+            costs[batch][f"verify_k{k}_over_decode"] = verify / target
         if "draft" in engines:
             draft = draft_step_cost(engines["draft"], batch, 8)
             costs[batch].update(draft_ms=draft * 1e3, draft_over_target=draft / target)
