@@ -161,7 +161,9 @@ def main() -> None:
     ap.add_argument("--draft", default="checkpoints/default-draft", help="draft model directory ('' to skip)")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--methods", default="ngram,draft")
+    ap.add_argument("--methods", default="ngram,draft",
+                    help="compared with speculation off: ngram, draft, each with optional overrides of the "
+                         "flags, :k=N (ngram also :min=N, :max=N), e.g. ngram,ngram:k=8:min=1")
     ap.add_argument("--workloads", default="copy,natural,random")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per (workload, batch size)")
