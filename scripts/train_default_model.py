@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -189,19 +190,25 @@ def repeat_row(rng: np.random.Generator, stream: np.ndarray, length: int) -> np.
     return np.concatenate([stream[start : start + fill].astype(np.int32), body])
 
 
-def copy_accuracy(cfg, params, examples: list[np.ndarray], length: int) -> float:
-    """Share of the copies' tokens the model predicts exactly (greedy, given the true prefix): about the
-    acceptance rate n-gram speculation sees when the model re-types code from its prompt. Examples are
-    right-padded to `length` (causal attention: padding never affects the scored positions)."""
+@functools.lru_cache(maxsize=None)
+def greedy_predictions(cfg):
+    """The jitted argmax next tokens of `cfg`'s model, one per config: copy_accuracy runs at every
+    evaluation of a run that trains copying, and compiles only the first time."""
     import jax
     import jax.numpy as jnp
 
     from jaxserve.model.llama import forward_dense
 
-    @jax.jit
-    def predicted(params, tokens):
-        return jnp.argmax(forward_dense(params, tokens, cfg=cfg), axis=-1)
+    return jax.jit(lambda params, tokens: jnp.argmax(forward_dense(params, tokens, cfg=cfg), axis=-1))
 
+
+def copy_accuracy(cfg, params, examples: list[np.ndarray], length: int) -> float:
+    """Share of the copies' tokens the model predicts exactly (greedy, given the true prefix): about the
+    acceptance rate n-gram speculation sees when the model re-types code from its prompt. Examples are
+    right-padded to `length` (causal attention: padding never affects the scored positions)."""
+    import jax.numpy as jnp
+
+    predicted = greedy_predictions(cfg)
     right = total = 0
     for ids in examples:
         padded = np.zeros((1, length), np.int32)
@@ -444,14 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [SHAPES[args.only]] if args.only else list(SHAPES.values())
     if args.steps:
         shapes = [dataclasses.replace(s, steps=args.steps) for s in shapes]
-    if args.copy_steps is not None:
-        shapes = [dataclasses.replace(s, copy_steps=args.copy_steps) for s in shapes]
-    if args.copy_lr is not None:
-        shapes = [dataclasses.replace(s, copy_lr=args.copy_lr) for s in shapes]
-    if args.copy_every is not None:
-        shapes = [dataclasses.replace(s, copy_every=args.copy_every) for s in shapes]
-    if args.copy_repeats is not None:
-        shapes = [dataclasses.replace(s, copy_repeats=args.copy_repeats) for s in shapes]
+    copy_flags = {name: getattr(args, name) for name in ("copy_steps", "copy_lr", "copy_every", "copy_repeats")}
+    shapes = [dataclasses.replace(s, **{k: v for k, v in copy_flags.items() if v is not None}) for s in shapes]
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / "tokenizer.model"))
