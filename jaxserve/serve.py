@@ -129,7 +129,7 @@ def dummy_default_tokenizer() -> str:
 
 def build_engine(ns: argparse.Namespace, settings: EngineConfig) -> Any:
     if ns.mock_engine:
-        from jaxserve.server.mock_engine import MockAsyncLLMEngine
+        from jaxserve.testing.mock_engine import MockAsyncLLMEngine
 
         tokenizer = None
         if settings.tokenizer:

@@ -18,7 +18,7 @@ def make_client():
     from starlette.testclient import TestClient
 
     from jaxserve.server.api import ServerOptions, create_app
-    from jaxserve.server.mock_engine import MockAsyncLLMEngine, mock_settings
+    from jaxserve.testing.mock_engine import MockAsyncLLMEngine, mock_settings
 
     made = []
 

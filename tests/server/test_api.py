@@ -10,7 +10,7 @@ import pytest
 
 from server_testlib import parse_metrics, sse_events, wait_until
 
-from jaxserve.server.mock_engine import VOCAB_SIZE
+from jaxserve.testing.mock_engine import VOCAB_SIZE
 
 PROMPT = "The quick brown fox"
 
@@ -373,7 +373,7 @@ def test_mock_engine_delivers_what_it_produced_before_a_failure_to_a_slow_consum
     import asyncio
 
     from jaxserve.sampling_params import SamplingParams
-    from jaxserve.server.mock_engine import MockAsyncLLMEngine
+    from jaxserve.testing.mock_engine import MockAsyncLLMEngine
 
     engine = MockAsyncLLMEngine(token_delay=0.001)
     engine.start()

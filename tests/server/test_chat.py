@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from jaxserve.server.chat import CHATML_TEMPLATE, ChatRenderer, ChatTemplateError
-from jaxserve.server.mock_engine import MockTokenizer
+from jaxserve.testing.mock_engine import MockTokenizer
 
 MESSAGES = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi!"},
             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again?"}]

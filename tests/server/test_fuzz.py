@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
 from jaxserve.server.api import ServerOptions, create_app  # noqa: E402
-from jaxserve.server.mock_engine import MockAsyncLLMEngine, mock_settings  # noqa: E402
+from jaxserve.testing.mock_engine import MockAsyncLLMEngine, mock_settings  # noqa: E402
 
 _engine = MockAsyncLLMEngine(mock_settings(max_model_len=48, num_pages=4096, max_num_seqs=256), token_delay=0.0)
 _engine.start()
