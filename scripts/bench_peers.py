@@ -330,7 +330,7 @@ def export_hf(params, model_dir: str, tokenizer_dir: Path, out: Path) -> Path:
 def make_tokenizer(work: Path, vocab: int) -> Path:
     out = work / f"tokenizer-sp-{vocab}"
     if not (out / "tokenizer.model").is_file():
-        from jaxserve.tokenizer import train_tokenizer
+        from tokenizer_training import train_tokenizer
 
         log(f"training a sentencepiece tokenizer of {vocab} ids (for the GGUF converter) -> {out}")
         train_tokenizer(out, vocab, "sentencepiece", max_bytes=4_000_000)

@@ -43,13 +43,13 @@ def make_prompts(workload: str, tokenizer, vocab_size: int, count: int, seed: in
     if tokenizer is None:
         raise SystemExit(f"the {workload!r} workload needs a tokenizer (the model directory has none)")
     if workload == "copy":
-        from jaxserve.corpus import top_level_functions
+        from corpus import top_level_functions
 
         held_out = top_level_functions("heldout", 12, 40)
         chosen = [held_out[i] for i in rng.choice(len(held_out), size=count, replace=False)]
         return [tokenizer.encode(f + COPY_HEADER + f.splitlines()[0] + "\n") for f in chosen]
     if workload == "natural":
-        from jaxserve.corpus import iter_texts
+        from corpus import iter_texts
 
         texts = [t for _, t in iter_texts("heldout") if len(t) > 2000]
         chosen = [texts[i] for i in rng.choice(len(texts), size=count, replace=False)]

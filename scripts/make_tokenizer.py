@@ -8,17 +8,17 @@ import time
 from pathlib import Path
 
 try:
-    from jaxserve.tokenizer import train_tokenizer
+    from tokenizer_training import train_tokenizer
 except ImportError:  # run from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from jaxserve.tokenizer import train_tokenizer
+    from tokenizer_training import train_tokenizer
 
 
 def make_tokenizer(
     out_dir, vocab_size: int, kind: str = "sentencepiece", max_bytes: int | None = None, seed: int = 0,
     split: str = "all",
 ) -> Path:
-    """See `jaxserve.tokenizer.train_tokenizer`; returns the output directory."""
+    """See `tokenizer_training.train_tokenizer`; returns the output directory."""
     return train_tokenizer(out_dir, vocab_size, kind, max_bytes=max_bytes, seed=seed, split=split)
 
 

@@ -6,7 +6,7 @@
 Every window is prefilled in one chunk through the paged KV cache (`steps.model_step` with all
 logits), so the int8 cache is exercised exactly as in serving: each layer writes (quantizes) its
 K/V into the pages, then attends over them. Tokens come from the corpus' held-out split
-(jaxserve.corpus), cut into non-overlapping windows; the score is the mean next-token NLL.
+(scripts/corpus.py), cut into non-overlapping windows; the score is the mean next-token NLL.
 `mean_nll` is the reusable part (any params, tokens and cache dtype).
 """
 
@@ -66,7 +66,7 @@ def mean_nll(params, cfg, windows: np.ndarray, dtype, kv_cache_dtype: str = "aut
 
 
 def heldout_windows(model_dir: str, num_windows: int, window_len: int) -> np.ndarray:
-    from jaxserve.corpus import iter_texts
+    from corpus import iter_texts
     from jaxserve.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)

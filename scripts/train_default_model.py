@@ -36,10 +36,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxserve.corpus import HELDOUT_PERCENT, iter_texts  # noqa: E402
+from corpus import HELDOUT_PERCENT, iter_texts  # noqa: E402  (this directory)
 
 VOCAB_SIZE = 8192
-BOS, EOS = 1, 2  # sentencepiece ids from jaxserve.tokenizer.SENTENCEPIECE_SPECIALS
+BOS, EOS = 1, 2  # sentencepiece ids from tokenizer_training.SENTENCEPIECE_SPECIALS
 SCORE_FILE = "heldout_score.py"  # the held-out file the checkpoint README quotes a loss for
 
 
@@ -97,7 +97,7 @@ SHAPES = {
 # ----------------------------------------------------------------------------- data
 
 def build_tokenizer(work: Path, max_bytes: int) -> Path:
-    from jaxserve.tokenizer import train_tokenizer
+    from tokenizer_training import train_tokenizer
 
     out = work / "tokenizer"
     if not (out / "tokenizer.model").is_file():
@@ -150,7 +150,7 @@ COPY_MIN_LINES, COPY_MAX_LINES = 6, 60
 def copy_examples(sp, split: str, max_tokens: int, seed: int) -> list[np.ndarray]:
     """Token ids of "function, copy prompt, the same function" for `split`'s top-level functions that
     fit in `max_tokens` (one prompt per function, drawn with `seed`)."""
-    from jaxserve.corpus import top_level_functions
+    from corpus import top_level_functions
 
     rng = np.random.default_rng(seed)
     found = []
@@ -381,7 +381,7 @@ def export(shape: ModelShape, cfg, params, log, tokenizer_dir: Path, out: Path, 
 
 A Llama-architecture model trained by jaxserve on the Python standard library sources of CPython
 {sys.version.split()[0]} (`*.py` files; {HELDOUT_PERCENT}% of files held out by a hash of their path,
-see `jaxserve/corpus.py`), with jaxserve's own model code.
+see `scripts/corpus.py`), with jaxserve's own model code.
 
 | | |
 | --- | --- |

@@ -1,10 +1,9 @@
 """The copy-stage data of the default model's training (scripts/train_default_model.py) and the function
-extraction it and the speculation benchmark's copy workload share (jaxserve.corpus.functions_in)."""
+extraction it and the speculation benchmark's copy workload share (scripts/corpus.py, functions_in)."""
 
 import numpy as np
 import train_default_model as train
-
-from jaxserve.corpus import functions_in
+from corpus import functions_in
 
 SOURCE = '''import os
 

@@ -1,4 +1,5 @@
-"""Tests for jaxserve.tokenizer: loading, round trips, special tokens, streaming detokenization, training."""
+"""Tests for jaxserve.tokenizer (loading, round trips, special tokens, streaming detokenization) and for
+scripts/tokenizer_training.py (training)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,9 @@ from pathlib import Path
 
 import make_tokenizer
 import pytest
+from tokenizer_training import BYTELEVEL_SPECIALS, SENTENCEPIECE_SPECIALS, train_tokenizer
 
-from jaxserve.tokenizer import (
-    BYTELEVEL_SPECIALS,
-    SENTENCEPIECE_SPECIALS,
-    IncrementalDetokenizer,
-    load_tokenizer,
-    train_tokenizer,
-)
+from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("sentencepiece", "bytelevel")

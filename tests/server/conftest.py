@@ -47,7 +47,7 @@ def client(make_client):
 @pytest.fixture(scope="session")
 def bytelevel_tokenizer_dir(tmp_path_factory) -> str:
     """A trained byte-level tokenizer of 512 ids (ChatML specials included), no chat template."""
-    from jaxserve.tokenizer import train_tokenizer
+    from tokenizer_training import train_tokenizer
 
     tok_dir = tmp_path_factory.mktemp("tok-bytelevel-512")
     train_tokenizer(tok_dir, vocab_size=512, kind="bytelevel", max_bytes=300_000)
