@@ -115,16 +115,10 @@ def resolve_settings(ns: argparse.Namespace) -> tuple[EngineConfig, str, str | N
 
 
 def dummy_default_tokenizer() -> str:
-    """A tokenizer of the dummy default's vocabulary size (49152), trained once (deterministically, a
-    few seconds) on the standard library sources and kept in the user's cache, so text prompts work."""
-    from jaxserve.engine.compile import default_cache_dir
-    from jaxserve.tokenizer import train_tokenizer
-
-    path = os.path.join(os.path.dirname(default_cache_dir()), "tokenizers", "bytelevel-49152")
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        logger.info("training the dummy default's byte-level tokenizer (vocab 49152) into %s", path)
-        train_tokenizer(path, vocab_size=49152, kind="bytelevel", max_bytes=8_000_000)
-    return path
+    """The byte-level tokenizer shipped with the dummy default's shape (configs/models/smollm2-135m/tokenizer),
+    so text prompts work. It has 8192 ids, the model 49152: ids past the tokenizer's decode to nothing, as
+    for any model whose embedding table is padded beyond its tokenizer."""
+    return str(DUMMY_DEFAULT_MODEL / "tokenizer")
 
 
 def build_engine(ns: argparse.Namespace, settings: EngineConfig) -> Any:

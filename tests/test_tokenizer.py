@@ -152,6 +152,33 @@ def test_out_of_range_ids_ignored(toks):
         assert tok.decode(ids + [tok.vocab_size + 7]) == "abc"
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_incremental_out_of_range_ids(toks, kind):
+    # Streaming agrees with the full decode when a padded model emits ids past the tokenizer's.
+    tok = toks[kind]
+    rng = random.Random(4)
+    for _ in range(100):
+        ids = [rng.randrange(4 * tok.vocab_size) for _ in range(rng.randint(0, 40))]
+        _check_stream(tok, ids, rng, skip=rng.random() < 0.5)
+    assert tok.id_to_token(tok.vocab_size + 1) is None
+
+
+def test_shipped_dummy_default_tokenizer():
+    # The tokenizer serve.py gives the dummy-weights default (SmolLM2-135M's shape, 49152 ids): a
+    # byte-level BPE of 8192 ids, loaded as a model directory's would be; all 49152 ids decode.
+    from jaxserve.serve import DUMMY_DEFAULT_MODEL, dummy_default_tokenizer
+
+    model_vocab = json.loads((DUMMY_DEFAULT_MODEL / "config.json").read_text())["vocab_size"]
+    tok = load_tokenizer(dummy_default_tokenizer())
+    assert tok.vocab_size == 8192 < model_vocab
+    assert tok.eos_token_ids == (0,) and tok.bos_token_id == 0 and not tok.add_bos_token  # config.json's ids
+    text = "def f(x):\n    return x  # héllo 🎉\n"
+    assert tok.decode(tok.encode(text)) == text
+    every = list(range(model_vocab))
+    assert tok.decode(every) == tok.decode(every[:tok.vocab_size])
+    _check_stream(tok, every[::-97], random.Random(5), skip=False)
+
+
 # ----------------------------------------------------------------------------- training
 
 
