@@ -11,6 +11,7 @@ import os
 from typing import Any, Mapping
 
 from jaxserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from jaxserve.generation_config import parse_override
 from jaxserve.settings import (
     Settings,
     choice,
@@ -217,6 +218,13 @@ class EngineConfig(Settings):
                                "orbax | safetensors | dummy (seeded random weights)",
                                choice("auto", "orbax", "safetensors", "dummy"))
     seed: int = setting(0, "seed for dummy weights and default sampling", parse_int)
+    generation_config: str = setting(
+        "auto", "default sampling values of requests that set none: auto (the model's generation_config.json) | "
+        "vllm (ignore it: jaxserve's built-in defaults) | DIR (a generation_config.json there)", parse_str)
+    override_generation_config: str | None = setting(
+        None, "JSON object merged over the generation config, e.g. '{\"temperature\": 0.5}'", parse_override)
+    chat_template: str | None = setting(
+        None, "chat template (a Jinja file, or the template itself) instead of the checkpoint's", optional(parse_str))
     page_size: int = setting(16, "tokens per KV-cache page", parse_int)
     num_pages: int | None = setting(None, "KV-cache pages per data-parallel replica", optional(parse_int))
     kv_cache_memory: int | None = setting(None, "bytes for the KV cache per replica (e.g. 4GiB), if num_pages unset",

@@ -172,6 +172,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    try:  # before anything compiles: the chat template and generation_config.json must be usable
+        from jaxserve.generation_config import load_generation_defaults
+        from jaxserve.server.chat import load_chat_renderer
+
+        chat_renderer, generation_defaults = load_chat_renderer(settings), load_generation_defaults(settings)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if ns.max_waiting is not None and ns.max_waiting < 0:
         print("error: --max-waiting must be >= 0", file=sys.stderr)
         return 2
@@ -194,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_body_bytes=ns.max_body_bytes,
         device_bandwidth=ns.device_bandwidth,
         weights_note=note,
+        chat_renderer=chat_renderer,
+        generation_defaults=generation_defaults,
     )
     app = create_app(options)
     state = app.state.jaxserve

@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # jaxserve.plan, for costs
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # jaxserve.planning, for costs
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact water room mother area money story month lot right study "
@@ -240,10 +240,10 @@ def summarize(results: list[Result], duration: float, args: argparse.Namespace) 
 
 
 def token_costs(summary: dict, cost_per_device_hour: float, num_devices: int = 1) -> dict:
-    """USD per million input, output and all tokens at the run's measured token throughputs (jaxserve.plan's
+    """USD per million input, output and all tokens at the run's measured token throughputs (jaxserve.planning.roofline's
     cost_per_million_tokens: cost_per_device_hour · num_devices / 3600 / tokens_per_s · 10⁶). Each
     charges the whole cost to that kind of token; None where the run moved no such tokens."""
-    from jaxserve.plan import cost_per_million_tokens
+    from jaxserve.planning.roofline import cost_per_million_tokens
 
     duration = summary.get("duration_s") or 0.0
 

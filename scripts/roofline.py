@@ -9,7 +9,7 @@ On jax's default backend (the CPU here, a GPU or TPU where jax sees one) it
 2. builds the engine (`LLM(..., warm_up=False)`, dummy weights) and times its real compiled steps
    (the runner's bucketed `_generate_step` executables, model + sampling, fetched to the host after
    every call as a decode loop must) for decode at every batch x context, and prefill of B prompts;
-3. compares each point with the planner's bounds (`jaxserve.plan`): decode is bound by
+3. compares each point with the planner's bounds (`jaxserve.planning.roofline`): decode is bound by
    (param bytes + B x context x KV bytes per token) / bandwidth, prefill by FLOPs / peak; reports the
    fraction of the bound reached and the batch where decode turns from memory- to compute-bound
    (by the bounds, and where the measured step time doubles its batch-1 time);
@@ -88,7 +88,7 @@ class Roof:
 
 def _target(roof: Roof):
     from jaxserve.devices import DEVICES
-    from jaxserve.plan import Target
+    from jaxserve.planning.roofline import Target
 
     spec = dataclasses.replace(DEVICES["cpu"], name="measured", description="measured here", shared_host=False)
     return Target.build(spec, (1, 1), device_memory=1, bandwidth=roof.bandwidth, peak_flops=roof.peak_flops)
@@ -96,7 +96,7 @@ def _target(roof: Roof):
 
 def decode_bound(roof: Roof, batch: int, context: int) -> dict:
     """The planner's decode bound (`plan.decode_bound`) for `batch` sequences attending to `context` tokens."""
-    from jaxserve import plan
+    from jaxserve.planning import roofline as plan
 
     b = plan.decode_bound(roof.cfg, _target(roof), roof.param_bytes, roof.kv_bytes_per_token, batch, context,
                           roof.activation_bytes)
@@ -108,7 +108,7 @@ def decode_bound(roof: Roof, batch: int, context: int) -> dict:
 def prefill_bound(roof: Roof, batch: int, prompt_len: int) -> dict:
     """Prefill of `batch` prompts of `prompt_len` tokens from an empty cache: `plan.prefill_bound`'s
     arithmetic (FLOPs / peak against weights + new KV / bandwidth) with batch x the tokens."""
-    from jaxserve import plan
+    from jaxserve.planning import roofline as plan
 
     cfg, tokens = roof.cfg, batch * prompt_len
     bytes_read = roof.param_bytes + tokens * roof.kv_bytes_per_token
@@ -128,7 +128,7 @@ def crossover_batch(roof: Roof, context: int) -> float | None:
     """The batch at which the decode bounds meet: memory_s(B) = compute_s(B), i.e.
     (P + B·C·kv) / bw = (2·P_mm·B + 4·N·H·L·B·C) / peak. None when decode never turns compute-bound
     at this context (each sequence's KV costs more to read than its FLOPs to compute)."""
-    from jaxserve import plan
+    from jaxserve.planning import roofline as plan
 
     cfg = roof.cfg
     flops_per_seq = plan.matmul_flops(plan.matmul_params(cfg), 1) + plan.attention_flops(
@@ -595,7 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import jax
 
-    from jaxserve import plan
+    from jaxserve.planning import roofline as plan
     from jaxserve.model.weights import param_bytes as tree_bytes
 
     backend = jax.default_backend()

@@ -492,7 +492,7 @@ def report(args: argparse.Namespace, skipped: list[str]) -> list[dict]:
 # ---- the planner's prediction of each knob on an accelerator ---------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Scenario:
-    """The accelerator workload the predictions assume (roofline lower bounds from jaxserve.plan)."""
+    """The accelerator workload the predictions assume (roofline lower bounds from jaxserve.planning.roofline)."""
 
     model: str = "configs/models/llama3-8b"
     dtype: str = "bfloat16"
@@ -511,7 +511,7 @@ def predict(device: str, num_devices: int, scenario: Scenario = Scenario()) -> l
     and the KV slots a sequence wastes in its last page on average, (page_size - 1) / 2. Speculation:
     TPOT >= (verify step + k draft steps) / expected tokens per verify step, (1 - a^(k+1)) / (1 - a).
     Knobs the roofline does not see (scheduler steps) get no figures."""
-    from jaxserve import plan as P
+    from jaxserve.planning import roofline as P
     from jaxserve.config import ModelConfig
     from jaxserve.devices import get_device
 

@@ -10,6 +10,7 @@ import bench_serving as bench
 import pytest
 
 from jaxserve import plan as planner
+from jaxserve.planning import capacity, roofline
 from jaxserve.config import ModelConfig
 from jaxserve.devices import get_device
 from jaxserve.errors import ConfigError
@@ -42,7 +43,7 @@ def test_bench_summary_reports_costs_only_when_priced():
 
 def test_plan_input_and_output_costs():
     cfg = ModelConfig.from_dir(str(REPO / "configs" / "models" / "llama3-8b"))
-    plan = planner.make_plan(cfg, planner.Target.build(get_device("h100"), (1, 1)), context=4096, batch=16,
+    plan = roofline.make_plan(cfg, roofline.Target.build(get_device("h100"), (1, 1)), context=4096, batch=16,
                              prompt_len=2048)
     assert plan.usd_per_million_input_tokens == pytest.approx(plan.prefill.usd_per_million_tokens)
     out = next(d for d in plan.decode if d.batch == 16)
@@ -54,19 +55,19 @@ def test_plan_input_and_output_costs():
 
 
 def test_capacity_plan_by_hand():
-    c = planner.capacity_plan(10.0, 3.0, devices_per_replica=2, cost_per_device_hour=4.0,
+    c = capacity.capacity_plan(10.0, 3.0, devices_per_replica=2, cost_per_device_hour=4.0,
                               mean_input_tokens=500, mean_output_tokens=100)
     assert (c.replicas, c.devices) == (4, 8)  # ceil(10 / 3)
     assert c.utilisation == pytest.approx(10 / 12) and c.cost_per_hour == 32.0
     # $32/h over 10 req/s x 100 output tokens = 1000 tok/s: 32 / 3600 / 1000 * 1e6.
     assert c.usd_per_million_output_tokens == pytest.approx(32 / 3.6)
     assert c.usd_per_million_input_tokens == pytest.approx(32 / 3.6 / 5)
-    assert planner.capacity_plan(9.0, 3.0).replicas == 3  # exactly divisible: no extra replica
-    assert planner.capacity_plan(9.0, 3.0, headroom=0.2).replicas == 4
-    assert planner.capacity_plan(0.5, 3.0).replicas == 1
-    assert planner.capacity_plan(1.0, 1.0).cost_per_hour is None
+    assert capacity.capacity_plan(9.0, 3.0).replicas == 3  # exactly divisible: no extra replica
+    assert capacity.capacity_plan(9.0, 3.0, headroom=0.2).replicas == 4
+    assert capacity.capacity_plan(0.5, 3.0).replicas == 1
+    assert capacity.capacity_plan(1.0, 1.0).cost_per_hour is None
     with pytest.raises(ConfigError):
-        planner.capacity_plan(1.0, 0.0)
+        capacity.capacity_plan(1.0, 0.0)
 
 
 def request(ttft, e2el, n, ok=True):
@@ -78,10 +79,10 @@ def test_request_goodput():
             request(0.5, 1.0, 11),  # TTFT 500 ms, TPOT 50 ms
             request(0.1, 3.1, 11),  # TPOT 300 ms
             request(0.0, 0.0, 0, ok=False)]
-    assert planner.request_goodput(reqs, 2.0) == (1.5, 0.75)  # no SLO: every success
-    assert planner.request_goodput(reqs, 2.0, slo_ttft_ms=200) == (1.0, 0.5)
-    assert planner.request_goodput(reqs, 2.0, slo_tpot_ms=150) == (1.0, 0.5)
-    assert planner.request_goodput(reqs, 2.0, 200, 150) == (0.5, 0.25)
+    assert capacity.request_goodput(reqs, 2.0) == (1.5, 0.75)  # no SLO: every success
+    assert capacity.request_goodput(reqs, 2.0, slo_ttft_ms=200) == (1.0, 0.5)
+    assert capacity.request_goodput(reqs, 2.0, slo_tpot_ms=150) == (1.0, 0.5)
+    assert capacity.request_goodput(reqs, 2.0, 200, 150) == (0.5, 0.25)
 
 
 def run(rate, goodput, attainment, completed=10):
@@ -92,26 +93,26 @@ def run(rate, goodput, attainment, completed=10):
 
 def test_replica_capacity_takes_the_best_rate_within_the_slo():
     runs = [run(1.0, 0.98, 1.0), run(2.0, 1.9, 0.95), run(4.0, 2.5, 0.6), run("inf", 2.7, 0.3)]
-    cap = planner.replica_capacity(runs, min_attainment=0.9)
+    cap = capacity.replica_capacity(runs, min_attainment=0.9)
     assert cap.requests_per_s == 1.9 and cap.offered_rate == 2.0 and cap.meets_attainment
     assert not cap.saturated  # no request_throughput recorded: taken as served
-    assert planner.replica_capacity([{**runs[1], "request_throughput": 1.5}]).saturated  # 1.5 of 2 offered
-    assert planner.replica_capacity([runs[3]], min_attainment=0.1).saturated  # rate inf: saturation by design
+    assert capacity.replica_capacity([{**runs[1], "request_throughput": 1.5}]).saturated  # 1.5 of 2 offered
+    assert capacity.replica_capacity([runs[3]], min_attainment=0.1).saturated  # rate inf: saturation by design
     assert (cap.mean_input_tokens, cap.mean_output_tokens) == (100, 20)
-    loose = planner.replica_capacity(runs, min_attainment=0.5)
+    loose = capacity.replica_capacity(runs, min_attainment=0.5)
     assert loose.requests_per_s == 2.5
-    none = planner.replica_capacity(runs, min_attainment=1.01)
+    none = capacity.replica_capacity(runs, min_attainment=1.01)
     assert none.requests_per_s == 2.7 and not none.meets_attainment
     with pytest.raises(ConfigError, match="no goodput"):
-        planner.replica_capacity([{"completed": 1, "duration_s": 1.0}])
+        capacity.replica_capacity([{"completed": 1, "duration_s": 1.0}])
     with pytest.raises(ConfigError, match="save-requests"):
-        planner.replica_capacity(runs, slo_tpot_ms=100)
+        capacity.replica_capacity(runs, slo_tpot_ms=100)
 
 
 def test_replica_capacity_recomputes_goodput_from_requests():
     r = run(2.0, 0.0, 0.0, completed=2)
     r["requests"] = [request(0.1, 1.1, 11), request(0.1, 3.1, 11)]
-    cap = planner.replica_capacity([r], min_attainment=0.5, slo_tpot_ms=150)
+    cap = capacity.replica_capacity([r], min_attainment=0.5, slo_tpot_ms=150)
     assert cap.requests_per_s == pytest.approx(1 / 5.0) and cap.attainment == 0.5
 
 
@@ -143,6 +144,6 @@ def test_capacity_reads_a_real_bench_serving_report(tmp_path):
     config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, type(None)))}
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"config": config, "runs": {"server": [summary]}}))
-    cap = planner.replica_capacity(json.loads(path.read_text())["runs"]["server"], min_attainment=0.5)
+    cap = capacity.replica_capacity(json.loads(path.read_text())["runs"]["server"], min_attainment=0.5)
     assert cap.requests_per_s == 1.0 and cap.attainment == 0.5
     assert planner.capacity_main([str(path), "--target-rate", "3", "--min-attainment", "0.5"]) == 0

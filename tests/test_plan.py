@@ -13,7 +13,8 @@ from jaxserve.devices import DEVICES, cpu_spec, get_device, spec_for_device_kind
 from jaxserve.errors import ConfigError
 from jaxserve.kv_cache import cache_shape
 from jaxserve.model.weights import init_dummy_params
-from jaxserve.plan import Target, make_plan, param_bytes_per_device
+from jaxserve.planning import roofline
+from jaxserve.planning.roofline import Target, make_plan, param_bytes_per_device
 from jaxserve.sharding import make_mesh, make_shardings
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -97,7 +98,7 @@ def test_refuses_a_context_longer_than_the_cache():
     assert not plan.fits and plan.max_batch == 0 and not plan.decode
     assert "one sequence of 8192 tokens needs 180.00 MiB of KV per device" in plan.problems[0]
     budget = int(0.9 * 300 * 2**20) - plan.param_bytes_per_device
-    assert f"short by {planner.fmt_bytes(513 * 16 * 23040 - budget)}" in plan.problems[0]
+    assert f"short by {roofline.fmt_bytes(513 * 16 * 23040 - budget)}" in plan.problems[0]
 
 
 def test_model_axis_must_divide_the_heads():
@@ -138,22 +139,22 @@ def test_bytes_per_device_match_the_engine_shardings(mesh_shape, quantization, q
     assert on_device == param_bytes_per_device(TINY, 4, quantization, quantize_lm_head, model_size=size)
     num_pages, page_size = 8, 4
     cache_on_device = 2 * 4 * math.prod(shardings.cache.shard_shape(cache_shape(TINY, num_pages, page_size, data)))
-    kv_per_device = TINY.kv_bytes_per_token(4) // planner.kv_split(TINY, size)
+    kv_per_device = TINY.kv_bytes_per_token(4) // roofline.kv_split(TINY, size)
     assert cache_on_device == num_pages * page_size * kv_per_device
-    assert planner.kv_split(TINY, size) == (1 if size == 4 else size)
+    assert roofline.kv_split(TINY, size) == (1 if size == 4 else size)
 
 
 def test_roofline_functions_by_hand():
-    assert planner.ring_allreduce_seconds(1e6, 1, 1e9) == 0
-    assert planner.ring_allreduce_seconds(1e6, 8, 1e9) == pytest.approx(2 * 7 / 8 * 1e-3)
+    assert roofline.ring_allreduce_seconds(1e6, 1, 1e9) == 0
+    assert roofline.ring_allreduce_seconds(1e6, 8, 1e9) == pytest.approx(2 * 7 / 8 * 1e-3)
     # Two all-reduces of [B, D] per layer: 32 layers x 2 x ring(16 x 4096 x 2 bytes) over 8 devices.
-    assert planner.tp_allreduce_seconds(16, 4096, 2, 32, 8, 450e9) == \
+    assert roofline.tp_allreduce_seconds(16, 4096, 2, 32, 8, 450e9) == \
         pytest.approx(64 * 2 * 7 / 8 * 16 * 4096 * 2 / 450e9)
-    assert planner.matmul_flops(8e9, 4) == 6.4e10
-    assert planner.attention_flops(32, 128, 32, 2, 1000) == 4 * 32 * 128 * 32 * 2 * 1000
-    assert planner.step_seconds(2.0, 1.0, 0.5) == 2.5
+    assert roofline.matmul_flops(8e9, 4) == 6.4e10
+    assert roofline.attention_flops(32, 128, 32, 2, 1000) == 4 * 32 * 128 * 32 * 2 * 1000
+    assert roofline.step_seconds(2.0, 1.0, 0.5) == 2.5
     # $8 per device-hour on 8 devices at 1000 tokens/s: $64/h / 3.6 M tokens/h = $17.78 per M tokens.
-    assert planner.cost_per_million_tokens(8.0, 8, 1000.0) == pytest.approx(64 / 3.6)
+    assert roofline.cost_per_million_tokens(8.0, 8, 1000.0) == pytest.approx(64 / 3.6)
 
 
 def test_cost_override_scales_cost_only():

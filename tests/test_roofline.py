@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import roofline
 
-from jaxserve import plan
+from jaxserve.planning import roofline as plan
 from jaxserve.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
