@@ -11,6 +11,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.errors import ConfigError, RequestError
+from jaxserve.generation_config import load_generation_defaults
 from jaxserve.sampling_params import RequestOutput, SamplingParams
 
 
@@ -22,6 +23,8 @@ class LLM:
             config = EngineConfig.from_dict({"model": model, **settings})
         except TypeError as err:
             raise ConfigError(str(err)) from None
+        # Before the engine compiles: a generation_config that cannot be used fails at once.
+        self.generation_defaults = load_generation_defaults(config)
         self.engine = LLMEngine(config, warm_up=warm_up)
         self._ids = itertools.count()
 
@@ -32,6 +35,11 @@ class LLM:
     plan = property(lambda self: self.engine.plan)
     runner = property(lambda self: self.engine.runner)
     blocks = property(lambda self: self.engine.blocks)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no SamplingParams: the model's generation_config.json values
+        (`do_sample: false` is greedy) over SamplingParams' own defaults, as vLLM's method of this name."""
+        return self.generation_defaults.sampling_params()
 
     def generate(
         self,
@@ -52,7 +60,7 @@ class LLM:
             all_ids = [[int(t) for t in ids] for ids in prompt_token_ids]
             texts = [None] * len(all_ids)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(all_ids)
         if len(sampling_params) != len(all_ids):

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.errors import JaxServeError, RequestError
+from jaxserve.generation_config import BUILT_IN, GenerationDefaults, load_generation_defaults
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.chat import ChatRenderer, ChatTemplateError
 from jaxserve.server.metrics import ServerMetrics
@@ -86,6 +87,9 @@ class ServerOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     device_bandwidth: float | None = None
     weights_note: str | None = None  # e.g. "dummy weights", shown by /v1/models and /v1/capabilities
+    # Built and checked at start-up (serve.py), before the engine compiles; None: built from the engine.
+    chat_renderer: ChatRenderer | None = None
+    generation_defaults: GenerationDefaults | None = None
 
 
 class APIError(Exception):
@@ -133,7 +137,8 @@ class ServerState:
         self.owns_engine = False  # shut the engine down with the app (serve.py), or leave it to the caller
         self.pending_first = 0  # engine requests submitted whose first output has not arrived
         self.metrics = ServerMetrics(self._stats, options.device_bandwidth)
-        self.chat: ChatRenderer | None = None
+        self.chat: ChatRenderer | None = options.chat_renderer
+        self.generation_defaults: GenerationDefaults = options.generation_defaults or BUILT_IN
         self.created = int(time.time())
 
     # ---- engine -------------------------------------------------------------------------------
@@ -141,12 +146,15 @@ class ServerState:
         """Attach a started, warm engine; from now on /health is 200. An owned engine is shut down with the app."""
         self.engine = engine
         self.owns_engine = owned
-        tokenizer = self.tokenizer
-        try:
-            self.chat = ChatRenderer(tokenizer)
-        except ChatTemplateError as err:
-            logger.warning("%s; chat requests will use the ChatML fallback", err)
-            self.chat = ChatRenderer(None)
+        if self.options.chat_renderer is None:
+            try:
+                self.chat = ChatRenderer(self.tokenizer)
+            except ChatTemplateError as err:
+                logger.warning("%s; chat requests will use the ChatML fallback", err)
+                self.chat = ChatRenderer(None)
+        if self.options.generation_defaults is None:
+            settings = getattr(getattr(engine, "engine", None), "settings", None)
+            self.generation_defaults = load_generation_defaults(settings) if settings is not None else BUILT_IN
         self.ready = True
 
     def _stats(self) -> dict | None:
@@ -633,6 +641,8 @@ def create_app(options: ServerOptions | None = None, engine: Any = None, shutdow
             "max_model_len": state.max_model_len,
             "tokenizer": state.tokenizer is not None,
             "chat_template": state.chat.source if state.chat else None,
+            "chat_template_origin": state.chat.origin if state.chat else None,
+            "generation_defaults": state.generation_defaults.as_dict(),
             "endpoints": ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models",
                           "GET /v1/capabilities", "GET /health", "GET /metrics"],
             "completions": {"fields": sorted(CompletionRequest.model_fields)},
@@ -729,7 +739,8 @@ async def _serve(state: ServerState, request: Request, body: Any, chat: bool):
     model = state.check_model(body.model)
     tok = state.tokenizer
     max_len = state.max_model_len
-    values = _common_values(body)
+    defaults = state.generation_defaults
+    values = {**defaults.request_values(), **_common_values(body)}  # the model's defaults; the request's win
     echo = False
     drop_generated = False
     n_logprobs: int | None = None
@@ -742,7 +753,8 @@ async def _serve(state: ServerState, request: Request, body: Any, chat: bool):
             add_gen = not body.continue_final_message
         try:
             text = state.chat.render(messages, add_generation_prompt=add_gen,
-                                     continue_final_message=bool(body.continue_final_message))
+                                     continue_final_message=bool(body.continue_final_message),
+                                     documents=body.documents, chat_template_kwargs=body.chat_template_kwargs)
         except ChatTemplateError as err:
             raise APIError(400, str(err), param="messages", code="chat_template_error") from None
         if tok is None:
@@ -750,8 +762,9 @@ async def _serve(state: ServerState, request: Request, body: Any, chat: bool):
                                 "token ids", param="messages", code="no_tokenizer")
         prompts = [(text, list(tok.encode(text, add_special_tokens=False)))]
         max_tokens = body.max_tokens or body.max_completion_tokens
-        if max_tokens is None and max_len is not None:
-            max_tokens = max(1, max_len - len(prompts[0][1]))
+        if max_tokens is None:  # as vLLM: the model's max_new_tokens, at most what is left of the context
+            left = max(1, max_len - len(prompts[0][1])) if max_len is not None else None
+            max_tokens = min((v for v in (defaults.get("max_tokens"), left) if v is not None), default=None)
         values["max_tokens"] = max_tokens if max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
         if body.logprobs:
             n_logprobs = body.top_logprobs or 0
@@ -759,7 +772,9 @@ async def _serve(state: ServerState, request: Request, body: Any, chat: bool):
     else:
         prompts = _prompts_of(state, body)
         echo = bool(body.echo)
-        max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+        max_tokens = body.max_tokens
+        if max_tokens is None:  # as vLLM: OpenAI's 16, or the model's max_new_tokens if lower
+            max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, defaults.get("max_tokens") or COMPLETION_DEFAULT_MAX_TOKENS)
         if max_tokens == 0:  # echo only: the prompt (and its logprobs), nothing generated
             drop_generated = True
             max_tokens = 1

@@ -43,7 +43,6 @@ KNOWN_UNSUPPORTED = {
     "guided_regex": "guided decoding is not supported",
     "guided_choice": "guided decoding is not supported",
     "guided_grammar": "guided decoding is not supported",
-    "chat_template_kwargs": "chat_template_kwargs is not supported",
     "tool_calls": "tool calls in messages are not supported",
     "tool_call_id": "tool messages are not supported",
     "refusal": "refusal in messages is not supported",
@@ -89,7 +88,8 @@ class SamplingFields(OpenAIBase):
     """Fields shared by completions and chat completions."""
 
     model: Optional[str] = Field(None, description="a served model name (GET /v1/models); default: the served model")
-    temperature: Optional[float] = Field(None, ge=0, le=2, description="0 is greedy; default 1")
+    temperature: Optional[float] = Field(
+        None, ge=0, le=2, description="0 is greedy; default: the model's generation_config.json, else 1")
     top_p: Optional[float] = Field(None, gt=0, le=1)
     n: Optional[int] = Field(None, ge=1, le=MAX_N, description="completions per prompt")
     stop: StopField = Field(None, description="stop strings, cut from the returned text")
@@ -188,6 +188,10 @@ class ChatCompletionRequest(SamplingFields):
     response_format: Optional[ResponseFormat] = None
     add_generation_prompt: Optional[bool] = Field(None, description="default true")
     continue_final_message: Optional[bool] = Field(None, description="continue the last (assistant) message")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="extra variables for the chat template, e.g. {\"enable_thinking\": false}")
+    documents: Optional[Annotated[list[dict[str, Any]], Field(max_length=64)]] = Field(
+        None, description="documents for retrieval-augmented templates (the template's `documents` variable)")
 
     @model_validator(mode="after")
     def _checks(self):
