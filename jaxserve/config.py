@@ -209,82 +209,85 @@ class EngineConfig(Settings):
     """Every engine setting. The same name is a Python keyword, a YAML key and a `--kebab-case` flag."""
 
     model: str | None = setting(None, "model directory (Hugging Face layout); default: the shipped model",
-                                optional(parse_str))
+                                optional(parse_str), group="model")
     tokenizer: str | None = setting(None, "tokenizer directory or file; default: the model directory",
-                                    optional(parse_str))
+                                    optional(parse_str), group="model")
     dtype: str = setting("auto", "parameter and activation dtype; auto = float32 on CPU, else the checkpoint's dtype, else bfloat16",
-                         choice(*DTYPES))
+                         choice(*DTYPES), group="model")
     load_format: str = setting("auto", "auto (orbax if the directory is a jaxserve checkpoint, else safetensors) | "
                                "orbax | safetensors | dummy (seeded random weights)",
-                               choice("auto", "orbax", "safetensors", "dummy"))
-    seed: int = setting(0, "seed for dummy weights and default sampling", parse_int)
+                               choice("auto", "orbax", "safetensors", "dummy"), group="model")
+    seed: int = setting(0, "seed for dummy weights and default sampling", parse_int, group="model")
     generation_config: str = setting(
         "auto", "default sampling values of requests that set none: auto (the model's generation_config.json) | "
-        "vllm (ignore it: jaxserve's built-in defaults) | DIR (a generation_config.json there)", parse_str)
+        "vllm (ignore it: jaxserve's built-in defaults) | DIR (a generation_config.json there)", parse_str,
+        group="model")
     override_generation_config: str | None = setting(
-        None, "JSON object merged over the generation config, e.g. '{\"temperature\": 0.5}'", parse_override)
+        None, "JSON object merged over the generation config, e.g. '{\"temperature\": 0.5}'", parse_override,
+        group="model")
     chat_template: str | None = setting(
-        None, "chat template (a Jinja file, or the template itself) instead of the checkpoint's", optional(parse_str))
-    page_size: int = setting(16, "tokens per KV-cache page", parse_int)
-    num_pages: int | None = setting(None, "KV-cache pages per data-parallel replica", optional(parse_int))
+        None, "chat template (a Jinja file, or the template itself) instead of the checkpoint's", optional(parse_str),
+        group="model")
+    page_size: int = setting(16, "tokens per KV-cache page", parse_int, group="cache")
+    num_pages: int | None = setting(None, "KV-cache pages per data-parallel replica", optional(parse_int), group="cache")
     kv_cache_memory: int | None = setting(None, "bytes for the KV cache per replica (e.g. 4GiB), if num_pages unset",
-                                          optional(parse_size))
+                                          optional(parse_size), group="cache")
     max_model_len: int | None = setting(None, "longest sequence (prompt + output); default: the model's limit",
-                                        optional(parse_int))
-    max_num_seqs: int = setting(16, "most sequences in one decode step", parse_int)
-    max_num_batched_tokens: int = setting(512, "most prompt tokens prefilled in one step", parse_int)
+                                        optional(parse_int), group="scheduling")
+    max_num_seqs: int = setting(16, "most sequences in one decode step", parse_int, group="scheduling")
+    max_num_batched_tokens: int = setting(512, "most prompt tokens prefilled in one step", parse_int, group="scheduling")
     num_scheduler_steps: int = setting(
         1, "decode steps per host round-trip: > 1 runs that many decode steps in one compiled call (less host "
         "overhead per token, burstier streaming, prefills wait longer; compiles a multi-step variant of every "
-        "decode bucket)", parse_int)
+        "decode bucket)", parse_int, group="scheduling")
     mesh_shape: tuple[int, ...] = setting((1, 1), "device mesh (data, model), e.g. 1,4", parse_int_tuple,
-                                          cli_format=format_int_tuple)
+                                          cli_format=format_int_tuple, group="parallelism")
     scan_layers: bool | None = setting(None, "lax.scan over layers (true) or unrolled (false); default per backend",
-                                       optional(parse_bool))
-    attention_backend: str = setting("auto", "auto | reference | pallas", choice("auto", "reference", "pallas"))
-    enable_prefix_caching: bool = setting(True, "reuse the KV pages of shared prompt prefixes", parse_bool)
+                                       optional(parse_bool), group="compilation and kernels")
+    attention_backend: str = setting("auto", "auto | reference | pallas", choice("auto", "reference", "pallas"), group="compilation and kernels")
+    enable_prefix_caching: bool = setting(True, "reuse the KV pages of shared prompt prefixes", parse_bool, group="cache")
     enable_prompt_logprobs: bool = setting(
         False, "accept prompt_logprobs (scoring, e.g. lm-eval): compiles a scoring variant of every prefill "
-        "bucket at start-up", parse_bool)
+        "bucket at start-up", parse_bool, group="scheduling")
     scheduling: str = setting("continuous", "continuous (iteration-level) or static batching (the baseline)",
-                              choice("continuous", "static"))
+                              choice("continuous", "static"), group="scheduling")
     preemption_mode: str = setting(
         "recompute", "recompute: admit greedily, preempt and recompute when pages run out; "
-        "reserve: admit only when pages for prompt + max_tokens are free", choice("recompute", "reserve"))
+        "reserve: admit only when pages for prompt + max_tokens are free", choice("recompute", "reserve"), group="scheduling")
     quantization: str = setting("none", "none | int8 (weight-only, per-output-channel int8 linear layers)",
-                                choice("none", "int8"))
-    quantize_lm_head: bool = setting(False, "with quantization=int8, quantize the (untied) lm_head too", parse_bool)
+                                choice("none", "int8"), group="model")
+    quantize_lm_head: bool = setting(False, "with quantization=int8, quantize the (untied) lm_head too", parse_bool, group="model")
     kv_cache_dtype: str = setting("auto", "auto (the model dtype) | int8 (per-token, per-head scales)",
-                                  choice("auto", "int8"))
+                                  choice("auto", "int8"), group="cache")
     quantized_matmul_backend: str = setting(
         "auto", "int8 weights' matmul: auto (Pallas int8_matmul on one TPU/GPU, else XLA) | reference (XLA) | pallas",
-        choice("auto", "reference", "pallas"))
+        choice("auto", "reference", "pallas"), group="compilation and kernels")
     speculative_model: str | None = setting(
-        None, "draft model directory for speculative decoding (same vocabulary as the model)", optional(parse_str))
+        None, "draft model directory for speculative decoding (same vocabulary as the model)", optional(parse_str), group="speculative decoding")
     speculative_method: str = setting(
         "draft", "draft (proposals from speculative_model) | ngram (prompt lookup: copy from earlier tokens)",
-        choice("draft", "ngram"))
+        choice("draft", "ngram"), group="speculative decoding")
     num_speculative_tokens: int = setting(0, "tokens proposed per verify step; 0 = speculative decoding off",
-                                          parse_int)
-    prompt_lookup_min: int = setting(1, "ngram speculation: shortest suffix to look up", parse_int)
-    prompt_lookup_max: int = setting(4, "ngram speculation: longest suffix to look up (tried first)", parse_int)
+                                          parse_int, group="speculative decoding")
+    prompt_lookup_min: int = setting(1, "ngram speculation: shortest suffix to look up", parse_int, group="speculative decoding")
+    prompt_lookup_max: int = setting(4, "ngram speculation: longest suffix to look up (tried first)", parse_int, group="speculative decoding")
     speculative_adaptive: bool = setting(
         True, "per request, lower the proposals (to none) when the measured acceptance does not pay for them",
-        parse_bool)
+        parse_bool, group="speculative decoding")
     compilation_cache_dir: str | None = setting(
         None, "persistent XLA compilation cache; default ~/.cache/jaxserve/xla, 'none' disables it", optional(parse_str)
-    )
+    , group="compilation and kernels")
     # Multi-host serving (jaxserve.multihost, docs/multihost.md): one process per host, all with the same settings
     # but process_id; process 0 runs the scheduler (and the HTTP server) and hands every step to the others.
     coordinator_address: str | None = setting(
         None, "multi-host: HOST:PORT where process 0 hosts the jax.distributed coordinator (every process gives "
-        "the same); unset = a single process", optional(parse_str))
-    num_processes: int = setting(1, "multi-host: processes in the job (one per host); 1 = single process", parse_int)
+        "the same); unset = a single process", optional(parse_str), group="parallelism")
+    num_processes: int = setting(1, "multi-host: processes in the job (one per host); 1 = single process", parse_int, group="parallelism")
     process_id: int = setting(0, "multi-host: this process's index in [0, num_processes); 0 schedules and serves HTTP",
-                              parse_int)
+                              parse_int, group="parallelism")
     distributed_timeout: int = setting(
         30, "multi-host: seconds without a heartbeat after which a process counts as dead (the others then exit)",
-        parse_int)
+        parse_int, group="parallelism")
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

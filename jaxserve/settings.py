@@ -37,6 +37,7 @@ def parse_size(value: int | str) -> int:
 
 
 def parse_bool(value: Any) -> bool:
+    """true/false, yes/no, on/off, 1/0 (any case); a bare CLI flag arrives as "true"."""
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -86,7 +87,13 @@ def optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
             return None
         return parse(value)
 
+    parse_optional.inner = parse  # type: ignore[attr-defined]
     return parse_optional
+
+
+def is_bool_parser(parse: Callable[[Any], Any]) -> bool:
+    """parse_bool, or optional(parse_bool): such settings get --flag / --no-flag on the command line."""
+    return getattr(parse, "inner", parse) is parse_bool
 
 
 def choice(*options: str) -> Callable[[Any], str]:
@@ -100,9 +107,34 @@ def choice(*options: str) -> Callable[[Any], str]:
     return parse_choice
 
 
-def setting(default: Any, help: str, parse: Callable[[Any], Any], cli_format: Callable[[Any], str] | None = None):
-    """A dataclass field that knows how to parse itself from YAML/CLI and print itself back for the CLI."""
-    return dataclasses.field(default=default, metadata={"help": help, "parse": parse, "cli_format": cli_format})
+def setting(default: Any, help: str, parse: Callable[[Any], Any], cli_format: Callable[[Any], str] | None = None,
+            group: str = "other"):
+    """A dataclass field that knows how to parse itself from YAML/CLI and print itself back for the CLI.
+
+    `group` titles the section of `--help` the flag is listed in (model, cache, scheduling, ...)."""
+    return dataclasses.field(default=default, metadata={"help": help, "parse": parse, "cli_format": cli_format,
+                                                        "group": group})
+
+
+def flag_name(name: str) -> str:
+    """The command-line spelling of a setting: max_num_seqs -> --max-num-seqs."""
+    return "--" + name.replace("_", "-")
+
+
+def cli_spelling(message: str, names: Sequence[str]) -> str:
+    """An error message with setting names as the command line spells them (max_num_seqs -> --max-num-seqs).
+
+    Names with an underscore are unambiguous and replaced wherever they stand alone; one-word names
+    (model, seed, dtype) only where the message marks them as a setting (`setting 'model'`, `model=`),
+    so that prose such as "the model directory" stays prose."""
+    for name in sorted(names, key=len, reverse=True):
+        flag = flag_name(name)
+        message = re.sub(rf"setting '{name}'", f"{flag}", message)
+        if "_" in name:
+            message = re.sub(rf"(?<![\w-])'?{name}'?(?![\w-])", flag, message)
+        else:
+            message = re.sub(rf"(?<![\w-]){name}=", f"{flag}=", message)
+    return message
 
 
 def format_int_tuple(value: Sequence[int]) -> str:
@@ -174,20 +206,27 @@ class Settings:
 
     # ---- command line -------------------------------------------------------------------------
     @classmethod
-    def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """One `--kebab-case` flag per field; values stay strings and are parsed by the dataclass."""
-        group = parser.add_argument_group(cls.__name__)
+    def add_cli_arguments(cls, parser: argparse.ArgumentParser, title_prefix: str = "") -> None:
+        """One `--kebab-case` flag per field, listed in `--help` under its group; values stay strings and
+        are parsed by the dataclass. Boolean settings take `--flag` (true), `--no-flag` (false), or an
+        explicit value (`--flag false`, as YAML would say it)."""
+        groups: dict[str, argparse._ArgumentGroup] = {}
         for field in dataclasses.fields(cls):  # type: ignore[arg-type]
             parse = field.metadata["parse"]
+            title = field.metadata.get("group", "other")
+            if title not in groups:
+                groups[title] = parser.add_argument_group(f"{title_prefix}{title}")
+            group = groups[title]
             options = getattr(parse, "options", None)
             help_text = field.metadata["help"] + f" (default: {field.default!r})"
-            group.add_argument(
-                "--" + field.name.replace("_", "-"),
-                dest=field.name,
-                default=argparse.SUPPRESS,
-                choices=options,
-                help=help_text,
-            )
+            flag = flag_name(field.name)
+            if is_bool_parser(parse):
+                group.add_argument(flag, dest=field.name, default=argparse.SUPPRESS, nargs="?", const="true",
+                                   metavar="BOOL", help=help_text + f"; {flag} alone means true")
+                group.add_argument("--no-" + flag[2:], dest=field.name, default=argparse.SUPPRESS,
+                                   action="store_const", const="false", help=f"same as {flag} false")
+                continue
+            group.add_argument(flag, dest=field.name, default=argparse.SUPPRESS, choices=options, help=help_text)
 
     @classmethod
     def cli_values(cls, namespace: argparse.Namespace) -> dict[str, Any]:
@@ -196,14 +235,29 @@ class Settings:
 
     @classmethod
     def from_cli(cls, argv: Sequence[str]):
+        """From command-line flags (and `--config FILE`); errors name the flags as they are spelled there."""
         parser = argparse.ArgumentParser()
         parser.add_argument("--config", default=None, help="YAML file of settings; flags override it")
         cls.add_cli_arguments(parser)
         namespace = parser.parse_args(list(argv))
-        values = cls.cli_values(namespace)
-        if namespace.config:
-            return cls.from_yaml(namespace.config, overrides=values)
-        return cls.from_dict(values)
+        return cls.from_namespace(namespace, namespace.config)
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace, config: str | None = None,
+                       defaults: Mapping[str, Any] | None = None):
+        """From parsed flags over `config` (YAML) over `defaults`; a ConfigError spells settings as flags."""
+        values = {**(defaults or {}), **cls.cli_values(namespace)}
+        try:
+            if config:
+                return cls.from_yaml(config, overrides=values)
+            return cls.from_dict(values)
+        except ConfigError as err:
+            raise ConfigError(cls.cli_message(str(err))) from None
+
+    @classmethod
+    def cli_message(cls, message: str) -> str:
+        """`message` with this class's setting names spelled as flags."""
+        return cli_spelling(message, cls.field_names())
 
     def to_cli_args(self) -> list[str]:
         """Flags that rebuild this object through `from_cli` (only non-default values)."""
@@ -213,5 +267,5 @@ class Settings:
             if value == field.default:
                 continue
             fmt = field.metadata.get("cli_format") or (lambda v: "none" if v is None else str(v))
-            args += ["--" + field.name.replace("_", "-"), fmt(value)]
+            args += [flag_name(field.name), fmt(value)]
         return args

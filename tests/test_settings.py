@@ -57,3 +57,52 @@ def test_yaml_errors_name_the_file(tmp_path):
         EngineConfig.from_yaml(str(path))
     with pytest.raises(ConfigError, match="does not exist"):
         EngineConfig.from_yaml(str(tmp_path / "missing.yaml"))
+
+
+def test_boolean_flags_bare_negated_or_with_a_value():
+    cfg = EngineConfig.from_cli(["--no-enable-prefix-caching", "--enable-prompt-logprobs", "--scan-layers", "true"])
+    assert (cfg.enable_prefix_caching, cfg.enable_prompt_logprobs, cfg.scan_layers) == (False, True, True)
+    cfg = EngineConfig.from_cli(["--enable-prefix-caching", "false", "--no-scan-layers", "--quantize-lm-head"])
+    assert (cfg.enable_prefix_caching, cfg.scan_layers, cfg.quantize_lm_head) == (False, False, True)
+    assert EngineConfig.from_cli(["--scan-layers", "none"]).scan_layers is None  # back to the backend's default
+    # a round trip through to_cli_args keeps explicit values, which every spelling accepts
+    cfg = EngineConfig(enable_prefix_caching=False, enable_prompt_logprobs=True)
+    assert EngineConfig.from_cli(cfg.to_cli_args()) == cfg
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+        (["--max-num-seqs", "many"], "--max-num-seqs: expected an integer"),
+        (["--page-size", "12"], "--page-size must be a power of two"),
+        (["--num-processes", "2"], "--num-processes=2 needs --coordinator-address=HOST:PORT"),
+        (["--load-format", "dummy"], "needs --model="),
+        (["--enable-prefix-caching", "maybe"], "--enable-prefix-caching: cannot read 'maybe' as a boolean"),
+    ],
+)
+def test_cli_errors_spell_settings_as_flags(argv, message):
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_cli(argv)
+    assert message in str(err.value)
+
+
+def test_cli_spelling_leaves_prose_alone():
+    from jaxserve.settings import cli_spelling
+
+    names = ["model", "max_model_len", "seed"]
+    assert cli_spelling("the model directory 'x' has no config", names) == "the model directory 'x' has no config"
+    assert cli_spelling("max_model_len (4096) exceeds the model's limit", names) == \
+        "--max-model-len (4096) exceeds the model's limit"
+    assert cli_spelling("setting 'seed': expected an integer", names) == "--seed: expected an integer"
+
+
+def test_help_is_grouped():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser)
+    titles = [g.title for g in parser._action_groups]
+    for title in ("model", "cache", "scheduling", "parallelism", "speculative decoding"):
+        assert title in titles
+    assert "other" not in titles  # every setting names its group
