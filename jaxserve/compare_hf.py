@@ -164,8 +164,8 @@ def compare(
     """
     import jax
     import jax.numpy as jnp
-    import torch
-    from transformers import AutoModelForCausalLM
+
+    torch, AutoModelForCausalLM = _hf_reference()
 
     from jaxserve import steps
     from jaxserve.checkpoint import load_hf_params
@@ -284,8 +284,19 @@ def format_report(report: Report) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxserve.compare_hf", description=__doc__)
+def _hf_reference():
+    """torch and transformers' AutoModelForCausalLM: the referee, not a serving dependency (the [hf] extra)."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError as err:
+        raise ConfigError(f"comparing against Hugging Face needs torch and transformers ({err}); "
+                          "install them with: pip install 'jaxserve[hf]'") from None
+    return torch, AutoModelForCausalLM
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.compare_hf") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("model_dir", help="Hugging Face model directory (config.json + safetensors)")
     parser.add_argument("--reference", metavar="DIR", help="HF directory to compare against (default MODEL_DIR)")
     parser.add_argument("--dtype", choices=tuple(DEFAULT_TOLERANCES), default="float32")

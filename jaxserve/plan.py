@@ -31,6 +31,7 @@ import json
 import sys
 from typing import Sequence
 
+from jaxserve import resources
 from jaxserve.config import EngineConfig
 from jaxserve.devices import DEVICES, DeviceSpec, cpu_spec, get_device, local_device
 from jaxserve.errors import ConfigError, JaxServeError
@@ -50,9 +51,9 @@ EXIT_DOES_NOT_FIT = 2
 
 
 # ---- capacity -------------------------------------------------------------------------------------------
-def build_capacity_parser() -> argparse.ArgumentParser:
+def build_capacity_parser(prog: str = "python -m jaxserve.plan capacity") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m jaxserve.plan capacity",
+        prog=prog,
         description="Replicas (and devices) needed to serve --target-rate requests/s within a latency SLO, from "
                     "one replica's goodput measured by scripts/bench_serving.py (its --result-json).")
     p.add_argument("bench_json", help="scripts/bench_serving.py --result-json output, runs at several rates")
@@ -73,8 +74,8 @@ def build_capacity_parser() -> argparse.ArgumentParser:
     return p
 
 
-def capacity_main(argv: Sequence[str]) -> int:
-    args = build_capacity_parser().parse_args(list(argv))
+def capacity_main(argv: Sequence[str], prog: str = "python -m jaxserve.plan capacity") -> int:
+    args = build_capacity_parser(prog).parse_args(list(argv))
     try:
         with open(args.bench_json, encoding="utf-8") as f:
             report = json.load(f)
@@ -214,8 +215,8 @@ def _rate(text: str) -> float:
         return float(_size(text))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m jaxserve.plan", description=__doc__,
+def build_parser(prog: str = "python -m jaxserve.plan") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="YAML file of engine settings; flags override it")
     g = parser.add_argument_group("target")
@@ -290,11 +291,11 @@ def resolve_spec(name: str | None, settings: EngineConfig, args: argparse.Namesp
     return spec, local_count
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.plan") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["capacity"]:
-        return capacity_main(argv[1:])
-    parser = build_parser()
+        return capacity_main(argv[1:], prog=f"{prog} capacity")
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.list_devices:
         print(list_devices())
@@ -307,8 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"this host: numpy copy {bw / 1e9:.1f} GB/s (read + write), f32 matmul {flops / 1e9:.0f} GFLOP/s")
             args.bandwidth = args.bandwidth or bw
             args.peak_flops = args.peak_flops or flops
-        values = EngineConfig.cli_values(args)
-        settings = EngineConfig.from_yaml(args.config, values) if args.config else EngineConfig.from_dict(values)
+        settings = EngineConfig.from_namespace(args, resources.resolve_config(args.config) if args.config else None)
+        settings = settings.replace(model=resources.resolve_shipped_path(settings.model))
         spec, local_count = resolve_spec(args.device, settings, args)
         if args.suggest_mesh:
             n = args.devices or local_count or settings.mesh_shape[0] * settings.mesh_shape[1]

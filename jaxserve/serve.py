@@ -1,13 +1,16 @@
 """`python -m jaxserve.serve`: the OpenAI-compatible HTTP server.
 
-    python -m jaxserve.serve [--config FILE] [engine flags] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-                             [--max-waiting N] [--served-model-name NAME ...] [--max-body-bytes N]
-                             [--grace-seconds S] [--mock-engine]
+    jaxserve serve [--config FILE] [engine flags] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+                   [--max-waiting N] [--served-model-name NAME ...] [--max-body-bytes N]
+                   [--grace-seconds S] [--mock-engine]
+    (or python -m jaxserve.serve ...)
 
 Engine flags are every `EngineConfig` setting as `--kebab-case` (`--model`, `--dtype`, `--mesh-shape`, ...);
-`--config` reads the same settings from YAML and flags override it. With no `--model` the server
-serves `checkpoints/default` when present, else SmolLM2-135M's shape with dummy (random) weights, and
-says so loudly. The server listens at once; `/health` is 503 until the engine is loaded and warm, then
+boolean ones also as `--flag` / `--no-flag`. `--config` reads the same settings from YAML (a path, or
+a shipped config's name such as `default`) and flags override it. With no `--model` and no `--config`
+the server serves the shipped default model (`checkpoints/default`, installed with the package) with
+the shipped `configs/default.yaml`; without that checkpoint, SmolLM2-135M's shape with dummy (random)
+weights, and says so loudly. The server listens at once; `/health` is 503 until the engine is loaded and warm, then
 200. SIGTERM / SIGINT: stop accepting connections, let in-flight requests finish for up to
 `--grace-seconds`, shut the engine down, exit 0.
 
@@ -26,29 +29,31 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
+from jaxserve import resources
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError, JaxServeError
 from jaxserve.settings import parse_size
 
 logger = logging.getLogger("jaxserve.serve")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CHECKPOINT = REPO_ROOT / "checkpoints" / "default"
-DUMMY_DEFAULT_MODEL = REPO_ROOT / "configs" / "models" / "smollm2-135m"
+DEFAULT_CHECKPOINT = resources.default_checkpoint()
+DEFAULT_CONFIG = resources.shipped_config("default")
+DUMMY_DEFAULT_MODEL = resources.shipped_model_shape("smollm2-135m")
 DUMMY_DEFAULT_NAME = "smollm2-135m-dummy-weights"
 
 MOCK_DEFAULTS = dict(max_num_seqs=16, num_pages=512, page_size=16, max_model_len=512)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m jaxserve.serve", description="OpenAI-compatible LLM server over jaxserve's JAX engine.",
+        prog=prog, description="OpenAI-compatible LLM server over jaxserve's JAX engine.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--config", default=None, help="YAML file of engine settings; flags override it")
+    parser.add_argument("--config", default=None,
+                        help="YAML file of engine settings, or a shipped config's name (default, llama3-8b-tp8, "
+                             "...); flags override it. Default: configs/default.yaml when no --model is given")
     EngineConfig.add_cli_arguments(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -92,12 +97,21 @@ def preload_tcmalloc(argv: list[str]) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "jaxserve.serve", *argv], env)
 
 
+def default_config_path(ns: argparse.Namespace) -> str | None:
+    """The YAML the settings start from: `--config` (a path or a shipped name); with neither `--config`
+    nor `--model`, the shipped default model's own serving config (configs/default.yaml)."""
+    if ns.config:
+        return resources.resolve_config(ns.config)
+    if getattr(ns, "model", None) is None and not ns.mock_engine and DEFAULT_CONFIG.is_file():
+        return str(DEFAULT_CONFIG)
+    return None
+
+
 def resolve_settings(ns: argparse.Namespace) -> tuple[EngineConfig, str, str | None]:
     """EngineConfig from YAML + flags, with the default model filled in; returns (settings, name, weights note)."""
-    values = EngineConfig.cli_values(ns)
-    if ns.mock_engine:
-        values = {**MOCK_DEFAULTS, **values}
-    settings = EngineConfig.from_yaml(ns.config, overrides=values) if ns.config else EngineConfig.from_dict(values)
+    settings = EngineConfig.from_namespace(ns, default_config_path(ns), defaults=MOCK_DEFAULTS if ns.mock_engine else None)
+    settings = settings.replace(**{name: resources.resolve_shipped_path(getattr(settings, name))
+                                   for name in ("model", "tokenizer", "speculative_model")})
     if ns.mock_engine:
         return settings, "mock", "mock engine (deterministic fake tokens, no model)"
     if settings.model is not None:
@@ -106,7 +120,7 @@ def resolve_settings(ns: argparse.Namespace) -> tuple[EngineConfig, str, str | N
     if DEFAULT_CHECKPOINT.is_dir():
         return settings.replace(model=str(DEFAULT_CHECKPOINT)), "jaxserve-default", None
     logger.warning("=" * 78)
-    logger.warning("no --model and no checkpoints/default: serving %s with DUMMY RANDOM WEIGHTS", DUMMY_DEFAULT_MODEL)
+    logger.warning("no --model and no %s: serving %s with DUMMY RANDOM WEIGHTS", DEFAULT_CHECKPOINT, DUMMY_DEFAULT_MODEL)
     logger.warning("its output is meaningless text; pass --model PATH to serve a real checkpoint")
     logger.warning("=" * 78)
     tokenizer = settings.tokenizer or dummy_default_tokenizer()
@@ -162,8 +176,8 @@ def stop_followers(engine: Any) -> None:
         leader.shutdown()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serve") -> int:
+    parser = build_parser(prog)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, ns.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -228,7 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine = build_engine(ns, settings)
             engine.start()
         except BaseException as err:  # noqa: BLE001 - reported, and the server exits non-zero
-            message = str(err) if isinstance(err, JaxServeError) else f"{type(err).__name__}: {err}"
+            message = (EngineConfig.cli_message(str(err)) if isinstance(err, JaxServeError)
+                       else f"{type(err).__name__}: {err}")
             logger.error("the engine failed to start: %s", message,
                          exc_info=not isinstance(err, JaxServeError))
             state.load_error = message

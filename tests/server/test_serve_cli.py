@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -51,7 +52,44 @@ def test_mock_settings_default_small():
 
 def test_bad_settings_exit_2(capsys):
     assert serve.main(["--page-size", "3"]) == 2
-    assert "page_size" in capsys.readouterr().err
+    assert "--page-size must be a power of two" in capsys.readouterr().err
+
+
+def test_no_flags_serve_the_default_model_with_its_config():
+    settings, name, note = resolve([])
+    shipped = EngineConfig.from_yaml(str(serve.DEFAULT_CONFIG))
+    assert name == "jaxserve-default" and note is None
+    assert settings == shipped.replace(model=str(serve.DEFAULT_CHECKPOINT))
+    assert settings.max_model_len == 1024 and settings.max_num_batched_tokens == 256  # not EngineConfig's defaults
+    # a --model of the user's own is not squeezed into the default model's limits
+    assert resolve(["--model", "/models/x"])[0].max_model_len is None
+
+
+def test_config_by_shipped_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # nothing resolves from the working directory
+    by_name = resolve(["--config", "llama3-8b-tp8"])[0]
+    by_path = resolve(["--config", "configs/llama3-8b-tp8.yaml"])[0]
+    assert by_name == by_path and by_name.mesh_shape[1] > 1
+    assert (Path(by_name.model) / "config.json").is_file()  # its repository-relative model path, resolved
+
+
+def test_boolean_flags_parse_on_the_server_command_line():
+    settings, _, _ = resolve(["--no-enable-prefix-caching", "--enable-prompt-logprobs"])
+    assert settings.enable_prefix_caching is False and settings.enable_prompt_logprobs is True
+
+
+def test_jaxserve_command_dispatches_subcommands(capsys):
+    from jaxserve import cli
+
+    assert cli.main([]) == 2 and "serve" in capsys.readouterr().out
+    assert cli.main(["nope"]) == 2 and "unknown subcommand 'nope'" in capsys.readouterr().err
+    for name in cli.SUBCOMMANDS:
+        with pytest.raises(SystemExit) as done:
+            cli.main([name, "--help"])
+        assert done.value.code == 0
+        assert f"usage: jaxserve {name}" in capsys.readouterr().out
+    assert cli.main(["serve", "--page-size", "3"]) == 2
+    assert "--page-size" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["--model", "/nonexistent/model/dir"]])

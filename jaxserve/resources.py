@@ -1,0 +1,64 @@
+"""Where the shipped default model and configs are, for a source checkout and an installed wheel alike.
+
+The repository keeps them at its top level (`checkpoints/`, `configs/`); a wheel carries the same trees
+as package data inside the package (`jaxserve/_checkpoints`, `jaxserve/_configs`, see pyproject.toml),
+since an installed package has no source tree beside it. An editable install finds the source tree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+SOURCE_ROOT = PACKAGE_DIR.parent
+
+
+def shipped_dir(name: str) -> Path:
+    """`checkpoints` or `configs`: the installed copy when there is one, else the source tree's."""
+    installed = PACKAGE_DIR / f"_{name}"
+    return installed if installed.is_dir() else SOURCE_ROOT / name
+
+
+def default_checkpoint() -> Path:
+    """The shipped default model (5M parameters, trained by scripts/train_default_model.py)."""
+    return shipped_dir("checkpoints") / "default"
+
+
+def default_draft_checkpoint() -> Path:
+    """The default model's draft for speculative decoding."""
+    return shipped_dir("checkpoints") / "default-draft"
+
+
+def shipped_config(name: str) -> Path:
+    """A shipped config file by name: "default", "default.yaml" or "llama3-8b-tp8" -> its path."""
+    file = name if name.endswith((".yaml", ".yml")) else f"{name}.yaml"
+    return shipped_dir("configs") / file
+
+
+def resolve_config(path: str) -> str:
+    """A `--config` argument: an existing file as given, else a shipped config of that name
+    (`--config default` or, from any directory, `--config configs/default.yaml`), else as given,
+    so that the YAML loader's error names what the user typed."""
+    if Path(path).is_file():
+        return path
+    name = path[len("configs/"):] if path.startswith("configs/") else path
+    shipped = shipped_config(name)
+    return str(shipped) if shipped.is_file() else path
+
+
+def resolve_shipped_path(path: str | None) -> str | None:
+    """A model or tokenizer path: as given when it exists; a repository-relative `configs/...` or
+    `checkpoints/...` path (as the shipped configs write them) from the shipped trees otherwise."""
+    if path is None or Path(path).exists():
+        return path
+    top, _, rest = path.partition("/")
+    if top in ("configs", "checkpoints") and rest:
+        shipped = shipped_dir(top) / rest
+        if shipped.exists():
+            return str(shipped)
+    return path
+
+
+def shipped_model_shape(name: str) -> Path:
+    """A model shape shipped under configs/models (config.json and tokenizer), e.g. "smollm2-135m"."""
+    return shipped_dir("configs") / "models" / name
