@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 
 GiB = 2**30
@@ -45,10 +46,16 @@ DEVICES: dict[str, DeviceSpec] = {
                    ("tpu v5p", "tpu v5")),
         DeviceSpec("tpu-v6e", "TPU v6e (Trillium, v6 lite)", 32 * GiB, 1640e9, 918e12, 400e9, 2.70,
                    ("tpu v6 lite", "tpu v6e", "tpu v6")),
-        # NVLink all-reduce bandwidth: half the bidirectional NVLink figure (A100 600 GB/s, H100/H200 900 GB/s).
-        DeviceSpec("a100", "NVIDIA A100 80GB SXM", 80 * GiB, 2039e9, 312e12, 300e9, 4.00, ("a100",)),
+        # NVLink all-reduce bandwidth: half the bidirectional NVLink figure (A100 600 GB/s, H100/H200 900 GB/s;
+        # the PCIe cards' NVLink bridges 600 GB/s; L4 has none: PCIe 4.0 x16, 32 GB/s each way). An entry
+        # whose pattern another's contains comes first ("h100 pcie" before "h100").
+        DeviceSpec("a100", "NVIDIA A100 80GB SXM", 80 * GiB, 2039e9, 312e12, 300e9, 4.00, ("a100-sxm4-80gb",)),
+        DeviceSpec("a100-pcie", "NVIDIA A100 80GB PCIe", 80 * GiB, 1935e9, 312e12, 300e9, 3.70, ("a100 80gb",)),
+        DeviceSpec("a100-40gb", "NVIDIA A100 40GB (SXM or PCIe)", 40 * GiB, 1555e9, 312e12, 300e9, 3.00, ("a100",)),
+        DeviceSpec("h100-pcie", "NVIDIA H100 80GB PCIe", 80 * GiB, 2000e9, 756e12, 300e9, 7.00, ("h100 pcie",)),
         DeviceSpec("h100", "NVIDIA H100 80GB SXM", 80 * GiB, 3350e9, 989e12, 450e9, 8.00, ("h100",)),
         DeviceSpec("h200", "NVIDIA H200 141GB SXM", 141 * GiB, 4800e9, 989e12, 450e9, 10.00, ("h200",)),
+        DeviceSpec("l4", "NVIDIA L4 24GB", 24 * GiB, 300e9, 121e12, 32e9, 0.80, ("l4",)),
         # "This CPU": memory is read from the OS and bandwidth / FLOPs measured (see cpu_spec); these
         # placeholders are never used for a plan.
         DeviceSpec("cpu", "this CPU (measured)", 0, 0.0, 0.0, 0.0, 0.10, ("cpu",), shared_host=True),
@@ -69,10 +76,11 @@ def get_device(name: str) -> DeviceSpec:
 
 
 def spec_for_device_kind(kind: str) -> DeviceSpec | None:
-    """The table entry matching jax's `device.device_kind` (e.g. "NVIDIA H100 80GB HBM3", "TPU v5 lite")."""
+    """The table entry matching jax's `device.device_kind` (e.g. "NVIDIA H100 80GB HBM3", "TPU v5 lite"): the
+    first whose pattern occurs in it as whole words ("l4" is not in "nvidia l40s")."""
     kind = kind.lower()
     for spec in DEVICES.values():  # dict order: "tpu v5 lite" is tried before "tpu v5"
-        if any(pattern in kind for pattern in spec.kind_patterns):
+        if any(re.search(rf"(?<![a-z0-9]){re.escape(pattern)}(?![a-z0-9])", kind) for pattern in spec.kind_patterns):
             return spec
     return None
 

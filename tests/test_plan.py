@@ -181,6 +181,12 @@ def test_device_table():
     assert spec_for_device_kind("TPU v5 lite").name == "tpu-v5e"
     assert spec_for_device_kind("TPU v5").name == "tpu-v5p"
     assert spec_for_device_kind("TPU v6 lite").name == "tpu-v6e"
+    # Variants whose kind contains another's pattern: the table orders them, patterns match whole words.
+    assert spec_for_device_kind("NVIDIA H100 PCIe").name == "h100-pcie"
+    assert spec_for_device_kind("NVIDIA A100-SXM4-80GB").name == "a100"
+    assert spec_for_device_kind("NVIDIA A100 80GB PCIe").name == "a100-pcie"
+    assert spec_for_device_kind("NVIDIA A100-PCIE-40GB").name == "a100-40gb"
+    assert spec_for_device_kind("NVIDIA L4").name == "l4" and spec_for_device_kind("NVIDIA L40S") is None
     with pytest.raises(ValueError, match="unknown device"):
         get_device("tpu-v9")
 

@@ -4,8 +4,8 @@ Every metric is named `jaxserve:...` and lives in the app's own registry, so sev
 process (tests) do not collide.
 
 Model bandwidth utilisation (MBU) = bytes the last engine step had to read (weights + KV) / the
-step's time / the device's peak memory bandwidth. The peak comes from `--device-bandwidth`, else from a
-small table of known devices (by `jax.devices()[0].device_kind`); without it only the achieved bytes/s
+step's time / the device's peak memory bandwidth. The peak comes from `--device-bandwidth`, else from the
+device table (`jaxserve.devices`, by `jax.devices()[0].device_kind`); without it only the achieved bytes/s
 is exported.
 """
 
@@ -18,24 +18,9 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-logger = logging.getLogger(__name__)
+from jaxserve.devices import spec_for_device_kind
 
-# Peak HBM bandwidth in bytes/s, matched as a lower-case substring of the device kind (first match wins).
-DEVICE_BANDWIDTH = (
-    ("h200", 4.8e12),
-    ("h100 pcie", 2.0e12),
-    ("h100", 3.35e12),
-    ("a100-sxm4-80gb", 2.039e12),
-    ("a100 80gb", 1.935e12),
-    ("a100", 1.555e12),
-    ("l4", 0.3e12),
-    ("tpu v6", 1.64e12),
-    ("tpu v5 lite", 0.819e12),
-    ("tpu v5e", 0.819e12),
-    ("tpu v5p", 2.765e12),
-    ("tpu v5", 2.765e12),
-    ("tpu v4", 1.2e12),
-)
+logger = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                    80.0)
@@ -43,17 +28,17 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 
 
 def detect_device_bandwidth() -> float | None:
-    """Peak bandwidth of the first device, if jax is already in use and the device is in the table."""
+    """Peak bandwidth of the first device, if jax is already in use and the device is in the device table."""
     if "jax" not in sys.modules:
         return None
     try:
-        kind = sys.modules["jax"].devices()[0].device_kind.lower()
+        device = sys.modules["jax"].devices()[0]
     except Exception:  # noqa: BLE001 - no devices, no backend: simply unknown
         return None
-    for key, bandwidth in DEVICE_BANDWIDTH:
-        if key in kind:
-            return bandwidth
-    return None
+    if device.platform == "cpu":  # the table's CPU bandwidth is measured per run, not a peak
+        return None
+    spec = spec_for_device_kind(device.device_kind)
+    return spec.hbm_bandwidth if spec is not None and spec.hbm_bandwidth > 0 else None
 
 
 class _EngineCollector:
