@@ -19,3 +19,7 @@ class UnsupportedModelError(ModelLoadError, ValueError):
 
 class RequestError(JaxServeError, ValueError):
     """A request cannot be served as asked (too long, bad sampling parameters, bad token ids)."""
+
+
+class EngineClosedError(JaxServeError, RuntimeError):
+    """The engine was closed (`LLM.close()`, `LLMEngine.close()`): its executables and buffers are released."""

@@ -36,6 +36,19 @@ class LLM:
     runner = property(lambda self: self.engine.runner)
     blocks = property(lambda self: self.engine.blocks)
 
+    def close(self) -> None:
+        """Release the engine's compiled executables, weights and KV cache now (idempotent); generating
+        afterwards raises EngineClosedError. On a CPU each executable's code is mapped into the process
+        and Linux caps the mappings (vm.max_map_count), so a script building several engines closes
+        each before the next, or uses `with LLM(...) as llm:`."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses when given no SamplingParams: the model's generation_config.json values
         (`do_sample: false` is greedy) over SamplingParams' own defaults, as vLLM's method of this name."""

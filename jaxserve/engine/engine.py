@@ -17,11 +17,13 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve import multihost
 from jaxserve.engine.block_manager import BlockManager
-from jaxserve.engine.compile import BucketTable, CompileCounter, check_memory_mappings, enable_compilation_cache
+from jaxserve.engine.buckets import BucketTable, executable_counts
+from jaxserve.engine.compile import (CompileCounter, check_memory_mappings, enable_compilation_cache,
+                                     release_compiled_code)
 from jaxserve.engine.runner import ModelRunner, RowWork
 from jaxserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import Sequence, Status
-from jaxserve.errors import ConfigError, RequestError
+from jaxserve.errors import ConfigError, EngineClosedError, RequestError
 from jaxserve.kv_cache import init_cache
 from jaxserve.memory_plan import plan_memory
 from jaxserve.model.weights import param_bytes
@@ -129,7 +131,7 @@ class LLMEngine:
                                           s.quantization)
         options = StepOptions(scan_layers=scan, attention_backend=attention, mesh=self.mesh, matmul_backend=matmul)
         max_chunk = min(s.max_num_batched_tokens, self.plan.max_model_len)
-        self.buckets = BucketTable.build(s.max_num_seqs, max_chunk, self.plan.max_pages_per_seq)
+        self.buckets = BucketTable.for_settings(s, self.plan.max_model_len)
         cache = init_cache(loaded.cfg, self.plan.num_pages, s.page_size, loaded.dtype, self.num_replicas,
                            self.shardings.cache, s.kv_cache_dtype, self.shardings.cache_scale)
         self.runner = ModelRunner(loaded.cfg, loaded.params, cache, self.buckets, options, self.shardings,
@@ -146,7 +148,8 @@ class LLMEngine:
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens_computed=0, steps=0)
         self.last_step_seconds = 0.0
         self.last_step_bytes_read = 0
-        self.compiles_at_warm_up = None
+        self.compiles_at_warm_up = self.warm_up_compiles = None
+        self.closed = False
         if warm_up:
             self.warm_up()
         # Multi-host: process 0 hands every later device call to the other processes, which run
@@ -154,6 +157,7 @@ class LLMEngine:
         self.multihost = multihost.attach(self)
 
     def warm_up(self) -> None:
+        before = CompileCounter.requests
         self.runner.warm_up()
         if self.settings.enable_prompt_logprobs:
             self.runner.warm_up(self.runner.score_shapes())
@@ -162,7 +166,43 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.warm_up()
         self.compiles_at_warm_up = CompileCounter.requests
+        planned = executable_counts(self.settings, self.plan.max_model_len, jax.default_backend(), self.num_replicas)
+        self.warm_up_compiles = self.compiles_at_warm_up - before  # executables asked for (persistent-cache hits too)
+        logger.info("warm-up compiled %d executables; the bucket table plans %s", self.warm_up_compiles,
+                    planned.describe())
         check_memory_mappings(jax.default_backend())
+
+    def num_executables(self) -> int:
+        """Compiled executables this engine holds: its step buckets and their variants, the speculative
+        steps, and the page copy of forked sequences (one per replica and KV cache, once compiled)."""
+        if self.closed:
+            return 0
+        copies = self.num_replicas * (2 if self.settings.speculation == "draft" else 1)
+        return (len(self.runner._executables) + (len(self.spec._executables) if self.spec is not None else 0)
+                + (copies if self.compiles_at_warm_up is not None else 0))
+
+    # ---- release -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release this engine's executables, weights and KV cache now (idempotent). On a CPU every
+        executable's code is mapped into the process, and Linux caps a process's mappings
+        (vm.max_map_count): close an engine before building the next (`with LLM(...) as llm:`).
+        Afterwards every call raises EngineClosedError."""
+        if self.closed:
+            return
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
+        self.closed = True
+        if self.multihost is not None:  # process 0: the other processes stop their follower loops
+            self.multihost.shutdown()
+        if self.spec is not None:
+            self.spec.close()
+        self.runner.close()
+        release_compiled_code()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineClosedError("this engine is closed (its executables, weights and KV cache are released); "
+                                    "build a new one")
 
     def _speculative_decoder(self, loaded):
         """Speculative decoding (jaxserve.spec_decode): the draft shares the pages and page tables."""
@@ -196,6 +236,7 @@ class LLMEngine:
 
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         """Refuse at once what could never be served (rather than hang or fail inside XLA)."""
+        self._check_open()
         vocab = self.model_config.vocab_size
         if not ids:
             raise RequestError("a prompt must have at least one token")
@@ -277,6 +318,7 @@ class LLMEngine:
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the compiled step, and return the requests that advanced."""
+        self._check_open()
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         self._copy_forked_pages(plan)
@@ -520,6 +562,7 @@ class LLMEngine:
             prefix_cache_hit_rate=(b.num_prefix_hit_tokens / queried) if queried else 0.0,
             compiles_after_warmup=(CompileCounter.requests - self.compiles_at_warm_up)
             if self.compiles_at_warm_up is not None else None,
+            executables=self.num_executables(),
             prompt_tokens_total=self.counters["prompt_tokens"],
             generation_tokens_total=self.counters["generation_tokens"],
             prefill_tokens_computed=self.counters["prefill_tokens_computed"],
@@ -552,11 +595,18 @@ class AsyncLLMEngine:
             self._thread.start()
 
     def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the step thread, then close the engine (its executables, weights and cache released);
+        if the thread is still in a step after `timeout`, the engine is left open."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("the engine thread did not stop within %s s; the engine is left open", timeout)
+                return
             self._thread = None
+        with self._lock:
+            self.engine.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():

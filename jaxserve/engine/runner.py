@@ -18,7 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine.compile import BucketTable, CompileCounter, pick_bucket, step_compiler_options
+from jaxserve.engine import buckets as bucket_shapes
+from jaxserve.engine.buckets import MULTI_STEP, BucketTable, pick_bucket
+from jaxserve.engine.compile import CompileCounter, step_compiler_options
+from jaxserve.errors import EngineClosedError
 from jaxserve.kv_cache import PADDING_PAGE, KVCache, StepBatch, cache_shardings, copy_pages_padded
 from jaxserve.model.weights import Params
 from jaxserve.sampling import MAX_LOGPROBS, RowSampling, SampleOutput, SamplingTensors, sample
@@ -26,7 +29,6 @@ from jaxserve.steps import StepOptions, model_step
 from jaxserve.transfer import Layout, from_buffer
 
 logger = logging.getLogger(__name__)
-MULTI_STEP = "multi-step"  # the bucket variant running num_scheduler_steps decode steps per call
 
 
 @dataclasses.dataclass
@@ -150,6 +152,7 @@ class ModelRunner:
         self._executables: dict[tuple, Any] = {}  # (batch, tokens, pages) or (..., "score")
         self._layouts: dict[tuple, Layout] = {}  # how each bucket's inputs are packed
         self.unplanned_compiles = 0  # shapes that were not in the warmed table
+        self.closed = False  # close(): executables dropped, params and cache deleted
         # Calls that ran a bucket's executable for the first time: on a CPU such a call takes ~15 ms
         # more than the next ones (measured), so timings of those steps are not representative.
         self.first_runs = 0
@@ -169,18 +172,10 @@ class ModelRunner:
         CompileCounter.install()
 
     # ---- compilation ---------------------------------------------------------------------------
-    def step_shapes(self) -> list[tuple[int, int, int]]:
-        """Every (batch, tokens, pages) the engine may run: decodes and prefill chunks.
-
-        Decode, bound by bytes read, gets every page-count bucket; prefill steps always take the
-        largest page table, which costs them little (attention over masked keys) and keeps the
-        number of start-up compilations small.
-        """
-        b, t, p = self.buckets.batch_sizes, self.buckets.chunk_sizes, self.buckets.page_counts
-        decode = [(bs, 1, pc) for bs in b for pc in p]
-        prefill = [(bs, ts, p[-1]) for ts in t for bs in b if bs * ts <= max(t)]
-        multi = [(bs, 1, pc, MULTI_STEP) for bs in b for pc in p] if self.num_scheduler_steps > 1 else []
-        return decode + prefill + multi
+    def step_shapes(self) -> list[tuple]:
+        """Every (batch, tokens, pages) the engine may run: decodes and prefill chunks (and their
+        multi-step variants); see `buckets.step_shapes`."""
+        return bucket_shapes.step_shapes(self.buckets, self.num_scheduler_steps)
 
     def step_inputs(self, shape: tuple) -> tuple:
         """ShapeDtypeStructs of the host inputs of bucket `shape`, as `run_packed` takes them: (StepBatch,
@@ -201,7 +196,7 @@ class ModelRunner:
 
     def score_shapes(self) -> list[tuple]:
         """The prefill shapes again, as prompt-scoring variants (compiled when prompt logprobs are enabled)."""
-        return [shape + ("score",) for shape in self.step_shapes() if len(shape) == 3 and shape[1] > 1]
+        return bucket_shapes.score_shapes(self.buckets)
 
     def _lower(self, shape: tuple):
         cache_sharding = None if self.shardings is None else cache_shardings(
@@ -218,6 +213,7 @@ class ModelRunner:
         return step.trace(self.params, self.cache, layout.spec(self.buffer_sharding), layout=layout, **static).lower()
 
     def compile(self, shape: tuple[int, int, int]):
+        self.check_open()
         executable = self._executables.get(shape)
         if executable is None:
             executable = self._executables[shape] = self._lower(shape).compile(self.compiler_options)
@@ -271,6 +267,7 @@ class ModelRunner:
 
     def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy pages src[i] -> dst[i] of one replica (forked sequences), in one compiled width."""
+        self.check_open()
         if self.broadcaster is not None:
             self.broadcaster.copy_pages(replica, src, dst)
         self.cache = copy_pages_padded(self.cache, replica, src, dst, self.buckets.batch_sizes[-1])
@@ -346,6 +343,7 @@ class ModelRunner:
         """Run the compiled step of bucket `shape` on packed host inputs ((StepBatch, SamplingTensors[,
         targets]) of NumPy arrays, leading axes [R, B]); returns the samples on the host, [R, B, ...].
         Multi-host followers call this with the inputs process 0 packed."""
+        self.check_open()
         if shape not in self._executables:
             self.unplanned_compiles += 1
             logger.warning("compiling unplanned step shape %s", shape)
@@ -367,3 +365,31 @@ class ModelRunner:
     def buffer_sharding(self) -> Any:
         """The packed inputs' sharding: over the replicas (the `data` axis) on a mesh."""
         return None if self.shardings is None else self.shardings.batch2
+
+    # ---- release -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop every compiled executable and delete the params' and the KV cache's device buffers;
+        afterwards every call raises EngineClosedError. The executables' code is unmapped once JAX's
+        in-memory compilation cache lets go of them too (`compile.release_compiled_code`, which
+        `LLMEngine.close` calls after this)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._executables.clear()
+        self._layouts.clear()
+        self._ran.clear()
+        delete_buffers((self.params, self.cache))
+        self.params = self.cache = None
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise EngineClosedError("this engine is closed (its executables, weights and KV cache are released); "
+                                    "build a new one")
+
+
+def delete_buffers(tree: Any) -> None:
+    """Free the device buffers of every jax.Array in `tree` now (not when the last reference goes):
+    a later use raises jax's "Array has been deleted" instead of reading freed memory."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()

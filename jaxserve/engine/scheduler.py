@@ -15,7 +15,7 @@ import time
 from typing import Callable, Iterable
 
 from jaxserve.engine.block_manager import BlockManager, OutOfPagesError
-from jaxserve.engine.compile import BucketTable, pick_bucket
+from jaxserve.engine.buckets import BucketTable, pick_bucket
 from jaxserve.engine.sequence import Sequence, Status
 
 

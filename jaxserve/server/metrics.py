@@ -104,6 +104,8 @@ class _EngineCollector:
         yield from counter("jaxserve:generation_tokens", "Tokens generated.", "generation_tokens_total")
         yield from counter("jaxserve:compiles_after_warmup", "XLA compilations after warm-up (should stay 0).",
                            "compiles_after_warmup")
+        yield from gauge("jaxserve:executables", "Compiled step executables the engine holds (buckets and variants).",
+                         "executables")
         # Speculative decoding (only when it is on).
         yield from counter("jaxserve:spec_decode_num_draft_tokens", "Draft tokens proposed.",
                            "spec_decode_num_draft_tokens")

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine.compile import BucketTable, pick_bucket
+from jaxserve.engine.buckets import BucketTable, draft_buckets, pick_bucket, speculative_shapes
+from jaxserve.engine.runner import delete_buffers
 from jaxserve.errors import ConfigError
 from jaxserve.kv_cache import PADDING_PAGE, KVCache, StepBatch, cache_shardings, copy_pages_padded, init_cache
 from jaxserve.model.weights import param_bytes
@@ -33,22 +34,6 @@ logger = logging.getLogger(__name__)
 CALIBRATION_RUNS = 5  # timed calls of each compiled step when measuring speculation's cost
 STEP_TIME_SAMPLES = 16  # the engine's recent step times kept per kind of step (their median is used)
 MIN_STEP_TIME_SAMPLES = 3  # fewer than this: the calibrated device time plus the host time seen elsewhere
-
-
-def draft_buckets(k: int, platform: str) -> tuple[int, ...]:
-    """Draft counts that get their own executable (verify width = count + 1).
-
-    On a CPU a verify pass costs about proportionally more per position (measured: 2 positions 1.7x,
-    7 positions 2.9x a decode step), so a step verifies only as many positions as its longest proposal
-    needs: 1, 2, 4, ... below K, and K. On accelerators a wider verify costs about the same as one
-    position, so K alone (one executable per batch and page bucket)."""
-    if platform != "cpu":
-        return (k,)
-    counts, c = {k}, 1
-    while c < k:
-        counts.add(c)
-        c *= 2
-    return tuple(sorted(counts))
 
 
 def load_draft(settings: EngineConfig, mesh: Any, stacked: bool, target_cfg: ModelConfig, tokenizer: Any,
@@ -270,13 +255,7 @@ class SpeculativeDecoder:
     def step_shapes(self) -> list[tuple]:
         """(batch, pages, drafts) of the speculative step, and (batch, tokens, pages, "draft") of the
         draft's prefill."""
-        b, t, p = self.buckets.batch_sizes, self.buckets.chunk_sizes, self.buckets.page_counts
-        shapes: list[tuple] = [(bs, pc, d) for bs in b for pc in p for d in self.draft_buckets]
-        if self.method == "draft":
-            prefill = {(bs, ts, p[-1], "draft") for ts in t for bs in b if bs * ts <= max(t)}
-            prefill |= {(bs, t[0], p[-1], "draft") for bs in b}  # rows of a token or two
-            shapes += sorted(prefill)
-        return shapes
+        return speculative_shapes(self.buckets, self.k, self.method, jax.default_backend())
 
     def _lower(self, shape: tuple):
         R = self.num_replicas
@@ -297,6 +276,7 @@ class SpeculativeDecoder:
             cache_sharding=self._cache_sharding, draft_cache_sharding=self._draft_cache_sharding).lower()
 
     def _executable(self, shape: tuple):
+        self.runner.check_open()
         executable = self._executables.get(shape)
         if executable is None:
             self._untimed = True
@@ -489,6 +469,15 @@ class SpeculativeDecoder:
         """Host inputs of compiled shape `shape` packed and copied to the device in one explicit transfer
         (sharded over the replicas on a mesh); the shape must have been compiled."""
         return self._layouts[shape].put(inputs, self.runner.buffer_sharding)
+
+    def close(self) -> None:
+        """Drop the speculative executables and delete the draft's params and cache (the runner, closed
+        by the engine, deletes the target's)."""
+        self._executables.clear()
+        self._layouts.clear()
+        self._ran.clear()
+        delete_buffers((self.draft_params, self.draft_cache))
+        self.draft_params = self.draft_cache = None
 
     # ---- observability -------------------------------------------------------------------------------
     def stats(self) -> dict:

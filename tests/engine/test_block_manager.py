@@ -489,11 +489,13 @@ def test_bad_construction(kwargs):
         BlockManager(**kwargs)
 
 
-def test_module_does_not_import_jax():
+@pytest.mark.parametrize("module", ["block_manager", "scheduler", "buckets", "sequence"])
+def test_module_does_not_import_jax(module):
+    """The host side (pages, scheduling, the bucket table) is plain Python: importing it loads no jax."""
     import subprocess
 
     code = (
-        "import sys, jaxserve.engine.block_manager; "
+        f"import sys, jaxserve.engine.{module}; "
         "sys.exit(1 if any(m == 'jax' or m.startswith('jax.') for m in sys.modules) else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -1,0 +1,151 @@
+"""The shape buckets of the compiled steps, and the executables they make (host code: no jax).
+
+Every step shape comes from a small fixed table compiled at start-up. The scheduler packs its batches
+to the table; the runner and the speculative decoder compile one executable per entry of the lists
+below; and `executable_counts` says, from the settings alone, how many that is, so the count can be
+checked, logged and budgeted without compiling anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+MULTI_STEP = "multi-step"  # the decode variant running num_scheduler_steps decode steps per call
+SCORE = "score"  # the prefill variant that also scores every prompt token (prompt_logprobs)
+DRAFT = "draft"  # the draft model's prefill (speculative decoding with a draft model)
+
+
+def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2lo, 4lo, ... capped by hi, with hi itself always included."""
+    out, n = [], lo
+    while n < hi:
+        out.append(n)
+        n *= 2
+    out.append(hi)
+    return tuple(sorted(set(out)))
+
+
+def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """Smallest bucket >= n; a value above the table is a bug of the caller (checked at admission)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketTable:
+    """The shapes compiled at start-up: rows per replica, tokens per row, pages per row."""
+
+    batch_sizes: tuple[int, ...]
+    chunk_sizes: tuple[int, ...]  # tokens per row of a prefill step (decode is always 1)
+    page_counts: tuple[int, ...]
+
+    @classmethod
+    def build(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int) -> "BucketTable":
+        return cls(
+            batch_sizes=powers_of_two(1, max_num_seqs),
+            chunk_sizes=powers_of_two(min(16, max_num_batched_tokens), max_num_batched_tokens),
+            page_counts=powers_of_two(min(4, max_pages_per_seq), max_pages_per_seq),
+        )
+
+    @classmethod
+    def for_settings(cls, settings: Any, max_model_len: int) -> "BucketTable":
+        """The engine's table: `settings` an EngineConfig, `max_model_len` the resolved one (the setting,
+        or the model's max_position_embeddings when it is unset)."""
+        max_chunk = min(settings.max_num_batched_tokens, max_model_len)
+        return cls.build(settings.max_num_seqs, max_chunk, math.ceil(max_model_len / settings.page_size))
+
+
+def step_shapes(buckets: BucketTable, num_scheduler_steps: int = 1) -> list[tuple]:
+    """Every (batch, tokens, pages) the engine may run: decodes and prefill chunks, plus a multi-step
+    variant of each decode bucket when num_scheduler_steps > 1.
+
+    Decode, bound by bytes read, gets every page-count bucket; prefill steps always take the largest
+    page table, which costs them little (attention over masked keys) and keeps the number of start-up
+    compilations small.
+    """
+    b, t, p = buckets.batch_sizes, buckets.chunk_sizes, buckets.page_counts
+    decode = [(bs, 1, pc) for bs in b for pc in p]
+    prefill = [(bs, ts, p[-1]) for ts in t for bs in b if bs * ts <= max(t)]
+    multi = [(bs, 1, pc, MULTI_STEP) for bs in b for pc in p] if num_scheduler_steps > 1 else []
+    return decode + prefill + multi
+
+
+def score_shapes(buckets: BucketTable) -> list[tuple]:
+    """The prefill shapes again, as prompt-scoring variants (compiled when prompt logprobs are enabled)."""
+    return [shape + (SCORE,) for shape in step_shapes(buckets) if shape[1] > 1]
+
+
+def draft_buckets(k: int, platform: str) -> tuple[int, ...]:
+    """Draft counts that get their own verify executable (verify width = count + 1).
+
+    On a CPU a verify pass costs about proportionally more per position (measured: 2 positions 1.7x,
+    7 positions 2.9x a decode step), so a step verifies only as many positions as its longest proposal
+    needs: 1, 2, 4, ... below K, and K. On accelerators a wider verify costs about the same as one
+    position, so K alone (one executable per batch and page bucket)."""
+    if platform != "cpu":
+        return (k,)
+    counts, c = {k}, 1
+    while c < k:
+        counts.add(c)
+        c *= 2
+    return tuple(sorted(counts))
+
+
+def speculative_shapes(buckets: BucketTable, k: int, method: str, platform: str) -> list[tuple]:
+    """(batch, pages, drafts) of the speculative step, and (batch, tokens, pages, "draft") of the
+    draft's prefill (method "draft" only)."""
+    b, t, p = buckets.batch_sizes, buckets.chunk_sizes, buckets.page_counts
+    shapes: list[tuple] = [(bs, pc, d) for bs in b for pc in p for d in draft_buckets(k, platform)]
+    if method == "draft":
+        prefill = {(bs, ts, p[-1], DRAFT) for ts in t for bs in b if bs * ts <= max(t)}
+        prefill |= {(bs, t[0], p[-1], DRAFT) for bs in b}  # rows of a token or two
+        shapes += sorted(prefill)
+    return shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutableCounts:
+    """How many executables an engine compiles at start-up, by kind."""
+
+    steps: int  # decode and prefill buckets
+    multi_step: int = 0  # num_scheduler_steps > 1
+    scoring: int = 0  # enable_prompt_logprobs
+    speculative: int = 0  # verify steps (every batch, pages and draft-count bucket)
+    draft_prefill: int = 0  # speculative_method "draft"
+    page_copies: int = 0  # the forked pages' copy, per replica and KV cache (the draft's too)
+
+    @property
+    def total(self) -> int:
+        return sum(dataclasses.astuple(self))
+
+    def describe(self) -> str:
+        parts = [f"{f.name.replace('_', ' ')} {v}" for f, v in zip(dataclasses.fields(self), dataclasses.astuple(self))
+                 if v]
+        return f"{self.total} executables ({', '.join(parts)})"
+
+
+def executable_counts(settings: Any, max_model_len: int | None = None, platform: str = "cpu",
+                      num_replicas: int | None = None) -> ExecutableCounts:
+    """The executables an engine with `settings` (an EngineConfig) compiles at start-up on `platform`,
+    from the bucket table alone. `max_model_len`: the resolved one when the setting is unset (the
+    model's max_position_embeddings); `num_replicas`: the mesh's data axis (mesh_shape[0])."""
+    max_model_len = settings.max_model_len or max_model_len
+    if max_model_len is None:
+        raise ValueError("max_model_len is unset in the settings: pass the model's (max_position_embeddings)")
+    buckets = BucketTable.for_settings(settings, max_model_len)
+    replicas = num_replicas if num_replicas is not None else settings.mesh_shape[0]
+    plain = step_shapes(buckets, settings.num_scheduler_steps)
+    method = settings.speculation
+    spec = speculative_shapes(buckets, settings.num_speculative_tokens, method, platform) if method else []
+    return ExecutableCounts(
+        steps=sum(len(s) == 3 for s in plain),
+        multi_step=sum(s[3:] == (MULTI_STEP,) for s in plain),
+        scoring=len(score_shapes(buckets)) if settings.enable_prompt_logprobs else 0,
+        speculative=sum(len(s) == 3 for s in spec),
+        draft_prefill=sum(s[3:] == (DRAFT,) for s in spec),
+        page_copies=replicas * (2 if method == "draft" else 1),
+    )

@@ -1,0 +1,81 @@
+"""The executables an engine compiles, counted from the bucket table without compiling them
+(`buckets.executable_counts`), and checked against what a warm-up really compiles."""
+
+import pytest
+
+from jaxserve import LLM
+from jaxserve.config import EngineConfig
+from jaxserve.engine.buckets import BucketTable, ExecutableCounts, executable_counts
+from jaxserve.kv_cache import copy_pages_jit
+
+DEFAULT = "configs/default.yaml"
+NGRAM = dict(speculative_method="ngram")
+DRAFT = dict(speculative_method="draft", speculative_model="checkpoints/default-draft")
+
+
+@pytest.mark.parametrize("platform, overrides, expected", [
+    # configs/default.yaml: 16 rows, 256 batched tokens, 64 pages of 16 tokens -> 5 batch, 5 chunk and
+    # 5 page-count buckets: 25 decode steps and 15 prefill steps (rows x tokens <= 256).
+    ("cpu", {}, ExecutableCounts(steps=40, page_copies=1)),
+    ("cpu", dict(NGRAM, num_speculative_tokens=4), ExecutableCounts(steps=40, speculative=75, page_copies=1)),
+    ("cpu", dict(NGRAM, num_speculative_tokens=8), ExecutableCounts(steps=40, speculative=100, page_copies=1)),
+    ("cpu", dict(DRAFT, num_speculative_tokens=4),
+     ExecutableCounts(steps=40, speculative=75, draft_prefill=15, page_copies=2)),
+    ("cpu", dict(enable_prompt_logprobs=True), ExecutableCounts(steps=40, scoring=15, page_copies=1)),
+    ("cpu", dict(num_scheduler_steps=4), ExecutableCounts(steps=40, multi_step=25, page_copies=1)),
+    # An accelerator verifies K drafts in one width: one speculative step per (batch, pages) bucket.
+    ("tpu", {}, ExecutableCounts(steps=40, page_copies=1)),
+    ("tpu", dict(NGRAM, num_speculative_tokens=4), ExecutableCounts(steps=40, speculative=25, page_copies=1)),
+    ("gpu", dict(NGRAM, num_speculative_tokens=8), ExecutableCounts(steps=40, speculative=25, page_copies=1)),
+])
+def test_default_config_executable_counts(platform, overrides, expected):
+    """The counts docs/ARCHITECTURE.md states for configs/default.yaml (today's step; issue 21's
+    ragged step is to bring the CPU count to <= 30)."""
+    settings = EngineConfig.from_yaml(DEFAULT, overrides)
+    assert executable_counts(settings, platform=platform) == expected
+
+
+def test_counts_follow_the_table():
+    settings = EngineConfig.from_yaml(DEFAULT, dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32,
+                                                    mesh_shape=[2, 1]))
+    table = BucketTable.for_settings(settings, 64)
+    assert table == BucketTable(batch_sizes=(1, 2, 4), chunk_sizes=(16, 32), page_counts=(4,))
+    # decode 3 x 1; prefill (1, 16), (2, 16), (1, 32); one page copy per replica
+    assert executable_counts(settings) == ExecutableCounts(steps=6, page_copies=2)
+    unset = settings.replace(max_model_len=None)
+    with pytest.raises(ValueError, match="max_model_len"):
+        executable_counts(unset)
+    assert executable_counts(unset, max_model_len=64) == executable_counts(settings)
+
+
+SMALL = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+             compilation_cache_dir="none")
+
+
+@pytest.mark.parametrize("extra", [
+    dict(enable_prompt_logprobs=True),
+    dict(speculative_method="ngram", num_speculative_tokens=3),
+    dict(num_scheduler_steps=2),
+    "draft",
+], ids=["prompt-logprobs", "ngram", "multi-step", "draft"])
+def test_warm_up_compiles_what_the_table_counts(hf_model_dir, extra):
+    """A warm-up compiles exactly the executables counted from the table, and /metrics' executables
+    gauge (stats()["executables"]) reports them."""
+    path, _ = hf_model_dir("llama")
+    if extra == "draft":
+        extra = dict(speculative_method="draft", speculative_model=path, num_speculative_tokens=2)
+    copies_before = copy_pages_jit._cache_size()
+    with LLM(path, **SMALL, **extra) as llm:
+        planned = executable_counts(llm.settings, platform="cpu")
+        # The page copy is one module-level jitted function: an engine whose cache layout an earlier
+        # engine of this process had reuses that executable instead of compiling its own.
+        new_copies = copy_pages_jit._cache_size() - copies_before
+        assert llm.engine.warm_up_compiles == planned.total - planned.page_copies + new_copies
+        assert llm.engine.stats()["executables"] == planned.total
+
+
+def test_executables_gauge_in_metrics():
+    from jaxserve.server.metrics import ServerMetrics
+
+    text = ServerMetrics(lambda: {"executables": 41}).render().decode()
+    assert "jaxserve:executables 41.0" in text
