@@ -164,7 +164,9 @@ def test_api_key_enforced(shared_server):
 
 def test_sigterm_drains_and_exits_0(start_server):
     """SIGTERM while a request decodes: it finishes (not cut), the process exits 0, the port closes."""
-    server = start_server("--grace-seconds", "60")
+    # a mock token delay that keeps the request decoding for seconds, so the poll below cannot miss it
+    slow = ("--mock-token-delay", "0.05") if server_kind() == "mock" else ()
+    server = start_server("--grace-seconds", "60", *slow)
     model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
     result = {}
 
