@@ -4,6 +4,7 @@ thread, streaming each request's progress to an async iterator."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -574,11 +575,17 @@ class LLMEngine:
 
 
 class AsyncLLMEngine:
-    """Runs LLMEngine.step in one background thread; each request streams through an asyncio queue."""
+    """Runs LLMEngine.step in one background thread; each request streams through an asyncio queue.
+
+    The event loop never waits for a step: `generate` checks a request synchronously (so a bad one
+    still raises RequestError, the server's 400) and hands it to the step thread through the intake
+    queue, which the thread drains between steps, as it does aborts. Only the step thread touches the
+    engine's scheduler state; `stats()` takes the step lock and is for a worker thread."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by the step thread for a step and its intake; by stats()/shutdown()
+        self._intake: collections.deque = collections.deque()  # ("add", id, ids, params) | ("abort", id)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -608,9 +615,24 @@ class AsyncLLMEngine:
         with self._lock:
             self.engine.close()
 
+    def _drain_intake(self) -> None:
+        """Admit the requests and aborts that arrived since the last step (step thread, under the lock)."""
+        while self._intake:
+            kind, request_id, *rest = self._intake.popleft()
+            if kind == "abort":
+                self.engine.abort_request(request_id)
+                continue
+            ids, params = rest
+            try:
+                self.engine.add_request(request_id, None, params, ids)
+            except Exception as err:  # noqa: BLE001 - checked at intake; a late refusal fails this request only
+                self._deliver(request_id, err if isinstance(err, RequestError) else RequestError(str(err)))
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()  # before draining: whatever arrives later sets it again and ends the wait below
             with self._lock:
+                self._drain_intake()
                 busy = self.engine.has_unfinished_requests()
                 if busy:
                     try:
@@ -621,7 +643,6 @@ class AsyncLLMEngine:
                         continue
             if not busy:
                 self._wake.wait(0.05)
-                self._wake.clear()
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)
@@ -647,9 +668,15 @@ class AsyncLLMEngine:
         """Yields the request's cumulative output each time it advances; aborts it if the caller stops."""
         request_id = request_id or f"req-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self.engine.add_request(request_id, prompt, sampling_params, prompt_token_ids)  # may raise RequestError
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        if (prompt is None) == (prompt_token_ids is None):
+            raise RequestError("give exactly one of prompt or prompt_token_ids")
+        params = sampling_params or SamplingParams()
+        ids = self.engine.encode(prompt) if prompt is not None else [int(t) for t in prompt_token_ids]
+        self.engine.check_request(ids, params)  # read-only: the settings and the cache's size, no step state
+        if request_id in self._streams:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._intake.append(("add", request_id, ids, params))
         self.start()
         self._wake.set()
         finished = False
@@ -666,8 +693,9 @@ class AsyncLLMEngine:
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        with self._lock:
-            self.engine.abort_request(request_id)
+        """Abort between steps (queued behind the request's own admission, so it cannot overtake it)."""
+        self._intake.append(("abort", request_id))
+        self._wake.set()
 
     def stats(self) -> dict:
         with self._lock:
