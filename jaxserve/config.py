@@ -26,6 +26,11 @@ from jaxserve.settings import (
 )
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Architectures whose config jaxserve reads and plans (`jaxserve plan`) but cannot serve yet: their forward
+# (q/k norms, GeGLU, local/global layers, experts) waits for the ragged-step rebuild (issue 24).
+PLAN_ONLY_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+PLANNABLE_ARCHITECTURES = SUPPORTED_ARCHITECTURES + PLAN_ONLY_ARCHITECTURES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +46,9 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and options of a Llama-family decoder; hashable, so it is a static jit argument."""
+    """Shape and options of a decoder (Llama, Mistral, Qwen2; planned only: Qwen3, Gemma 3, Qwen3-MoE,
+    Mixtral); hashable, so it is a static jit argument. The fields after `eos_token_ids` default to what
+    the Llama family has, so its configs are unchanged by them."""
 
     vocab_size: int
     hidden_size: int
@@ -61,27 +68,112 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm (weight of head_dim) over each head's q and k before RoPE
+    hidden_act: str = "silu"  # the gated MLP's activation: silu (SwiGLU) | gelu_pytorch_tanh (Gemma's GeGLU)
+    # Gemma 3: per layer "sliding_attention" (local, `sliding_window` keys) or "full_attention" (global);
+    # () = every layer alike (all windowed when sliding_window is set, as Mistral).
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3); None = rope_theta
+    query_pre_attn_scalar: float | None = None  # Gemma 3: scores scaled by its ** -0.5, not head_dim's
+    scale_embeddings: bool = False  # Gemma: the input embedding times sqrt(hidden_size)
+    sandwich_norms: bool = False  # Gemma 3: RMSNorms after attention and after the MLP too (4 per layer)
+    norm_weight_offset: float = 0.0  # Gemma: RMSNorm multiplies by (offset + weight), offset 1
+    # Mixture of experts (Qwen3-MoE, Mixtral): num_experts > 0 replaces the MLP of every layer not in
+    # `dense_layers` by `num_experts` SwiGLU experts of `moe_intermediate_size` and a router [D, E];
+    # each token runs its top `num_experts_per_tok`, weighted by the softmax renormalised over them
+    # when norm_topk_prob (Mixtral always), else by the softmax over all experts.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()  # Qwen3-MoE mlp_only_layers / decoder_sparse_step: dense MLP here
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModelError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})")
+
+    @property
+    def servable(self) -> bool:
+        """Whether jaxserve has a forward for this architecture (else it can only plan it)."""
+        return self.architecture in SUPPORTED_ARCHITECTURES
+
+    def check_servable(self) -> None:
+        """Raise UnsupportedModelError for an architecture jaxserve can plan but not run yet."""
+        if not self.servable:
+            raise UnsupportedModelError(
+                f"architecture {self.architecture!r} is not supported for serving yet: jaxserve can plan it "
+                f"(`jaxserve plan --model DIR`) but not run it (its forward is issue 24's remaining work); "
+                f"served today: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers whose MLP is a mixture of experts (0 for a dense model)."""
+        return self.num_layers - len(self.dense_layers) if self.is_moe else 0
+
+    @property
+    def num_sliding_layers(self) -> int:
+        """Layers that attend to only the last `sliding_window` keys."""
+        if not self.sliding_window:
+            return 0
+        if not self.layer_types:
+            return self.num_layers
+        return sum(t == "sliding_attention" for t in self.layer_types)
+
+    def expert_params(self) -> int:
+        """Elements of one expert of one layer: gate, up [D, F_e] and down [F_e, D]."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def expected_experts_read(self, batch: float) -> float:
+        """Distinct experts per MoE layer that a step of `batch` token rows reads: E · (1 − (1 − k/E)^B).
+
+        This assumes uniform, independent routing (each row picks k of E experts with equal odds); real
+        routers are skewed, which touches fewer distinct experts. Batch 1 reads exactly k; large batches
+        read nearly all E. 0 for a dense model."""
+        if not self.is_moe:
+            return 0.0
+        e, k = self.num_experts, self.num_experts_per_tok
+        return float(k) if batch <= 1 else e * (1.0 - (1.0 - k / e) ** batch)
+
+    def _attn_weights(self) -> int:
+        return self.hidden_size * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
+
+    def _dense_mlp_layers(self) -> int:
+        return len(self.dense_layers) if self.is_moe else self.num_layers
 
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
     def num_params(self) -> int:
+        """Every parameter, all experts included (the text tower only for Gemma3ForConditionalGeneration)."""
         d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * d * f + 2 * d
+        per_layer = self._attn_weights() + (4 if self.sandwich_norms else 2) * d
         if self.qkv_bias:
             per_layer += h * (self.num_heads + 2 * self.num_kv_heads)
         if self.o_bias:
             per_layer += d
+        if self.qk_norm:
+            per_layer += 2 * h
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + d
+        moe = self.num_moe_layers * (self.num_experts * self.expert_params() + d * self.num_experts)  # + router
+        return self.num_layers * per_layer + self._dense_mlp_layers() * 3 * d * f + moe + embed + d
+
+    def active_params(self) -> int:
+        """Parameters one token reads: all but the experts it is not routed to (top-k of E per MoE layer).
+
+        Counted as the published "active" figures count them: the embedding table whole (a token reads
+        one row of it) and the router. Equals num_params() for a dense model."""
+        unused = self.num_experts - self.num_experts_per_tok
+        return self.num_params() - self.num_moe_layers * unused * self.expert_params()
 
     def kv_bytes_per_token(self, bytes_per_element: int, kv_cache_dtype: str = "auto") -> int:
         """2 (K and V) * b * head_dim * kv_heads * layers (see DESIGN.md).
@@ -92,14 +184,45 @@ class ModelConfig:
         return 2 * bytes_per_element * self.head_dim * self.num_kv_heads * self.num_layers
 
     def linear_params(self) -> int:
-        """Elements of the weights int8 quantization replaces (q/k/v/o, gate/up/down; not lm_head)."""
-        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
-        return self.num_layers * (d * h * (self.num_heads * 2 + self.num_kv_heads * 2) + 3 * d * f)
+        """Elements of the weights int8 quantization replaces (q/k/v/o, gate/up/down of the dense MLPs and
+        of every expert; not lm_head, not the routers)."""
+        d, f = self.hidden_size, self.intermediate_size
+        return (self.num_layers * self._attn_weights() + self._dense_mlp_layers() * 3 * d * f
+                + self.num_moe_layers * self.num_experts * self.expert_params())
 
     def linear_out_channels(self) -> int:
         """Output channels of those weights: one f32 scale each when quantized."""
         d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
-        return self.num_layers * (h * (self.num_heads + 2 * self.num_kv_heads) + d + 2 * f + d)
+        return (self.num_layers * (h * (self.num_heads + 2 * self.num_kv_heads) + d)
+                + self._dense_mlp_layers() * (2 * f + d)
+                + self.num_moe_layers * self.num_experts * (2 * self.moe_intermediate_size + d))
+
+    def expert_bytes(self, bytes_per_element: int, quantization: str = "none") -> int:
+        """Bytes of one expert of one layer (int8: 1 byte per element + an f32 scale per output channel)."""
+        if quantization == "int8":
+            return self.expert_params() + (2 * self.moe_intermediate_size + self.hidden_size) * 4
+        return self.expert_params() * bytes_per_element
+
+    def expert_bytes_read(self, batch: float, bytes_per_element: int, quantization: str = "none") -> float:
+        """Expert weight bytes a decode step of `batch` rows reads, all MoE layers together:
+        layers · E·(1 − (1 − k/E)^B) · bytes per expert, under uniform routing (`expected_experts_read`)."""
+        return self.num_moe_layers * self.expected_experts_read(batch) * self.expert_bytes(
+            bytes_per_element, quantization)
+
+    def param_bytes_read(self, batch: float, bytes_per_element: int, quantization: str = "none",
+                         quantize_lm_head: bool = False) -> float:
+        """Parameter bytes a decode step of `batch` rows reads: param_bytes less the experts no row is
+        routed to (expected, uniform routing). Equals param_bytes for a dense model."""
+        all_experts = self.num_moe_layers * self.num_experts * self.expert_bytes(bytes_per_element, quantization)
+        return (self.param_bytes(bytes_per_element, quantization, quantize_lm_head) - all_experts
+                + self.expert_bytes_read(batch, bytes_per_element, quantization))
+
+    def kv_bytes_per_sequence(self, context: int, bytes_per_element: int, kv_cache_dtype: str = "auto") -> int:
+        """KV bytes one sequence of `context` tokens needs when each sliding layer keeps only its window
+        (what a per-layer-group pool would hold; today's pool gives every layer `context` tokens)."""
+        per_layer = self.kv_bytes_per_token(bytes_per_element, kv_cache_dtype) // self.num_layers
+        window = min(context, self.sliding_window or context)
+        return per_layer * (self.num_sliding_layers * window + (self.num_layers - self.num_sliding_layers) * context)
 
     def param_bytes(self, bytes_per_element: int, quantization: str = "none", quantize_lm_head: bool = False) -> int:
         """Bytes of all parameters; with quantization="int8" the linear layers take 1 byte + f32 scales."""
@@ -112,16 +235,24 @@ class ModelConfig:
         return total
 
     @classmethod
-    def from_hf_dict(cls, hf: Mapping[str, Any]) -> "ModelConfig":
-        """Translate a Hugging Face config.json; refuse what we do not implement rather than run it wrongly."""
+    def from_hf_dict(cls, hf: Mapping[str, Any], plan_only: bool = False) -> "ModelConfig":
+        """Translate a Hugging Face config.json; refuse what we do not implement rather than run it wrongly.
+
+        plan_only=True (the planner) also accepts PLAN_ONLY_ARCHITECTURES; without it they raise
+        UnsupportedModelError (`check_servable`), so no loader runs them on the Llama forward."""
         archs = hf.get("architectures") or [_arch_from_model_type(hf.get("model_type"))]
         arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in PLANNABLE_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
+                f"(planned only, not served yet: {', '.join(PLAN_ONLY_ARCHITECTURES)})"
             )
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
+        outer = hf
+        if arch.startswith("Gemma3"):  # the text tower; the checkpoints leave Gemma3TextConfig's defaults out
+            hf = {**_GEMMA3_TEXT_DEFAULTS, **(hf["text_config"] if "text_config" in hf else hf)}
+        extra = _family_fields(arch, hf)
+        act = extra.get("hidden_act", hf.get("hidden_act", "silu"))
+        if act != "silu" and arch in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu' / SwiGLU)")
         if hf.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias=True is not supported")
@@ -131,15 +262,19 @@ class ModelConfig:
         rope = dict(hf.get("rope_parameters") or {})  # transformers >= 5 keeps theta and scaling here
         rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
         scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if isinstance(rope.get("full_attention"), Mapping):  # transformers >= 5, per layer type (Gemma 3)
+            rope = dict(rope["full_attention"])
+            rope_theta = float(rope.get("rope_theta", rope_theta))
+            scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         is_qwen = arch == "Qwen2ForCausalLM"
         sliding_window = hf.get("sliding_window")
-        if is_qwen:
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             if hf.get("use_sliding_window"):
-                raise UnsupportedModelError("Qwen2 with use_sliding_window=True is not supported")
+                raise UnsupportedModelError(f"{arch} with use_sliding_window=True is not supported")
             sliding_window = None
-        eos = hf.get("eos_token_id")
+        eos = outer.get("eos_token_id", hf.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        return cls(
+        cfg = cls(
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf["intermediate_size"]),
@@ -147,7 +282,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if is_qwen else 1e-5)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if is_qwen or arch.startswith("Qwen3") else 1e-5)),
             rope_theta=rope_theta,
             rope_scaling=_rope_scaling(scaling),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
@@ -156,12 +291,16 @@ class ModelConfig:
             o_bias=(not is_qwen) and bool(hf.get("attention_bias", False)),
             sliding_window=int(sliding_window) if sliding_window else None,
             architecture=arch,
-            bos_token_id=hf.get("bos_token_id"),
+            bos_token_id=outer.get("bos_token_id", hf.get("bos_token_id")),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            **extra,
         )
+        if not plan_only:
+            cfg.check_servable()
+        return cfg
 
     @classmethod
-    def from_dir(cls, path: str) -> "ModelConfig":
+    def from_dir(cls, path: str, plan_only: bool = False) -> "ModelConfig":
         config_path = os.path.join(path, "config.json")
         if not os.path.isdir(path):
             raise ModelLoadError(f"model directory {path!r} does not exist")
@@ -169,7 +308,7 @@ class ModelConfig:
             raise ModelLoadError(f"{path!r} has no config.json; a Hugging Face model directory needs one")
         with open(config_path, encoding="utf-8") as f:
             try:
-                return cls.from_hf_dict(json.load(f))
+                return cls.from_hf_dict(json.load(f), plan_only=plan_only)
             except (KeyError, TypeError, ValueError) as err:
                 if isinstance(err, UnsupportedModelError):
                     raise
@@ -177,9 +316,59 @@ class ModelConfig:
 
 
 def _arch_from_model_type(model_type: str | None) -> str:
-    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
+    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}.get(
         model_type or "", f"unknown model_type {model_type!r}"
     )
+
+
+# Gemma3TextConfig's defaults (transformers 4.50, which the Gemma 3 checkpoints were written for: their
+# config.json gives only what differs, e.g. Gemma-3-12B's text_config names 7 keys).
+_GEMMA3_TEXT_DEFAULTS: Mapping[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1,
+    "tie_word_embeddings": True, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6, "attention_bias": False,
+}
+
+
+def _family_fields(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields past the Llama family's: q/k norms, Gemma 3's layers, experts."""
+    if arch == "Qwen3ForCausalLM":
+        return {"qk_norm": True}
+    if arch.startswith("Gemma3"):
+        if hf.get("final_logit_softcapping") or hf.get("attn_logit_softcapping"):
+            raise UnsupportedModelError("Gemma with logit soft-capping (Gemma 2) is not supported")
+        num_layers = int(hf["num_hidden_layers"])
+        layer_types = hf.get("layer_types")
+        if not layer_types:
+            pattern = int(hf.get("sliding_window_pattern") or 6)  # every pattern-th layer is global
+            layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                           for i in range(num_layers)]
+        if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+            raise UnsupportedModelError(f"layer_types must name {num_layers} layers 'sliding_attention' or "
+                                        f"'full_attention', got {layer_types!r}")
+        rope = hf.get("rope_parameters") or {}
+        local = rope.get("sliding_attention") if isinstance(rope.get("sliding_attention"), Mapping) else {}
+        local_theta = local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+        return {"qk_norm": True, "hidden_act": hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh"),
+                "layer_types": tuple(layer_types), "rope_local_theta": float(local_theta),
+                "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or hf["head_dim"]),
+                "scale_embeddings": True, "sandwich_norms": True, "norm_weight_offset": 1.0}
+    if arch == "Qwen3MoeForCausalLM":
+        num_layers, step = int(hf["num_hidden_layers"]), int(hf.get("decoder_sparse_step") or 1)
+        only = {int(i) for i in hf.get("mlp_only_layers") or ()}
+        dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step != 0)
+        return {"qk_norm": True, "num_experts": int(hf["num_experts"]),
+                "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+                "moe_intermediate_size": int(hf["moe_intermediate_size"]),
+                "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "dense_layers": dense}
+    if arch == "MixtralForCausalLM":  # every layer's MLP is experts of intermediate_size; top-k renormalised
+        return {"num_experts": int(hf["num_local_experts"]), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+                "moe_intermediate_size": int(hf["intermediate_size"]), "norm_topk_prob": True}
+    return {}
 
 
 def _rope_scaling(scaling: Mapping[str, Any] | None) -> RopeScaling | None:
