@@ -24,6 +24,7 @@ from jaxserve.engine.compile import (CompileCounter, check_memory_mappings, enab
 from jaxserve.engine.runner import ModelRunner, RowWork
 from jaxserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import Sequence, Status
+from jaxserve.engine.step_stats import StepComposition
 from jaxserve.errors import ConfigError, EngineClosedError, RequestError
 from jaxserve.kv_cache import init_cache
 from jaxserve.memory_plan import plan_memory
@@ -147,6 +148,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seed_stream = np.random.default_rng(s.seed)
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens_computed=0, steps=0)
+        self.composition = StepComposition(self.settings.max_num_batched_tokens)
         self.last_step_seconds = 0.0
         self.last_step_bytes_read = 0
         self.compiles_at_warm_up = self.warm_up_compiles = None
@@ -325,6 +327,7 @@ class LLMEngine:
         self._copy_forked_pages(plan)
         if not plan.rows:
             return []
+        self.composition.record(plan.rows)
         if plan.kind == "decode" and any(r.num_lookahead for r in plan.rows):
             if self.spec is not None:
                 return self._speculative_step(plan, start)
@@ -569,6 +572,7 @@ class LLMEngine:
             prefill_tokens_computed=self.counters["prefill_tokens_computed"],
             last_step_seconds=self.last_step_seconds,
             last_step_bytes_read=self.last_step_bytes_read,
+            **self.composition.as_stats(),
             **(self.spec.stats() if self.spec is not None else {}),
             **(self.multihost.stats() if self.multihost is not None else {}),
         )

@@ -16,7 +16,7 @@ import sys
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from jaxserve.devices import spec_for_device_kind
 
@@ -39,6 +39,25 @@ def detect_device_bandwidth() -> float | None:
         return None
     spec = spec_for_device_kind(device.device_kind)
     return spec.hbm_bandwidth if spec is not None and spec.hbm_bandwidth > 0 else None
+
+
+def step_composition(stats: dict):
+    """jaxserve:steps_total{kind} and the jaxserve:iteration_tokens histogram (real tokens per step)."""
+    by_kind = stats.get("steps_by_kind")
+    if by_kind:
+        family = CounterMetricFamily("jaxserve:steps", "Engine steps by kind: decode, prefill, or mixed (prompt "
+                                     "chunks and decode rows in one step).", labels=["kind"])
+        for kind, count in by_kind.items():
+            family.add_metric([kind], float(count))
+        yield family
+    hist = stats.get("iteration_tokens")
+    if hist:
+        cumulative, buckets = 0, []
+        for bound, count in zip([*hist["bounds"], "+Inf"], hist["counts"]):
+            cumulative += count
+            buckets.append((str(bound), float(cumulative)))
+        yield HistogramMetricFamily("jaxserve:iteration_tokens", "Real (unpadded) tokens computed per engine step.",
+                                    buckets=buckets, sum_value=float(hist["sum"]))
 
 
 class _EngineCollector:
@@ -118,6 +137,7 @@ class _EngineCollector:
         yield from gauge("jaxserve:spec_decode_mean_accepted_length",
                          "Tokens per verify step: accepted drafts + the target's own token (since start).",
                          "spec_decode_mean_accepted_length")
+        yield from step_composition(stats)
         seconds = stats.get("last_step_seconds")
         nbytes = stats.get("last_step_bytes_read")
         if seconds is not None:

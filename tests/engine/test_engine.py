@@ -219,3 +219,18 @@ def test_forks_after_warm_up_compile_nothing(hf_model_dir):
     assert len(out.outputs) == 2 and out.metrics.first_token_time >= out.metrics.arrival_time
     assert CompileCounter.requests == before
     assert llm.engine.stats()["last_step_bytes_read"] > llm.plan.param_bytes
+
+
+def test_step_composition_counts_every_step(llm):
+    """/metrics' steps_total{kind} and iteration_tokens: every step counted once, every computed token once.
+    (Today a step is a prefill or a decode step; "mixed" arrives with the ragged step.)"""
+    before = llm.engine.stats()
+    prompts, params = make_requests(6, seed=3)
+    llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    after = llm.engine.stats()
+    assert sum(after["steps_by_kind"].values()) == llm.engine.counters["steps"]
+    computed = after["iteration_tokens"]["sum"] - before["iteration_tokens"]["sum"]
+    generated = sum(p.max_tokens for p in params)
+    assert computed == sum(map(len, prompts)) + generated - len(prompts)  # the last sampled token is never input
+    assert after["steps_by_kind"]["prefill"] > before["steps_by_kind"]["prefill"]
+    assert after["steps_by_kind"]["decode"] > before["steps_by_kind"]["decode"]

@@ -1,0 +1,59 @@
+"""What each engine step held: its kind (decode, prefill, mixed) and its real tokens, for /metrics.
+
+A row is a prompt chunk when it computes more than the sequence's newest token (a prompt, or a
+recomputed sequence after preemption); otherwise it is a decode row (with speculative verification
+or multi-step lookahead, its extra tokens count too). A step is "mixed" when it holds both kinds: the
+sign that running streams did not wait for a prompt's step of their own. Host-only (no jax).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from jaxserve.engine.scheduler import ScheduledRow
+
+STEP_KINDS = ("decode", "prefill", "mixed")
+
+
+def is_prompt_chunk(row: ScheduledRow) -> bool:
+    return row.start < row.seq.num_tokens - 1
+
+
+def token_buckets(max_tokens: int) -> tuple[int, ...]:
+    """Histogram bounds: powers of two up to the step's token budget (and one past it, for lookahead)."""
+    out, n = [], 1
+    while n < max_tokens:
+        out.append(n)
+        n *= 2
+    return (*out, n)
+
+
+class StepComposition:
+    """Cumulative counts: steps by kind, and a histogram of real tokens per step (Prometheus-shaped)."""
+
+    def __init__(self, max_tokens: int):
+        self.bounds = token_buckets(max_tokens)
+        self.bucket_counts = [0] * (len(self.bounds) + 1)  # the last one: above every bound (+Inf)
+        self.token_sum = 0
+        self.steps = dict.fromkeys(STEP_KINDS, 0)
+
+    def record(self, rows: Iterable[ScheduledRow]) -> str:
+        """Count one step of these rows; returns its kind."""
+        chunks = decodes = tokens = 0
+        for row in rows:
+            tokens += row.num_tokens + row.num_lookahead
+            if is_prompt_chunk(row):
+                chunks += 1
+            else:
+                decodes += 1
+        kind = "mixed" if chunks and decodes else "prefill" if chunks else "decode"
+        self.steps[kind] += 1
+        self.token_sum += tokens
+        index = next((i for i, bound in enumerate(self.bounds) if tokens <= bound), len(self.bounds))
+        self.bucket_counts[index] += 1
+        return kind
+
+    def as_stats(self) -> dict:
+        return {"steps_by_kind": dict(self.steps),
+                "iteration_tokens": {"bounds": list(self.bounds), "counts": list(self.bucket_counts),
+                                     "sum": self.token_sum}}
