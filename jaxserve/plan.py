@@ -139,8 +139,15 @@ def describe(plan: Plan) -> str:
         if plan.quantization == "int8" else plan.dtype
     kv_dtype = "int8 (+ f32 scales)" if plan.kv_cache_dtype == "int8" else plan.dtype
     overrides = f" (overridden: {', '.join(t.overridden)})" if t.overridden else ""
+    active = ""
+    if cfg.is_moe:
+        active = (f" ({cfg.active_params() / 1e9:.2f} B active per token: {cfg.num_experts_per_tok} of "
+                  f"{cfg.num_experts} experts in each of {cfg.num_moe_layers} MoE layers)")
+        split = (f"expert-parallel, {cfg.num_experts // model} whole experts per device" if plan.expert_parallel
+                 else "tensor-parallel, each expert split over the model axis" if model > 1 else "all on each device")
+        weights += f"; experts {split}"
     lines = [
-        f"model      {plan.model}: {cfg.num_params() / 1e9:.2f} B parameters, {cfg.num_layers} layers, "
+        f"model      {plan.model}: {cfg.num_params() / 1e9:.2f} B parameters{active}, {cfg.num_layers} layers, "
         f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of {cfg.head_dim}",
         f"           weights {weights}; KV cache {kv_dtype}; page_size {plan.page_size}",
         f"target     {t.num_devices} x {t.spec.description} [{t.spec.name}], "
@@ -174,11 +181,13 @@ def describe(plan: Plan) -> str:
                   f"  decode step, every sequence at {plan.context} tokens of context; cost at ${t.cost_per_hour:.2f}"
                   f" x {t.num_devices} devices per hour:",
                   f"  {'batch/replica':>13} {'memory':>11} {'compute':>11} {'all-reduce':>11} {'step ≥':>11} "
-                  f"{'tokens/s ≤':>11} {'$/M tokens ≥':>13}"]
+                  f"{'tokens/s ≤':>11} {'$/M tokens ≥':>13}" + (f" {'experts/layer':>13} {'weights read':>12}"
+                                                                  if cfg.is_moe else "")]
         for d in plan.decode:
+            moe = f" {d.experts_read:>13.1f} {fmt_bytes(d.weight_bytes):>12}" if cfg.is_moe else ""
             lines.append(f"  {d.batch:>13,} {fmt_seconds(d.memory_s):>11} {fmt_seconds(d.compute_s):>11} "
                          f"{fmt_seconds(d.allreduce_s):>11} {fmt_seconds(d.seconds):>11} {d.tokens_per_s:>11,.0f} "
-                         f"{d.usd_per_million_tokens:>13.4f}")
+                         f"{d.usd_per_million_tokens:>13.4f}{moe}")
         p = plan.prefill
         lines.append(f"  prefill of one {p.tokens}-token prompt: ≥ {fmt_seconds(p.seconds)} (compute "
                      f"{fmt_seconds(p.compute_s)}, memory {fmt_seconds(p.memory_s)}, all-reduce "
@@ -194,6 +203,10 @@ def describe(plan: Plan) -> str:
         lines += ["", "DOES NOT FIT:"] + [f"  - {p}" for p in plan.problems]
         lines.append("  try: more devices on the model axis, quantization: int8, kv_cache_dtype: int8, "
                      "a shorter context or a smaller batch")
+        if plan.kv_budget_per_device <= 0:
+            least = -(-plan.param_bytes_total // plan.usable_bytes_per_device)
+            lines.append(f"  the parameters alone need at least {least} such devices on the model axis: "
+                         f"--devices N --suggest-mesh (N >= {least}) picks a mesh")
     else:
         lines += ["", "fits."]
     return "\n".join(lines)
@@ -236,7 +249,10 @@ def build_parser(prog: str = "python -m jaxserve.plan") -> argparse.ArgumentPars
     g.add_argument("--list-devices", action="store_true", help="print the device table and exit")
     g.add_argument("--suggest-mesh", action="store_true",
                    help="print only the mesh_shape to use on --devices devices (all local ones with --device auto), "
-                        "e.g. 8,1: the smallest model axis that fits, the rest data-parallel")
+                        "e.g. 8,1: the smallest model axis that fits, the rest data-parallel; for a mixture of "
+                        "experts also expert- or tensor-parallel experts, with the reason (on stderr)")
+    g.add_argument("--expert-parallel", action="store_true",
+                   help="mixture of experts: split whole experts over the model axis (default: split each expert)")
     w = parser.add_argument_group("workload")
     w.add_argument("--context", type=int, default=None, help="tokens per sequence; default: max_model_len")
     w.add_argument("--batch", type=int, default=None,
@@ -324,11 +340,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.plan
             print(f"mesh ({data}, {model}) on {n} x {spec.name}: {fmt_bytes(plan.param_bytes_per_device)} of "
                   f"parameters per device, {plan.max_batch * data} sequences of {plan.context} tokens fit",
                   file=sys.stderr)
+            if plan.mesh_reason:
+                print(plan.mesh_reason, file=sys.stderr)
             return 0
         mesh = resolve_mesh(settings.mesh_shape, args.devices)
         target = Target.build(spec, mesh, args.device_memory, args.bandwidth, args.peak_flops, args.cost_per_hour)
         plan = plan_from_settings(settings, target, context=args.context, batch=args.batch,
-                                  memory_fraction=args.memory_fraction, prompt_len=args.prompt_len)
+                                  memory_fraction=args.memory_fraction, prompt_len=args.prompt_len,
+                                  expert_parallel=args.expert_parallel)
     except (JaxServeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

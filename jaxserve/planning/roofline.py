@@ -26,7 +26,8 @@ GiB, MiB, KiB = 2**30, 2**20, 2**10
 RESERVED_PAGES = 1  # page 0 of each replica is the padding page (memory_plan.RESERVED_PAGES)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # The weights int8 quantization replaces (ModelConfig.linear_params); lm_head only with quantize_lm_head.
-LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "expert_gate", "expert_up", "expert_down")
+EXPERT_WEIGHTS = ("expert_gate", "expert_up", "expert_down")
 
 
 # ---- the roofline arithmetic: pure functions of numbers ------------------------------------------
@@ -83,52 +84,135 @@ def cost_per_million_tokens(cost_per_device_hour: float, num_devices: int, token
 # ---- model arithmetic -------------------------------------------------------------------------------
 def matmul_params(cfg: ModelConfig) -> int:
     """Weights that multiply activations each token: all but the input embedding, which is a gather
-    (when tied, the same table is the LM head and does multiply)."""
-    return cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    (when tied, the same table is the LM head and does multiply). For a mixture of experts only the
+    top-k experts a token is routed to (`ModelConfig.active_params`)."""
+    return cfg.active_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
 
 
-def sharding_rules(cfg: ModelConfig, model_size: int) -> dict[str, str | None]:
-    """The engine's logical-axis rules (raises ConfigError when the model axis does not divide the heads)."""
-    from jaxserve.sharding import logical_rules
+def planned_arrays(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
+    """(name, shape, logical axes) of every parameter array: the engine's `weights.param_specs` for the
+    architectures it serves; for those it only plans (ModelConfig.servable False) the layout their
+    forward is expected to take: per-head q/k norms, Gemma's extra norms, experts stacked [L, E, ...]
+    on an "experts" axis with their hidden dimension on "expert_mlp", a replicated router [L, D, E]."""
+    import jax
 
-    return logical_rules(cfg, model_size)
+    from jaxserve.model.weights import ArraySpec, param_specs
+
+    if cfg.servable:
+        leaves = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=lambda x: isinstance(x, ArraySpec))[0]
+        return [(getattr(path[-1], "name", str(path[-1])), spec.shape, spec.axes) for path, spec in leaves]
+    L, D, F, V, H = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    NH, KH = cfg.num_heads * H, cfg.num_kv_heads * H
+    out = [("embed", (V, D), ("vocab", "embed")), ("final_norm", (D,), ("embed_replicated",)),
+           ("attn_norm", (L, D), ("layers", "embed_replicated")), ("mlp_norm", (L, D), ("layers", "embed_replicated")),
+           ("wq", (L, D, NH), ("layers", "embed", "heads")), ("wk", (L, D, KH), ("layers", "embed", "kv_heads")),
+           ("wv", (L, D, KH), ("layers", "embed", "kv_heads")), ("wo", (L, NH, D), ("layers", "heads", "embed"))]
+    if not cfg.tie_word_embeddings:
+        out.append(("lm_head", (D, V), ("embed", "vocab")))
+    if cfg.qkv_bias:
+        out += [("bq", (L, NH), ("layers", "heads")), ("bk", (L, KH), ("layers", "kv_heads")),
+                ("bv", (L, KH), ("layers", "kv_heads"))]
+    if cfg.o_bias:
+        out.append(("bo", (L, D), ("layers", "embed_replicated")))
+    if cfg.qk_norm:
+        out += [("q_norm", (L, H), ("layers", None)), ("k_norm", (L, H), ("layers", None))]
+    if cfg.sandwich_norms:
+        out += [("post_attn_norm", (L, D), ("layers", "embed_replicated")),
+                ("post_mlp_norm", (L, D), ("layers", "embed_replicated"))]
+    dense = len(cfg.dense_layers) if cfg.is_moe else L
+    if dense:
+        out += [("w_gate", (dense, D, F), ("layers", "embed", "mlp")), ("w_up", (dense, D, F), ("layers", "embed", "mlp")),
+                ("w_down", (dense, F, D), ("layers", "mlp", "embed"))]
+    if cfg.is_moe:
+        M, E, FE = cfg.num_moe_layers, cfg.num_experts, cfg.moe_intermediate_size
+        out += [("router", (M, D, E), ("layers", "embed", None)),
+                ("expert_gate", (M, E, D, FE), ("layers", "experts", "embed", "expert_mlp")),
+                ("expert_up", (M, E, D, FE), ("layers", "experts", "embed", "expert_mlp")),
+                ("expert_down", (M, E, FE, D), ("layers", "experts", "expert_mlp", "embed"))]
+    return out
+
+
+def sharding_rules(cfg: ModelConfig, model_size: int, expert_parallel: bool = False) -> dict[str, str | None]:
+    """The engine's logical-axis rules (raises ConfigError when the model axis does not divide the heads).
+
+    For a mixture of experts, the planner's rule for the expert arrays: tensor-parallel splits every
+    expert's hidden dimension over the model axis ("expert_mlp"); expert_parallel puts E / model_size
+    whole experts on each device ("experts"). Either way activations stay replicated, so the layer
+    ends in one all-reduce of [T, D] as a dense MLP does."""
+    from jaxserve.sharding import MODEL, logical_rules
+
+    rules = dict(logical_rules(cfg, model_size))
+    if cfg.is_moe:
+        if expert_parallel and cfg.num_experts % model_size:
+            raise ConfigError(f"expert parallelism needs the model axis ({model_size} devices) to divide the "
+                              f"{cfg.num_experts} experts")
+        rules["experts"] = MODEL if expert_parallel and model_size > 1 else None
+        rules["expert_mlp"] = MODEL if not expert_parallel and cfg.moe_intermediate_size % model_size == 0 else None
+    return rules
 
 
 def param_bytes_per_device(cfg: ModelConfig, bytes_per_element: int, quantization: str = "none",
-                           quantize_lm_head: bool = False, model_size: int = 1) -> int:
+                           quantize_lm_head: bool = False, model_size: int = 1, expert_parallel: bool = False,
+                           only: tuple[str, ...] | None = None) -> int:
     """Bytes of parameters on each device of a model axis of `model_size` devices.
 
     Each array of `weights.param_specs` is split over the model axis when one of its logical axes maps
     to it (`sharding.logical_rules`), else replicated; int8 weights take 1 byte per element plus an f32
     scale per output channel, split when the output axis is. With model_size=1 this equals
-    `ModelConfig.param_bytes` (checked below)."""
-    import jax
-
-    from jaxserve.model.weights import ArraySpec, param_specs
+    `ModelConfig.param_bytes` (checked below). `only`: count just the arrays of these names (e.g.
+    EXPERT_WEIGHTS); expert_parallel: see `sharding_rules`."""
     from jaxserve.sharding import MODEL
 
-    def count(size: int) -> int:
-        rules = sharding_rules(cfg, size)
+    def count(size: int, names: tuple[str, ...] | None) -> int:
+        rules = sharding_rules(cfg, size, expert_parallel)
         total = 0
-        leaves = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=lambda x: isinstance(x, ArraySpec))[0]
-        for path, spec in leaves:
-            name = getattr(path[-1], "name", str(path[-1]))
-            elements = math.prod(spec.shape)
-            split = size if any(a is not None and rules.get(a) == MODEL for a in spec.axes) else 1
+        for name, shape, axes in planned_arrays(cfg):
+            if names is not None and name not in names:
+                continue
+            elements = math.prod(shape)
+            split = size if any(a is not None and rules.get(a) == MODEL for a in axes) else 1
             quantized = quantization == "int8" and (
                 name in LINEAR_WEIGHTS or (name == "lm_head" and quantize_lm_head and not cfg.tie_word_embeddings))
-            if quantized:
-                out_channels = elements // spec.shape[-2]
-                scale_split = size if rules.get(spec.axes[-1]) == MODEL else 1
+            if quantized:  # one f32 scale per output channel, split when any axis but the input one is
+                out_channels = elements // shape[-2]
+                scale_split = size if any(rules.get(a) == MODEL for i, a in enumerate(axes)
+                                          if a is not None and i != len(axes) - 2) else 1
                 total += elements // split + out_channels * 4 // scale_split
             else:
                 total += elements * bytes_per_element // split
         return total
 
     expected = cfg.param_bytes(bytes_per_element, quantization, quantize_lm_head)
-    if count(1) != expected:  # the planner's view of the arrays must be ModelConfig's
-        raise AssertionError(f"planner counts {count(1)} parameter bytes, ModelConfig.param_bytes {expected}")
-    return count(model_size)
+    if count(1, None) != expected:  # the planner's view of the arrays must be ModelConfig's
+        raise AssertionError(f"planner counts {count(1, None)} parameter bytes, ModelConfig.param_bytes {expected}")
+    return count(model_size, only)
+
+
+def experts_on_busiest_device(cfg: ModelConfig, batch: float, model_size: int, expert_parallel: bool) -> float:
+    """Experts per MoE layer whose weights the busiest device of a replica reads in a step of `batch`
+    rows, in units of the slice of one expert that device holds.
+
+    Tensor-parallel: every device holds 1/model_size of every expert and reads its slice of each of
+    the E·(1 − (1 − k/E)^B) experts read (`ModelConfig.expected_experts_read`, uniform routing).
+    Expert-parallel: whole experts, so the busiest device reads at least the mean share of them and
+    at least ceil(k / model_size) (one row's k distinct experts spread over model_size devices): a
+    lower bound, as the planner's bounds are (real routing is less even)."""
+    read = cfg.expected_experts_read(batch)
+    if not expert_parallel or model_size == 1:
+        return read
+    return max(read / model_size, float(math.ceil(cfg.num_experts_per_tok / model_size)))
+
+
+def param_bytes_read_per_device(cfg: ModelConfig, batch: float, per_device: int, experts_per_device: int,
+                                model_size: int, expert_parallel: bool) -> float:
+    """Parameter bytes the busiest device reads in a step of `batch` rows: everything it holds but the
+    experts no row is routed to. `experts_per_device`: bytes of the expert arrays it holds."""
+    if not cfg.is_moe:
+        return per_device
+    held = cfg.num_experts // model_size if expert_parallel and model_size > 1 else cfg.num_experts
+    each = experts_per_device / (cfg.num_moe_layers * held)  # one (slice of an) expert of one layer
+    read = experts_on_busiest_device(cfg, batch, model_size, expert_parallel)
+    return per_device - experts_per_device + cfg.num_moe_layers * read * each
 
 
 def kv_split(cfg: ModelConfig, model_size: int) -> int:
@@ -191,6 +275,8 @@ class StepBound:
     seconds: float
     tokens_per_s: float  # whole mesh
     usd_per_million_tokens: float
+    weight_bytes: float = 0.0  # parameter bytes the (busiest) device reads in the step
+    experts_read: float = 0.0  # MoE: distinct experts read per layer (expected, uniform routing); 0 dense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +306,9 @@ class Plan:
     engine_pages: int | None  # pages per replica the engine would allocate with these settings
     problems: tuple[str, ...]  # why the plan does not fit; empty when it does
     notes: tuple[str, ...]
+    active_params: int = 0  # parameters one token reads (top-k experts); = cfg.num_params() when dense
+    expert_parallel: bool = False  # MoE: whole experts split over the model axis (else each expert split)
+    mesh_reason: str = ""  # suggest_mesh: why this mesh (and, for MoE, expert- or tensor-parallel)
 
     @property
     def fits(self) -> bool:
@@ -254,9 +343,12 @@ class Plan:
         return out
 
 
-def decode_bound(cfg: ModelConfig, target: Target, param_bytes_dev: int, kv_per_token_dev: int, batch: int,
+def decode_bound(cfg: ModelConfig, target: Target, param_bytes_dev: float, kv_per_token_dev: int, batch: int,
                  context: int, activation_bytes: int) -> StepBound:
-    """One decode step of `batch` sequences per replica, each attending to `context` tokens."""
+    """One decode step of `batch` sequences per replica, each attending to `context` tokens.
+
+    param_bytes_dev: the parameter bytes the step reads per device: all it holds for a dense model,
+    for a mixture of experts only the experts the batch is routed to (`param_bytes_read_per_device`)."""
     data, model = target.mesh_shape
     memory_s = memory_bound_seconds(param_bytes_dev + batch * context * kv_per_token_dev, target.bandwidth)
     flops = matmul_flops(matmul_params(cfg), batch) + attention_flops(
@@ -267,10 +359,11 @@ def decode_bound(cfg: ModelConfig, target: Target, param_bytes_dev: int, kv_per_
     seconds = step_seconds(memory_s, compute_s, allreduce_s)
     tokens_per_s = data * batch / seconds
     return StepBound(batch, 1, context, memory_s, compute_s, allreduce_s, seconds, tokens_per_s,
-                     cost_per_million_tokens(target.cost_per_hour, target.num_devices, tokens_per_s))
+                     cost_per_million_tokens(target.cost_per_hour, target.num_devices, tokens_per_s),
+                     param_bytes_dev, cfg.expected_experts_read(batch))
 
 
-def prefill_bound(cfg: ModelConfig, target: Target, param_bytes_dev: int, kv_per_token_dev: int, prompt_len: int,
+def prefill_bound(cfg: ModelConfig, target: Target, param_bytes_dev: float, kv_per_token_dev: int, prompt_len: int,
                   activation_bytes: int) -> StepBound:
     """Prefill of one `prompt_len`-token prompt on one replica (a lower bound on time to first token)."""
     data, model = target.mesh_shape
@@ -283,18 +376,22 @@ def prefill_bound(cfg: ModelConfig, target: Target, param_bytes_dev: int, kv_per
     seconds = step_seconds(memory_s, compute_s, allreduce_s)
     tokens_per_s = data * prompt_len / seconds
     return StepBound(1, prompt_len, prompt_len, memory_s, compute_s, allreduce_s, seconds, tokens_per_s,
-                     cost_per_million_tokens(target.cost_per_hour, target.num_devices, tokens_per_s))
+                     cost_per_million_tokens(target.cost_per_hour, target.num_devices, tokens_per_s),
+                     param_bytes_dev, cfg.expected_experts_read(prompt_len))
 
 
 def make_plan(cfg: ModelConfig, target: Target, *, dtype: str = "bfloat16", quantization: str = "none",
               quantize_lm_head: bool = False, kv_cache_dtype: str = "auto", page_size: int = 16,
               context: int | None = None, batch: int | None = None, batch_is_required: bool = True,
               memory_fraction: float = 0.9, prompt_len: int | None = None, engine_pages: int | None = None,
-              model: str = "model") -> Plan:
+              model: str = "model", expert_parallel: bool = False) -> Plan:
     """The plan for `cfg` on `target`. Refusals are collected in `problems` rather than raised.
 
     batch: sequences per replica at `context` (default: the most that fit). batch_is_required=False
-    makes a batch that does not fit a note (the engine would preempt) rather than a refusal."""
+    makes a batch that does not fit a note (the engine would preempt) rather than a refusal.
+    expert_parallel (mixture of experts): whole experts split over the model axis instead of every
+    expert's hidden dimension (`sharding_rules`). Decode and prefill bounds read only the experts the
+    step's rows are routed to (`param_bytes_read_per_device`)."""
     if not 0 < memory_fraction <= 1:
         raise ConfigError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     if dtype not in DTYPE_BYTES:
@@ -307,7 +404,23 @@ def make_plan(cfg: ModelConfig, target: Target, *, dtype: str = "bfloat16", quan
         problems.append(f"context {context} exceeds the model's max_position_embeddings "
                         f"{cfg.max_position_embeddings}")
     total = cfg.param_bytes(b, quantization, quantize_lm_head)
-    per_device = param_bytes_per_device(cfg, b, quantization, quantize_lm_head, model_size)
+    per_device = param_bytes_per_device(cfg, b, quantization, quantize_lm_head, model_size, expert_parallel)
+    experts_dev = param_bytes_per_device(cfg, b, quantization, quantize_lm_head, model_size, expert_parallel,
+                                         only=EXPERT_WEIGHTS) if cfg.is_moe else 0
+    expert_parallel = expert_parallel and cfg.is_moe
+
+    def weights_read(rows: int) -> float:
+        return param_bytes_read_per_device(cfg, rows, per_device, experts_dev, model_size, expert_parallel)
+
+    if not cfg.servable:
+        notes.append(f"{cfg.architecture}: jaxserve plans it but cannot serve it yet (its forward is issue 24's "
+                     "remaining work)")
+    if cfg.architecture == "Gemma3ForConditionalGeneration":
+        notes.append("parameters: the text tower only (the checkpoint's SigLIP vision tower and projector, "
+                     "about 0.4 B more, are not counted)")
+    if cfg.is_moe:
+        notes.append(f"experts read per step: E·(1 − (1 − k/E)^B) of the {cfg.num_experts} per layer for B rows "
+                     f"(k = {cfg.num_experts_per_tok}, uniform routing; a skewed router reads fewer)")
     kv_token = cfg.kv_bytes_per_token(b, kv_cache_dtype)
     split = kv_split(cfg, model_size)
     kv_token_dev = kv_token // split
@@ -348,8 +461,16 @@ def make_plan(cfg: ModelConfig, target: Target, *, dtype: str = "bfloat16", quan
     if max_batch >= 1:
         assumed = min(batch or max_batch, max_batch)
         for n in sorted({1, assumed, max_batch}):
-            decode.append(decode_bound(cfg, target, per_device, kv_token_dev, n, context, b))
-        prefill = prefill_bound(cfg, target, per_device, kv_token_dev, min(prompt_len or context, context), b)
+            decode.append(decode_bound(cfg, target, weights_read(n), kv_token_dev, n, context, b))
+        prompt = min(prompt_len or context, context)
+        prefill = prefill_bound(cfg, target, weights_read(prompt), kv_token_dev, prompt, b)
+    if cfg.num_sliding_layers and cfg.layer_types and max_batch >= 1 and budget > 0:
+        windowed = cfg.kv_bytes_per_sequence(context, b, kv_cache_dtype) // split
+        notes.append(
+            f"{cfg.num_sliding_layers} of {cfg.num_layers} layers see only the last {cfg.sliding_window} tokens, "
+            f"but one KV pool gives every layer all {context}: a pool per layer group would need "
+            f"{fmt_bytes(windowed)} per sequence per device instead of {fmt_bytes(seq_bytes)}, "
+            f"about {budget // max(windowed, 1):,} sequences per replica instead of {max_batch:,}")
     return Plan(
         model=model, cfg=cfg, dtype=dtype, quantization=quantization,
         quantize_lm_head=quantize_lm_head and quantization == "int8", kv_cache_dtype=kv_cache_dtype,
@@ -359,6 +480,7 @@ def make_plan(cfg: ModelConfig, target: Target, *, dtype: str = "bfloat16", quan
         kv_bytes_per_token_per_device=kv_token_dev, kv_split=split, usable_bytes_per_device=usable,
         kv_budget_per_device=budget, pages_per_replica=pages, max_batch=max_batch, decode=tuple(decode),
         prefill=prefill, engine_pages=engine_pages, problems=tuple(problems), notes=tuple(notes),
+        active_params=cfg.active_params(), expert_parallel=expert_parallel,
     )
 
 
@@ -390,13 +512,15 @@ def configured_pages(cfg: ModelConfig, settings: EngineConfig, dtype: str, param
 
 
 def plan_from_settings(settings: EngineConfig, target: Target, *, context: int | None = None, batch: int | None = None,
-                       memory_fraction: float = 0.9, prompt_len: int | None = None) -> Plan:
+                       memory_fraction: float = 0.9, prompt_len: int | None = None,
+                       expert_parallel: bool = False) -> Plan:
     """The plan for an EngineConfig: its model, dtype, quantization, page size and KV sizing.
 
     context defaults to max_model_len (else the model's limit); batch to max_num_seqs, which only
-    notes (not refuses) when it does not fit, since the engine then preempts."""
+    notes (not refuses) when it does not fit, since the engine then preempts. Architectures jaxserve
+    plans but cannot serve yet (config.PLAN_ONLY_ARCHITECTURES) are planned, with a note."""
     model_dir = settings.model or default_model_dir()
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = ModelConfig.from_dir(model_dir, plan_only=True)
     dtype = resolve_dtype(settings, model_dir, target.spec)
     context = context or settings.max_model_len or cfg.max_position_embeddings
     engine_pages = None
@@ -406,7 +530,7 @@ def plan_from_settings(settings: EngineConfig, target: Target, *, context: int |
         cfg, target, dtype=dtype, quantization=settings.quantization, quantize_lm_head=settings.quantize_lm_head,
         kv_cache_dtype=settings.kv_cache_dtype, page_size=settings.page_size, context=context,
         batch=batch or settings.max_num_seqs, batch_is_required=batch is not None, memory_fraction=memory_fraction,
-        prompt_len=prompt_len, engine_pages=engine_pages, model=model_dir,
+        prompt_len=prompt_len, engine_pages=engine_pages, model=model_dir, expert_parallel=expert_parallel,
     )
 
 
@@ -416,9 +540,13 @@ def suggest_mesh(settings: EngineConfig, spec: DeviceSpec, num_devices: int, *, 
     """The mesh for `num_devices` devices: the smallest model axis (fewest all-reduces) on which
     max_num_seqs sequences of `context` tokens fit per replica, else the smallest on which the plan
     fits at all; the remaining devices are data-parallel replicas. Model axes that split the KV heads
-    are preferred over ones that replicate them. None when no mesh fits."""
+    are preferred over ones that replicate them. None when no mesh fits.
+
+    For a mixture of experts on a model axis of more than one device it also chooses how the experts
+    split (`choose_expert_parallel`); the returned plan's `expert_parallel` and `mesh_reason` say which
+    and why."""
     model_dir = settings.model or default_model_dir()
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = ModelConfig.from_dir(model_dir, plan_only=True)
     sizes = [m for m in range(1, num_devices + 1) if num_devices % m == 0 and cfg.num_heads % m == 0]
     sizes.sort(key=lambda m: (cfg.num_kv_heads % m != 0, m))
     fitting = []
@@ -427,11 +555,49 @@ def suggest_mesh(settings: EngineConfig, spec: DeviceSpec, num_devices: int, *, 
         target = Target.build(spec, mesh, device_memory, bandwidth, peak_flops)
         plan = plan_from_settings(settings.replace(mesh_shape=mesh), target, context=context,
                                   memory_fraction=memory_fraction)
+        if plan.fits and cfg.is_moe:
+            ep = None
+            if m > 1 and cfg.num_experts % m == 0:
+                ep = plan_from_settings(settings.replace(mesh_shape=mesh), target, context=context,
+                                        memory_fraction=memory_fraction, expert_parallel=True)
+            plan = choose_expert_parallel(plan, ep if ep is not None and ep.fits else None)
         if plan.fits:
             if plan.max_batch >= settings.max_num_seqs:
                 return mesh, plan
             fitting.append((mesh, plan))
     return fitting[0] if fitting else None
+
+
+def choose_expert_parallel(tp: Plan, ep: Plan | None) -> Plan:
+    """Of a mixture of experts' two plans on one mesh (each expert split over the model axis, `tp`, or
+    whole experts split, `ep`), the one to use, its `mesh_reason` one sentence of why.
+
+    Both hold the same bytes per device and end each layer in one all-reduce, so the decode bound at
+    the planned batch decides: whole experts make the busiest device read more when a step touches
+    few experts (small batches, few experts), and cost nothing once it touches nearly all of them;
+    within 2% expert parallelism wins, for wider matmuls (moe_intermediate_size columns per expert
+    rather than that / model axis) and no per-expert collective."""
+    cfg, model = tp.cfg, tp.target.mesh_shape[1]
+    if ep is None:
+        why = ("experts: not split, since one device per replica holds all of them whole (the cheapest layout: "
+               "no expert collective, full-width matmuls)" if model == 1 else
+               f"experts: tensor-parallel, since the model axis of {model} does not divide the {cfg.num_experts} "
+               "experts")
+        return dataclasses.replace(tp, mesh_reason=why)
+    at = lambda plan: next((d for d in plan.decode if d.batch == plan.batch), plan.decode[-1])  # noqa: E731
+    t, e = at(tp), at(ep)
+    read = f"at batch {tp.batch} a step reads ~{t.experts_read:.3g} of the {cfg.num_experts} experts per layer"
+    fe = cfg.moe_intermediate_size
+    if e.seconds <= 1.02 * t.seconds:
+        return dataclasses.replace(ep, mesh_reason=(
+            f"experts: expert-parallel ({cfg.num_experts // model} whole expert(s) per device), since {read}, so "
+            f"whole experts cost the busiest device no more than slicing each one (decode bound "
+            f"{e.seconds * 1e3:.3f} ms against {t.seconds * 1e3:.3f} ms) and keep each expert's matmul {fe} "
+            f"columns wide instead of {fe // model}"))
+    return dataclasses.replace(tp, mesh_reason=(
+        f"experts: tensor-parallel (each expert split over the {model} devices), since {read}, and with whole "
+        f"experts the busiest device would read at least {math.ceil(cfg.num_experts_per_tok / model)} of them "
+        f"(decode bound {e.seconds * 1e3:.3f} ms against {t.seconds * 1e3:.3f} ms)"))
 
 
 def fmt_bytes(n: float) -> str:
