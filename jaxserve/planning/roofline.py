@@ -194,13 +194,21 @@ def experts_on_busiest_device(cfg: ModelConfig, batch: float, model_size: int, e
 
     Tensor-parallel: every device holds 1/model_size of every expert and reads its slice of each of
     the E·(1 − (1 − k/E)^B) experts read (`ModelConfig.expected_experts_read`, uniform routing).
-    Expert-parallel: whole experts, so the busiest device reads at least the mean share of them and
-    at least ceil(k / model_size) (one row's k distinct experts spread over model_size devices): a
-    lower bound, as the planner's bounds are (real routing is less even)."""
+    Expert-parallel: whole experts, E / model_size per device, each read with probability
+    p = (experts read) / E; the step waits for the busiest device, so this is the expected maximum over
+    the model_size devices of Binomial(E / model_size, p) (independent experts, uniform routing), and
+    at least ceil(k / model_size) (one row's k distinct experts spread over model_size devices). Both
+    are expectations under uniform routing, not bounds: a skewed router reads fewer distinct experts
+    and loads expert-parallel devices less evenly."""
     read = cfg.expected_experts_read(batch)
     if not expert_parallel or model_size == 1:
         return read
-    return max(read / model_size, float(math.ceil(cfg.num_experts_per_tok / model_size)))
+    n, p = cfg.num_experts // model_size, read / cfg.num_experts
+    cdf, busiest = 0.0, 0.0
+    for x in range(n):  # E[max] = sum over x of P(max > x) = 1 - F(x)^m
+        cdf += math.comb(n, x) * p ** x * (1 - p) ** (n - x)
+        busiest += 1.0 - min(cdf, 1.0) ** model_size
+    return max(busiest, float(math.ceil(cfg.num_experts_per_tok / model_size)))
 
 
 def param_bytes_read_per_device(cfg: ModelConfig, batch: float, per_device: int, experts_per_device: int,
@@ -574,9 +582,9 @@ def choose_expert_parallel(tp: Plan, ep: Plan | None) -> Plan:
 
     Both hold the same bytes per device and end each layer in one all-reduce, so the decode bound at
     the planned batch decides: whole experts make the busiest device read more when a step touches
-    few experts (small batches, few experts), and cost nothing once it touches nearly all of them;
-    within 2% expert parallelism wins, for wider matmuls (moe_intermediate_size columns per expert
-    rather than that / model axis) and no per-expert collective."""
+    few experts or routes them unevenly (small batches: `experts_on_busiest_device`), and cost
+    nothing once every device's experts are nearly all read; within 2% expert parallelism wins, for
+    wider matmuls (moe_intermediate_size columns per expert rather than that / model axis)."""
     cfg, model = tp.cfg, tp.target.mesh_shape[1]
     if ep is None:
         why = ("experts: not split, since one device per replica holds all of them whole (the cheapest layout: "
@@ -594,10 +602,12 @@ def choose_expert_parallel(tp: Plan, ep: Plan | None) -> Plan:
             f"whole experts cost the busiest device no more than slicing each one (decode bound "
             f"{e.seconds * 1e3:.3f} ms against {t.seconds * 1e3:.3f} ms) and keep each expert's matmul {fe} "
             f"columns wide instead of {fe // model}"))
+    busiest = experts_on_busiest_device(cfg, tp.batch, model, True)
     return dataclasses.replace(tp, mesh_reason=(
         f"experts: tensor-parallel (each expert split over the {model} devices), since {read}, and with whole "
-        f"experts the busiest device would read at least {math.ceil(cfg.num_experts_per_tok / model)} of them "
-        f"(decode bound {e.seconds * 1e3:.3f} ms against {t.seconds * 1e3:.3f} ms)"))
+        f"experts the busiest device would read ~{busiest:.3g} of its {cfg.num_experts // model} against the "
+        f"{t.experts_read / model:.3g} experts' worth of slices each device reads (decode bound "
+        f"{e.seconds * 1e3:.3f} ms against {t.seconds * 1e3:.3f} ms)"))
 
 
 def fmt_bytes(n: float) -> str:
