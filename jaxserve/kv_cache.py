@@ -9,6 +9,7 @@ An int8 cache (kv_cache_dtype="int8") keeps one f32 scale per (token, KV head) b
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.struct
@@ -99,6 +100,38 @@ class StepBatch:
         return self.start_pos + self.num_new
 
 
+@flax.struct.dataclass
+class RaggedBatch:
+    """One replica's step as a flat ragged batch: N tokens of S rows (prompt chunks, decodes and
+    verifications mixed), each row's tokens contiguous and rows in order (`jaxserve.ragged`).
+
+    N is a token-budget bucket (powers of two up to max_num_batched_tokens); S rows, P pages per
+    row and L logits are fixed per engine. Padding tokens (after the last row) write nothing (slot
+    out of range) and attend to nothing; padding rows have no tokens and context 0.
+    """
+
+    tokens: jax.Array  # i32[N]
+    positions: jax.Array  # i32[N]  position of each token in its sequence
+    slots: jax.Array  # i32[N]  page * page_size + offset where its K/V goes; ragged.PAD_SLOT (-1) for padding
+    token_row: jax.Array  # i32[N]  row of each token; S for padding tokens
+    query_start: jax.Array  # i32[S+1]  row r's tokens are [query_start[r], query_start[r+1])
+    context_lens: jax.Array  # i32[S]  tokens in the cache for each row after this step's writes
+    page_table: jax.Array  # i32[S, P]
+    logit_index: jax.Array  # i32[L]  tokens whose logits are returned, row by row; padding -> 0 (ignored)
+
+    @classmethod
+    def build(cls, rows, *, page_size: int, num_tokens: int, num_rows: int, max_pages: int,
+              num_logits: int) -> "RaggedBatch":
+        """From `ragged.RaggedRow`s (or (tokens, start, pages[, num_logits]) tuples), via the host
+        packer `ragged.pack_ragged` (numpy arrays; the step moves them to the device)."""
+        from jaxserve.ragged import RaggedRow, pack_ragged
+
+        rows = [r if isinstance(r, RaggedRow) else RaggedRow(*r) for r in rows]
+        arrays = pack_ragged(rows, page_size=page_size, num_tokens=num_tokens, num_rows=num_rows,
+                             max_pages=max_pages, num_logits=num_logits)
+        return cls(**{f.name: getattr(arrays, f.name) for f in dataclasses.fields(arrays)})
+
+
 def cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, num_replicas: int = 1) -> tuple[int, ...]:
     return (num_replicas, cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
 
@@ -163,6 +196,35 @@ def write_kv(
     if not cache.quantized:
         return cache.replace(k=scatter(cache.k, k_new), v=scatter(cache.v, v_new))
     (kq, ks), (vq, vs) = quantize_kv(k_new), quantize_kv(v_new)  # i8[B, T, K, H], f32[B, T, K]
+    return KVCache(k=scatter(cache.k, kq), v=scatter(cache.v, vq), k_scale=scatter(cache.k_scale, ks),
+                   v_scale=scatter(cache.v_scale, vs))
+
+
+def write_kv_slots(
+    cache: KVCache,  # one replica: k, v f[L, K, NP, S, H] (i8 with k_scale, v_scale f32[L, K, NP, S])
+    layer: jax.Array | int,
+    k_new: jax.Array,  # f[N, K, H]
+    v_new: jax.Array,  # f[N, K, H]
+    slots: jax.Array,  # i32[N]  page * page_size + offset; outside [0, NP * S) = dropped (padding)
+) -> KVCache:
+    """Scatter a ragged step's K/V by slot (`RaggedBatch.slots`): `write_kv` for a flat token axis.
+
+    The same single scatter over rows of head_dim for all heads, in place on the donated buffer,
+    and the same per-(token, head) int8 quantization with an int8 cache."""
+    L, K, NP, S, H = cache.k.shape
+    head = jnp.arange(K, dtype=jnp.int32)[:, None]  # i32[K, 1]
+    valid = (slots >= 0) & (slots < NP * S)  # bool[N]
+    rows = (layer * K + head) * (NP * S) + jnp.where(valid, slots, 0)[None]  # i32[K, N]
+    rows = jnp.where(valid[None], rows, L * K * NP * S)  # out of range -> dropped
+
+    def scatter(pages, new):  # new [N, K, *rest] -> rows of pages viewed as [L*K*NP*S, *rest]
+        flat = pages.reshape(L * K * NP * S, *pages.shape[4:])
+        flat = flat.at[rows].set(jnp.moveaxis(new, 1, 0).astype(pages.dtype), mode="drop")
+        return flat.reshape(pages.shape)
+
+    if not cache.quantized:
+        return cache.replace(k=scatter(cache.k, k_new), v=scatter(cache.v, v_new))
+    (kq, ks), (vq, vs) = quantize_kv(k_new), quantize_kv(v_new)  # i8[N, K, H], f32[N, K]
     return KVCache(k=scatter(cache.k, kq), v=scatter(cache.v, vq), k_scale=scatter(cache.k_scale, ks),
                    v_scale=scatter(cache.v_scale, vs))
 

@@ -116,6 +116,86 @@ def _token_scales(scale: jax.Array, page_table: jax.Array) -> jax.Array:
     return scale[:, page_table].reshape(K, B, -1).transpose(1, 0, 2)[:, :, None, None, :]
 
 
+NO_SLIDING_WINDOW = np.iinfo(np.int32).max  # a window operand that masks nothing
+
+
+def ragged_attention_reference(
+    q: jax.Array,  # f[N, heads, H]  one query per token of the flat ragged batch
+    k_pages: jax.Array,  # f[K, NP, S, H]  one layer of one replica (new K/V already written)
+    v_pages: jax.Array,  # f[K, NP, S, H]
+    positions: jax.Array,  # i32[N]
+    query_start: jax.Array,  # i32[R+1]  row r's tokens are [query_start[r], query_start[r+1])
+    context_lens: jax.Array,  # i32[R]  tokens in each row's cache, this step's included
+    page_table: jax.Array,  # i32[R, P]
+    sliding_window: jax.Array | int | None = None,  # i32[]: a key is seen while pos - key_pos < window
+    sm_scale: jax.Array | float | None = None,  # f32[]; None = H ** -0.5
+    k_scale: jax.Array | None = None,  # f32[K, NP, S] with int8 pages
+    v_scale: jax.Array | None = None,  # f32[K, NP, S]
+    *,
+    query_tile: int | None = None,
+) -> jax.Array:  # f[N, heads, H]; zeros for tokens of no row (padding)
+    """Causal attention of each token of a ragged batch over its own row's pages (CPU reference).
+
+    Work items, not tokens, meet the keys. A row's tokens are contiguous, so they are cut into
+    tiles of Q = query_tile consecutive tokens (default ceil(N / R)); an item is one tile of one row.
+    There are at most W = min(R + ceil(N / Q), N) items (each row has at most one partial tile, and
+    each item holds a real token), a static count. Each item gathers its row's pages once
+    (k, v f[K, W, P*S, H]) and scores its Q queries against them (f32[W, K, group, Q, P*S]), and the
+    outputs are scattered back to their tokens. With the default Q the memory is
+    O(R * P*S * K * H + N * heads * P*S): W <= 2R item gathers and W * Q <= 3N + R score rows,
+    never the [N, heads, P*S, H] (nor the per-token [N, K, P*S, H]) a gather of keys per token makes.
+    The arithmetic is at most about 2x the useful (tail tiles, padding items); a pure decode step
+    (N = R, Q = 1) is exactly one item per token.
+
+    Same masking, GQA grouping and f32 softmax as `paged_attention_reference` (so the two agree to
+    rounding): keys past the row's context are masked and zeroed in V, so NaN in unused pages never
+    reaches the output; with int8 pages the K scales multiply the scores, the V scales the
+    probabilities. `sliding_window` and `sm_scale` may be traced (per-layer operands of a scan).
+    """
+    N, NH, H = q.shape
+    K, _, PS, _ = k_pages.shape
+    R, P = page_table.shape
+    G = NH // K
+    Q = query_tile or max(1, -(-N // R))
+    W = min(R + -(-N // Q), N)
+    window = NO_SLIDING_WINDOW if sliding_window is None else sliding_window
+    sm_scale = H**-0.5 if sm_scale is None else sm_scale
+
+    q_len = query_start[1:] - query_start[:-1]  # i32[R]
+    n_items = (q_len + Q - 1) // Q  # i32[R]
+    item_end = jnp.cumsum(n_items)  # i32[R]
+    item = jnp.arange(W, dtype=jnp.int32)
+    row = jnp.searchsorted(item_end, item, side="right").astype(jnp.int32)  # i32[W]; R = no row
+    real = row < R
+    row = jnp.minimum(row, R - 1)
+    start = query_start[row] + (item - (item_end[row] - n_items[row])) * Q  # i32[W]  first token of each item
+    tok = start[:, None] + jnp.arange(Q, dtype=jnp.int32)  # i32[W, Q]
+    tok_valid = real[:, None] & (tok < query_start[row + 1][:, None])  # bool[W, Q]
+    tok = jnp.where(tok_valid, tok, 0)
+    pos = positions[tok]  # i32[W, Q]
+
+    table = page_table[row]  # i32[W, P]
+    k = k_pages[:, table].reshape(K, W, P * PS, H).astype(q.dtype)  # f[K, W, P*S, H]
+    v = v_pages[:, table].reshape(K, W, P * PS, H).astype(q.dtype)
+    key_pos = jnp.arange(P * PS, dtype=jnp.int32)
+    key_valid = key_pos[None, :] < context_lens[row][:, None]  # bool[W, P*S]
+    v = jnp.where(key_valid[None, :, :, None], v, jnp.zeros((), v.dtype))
+    mask = (tok_valid[:, :, None] & key_valid[:, None, :] & (key_pos[None, None, :] <= pos[:, :, None])
+            & (pos[:, :, None] - key_pos[None, None, :] < window))  # bool[W, Q, P*S]
+    qg = q[tok].reshape(W, Q, K, G, H)
+    scores = jnp.einsum("wqkgh,kwsh->wkgqs", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    if k_scale is not None:
+        scores = scores * _token_scales(k_scale, table)
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)  # a query of no row has no key: NaN here, zeroed next
+    if v_scale is not None:
+        probs = probs * _token_scales(v_scale, table)
+    probs = jnp.where(mask[:, None, None], probs, 0.0).astype(v.dtype)
+    out = jnp.einsum("wkgqs,kwsh->wqkgh", probs, v, preferred_element_type=jnp.float32)
+    dest = jnp.where(tok_valid, tok, N).reshape(W * Q)  # each real token is in exactly one item
+    return jnp.zeros_like(q).at[dest].set(out.reshape(W * Q, NH, H).astype(q.dtype), mode="drop")
+
+
 def causal_attention(
     q: jax.Array,  # f[B, T, N, H]
     k: jax.Array,  # f[B, T, K, H]

@@ -14,11 +14,13 @@ import jax.numpy as jnp
 
 from jaxserve import quant
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, write_kv
+from jaxserve.kv_cache import KVCache, RaggedBatch, write_kv, write_kv_slots
 from jaxserve.model.layers import (
     apply_rope,
+    NO_SLIDING_WINDOW,
     causal_attention,
     paged_attention_reference,
+    ragged_attention_reference,
     rms_norm,
     rope_cos_sin,
     swiglu,
@@ -28,6 +30,10 @@ from jaxserve.model.weights import LayerParams, Params
 # attention(q f[B,T,N,H], k_pages f[K,NP,S,H], v_pages, page_table i32[B,P], positions i32[B,T],
 #           seq_lens i32[B], sliding_window, k_scale=f32[K,NP,S] | None, v_scale=...) -> f[B,T,N,H]
 AttentionFn = Callable[..., jax.Array]
+# ragged attention(q f[N,N_h,H], k_pages f[K,NP,S,H], v_pages, positions i32[N], query_start i32[R+1],
+#                  context_lens i32[R], page_table i32[R,P], sliding_window i32[], sm_scale f32[],
+#                  k_scale=f32[K,NP,S] | None, v_scale=...) -> f[N,N_h,H]
+RaggedAttentionFn = Callable[..., jax.Array]
 
 
 def _linear(x: jax.Array, w: jax.Array | quant.QuantArray, b: jax.Array | None) -> jax.Array:
@@ -125,6 +131,77 @@ def forward(
         last = jnp.maximum(num_new - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # f[B, D]
     return _logits(params, cfg, x), cache
+
+
+def layer_attention_params(cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Per-layer attention operands (sliding window i32[L], softmax scale f32[L]): arrays scanned
+    with the weights, so layers that differ (Gemma 3's local and global ones) share one step."""
+    window = NO_SLIDING_WINDOW if cfg.sliding_window is None else cfg.sliding_window
+    return (jnp.full((cfg.num_layers,), window, jnp.int32),
+            jnp.full((cfg.num_layers,), cfg.head_dim**-0.5, jnp.float32))
+
+
+def _ragged_layer(
+    cfg: ModelConfig,
+    attention: RaggedAttentionFn,
+    lp: LayerParams,  # one layer's slice
+    layer: jax.Array | int,
+    window: jax.Array,  # i32[]
+    sm_scale: jax.Array,  # f32[]
+    x: jax.Array,  # f[1, N, D]
+    cache: KVCache,  # one replica
+    cos: jax.Array,  # f32[1, N, H]
+    sin: jax.Array,
+    batch: RaggedBatch,
+) -> tuple[jax.Array, KVCache]:
+    q, k, v = _project_qkv(cfg, lp, x, cos, sin)  # [1, N, heads, H]: the flat axis as one batch row
+    cache = write_kv_slots(cache, layer, k[0], v[0], batch.slots)
+    scales = {} if not cache.quantized else dict(k_scale=cache.k_scale[layer], v_scale=cache.v_scale[layer])
+    attn = attention(q[0], cache.k[layer], cache.v[layer], batch.positions, batch.query_start, batch.context_lens,
+                     batch.page_table, window, sm_scale, **scales)
+    return _output_and_mlp(cfg, lp, x, attn[None]), cache
+
+
+def forward_ragged(
+    params: Params,
+    cache: KVCache,  # one replica: k, v f[L, K, NP, S, H], or i8 with k_scale, v_scale f32[L, K, NP, S]
+    batch: RaggedBatch,  # one replica: N tokens of R rows
+    *,
+    cfg: ModelConfig,
+    scan_layers: bool = False,
+    attention: RaggedAttentionFn = ragged_attention_reference,
+    matmul: str = "reference",
+) -> tuple[jax.Array, KVCache]:
+    """One ragged step (prompt chunks, decodes, verifications in one flat token axis) for one
+    replica. Returns (logits f32[len(logit_index), V] at `batch.logit_index`, cache).
+
+    The same layers as `forward` on a [1, N, D] activation; K/V written by slot (padding dropped),
+    attention over each row's pages. Layers scanned (stacked weights, `scan_layers`) or unrolled
+    (a tuple of per-layer params, or stacked weights sliced per layer), as in `forward`."""
+    if matmul != "reference":
+        params = quant.with_kernel(params, matmul)
+    cos, sin = rope_cos_sin(batch.positions[None], cfg)  # f32[1, N, H]
+    x = params.embed[batch.tokens][None]  # f[1, N, D]
+    windows, sm_scales = layer_attention_params(cfg)
+
+    def run(lp, layer, x, cache):
+        return _ragged_layer(cfg, attention, lp, layer, windows[layer], sm_scales[layer], x, cache, cos, sin, batch)
+
+    if isinstance(params.layers, tuple):
+        for layer, lp in enumerate(params.layers):
+            x, cache = run(lp, layer, x, cache)
+    elif scan_layers:
+        def body(carry, xs):
+            lp, layer, window, sm_scale = xs
+            x, cache = carry
+            return _ragged_layer(cfg, attention, lp, layer, window, sm_scale, x, cache, cos, sin, batch), None
+
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_ids, windows, sm_scales))
+    else:
+        for layer in range(cfg.num_layers):
+            x, cache = run(jax.tree.map(lambda w: w[layer], params.layers), layer, x, cache)
+    return _logits(params, cfg, x[0][batch.logit_index]), cache
 
 
 def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:

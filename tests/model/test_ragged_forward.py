@@ -1,0 +1,272 @@
+"""The flat ragged step (issue 21's layout) equals today's padded forward, row by row.
+
+A mixed batch (two decodes with context, a first prompt chunk, the last chunk of a partly
+prefilled prompt, a verification of 3 tokens) through `forward_ragged` gives the logits and the
+cache that each row run alone through `forward` gives; unused pages hold NaN throughout.
+"""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+from jaxserve.kv_cache import KVCache, RaggedBatch, cache_shape, write_kv_slots
+from jaxserve.model.layers import ragged_attention_reference
+from jaxserve.model.llama import forward, forward_ragged
+from jaxserve.model.weights import init_dummy_params, unstack_layers
+from jaxserve.ragged import PAD_SLOT, RaggedRow, pack_ragged
+
+PAGE = 4
+P = 8  # pages per row
+N, S, L = 32, 8, 8  # token bucket, rows, logits
+T_REF = 32  # the one chunk length the row-alone reference runs at (one compilation)
+# (history already cached, new tokens, logits returned): decode, decode, first prompt chunk,
+# last chunk of a partly prefilled prompt, verification of 2 drafts (+ the pending token)
+ROWS = [(13, 1, 1), (30, 1, 1), (0, 9, 0), (11, 7, 1), (20, 3, 3)]
+
+
+def make_cfg(**kw):
+    return ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, **kw)
+
+
+def nan_cache(cfg, num_pages, quantized):
+    """A cache whose every slot is a trap until written: NaN, or int8 127 with NaN scales."""
+    shape = cache_shape(cfg, num_pages, PAGE)[1:]  # one replica
+    if not quantized:
+        return KVCache(k=jnp.full(shape, jnp.nan, jnp.float32), v=jnp.full(shape, jnp.nan, jnp.float32))
+    return KVCache(k=jnp.full(shape, 127, jnp.int8), v=jnp.full(shape, 127, jnp.int8),
+                   k_scale=jnp.full(shape[:-1], jnp.nan), v_scale=jnp.full(shape[:-1], jnp.nan))
+
+
+FWD = jax.jit(forward, static_argnames=("cfg", "scan_layers", "all_logits"))
+RAGGED = jax.jit(forward_ragged, static_argnames=("cfg", "scan_layers"))
+
+
+def run_alone(params, cache, cfg, tokens, start, pages, scan):
+    """`forward` on one row, padded to T_REF tokens and P pages: (logits f32[T_REF, V], cache)."""
+    tok = np.zeros((1, T_REF), np.int32)
+    tok[0, : len(tokens)] = tokens
+    table = np.zeros((1, P), np.int32)
+    table[0, : len(pages)] = pages
+    logits, cache = FWD(params, cache, tok, np.array([start], np.int32), np.array([len(tokens)], np.int32), table,
+                        cfg=cfg, scan_layers=scan, all_logits=True)
+    return logits[0], cache
+
+
+def scenario(cfg, quantized, seed=0):
+    """Histories prefilled by `forward` into a NaN cache; the step's rows; the logits rows alone give."""
+    rng = np.random.default_rng(seed)
+    need = [-(-(h + n) // PAGE) for h, n, _ in ROWS]
+    num_pages = 1 + sum(need) + 3  # page 0 (padding) and 3 pages no row owns stay NaN
+    ids = rng.permutation(np.arange(1, num_pages))
+    page_lists, c = [], 0
+    for k in need:
+        page_lists.append([int(x) for x in ids[c: c + k]])
+        c += k
+    history = [rng.integers(0, cfg.vocab_size, h).tolist() for h, _, _ in ROWS]
+    new = [rng.integers(0, cfg.vocab_size, n).tolist() for _, n, _ in ROWS]
+    return num_pages, page_lists, history, new
+
+
+def run_scenario(cfg, params, quantized, scan):
+    num_pages, pages, history, new = scenario(cfg, quantized)
+    cache = nan_cache(cfg, num_pages, quantized)
+    for (h, _, _), toks, pg in zip(ROWS, history, pages):
+        if h:
+            _, cache = run_alone(params, cache, cfg, toks, 0, pg, scan)
+    base = cache
+    ref_logits, ref_cache = [], base
+    for (h, n, nl), toks, pg in zip(ROWS, new, pages):
+        logits, ref_cache = run_alone(params, ref_cache, cfg, toks, h, pg, scan)
+        ref_logits.append(np.asarray(logits[n - nl: n]))
+    rows = [RaggedRow(toks, h, pg, nl) for (h, _, nl), toks, pg in zip(ROWS, new, pages)]
+    batch = RaggedBatch.build(rows, page_size=PAGE, num_tokens=N, num_rows=S, max_pages=P, num_logits=L)
+    logits, cache = RAGGED(params, base, batch, cfg=cfg, scan_layers=scan)
+    return dict(logits=np.asarray(logits), cache=cache, ref_logits=np.concatenate(ref_logits), ref_cache=ref_cache,
+                base=base, pages=pages, num_pages=num_pages)
+
+
+def assert_same_cache(got, ref):
+    for name in ("k", "v", "k_scale", "v_scale"):
+        a, b = getattr(got, name), getattr(ref, name)
+        if a is None:
+            assert b is None
+            continue
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype == np.int8:  # the same float K/V up to rounding: a quantized step may differ by one
+            assert np.abs(a.astype(np.int32) - b.astype(np.int32)).max() <= 1, name
+        else:
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, equal_nan=True, err_msg=name)
+
+
+CFG = make_cfg()
+PARAMS = init_dummy_params(CFG, seed=1, dtype=jnp.float32, std=0.15)
+
+
+@pytest.mark.parametrize("variant", ["unrolled", "scan", "sliding_window", "int8_kv"])
+def test_mixed_batch_equals_rows_alone(variant):
+    """(a) mixed rows, (c) sliding window, (d) int8 KV cache; (b) padding writes nothing, NaN does not leak."""
+    cfg = make_cfg(sliding_window=6) if variant == "sliding_window" else CFG
+    params = PARAMS if variant == "scan" else unstack_layers(PARAMS)
+    out = run_scenario(cfg, params, quantized=variant == "int8_kv", scan=variant == "scan")
+    n_logits = sum(nl for _, _, nl in ROWS)
+    assert out["logits"].shape == (L, cfg.vocab_size)
+    assert np.all(np.isfinite(out["logits"])), "NaN from unused pages reached the logits"
+    np.testing.assert_allclose(out["logits"][:n_logits], out["ref_logits"], atol=1e-5, rtol=0)
+    # Same cache, slot for slot: padding tokens (slot -1) wrote nothing, so every slot no row wrote
+    # (page 0, the unowned pages, the tails of last pages) still holds its NaN.
+    assert_same_cache(out["cache"], out["ref_cache"])
+    owned = {p for pg in out["pages"] for p in pg}
+    unowned = [p for p in range(out["num_pages"]) if p not in owned]
+    k = np.asarray(out["cache"].k_scale if out["cache"].quantized else out["cache"].k)
+    assert 0 in unowned and np.all(np.isnan(k[:, :, unowned])), "a padding token wrote into a page"
+
+
+def test_scanned_equals_unrolled():
+    """(e) the stacked-weight scan and the per-layer tuple give one result."""
+    num_pages, pages, _, new = scenario(CFG, False)
+    rows = [RaggedRow(toks, 0, pg, nl) for (_, _, nl), toks, pg in zip(ROWS, new, pages)]
+    batch = RaggedBatch.build(rows, page_size=PAGE, num_tokens=N, num_rows=S, max_pages=P, num_logits=L)
+    cache = nan_cache(CFG, num_pages, False)
+    a, ca = RAGGED(PARAMS, cache, batch, cfg=CFG, scan_layers=True)
+    b, cb = RAGGED(unstack_layers(PARAMS), cache, batch, cfg=CFG, scan_layers=False)
+    c, _ = RAGGED(PARAMS, cache, batch, cfg=CFG, scan_layers=False)  # stacked weights, sliced per layer
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(c), np.asarray(b), atol=1e-5, rtol=0)
+    assert_same_cache(ca, cb)
+
+
+def test_pack_ragged_layout():
+    rows = [RaggedRow([5, 6, 7], 0, [3, 9], 0), RaggedRow([8], 5, [4, 2], 1), RaggedRow([1, 2], 2, [7], 2)]
+    a = pack_ragged(rows, page_size=4, num_tokens=8, num_rows=4, max_pages=3, num_logits=4)
+    np.testing.assert_array_equal(a.tokens, [5, 6, 7, 8, 1, 2, 0, 0])
+    np.testing.assert_array_equal(a.positions, [0, 1, 2, 5, 2, 3, 0, 0])
+    np.testing.assert_array_equal(a.slots, [12, 13, 14, 9, 30, 31, PAD_SLOT, PAD_SLOT])
+    np.testing.assert_array_equal(a.token_row, [0, 0, 0, 1, 2, 2, 4, 4])
+    np.testing.assert_array_equal(a.query_start, [0, 3, 4, 6, 6])
+    np.testing.assert_array_equal(a.context_lens, [3, 6, 4, 0])
+    np.testing.assert_array_equal(a.page_table, [[3, 9, 0], [4, 2, 0], [7, 0, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(a.logit_index, [3, 4, 5, 0])
+    assert all(x.dtype == np.int32 for x in (a.tokens, a.slots, a.query_start, a.page_table, a.logit_index))
+    with pytest.raises(ValueError, match="pages"):
+        pack_ragged([RaggedRow([1] * 5, 0, [1])], page_size=4, num_tokens=8, num_rows=2, max_pages=2, num_logits=1)
+    with pytest.raises(ValueError, match="do not fit"):
+        pack_ragged(rows, page_size=4, num_tokens=5, num_rows=4, max_pages=3, num_logits=4)
+
+
+def test_host_packer_does_not_import_jax():
+    code = "import sys, jaxserve.ragged; assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_write_kv_slots_drops_out_of_range(quantized):
+    cfg = make_cfg()
+    cache = nan_cache(cfg, 4, quantized)
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((5, 2, 16)), jnp.float32)
+    slots = jnp.asarray([1, -1, 15, 16, 1000], jnp.int32)  # 4 pages of 4: 16 and beyond are out of range
+    out = jax.jit(write_kv_slots)(cache, 1, k, k * 2, slots)
+    got = np.asarray(out.k_scale if quantized else out.k).reshape(2, 2, 16, *(() if quantized else (16,)))
+    written = np.zeros(16, bool)
+    written[[1, 15]] = True
+    assert np.all(np.isnan(got[0])), "layer 0 untouched"
+    assert np.all(np.isnan(got[1][:, ~written])), "out-of-range slots dropped, nothing else written"
+    assert np.all(np.isfinite(got[1][:, written]))
+    if not quantized:
+        np.testing.assert_array_equal(got[1][:, 15], np.asarray(k[2]))
+        np.testing.assert_array_equal(np.asarray(out.v).reshape(2, 2, 16, 16)[1][:, 1], np.asarray(k[0] * 2))
+
+
+def _largest_intermediate(fn, *args) -> int:
+    """Elements of the largest array any equation of fn's jaxpr (sub-jaxprs included) makes."""
+    def walk(jaxpr):
+        big = 0
+        for eqn in jaxpr.eqns:
+            for v in eqn.outvars:
+                big = max(big, int(np.prod(v.aval.shape)) if hasattr(v.aval, "shape") else 0)
+            for p in eqn.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        big = max(big, walk(sub.jaxpr))
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        big = max(big, walk(sub))
+        return big
+
+    return walk(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_reference_attention_memory_is_ragged(quantized):
+    """(f) no [N, heads, P*S, H] (nor per-token [N, K, P*S, H]): the intermediates stay within
+    O(R*P*S*K*H + N*heads*P*S), on a step of many tokens in few rows, where the per-token gather is far larger."""
+    n, rows, heads, kv, h, pages, ps = 128, 4, 4, 4, 16, 8, 8  # group 1: a per-token gather is the naive size
+    ctx = pages * ps
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((n, heads, h)), jnp.float32)
+    if quantized:
+        kp = jnp.asarray(rng.integers(-127, 128, (kv, 40, ps, h)), jnp.int8)
+        scale = jnp.asarray(rng.uniform(0.01, 0.02, (kv, 40, ps)), jnp.float32)
+    else:
+        kp, scale = jnp.asarray(rng.standard_normal((kv, 40, ps, h)), jnp.float32), None
+    lens = [60, 1, 50, 17]  # q lengths: a long chunk, a decode, two chunks (128 tokens)
+    qs = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    context = jnp.asarray([64, 30, 60, 40], jnp.int32)
+    table = jnp.asarray(rng.integers(1, 40, (rows, pages)), jnp.int32)
+    positions = jnp.zeros(n, jnp.int32)
+    naive = n * heads * ctx * h
+    bound = 2 * rows * ctx * kv * h + 3 * n * heads * ctx + rows * heads * ctx
+
+    def ours(q, kp, table):
+        return ragged_attention_reference(q, kp, kp, positions, qs, context, table, 7, 0.25, k_scale=scale,
+                                          v_scale=scale)
+
+    got = _largest_intermediate(ours, q, kp, table)
+    assert got < naive and got <= bound, (got, bound, naive)
+
+    # The check has teeth: gathering each token's row of keys (the kernels' reference does) breaks it.
+    from pallas_kernels.ragged_paged_attention import reference_ragged_paged_attention
+
+    def per_token(q, kp, table):
+        return reference_ragged_paged_attention(q, kp, kp, table, context, qs, jnp.int32(rows), k_scale=scale,
+                                                v_scale=scale)
+
+    assert _largest_intermediate(per_token, q, kp, table) > bound
+
+
+@pytest.mark.parametrize("query_tile", [1, 3, None, N])
+def test_reference_attention_any_tile_equals_paged_reference(query_tile):
+    """Every query tile gives what `paged_attention_reference` gives each row alone (traced window and scale)."""
+    from jaxserve.model.layers import paged_attention_reference
+
+    rng = np.random.default_rng(2)
+    num_pages, pages, _, new = scenario(CFG, False)
+    rows = [RaggedRow(toks, h, pg, nl) for (h, _, nl), toks, pg in zip(ROWS, new, pages)]
+    b = pack_ragged(rows, page_size=PAGE, num_tokens=N, num_rows=S, max_pages=P, num_logits=L)
+    kp = rng.standard_normal((2, num_pages, PAGE, 16)).astype(np.float32)
+    vp = rng.standard_normal((2, num_pages, PAGE, 16)).astype(np.float32)
+    for r in range(S):  # slots no row holds are NaN
+        for p in range(P):
+            if r >= len(rows) or p * PAGE >= b.context_lens[r]:
+                continue
+            kp[:, b.page_table[r, p], max(0, b.context_lens[r] - p * PAGE):] = np.nan
+    owned = {p for pg in pages for p in pg}
+    kp[:, [p for p in range(num_pages) if p not in owned]] = np.nan
+    vp[np.isnan(kp)] = np.nan
+    q = jnp.asarray(rng.standard_normal((N, 4, 16)), jnp.float32)
+    fn = jax.jit(lambda *a: ragged_attention_reference(*a, query_tile=query_tile))
+    out = np.asarray(fn(q, kp, vp, b.positions, b.query_start, b.context_lens, b.page_table, jnp.int32(6),
+                        jnp.float32(0.3)))
+    assert np.all(out[b.query_start[-1]:] == 0), "padding tokens attend to nothing"
+    for r, row in enumerate(rows):
+        t0, n = b.query_start[r], len(row.tokens)
+        ref = paged_attention_reference(q[None, t0: t0 + n] / 0.25 * 0.3, kp, vp, b.page_table[r: r + 1],
+                                        b.positions[None, t0: t0 + n], b.context_lens[r: r + 1], sliding_window=6)
+        np.testing.assert_allclose(out[t0: t0 + n], np.asarray(ref[0]), atol=1e-5, rtol=0, err_msg=f"row {r}")
