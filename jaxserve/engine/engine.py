@@ -600,6 +600,20 @@ class AsyncLLMEngine:
     def from_settings(cls, settings: EngineConfig) -> "AsyncLLMEngine":
         return cls(LLMEngine(settings))
 
+    # ---- what the server reads (jaxserve.server.engine_protocol.ServingEngine) ----------------
+    @property
+    def tokenizer(self):
+        """The model's `Tokenizer`, or None (prompts as token ids only)."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.plan.max_model_len
+
+    @property
+    def settings(self) -> EngineConfig:
+        return self.engine.settings
+
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)

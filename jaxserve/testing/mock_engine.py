@@ -1,8 +1,10 @@
 """A deterministic stand-in for `AsyncLLMEngine`, for testing and fuzzing the HTTP layer without a model.
 
-Same interface as the real engine (`from_settings`, `.engine`, `start`, `generate`, `abort`, `stats`,
-`shutdown`), same threading model (a background step loop that hands outputs to the event loop), and
-the same output contract (cumulative `token_ids`/`text`, `finish_reason` "stop" | "length" | "abort").
+Same interface as the real engine (`jaxserve.server.engine_protocol.ServingEngine`: `tokenizer`,
+`max_model_len`, `settings`, `start`, `generate`, `abort`, `stats`, `shutdown`; also `from_settings`
+and `.engine`), the same SamplingParams (every field), same threading model (a background step loop
+that hands outputs to the event loop), and the same output contract (cumulative `token_ids`/`text`,
+`finish_reason` "stop" | "length" | "abort").
 
 What it "generates" (JetStream's mock in spirit): output token k of a request is a pure function of
 the prompt's token ids and k (and, when sampling, of the seed and the sibling index), drawn from the
@@ -124,7 +126,7 @@ class _Request:
     request_id: str
     prompt: str | None
     prompt_ids: list[int]
-    params: Any
+    params: SamplingParams
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     digest: bytes
@@ -153,7 +155,6 @@ class MockLLMEngine:
 class MockAsyncLLMEngine:
     """Deterministic fake of `jaxserve.engine.engine.AsyncLLMEngine` (see the module docstring)."""
 
-    sampling_params_cls = SamplingParams
     is_mock = True
 
     def __init__(
@@ -193,6 +194,19 @@ class MockAsyncLLMEngine:
     def from_settings(cls, settings: EngineConfig, **kwargs: Any) -> "MockAsyncLLMEngine":
         return cls(settings, **kwargs)
 
+    # ---- what the server reads (jaxserve.server.engine_protocol.ServingEngine) ----------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.plan.max_model_len
+
+    @property
+    def settings(self) -> EngineConfig:
+        return self.engine.settings
+
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         with self._lock:
@@ -218,9 +232,6 @@ class MockAsyncLLMEngine:
         prompt_token_ids: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            values = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-            params = SamplingParams(**values)
         tok = self.engine.tokenizer
         if prompt_token_ids is None:
             if prompt is None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import types
 
 import httpx
 import pytest
 
+from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import AsyncLLMEngine
 from jaxserve.errors import RequestError
 from jaxserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
@@ -27,7 +29,8 @@ class SlowEngine:
     """The LLMEngine interface AsyncLLMEngine uses; each step takes STEP_S and gives every request a token."""
 
     tokenizer = None
-    plan = None
+    plan = types.SimpleNamespace(max_model_len=64)  # what AsyncLLMEngine.max_model_len reads
+    settings = EngineConfig()
 
     def __init__(self, tokens_per_request: int = 2):
         self.requests: dict[str, list[int]] = {}

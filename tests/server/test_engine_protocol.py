@@ -1,0 +1,71 @@
+"""Both engines the server runs on satisfy `ServingEngine`: the real `AsyncLLMEngine` (around a stub,
+no model built) and the mock engine."""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+from jaxserve.config import EngineConfig
+from jaxserve.server.engine_protocol import ServerTokenizer, ServingEngine
+from jaxserve.testing.mock_engine import MockAsyncLLMEngine, MockTokenizer, mock_settings
+
+MEMBERS = ("tokenizer", "max_model_len", "settings", "start", "shutdown", "generate", "abort", "stats")
+
+
+class StubLLMEngine:
+    """What AsyncLLMEngine's server-facing members read from an LLMEngine."""
+
+    def __init__(self):
+        self.tokenizer = MockTokenizer()
+        self.plan = types.SimpleNamespace(max_model_len=96)
+        self.settings = EngineConfig(max_model_len=96)
+
+    def close(self) -> None:
+        pass
+
+
+def real_engine():
+    from jaxserve.engine.engine import AsyncLLMEngine
+
+    return AsyncLLMEngine(StubLLMEngine())
+
+
+def test_protocol_names_what_the_server_uses():
+    assert set(MEMBERS) <= set(dir(ServingEngine))
+    assert inspect.iscoroutinefunction(ServingEngine.abort)
+
+
+def test_real_engine_satisfies_the_protocol():
+    engine = real_engine()
+    assert isinstance(engine, ServingEngine)
+    assert engine.max_model_len == 96 and engine.settings.max_model_len == 96
+    assert isinstance(engine.tokenizer, ServerTokenizer)
+    assert inspect.isasyncgenfunction(type(engine).generate) and inspect.iscoroutinefunction(type(engine).abort)
+    for name in MEMBERS:
+        assert hasattr(engine, name), name
+
+
+def test_mock_engine_satisfies_the_protocol():
+    engine = MockAsyncLLMEngine(mock_settings(max_model_len=80))
+    assert isinstance(engine, ServingEngine)
+    assert engine.max_model_len == 80 and engine.settings.max_model_len == 80
+    assert isinstance(engine.tokenizer, ServerTokenizer)
+    assert inspect.isasyncgenfunction(type(engine).generate) and inspect.iscoroutinefunction(type(engine).abort)
+    assert set(engine.stats()) >= {"num_running", "num_waiting"}
+
+
+def test_an_object_lacking_a_member_does_not():
+    class NoAbort:
+        tokenizer = None
+        max_model_len = 8
+        settings = None
+
+        def start(self): ...
+        def shutdown(self): ...
+        def generate(self, request_id, prompt=None, sampling_params=None, prompt_token_ids=None): ...
+        def stats(self): ...
+
+    assert not isinstance(NoAbort(), ServingEngine)
+    NoAbort.abort = lambda self, request_id: None
+    assert isinstance(NoAbort(), ServingEngine)
