@@ -10,6 +10,7 @@ import pytest
 
 from server_testlib import parse_metrics, sse_events, wait_until
 
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.testing.mock_engine import VOCAB_SIZE
 
 PROMPT = "The quick brown fox"
@@ -53,7 +54,9 @@ def test_health_models_capabilities(client):
     assert "temperature" in caps["completions"]["fields"] and "messages" in caps["chat_completions"]["fields"]
     assert {"logit_bias", "tools", "suffix"} <= set(caps["rejected_parameters"])
     assert caps["stream_options"] == ["include_usage"] and caps["response_format"] == ["text"]
-    assert caps["not_supported_by_engine_yet"] == []  # the mock supports every field
+    # every engine takes every SamplingParams field: nothing is refused for want of engine support
+    assert caps["engine_sampling_params"] == sorted(SamplingParams.__dataclass_fields__)
+    assert "not_supported_by_engine_yet" not in caps and "n_by" not in caps
 
 
 def test_completion_fields_and_usage(client):
@@ -394,27 +397,31 @@ def test_mock_engine_delivers_what_it_produced_before_a_failure_to_a_slow_consum
         engine.shutdown()
 
 
-def test_fields_the_engine_lacks_are_named(make_client):
-    """An engine whose SamplingParams lacks fields: they are refused by name; n is fanned out by the server."""
-    from jaxserve.sampling_params import SamplingParams
-
+def test_every_sampling_field_reaches_the_engine(make_client):
+    """The server hands every sampling field to the engine in one SamplingParams per prompt; n is the
+    engine's (one engine request yields all n choices), never a server-side fan-out."""
     client = make_client()
     engine = client.app.state.jaxserve.engine
-    engine.sampling_params_cls = SamplingParams
-    missing = {"stop", "min_p", "logprobs", "n"} - {f for f in SamplingParams.__dataclass_fields__}
-    if "stop" in missing:
-        assert_error(complete(client, stop=["x"]), 400, "stop")
-    if "logprobs" in missing:
-        assert_error(complete(client, logprobs=1), 400, "logprobs")
-    out = complete(client, n=3, max_tokens=4, temperature=0.5, seed=1, ignore_eos=True).json()
-    assert len(out["choices"]) == 3 and out["usage"]["completion_tokens"] == 12
-    assert complete(client, stop=None, max_tokens=2).status_code == 200
-    caps = client.get("/v1/capabilities").json()
-    from jaxserve.server.api import SAMPLING_DEFAULTS
+    calls, original = [], engine.generate
 
-    lacking = set(SAMPLING_DEFAULTS) - set(SamplingParams.__dataclass_fields__) - {"n"}
-    assert set(caps["not_supported_by_engine_yet"]) == lacking
-    assert caps["n_by"] == ("engine" if "n" not in missing else "server fan-out")
+    def generate(request_id, prompt=None, sampling_params=None, prompt_token_ids=None):
+        calls.append(sampling_params)
+        return original(request_id, prompt=prompt, sampling_params=sampling_params, prompt_token_ids=prompt_token_ids)
+
+    engine.generate = generate
+    fields = dict(n=3, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=1, stop=["zz"], stop_token_ids=[7],
+                  min_tokens=1, repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3, logprobs=2,
+                  prompt_logprobs=1, include_stop_str_in_output=True, skip_special_tokens=False, ignore_eos=True)
+    out = complete(client, max_tokens=4, **fields)
+    assert out.status_code == 200, out.text
+    out = out.json()
+    assert len(out["choices"]) == 3 and out["usage"]["completion_tokens"] == 12
+    (params,) = calls
+    assert isinstance(params, SamplingParams) and params.max_tokens == 4
+    expected = {**fields, "stop": ("zz",), "stop_token_ids": (7,)}
+    assert {k: getattr(params, k) for k in expected} == expected
+    two = complete(client, prompt=["ab", "cd"], n=2, max_tokens=2, ignore_eos=True).json()
+    assert [c["index"] for c in two["choices"]] == [0, 1, 2, 3] and len(calls) == 3  # one engine request a prompt
 
 
 def test_metrics_exposed(client):

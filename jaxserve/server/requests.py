@@ -1,0 +1,168 @@
+"""Request translation: an OpenAI request body -> token-id prompts and one `SamplingParams`.
+
+Here a request gets the model's generation defaults for the fields it leaves unset, its chat messages
+rendered with the chat template, its prompts tokenized, its `max_tokens` default (per endpoint, as
+vLLM's), and its 400s: an empty prompt, a prompt with its `max_tokens` past `max_model_len`, chat
+without a tokenizer, sampling values `SamplingParams` refuses. What only the engine can check (token
+ids in the vocabulary, pages) it checks when the request is submitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from jaxserve.errors import RequestError
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.chat import ChatTemplateError
+from jaxserve.server.errors import APIError
+from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from jaxserve.server.state import ServerState
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+# Request fields handed to SamplingParams as they are, when set.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "ignore_eos", "min_tokens", "include_stop_str_in_output",
+                    "skip_special_tokens", "prompt_logprobs")
+
+
+@dataclasses.dataclass
+class Prompt:
+    text: str | None  # None: sent as token ids
+    token_ids: list[int]
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    """What one HTTP request asks the engine for: every prompt with the same params (`params.n` samples each)."""
+
+    chat: bool
+    prompts: list[Prompt]
+    params: SamplingParams
+    echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's text
+    drop_generated: bool = False  # completions with max_tokens 0: echo only, the one generated token dropped
+    n_logprobs: int | None = None  # top-N logprobs per output token in the response, None: none asked
+
+
+def translate(state: ServerState, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> GenerationRequest:
+    tok = state.tokenizer
+    max_len = state.max_model_len
+    defaults = state.generation_defaults
+    values = {**defaults.request_values(), **_sampling_values(body)}  # the model's defaults; the request's win
+    echo = False
+    drop_generated = False
+    n_logprobs: int | None = None
+
+    if chat:
+        text = _render_chat(state, body)
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer, so chat is not available: use /v1/completions with "
+                                "token ids", param="messages", code="no_tokenizer")
+        prompts = [Prompt(text, list(tok.encode(text, add_special_tokens=False)))]
+        max_tokens = body.max_tokens or body.max_completion_tokens
+        if max_tokens is None:  # as vLLM: the model's max_new_tokens, at most what is left of the context
+            left = max(1, max_len - len(prompts[0].token_ids)) if max_len is not None else None
+            max_tokens = min((v for v in (defaults.get("max_tokens"), left) if v is not None), default=None)
+        values["max_tokens"] = max_tokens if max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+        if body.logprobs:
+            n_logprobs = body.top_logprobs or 0
+            values["logprobs"] = n_logprobs
+    else:
+        prompts = _completion_prompts(state, body)
+        echo = bool(body.echo)
+        max_tokens = body.max_tokens
+        if max_tokens is None:  # as vLLM: OpenAI's 16, or the model's max_new_tokens if lower
+            max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, defaults.get("max_tokens") or COMPLETION_DEFAULT_MAX_TOKENS)
+        if max_tokens == 0:  # echo only: the prompt (and its logprobs), nothing generated
+            drop_generated = True
+            max_tokens = 1
+        values["max_tokens"] = max_tokens
+        if body.logprobs is not None:
+            n_logprobs = body.logprobs
+            values["logprobs"] = body.logprobs
+            if echo:  # the echoed prompt's logprobs
+                values["prompt_logprobs"] = max(body.logprobs, values.get("prompt_logprobs") or 0)
+
+    _check_lengths(prompts, values["max_tokens"], drop_generated, max_len, chat)
+    return GenerationRequest(chat, prompts, _sampling_params(values), echo, drop_generated, n_logprobs)
+
+
+def _render_chat(state: ServerState, body: ChatCompletionRequest) -> str:
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                for m in body.messages]
+    add_gen = body.add_generation_prompt
+    if add_gen is None:
+        add_gen = not body.continue_final_message
+    try:
+        return state.chat.render(messages, add_generation_prompt=add_gen,
+                                 continue_final_message=bool(body.continue_final_message),
+                                 documents=body.documents, chat_template_kwargs=body.chat_template_kwargs)
+    except ChatTemplateError as err:
+        raise APIError(400, str(err), param="messages", code="chat_template_error") from None
+
+
+def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[Prompt]:
+    """`prompt` as a string, strings, token ids or lists of token ids: one Prompt each."""
+    p = body.prompt
+    if isinstance(p, str):
+        items: list = [p]
+    elif isinstance(p[0], str):
+        items = list(p)
+    elif isinstance(p[0], int):
+        items = [list(p)]
+    else:
+        items = [list(x) for x in p]
+    tok = state.tokenizer
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            if tok is None:
+                raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt",
+                               code="no_tokenizer")
+            out.append(Prompt(item, list(tok.encode(item))))
+        else:
+            out.append(Prompt(None, [int(t) for t in item]))
+    return out
+
+
+def _check_lengths(prompts: list[Prompt], max_tokens: int, drop_generated: bool, max_len: int | None,
+                   chat: bool) -> None:
+    where = "messages" if chat else "prompt"
+    for i, prompt in enumerate(prompts):
+        ids = prompt.token_ids
+        if not ids:
+            raise APIError(400, "the prompt is empty", param=where, code="empty_prompt")
+        if max_len is not None:
+            need = len(ids) + (0 if drop_generated else max_tokens)
+            if len(ids) >= max_len or need > max_len:
+                raise APIError(
+                    400,
+                    f"this model's maximum context length is {max_len} tokens; the request asks for {need} "
+                    f"({len(ids)} in the {where}{'' if len(prompts) == 1 else f' {i}'}, {max_tokens} to generate)",
+                    param=where, code="context_length_exceeded")
+
+
+def _sampling_values(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """The request's SamplingParams fields that it sets (max_tokens and logprobs apart: per endpoint)."""
+    values: dict[str, Any] = {}
+    for name in _SAMPLING_FIELDS:
+        v = getattr(body, name)
+        if v is not None:
+            values[name] = v
+    if body.stop is not None:
+        values["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
+    if body.stop_token_ids is not None:
+        values["stop_token_ids"] = tuple(body.stop_token_ids)
+    return values
+
+
+def _sampling_params(values: dict[str, Any]) -> SamplingParams:
+    try:
+        return SamplingParams(**values)
+    except RequestError as err:
+        raise APIError(400, str(err), code="invalid_sampling_params") from None
+    except (TypeError, ValueError) as err:
+        raise APIError(400, f"invalid sampling parameters: {err}", code="invalid_sampling_params") from None

@@ -1,0 +1,409 @@
+"""Stream assembly: a translated request through the engine and back as one response or an SSE stream.
+
+`respond` submits one engine request per prompt (each yields its `n` choices), `Fanout` pumps their
+cumulative outputs into one queue, `Choice` turns cumulative outputs into deltas (text, token ids,
+logprob entries), and `ResponseAssembler` builds the OpenAI objects: the final response with usage,
+or the chunks of a stream. A client that disconnects gets its engine requests aborted (HTTP 499 when
+nothing was sent yet); a failure after the first chunk ends the stream with an in-band error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jaxserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from jaxserve.server.errors import APIError, dumps, engine_error, error_body
+from jaxserve.server.logprobs import LogprobFormatter
+from jaxserve.server.requests import GenerationRequest
+
+if TYPE_CHECKING:
+    from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
+    from jaxserve.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+
+
+class _ClientGone(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class EngineRequest:
+    """One prompt's engine request; its `width` (= n) outputs are choices base_choice, base_choice + 1, ..."""
+
+    request_id: str
+    prompt_index: int
+    base_choice: int
+    prompt_ids: list[int]
+    prompt_text: str | None
+    params: SamplingParams
+    arrival: float = 0.0
+    width: int = 1
+    first_time: float | None = None
+    done: bool = False
+
+
+async def respond(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                  job: GenerationRequest, rid: str, model: str, arrival: float) -> Response:
+    """Submit `job`'s prompts; once the engine has accepted every one (else its 400), answer or stream."""
+    n = job.params.n
+    subs = [EngineRequest(f"{rid}-{p}", p, p * n, prompt.token_ids, prompt.text, job.params, arrival=arrival,
+                          width=n) for p, prompt in enumerate(job.prompts)]
+    fan = Fanout(state, subs)
+    try:
+        await race_disconnect(fan.prime(), request)
+    except _ClientGone:
+        fan.close()
+        return Response(status_code=499)
+    except BaseException as err:
+        fan.close()
+        if isinstance(err, asyncio.CancelledError):
+            raise
+        raise engine_error(err) from None
+
+    # After the engine accepted the prompts: echoing decodes their token ids, which it has checked.
+    tok = state.tokenizer
+    choices: dict[int, Choice] = {}
+    try:
+        for sub in subs:
+            echo_text = ""
+            if job.echo:
+                echo_text = sub.prompt_text if sub.prompt_text is not None else (
+                    tok.decode(sub.prompt_ids, skip_special_tokens=False) if tok is not None else "")
+            for k in range(sub.width):
+                choices[sub.base_choice + k] = Choice(sub.base_choice + k, sub, echo_text, job.drop_generated)
+    except BaseException:
+        fan.close()  # the engine's requests are running: abort them rather than leave them orphaned
+        raise
+
+    out = ResponseAssembler(state, rid, model, job, subs, choices, body)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return SSEResponse(out.stream(fan, include_usage), on_close=fan.close, media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        await race_disconnect(out.collect(fan), request)
+    except _ClientGone:
+        return Response(status_code=499)
+    except APIError:
+        raise
+    except asyncio.CancelledError:
+        raise
+    except BaseException as err:  # noqa: BLE001
+        raise engine_error(err) from None
+    finally:
+        fan.close()
+    return JSONResponse(out.response())
+
+
+# ---- the engine side: one generator per engine request, pumped into one queue ----------------------
+
+
+class Fanout:
+    """Runs the engine generators of one HTTP request concurrently and yields (engine request index, output)."""
+
+    def __init__(self, state: ServerState, subs: list[EngineRequest]):
+        self.state = state
+        self.subs = subs
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.buffer: list[tuple[int, Any, Any]] = []
+        self.open = len(subs)
+        state.pending_first += len(subs)
+        self.tasks = [asyncio.ensure_future(self._pump(i, sub)) for i, sub in enumerate(subs)]
+
+    async def _pump(self, i: int, sub: EngineRequest) -> None:
+        first = True
+        gen = self.state.engine.generate(sub.request_id, prompt=None, sampling_params=sub.params,
+                                         prompt_token_ids=list(sub.prompt_ids))
+        try:
+            async for out in gen:
+                if first:
+                    first = False
+                    self.state.pending_first -= 1
+                self.queue.put_nowait((i, out, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:  # noqa: BLE001 - handed to the request, which answers 400/500
+            if not sub.done and not first:
+                self.state.metrics.finished.labels(finish_reason="error").inc(sub.width)
+            sub.done = True
+            self.queue.put_nowait((i, None, err))
+        finally:
+            if first:
+                self.state.pending_first -= 1
+            try:
+                await gen.aclose()
+            except BaseException:  # noqa: BLE001
+                pass
+            self.queue.put_nowait((i, None, _END))
+
+    async def prime(self) -> None:
+        """Wait until every engine request has answered once; raise its error if one failed."""
+        seen: set[int] = set()
+        while len(seen) < len(self.subs):
+            item = await self.queue.get()
+            self.buffer.append(item)
+            seen.add(item[0])
+            if item[2] is not None and item[2] is not _END:
+                raise item[2]
+
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self.open:
+            item = self.buffer.pop(0) if self.buffer else await self.queue.get()
+            i, out, err = item
+            if err is _END:
+                self.open -= 1
+                continue
+            if err is not None:
+                raise err
+            yield i, out
+
+    def close(self) -> None:
+        """Cancel what still runs (its engine requests are aborted); count those as finish_reason 'abort'."""
+        for task in self.tasks:
+            if not task.done():
+                task.cancel()
+        for sub in self.subs:
+            if not sub.done:
+                sub.done = True
+                self.state.metrics.finished.labels(finish_reason="abort").inc(sub.width)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def race_disconnect(coro, request: Request):
+    """Await `coro`, unless the client disconnects first (then raise _ClientGone)."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise _ClientGone()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+class SSEResponse(StreamingResponse):
+    """A stream that releases its engine requests however it ends, even if the body never started
+    (a client that left before the first byte)."""
+
+    def __init__(self, content: Any, on_close: Callable[[], None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+# ---- the client side: choices and the OpenAI objects -----------------------------------------------
+
+
+class Choice:
+    """One choice of the response: the cumulative outputs of one sample, and what of them was sent."""
+
+    def __init__(self, index: int, sub: EngineRequest, echo_text: str, drop_generated: bool):
+        self.index = index
+        self.sub = sub
+        self.echo_text = echo_text
+        self.echo_sent = not echo_text
+        self.drop = drop_generated
+        self.text_sent = 0
+        self.tokens_sent = 0
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.all_logprobs: list = []
+        self.prompt_lps_sent = False
+        self.offset = len(echo_text)
+
+    def update(self, o: CompletionOutput) -> tuple[str, list[int], list, bool]:
+        """Take a cumulative CompletionOutput; return (new text, new ids, new logprob entries, just finished)."""
+        ids = [] if self.drop else list(o.token_ids)
+        text = "" if self.drop else (o.text or "")
+        new_ids = ids[self.tokens_sent:]
+        lps = o.logprobs
+        new_lps = [] if (self.drop or lps is None) else list(lps[self.tokens_sent: len(ids)])
+        if new_lps:
+            self.all_logprobs.extend(new_lps)
+        if text.startswith(self.text[: self.text_sent]) or self.text_sent == 0:
+            delta = text[self.text_sent:]
+        else:  # the engine revised text it had already released; we cannot unsend it
+            logger.warning("request %s: output text changed after it was streamed", self.sub.request_id)
+            delta = text[self.text_sent:] if len(text) > self.text_sent else ""
+        self.token_ids, self.text = ids, text
+        self.tokens_sent = len(ids)
+        self.text_sent = max(self.text_sent, len(text))
+        just_finished = self.finish_reason is None and o.finish_reason is not None
+        if o.finish_reason is not None:
+            self.finish_reason = o.finish_reason
+        return delta, new_ids, new_lps, just_finished
+
+
+class ResponseAssembler:
+    """The OpenAI objects of one request (completion or chat), and the server metrics of its engine requests."""
+
+    def __init__(self, state: ServerState, rid: str, model: str, job: GenerationRequest, subs: list[EngineRequest],
+                 choices: dict[int, Choice], body: CompletionRequest | ChatCompletionRequest):
+        self.state, self.rid, self.model, self.chat = state, rid, model, job.chat
+        self.subs, self.choices, self.n_logprobs, self.echo = subs, choices, job.n_logprobs, job.echo
+        self.want_prompt_logprobs = body.prompt_logprobs is not None
+        self.fmt = LogprobFormatter(state.tokenizer)
+        self.created = int(time.time())
+        self.prompt_logprobs: dict[int, list] = {}
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
+    def _observe(self, i: int, out: RequestOutput) -> list[tuple[Choice, str, list[int], list, bool]]:
+        sub = self.subs[i]
+        now = time.monotonic()
+        updates = []
+        if out.outputs and any(o.token_ids for o in out.outputs) and sub.first_time is None:
+            sub.first_time = now
+            self.state.metrics.ttft.observe(now - sub.arrival)
+            m = out.metrics
+            if m is not None and m.first_scheduled_time and m.arrival_time:
+                self.state.metrics.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if out.prompt_logprobs is not None and i not in self.prompt_logprobs:
+            self.prompt_logprobs[i] = list(out.prompt_logprobs)
+        for o in out.outputs:
+            choice = self.choices.get(sub.base_choice + o.index)
+            if choice is None:
+                continue
+            updates.append((choice, *choice.update(o)))
+        if out.finished and not sub.done:
+            sub.done = True
+            self.state.metrics.e2e.observe(now - sub.arrival)
+            longest = max((len(o.token_ids) for o in out.outputs), default=0)
+            if sub.first_time is not None and longest > 1:
+                self.state.metrics.tpot.observe((now - sub.first_time) / (longest - 1))
+            for o in out.outputs:
+                self.state.metrics.finished.labels(finish_reason=str(o.finish_reason)).inc()
+        return updates
+
+    def usage(self) -> dict:
+        prompt = sum(len(sub.prompt_ids) for sub in self.subs)  # one engine request per prompt
+        completion = sum(len(c.token_ids) for c in self.choices.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _echo_logprobs(self, choice: Choice) -> tuple[list[int], list]:
+        i = self.subs.index(choice.sub)
+        entries = self.prompt_logprobs.get(i)
+        ids = choice.sub.prompt_ids
+        if entries is None:
+            entries = [None] * len(ids)
+        return ids, entries
+
+    # ---- non-streaming ---------------------------------------------------------------------------
+    async def collect(self, fan: Fanout) -> None:
+        async for i, out in fan.events():
+            self._observe(i, out)
+
+    def response(self) -> dict:
+        choices = []
+        for idx in sorted(self.choices):
+            c = self.choices[idx]
+            lps = None
+            if self.n_logprobs is not None:
+                ids, entries = list(c.token_ids), list(c.all_logprobs)
+                if self.chat:
+                    lps = {"content": self.fmt.chat_logprobs(ids, entries, self.n_logprobs)}
+                else:
+                    if self.echo:
+                        echo_ids, echo_entries = self._echo_logprobs(c)
+                        ids, entries = echo_ids + ids, echo_entries + entries
+                    lps, _ = self.fmt.completion_logprobs(ids, entries, self.n_logprobs, 0)
+            if self.chat:
+                choice = {"index": idx, "message": {"role": "assistant", "content": c.text},
+                          "logprobs": lps, "finish_reason": c.finish_reason}
+            else:
+                choice = {"index": idx, "text": c.echo_text + c.text, "logprobs": lps,
+                          "finish_reason": c.finish_reason}
+            if self.want_prompt_logprobs:
+                choice["prompt_logprobs"] = self.fmt.prompt_logprobs(self._echo_logprobs(c)[1])
+            choices.append(choice)
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                "usage": self.usage()}
+
+    # ---- streaming -------------------------------------------------------------------------------
+    def _chunk(self, choices: list[dict], usage: Any = None, include_usage: bool = False) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        chunk = {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if include_usage:
+            chunk["usage"] = usage
+        return f"data: {dumps(chunk)}\n\n"
+
+    async def stream(self, fan: Fanout, include_usage: bool) -> AsyncIterator[str]:
+        try:
+            if self.chat:
+                yield self._chunk([{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None} for idx in sorted(self.choices)], None, include_usage)
+            async for i, out in fan.events():
+                pieces = []
+                for choice, delta, new_ids, new_lps, just_finished in self._observe(i, out):
+                    piece = self._stream_piece(choice, delta, new_ids, new_lps, just_finished)
+                    if piece is not None:
+                        pieces.append(piece)
+                if pieces:
+                    yield self._chunk(pieces, None, include_usage)
+            if include_usage:
+                yield self._chunk([], self.usage(), True)
+            yield "data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:  # noqa: BLE001 - headers are sent: report in-band, then end the stream
+            api = engine_error(err)
+            yield f"data: {dumps(error_body(api.status, api.message, type=api.type, code=api.code))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            fan.close()
+
+    def _stream_piece(self, c: Choice, delta: str, new_ids: list[int], new_lps: list, finished: bool) -> dict | None:
+        echo_part = ""
+        echo_ids: list[int] = []
+        echo_entries: list = []
+        if not c.echo_sent:
+            c.echo_sent = True
+            echo_part = c.echo_text
+            if self.n_logprobs is not None:
+                echo_ids, echo_entries = self._echo_logprobs(c)
+        if not (delta or new_ids or finished or echo_part):
+            return None
+        lps = None
+        if self.n_logprobs is not None:
+            if self.chat:
+                lps = {"content": self.fmt.chat_logprobs(new_ids, new_lps, self.n_logprobs)}
+            else:
+                offset = 0 if echo_part else c.offset
+                lps, end = self.fmt.completion_logprobs(echo_ids + new_ids, echo_entries + new_lps, self.n_logprobs,
+                                                        offset)
+                c.offset = end
+        reason = c.finish_reason if finished else None
+        if self.chat:
+            d = {"content": delta} if (delta or not finished) else {}
+            piece = {"index": c.index, "delta": d, "logprobs": lps, "finish_reason": reason}
+        else:
+            piece = {"index": c.index, "text": echo_part + delta, "logprobs": lps, "finish_reason": reason}
+        if self.want_prompt_logprobs and not c.prompt_lps_sent:
+            c.prompt_lps_sent = True
+            piece["prompt_logprobs"] = self.fmt.prompt_logprobs(self._echo_logprobs(c)[1])
+        return piece
