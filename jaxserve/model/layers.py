@@ -138,11 +138,11 @@ def ragged_attention_reference(
 
     Work items, not tokens, meet the keys. A row's tokens are contiguous, so they are cut into
     tiles of Q = query_tile consecutive tokens (default ceil(N / R)); an item is one tile of one row.
-    There are at most W = min(R + ceil(N / Q), N) items (each row has at most one partial tile, and
-    each item holds a real token), a static count. Each item gathers its row's pages once
-    (k, v f[K, W, P*S, H]) and scores its Q queries against them (f32[W, K, group, Q, P*S]), and the
-    outputs are scattered back to their tokens. With the default Q the memory is
-    O(R * P*S * K * H + N * heads * P*S): W <= 2R item gathers and W * Q <= 3N + R score rows,
+    There are at most W = m + (N - m) // Q items with m = min(R, N) (as many rows as can be given
+    one partial tile each, the other tokens in whole tiles), a static count. Each item gathers its
+    row's pages once (k, v f[K, W, P*S, H]) and scores its Q queries against them
+    (f32[W, K, group, Q, P*S]), and the outputs are scattered back to their tokens. With the default Q the memory is
+    O(R * P*S * K * H + N * heads * P*S): W <= 2R item gathers and W * Q <= 2N + R score rows,
     never the [N, heads, P*S, H] (nor the per-token [N, K, P*S, H]) a gather of keys per token makes.
     The arithmetic is at most about 2x the useful (tail tiles, padding items); a pure decode step
     (N = R, Q = 1) is exactly one item per token.
@@ -157,7 +157,8 @@ def ragged_attention_reference(
     R, P = page_table.shape
     G = NH // K
     Q = query_tile or max(1, -(-N // R))
-    W = min(R + -(-N // Q), N)
+    m = min(R, N)  # most items: m rows of 1 + a multiple of Q tokens, the rest in whole tiles
+    W = m + (N - m) // Q
     window = NO_SLIDING_WINDOW if sliding_window is None else sliding_window
     sm_scale = H**-0.5 if sm_scale is None else sm_scale
 

@@ -60,18 +60,18 @@ def run_alone(params, cache, cfg, tokens, start, pages, scan):
     return logits[0], cache
 
 
-def scenario(cfg, quantized, seed=0):
-    """Histories prefilled by `forward` into a NaN cache; the step's rows; the logits rows alone give."""
+def scenario(cfg, quantized, seed=0, spec=ROWS):
+    """Page lists, history tokens and new tokens of the rows of `spec` (history, new, logits)."""
     rng = np.random.default_rng(seed)
-    need = [-(-(h + n) // PAGE) for h, n, _ in ROWS]
+    need = [-(-(h + n) // PAGE) for h, n, _ in spec]
     num_pages = 1 + sum(need) + 3  # page 0 (padding) and 3 pages no row owns stay NaN
     ids = rng.permutation(np.arange(1, num_pages))
     page_lists, c = [], 0
     for k in need:
         page_lists.append([int(x) for x in ids[c: c + k]])
         c += k
-    history = [rng.integers(0, cfg.vocab_size, h).tolist() for h, _, _ in ROWS]
-    new = [rng.integers(0, cfg.vocab_size, n).tolist() for _, n, _ in ROWS]
+    history = [rng.integers(0, cfg.vocab_size, h).tolist() for h, _, _ in spec]
+    new = [rng.integers(0, cfg.vocab_size, n).tolist() for _, n, _ in spec]
     return num_pages, page_lists, history, new
 
 
@@ -241,14 +241,20 @@ def test_reference_attention_memory_is_ragged(quantized):
     assert _largest_intermediate(per_token, q, kp, table) > bound
 
 
+# 7 one-token rows and one of 25 tokens: with N = 32, S = 8 the most work items a step can hold
+# (8 + 24 // 4 = 14 tiles of the default 4 tokens)
+WORST_ROWS = [(3 * i, 1, 1) for i in range(7)] + [(2, 25, 1)]
+
+
+@pytest.mark.parametrize("spec", [ROWS, WORST_ROWS], ids=["mixed", "most_items"])
 @pytest.mark.parametrize("query_tile", [1, 3, None, N])
-def test_reference_attention_any_tile_equals_paged_reference(query_tile):
+def test_reference_attention_any_tile_equals_paged_reference(query_tile, spec):
     """Every query tile gives what `paged_attention_reference` gives each row alone (traced window and scale)."""
     from jaxserve.model.layers import paged_attention_reference
 
     rng = np.random.default_rng(2)
-    num_pages, pages, _, new = scenario(CFG, False)
-    rows = [RaggedRow(toks, h, pg, nl) for (h, _, nl), toks, pg in zip(ROWS, new, pages)]
+    num_pages, pages, _, new = scenario(CFG, False, spec=spec)
+    rows = [RaggedRow(toks, h, pg, nl) for (h, _, nl), toks, pg in zip(spec, new, pages)]
     b = pack_ragged(rows, page_size=PAGE, num_tokens=N, num_rows=S, max_pages=P, num_logits=L)
     kp = rng.standard_normal((2, num_pages, PAGE, 16)).astype(np.float32)
     vp = rng.standard_normal((2, num_pages, PAGE, 16)).astype(np.float32)
