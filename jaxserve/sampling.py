@@ -1,10 +1,11 @@
-"""On-device batched sampling, per-row parameters as arrays: penalties, temperature, top-k/p, min-p, logprobs."""
+"""On-device batched sampling, per-row parameters as arrays: logit_bias, penalties, temperature, top-k/p,
+min-p, logprobs."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import flax.struct
 import jax
@@ -15,6 +16,9 @@ import numpy as np
 SAMPLING_EPS = 1e-5
 # The static top-N the engine compiles for when any row asks for top logprobs (OpenAI's maximum is 20).
 MAX_LOGPROBS = 20
+# logit_bias entries a row may carry (OpenAI's limit): the static width of the bias arrays, so a
+# biased request needs no new executable. Unbiased rows carry padding (id -1, value 0).
+MAX_LOGIT_BIAS = 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +36,7 @@ class RowSampling:
     step: int = 0  # index of the token being sampled within its request's output
     prompt_ids: Sequence[int] = ()  # only read when a penalty is set
     output_ids: Sequence[int] = ()  # tokens generated before this step; only read when a penalty is set
+    logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit (at most MAX_LOGIT_BIAS)
 
     @property
     def uses_penalties(self) -> bool:
@@ -53,6 +58,7 @@ class RowSampling:
             step=step,
             prompt_ids=prompt_ids,
             output_ids=output_ids,
+            logit_bias=getattr(params, "logit_bias", None),
         )
 
 
@@ -74,6 +80,8 @@ class SamplingTensors:
     step: jax.Array  # i32[B]  output index: the PRNG stream is keyed by (seed, step) only
     history: jax.Array  # i32[B, Lh]  prompt ids then output ids, -1 padding; all -1 for unpenalised rows
     prompt_len: jax.Array  # i32[B]  how many leading history entries are prompt (not output) tokens
+    bias_ids: jax.Array  # i32[B, MAX_LOGIT_BIAS]  logit_bias token ids, -1 padding
+    bias_values: jax.Array  # f32[B, MAX_LOGIT_BIAS]  what each adds to its logit, 0 padding
 
     @classmethod
     def pack(cls, rows: Sequence[RowSampling | None], batch: int | tuple[int, ...],
@@ -99,6 +107,8 @@ class SamplingTensors:
             "step": np.zeros(n, np.int32),
             "history": np.full((n, history_len), -1, np.int32),
             "prompt_len": np.zeros(n, np.int32),
+            "bias_ids": np.full((n, MAX_LOGIT_BIAS), -1, np.int32),
+            "bias_values": np.zeros((n, MAX_LOGIT_BIAS), np.float32),
         }
         for i, row in enumerate(rows):
             if row is None:
@@ -114,6 +124,11 @@ class SamplingTensors:
                 st["history"][i, : len(row.prompt_ids)] = row.prompt_ids
                 st["history"][i, len(row.prompt_ids) : length] = row.output_ids
                 st["prompt_len"][i] = len(row.prompt_ids)
+            if row.logit_bias:
+                if len(row.logit_bias) > MAX_LOGIT_BIAS:
+                    raise ValueError(f"row {i}: {len(row.logit_bias)} logit_bias entries exceed {MAX_LOGIT_BIAS}")
+                st["bias_ids"][i, : len(row.logit_bias)] = list(row.logit_bias.keys())
+                st["bias_values"][i, : len(row.logit_bias)] = list(row.logit_bias.values())
         return cls(**{k: v.reshape(shape + v.shape[1:]) for k, v in st.items()})
 
     @classmethod
@@ -126,6 +141,7 @@ class SamplingTensors:
             temperature=s(f32), top_k=s(i32), top_p=s(f32), min_p=s(f32), repetition_penalty=s(f32),
             presence_penalty=s(f32), frequency_penalty=s(f32), seed=s(jnp.uint32), step=s(i32),
             history=s(i32, (history_len,)), prompt_len=s(i32),
+            bias_ids=s(i32, (MAX_LOGIT_BIAS,)), bias_values=s(f32, (MAX_LOGIT_BIAS,)),
         )
 
     def advanced(self, tokens: jax.Array) -> SamplingTensors:
@@ -183,8 +199,20 @@ def _topk_topp_threshold(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) 
     return jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
 
 
+def apply_logit_bias(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """f32[B, V]: each row's logit_bias added to its logits (one scatter; -1 padding is dropped)."""
+    B, V = logits.shape
+    ids = jnp.where(st.bias_ids >= 0, st.bias_ids, V)  # V: out of range, dropped (-1 would wrap)
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], ids.shape)
+    return logits.at[rows, ids].add(st.bias_values.astype(logits.dtype), mode="drop")
+
+
 def penalise(logits: jax.Array, st: SamplingTensors) -> jax.Array:
-    """f32[B, V]: the penalties of the rows that ask for them (a cond: unpenalised batches skip the scatters)."""
+    """f32[B, V]: logit_bias, then the penalties, for the rows that ask (vLLM's order), each under a
+    cond: batches that use neither skip the scatters. Every sampler (normal steps, multi-step decode,
+    speculative verification) takes its processed logits from here."""
+    biased = jnp.any(st.bias_ids >= 0)
+    logits = jax.lax.cond(biased, lambda: apply_logit_bias(logits, st), lambda: logits)
     penalised = jnp.any((st.repetition_penalty != 1) | (st.presence_penalty != 0) | (st.frequency_penalty != 0))
     return jax.lax.cond(penalised, lambda: apply_penalties(logits, st), lambda: logits)
 
@@ -220,9 +248,9 @@ def _draw(logits: jax.Array, st: SamplingTensors, sampled: jax.Array) -> jax.Arr
 def sample(logits: jax.Array, st: SamplingTensors, *, want_logprobs: int = 0) -> SampleOutput:
     """Sample one token per row of logits f32[*B, V]; `want_logprobs` (static) is the top-N to return.
 
-    Order as vLLM: penalties -> temperature -> top-k/top-p/min-p -> sample (greedy rows take the
-    argmax of the penalised logits). Logprobs are of the raw model distribution, log_softmax(logits),
-    before penalties and temperature: vLLM's default (logprobs_mode="raw_logprobs").
+    Order as vLLM: logit_bias -> penalties -> temperature -> top-k/top-p/min-p -> sample (greedy rows
+    take the argmax of the biased, penalised logits). Logprobs are of the raw model distribution,
+    log_softmax(logits), before bias, penalties and temperature: vLLM's default (logprobs_mode="raw_logprobs").
     """
     batch, V = logits.shape[:-1], logits.shape[-1]
     raw = logits.reshape(-1, V).astype(jnp.float32)

@@ -30,6 +30,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # top-N logprobs per output token (0: only the chosen token's)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (0: only the prompt token's)
+    # token id -> added to its logit before every sampling step (greedy too), in [-100, 100] (OpenAI);
+    # at most 300 entries. The engine refuses ids outside the model's vocabulary.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -65,12 +68,39 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 20):
                 raise RequestError(f"{name} must be an integer in [0, 20], got {value!r}")
+        if self.logit_bias is not None:
+            self.logit_bias = _check_logit_bias(self.logit_bias)
         if self.min_tokens > self.max_tokens:
             raise RequestError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit; jaxserve.sampling carries this many per row)
+
+
+def _check_logit_bias(bias) -> dict[int, float] | None:
+    """{token id: bias} with int ids (decimal strings accepted, as JSON keys are) and biases in [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise RequestError(f"logit_bias must be a map of token id -> bias, got {type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            if isinstance(key, bool) or not isinstance(key, (int, str)):
+                raise ValueError
+            token = int(key)
+        except ValueError:
+            raise RequestError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if token < 0:
+            raise RequestError(f"logit_bias token id {token} is negative")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise RequestError(f"logit_bias[{token}] must be a number in [-100, 100], got {value!r}")
+        out[token] = float(value)
+    return out or None
 
 
 @dataclasses.dataclass

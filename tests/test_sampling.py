@@ -6,7 +6,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.sampling import MAX_LOGPROBS, SAMPLING_EPS, RowSampling, SamplingTensors, apply_penalties, sample
+from jaxserve.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    SAMPLING_EPS,
+    RowSampling,
+    SamplingTensors,
+    apply_penalties,
+    sample,
+)
 from jaxserve.sampling_params import SamplingParams
 
 sample_jit = jax.jit(sample, static_argnames="want_logprobs")
@@ -274,3 +282,45 @@ def test_from_sampling_params():
     assert (row.temperature, row.top_k, row.top_p, row.seed, row.step) == (0.3, 0, 0.5, 11, 4)
     assert (row.min_p, row.repetition_penalty, row.presence_penalty, row.frequency_penalty) == (0.0, 1.0, 0.0, 0.0)
     assert not row.uses_penalties
+
+
+# ---- logit_bias ----------------------------------------------------------------------------------
+def test_logit_bias_moves_greedy_and_leaves_other_rows_alone():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(3, V)).astype(np.float32)
+    top = int(np.argmax(logits[1]))
+    rows = [RowSampling(logit_bias={7: 100.0}), RowSampling(logit_bias={top: -100.0}), RowSampling()]
+    out = run(logits, rows, want_logprobs=2)
+    assert out.tokens[0] == 7
+    assert out.tokens[1] == int(np.argsort(logits[1])[-2])  # the runner-up once the top token is pushed down
+    solo = run(logits[2:], [RowSampling()], want_logprobs=2)
+    assert out.tokens[2] == solo.tokens[0] and out.logprobs[2] == solo.logprobs[0]
+    # Logprobs stay those of the raw model distribution (vLLM's raw_logprobs), bias or not.
+    np.testing.assert_allclose(out.logprobs[0], log_softmax(logits[0])[7], atol=1e-5)
+    # Sampled rows see the bias too: +100 leaves the other tokens ~e^-90 of the mass.
+    sampled = run(logits, [RowSampling(temperature=1.0, seed=s, logit_bias={7: 100.0}) for s in range(3)])
+    assert (sampled.tokens == 7).all()
+
+
+def test_logit_bias_pack_layout():
+    st_ = SamplingTensors.pack([None, RowSampling(logit_bias={3: 1.5, 9: -2.0})], 2)
+    assert st_.bias_ids.shape == (2, MAX_LOGIT_BIAS) and st_.bias_values.dtype == np.float32
+    assert (st_.bias_ids[0] == -1).all() and (st_.bias_values[0] == 0).all()
+    np.testing.assert_array_equal(st_.bias_ids[1, :3], [3, 9, -1])
+    np.testing.assert_array_equal(st_.bias_values[1, :3], [1.5, -2.0, 0.0])
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingTensors.pack([RowSampling(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)})], 1)
+    row = RowSampling.from_params(SamplingParams(logit_bias={"4": 2}), seed=0, step=0)
+    assert row.logit_bias == {4: 2.0}
+
+
+@pytest.mark.parametrize("bias,needle", [
+    ({1: 100.5}, r"\[-100, 100\]"), ({1: float("nan")}, r"\[-100, 100\]"), ({"a": 1}, "token ids"),
+    ({-1: 1}, "negative"), ({i: 0 for i in range(301)}, "at most 300"), ([1, 2], "map"),
+])
+def test_logit_bias_validation(bias, needle):
+    from jaxserve.errors import RequestError
+
+    with pytest.raises(RequestError, match=needle):
+        SamplingParams(logit_bias=bias)
+    assert SamplingParams(logit_bias={}).logit_bias is None

@@ -246,6 +246,9 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in (params.logit_bias or ()) if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"logit_bias token id(s) {bad[:5]} are outside the vocabulary [0, {vocab})")
         limit = self.plan.max_model_len
         if len(ids) >= limit:
             raise RequestError(f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len={limit}")

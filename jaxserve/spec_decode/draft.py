@@ -15,15 +15,17 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, StepBatch
 from jaxserve.model.weights import Params
-from jaxserve.sampling import SAMPLING_EPS, SamplingTensors, filter_logits
+from jaxserve.sampling import SAMPLING_EPS, SamplingTensors, apply_logit_bias, filter_logits
 from jaxserve.spec_decode.rejection import DRAFT, purpose_keys
 from jaxserve.steps import StepOptions, model_step
 
 
 def _draw(logits: jax.Array, st: SamplingTensors, j: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Draft token i32[N] and the distribution it was drawn from f32[N, V] (zeros for greedy rows:
-    verification never reads them). The draft takes the row's temperature / top-k / top-p / min-p,
-    not its penalties: any q keeps the target's distribution exact, and a close one is accepted more."""
+    verification never reads them). The draft takes the row's logit_bias and temperature / top-k /
+    top-p / min-p, not its penalties: any q keeps the target's distribution exact, and a close one is
+    accepted more (a +100 bias the draft ignored would have every draft rejected)."""
+    logits = jax.lax.cond(jnp.any(st.bias_ids >= 0), lambda: apply_logit_bias(logits, st), lambda: logits)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = st.temperature >= SAMPLING_EPS
 

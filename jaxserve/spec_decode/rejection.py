@@ -2,7 +2,7 @@
 the accepted tokens follow exactly the target's distribution.
 
 For draft token d_j, proposed from the draft's distribution q_j, with the target's distribution p_j
-at the same position (both *processed*: penalties, temperature, top-k, top-p, min-p, exactly as
+at the same position (both *processed*: logit_bias, penalties, temperature, top-k, top-p, min-p, exactly as
 `jaxserve.sampling` draws a normal token):
 
   * accept d_j with probability min(1, p_j(d_j) / q_j(d_j)), in order, stopping at the first rejection;

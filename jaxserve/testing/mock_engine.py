@@ -243,6 +243,9 @@ class MockAsyncLLMEngine:
         bad = [t for t in ids if not 0 <= t < VOCAB_SIZE]
         if bad:
             raise RequestError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {VOCAB_SIZE})")
+        bad = [t for t in (getattr(params, "logit_bias", None) or ()) if not 0 <= t < VOCAB_SIZE]
+        if bad:
+            raise RequestError(f"logit_bias token id(s) {bad[:5]} are outside the vocabulary [0, {VOCAB_SIZE})")
         limit = self.engine.plan.max_model_len
         if len(ids) >= limit:
             raise RequestError(f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len={limit}")
