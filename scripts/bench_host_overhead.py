@@ -339,22 +339,27 @@ def bench_model(name: str, config: str | None, overrides: dict, batches: Sequenc
                 args) -> dict:
     import jax
 
-    from jaxserve.engine.buckets import pick_bucket
-    from jaxserve.config import ModelConfig, EngineConfig
+    from jaxserve.config import EngineConfig, ModelConfig
+    from jaxserve.engine.buckets import BucketTable, pick_bucket
     from jaxserve.model.weights import param_bytes
 
     span = args.warmup_steps + args.rounds * args.steps
     base = EngineConfig.from_yaml(config, overrides) if config else EngineConfig.from_dict(overrides)
     cfg = ModelConfig.from_dir(base.model)
     limit = cfg.max_position_embeddings
+    page = base.page_size
+    pages = BucketTable.build(max(batches), base.max_num_batched_tokens,
+                              math.ceil((max(contexts) + page) / page)).page_counts
     skipped, points = [], []
     for c in contexts:
         for b in batches:
             why = None
-            if c + base.page_size > limit:
+            lowest = prompt_length(c, span + admission_skew(b, base.max_num_batched_tokens, 16)) + 1
+            if c + page > limit:
                 why = f"context {c} + a page exceeds the model's max_position_embeddings {limit}"
-            elif prompt_length(c, span + admission_skew(b, base.max_num_batched_tokens, 16)) < 1:
-                why = f"context {c} is shorter than the {span} decode steps measured"
+            elif lowest < 2 or pick_bucket(math.ceil(lowest / page), pages) != pick_bucket(math.ceil(c / page), pages):
+                why = (f"the {span} decode steps measured would start at {lowest} tokens, in another page bucket "
+                       f"than context {c}: fewer --steps or --rounds")
             elif f"{name}:{b}x{c}" in args.skip:
                 why = "skipped (--skip): machine time"
             (skipped.append({"batch": b, "context": c, "reason": why}) if why else points.append((b, c)))
@@ -370,7 +375,6 @@ def bench_model(name: str, config: str | None, overrides: dict, batches: Sequenc
                   page_size=llm.plan.page_size, buckets={"batch": list(runner.buckets.batch_sizes),
                                                          "pages": list(runner.buckets.page_counts)})
     # The decode buckets of every point, compiled up front in parallel (prefill shapes compile on demand).
-    page = llm.plan.page_size
     shapes = sorted({(pick_bucket(b, runner.buckets.batch_sizes), 1,
                       pick_bucket(math.ceil(c / page), runner.buckets.page_counts)) for b, c in points})
     runner.warm_up(shapes, progress=False)
