@@ -3,7 +3,8 @@
 -> `streaming.respond` (engine requests, response or SSE stream) -> `ServingEngine.generate`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/capabilities,
-GET /health (200 only once the engine is warm and while not draining), GET /metrics (Prometheus).
+GET /health (200 only once the engine is warm and while not draining), GET /metrics (Prometheus),
+POST /tokenize and POST /detokenize (vLLM's; like /health and /metrics, outside the /v1 API-key gate).
 
 Errors are OpenAI-style objects, `{"error": {"message", "type", "param", "code"}}`:
   400  body not JSON; a parameter jaxserve does not support (named); a request the engine rejects
@@ -45,12 +46,17 @@ from jaxserve.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from jaxserve.server.requests import translate
 from jaxserve.server.state import ServerOptions, ServerState
 from jaxserve.server.streaming import respond
+from jaxserve.server.tokenization import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +70,8 @@ _SAMPLING_PARAMS = sorted(f.name for f in dataclasses.fields(SamplingParams))
 # Gate middleware: API key (401), body size (413), status counters.
 # ==============================================================================================
 
-_KNOWN_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/capabilities", "/health", "/metrics"}
+_KNOWN_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/capabilities", "/health", "/metrics",
+                 "/tokenize", "/detokenize"}
 
 
 class GateMiddleware:
@@ -250,7 +257,8 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
             "chat_template_origin": state.chat.origin if state.chat else None,
             "generation_defaults": state.generation_defaults.as_dict(),
             "endpoints": ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models",
-                          "GET /v1/capabilities", "GET /health", "GET /metrics"],
+                          "GET /v1/capabilities", "GET /health", "GET /metrics", "POST /tokenize",
+                          "POST /detokenize"],
             "completions": {"fields": sorted(CompletionRequest.model_fields)},
             "chat_completions": {"fields": sorted(ChatCompletionRequest.model_fields),
                                  "roles": ["system", "developer", "user", "assistant"], "content_parts": ["text"]},
@@ -271,6 +279,18 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=err_responses)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await _generate(state, request, body, chat=True)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=err_responses)
+    async def tokenize_route(body: TokenizeRequest):
+        state.check_ready()
+        state.check_model(body.model)
+        return tokenize(state, body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=err_responses)
+    async def detokenize_route(body: DetokenizeRequest):
+        state.check_ready()
+        state.check_model(body.model)
+        return detokenize(state, body)
 
     return app
 

@@ -4,7 +4,7 @@ Conventions:
 - A field sent as `null` counts as absent (many clients send every field), at every nesting level.
 - A field the schema does not know is rejected with a 400 that names it (error type
   "unsupported_field"), never silently ignored; that includes OpenAI fields jaxserve does not
-  implement yet (`logit_bias`, `tools`, `suffix`, ...) and `response_format` other than text.
+  implement yet (`tools`, `suffix`, ...) and `response_format` other than text.
 - Types and ranges that the schema states (e.g. `temperature` in [0, 2]) fail with 422.
 """
 
@@ -23,7 +23,6 @@ MAX_STOP = 16
 # Fields of the OpenAI API (or vLLM's extras) that jaxserve knowingly does not implement; the error
 # names them as such rather than as unknown.
 KNOWN_UNSUPPORTED = {
-    "logit_bias": "logit_bias is not supported",
     "tools": "tool calling is not supported",
     "tool_choice": "tool calling is not supported",
     "parallel_tool_calls": "tool calling is not supported",
@@ -100,6 +99,8 @@ class SamplingFields(OpenAIBase):
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     user: Optional[str] = Field(None, description="an end-user id; recorded, not used")
+    logit_bias: Optional[dict[str, float]] = Field(
+        None, description="token id (a string key) -> bias in [-100, 100] added to its logit; at most 300 entries")
     # vLLM-style extras
     top_k: Optional[int] = Field(None, ge=-1, description="0 or -1: no limit")
     min_p: Optional[float] = Field(None, ge=0, le=1)
@@ -216,6 +217,49 @@ class ChatCompletionRequest(SamplingFields):
                 {"field": "continue_final_message"},
             )
         return self
+
+
+class TokenizeRequest(OpenAIBase):
+    """vLLM's POST /tokenize: a `prompt`, or chat `messages` rendered with the server's chat template."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
+    add_special_tokens: Optional[bool] = Field(None, description="default: true for a prompt, false for messages")
+    add_generation_prompt: Optional[bool] = Field(None, description="messages: default true")
+    continue_final_message: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    documents: Optional[Annotated[list[dict[str, Any]], Field(max_length=64)]] = None
+    return_token_strs: Optional[bool] = Field(None, description="also return each token's string")
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("invalid_combination", "give exactly one of prompt or messages",
+                                      {"field": "prompt"})
+        if self.continue_final_message and self.add_generation_prompt:
+            raise PydanticCustomError(
+                "invalid_combination", "continue_final_message and add_generation_prompt cannot both be true",
+                {"field": "continue_final_message"})
+        return self
+
+
+class DetokenizeRequest(OpenAIBase):
+    """vLLM's POST /detokenize."""
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: Optional[int] = None
+    tokens: list[int]
+    token_strs: Optional[list[Optional[str]]] = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # ---- responses (documentation of the shapes; the server builds plain dicts of these shapes) -------

@@ -16,7 +16,7 @@ from jaxserve.errors import RequestError
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.chat import ChatTemplateError
 from jaxserve.server.errors import APIError
-from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 
 if TYPE_CHECKING:
     from jaxserve.server.state import ServerState
@@ -26,7 +26,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 # Request fields handed to SamplingParams as they are, when set.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "ignore_eos", "min_tokens", "include_stop_str_in_output",
-                    "skip_special_tokens", "prompt_logprobs")
+                    "skip_special_tokens", "prompt_logprobs", "logit_bias")
 
 
 @dataclasses.dataclass
@@ -57,7 +57,7 @@ def translate(state: ServerState, body: CompletionRequest | ChatCompletionReques
     n_logprobs: int | None = None
 
     if chat:
-        text = _render_chat(state, body)
+        text = render_chat(state, body)
         if tok is None:
             raise APIError(400, "this model has no tokenizer, so chat is not available: use /v1/completions with "
                                 "token ids", param="messages", code="no_tokenizer")
@@ -90,7 +90,8 @@ def translate(state: ServerState, body: CompletionRequest | ChatCompletionReques
     return GenerationRequest(chat, prompts, _sampling_params(values), echo, drop_generated, n_logprobs)
 
 
-def _render_chat(state: ServerState, body: ChatCompletionRequest) -> str:
+def render_chat(state: ServerState, body: ChatCompletionRequest | TokenizeRequest) -> str:
+    """The body's messages as prompt text, with the server's chat template (a 400 when it refuses them)."""
     messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                 for m in body.messages]
     add_gen = body.add_generation_prompt
@@ -162,7 +163,8 @@ def _sampling_values(body: CompletionRequest | ChatCompletionRequest) -> dict[st
 def _sampling_params(values: dict[str, Any]) -> SamplingParams:
     try:
         return SamplingParams(**values)
-    except RequestError as err:
-        raise APIError(400, str(err), code="invalid_sampling_params") from None
+    except RequestError as err:  # its message starts with the field it names
+        param = next((name for name in values if str(err).startswith(name)), None)
+        raise APIError(400, str(err), param=param, code="invalid_sampling_params") from None
     except (TypeError, ValueError) as err:
         raise APIError(400, f"invalid sampling parameters: {err}", code="invalid_sampling_params") from None

@@ -103,7 +103,7 @@ def test_errors_then_next_request_succeeds(oai, model, shared_server):
         (openai.UnprocessableEntityError, dict(prompt="x", temperature=-1)),
         (openai.UnprocessableEntityError, dict(prompt="x", top_p=1.5)),
         (openai.BadRequestError, dict(prompt="x", extra_body={"logit_bias_x": 1})),
-        (openai.BadRequestError, dict(prompt="x", logit_bias={"5": 1.0})),
+        (openai.BadRequestError, dict(prompt="x", logit_bias={"5": 101.0})),  # out of [-100, 100]
         (openai.BadRequestError, dict(prompt="x" * 3000)),  # over max_model_len
         (openai.NotFoundError, dict(prompt="x", model="no-such-model")),
     ]
@@ -219,3 +219,23 @@ def test_metrics_text_format(shared_server):
     assert "# TYPE jaxserve:time_to_first_token_seconds histogram" in text
     assert "# TYPE jaxserve:generation_tokens_total counter" in text or "# TYPE jaxserve:generation_tokens counter" in text
     json.dumps(shared_server.metrics())
+
+
+def test_tokenize_detokenize_and_logit_bias(oai, model, shared_server):
+    """vLLM's /tokenize and /detokenize round-trip on the served tokenizer, and logit_bias +100 forces a
+    token at every greedy step (the mock engine ignores the bias: only the real one is checked)."""
+    text = "Once upon a time"
+    tokens = httpx.post(shared_server.url + "/tokenize", json={"model": model, "prompt": text}, timeout=60).json()
+    assert tokens["count"] == len(tokens["tokens"]) == oai.completions.create(
+        model=model, prompt=text, max_tokens=1).usage.prompt_tokens
+    back = httpx.post(shared_server.url + "/detokenize", json={"tokens": tokens["tokens"]}, timeout=60)
+    assert back.status_code == 200 and text in back.json()["prompt"]
+    bad = httpx.post(shared_server.url + "/detokenize", json={"tokens": [10**9]}, timeout=60)
+    assert bad.status_code == 400 and "vocabulary" in bad.json()["error"]["message"]
+    forced = tokens["tokens"][-1]
+    out = oai.completions.create(model=model, prompt=text, temperature=0, max_tokens=6,
+                                 logit_bias={str(forced): 100}, logprobs=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    if server_kind() == "real":  # each output token is the forced one (its text, as logprobs spell tokens)
+        one = httpx.post(shared_server.url + "/detokenize", json={"tokens": [forced]}, timeout=60).json()["prompt"]
+        assert out.choices[0].logprobs.tokens == [one] * 6, out.choices[0].logprobs.tokens
