@@ -1,10 +1,11 @@
-"""Offline generation in the shape users know from vLLM: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+"""Offline generation in the shape users know from vLLM: `LLM(model=...).generate(prompts, SamplingParams(...))`,
+and `LLM.chat(messages)`, rendered with the server's chat template."""
 
 from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -27,6 +28,7 @@ class LLM:
         self.generation_defaults = load_generation_defaults(config)
         self.engine = LLMEngine(config, warm_up=warm_up)
         self._ids = itertools.count()
+        self._chat_renderer = None  # built on the first chat() call
 
     # The pieces tests and research code look at.
     settings = property(lambda self: self.engine.settings)
@@ -88,6 +90,53 @@ class LLM:
             order.append(request_id)
         return self._run(order, texts, use_tqdm)
 
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of
+        them, as vLLM's `LLM.chat`: each is rendered with the chat template /v1/chat/completions uses
+        (`chat_template`: a template or a file, else the `chat_template` setting, else the checkpoint's,
+        else ChatML), tokenized without special tokens (the template writes its own BOS), and generated
+        as `generate(prompt_token_ids=...)` would; one RequestOutput per conversation, `prompt` the
+        rendered text. sampling_params None: the model's generation defaults."""
+        from jaxserve.server.chat import ChatTemplateError, build_chat_renderer
+
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer, so chat is not available: use generate with "
+                               "prompt_token_ids, or start with tokenizer=PATH")
+        if continue_final_message and add_generation_prompt:
+            raise RequestError("continue_final_message and add_generation_prompt cannot both be true")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        if not conversations or any(not c for c in conversations):
+            raise RequestError("chat needs at least one conversation of at least one message")
+        if chat_template is not None:
+            renderer = build_chat_renderer(self.tokenizer, chat_template)
+        else:
+            if self._chat_renderer is None:
+                self._chat_renderer = build_chat_renderer(self.tokenizer, self.settings.chat_template)
+            renderer = self._chat_renderer
+        texts = []
+        for conversation in conversations:
+            try:
+                texts.append(renderer.render([_chat_message(m) for m in conversation],
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             chat_template_kwargs=chat_template_kwargs))
+            except ChatTemplateError as err:
+                raise RequestError(str(err)) from None
+        ids = [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+        results = self.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
+        for result, text in zip(results, texts):
+            result.prompt = text
+        return results
+
     def _run(self, order: list[str], texts: list[str | None], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm import tqdm
 
@@ -105,3 +154,15 @@ class LLM:
         for result, text in zip(results, texts):
             result.prompt = text
         return results
+
+
+def _chat_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as the template sees it: content as text (OpenAI's text parts joined), as the server does."""
+    if not isinstance(message, Mapping) or "role" not in message:
+        raise RequestError(f"a chat message must be a mapping with a 'role', got {message!r}")
+    content = message.get("content")
+    if isinstance(content, (list, tuple)):
+        if any(not isinstance(p, Mapping) or p.get("type", "text") != "text" for p in content):
+            raise RequestError("only text content parts are supported")
+        content = "".join(str(p.get("text") or "") for p in content)
+    return {**message, "content": "" if content is None else content}
