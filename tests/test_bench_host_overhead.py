@@ -80,6 +80,8 @@ def test_summarize_point_rates():
     assert s["device_tokens_per_s"] == pytest.approx(statistics_median([160.0, 128.0]))
     assert s["ratio_range"] == pytest.approx([0.5, 0.625])
     assert s["phases_us"]["wait"] == pytest.approx(6e4) and s["host_us"] == pytest.approx(4e4)
+    s = bho.summarize_point(1, [0.1], [0.1], [0.05], 1, [bho.phase_split({"wait": 0.05, "dispatch": 0.01}, 0.1)])
+    assert s["host_us"] == pytest.approx(4e4)  # neither wait nor dispatch is host work
 
 
 def statistics_median(xs):
