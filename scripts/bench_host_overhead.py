@@ -293,7 +293,8 @@ def measure_point(llm, batch: int, context: int, args, seed: int) -> dict:
         hi = max(q.num_tokens for q in seqs) - 1  # the last step attended all but the token it sampled
         for rid in ids:
             eng.abort_request(rid)
-    entry = {"batch": batch, "context": context, "prompt_tokens": n_prompt, "preemptions_before_timing": entry_preemptions,
+    entry = {"batch": batch, "context": context, "prompt_tokens": n_prompt,
+             "preemptions_before_timing": entry_preemptions,
              "contexts_attended": [lo, hi], "setup_s": setup_s}
     entry.update(summarize_point(batch, step_s, round_engine, round_device, args.steps, phases))
     entry["bucket"] = list(next(iter(shapes))) if len(shapes) == 1 else [list(s) for s in sorted(shapes)]
@@ -423,7 +424,8 @@ def machine_info() -> dict:
         tcmalloc = None
     import jax
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+    return {"cpu": cpu, "cores": os.cpu_count(), "backend": jax.default_backend(),
+            "device": jax.devices()[0].device_kind,
             "jax": jax.__version__, "python": platform.python_version(), "host": platform.node(),
             "tcmalloc_preloaded": tcmalloc, "commit": commit, "jaxserve_dirty": dirty}
 

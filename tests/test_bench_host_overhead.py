@@ -6,6 +6,7 @@ size), not a slow machine."""
 
 import json
 import math
+import statistics
 
 import bench_host_overhead as bho
 import pytest
@@ -77,14 +78,9 @@ def test_summarize_point_rates():
     s = bho.summarize_point(8, [0.1] * 8, [0.4, 0.4], [0.2, 0.25], 4,
                             [bho.phase_split({"wait": 0.06}, 0.1)] * 8)
     assert s["engine_tokens_per_s"] == pytest.approx(80.0)
-    assert s["device_tokens_per_s"] == pytest.approx(statistics_median([160.0, 128.0]))
+    assert s["device_tokens_per_s"] == pytest.approx(statistics.median([160.0, 128.0]))
     assert s["ratio_range"] == pytest.approx([0.5, 0.625])
     assert s["phases_us"]["wait"] == pytest.approx(6e4) and s["host_us"] == pytest.approx(4e4)
     s = bho.summarize_point(1, [0.1], [0.1], [0.05], 1, [bho.phase_split({"wait": 0.05, "dispatch": 0.01}, 0.1)])
     assert s["host_us"] == pytest.approx(4e4)  # neither wait nor dispatch is host work
 
-
-def statistics_median(xs):
-    import statistics
-
-    return statistics.median(xs)
