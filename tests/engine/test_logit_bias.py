@@ -92,3 +92,15 @@ def test_logit_bias_compiles_nothing_after_warm_up(path):
                                                         logit_bias={i: -100.0 for i in range(300)})])
         assert out[0] == [FORCED] * 6 and not set(out[1]) & set(range(300))  # 300 entries: the full width
         assert CompileCounter.requests == before and warm.runner.unplanned_compiles == 0
+
+
+def test_draft_model_speculation_sees_the_bias(path, solo):
+    """The target as its own draft: with the bias in the draft's proposals too, every greedy draft is
+    accepted (a draft that ignored a +100 bias would have each one rejected)."""
+    with LLM(path, **BASE, speculative_model=path, num_speculative_tokens=3, speculative_adaptive=False) as spec:
+        check_bias(spec, solo)
+        out = spec.generate(prompt_token_ids=PROMPTS[:1], sampling_params=greedy(logit_bias={FORCED: 100}),
+                            use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == [FORCED] * 12
+        assert out.metrics.spec_draft_tokens > 0
+        assert out.metrics.spec_accepted_tokens == out.metrics.spec_draft_tokens
