@@ -12,13 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# logit_bias entries a row may carry (OpenAI's 300, which SamplingParams enforces): the static width
+# of the bias arrays, so a biased request needs no new executable. Unbiased rows carry padding.
+from jaxserve.sampling_params import MAX_LOGIT_BIAS
+
 # Temperatures below this are greedy (vLLM's threshold): dividing by a smaller one overflows the logits.
 SAMPLING_EPS = 1e-5
 # The static top-N the engine compiles for when any row asks for top logprobs (OpenAI's maximum is 20).
 MAX_LOGPROBS = 20
-# logit_bias entries a row may carry (OpenAI's limit): the static width of the bias arrays, so a
-# biased request needs no new executable. Unbiased rows carry padding (id -1, value 0).
-MAX_LOGIT_BIAS = 300
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from jaxserve.server.engine_protocol import ServingEngine
 from jaxserve.server.errors import APIError, dumps, error_body, error_response
 from jaxserve.server.protocol import (
@@ -265,6 +265,7 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
             "response_format": ["text"],
             "stream_options": ["include_usage"],
             "limits": {"max_n": MAX_N, "max_prompts": MAX_PROMPTS, "max_logprobs": MAX_LOGPROBS,
+                       "max_logit_bias": MAX_LOGIT_BIAS,
                        "max_body_bytes": options.max_body_bytes, "max_waiting": options.max_waiting},
             # every engine takes all of SamplingParams (n, stop strings, penalties, logprobs, ...)
             "engine_sampling_params": _SAMPLING_PARAMS if state.ready else [],

@@ -43,6 +43,7 @@ def test_capabilities_list_the_endpoints(client):
     caps = client.get("/v1/capabilities").json()
     assert {"POST /tokenize", "POST /detokenize"} <= set(caps["endpoints"])
     assert "logit_bias" in caps["completions"]["fields"] and "logit_bias" in caps["chat_completions"]["fields"]
+    assert caps["limits"]["max_logit_bias"] == 300
 
 
 @pytest.mark.parametrize("path,body,status,needle", [
