@@ -56,6 +56,20 @@ def tcmalloc_path() -> str | None:
     return next((p for p in TCMALLOC_CANDIDATES if os.path.exists(p)), None)
 
 
+def git_state(root: str) -> tuple[str | None, bool | None]:
+    """(short commit, whether jaxserve/ has uncommitted changes) of the checkout at `root`; None outside git."""
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "jaxserve"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    return commit, dirty
+
+
 def machine_info() -> dict:
     cpu, flags = platform.processor() or "unknown", ""
     try:
@@ -77,18 +91,10 @@ def machine_info() -> dict:
     import torch
     import transformers
 
-    import subprocess
-
     import jaxserve
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(jaxserve.__file__)))
-    try:
-        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "jaxserve"],
-                                    capture_output=True, text=True, timeout=10).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = None, None
+    commit, dirty = git_state(root)
     return {
         "jaxserve_from": root,
         "jaxserve_commit": commit,

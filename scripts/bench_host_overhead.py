@@ -409,19 +409,10 @@ def machine_info() -> dict:
         cpu = next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name")), cpu)
     except (OSError, subprocess.SubprocessError):
         pass
-    try:
-        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "jaxserve"],
-                                    capture_output=True, text=True, timeout=10).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = None, None
-    try:
-        from bench_decode import tcmalloc_loaded
+    from bench_decode import git_state, tcmalloc_loaded
 
-        tcmalloc = tcmalloc_loaded()
-    except ImportError:
-        tcmalloc = None
+    commit, dirty = git_state(ROOT)
+    tcmalloc = tcmalloc_loaded()
     import jax
 
     return {"cpu": cpu, "cores": os.cpu_count(), "backend": jax.default_backend(),
