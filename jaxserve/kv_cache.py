@@ -131,6 +131,12 @@ class RaggedBatch:
                              max_pages=max_pages, num_logits=num_logits)
         return cls(**{f.name: getattr(arrays, f.name) for f in dataclasses.fields(arrays)})
 
+    @classmethod
+    def stack(cls, batches: "list[RaggedBatch]") -> "RaggedBatch":
+        """One batch per data-parallel replica (same shapes), stacked on a leading R axis: the layout
+        of `steps.ragged`, as `StepBatch` has R leading for the other steps."""
+        return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *batches)
+
 
 def cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, num_replicas: int = 1) -> tuple[int, ...]:
     return (num_replicas, cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)

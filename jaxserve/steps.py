@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, StepBatch
+from jaxserve.kv_cache import KVCache, RaggedBatch, StepBatch
 from jaxserve.model.layers import paged_attention_reference
-from jaxserve.model.llama import forward
+from jaxserve.model.llama import forward, forward_ragged
 from jaxserve.model.weights import Params
 from jaxserve.sharding import DATA, shard_attention
 
@@ -112,8 +112,24 @@ def _decode(params, cache, batch, cfg, options=StepOptions()):
     return model_step(params, cache, batch, cfg, options)
 
 
+def ragged_step(
+    params: Params, cache: KVCache, batch: RaggedBatch, cfg: ModelConfig, options: StepOptions = StepOptions()
+) -> tuple[jax.Array, KVCache]:
+    """One ragged step of every replica (`batch`: `RaggedBatch.stack` of one per replica): prompt
+    chunks, decodes and verifications in one flat token axis. Returns logits f32[R, L, V] at each
+    replica's `logit_index`, and the updated cache. The engine still runs `prefill`/`decode`; this
+    is the layout it moves to (docs/ARCHITECTURE.md, "The ragged step"), with the plain-JAX attention."""
+    if options.attention_backend != "reference" or options.all_logits:
+        raise ValueError("the ragged step has the reference attention only and returns logits at logit_index "
+                         f"(got attention_backend={options.attention_backend!r}, all_logits={options.all_logits})")
+    fwd = functools.partial(forward_ragged, cfg=cfg, scan_layers=options.scan_layers, matmul=options.matmul_backend)
+    return jax.vmap(fwd, in_axes=(None, 0, 0))(params, cache, batch)
+
+
 _STATIC = ("cfg", "options")
 prefill = jax.jit(model_step, static_argnames=_STATIC, donate_argnames=("cache",))
 decode = jax.jit(_decode, static_argnames=_STATIC, donate_argnames=("cache",))
 prefill_nodonate = jax.jit(model_step, static_argnames=_STATIC)
 decode_nodonate = jax.jit(_decode, static_argnames=_STATIC)
+ragged = jax.jit(ragged_step, static_argnames=_STATIC, donate_argnames=("cache",))
+ragged_nodonate = jax.jit(ragged_step, static_argnames=_STATIC)
