@@ -266,6 +266,17 @@ class LLMEngine:
             raise RequestError("prompt_logprobs needs the engine started with enable_prompt_logprobs=True "
                                "(--enable-prompt-logprobs), which compiles the scoring steps")
 
+    def prepare_request(self, prompt: str | None, sampling_params: SamplingParams | None,
+                        prompt_token_ids: list[int] | None) -> tuple[list[int], SamplingParams]:
+        """A request's prompt ids and params, checked (RequestError for what could never be served).
+        Reads only the settings, the tokenizer and the cache's size, so any thread may call it."""
+        if (prompt is None) == (prompt_token_ids is None):
+            raise RequestError("give exactly one of prompt or prompt_token_ids")
+        params = sampling_params or SamplingParams()
+        ids = self.encode(prompt) if prompt is not None else [int(t) for t in prompt_token_ids]
+        self.check_request(ids, params)
+        return ids, params
+
     def add_request(
         self,
         request_id: str,
@@ -275,11 +286,7 @@ class LLMEngine:
     ) -> None:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        if (prompt is None) == (prompt_token_ids is None):
-            raise RequestError("give exactly one of prompt or prompt_token_ids")
-        params = sampling_params or SamplingParams()
-        ids = self.encode(prompt) if prompt is not None else [int(t) for t in prompt_token_ids]
-        self.check_request(ids, params)
+        ids, params = self.prepare_request(prompt, sampling_params, prompt_token_ids)
         base_seed = params.seed if params.seed is not None else int(self._seed_stream.integers(2**32))
         seqs = [
             Sequence(
@@ -689,11 +696,7 @@ class AsyncLLMEngine:
         """Yields the request's cumulative output each time it advances; aborts it if the caller stops."""
         request_id = request_id or f"req-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
-        if (prompt is None) == (prompt_token_ids is None):
-            raise RequestError("give exactly one of prompt or prompt_token_ids")
-        params = sampling_params or SamplingParams()
-        ids = self.engine.encode(prompt) if prompt is not None else [int(t) for t in prompt_token_ids]
-        self.engine.check_request(ids, params)  # read-only: the settings and the cache's size, no step state
+        ids, params = self.engine.prepare_request(prompt, sampling_params, prompt_token_ids)  # no step state
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use")
         self._streams[request_id] = (asyncio.get_running_loop(), queue)

@@ -39,12 +39,12 @@ class SlowEngine:
         self.aborted: list[str] = []
         self.admitted: list[tuple[float, str]] = []  # (time, request id), in admission order
 
-    def encode(self, prompt: str) -> list[int]:
-        raise RequestError("no tokenizer")
-
-    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+    def prepare_request(self, prompt, params, ids):
+        if prompt is not None:
+            raise RequestError("no tokenizer")
         if any(not 0 <= t < VOCAB for t in ids):
             raise RequestError(f"prompt token id(s) outside the vocabulary [0, {VOCAB})")
+        return list(ids), params or SamplingParams()
 
     def add_request(self, request_id, prompt, params, ids) -> None:
         self.requests[request_id] = []
