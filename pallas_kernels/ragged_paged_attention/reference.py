@@ -12,17 +12,18 @@ from pallas_kernels.ragged_paged_attention.validation import validate_ragged
 
 def reference_ragged_paged_attention(
     q,  # [num_tokens, num_q_heads, head_dim]
-    k_pages,  # [num_kv_heads, num_pages, page_size, head_dim]
-    v_pages,  # [num_kv_heads, num_pages, page_size, head_dim]
+    k_pages,  # [num_layers, num_kv_heads, num_pages, page_size, head_dim] (or one layer's 4-D)
+    v_pages,  # like k_pages
     page_table,  # i32[max_seqs, max_pages_per_seq]
     context_lens,  # i32[max_seqs] total length incl. the new tokens
     query_start_loc,  # i32[max_seqs + 1]
     num_seqs,  # i32[] or i32[1]
     *,
-    k_scale=None,  # f32[num_kv_heads, num_pages, page_size] | None (int8 cache)
-    v_scale=None,  # f32[num_kv_heads, num_pages, page_size] | None
-    sm_scale: float | None = None,
-    sliding_window: int | None = None,
+    k_scale=None,  # f32[(num_layers,) num_kv_heads, num_pages, page_size] | None (int8 cache)
+    v_scale=None,  # like k_scale
+    sm_scale=None,  # float | f32[] | None
+    sliding_window=None,  # int | i32[] | None
+    layer=None,  # int | i32[]: the layer of a stacked cache; None with a one-layer cache
     backend: str | None = None,
     interpret: bool = False,
     queries_per_block: int | None = None,
@@ -38,8 +39,13 @@ def reference_ragged_paged_attention(
     d = validate_ragged(
         q, k_pages, v_pages, page_table, context_lens, query_start_loc, num_seqs, sm_scale=sm_scale,
         sliding_window=sliding_window, backend=None, queries_per_block=queries_per_block,
-        pages_per_compute_block=pages_per_compute_block, k_scale=k_scale, v_scale=v_scale,
+        pages_per_compute_block=pages_per_compute_block, k_scale=k_scale, v_scale=v_scale, layer=layer,
     )
+    if layer is not None:  # the ground truth may slice: the kernels are the ones that must not
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
+        k_scale = None if k_scale is None else k_scale[layer]
+        v_scale = None if v_scale is None else v_scale[layer]
+    sm_scale = d.head_dim ** -0.5 if sm_scale is None else sm_scale
     seq, valid = token_sequence(query_start_loc, num_seqs, d.max_seqs, d.num_tokens)
     t = jnp.arange(d.num_tokens, dtype=jnp.int32)
     q_len = query_start_loc[seq + 1] - query_start_loc[seq]
@@ -53,10 +59,10 @@ def reference_ragged_paged_attention(
     length = k.shape[2]
     kpos = jnp.arange(length, dtype=jnp.int32)[None, :]
     allowed = valid[:, None] & (kpos <= pos[:, None]) & (kpos < context_lens[seq][:, None])
-    if d.sliding_window is not None:
-        allowed &= kpos > pos[:, None] - d.sliding_window
+    if sliding_window is not None:
+        allowed &= kpos > pos[:, None] - sliding_window
     qg = q.astype(jnp.float32).reshape(d.num_tokens, d.num_kv_heads, d.group, d.head_dim)
-    logits = jnp.einsum("thgd,thld->thgl", qg, k, precision=jax.lax.Precision.HIGHEST) * d.sm_scale
+    logits = jnp.einsum("thgd,thld->thgl", qg, k, precision=jax.lax.Precision.HIGHEST) * sm_scale
     p = masked_softmax(logits, allowed[:, None, None, :])
     v = jnp.where(allowed[:, None, :, None], v, 0.0)  # unused cache slots may be NaN: 0 * NaN = NaN
     out = jnp.einsum("thgl,thld->thgd", p, v, precision=jax.lax.Precision.HIGHEST)

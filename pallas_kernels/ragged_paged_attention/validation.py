@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import check_float_dtype, check_int32
@@ -28,15 +29,14 @@ class RaggedDims:
     page_size: int
     max_seqs: int
     max_pages: int
-    sm_scale: float
-    sliding_window: int | None
-    quantized: bool = False  # int8 pages with f32 scales [num_kv_heads, num_pages, page_size]
+    num_layers: int  # layers of the stacked cache the kernel receives (1 for a one-layer cache)
+    quantized: bool = False  # int8 pages with f32 scales [(num_layers,) num_kv_heads, num_pages, page_size]
 
 
 def validate_ragged(
     q,  # [num_tokens, num_q_heads, head_dim]
-    k_pages,  # [num_kv_heads, num_pages, page_size, head_dim]
-    v_pages,  # [num_kv_heads, num_pages, page_size, head_dim]
+    k_pages,  # [num_layers, num_kv_heads, num_pages, page_size, head_dim] with layer, or one layer's 4-D
+    v_pages,  # like k_pages
     page_table,  # i32[max_seqs, max_pages]
     context_lens,  # i32[max_seqs]
     query_start_loc,  # i32[max_seqs + 1]
@@ -47,13 +47,29 @@ def validate_ragged(
     backend: str | None,
     queries_per_block: int | None,
     pages_per_compute_block: int | None,
-    k_scale=None,  # f32[num_kv_heads, num_pages, page_size] | None (int8 cache)
-    v_scale=None,  # f32[num_kv_heads, num_pages, page_size] | None
+    k_scale=None,  # f32[(num_layers,) num_kv_heads, num_pages, page_size] | None (int8 cache)
+    v_scale=None,  # like k_scale
+    layer=None,  # i32[] | int: the layer of a 5-D (stacked) cache; None with a 4-D (one-layer) cache
 ) -> RaggedDims:
     fn = FN
     if q.ndim != 3:
         raise ValueError(f"{fn}: q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}.")
     check_float_dtype("q", q, fn)
+    num_layers = 1
+    if layer is not None:
+        if k_pages.ndim != 5:
+            raise ValueError(f"{fn}: with a layer index k_pages must be the stacked cache "
+                             f"[num_layers, num_kv_heads, num_pages, page_size, head_dim], got shape {k_pages.shape}.")
+        if jnp.shape(layer) not in ((), (1,)):
+            raise ValueError(f"{fn}: layer must be an int32 scalar, got shape {jnp.shape(layer)}.")
+        if not isinstance(layer, int):
+            check_int32("layer", layer, fn)
+        num_layers = k_pages.shape[0]
+        # The per-layer checks below see one layer's shapes.
+        one = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
+        k_pages, v_pages, k_scale, v_scale = one(k_pages), one(v_pages), one(k_scale), one(v_scale)
+    elif k_pages.ndim == 5:
+        raise ValueError(f"{fn}: a stacked (5-D) cache needs layer=, the index of the layer to attend over.")
     quantized = validate_kv_cache(k_pages, v_pages, k_scale, v_scale, fn=fn)
     if not quantized and k_pages.dtype != q.dtype:
         raise ValueError(f"{fn}: k_pages/v_pages dtype {k_pages.dtype} must equal q dtype {q.dtype} (or be int8).")
@@ -73,7 +89,7 @@ def validate_ragged(
     if num_seqs.shape not in ((), (1,)):
         raise ValueError(f"{fn}: num_seqs must be an int32 scalar or shape (1,), got shape {num_seqs.shape}.")
     check_int32("num_seqs", num_seqs, fn)
-    if sliding_window is not None and (int(sliding_window) != sliding_window or sliding_window < 1):
+    if isinstance(sliding_window, (int, float)) and (int(sliding_window) != sliding_window or sliding_window < 1):
         raise ValueError(f"{fn}: sliding_window must be a positive int or None, got {sliding_window!r}.")
     validate_block_sizes(backend, fn=fn, queries_per_block=queries_per_block,
                          pages_per_compute_block=pages_per_compute_block)
@@ -81,11 +97,32 @@ def validate_ragged(
         validate_backend_layout(
             backend, page_size=page_size, head_dim=head_dim, kv_dtype=k_pages.dtype, q_dtype=q.dtype, fn=fn
         )
-    if sm_scale is None:
-        sm_scale = head_dim ** -0.5
+    for name, x in (("sm_scale", sm_scale), ("sliding_window", sliding_window)):
+        if x is not None and jnp.shape(x) not in ((), (1,)):
+            raise ValueError(f"{fn}: {name} must be a scalar (a number or a traced 0-d array), got shape {jnp.shape(x)}.")
     return RaggedDims(
         num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         group=num_q_heads // num_kv_heads, head_dim=head_dim, num_pages=num_pages, page_size=page_size,
-        max_seqs=max_seqs, max_pages=page_table.shape[1], sm_scale=float(sm_scale),
-        sliding_window=None if sliding_window is None else int(sliding_window), quantized=quantized,
+        max_seqs=max_seqs, max_pages=page_table.shape[1], num_layers=num_layers, quantized=quantized,
     )
+
+
+def attention_scalars(
+    dims: RaggedDims,
+    layer,  # i32[] | int | None
+    sm_scale,  # f32[] | float | None
+    sliding_window,  # i32[] | int | None
+):
+    """The per-call scalars every kernel takes as operands: (layer, window) i32[2] and sm_scale f32[1].
+
+    Operands, not compile-time constants, so one compiled kernel serves every layer of a scanned
+    step (Gemma 3-style layers differ in window and scale). No window (None) and windows wider than
+    a row can hold are clamped to max_pages * page_size: they mask nothing, and `(key - p0 +
+    window) * group` in the kernels' masks cannot overflow int32."""
+    max_ctx = dims.max_pages * dims.page_size
+    window = max_ctx if sliding_window is None else sliding_window
+    window = jnp.clip(jnp.reshape(jnp.asarray(window), ()).astype(jnp.int32), 1, max_ctx)
+    layer = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), ())
+    scale = dims.head_dim ** -0.5 if sm_scale is None else sm_scale
+    scale = jnp.reshape(jnp.asarray(scale, jnp.float32), (1,))
+    return jnp.stack([layer, window]), scale
