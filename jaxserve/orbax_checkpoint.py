@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import serialization
 
 from jaxserve import quant
 from jaxserve.config import ModelConfig
@@ -98,7 +99,28 @@ def restore_params(model_dir: str, abstract: Any) -> Any:
     source = os.path.abspath(os.path.join(model_dir, PARAMS_DIR))
     if not os.path.isdir(source):
         raise ModelLoadError(f"{model_dir}: the manifest is there but {PARAMS_DIR}/ is missing")
+    checkpointer = ocp.StandardCheckpointer()
     try:
-        return ocp.StandardCheckpointer().restore(source, abstract)
+        # orbax records every field of the pytree, None ones too, and needs the target to name the same
+        # fields; a checkpoint written before an optional field (e.g. Qwen3's q_norm) existed has no
+        # entry for it, so fields that are None here and absent there are left out of the target.
+        target = serialization.to_state_dict(abstract)
+        stored = checkpointer.metadata(source).item_metadata.tree
+        restored = checkpointer.restore(source, _without_absent_nones(target, stored))
     except (ValueError, KeyError, FileNotFoundError) as err:
         raise ModelLoadError(f"{model_dir}: the params do not match this config ({err})") from None
+    return serialization.from_state_dict(abstract, _with_nones(restored, target))
+
+
+def _without_absent_nones(target: Any, stored: Any) -> Any:
+    """`target` (nested dicts) less the None entries whose key `stored` (the on-disk tree) lacks."""
+    if not isinstance(target, dict) or not isinstance(stored, dict):
+        return target
+    return {k: _without_absent_nones(v, stored.get(k)) for k, v in target.items() if v is not None or k in stored}
+
+
+def _with_nones(restored: Any, target: Any) -> Any:
+    """`restored` with the None entries of `target` that `_without_absent_nones` left out put back."""
+    if not isinstance(target, dict):
+        return restored
+    return {k: None if v is None else _with_nones(restored[k], v) for k, v in target.items()}

@@ -53,6 +53,7 @@ def logical_rules(cfg: ModelConfig, model_size: int) -> dict[str, str | None]:
         "layers": None,
         "embed": None,
         "embed_replicated": None,
+        "head_dim": None,  # per-head weights (Qwen3's q/k norms): every device's heads need all of them
         "heads": MODEL,
         "kv_heads": split(cfg.num_kv_heads),
         "mlp": split(cfg.intermediate_size),

@@ -34,6 +34,8 @@ class LayerParams:
     bk: jax.Array | None = None  # f[L, K*H]
     bv: jax.Array | None = None  # f[L, K*H]
     bo: jax.Array | None = None  # f[L, D] (Llama attention_bias)
+    q_norm: jax.Array | None = None  # f[L, H] (Qwen3: RMSNorm weight over each query head, before RoPE)
+    k_norm: jax.Array | None = None  # f[L, H]
 
 
 @flax.struct.dataclass
@@ -63,7 +65,7 @@ class ArraySpec:
 
 def param_specs(cfg: ModelConfig) -> Params:
     """A Params pytree whose leaves are ArraySpecs: the single description everything else derives from."""
-    L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    L, D, F, V, H = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     NH, KH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     bias = cfg.qkv_bias
     layers = LayerParams(
@@ -80,6 +82,8 @@ def param_specs(cfg: ModelConfig) -> Params:
         bk=ArraySpec((L, KH), ("layers", "kv_heads"), "zeros") if bias else None,
         bv=ArraySpec((L, KH), ("layers", "kv_heads"), "zeros") if bias else None,
         bo=ArraySpec((L, D), ("layers", "embed_replicated"), "zeros") if cfg.o_bias else None,
+        q_norm=ArraySpec((L, H), ("layers", "head_dim"), "ones") if cfg.qk_norm else None,
+        k_norm=ArraySpec((L, H), ("layers", "head_dim"), "ones") if cfg.qk_norm else None,
     )
     return Params(
         embed=ArraySpec((V, D), ("vocab", "embed"), "normal"),
