@@ -96,6 +96,8 @@ _LAYER_NAMES = {
     "self_attn.k_proj.bias": ("bk", False),
     "self_attn.v_proj.bias": ("bv", False),
     "self_attn.o_proj.bias": ("bo", False),
+    "self_attn.q_norm.weight": ("q_norm", False),
+    "self_attn.k_norm.weight": ("k_norm", False),
     "post_attention_layernorm.weight": ("mlp_norm", False),
     "mlp.gate_proj.weight": ("w_gate", True),
     "mlp.up_proj.weight": ("w_up", True),

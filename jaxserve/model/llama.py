@@ -1,6 +1,7 @@
 """The Llama-family forward pass as a pure function of (params, cache, batch) for one replica.
 
-Llama 2/3/3.1, Mistral (sliding window) and Qwen2 (q/k/v biases) differ only in ModelConfig flags.
+Llama 2/3/3.1, Mistral (sliding window), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) differ
+only in ModelConfig flags.
 Each layer writes its new K/V into the pages first, then attends over the pages, so a prefill
 chunk, a decode token and a mix of both are the same computation.
 """
@@ -42,13 +43,17 @@ def _linear(x: jax.Array, w: jax.Array | quant.QuantArray, b: jax.Array | None) 
 
 
 def _project_qkv(cfg: ModelConfig, lp: LayerParams, x: jax.Array, cos: jax.Array, sin: jax.Array):
-    """Pre-norm, q/k/v projections and rotary embeddings: q f[B,T,N,H], k and v f[B,T,K,H]."""
+    """Pre-norm, q/k/v projections, per-head q/k norms (Qwen3) and rotary embeddings: q f[B,T,N,H],
+    k and v f[B,T,K,H]."""
     B, T, _ = x.shape
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     q = _linear(h, lp.wq, lp.bq).reshape(B, T, N, H)
     k = _linear(h, lp.wk, lp.bk).reshape(B, T, K, H)
     v = _linear(h, lp.wv, lp.bv).reshape(B, T, K, H)
+    if lp.q_norm is not None:  # the params decide, so a config and its pytree never disagree
+        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
