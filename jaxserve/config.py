@@ -25,10 +25,10 @@ from jaxserve.settings import (
     setting,
 )
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Architectures whose config jaxserve reads and plans (`jaxserve plan`) but cannot serve yet: their forward
-# (q/k norms, GeGLU, local/global layers, experts) waits for the ragged-step rebuild (issue 24).
-PLAN_ONLY_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
+# (GeGLU, local/global layers, experts) waits for the ragged-step rebuild (issue 24).
+PLAN_ONLY_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 PLANNABLE_ARCHITECTURES = SUPPORTED_ARCHITECTURES + PLAN_ONLY_ARCHITECTURES
 
@@ -46,7 +46,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and options of a decoder (Llama, Mistral, Qwen2; planned only: Qwen3, Gemma 3, Qwen3-MoE,
+    """Shape and options of a decoder (Llama, Mistral, Qwen2, Qwen3; planned only: Gemma 3, Qwen3-MoE,
     Mixtral); hashable, so it is a static jit argument. The fields after `eos_token_ids` default to what
     the Llama family has, so its configs are unchanged by them."""
 

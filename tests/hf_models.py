@@ -29,6 +29,8 @@ ARCHS = {
     ),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24, "head_dim": 16}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    # head_dim 32 is not hidden / heads (16): the q/k norms and the projections must use the explicit one
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": True, "head_dim": 32}),
 }
 
 

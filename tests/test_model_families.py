@@ -1,5 +1,6 @@
-"""Qwen3, Gemma 3, Qwen3-MoE and Mixtral: read from their config.json, counted, planned, and refused
-for serving until their forward exists (issue 24). No weights: the shipped configs/models are shapes only."""
+"""Qwen3, Gemma 3, Qwen3-MoE and Mixtral: read from their config.json, counted and planned; all but Qwen3
+(served: tests/model/test_qwen3.py) refused for serving until their forward exists (issue 24). No weights:
+the shipped configs/models are shapes only."""
 
 import json
 import math
@@ -28,6 +29,7 @@ from jaxserve.planning.roofline import (
 REPO = pathlib.Path(__file__).resolve().parent.parent
 MODELS = REPO / "configs" / "models"
 NEW = ("qwen3-8b", "gemma-3-12b", "qwen3-30b-a3b", "mixtral-8x7b")
+PLAN_ONLY = ("gemma-3-12b", "qwen3-30b-a3b", "mixtral-8x7b")  # served: qwen3-8b
 # Published totals (model cards): (total, active) parameters; Gemma-3-12B's text tower only.
 PUBLISHED = {"qwen3-8b": (8.2e9, 8.2e9), "gemma-3-12b": (11.8e9, 11.8e9),
              "qwen3-30b-a3b": (30.5e9, 3.3e9), "mixtral-8x7b": (46.7e9, 12.9e9)}
@@ -109,11 +111,16 @@ def test_dense_configs_keep_their_defaults():
     assert cfg == ModelConfig.from_hf_dict(hf_json("llama3-8b"), plan_only=True)
 
 
-@pytest.mark.parametrize("name", NEW)
+@pytest.mark.parametrize("name", PLAN_ONLY)
 def test_serving_is_refused_with_a_clear_message(name):
     arch = hf_json(name)["architectures"][0]
     with pytest.raises(UnsupportedModelError, match=f"{arch}.*can plan it.*not run it"):
         ModelConfig.from_dir(str(MODELS / name))
+
+
+def test_qwen3_is_served():
+    cfg = ModelConfig.from_dir(str(MODELS / "qwen3-8b"))
+    assert cfg.servable and cfg.qk_norm and cfg == planned("qwen3-8b")
 
 
 def test_the_engine_refuses_a_plan_only_model(hf_model_dir, tmp_path):
@@ -123,9 +130,9 @@ def test_the_engine_refuses_a_plan_only_model(hf_model_dir, tmp_path):
     dest = tmp_path / "model"
     shutil.copytree(path, dest)
     config = json.loads((dest / "config.json").read_text())
-    config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    config.update(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text")
     (dest / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="'Qwen3ForCausalLM' is not supported for serving yet"):
+    with pytest.raises(UnsupportedModelError, match="'Gemma3ForCausalLM' is not supported for serving yet"):
         LLM(str(dest), warm_up=False)
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*planned only"):
         ModelConfig.from_hf_dict({**config, "architectures": ["GPT2LMHeadModel"]}, plan_only=True)
@@ -225,7 +232,7 @@ def test_cli_plans_the_new_families(name, capsys):
     captured = capsys.readouterr()
     assert code == (0 if cfg.param_bytes(2) < 0.9 * 80 * 2**30 else planner.EXIT_DOES_NOT_FIT), captured.err
     assert f"{cfg.num_params() / 1e9:.2f} B parameters" in captured.out
-    assert "plans it but cannot serve it yet" in captured.out
+    assert ("plans it but cannot serve it yet" in captured.out) == (not cfg.servable)
     if cfg.is_moe:
         assert f"{cfg.active_params() / 1e9:.2f} B active per token" in captured.out
     assert planner.main(["--model", str(REPO / path), "--device", "tpu-v5e"]) == planner.EXIT_DOES_NOT_FIT
