@@ -69,7 +69,10 @@ def ll_grammar(spec: StructuredSpec) -> str:
             }
             return llguidance.LLMatcher.grammar_from_json_schema(spec.text, overrides=options)
         if spec.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(spec.text)
+            # \d means [0-9]: the Rust regex crate's Unicode \d would let a model asked for
+            # digits write digits of any script (which Python's re, with its older Unicode
+            # tables, may not even match).
+            return llguidance.LLMatcher.grammar_from_lark("start: /" + llguidance.regex_to_lark(spec.text, "d") + "/")
         if spec.kind == "choice":
             # JSON string syntax is Lark's string-literal syntax, escapes included.
             lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choices())

@@ -73,7 +73,8 @@ class StructuredSpec:
 
     @classmethod
     def regex(cls, pattern: str) -> "StructuredSpec":
-        """The whole output matches `pattern` (Rust `regex` syntax: no look-around, no backreferences)."""
+        r"""The whole output matches `pattern` (Rust `regex` syntax: no look-around, no backreferences;
+        \d is ASCII [0-9], \w and \s are Unicode)."""
         if not isinstance(pattern, str):
             raise GrammarError(f"regex: the pattern must be a string, got {_json_type(pattern)}")
         if not pattern:
