@@ -2,7 +2,7 @@
 
 Cost (CPU measurement and arithmetic in docs/ARCHITECTURE.md, "Structured output"): an elementwise
 select over [rows, V] plus a 32-way shift of [rows, W]; at V=49152 and 16 rows it reads 3.1 MB of
-logits and 98 kB of mask and writes 3.1 MB, which XLA fuses with the sampler's own pass over the
+logits and 98 kB of mask and writes 3.1 MB, a pass XLA can fuse with the sampler's own over the
 logits. Unconstrained rows carry an all-ones mask (or constrained=False), so their logits are
 returned bit for bit; there is no shape or branch that depends on how many rows are constrained,
 hence one executable for every mix.

@@ -7,7 +7,7 @@ import re
 import llguidance
 import numpy as np
 import pytest
-from walk import random_walk
+from structured_walk import random_walk
 
 from jaxserve.structured import (
     GrammarMatcher,
@@ -235,3 +235,16 @@ def test_sentencepiece_bridge_bytes_agree_with_decode(sp_tokenizer, compiler):
     text = 'Résumé: {"naïve": [1, 2]}\n\tend  😀'
     ids = compiler.ll_tokenizer.tokenize_str(text)
     assert b"".join(tokens[i] for i in ids) == text.encode()
+
+
+def test_accepting_is_not_finished_and_a_cut_output_is_not_accepting(compiler, sp_tokenizer):
+    g = compiler.compile(StructuredSpec.regex("a+"))
+    m = g.matcher()
+    assert not m.is_accepting
+    assert m.advance(sp_tokenizer.token_to_id("a"))
+    assert m.is_accepting and not m.is_finished  # may stop here or go on
+    allowed = allowed_tokens(m.allowed_bitmask(), g.vocab_size)
+    assert set(g.eos_token_ids) <= set(allowed) and sp_tokenizer.token_to_id("a") in allowed
+    cut = compiler.compile(StructuredSpec.json_schema(SCHEMA)).matcher()
+    assert cut.advance_many(compiler.ll_tokenizer.tokenize_str('{"name":"x"'))
+    assert not cut.is_accepting  # max_tokens here: finish_reason "length", not valid JSON
