@@ -2,9 +2,11 @@
 
 import threading
 
+import numpy as np
 import pytest
+from structured_walk import random_walk
 
-from jaxserve.structured import GrammarCompiler, GrammarError, StructuredSpec
+from jaxserve.structured import GrammarCompiler, GrammarError, StructuredSpec, unpack_bitmask
 
 
 def test_cache_hit_returns_the_same_compiled_grammar(sp_tokenizer):
@@ -100,3 +102,13 @@ def test_strict_refuses_unimplemented_keywords_and_lenient_ignores_them(compiler
     with pytest.raises(GrammarError, match=r'json_schema: Unimplemented keys: \["uniqueItems"\]'):
         compiler.compile(StructuredSpec.json_schema(schema))
     compiler.compile(StructuredSpec.json_schema(schema, strict=False))
+
+
+def test_ids_past_the_tokenizer_are_never_allowed(hf_tokenizer):
+    # The dummy SmolLM2 default: 49152 logits, an 8192-id tokenizer.
+    with GrammarCompiler(hf_tokenizer, vocab_size=49152) as c:
+        g = c.compile(StructuredSpec.json_object(compact_json=False))
+        m = g.matcher()
+        assert not unpack_bitmask(m.allowed_bitmask(), 49152)[8192:].any()
+        g = c.compile(StructuredSpec.choice(["yes", "no"]))
+        assert hf_tokenizer.decode(random_walk(g, np.random.default_rng(0))) in ("yes", "no")
