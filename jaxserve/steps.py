@@ -12,14 +12,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxserve.config import ModelConfig
+from jaxserve.errors import ConfigError
 from jaxserve.kv_cache import KVCache, RaggedBatch, StepBatch
-from jaxserve.model.layers import paged_attention_reference
+from jaxserve.model.layers import paged_attention_reference, ragged_attention_reference
 from jaxserve.model.llama import forward, forward_ragged
 from jaxserve.model.weights import Params
-from jaxserve.sharding import DATA, shard_attention
+from jaxserve.sharding import DATA, MODEL, _local_kv_heads, shard_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,77 @@ def pallas_attention(q, k_pages, v_pages, page_table, positions, seq_lens, slidi
     return out.reshape(B, T, N, H)
 
 
+def ragged_attention_impl(impl: str, mesh: Mesh | None = None):
+    """The ragged step's attention function (`llama.RaggedAttentionFn`: the whole stacked cache and
+    the layer index); under a mesh of several devices the kernels run per shard."""
+    if impl == "reference":
+        return ragged_attention_reference
+    if impl in ("pallas_tpu", "pallas_gpu", "pallas_interpret"):
+        # Interpret mode runs the GPU-style kernel on the CPU (slow; for testing).
+        backend = "tpu" if impl == "pallas_tpu" else "gpu"
+        fn = functools.partial(pallas_ragged_attention, backend=backend, interpret=impl == "pallas_interpret")
+        return shard_ragged_attention(fn, mesh) if _per_shard(impl, mesh) else fn
+    raise ValueError(f"unknown attention implementation {impl!r}; expected one of {ATTENTION_IMPLS}")
+
+
+def pallas_ragged_attention(q, k_cache, v_cache, layer, positions, query_start, context_lens, page_table,
+                            sliding_window=None, sm_scale=None, *, backend: str, interpret: bool, k_scale=None,
+                            v_scale=None):
+    """The ragged step's attention on the ragged kernel, which takes the whole stacked cache (k, v
+    f[L, K, NP, S, H], int8 scales f32[L, K, NP, S]) and indexes it with `layer` itself.
+    Every row slot is a kernel sequence (padding rows have no tokens); the kernel derives each
+    token's position from context_lens and query_start, as `RaggedBatch` lays them out."""
+    from pallas_kernels import ragged_paged_attention
+
+    del positions
+    return ragged_paged_attention(
+        q, k_cache, v_cache, page_table, context_lens, query_start, page_table.shape[0], k_scale=k_scale,
+        v_scale=v_scale, sm_scale=sm_scale, sliding_window=sliding_window, layer=layer, backend=backend,
+        interpret=interpret,
+    )
+
+
+def shard_ragged_attention(attention, mesh: Mesh):
+    """`attention` (the ragged step's per-replica call) once per device under `jax.shard_map`, as
+    `sharding.shard_attention` does for the rectangle steps: query heads split on `model`; the
+    stacked cache's KV-head axis (axis 1, scales too) on `model` when it divides them, else
+    replicated; the batch arrays, layer, window and scale whole. The replica axis comes from the
+    caller's `jax.vmap(..., spmd_axis_name="data")`. With replicated KV heads each device takes its
+    query heads' KV heads of this layer first: a per-layer copy of those pages (correct, extra
+    traffic), attended as a one-layer stack; prefer a model axis dividing K."""
+    model = mesh.shape[MODEL]
+    whole, heads = PartitionSpec(), PartitionSpec(None, MODEL, None)
+
+    def wrapped(q, k_cache, v_cache, layer, positions, query_start, context_lens, page_table,
+                sliding_window=None, sm_scale=None, k_scale=None, v_scale=None):
+        # q f[N, heads, H]; k_cache, v_cache f[L, K, NP, S, H]; k_scale, v_scale f32[L, K, NP, S] | None
+        num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
+        if num_heads % model:
+            raise ConfigError(f"the model axis ({model}) must divide the {num_heads} query heads")
+        kv_split = num_kv_heads % model == 0
+        kv_spec = PartitionSpec(None, MODEL if kv_split else None)
+        scales = () if k_scale is None else (k_scale, v_scale)
+
+        def per_device(q, k_cache, v_cache, layer, positions, query_start, context_lens, page_table, window,
+                       scale, *scales):
+            kv = (k_cache, v_cache, *scales)
+            if not kv_split:
+                kv = tuple(a[None] for a in _local_kv_heads(tuple(a[layer] for a in kv), num_heads // model,
+                                                            num_heads // num_kv_heads))
+                layer = jnp.int32(0)
+            kw = {} if not scales else dict(k_scale=kv[2], v_scale=kv[3])
+            return attention(q, kv[0], kv[1], layer, positions, query_start, context_lens, page_table, window,
+                             scale, **kw)
+
+        in_specs = (heads, kv_spec, kv_spec, *(whole,) * 7, *(kv_spec for _ in scales))
+        # check_vma=False: a pallas_call's outputs carry no varying-axes type (jax asks kernels to declare it).
+        return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(
+            q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), positions, query_start, context_lens, page_table,
+            sliding_window, sm_scale, *scales)
+
+    return wrapped
+
+
 def model_step(
     params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig, options: StepOptions = StepOptions()
 ) -> tuple[jax.Array, KVCache]:
@@ -117,13 +189,21 @@ def ragged_step(
 ) -> tuple[jax.Array, KVCache]:
     """One ragged step of every replica (`batch`: `RaggedBatch.stack` of one per replica): prompt
     chunks, decodes and verifications in one flat token axis. Returns logits f32[R, L, V] at each
-    replica's `logit_index`, and the updated cache. The engine still runs `prefill`/`decode`; this
-    is the layout it moves to (docs/ARCHITECTURE.md, "The ragged step"), with the plain-JAX attention."""
-    if options.attention_backend != "reference" or options.all_logits:
-        raise ValueError("the ragged step has the reference attention only and returns logits at logit_index "
-                         f"(got attention_backend={options.attention_backend!r}, all_logits={options.all_logits})")
-    fwd = functools.partial(forward_ragged, cfg=cfg, scan_layers=options.scan_layers, matmul=options.matmul_backend)
-    return jax.vmap(fwd, in_axes=(None, 0, 0))(params, cache, batch)
+    replica's `logit_index`, and the updated cache (docs/ARCHITECTURE.md, "The ragged step").
+
+    Every attention backend of `ATTENTION_IMPLS`: the Pallas ones get each replica's whole stacked
+    cache and the layer index (no per-layer slice), per device under `shard_map` on a mesh of several
+    devices. The replica `vmap` over a Pallas kernel is free when each device holds one replica (a
+    size-1 axis is squeezed away); several replicas on one device fall back to Pallas's loop over
+    them, which slices each replica's cache (correct, not fast)."""
+    if options.all_logits:
+        raise ValueError("the ragged step returns the logits at logit_index (list every token there for all "
+                         "of them); all_logits is for the rectangle steps")
+    fwd = functools.partial(forward_ragged, cfg=cfg, scan_layers=options.scan_layers, matmul=options.matmul_backend,
+                            attention=ragged_attention_impl(options.attention_backend, options.mesh))
+    # A shard_map inside the vmap maps the replica axis onto `data` through spmd_axis_name.
+    spmd = DATA if _per_shard(options.attention_backend, options.mesh) else None
+    return jax.vmap(fwd, in_axes=(None, 0, 0), spmd_axis_name=spmd)(params, cache, batch)
 
 
 _STATIC = ("cfg", "options")

@@ -119,18 +119,33 @@ def _token_scales(scale: jax.Array, page_table: jax.Array) -> jax.Array:
 NO_SLIDING_WINDOW = np.iinfo(np.int32).max  # a window operand that masks nothing
 
 
+def _layer_pages(
+    cache: jax.Array,  # [L, K, NP, S, ...]  one replica's stacked pages (or their scales)
+    layer: jax.Array | int,  # i32[]
+    table: jax.Array,  # i32[W, P]
+) -> jax.Array:  # [K, W, P*S, ...]
+    """Pages `table` of one layer, every KV head, in each row's token order: one gather from the
+    whole cache (viewed as [L*K*NP, S, ...], a free reshape), never a copy of the layer first."""
+    L, K, NP = cache.shape[:3]
+    W, P = table.shape
+    rows = (layer * K + jnp.arange(K, dtype=jnp.int32)[:, None, None]) * NP + table[None]  # i32[K, W, P]
+    pages = cache.reshape(L * K * NP, *cache.shape[3:])[rows]  # [K, W, P, S, ...]
+    return pages.reshape(K, W, P * cache.shape[3], *cache.shape[4:])
+
+
 def ragged_attention_reference(
     q: jax.Array,  # f[N, heads, H]  one query per token of the flat ragged batch
-    k_pages: jax.Array,  # f[K, NP, S, H]  one layer of one replica (new K/V already written)
-    v_pages: jax.Array,  # f[K, NP, S, H]
+    k_cache: jax.Array,  # f[L, K, NP, S, H]  one replica's whole cache (new K/V already written)
+    v_cache: jax.Array,  # f[L, K, NP, S, H]
+    layer: jax.Array | int,  # i32[]  the layer to attend over
     positions: jax.Array,  # i32[N]
     query_start: jax.Array,  # i32[R+1]  row r's tokens are [query_start[r], query_start[r+1])
     context_lens: jax.Array,  # i32[R]  tokens in each row's cache, this step's included
     page_table: jax.Array,  # i32[R, P]
     sliding_window: jax.Array | int | None = None,  # i32[]: a key is seen while pos - key_pos < window
     sm_scale: jax.Array | float | None = None,  # f32[]; None = H ** -0.5
-    k_scale: jax.Array | None = None,  # f32[K, NP, S] with int8 pages
-    v_scale: jax.Array | None = None,  # f32[K, NP, S]
+    k_scale: jax.Array | None = None,  # f32[L, K, NP, S] with int8 pages
+    v_scale: jax.Array | None = None,  # f32[L, K, NP, S]
     *,
     query_tile: int | None = None,
 ) -> jax.Array:  # f[N, heads, H]; zeros for tokens of no row (padding)
@@ -140,8 +155,8 @@ def ragged_attention_reference(
     tiles of Q = query_tile consecutive tokens (default ceil(N / R)); an item is one tile of one row.
     There are at most W = m + (N - m) // Q items with m = min(R, N) (as many rows as can be given
     one partial tile each, the other tokens in whole tiles), a static count. Each item gathers its
-    row's pages once (k, v f[K, W, P*S, H]) and scores its Q queries against them
-    (f32[W, K, group, Q, P*S]), and the outputs are scattered back to their tokens. With the default Q the memory is
+    row's pages of `layer` once, in one gather from the whole cache (k, v f[K, W, P*S, H]), and scores
+    its Q queries against them (f32[W, K, group, Q, P*S]), and the outputs are scattered back to their tokens. With the default Q the memory is
     O(R * P*S * K * H + N * heads * P*S): W <= 2R item gathers and W * Q <= 2N + R score rows,
     never the [N, heads, P*S, H] (nor the per-token [N, K, P*S, H]) a gather of keys per token makes.
     The arithmetic is at most about 2x the useful (tail tiles, padding items); a pure decode step
@@ -153,7 +168,7 @@ def ragged_attention_reference(
     probabilities. `sliding_window` and `sm_scale` may be traced (per-layer operands of a scan).
     """
     N, NH, H = q.shape
-    K, _, PS, _ = k_pages.shape
+    K, PS = k_cache.shape[1], k_cache.shape[3]
     R, P = page_table.shape
     G = NH // K
     Q = query_tile or max(1, -(-N // R))
@@ -176,8 +191,8 @@ def ragged_attention_reference(
     pos = positions[tok]  # i32[W, Q]
 
     table = page_table[row]  # i32[W, P]
-    k = k_pages[:, table].reshape(K, W, P * PS, H).astype(q.dtype)  # f[K, W, P*S, H]
-    v = v_pages[:, table].reshape(K, W, P * PS, H).astype(q.dtype)
+    k = _layer_pages(k_cache, layer, table).astype(q.dtype)  # f[K, W, P*S, H]
+    v = _layer_pages(v_cache, layer, table).astype(q.dtype)
     key_pos = jnp.arange(P * PS, dtype=jnp.int32)
     key_valid = key_pos[None, :] < context_lens[row][:, None]  # bool[W, P*S]
     v = jnp.where(key_valid[None, :, :, None], v, jnp.zeros((), v.dtype))
@@ -185,12 +200,13 @@ def ragged_attention_reference(
             & (pos[:, :, None] - key_pos[None, None, :] < window))  # bool[W, Q, P*S]
     qg = q[tok].reshape(W, Q, K, G, H)
     scores = jnp.einsum("wqkgh,kwsh->wkgqs", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    token_scales = lambda s: _layer_pages(s, layer, table).transpose(1, 0, 2)[:, :, None, None, :]  # noqa: E731
     if k_scale is not None:
-        scores = scores * _token_scales(k_scale, table)
+        scores = scores * token_scales(k_scale)  # f32[W, K, 1, 1, P*S]
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)  # a query of no row has no key: NaN here, zeroed next
     if v_scale is not None:
-        probs = probs * _token_scales(v_scale, table)
+        probs = probs * token_scales(v_scale)
     probs = jnp.where(mask[:, None, None], probs, 0.0).astype(v.dtype)
     out = jnp.einsum("wkgqs,kwsh->wqkgh", probs, v, preferred_element_type=jnp.float32)
     dest = jnp.where(tok_valid, tok, N).reshape(W * Q)  # each real token is in exactly one item

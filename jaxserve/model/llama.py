@@ -31,9 +31,11 @@ from jaxserve.model.weights import LayerParams, Params
 # attention(q f[B,T,N,H], k_pages f[K,NP,S,H], v_pages, page_table i32[B,P], positions i32[B,T],
 #           seq_lens i32[B], sliding_window, k_scale=f32[K,NP,S] | None, v_scale=...) -> f[B,T,N,H]
 AttentionFn = Callable[..., jax.Array]
-# ragged attention(q f[N,N_h,H], k_pages f[K,NP,S,H], v_pages, positions i32[N], query_start i32[R+1],
-#                  context_lens i32[R], page_table i32[R,P], sliding_window i32[], sm_scale f32[],
-#                  k_scale=f32[K,NP,S] | None, v_scale=...) -> f[N,N_h,H]
+# ragged attention(q f[N,N_h,H], k_cache f[L,K,NP,S,H], v_cache, layer i32[], positions i32[N],
+#                  query_start i32[R+1], context_lens i32[R], page_table i32[R,P], sliding_window i32[],
+#                  sm_scale f32[], k_scale=f32[L,K,NP,S] | None, v_scale=...) -> f[N,N_h,H]
+# It gets the whole stacked cache and the layer: a slice cache.k[layer] inside a scan (or an unrolled
+# loop) is a copy of that layer's entire cache per layer; the kernels index the stack themselves.
 RaggedAttentionFn = Callable[..., jax.Array]
 
 
@@ -161,8 +163,8 @@ def _ragged_layer(
 ) -> tuple[jax.Array, KVCache]:
     q, k, v = _project_qkv(cfg, lp, x, cos, sin)  # [1, N, heads, H]: the flat axis as one batch row
     cache = write_kv_slots(cache, layer, k[0], v[0], batch.slots)
-    scales = {} if not cache.quantized else dict(k_scale=cache.k_scale[layer], v_scale=cache.v_scale[layer])
-    attn = attention(q[0], cache.k[layer], cache.v[layer], batch.positions, batch.query_start, batch.context_lens,
+    scales = {} if not cache.quantized else dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+    attn = attention(q[0], cache.k, cache.v, layer, batch.positions, batch.query_start, batch.context_lens,
                      batch.page_table, window, sm_scale, **scales)
     return _output_and_mlp(cfg, lp, x, attn[None]), cache
 

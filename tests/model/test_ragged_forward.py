@@ -225,8 +225,9 @@ def test_reference_attention_memory_is_ragged(quantized):
     bound = 2 * rows * ctx * kv * h + 3 * n * heads * ctx + rows * heads * ctx
 
     def ours(q, kp, table):
-        return ragged_attention_reference(q, kp, kp, positions, qs, context, table, 7, 0.25, k_scale=scale,
-                                          v_scale=scale)
+        stack = lambda x: None if x is None else x[None]  # noqa: E731  (a one-layer stack)
+        return ragged_attention_reference(q, stack(kp), stack(kp), 0, positions, qs, context, table, 7, 0.25,
+                                          k_scale=stack(scale), v_scale=stack(scale))
 
     got = _largest_intermediate(ours, q, kp, table)
     assert got < naive and got <= bound, (got, bound, naive)
@@ -268,8 +269,10 @@ def test_reference_attention_any_tile_equals_paged_reference(query_tile, spec):
     vp[np.isnan(kp)] = np.nan
     q = jnp.asarray(rng.standard_normal((N, 4, 16)), jnp.float32)
     fn = jax.jit(lambda *a: ragged_attention_reference(*a, query_tile=query_tile))
-    out = np.asarray(fn(q, kp, vp, b.positions, b.query_start, b.context_lens, b.page_table, jnp.int32(6),
-                        jnp.float32(0.3)))
+    # Layer 1 of a stack whose layer 0 is NaN: the reference gathers the right layer of the whole cache.
+    stack = lambda x: np.stack([np.full_like(x, np.nan), x])  # noqa: E731
+    out = np.asarray(fn(q, stack(kp), stack(vp), jnp.int32(1), b.positions, b.query_start, b.context_lens,
+                        b.page_table, jnp.int32(6), jnp.float32(0.3)))
     assert np.all(out[b.query_start[-1]:] == 0), "padding tokens attend to nothing"
     for r, row in enumerate(rows):
         t0, n = b.query_start[r], len(row.tokens)

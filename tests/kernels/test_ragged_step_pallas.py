@@ -1,0 +1,118 @@
+"""`steps.ragged_step` on the Pallas kernels equals it on the reference attention.
+
+Mixed rows (decodes with context, a first prompt chunk, the last chunk of a partly prefilled prompt,
+a verification of 3 tokens, padding tokens and rows), scanned and unrolled, with a sliding window and
+with an int8 cache; on one device, and per device under `shard_map` on meshes of 2 (data) x 2 (model)
+and 1 x 4 (model axis wider than the KV heads: they are replicated). Slots no row writes start NaN.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import steps
+from jaxserve.config import ModelConfig
+from jaxserve.kv_cache import KVCache, RaggedBatch, cache_shape
+from jaxserve.model.weights import init_dummy_params, unstack_layers
+from jaxserve.ragged import RaggedRow
+from jaxserve.sharding import make_mesh
+from kernels_testlib import FAST_COMPILE, engine_attention_impl
+
+PAGE, P, N, S, L = 4, 8, 32, 8, 8  # page size, pages per row, token bucket, rows, logits
+# (history already cached, new tokens, logits returned)
+ROWS = [(13, 1, 1), (30, 1, 1), (0, 9, 0), (11, 7, 1), (20, 3, 3)]
+
+
+def make_cfg(**kw):
+    # head_dim 16, power-of-two pages: the GPU (Triton) kernel's layout rules
+    return ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, **kw)
+
+
+def replica_batch(cfg, rng):
+    """One replica's rows on pages of its own, and a cache whose history slots are filled (random)
+    and every other slot NaN (int8 caches fill in `nan_cache`)."""
+    need = [-(-(h + n) // PAGE) for h, n, _ in ROWS]
+    ids = rng.permutation(np.arange(1, 1 + sum(need)))
+    pages, c = [], 0
+    for k in need:
+        pages.append([int(x) for x in ids[c: c + k]])
+        c += k
+    rows = [RaggedRow(rng.integers(0, cfg.vocab_size, n).tolist(), h, pg, nl) for (h, n, nl), pg in zip(ROWS, pages)]
+    history = [(pg, h) for (h, _, _), pg in zip(ROWS, pages)]
+    return RaggedBatch.build(rows, page_size=PAGE, num_tokens=N, num_rows=S, max_pages=P, num_logits=L), history
+
+
+def make_cache(cfg, history, num_replicas, quantized, rng):
+    num_pages = 2 + sum(-(-(h + n) // PAGE) for h, n, _ in ROWS)  # page 0 and one more stay NaN
+    shape = cache_shape(cfg, num_pages, PAGE, num_replicas)
+    k = np.full(shape, np.nan, np.float32)
+    v = np.full(shape, np.nan, np.float32)
+    for r, rows in enumerate(history):
+        for pg, h in rows:
+            for t in range(h):  # the cached history of each row: random K/V
+                for x in (k, v):
+                    x[r, :, :, pg[t // PAGE], t % PAGE] = rng.standard_normal(x.shape[1:3] + x.shape[-1:])
+    if not quantized:
+        return KVCache(k=jnp.asarray(k), v=jnp.asarray(v))
+    scale = lambda x: np.where(np.isnan(x).any(-1), np.nan, np.abs(np.nan_to_num(x)).max(-1) / 127 + 1e-3)  # noqa
+    ks, vs = scale(k), scale(v)
+    quant = lambda x, s: np.where(np.isnan(x), 127, np.round(np.nan_to_num(x) / np.nan_to_num(s, nan=1)[..., None]))
+    return KVCache(k=jnp.asarray(quant(k, ks), jnp.int8), v=jnp.asarray(quant(v, vs), jnp.int8),
+                   k_scale=jnp.asarray(ks, jnp.float32), v_scale=jnp.asarray(vs, jnp.float32))
+
+
+def scenario(cfg, num_replicas, quantized, seed=0):
+    rng = np.random.default_rng(seed)
+    batches, histories = zip(*(replica_batch(cfg, rng) for _ in range(num_replicas)))
+    return make_cache(cfg, histories, num_replicas, quantized, rng), RaggedBatch.stack(list(batches))
+
+
+STEP = jax.jit(steps.ragged_step, static_argnames=("cfg", "options"), compiler_options=FAST_COMPILE)
+CFG = make_cfg()
+PARAMS = init_dummy_params(CFG, seed=1, dtype=jnp.float32, std=0.15)
+
+
+def run(params, cache, batch, cfg, impl, scan, mesh=None):
+    options = steps.StepOptions(scan_layers=scan, attention_backend=impl, mesh=mesh)
+    logits, cache = STEP(params, cache, batch, cfg=cfg, options=options)
+    return np.asarray(logits), jax.tree.map(np.asarray, cache)
+
+
+def assert_same(got, ref):
+    (gl, gc), (rl, rc) = got, ref
+    n = sum(nl for _, _, nl in ROWS)
+    assert np.all(np.isfinite(gl[:, :n])), "NaN from unused slots reached the logits"
+    np.testing.assert_allclose(gl[:, :n], rl[:, :n], atol=2e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(gc), jax.tree.leaves(rc)):  # the same writes (NaN where none)
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("variant", ["scan", "unrolled", "sliding_window", "int8_kv"])
+def test_pallas_ragged_step_equals_reference(variant):
+    cfg = make_cfg(sliding_window=6) if variant == "sliding_window" else CFG
+    params = PARAMS if variant != "unrolled" else unstack_layers(PARAMS)
+    cache, batch = scenario(cfg, 1, quantized=variant == "int8_kv")
+    scan = variant != "unrolled"
+    ref = run(params, cache, batch, cfg, "reference", scan)
+    assert_same(run(params, cache, batch, cfg, engine_attention_impl(), scan), ref)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 4)])
+def test_pallas_ragged_step_per_shard(mesh_shape):
+    """(2, 2): replicas on `data`, heads and KV heads split on `model`; (1, 4): 2 KV heads replicated,
+    each device takes the one its query head reads."""
+    mesh = make_mesh(mesh_shape)
+    cache, batch = scenario(CFG, mesh_shape[0], quantized=False, seed=3)
+    ref = run(PARAMS, cache, batch, CFG, "reference", True)
+    assert_same(run(PARAMS, cache, batch, CFG, "pallas_interpret", True, mesh=mesh), ref)
+
+
+def test_unknown_backend_and_all_logits():
+    cache, batch = scenario(CFG, 1, quantized=False)
+    with pytest.raises(ValueError, match="unknown attention"):
+        run(PARAMS, cache, batch, CFG, "pallas", True)
+    with pytest.raises(ValueError, match="all_logits"):
+        STEP(PARAMS, cache, batch, cfg=CFG, options=steps.StepOptions(all_logits=True))
