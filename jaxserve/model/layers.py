@@ -156,11 +156,11 @@ def ragged_attention_reference(
     There are at most W = m + (N - m) // Q items with m = min(R, N) (as many rows as can be given
     one partial tile each, the other tokens in whole tiles), a static count. Each item gathers its
     row's pages of `layer` once, in one gather from the whole cache (k, v f[K, W, P*S, H]), and scores
-    its Q queries against them (f32[W, K, group, Q, P*S]), and the outputs are scattered back to their tokens. With the default Q the memory is
-    O(R * P*S * K * H + N * heads * P*S): W <= 2R item gathers and W * Q <= 2N + R score rows,
-    never the [N, heads, P*S, H] (nor the per-token [N, K, P*S, H]) a gather of keys per token makes.
-    The arithmetic is at most about 2x the useful (tail tiles, padding items); a pure decode step
-    (N = R, Q = 1) is exactly one item per token.
+    its Q queries against them (f32[W, K, group, Q, P*S]), and the outputs are scattered back to
+    their tokens. With the default Q the memory is O(R * P*S * K * H + N * heads * P*S): W <= 2R
+    item gathers and W * Q <= 2N + R score rows, never the [N, heads, P*S, H] (nor the per-token
+    [N, K, P*S, H]) a gather of keys per token makes. The arithmetic is at most about 2x the useful
+    (tail tiles, padding items); a pure decode step (N = R, Q = 1) is exactly one item per token.
 
     Same masking, GQA grouping and f32 softmax as `paged_attention_reference` (so the two agree to
     rounding): keys past the row's context are masked and zeroed in V, so NaN in unused pages never

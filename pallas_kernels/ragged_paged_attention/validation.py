@@ -99,7 +99,8 @@ def validate_ragged(
         )
     for name, x in (("sm_scale", sm_scale), ("sliding_window", sliding_window)):
         if x is not None and jnp.shape(x) not in ((), (1,)):
-            raise ValueError(f"{fn}: {name} must be a scalar (a number or a traced 0-d array), got shape {jnp.shape(x)}.")
+            raise ValueError(f"{fn}: {name} must be a scalar (a number or a traced 0-d array), "
+                             f"got shape {jnp.shape(x)}.")
     return RaggedDims(
         num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         group=num_q_heads // num_kv_heads, head_dim=head_dim, num_pages=num_pages, page_size=page_size,
