@@ -193,9 +193,10 @@ def ragged_step(
 
     Every attention backend of `ATTENTION_IMPLS`: the Pallas ones get each replica's whole stacked
     cache and the layer index (no per-layer slice), per device under `shard_map` on a mesh of several
-    devices. The replica `vmap` over a Pallas kernel is free when each device holds one replica (a
-    size-1 axis is squeezed away); several replicas on one device fall back to Pallas's loop over
-    them, which slices each replica's cache (correct, not fast)."""
+    devices. The replica `vmap` over the GPU kernel is one more grid axis; over the TPU kernel it is
+    free when each device holds one replica (the size-1 axis of its scalar-prefetch operands is
+    squeezed away), while several replicas on one device make Pallas loop over them, slicing each
+    replica's cache (correct, not fast)."""
     if options.all_logits:
         raise ValueError("the ragged step returns the logits at logit_index (list every token there for all "
                          "of them); all_logits is for the rectangle steps")
