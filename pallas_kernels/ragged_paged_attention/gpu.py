@@ -7,9 +7,10 @@ layer is sliced (copied) out of the cache before the call.
 
 Decode rows keep their parallelism over context: each work item's key blocks are split over a third
 grid axis (flash-decoding; `split_plan` picks the split count from the static number of programs),
-each split writes an unnormalised partial output with its running max and denominator, and the
-splits are merged after the kernel. A batch of many items gets one split (no merge work to speak
-of); a few long decodes get up to one split per key block."""
+each split writes an unnormalised f32 partial output with its running max and denominator, and the
+splits are merged after the kernel. A batch of many items gets one split, which finishes its
+softmax in the kernel and writes q's dtype (no partials, no merge); a few long decodes get up to one
+split per key block."""
 
 from __future__ import annotations
 
@@ -66,9 +67,9 @@ def _ragged_kernel(
     v_ref,  # [L, num_pages, page_size, head_dim]
     ks_ref,  # f32[L, num_pages, page_size] | None  (int8 cache)
     vs_ref,  # f32[L, num_pages, page_size] | None
-    o_ref,  # f32[bq * gp, head_dim] unnormalised partial output of this split
-    m_ref,  # f32[bq * gp] running max of this split
-    l_ref,  # f32[bq * gp] softmax denominator of this split
+    o_ref,  # [bq * gp, head_dim]: q's dtype, normalised (one split); f32 unnormalised partial (several)
+    m_ref=None,  # f32[bq * gp] running max of this split (several splits only)
+    l_ref=None,  # f32[bq * gp] softmax denominator of this split
     *,
     ppcb: int,
     blocks_per_split: int,
@@ -118,9 +119,12 @@ def _ragged_kernel(
         return softmax_update(carry, s, allowed, v, p_scale)
 
     acc, m, l = lax.fori_loop(first, last, body, softmax_start(rows, head_dim))
-    o_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    if m_ref is None:  # the only split: finish here (no visible key -> zeros)
+        o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+    else:
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
 
 
 def ragged_paged_attention_gpu(
@@ -171,7 +175,14 @@ def ragged_paged_attention_gpu(
     scale_spec = (pl.BlockSpec((L, None, d.num_pages, d.page_size), lambda w, h, s: (0, h, 0, 0))
                   if d.quantized else None)
     shape = (plan.num_items, d.num_kv_heads, splits, rows)
-    o, m, l = pl.pallas_call(
+    part_specs = [pl.BlockSpec((None, None, None, rows, d.head_dim), lambda w, h, s: (w, h, s, 0, 0)),
+                  pl.BlockSpec((None, None, None, rows), lambda w, h, s: (w, h, s, 0)),
+                  pl.BlockSpec((None, None, None, rows), lambda w, h, s: (w, h, s, 0))]
+    part_shapes = [jax.ShapeDtypeStruct((*shape, d.head_dim), jnp.float32), jax.ShapeDtypeStruct(shape, jnp.float32),
+                   jax.ShapeDtypeStruct(shape, jnp.float32)]
+    if splits == 1:  # one split (many items, or short rows): the normalised output in q's dtype, no merge
+        part_specs, part_shapes = part_specs[:1], [jax.ShapeDtypeStruct((*shape, d.head_dim), q.dtype)]
+    parts = pl.pallas_call(
         functools.partial(_ragged_kernel, ppcb=ppcb, blocks_per_split=per_split, group=gp),
         grid=(plan.num_items, d.num_kv_heads, splits),
         in_specs=[
@@ -179,24 +190,23 @@ def ragged_paged_attention_gpu(
             pl.BlockSpec(pt.shape, lambda w, h, s: (0, 0)),
             row_spec, page_spec, page_spec, scale_spec, scale_spec,
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, rows, d.head_dim), lambda w, h, s: (w, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda w, h, s: (w, h, s, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda w, h, s: (w, h, s, 0)),
-        ],
-        out_shape=[jax.ShapeDtypeStruct((*shape, d.head_dim), jnp.float32),
-                   jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.float32)],
+        out_specs=part_specs,
+        out_shape=part_shapes,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
     )(plan.seq, plan.q_len, plan.first_pos, layer, window, sm_scale, pt, qw, k_pages, v_pages, k_scale, v_scale)
-    # Merge the splits: rescale each partial sum to the global running max (an item with no
-    # visible key has l == 0 everywhere and gives zeros).
-    m_all = jnp.max(m, axis=2, keepdims=True)
-    wgt = jnp.exp(m - m_all)  # [W, K, splits, rows]
-    num = jnp.sum(o * wgt[..., None], axis=2)
-    den = jnp.sum(l * wgt, axis=2)
-    ow = num / jnp.where(den == 0.0, 1.0, den)[..., None]  # [W, K, rows, H]
+    if splits == 1:
+        ow = parts[0][:, :, 0]  # [W, K, rows, H]
+    else:
+        # Merge the splits: rescale each partial sum to the global running max (an item with no
+        # visible key has l == 0 everywhere and gives zeros).
+        o, m, l = parts
+        m_all = jnp.max(m, axis=2, keepdims=True)
+        wgt = jnp.exp(m - m_all)  # [W, K, splits, rows]
+        num = jnp.sum(o * wgt[..., None], axis=2)
+        den = jnp.sum(l * wgt, axis=2)
+        ow = num / jnp.where(den == 0.0, 1.0, den)[..., None]  # [W, K, rows, H]
     return plan_lib.scatter_outputs(
         ow, plan, query_start_loc, num_seqs, num_tokens=d.num_tokens, max_seqs=d.max_seqs,
         num_kv_heads=d.num_kv_heads, group=d.group, group_padded=gp, dtype=q.dtype,
