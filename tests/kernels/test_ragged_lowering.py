@@ -3,8 +3,9 @@ the replica's whole stacked KV cache, never a layer sliced (copied) out of it.
 
 For each attention custom call, every operand typed like the stacked cache (k, v f[L, K, NP, S, H],
 int8 scales f32[L, K, NP, S], with the replica axis of the vmap when it stays) is followed back
-through the StableHLO: across function calls and returns, the scan's `while` carry, reshapes (free)
-and the K/V write's scatter (in place on the donated buffer), to an argument of `main`. No
+through the StableHLO: across function calls and returns, the scan's `while` carry, reshapes (free),
+the K/V write's scatter (in place on the donated buffer) and, on a mesh, the shard_map boundary
+(each device's shard of the stack), to an argument of `main`. No
 slice, dynamic_slice or gather lies on that path, and none anywhere in the module reads the stacked
 cache.
 
@@ -27,6 +28,7 @@ from jaxserve import steps
 from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, RaggedBatch, cache_shape
 from jaxserve.model.weights import init_dummy_params, unstack_layers
+from jaxserve.sharding import make_mesh
 
 # head_dim 64 and pages of 16 f32 rows (32 int8): both kernels' layout rules (TPU: 8-row tiles, head_dim % 64;
 # GPU: powers of two)
@@ -39,20 +41,24 @@ KERNEL_CALLS = {"tpu": "@tpu_custom_call", "cuda": "@__gpu$xla.gpu.triton"}
 SLICING_OPS = ("stablehlo.slice", "stablehlo.dynamic_slice", "stablehlo.gather", "stablehlo.real_dynamic_slice")
 
 
-def lower(platform: str, scan: bool, quantized: bool) -> str:
+def lower(platform: str, scan: bool, quantized: bool, mesh_shape=None) -> str:
+    """The step's StableHLO; with `mesh_shape` (data, model) one replica per `data` device, per device
+    under shard_map."""
     sds = jax.ShapeDtypeStruct
-    shape = cache_shape(CFG, NUM_PAGES, page_size(quantized), 1)
+    replicas = mesh_shape[0] if mesh_shape else 1
+    shape = cache_shape(CFG, NUM_PAGES, page_size(quantized), replicas)
     if quantized:
         cache = KVCache(k=sds(shape, jnp.int8), v=sds(shape, jnp.int8), k_scale=sds(shape[:-1], jnp.float32),
                         v_scale=sds(shape[:-1], jnp.float32))
     else:
         cache = KVCache(k=sds(shape, jnp.float32), v=sds(shape, jnp.float32))
-    i32 = lambda *s: sds((1, *s), jnp.int32)  # noqa: E731  (one replica)
+    i32 = lambda *s: sds((replicas, *s), jnp.int32)  # noqa: E731
     batch = RaggedBatch(tokens=i32(N), positions=i32(N), slots=i32(N), token_row=i32(N), query_start=i32(S + 1),
                         context_lens=i32(S), page_table=i32(S, P), logit_index=i32(L))
     params = jax.eval_shape(lambda: (lambda p: p if scan else unstack_layers(p))(
         init_dummy_params(CFG, seed=0, dtype=jnp.float32)))
-    options = steps.StepOptions(scan_layers=scan, attention_backend="pallas_tpu" if platform == "tpu" else "pallas_gpu")
+    options = steps.StepOptions(scan_layers=scan, attention_backend="pallas_tpu" if platform == "tpu" else "pallas_gpu",
+                                mesh=make_mesh(mesh_shape) if mesh_shape else None)
     step = jax.jit(steps.ragged_step, static_argnames=("cfg", "options"), donate_argnames=("cache",))
     return step.trace(params, cache, batch, cfg=CFG, options=options).lower(lowering_platforms=(platform,)).as_text()
 
@@ -66,13 +72,14 @@ class Module:
         self.returns: dict[str, list[str]] = {}  # function -> returned values
         self.calls: dict[str, list[tuple[str, list[str]]]] = {}  # callee -> [(caller, operands)]
         self.carry: dict[str, dict[str, str]] = {}  # function -> while iterArg -> its initial value
+        self.manual: dict[str, dict[str, str]] = {}  # function -> shard_map region argument -> operand
         func = None
         for line in text.splitlines():
             head = re.match(r"\s*func\.func (?:public|private) @([\w$.]+)\((.*?)\) ->", line)
             if head:
                 func = head.group(1)
                 self.args[func] = re.findall(r"(%arg\d+):", head.group(2))
-                self.defs[func], self.carry[func] = {}, {}
+                self.defs[func], self.carry[func], self.manual[func] = {}, {}, {}
                 continue
             if func is None:
                 continue
@@ -81,6 +88,11 @@ class Module:
                 self.defs[func][d.group(1)] = d.group(2)
                 for it, init in re.findall(r"(%iterArg[\w]*) = (%[\w#]+)", d.group(2)):
                     self.carry[func][it] = init
+                shard_map = re.match(r"sdy\.manual_computation\(([^)]*)\).*manual_axes=\{[^}]*\} \((.*)\) \{",
+                                     d.group(2))
+                if shard_map:  # the body's block arguments are the operands, each device's shard
+                    region = re.findall(r"(%arg\d+):", shard_map.group(2))
+                    self.manual[func].update(zip(region, _operands(shard_map.group(1))))
             call = re.search(r"\bcall @([\w$.]+)\(([^)]*)\)", line)
             if call:
                 self.calls.setdefault(call.group(1), []).append((func, _operands(call.group(2))))
@@ -93,6 +105,8 @@ class Module:
         name, _, index = value.partition("#")
         if name in self.carry[func]:
             return self.origins(func, self.carry[func][name], path + ("while carry",))
+        if name in self.manual[func]:
+            return self.origins(func, self.manual[func][name], path + ("shard_map",))
         if name in self.args[func]:
             if func == "main":
                 return [path + ("main argument",)]
@@ -131,22 +145,29 @@ def kernel_cache_operands(module_text: str, platform: str, stacked_types: set[st
     return found
 
 
-def stacked_types(quantized: bool) -> dict[str, set[str]]:
-    """The stacked cache's tensor types, with and without the (size-1) replica axis."""
-    shape = cache_shape(CFG, NUM_PAGES, page_size(quantized), 1)
+def stacked_types(quantized: bool, mesh_shape=None) -> dict[str, set[str]]:
+    """The stacked cache's tensor types, with and without the replica axis, whole and (on a mesh)
+    one device's shard of it (one replica, K / model KV heads)."""
+    data, model = mesh_shape or (1, 1)
+    whole = cache_shape(CFG, NUM_PAGES, page_size(quantized), data)
+    shard = (1, whole[1], whole[2] // model, *whole[3:])
     kv = "i8" if quantized else "f32"
-    t = lambda dims, dt: {"tensor<" + "x".join(map(str, dims)) + f"x{dt}>" for dims in (dims, dims[1:])}  # noqa
-    return dict(kv=t(shape, kv), scale=t(shape[:-1], "f32") if quantized else set())
+
+    def types(shapes, dt):
+        return {"tensor<" + "x".join(map(str, d)) + f"x{dt}>" for shape in shapes for d in (shape, shape[1:])}
+
+    return dict(kv=types((whole, shard), kv), scale=types((whole[:-1], shard[:-1]), "f32") if quantized else set())
 
 
-CASES = [("tpu", True, False), ("tpu", False, False), ("cuda", True, False), ("cuda", False, False),
-         ("tpu", True, True), ("cuda", False, True)]
+CASES = [("tpu", True, False, None), ("tpu", False, False, None), ("cuda", True, False, None),
+         ("cuda", False, False, None), ("tpu", True, True, None), ("cuda", False, True, None),
+         ("tpu", True, False, (2, 2)), ("cuda", True, True, (2, 2))]  # per device: one replica, one KV head
 
 
-@pytest.mark.parametrize("platform,scan,quantized", CASES)
-def test_kernels_take_the_whole_stacked_cache(platform, scan, quantized):
-    text = lower(platform, scan, quantized)
-    types = stacked_types(quantized)
+@pytest.mark.parametrize("platform,scan,quantized,mesh_shape", CASES)
+def test_kernels_take_the_whole_stacked_cache(platform, scan, quantized, mesh_shape):
+    text = lower(platform, scan, quantized, mesh_shape)
+    types = stacked_types(quantized, mesh_shape)
     module = Module(text)
     calls = kernel_cache_operands(text, platform, types["kv"])
     assert len(calls) == 2, "one custom call taking the whole k and v stacks (called once per layer)"
@@ -158,8 +179,9 @@ def test_kernels_take_the_whole_stacked_cache(platform, scan, quantized):
         for path in paths:
             assert path[-1] == "main argument", path
             assert set(path) <= {"call", "return", "while carry", "stablehlo.reshape", "stablehlo.scatter",
-                                 "main argument"}, path
+                                 "shard_map", "main argument"}, path
             assert ("while carry" in path) == scan, path
+            assert ("shard_map" in path) == (mesh_shape is not None), path
     # Nothing anywhere slices the stacked cache (a per-layer copy would need one of these ops).
     every = set().union(*types.values())
     for line in text.splitlines():
