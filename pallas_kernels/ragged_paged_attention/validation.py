@@ -42,8 +42,8 @@ def validate_ragged(
     query_start_loc,  # i32[max_seqs + 1]
     num_seqs,  # i32[] | i32[1]
     *,
-    sm_scale: float | None,
-    sliding_window: int | None,
+    sm_scale,  # float | f32[] | None
+    sliding_window,  # int | i32[] | None
     backend: str | None,
     queries_per_block: int | None,
     pages_per_compute_block: int | None,
@@ -119,11 +119,12 @@ def attention_scalars(
     Operands, not compile-time constants, so one compiled kernel serves every layer of a scanned
     step (Gemma 3-style layers differ in window and scale). No window (None) and windows wider than
     a row can hold are clamped to max_pages * page_size: they mask nothing, and `(key - p0 +
-    window) * group` in the kernels' masks cannot overflow int32."""
+    window) * group` in the kernels' masks cannot overflow int32. The layer is clamped into the
+    stack (defensively, as context lengths are: an index past it would read outside the cache)."""
     max_ctx = dims.max_pages * dims.page_size
     window = max_ctx if sliding_window is None else sliding_window
     window = jnp.clip(jnp.reshape(jnp.asarray(window), ()).astype(jnp.int32), 1, max_ctx)
-    layer = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), ())
+    layer = jnp.clip(jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), ()), 0, dims.num_layers - 1)
     scale = dims.head_dim ** -0.5 if sm_scale is None else sm_scale
     scale = jnp.reshape(jnp.asarray(scale, jnp.float32), (1,))
     return jnp.stack([layer, window]), scale
