@@ -49,8 +49,8 @@ logger = logging.getLogger(__name__)
 
 OP_STEP, OP_COPY_PAGES, OP_SHUTDOWN = 1, 2, 3
 STEP_VARIANTS = ((), ("score",), (MULTI_STEP,))  # a step message's bucket variant, by its index
-_MAGIC, _VERSION = 0x4D53584A, 1  # b"JXSM" little-endian
-# magic u32, version u16, op u16, seq u64, four int32 arguments (step: B, T, P, score; copy: replica, n)
+# magic u32, version u16, op u16, seq u64, four int32 arguments (step: N, P, variant, 0; copy: replica, n)
+_MAGIC, _VERSION = 0x4D53584A, 2  # b"JXSM" little-endian; version 2: ragged (tokens, pages) steps
 _HEADER = struct.Struct("<IHHQ4i")
 # per input array: layout (_WHOLE or _ROWS), int32 sent as int16 (0/1), the fill value of trimmed rows
 _LEAF = struct.Struct("<BBd")
@@ -127,7 +127,7 @@ def fingerprint(engine: Any) -> dict:
     settings = {k: v for k, v in engine.settings.to_dict().items() if k not in _LOCAL_SETTINGS}
     b = engine.buckets
     return dict(settings=settings, num_pages=engine.plan.num_pages, max_model_len=engine.plan.max_model_len,
-                buckets=[list(b.batch_sizes), list(b.chunk_sizes), list(b.page_counts)],
+                buckets=[list(b.batch_sizes), list(b.chunk_sizes), list(b.page_counts), list(b.token_counts)],
                 model=repr(engine.model_config), devices=jax.device_count())
 
 
@@ -194,8 +194,8 @@ def _encode_leaf(a: np.ndarray) -> tuple[bytes, list[bytes]]:
 
 
 def encode_step(seq: int, shape: tuple, leaves: list[np.ndarray]) -> bytes:
-    B, T, P = shape[:3]
-    metas, payload = [_HEADER.pack(_MAGIC, _VERSION, OP_STEP, seq, B, T, P, STEP_VARIANTS.index(shape[3:]))], []
+    N, P = shape[:2]
+    metas, payload = [_HEADER.pack(_MAGIC, _VERSION, OP_STEP, seq, N, P, STEP_VARIANTS.index(shape[2:]), 0)], []
     for a in leaves:
         meta, parts = _encode_leaf(a)
         metas.append(meta)
@@ -236,7 +236,7 @@ def decode(data: bytes, runner: Any = None) -> Message:
         return Message(op, seq, replica=a0, src=pages[:a1].copy(), dst=pages[a1:].copy())
     if op != OP_STEP:
         raise PeerFailureError(f"unknown message op {op}")
-    shape = (a0, a1, a2) + STEP_VARIANTS[a3]
+    shape = (a0, a1) + STEP_VARIANTS[a2]
     specs, treedef = step_input_specs(runner, shape)
     metas = [_LEAF.unpack_from(data, offset + i * _LEAF.size) for i in range(len(specs))]
     offset += len(specs) * _LEAF.size

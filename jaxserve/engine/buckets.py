@@ -1,9 +1,13 @@
 """The shape buckets of the compiled steps, and the executables they make (host code: no jax).
 
-Every step shape comes from a small fixed table compiled at start-up. The scheduler packs its batches
-to the table; the runner and the speculative decoder compile one executable per entry of the lists
-below; and `executable_counts` says, from the settings alone, how many that is, so the count can be
-checked, logged and budgeted without compiling anything.
+Every step shape comes from a small fixed table compiled at start-up. The engine's step is ragged
+(`jaxserve.ragged`): one flat axis of `N` tokens in which decodes and prompt chunks sit side by
+side, so its executables are keyed by the token-budget bucket `N` (powers of two up to the budget)
+and, on a CPU only, for steps no larger than the row count, by a page-count bucket `P` too (a CPU
+decode step costs the keys it reads; accelerator kernels read only each row's own pages). The
+runner and the speculative decoder compile one executable per entry of the lists below, and
+`executable_counts` says, from the settings alone, how many that is, so the count can be checked,
+logged and budgeted without compiling anything.
 """
 
 from __future__ import annotations
@@ -39,9 +43,12 @@ def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
 class BucketTable:
     """The shapes compiled at start-up: rows per replica, tokens per row, pages per row."""
 
-    batch_sizes: tuple[int, ...]
-    chunk_sizes: tuple[int, ...]  # tokens per row of a prefill step (decode is always 1)
+    batch_sizes: tuple[int, ...]  # rows (the speculative steps' buckets; the ragged step has max rows)
+    chunk_sizes: tuple[int, ...]  # tokens per row of the draft model's prefill
     page_counts: tuple[int, ...]
+    # The ragged step's token axis N: powers of two up to the step's token budget (and never below
+    # the row count, so a step of every row decoding fits).
+    token_counts: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int) -> "BucketTable":
@@ -49,7 +56,13 @@ class BucketTable:
             batch_sizes=powers_of_two(1, max_num_seqs),
             chunk_sizes=powers_of_two(min(16, max_num_batched_tokens), max_num_batched_tokens),
             page_counts=powers_of_two(min(4, max_pages_per_seq), max_pages_per_seq),
+            token_counts=powers_of_two(1, max(max_num_batched_tokens, max_num_seqs)),
         )
+
+    @property
+    def max_rows(self) -> int:
+        """Rows of every ragged step (per replica): max_num_seqs."""
+        return self.batch_sizes[-1]
 
     @classmethod
     def for_settings(cls, settings: Any, max_model_len: int) -> "BucketTable":
@@ -59,24 +72,44 @@ class BucketTable:
         return cls.build(settings.max_num_seqs, max_chunk, math.ceil(max_model_len / settings.page_size))
 
 
-def step_shapes(buckets: BucketTable, num_scheduler_steps: int = 1) -> list[tuple]:
-    """Every (batch, tokens, pages) the engine may run: decodes and prefill chunks, plus a multi-step
-    variant of each decode bucket when num_scheduler_steps > 1.
+def has_page_axis(platform: str) -> bool:
+    """Whether small ragged steps get page-count buckets: on a CPU the reference attention reads
+    every key of its page table, so a short decode must not pay for the longest context."""
+    return platform == "cpu"
 
-    Decode, bound by bytes read, gets every page-count bucket; prefill steps always take the largest
-    page table, which costs them little (attention over masked keys) and keeps the number of start-up
-    compilations small.
+
+def step_shapes(buckets: BucketTable, num_scheduler_steps: int = 1, platform: str = "cpu") -> list[tuple]:
+    """Every (tokens, pages) ragged step the engine may run, plus a multi-step variant of each
+    decode-sized one (tokens <= rows) when num_scheduler_steps > 1.
+
+    On a CPU the decode-sized steps (N <= max rows: every row one token) get every page-count bucket,
+    since a decode is bound by the keys it reads; larger steps, which hold prompt chunks, take the
+    largest page table. On an accelerator every step takes the largest (the kernels read each row's
+    own pages only): one executable per token bucket.
     """
-    b, t, p = buckets.batch_sizes, buckets.chunk_sizes, buckets.page_counts
-    decode = [(bs, 1, pc) for bs in b for pc in p]
-    prefill = [(bs, ts, p[-1]) for ts in t for bs in b if bs * ts <= max(t)]
-    multi = [(bs, 1, pc, MULTI_STEP) for bs in b for pc in p] if num_scheduler_steps > 1 else []
-    return decode + prefill + multi
+    n, p = buckets.token_counts, buckets.page_counts
+    small = [t for t in n if t <= buckets.max_rows]
+    if has_page_axis(platform):
+        plain = [(t, pc) for t in small for pc in p] + [(t, p[-1]) for t in n if t > buckets.max_rows]
+    else:
+        plain = [(t, p[-1]) for t in n]
+    multi = [s + (MULTI_STEP,) for s in plain if s[0] <= buckets.max_rows] if num_scheduler_steps > 1 else []
+    return plain + multi
+
+
+def pick_step_shape(buckets: BucketTable, num_tokens: int, num_pages: int, platform: str = "cpu") -> tuple:
+    """The smallest compiled (tokens, pages) step holding `num_tokens` tokens whose longest row has
+    `num_pages` pages."""
+    n = pick_bucket(num_tokens, buckets.token_counts)
+    if has_page_axis(platform) and n <= buckets.max_rows:
+        return n, pick_bucket(max(num_pages, 1), buckets.page_counts)
+    return n, buckets.page_counts[-1]
 
 
 def score_shapes(buckets: BucketTable) -> list[tuple]:
-    """The prefill shapes again, as prompt-scoring variants (compiled when prompt logprobs are enabled)."""
-    return [shape + (SCORE,) for shape in step_shapes(buckets) if shape[1] > 1]
+    """One prompt-scoring variant per token bucket (compiled when prompt logprobs are enabled): every
+    token's logits, at the largest page table."""
+    return [(t, buckets.page_counts[-1], SCORE) for t in buckets.token_counts]
 
 
 def draft_buckets(k: int, platform: str) -> tuple[int, ...]:
@@ -111,7 +144,7 @@ def speculative_shapes(buckets: BucketTable, k: int, method: str, platform: str)
 class ExecutableCounts:
     """How many executables an engine compiles at start-up, by kind."""
 
-    steps: int  # decode and prefill buckets
+    steps: int  # ragged step buckets (tokens, pages)
     multi_step: int = 0  # num_scheduler_steps > 1
     scoring: int = 0  # enable_prompt_logprobs
     speculative: int = 0  # verify steps (every batch, pages and draft-count bucket)
@@ -138,12 +171,12 @@ def executable_counts(settings: Any, max_model_len: int | None = None, platform:
         raise ValueError("max_model_len is unset in the settings: pass the model's (max_position_embeddings)")
     buckets = BucketTable.for_settings(settings, max_model_len)
     replicas = num_replicas if num_replicas is not None else settings.mesh_shape[0]
-    plain = step_shapes(buckets, settings.num_scheduler_steps)
+    plain = step_shapes(buckets, settings.num_scheduler_steps, platform)
     method = settings.speculation
     spec = speculative_shapes(buckets, settings.num_speculative_tokens, method, platform) if method else []
     return ExecutableCounts(
-        steps=sum(len(s) == 3 for s in plain),
-        multi_step=sum(s[3:] == (MULTI_STEP,) for s in plain),
+        steps=sum(len(s) == 2 for s in plain),
+        multi_step=sum(s[2:] == (MULTI_STEP,) for s in plain),
         scoring=len(score_shapes(buckets)) if settings.enable_prompt_logprobs else 0,
         speculative=sum(len(s) == 3 for s in spec),
         draft_prefill=sum(s[3:] == (DRAFT,) for s in spec),

@@ -24,7 +24,7 @@ from jaxserve.engine.compile import (CompileCounter, check_memory_mappings, enab
 from jaxserve.engine.runner import ModelRunner, RowWork
 from jaxserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import Sequence, Status
-from jaxserve.engine.step_stats import StepComposition
+from jaxserve.engine.step_stats import StepComposition, is_prompt_chunk
 from jaxserve.errors import ConfigError, EngineClosedError, RequestError
 from jaxserve.kv_cache import init_cache
 from jaxserve.memory_plan import plan_memory
@@ -145,6 +145,9 @@ class LLMEngine:
         self.spec = self._speculative_decoder(loaded) if s.speculation else None
         if s.num_scheduler_steps > 1:  # pages for the extra decode steps, where free ones exist
             self.scheduler.lookahead = self._multi_step_lookahead
+        # Speculative and multi-step decode rows run executables of their own: those engines keep
+        # prefill and decode steps apart; every other step is one mixed ragged step.
+        self.scheduler.mixed = self.scheduler.lookahead is None
         self.requests: dict[str, Request] = {}
         self._seed_stream = np.random.default_rng(s.seed)
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens_computed=0, steps=0)
@@ -359,7 +362,7 @@ class LLMEngine:
             seq = row.seq
             seq.num_computed += row.num_tokens
             self._mark_computed(seq, seq.tokens)
-            if plan.kind == "prefill":
+            if plan.kind == "prefill" or is_prompt_chunk(row):
                 self.counters["prefill_tokens_computed"] += row.num_tokens
             if row.samples:
                 if seq.params.logprobs is not None:
@@ -373,7 +376,7 @@ class LLMEngine:
             RowWork(r.seq.tokens[r.start : r.start + r.num_tokens], r.start, self.blocks.page_table(r.seq.seq_id),
                     RowSampling.from_params(r.seq.params, seed=r.seq.seed, step=len(r.seq.output_token_ids),
                                             prompt_ids=r.seq.prompt_token_ids, output_ids=r.seq.output_token_ids),
-                    r.seq.replica, self._prompt_targets(r.seq, r.start, r.num_tokens))
+                    r.seq.replica, self._prompt_targets(r.seq, r.start, r.num_tokens), r.samples)
             for r in rows
         ]
 

@@ -1,7 +1,9 @@
-"""The model runner: packs scheduled work into bucketed arrays, calls the compiled step, fetches tokens.
+"""The model runner: packs scheduled rows into one ragged step, calls its executable, fetches samples.
 
-It is the only place where host state becomes device arrays. Each (batch, tokens, pages) bucket is
-compiled once ahead of time; the cache is donated into every call and replaced by the result.
+It is the only place where host state becomes device arrays. A step is a flat axis of `N` tokens
+per replica (`jaxserve.ragged`): decodes, prompt chunks and their mix in one call. Each (tokens,
+pages) bucket of `buckets.step_shapes` is compiled once ahead of time; the cache is donated into
+every call and replaced by the result.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine import buckets as bucket_shapes
-from jaxserve.engine.buckets import MULTI_STEP, BucketTable, pick_bucket
+from jaxserve.engine.buckets import MULTI_STEP, SCORE, BucketTable, pick_step_shape
 from jaxserve.engine.compile import CompileCounter, step_compiler_options
 from jaxserve.errors import EngineClosedError
-from jaxserve.kv_cache import PADDING_PAGE, KVCache, StepBatch, cache_shardings, copy_pages_padded
+from jaxserve.kv_cache import KVCache, RaggedBatch, cache_shardings, copy_pages_padded
 from jaxserve.model.weights import Params
+from jaxserve.ragged import PAD_SLOT, RaggedRow, pack_ragged
 from jaxserve.sampling import MAX_LOGPROBS, RowSampling, SampleOutput, SamplingTensors, sample
-from jaxserve.steps import StepOptions, model_step
+from jaxserve.steps import StepOptions, ragged_step
 from jaxserve.transfer import Layout, from_buffer
 
 logger = logging.getLogger(__name__)
@@ -33,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class RowWork:
-    """One sequence's share of a step: compute `tokens` starting at `start_pos`, then sample one token."""
+    """One sequence's share of a step: compute `tokens` starting at `start_pos`; sample one token
+    after them unless `samples` is False (a prompt chunk that does not end its prompt)."""
 
     tokens: Sequence[int]
     start_pos: int
@@ -42,10 +46,11 @@ class RowWork:
     replica: int = 0
     # With prompt logprobs: the token after each of `tokens` (what its logits are scored against).
     targets: Sequence[int] | None = None
+    samples: bool = True
 
 
 def _generate_step(params, cache, batch, sampling, cfg, options, cache_sharding=None, out_sharding=None):
-    logits, cache = model_step(params, cache, batch, cfg, options)  # f32[R, B, V]
+    logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, L, V]
     if cache_sharding is not None:  # keep the donated cache's layout stable from step to step
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
     # Top logprobs are always computed: one top-k over the vocabulary is cheap beside the step, and a
@@ -61,17 +66,32 @@ _generate_step_jit = jax.jit(from_buffer(_generate_step, 2), static_argnames=(
     "layout", "cfg", "options", "cache_sharding", "out_sharding"), donate_argnums=(1,))
 
 
-def _multi_decode_step(params, cache, batch, sampling, steps, cfg, options, num_steps, cache_sharding=None,
-                       out_sharding=None):
+def _next_decode_batch(batch: RaggedBatch, tokens: jax.Array, active: jax.Array, page_size: int) -> RaggedBatch:
+    """The next decode step of a pure-decode batch (row r's one token at index r, its logit r): each
+    active row feeds the token it sampled at the next position; inactive rows write nothing."""
+    S = batch.context_lens.shape[-1]
+    row = jnp.minimum(batch.token_row, S - 1)  # padding tokens: any row, masked below
+    take = jax.vmap(lambda x, i: x[i])
+    tok_active = take(active, row) & (batch.token_row < S)  # bool[R, N]
+    positions = batch.positions + tok_active
+    pages = take(batch.page_table, row)  # i32[R, N, P]: each token's row's page table
+    last = pages.shape[-1] - 1  # an inactive token's position may pass its table: clamped, then dropped
+    page = jnp.take_along_axis(pages, jnp.minimum(positions // page_size, last)[..., None], -1)[..., 0]
+    slots = jnp.where(tok_active, page * page_size + positions % page_size, PAD_SLOT)
+    next_tokens = jnp.where(tok_active, take(tokens, jnp.minimum(row, tokens.shape[-1] - 1)), batch.tokens)
+    return batch.replace(tokens=next_tokens.astype(jnp.int32), positions=positions, slots=slots,
+                         context_lens=batch.context_lens + active)
+
+
+def _multi_decode_step(params, cache, batch, sampling, steps, cfg, options, num_steps, page_size,
+                       cache_sharding=None, out_sharding=None):
     """`num_steps` decode steps in one call (num_scheduler_steps): each feeds the token it sampled to
-    the next, so the host is not needed in between. Row i takes part in its first steps[i] steps and is
-    padding after (it writes nothing: its pages beyond those are not its own). Samples: [num_steps, ...]."""
+    the next, so the host is not needed in between. Row r takes part in its first steps[r] steps and
+    writes nothing after (its pages beyond those are not its own). Samples: [num_steps, R, L, ...]."""
     def one(carry, k):
         cache, batch, sampling = carry
-        active = (k < steps).astype(jnp.int32)
-        batch = batch.replace(num_new=active)
         out, cache = _generate_step(params, cache, batch, sampling, cfg, options, cache_sharding)
-        batch = batch.replace(tokens=out.tokens[..., None].astype(jnp.int32), start_pos=batch.start_pos + active)
+        batch = _next_decode_batch(batch, out.tokens, k + 1 < steps, page_size)
         return (cache, batch, sampling.advanced(out.tokens)), out
 
     (cache, _, _), out = jax.lax.scan(one, (cache, batch, sampling), jnp.arange(num_steps, dtype=jnp.int32))
@@ -81,26 +101,27 @@ def _multi_decode_step(params, cache, batch, sampling, steps, cfg, options, num_
 
 
 _multi_decode_step_jit = jax.jit(from_buffer(_multi_decode_step, 2), static_argnames=(
-    "layout", "cfg", "options", "num_steps", "cache_sharding", "out_sharding"), donate_argnums=(1,))
+    "layout", "cfg", "options", "num_steps", "page_size", "cache_sharding", "out_sharding"), donate_argnums=(1,))
 
 
 @flax.struct.dataclass
 class PromptScores:
     """Per chunk token t: the logprob of the token after it (`targets[t]`) and the top-N alternatives."""
 
-    target_logprobs: jax.Array  # f32[R, B, T]
-    top_ids: jax.Array  # i32[R, B, T, MAX_LOGPROBS]
-    top_logprobs: jax.Array  # f32[R, B, T, MAX_LOGPROBS]
+    target_logprobs: jax.Array  # f32[..., T]
+    top_ids: jax.Array  # i32[..., T, MAX_LOGPROBS]
+    top_logprobs: jax.Array  # f32[..., T, MAX_LOGPROBS]
 
 
-def _score_step(params, cache, batch, sampling, targets, cfg, options, cache_sharding=None, out_sharding=None):
-    """A prefill step that also scores every prompt token (prompt_logprobs): all positions' logits."""
-    options = dataclasses.replace(options, all_logits=True)
-    logits, cache = model_step(params, cache, batch, cfg, options)  # f32[R, B, T, V]
+def _score_step(params, cache, batch, sampling, sample_index, targets, cfg, options, cache_sharding=None,
+                out_sharding=None):
+    """A step that also scores every token (prompt_logprobs): `batch.logit_index` lists all N tokens,
+    `sample_index` i32[R, L] the ones that sample."""
+    logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, N, V]
     if cache_sharding is not None:
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
-    last = jnp.maximum(batch.num_new - 1, 0)[..., None, None]
-    sampled = sample(jnp.take_along_axis(logits, last, axis=2)[:, :, 0], sampling, want_logprobs=MAX_LOGPROBS)
+    sampled = sample(jnp.take_along_axis(logits, sample_index[..., None], axis=1), sampling,
+                     want_logprobs=MAX_LOGPROBS)
     logp = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
     target = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
@@ -116,16 +137,17 @@ _score_step_jit = jax.jit(from_buffer(_score_step, 2), static_argnames=(
 
 @dataclasses.dataclass
 class PackedRows:
-    """Rows laid out in a bucket, and where each row landed (to read its samples back)."""
+    """Rows laid out in one ragged step, and where each row's sample and tokens landed."""
 
-    shape: tuple[int, int, int]  # (batch, tokens, pages)
-    batch: StepBatch
-    sampling: SamplingTensors
-    targets: np.ndarray  # i32[R, B, T]
-    where: np.ndarray  # each row's flat index in [R * B]
+    shape: tuple  # (tokens, pages)
+    batch: RaggedBatch  # numpy, leading R
+    sampling: SamplingTensors  # [R, L]
+    logit_at: np.ndarray  # each row's flat index in [R * L] (its sample); -1 for rows that do not sample
+    token_at: list[tuple[int, int, int]]  # each row's (replica, first token, tokens)
+    score_inputs: tuple[np.ndarray, np.ndarray] | None = None  # scoring: (sample index [R, L], targets [R, N])
 
-    def unpack(self, x: np.ndarray) -> np.ndarray:  # x: [R, B, ...] -> [rows, ...]
-        return x.reshape((-1,) + x.shape[2:])[self.where]
+    def unpack(self, x: np.ndarray) -> np.ndarray:  # x: [R, L, ...] -> [rows, ...]
+        return x.reshape((-1,) + x.shape[2:])[np.maximum(self.logit_at, 0)]
 
 
 class ModelRunner:
@@ -149,7 +171,7 @@ class ModelRunner:
         self.shardings = shardings  # jaxserve.sharding.Shardings or None
         self.num_replicas = cache.num_replicas
         self.num_scheduler_steps = num_scheduler_steps  # > 1: decode buckets get a multi-step variant
-        self._executables: dict[tuple, Any] = {}  # (batch, tokens, pages) or (..., "score")
+        self._executables: dict[tuple, Any] = {}  # (tokens, pages) or (..., "score" | "multi-step")
         self._layouts: dict[tuple, Layout] = {}  # how each bucket's inputs are packed
         self.unplanned_compiles = 0  # shapes that were not in the warmed table
         self.closed = False  # close(): executables dropped, params and cache deleted
@@ -160,7 +182,8 @@ class ModelRunner:
         # Token history for repetition/presence/frequency penalties, padded to one fixed length so
         # penalties never recompile (B x history_len int32s per step: small beside the weights).
         self.history_len = buckets.page_counts[-1] * cache.page_size
-        self.compiler_options = step_compiler_options(jax.default_backend())
+        self.platform = jax.default_backend()
+        self.compiler_options = step_compiler_options(self.platform)
         # Multi-host, process 0 only: hands each step's packed inputs and each page copy to the other
         # processes before running it (jaxserve.multihost.Leader); None in a single process.
         self.broadcaster: Any = None
@@ -173,29 +196,40 @@ class ModelRunner:
 
     # ---- compilation ---------------------------------------------------------------------------
     def step_shapes(self) -> list[tuple]:
-        """Every (batch, tokens, pages) the engine may run: decodes and prefill chunks (and their
-        multi-step variants); see `buckets.step_shapes`."""
-        return bucket_shapes.step_shapes(self.buckets, self.num_scheduler_steps)
+        """Every (tokens, pages) ragged step the engine may run (and their multi-step variants); see
+        `buckets.step_shapes`."""
+        return bucket_shapes.step_shapes(self.buckets, self.num_scheduler_steps, self.platform)
+
+    def num_logits(self, num_tokens: int) -> int:
+        """Logits a step of `num_tokens` tokens returns: one per row that samples, at most one per
+        token and one per row."""
+        return min(num_tokens, self.buckets.max_rows)
 
     def step_inputs(self, shape: tuple) -> tuple:
-        """ShapeDtypeStructs of the host inputs of bucket `shape`, as `run_packed` takes them: (StepBatch,
-        SamplingTensors), plus the targets of a scoring variant or each row's step count of a multi-step
-        one. (They travel packed: jaxserve.transfer gives the one packed array its sharding.)"""
-        B, T, P = shape[:3]
-        R = self.num_replicas
-        batch = StepBatch(tokens=jax.ShapeDtypeStruct((R, B, T), jnp.int32),
-                          start_pos=jax.ShapeDtypeStruct((R, B), jnp.int32),
-                          num_new=jax.ShapeDtypeStruct((R, B), jnp.int32),
-                          page_table=jax.ShapeDtypeStruct((R, B, P), jnp.int32))
-        inputs = (batch, SamplingTensors.spec((R, B), self.history_len))
-        if shape[3:] == ("score",):  # each token's next token, scored
-            return inputs + (jax.ShapeDtypeStruct((R, B, T), jnp.int32),)
-        if shape[3:] == (MULTI_STEP,):  # how many of the decode steps each row takes part in
-            return inputs + (jax.ShapeDtypeStruct((R, B), jnp.int32),)
+        """ShapeDtypeStructs of the host inputs of bucket `shape`, as `run_packed` takes them:
+        (RaggedBatch, SamplingTensors), plus (sample index, targets) for a scoring variant or each
+        row's step count for a multi-step one. (They travel packed: jaxserve.transfer gives the one
+        packed array its sharding.)"""
+        N, P = shape[:2]
+        R, S = self.num_replicas, self.buckets.max_rows
+        L = self.num_logits(N)
+        score = shape[2:] == (SCORE,)
+
+        def i32(*dims):
+            return jax.ShapeDtypeStruct((R,) + dims, jnp.int32)
+
+        batch = RaggedBatch(tokens=i32(N), positions=i32(N), slots=i32(N), token_row=i32(N),
+                            query_start=i32(S + 1), context_lens=i32(S), page_table=i32(S, P),
+                            logit_index=i32(N if score else L))
+        inputs = (batch, SamplingTensors.spec((R, L), self.history_len))
+        if score:  # which of the N logits sample, and each token's next token, scored
+            return inputs + (i32(L), i32(N))
+        if shape[2:] == (MULTI_STEP,):  # how many of the decode steps each row takes part in
+            return inputs + (i32(S),)
         return inputs
 
     def score_shapes(self) -> list[tuple]:
-        """The prefill shapes again, as prompt-scoring variants (compiled when prompt logprobs are enabled)."""
+        """The prompt-scoring variants (compiled when prompt logprobs are enabled)."""
         return bucket_shapes.score_shapes(self.buckets)
 
     def _lower(self, shape: tuple):
@@ -203,23 +237,24 @@ class ModelRunner:
             self.shardings, "int8" if self.cache.quantized else "auto")
         static = dict(cfg=self.cfg, options=self.options, cache_sharding=cache_sharding,
                       out_sharding=self.out_sharding)
-        if shape[3:] == (MULTI_STEP,):
-            step, static["num_steps"] = _multi_decode_step_jit, self.num_scheduler_steps
-        elif shape[3:] == ("score",):
+        if shape[2:] == (MULTI_STEP,):
+            step = _multi_decode_step_jit
+            static.update(num_steps=self.num_scheduler_steps, page_size=self.cache.page_size)
+        elif shape[2:] == (SCORE,):
             step = _score_step_jit
         else:
             step = _generate_step_jit
         layout = self._layouts[shape] = Layout.of(self.step_inputs(shape))
         return step.trace(self.params, self.cache, layout.spec(self.buffer_sharding), layout=layout, **static).lower()
 
-    def compile(self, shape: tuple[int, int, int]):
+    def compile(self, shape: tuple):
         self.check_open()
         executable = self._executables.get(shape)
         if executable is None:
             executable = self._executables[shape] = self._lower(shape).compile(self.compiler_options)
         return executable
 
-    def warm_up(self, shapes: list[tuple[int, int, int]] | None = None, progress: bool = True) -> list[tuple]:
+    def warm_up(self, shapes: list[tuple] | None = None, progress: bool = True) -> list[tuple]:
         """Compile every bucket ahead of time; returns (shape, seconds) per bucket.
 
         Tracing holds the GIL, so buckets are lowered one by one; XLA compiles them on all cores.
@@ -229,7 +264,7 @@ class ModelRunner:
         from tqdm import tqdm
 
         shapes = [s for s in (shapes if shapes is not None else self.step_shapes()) if s not in self._executables]
-        logger.info("compiling %d step buckets (batch, tokens, pages): %s", len(shapes), shapes)
+        logger.info("compiling %d ragged step buckets (tokens, pages): %s", len(shapes), shapes)
 
         def compile_one(shape, lowered):
             start = time.perf_counter()
@@ -254,9 +289,10 @@ class ModelRunner:
         return timings
 
     def run_each_once(self, shapes: Sequence[tuple]) -> None:
-        """Call each bucket's executable once on all-zero inputs (every row on the padding page, which
-        no sequence owns), so that the ~15 ms a first call costs on a CPU is paid at start-up, not by
-        the first request needing that bucket. Same order in every process of a multi-host mesh."""
+        """Call each bucket's executable once on all-zero inputs (every token's K/V to slot 0, on the
+        padding page, which no sequence owns), so that the ~15 ms a first call costs on a CPU is paid
+        at start-up, not by the first request needing that bucket. Same order in every process of a
+        multi-host mesh."""
         for shape in shapes:
             if shape in self._ran:
                 continue
@@ -272,18 +308,40 @@ class ModelRunner:
             self.broadcaster.copy_pages(replica, src, dst)
         self.cache = copy_pages_padded(self.cache, replica, src, dst, self.buckets.batch_sizes[-1])
 
+    def decode_probe(self, batch_size: int):
+        """A callable that runs the plain decode step of `batch_size` rows at the smallest page count
+        on all-zero inputs (the padding page) and returns its samples: what speculation times its
+        verify steps against."""
+        shape = pick_step_shape(self.buckets, batch_size, 1, self.platform)
+        executable = self.compile(shape)
+        if shape not in self._layouts:
+            self._lower(shape)
+        inputs = self._layouts[shape].zeros(self.buffer_sharding)
+
+        def run():
+            out, self.cache = executable(self.params, self.cache, inputs)
+            return out
+        return run
+
     # ---- execution -----------------------------------------------------------------------------
     def execute(self, rows: Sequence[RowWork]) -> SampleOutput | tuple[SampleOutput, PromptScores]:
-        """Run one step for `rows` (any mix of replicas); returns each row's sample, in row order
-        (tokens i32[n], logprobs f32[n], top_ids i32[n, MAX_LOGPROBS], top_logprobs f32[n, MAX_LOGPROBS]).
+        """Run one ragged step for `rows` (any mix of replicas, prompt chunks and decodes); returns
+        each row's sample, in row order (tokens i32[n], logprobs f32[n], top_ids i32[n, MAX_LOGPROBS],
+        top_logprobs f32[n, MAX_LOGPROBS]); a row that does not sample gets meaningless values.
 
         If any row has `targets`, the step also scores every token (the scoring variant) and returns
-        (samples, PromptScores with leading axis n)."""
+        (samples, PromptScores of shape [n, tokens of the longest row, ...])."""
         score = any(r.targets is not None for r in rows)
         packed = self._pack(rows, score=score)
-        inputs = (packed.batch, packed.sampling, packed.targets) if score else (packed.batch, packed.sampling)
-        out = self._run(packed.shape + (("score",) if score else ()), inputs)
-        return jax.tree.map(packed.unpack, out)
+        if not score:
+            out = self._run(packed.shape, (packed.batch, packed.sampling))
+            return jax.tree.map(packed.unpack, out)
+        sample_index, targets = packed.score_inputs
+        sampled, scores = self._run(packed.shape + (SCORE,), (packed.batch, packed.sampling, sample_index, targets))
+        width = max(n for _, _, n in packed.token_at)
+        index = np.asarray([[min(t + j, t + n - 1) for j in range(width)] for _, t, n in packed.token_at])
+        replica = np.asarray([rep for rep, _, _ in packed.token_at])[:, None]
+        return jax.tree.map(packed.unpack, sampled), jax.tree.map(lambda x: x[replica, index], scores)
 
     def execute_multi(self, rows: Sequence[RowWork], steps: Sequence[int]) -> SampleOutput:
         """Run `num_scheduler_steps` decode steps for single-token `rows` in one call; row i takes part
@@ -292,42 +350,57 @@ class ModelRunner:
         its steps are meaningless."""
         if not 1 <= max(steps) <= self.num_scheduler_steps:
             raise ValueError(f"steps per row must be in [1, {self.num_scheduler_steps}], got {list(steps)}")
-        packed = self._pack(rows, score=False)
-        per_row = np.zeros(packed.batch.start_pos.shape, np.int32)
-        per_row.reshape(-1)[packed.where] = steps
+        if any(len(r.tokens) != 1 or not r.samples for r in rows):
+            raise ValueError("multi-step runs decode rows only (one token each, sampling)")
+        packed = self._pack(rows, score=False, extra_tokens=[n - 1 for n in steps])
+        per_row = np.zeros((self.num_replicas, self.buckets.max_rows), np.int32)
+        for (rep, t, _), n in zip(packed.token_at, steps):
+            per_row[rep, t] = n  # a pure decode step: row k's token is token k
         out = self._run(packed.shape + (MULTI_STEP,), (packed.batch, packed.sampling, per_row))
-        return jax.tree.map(lambda x: x.reshape(x.shape[:1] + (-1,) + x.shape[3:])[:, packed.where], out)
+        return jax.tree.map(lambda x: x.reshape(x.shape[:1] + (-1,) + x.shape[3:])[:, packed.logit_at], out)
 
-    def _pack(self, rows: Sequence[RowWork], score: bool) -> "PackedRows":
-        """Lay rows out in the smallest (batch, tokens, pages) bucket: NumPy arrays with leading [R, B]."""
-        R = self.num_replicas
+    def _pack(self, rows: Sequence[RowWork], score: bool, extra_tokens: Sequence[int] | None = None) -> PackedRows:
+        """Lay rows out in the smallest ragged bucket: NumPy arrays with leading R. `extra_tokens`:
+        positions each row writes after its tokens within this call (multi-step), which its pages hold."""
+        R, S, ps = self.num_replicas, self.buckets.max_rows, self.cache.page_size
+        extra = extra_tokens or [0] * len(rows)
         per_replica = [[i for i, r in enumerate(rows) if r.replica == rep] for rep in range(R)]
-        B = pick_bucket(max(len(p) for p in per_replica), self.buckets.batch_sizes)
-        max_tokens = max(len(r.tokens) for r in rows)
-        T = 1 if max_tokens == 1 and not score else pick_bucket(max_tokens, self.buckets.chunk_sizes)
-        P = self.buckets.page_counts[-1] if T > 1 else pick_bucket(
-            max(len(r.page_ids) for r in rows), self.buckets.page_counts)
-        tokens = np.zeros((R, B, T), np.int32)
-        start = np.zeros((R, B), np.int32)
-        num_new = np.zeros((R, B), np.int32)
-        table = np.full((R, B, P), PADDING_PAGE, np.int32)
-        targets = np.zeros((R, B, T), np.int32)
-        flat_sampling: list[RowSampling | None] = [None] * (R * B)
-        where = np.empty(len(rows), np.int64)  # flat [R*B] index of each row
+        # Each row's pages up to its last position this call: pages reserved beyond it are not read.
+        pages = [r.page_ids[: -(-(r.start_pos + len(r.tokens) + e) // ps)] for r, e in zip(rows, extra)]
+        n_tokens = max(sum(len(rows[i].tokens) for i in idx) for idx in per_replica)
+        if score:
+            shape = (bucket_shapes.pick_bucket(n_tokens, self.buckets.token_counts), self.buckets.page_counts[-1])
+        else:
+            shape = pick_step_shape(self.buckets, n_tokens, max(len(p) for p in pages), self.platform)
+        N, P = shape
+        L = self.num_logits(N)
+        fields = {f.name: [] for f in dataclasses.fields(RaggedBatch)}
+        flat_sampling: list[RowSampling | None] = [None] * (R * L)
+        logit_at = np.full(len(rows), -1, np.int64)
+        token_at: list[tuple[int, int, int]] = [(0, 0, 1)] * len(rows)
+        sample_index = np.zeros((R, L), np.int32)
+        targets = np.zeros((R, N), np.int32)
         for rep, indices in enumerate(per_replica):
-            for b, i in enumerate(indices):
-                row = rows[i]
-                tokens[rep, b, : len(row.tokens)] = row.tokens
-                start[rep, b] = row.start_pos
-                num_new[rep, b] = len(row.tokens)
-                table[rep, b, : len(row.page_ids)] = row.page_ids
-                flat_sampling[rep * B + b] = row.sampling
-                where[i] = rep * B + b
+            arrays = pack_ragged([RaggedRow(rows[i].tokens, rows[i].start_pos, pages[i], int(rows[i].samples))
+                                  for i in indices], page_size=ps, num_tokens=N, num_rows=S, max_pages=P, num_logits=L)
+            j = 0
+            for k, i in enumerate(indices):
+                row, first = rows[i], int(arrays.query_start[k])
+                token_at[i] = (rep, first, len(row.tokens))
+                if row.samples:
+                    flat_sampling[rep * L + j] = row.sampling
+                    logit_at[i] = rep * L + j
+                    j += 1
                 if row.targets is not None:
-                    targets[rep, b, : len(row.targets)] = row.targets
-        batch = StepBatch(tokens=tokens, start_pos=start, num_new=num_new, page_table=table)
-        st = SamplingTensors.pack(flat_sampling, (R, B), self.history_len)
-        return PackedRows((B, T, P), batch, st, targets, where)
+                    targets[rep, first: first + len(row.targets)] = row.targets
+            if score:  # logits at every token; the sampler takes the rows' own
+                sample_index[rep] = arrays.logit_index
+                arrays = dataclasses.replace(arrays, logit_index=np.arange(N, dtype=np.int32))
+            for name in fields:
+                fields[name].append(getattr(arrays, name))
+        batch = RaggedBatch(**{name: np.stack(v) for name, v in fields.items()})
+        st = SamplingTensors.pack(flat_sampling, (R, L), self.history_len)
+        return PackedRows(shape, batch, st, logit_at, token_at, (sample_index, targets) if score else None)
 
     def _run(self, shape: tuple, inputs: tuple) -> Any:
         if self.broadcaster is None:
@@ -340,8 +413,8 @@ class ModelRunner:
             raise
 
     def run_packed(self, shape: tuple, inputs: tuple) -> Any:
-        """Run the compiled step of bucket `shape` on packed host inputs ((StepBatch, SamplingTensors[,
-        targets]) of NumPy arrays, leading axes [R, B]); returns the samples on the host, [R, B, ...].
+        """Run the compiled step of bucket `shape` on packed host inputs ((RaggedBatch, SamplingTensors,
+        ...) of NumPy arrays, leading axis R); returns the samples on the host, [R, L, ...].
         Multi-host followers call this with the inputs process 0 packed."""
         self.check_open()
         if shape not in self._executables:

@@ -1,10 +1,12 @@
 """Iteration-level scheduling (no jax): every step re-forms the batch from running and waiting sequences.
 
-A step is either a prefill step (prompt chunks within the `max_num_batched_tokens` budget) or a
-decode step (one token for every decoding sequence). When both kinds of work exist they alternate,
-so a long prompt, split into chunks, delays running decodes by at most one chunk per token.
-When pages run out mid-decode, the most recently admitted sequence is preempted: its pages are freed
-and it is re-queued at the front, to be recomputed (its output so far is kept).
+One token budget per step (`max_num_batched_tokens`, per replica): running decodes first, one token
+each, then prompt chunks of the partially prefilled and newly admitted sequences in the tokens left,
+so a prompt never stalls running streams for a step of its own, and the runner executes the whole
+mix as one ragged step. (With speculation or multi-step decoding, whose decode rows run their own
+executables, prefill and decode steps still alternate: `mixed=False`.) When pages run out
+mid-decode, the most recently admitted sequence is preempted: its pages are freed and it is
+re-queued at the front, to be recomputed (its output so far is kept).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 from typing import Callable, Iterable
 
 from jaxserve.engine.block_manager import BlockManager, OutOfPagesError
-from jaxserve.engine.buckets import BucketTable, pick_bucket
+from jaxserve.engine.buckets import BucketTable
 from jaxserve.engine.sequence import Sequence, Status
 
 
@@ -34,7 +36,7 @@ class ScheduledRow:
 
 @dataclasses.dataclass
 class SchedulerOutput:
-    kind: str  # "prefill" | "decode" | "idle"
+    kind: str  # "prefill" | "decode" | "mixed" (prompt chunks and sampling decodes) | "idle"
     rows: list[ScheduledRow]
     page_copies: list[tuple[int, int, int]]  # (replica, src, dst) to copy before the step (forks)
     preempted: list[Sequence]
@@ -69,6 +71,9 @@ class Scheduler:
         # Speculative decoding: how many draft tokens a decoding sequence wants to verify this step.
         # They get pages when free ones exist; a sequence short of pages decodes one token instead.
         self.lookahead: Callable[[Sequence, int], int] | None = None  # (sequence, rows in the batch) -> tokens
+        # One mixed step per iteration (decodes, then prompt chunks in the budget left); False: prefill
+        # and decode steps alternate (speculation and multi-step decode run decode-only executables).
+        self.mixed = True
 
     # ---- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -90,6 +95,8 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.mixed:
+            return self._schedule_mixed()
         copies = self._fork_ready_parents()
         prefilling = [s for s in self.running if s.compute_target - s.num_computed > 1]
         decoding = [s for s in self.running if s.compute_target - s.num_computed == 1]
@@ -105,6 +112,32 @@ class Scheduler:
             self._last_kind = "decode"
             return SchedulerOutput("decode", rows, copies, preempted)
         return SchedulerOutput("idle", [], copies, [])
+
+    def _schedule_mixed(self) -> SchedulerOutput:
+        """Decodes first (one token each; preempting when pages run out), then prompt chunks, each
+        replica within its own token budget."""
+        copies = self._fork_ready_parents()
+        decoding = [s for s in self.running if s.compute_target - s.num_computed == 1]
+        rows, preempted = self._schedule_decode(decoding)
+        budget = [self.max_num_batched_tokens] * self.blocks.num_replicas
+        for row in rows:
+            budget[row.seq.replica] -= row.num_tokens
+        if self.waiting and not (self.scheduling == "static" and self.running):
+            self._admit_waiting(sum(s.compute_target - s.num_computed for s in self.running
+                                    if s.compute_target - s.num_computed > 1))
+        self._new = []
+        decodes = len(rows)
+        scheduled = {id(r.seq) for r in rows}
+        for seq in self.running:  # admission order: partially prefilled prompts first, then the new
+            chunk = min(seq.compute_target - seq.num_computed, budget[seq.replica])
+            if id(seq) in scheduled or chunk < 1:
+                continue
+            rows.append(ScheduledRow(seq, seq.num_computed, chunk))
+            budget[seq.replica] -= chunk
+        if not rows:
+            return SchedulerOutput("idle", [], copies, preempted)
+        kind = "decode" if len(rows) == decodes else "prefill" if not decodes else "mixed"
+        return SchedulerOutput(kind, rows, copies, preempted)
 
     def _fork_ready_parents(self) -> list[tuple[int, int, int]]:
         """A parent that computed all but its last prompt token forks its n - 1 siblings now.
@@ -139,31 +172,17 @@ class Scheduler:
     def drop_siblings(self, parent: Sequence) -> list[Sequence]:
         return self._pending_siblings.pop(parent.seq_id, [])
 
-    def _rows_fit(self, per_replica: list[int], longest: int) -> bool:
-        """Whether the prefill rows so far fit a compiled (batch, tokens) bucket."""
-        rows = max(per_replica)
-        if rows > self.buckets.batch_sizes[-1] or longest > self.buckets.chunk_sizes[-1]:
-            return False
-        batch = pick_bucket(rows, self.buckets.batch_sizes)
-        return batch * pick_bucket(longest, self.buckets.chunk_sizes) <= self.buckets.chunk_sizes[-1]
-
     def _schedule_prefill(self, prefilling: list[Sequence], may_admit: bool) -> list[ScheduledRow]:
         if may_admit:
             self._admit_waiting(sum(s.compute_target - s.num_computed for s in prefilling))
         budget = self.max_num_batched_tokens
         rows: list[ScheduledRow] = []
-        per_replica = [0] * self.blocks.num_replicas
-        longest = 0
         for seq in [s for s in self.running if s.compute_target - s.num_computed > 1 or s in self._new]:
-            chunk = min(seq.compute_target - seq.num_computed, budget, self.buckets.chunk_sizes[-1])
+            chunk = min(seq.compute_target - seq.num_computed, budget)
             if chunk < 1:
                 continue
-            per_replica[seq.replica] += 1
-            if not self._rows_fit(per_replica, max(longest, chunk)):
-                break
             rows.append(ScheduledRow(seq, seq.num_computed, chunk))
             budget -= chunk
-            longest = max(longest, chunk)
             if budget <= 0:
                 break
         self._new = []
@@ -227,7 +246,8 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             while not self.blocks.ensure_capacity(seq.seq_id, seq.num_tokens):
-                victim = self.running[-1]
+                # The newest sequence on this replica: only its pages can make room here.
+                victim = [s for s in self.running if s.replica == seq.replica][-1]
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:

@@ -210,14 +210,7 @@ class SpeculativeDecoder:
         as steps run."""
         R, P = self.num_replicas, self.buckets.page_counts[0]
         sampling = SamplingTensors.pack([None] * (R * B), (R, B), self.runner.history_len)
-        plain_batch = StepBatch(tokens=np.zeros((R, B, 1), np.int32), start_pos=np.zeros((R, B), np.int32),
-                                num_new=np.ones((R, B), np.int32), page_table=np.zeros((R, B, P), np.int32))
-        plain = self.runner.compile((B, 1, P))
-        plain_inputs = self.runner.put_inputs((B, 1, P), (plain_batch, sampling))
-
-        def run_plain():
-            out, self.runner.cache = plain(self.runner.params, self.runner.cache, plain_inputs)
-            return out
+        run_plain = self.runner.decode_probe(B)
 
         def run_spec(d):
             executable = self._executable((B, P, d))

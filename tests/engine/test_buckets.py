@@ -14,33 +14,39 @@ DRAFT = dict(speculative_method="draft", speculative_model="checkpoints/default-
 
 
 @pytest.mark.parametrize("platform, overrides, expected", [
-    # configs/default.yaml: 16 rows, 256 batched tokens, 64 pages of 16 tokens -> 5 batch, 5 chunk and
-    # 5 page-count buckets: 25 decode steps and 15 prefill steps (rows x tokens <= 256).
-    ("cpu", {}, ExecutableCounts(steps=40, page_copies=1)),
-    ("cpu", dict(NGRAM, num_speculative_tokens=4), ExecutableCounts(steps=40, speculative=75, page_copies=1)),
-    ("cpu", dict(NGRAM, num_speculative_tokens=8), ExecutableCounts(steps=40, speculative=100, page_copies=1)),
+    # configs/default.yaml: 16 rows, 256 batched tokens, 64 pages of 16 tokens -> 9 token buckets
+    # (1 .. 256) and 5 page-count buckets; on a CPU the 5 decode-sized token buckets (<= 16 rows) get
+    # every page count and the 4 larger ones the largest: 25 + 4 = 29 ragged steps.
+    ("cpu", {}, ExecutableCounts(steps=29, page_copies=1)),
+    ("cpu", dict(NGRAM, num_speculative_tokens=4), ExecutableCounts(steps=29, speculative=75, page_copies=1)),
+    ("cpu", dict(NGRAM, num_speculative_tokens=8), ExecutableCounts(steps=29, speculative=100, page_copies=1)),
     ("cpu", dict(DRAFT, num_speculative_tokens=4),
-     ExecutableCounts(steps=40, speculative=75, draft_prefill=15, page_copies=2)),
-    ("cpu", dict(enable_prompt_logprobs=True), ExecutableCounts(steps=40, scoring=15, page_copies=1)),
-    ("cpu", dict(num_scheduler_steps=4), ExecutableCounts(steps=40, multi_step=25, page_copies=1)),
-    # An accelerator verifies K drafts in one width: one speculative step per (batch, pages) bucket.
-    ("tpu", {}, ExecutableCounts(steps=40, page_copies=1)),
-    ("tpu", dict(NGRAM, num_speculative_tokens=4), ExecutableCounts(steps=40, speculative=25, page_copies=1)),
-    ("gpu", dict(NGRAM, num_speculative_tokens=8), ExecutableCounts(steps=40, speculative=25, page_copies=1)),
+     ExecutableCounts(steps=29, speculative=75, draft_prefill=15, page_copies=2)),
+    ("cpu", dict(enable_prompt_logprobs=True), ExecutableCounts(steps=29, scoring=9, page_copies=1)),
+    ("cpu", dict(num_scheduler_steps=4), ExecutableCounts(steps=29, multi_step=25, page_copies=1)),
+    # An accelerator: one ragged step per token bucket; it verifies K drafts in one width.
+    ("tpu", {}, ExecutableCounts(steps=9, page_copies=1)),
+    ("tpu", dict(enable_prompt_logprobs=True), ExecutableCounts(steps=9, scoring=9, page_copies=1)),
+    ("tpu", dict(NGRAM, num_speculative_tokens=4), ExecutableCounts(steps=9, speculative=25, page_copies=1)),
+    ("gpu", dict(NGRAM, num_speculative_tokens=8), ExecutableCounts(steps=9, speculative=25, page_copies=1)),
 ])
 def test_default_config_executable_counts(platform, overrides, expected):
-    """The counts docs/ARCHITECTURE.md states for configs/default.yaml (today's step; issue 21's
-    ragged step is to bring the CPU count to <= 30)."""
+    """The counts docs/ARCHITECTURE.md states for configs/default.yaml: at most 30 on a CPU and 10
+    on an accelerator without speculation (issue 21); speculation still compiles its own verify
+    steps."""
     settings = EngineConfig.from_yaml(DEFAULT, overrides)
     assert executable_counts(settings, platform=platform) == expected
+    if "speculative_method" not in overrides and not overrides:
+        assert expected.total <= (30 if platform == "cpu" else 10)
 
 
 def test_counts_follow_the_table():
     settings = EngineConfig.from_yaml(DEFAULT, dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32,
                                                     mesh_shape=[2, 1]))
     table = BucketTable.for_settings(settings, 64)
-    assert table == BucketTable(batch_sizes=(1, 2, 4), chunk_sizes=(16, 32), page_counts=(4,))
-    # decode 3 x 1; prefill (1, 16), (2, 16), (1, 32); one page copy per replica
+    assert table == BucketTable(batch_sizes=(1, 2, 4), chunk_sizes=(16, 32), page_counts=(4,),
+                                token_counts=(1, 2, 4, 8, 16, 32))
+    # tokens 1 .. 32 at the one page count; one page copy per replica
     assert executable_counts(settings) == ExecutableCounts(steps=6, page_copies=2)
     unset = settings.replace(max_model_len=None)
     with pytest.raises(ValueError, match="max_model_len"):

