@@ -1,6 +1,8 @@
-"""The jit-compiled steps: prefill a chunk / decode one token for every sequence of every replica.
+"""The jit-compiled steps: the public step-level API for research code.
 
-These are the public step-level API for research code. They take `(params, cache, batch)` and return
+`ragged` is the engine's step: one flat batch of prompt chunks, decodes and verifications per
+replica (`RaggedBatch`). `prefill` / `decode` take the rectangle `StepBatch` ([R, B, T] tokens;
+the speculative decoder's steps still use it). All take `(params, cache, batch)` and return
 `(logits, cache)`; the cache is donated (updated in place) unless you call a `*_nodonate` variant.
 The model config and step options are static, so one compilation serves every batch of a shape.
 """

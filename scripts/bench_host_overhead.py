@@ -89,8 +89,8 @@ def prompt_length(context: int, span: int) -> int:
 
 def admission_skew(batch: int, budget: int, min_chunk: int) -> int:
     """Tokens the first-admitted rows may run ahead of the last: the tails of `batch` prompts enter
-    budget // min_chunk rows per prefill step, each prefill step followed by a decode step of the rows
-    already in (the scheduler alternates them)."""
+    at most budget // min_chunk rows per step while the rows already in decode (a bound for the
+    mixed steps as for the alternating ones it was written for)."""
     per_step = max(1, budget // min_chunk)
     return 2 * math.ceil(batch / per_step) + 2
 
@@ -343,7 +343,7 @@ def bench_model(name: str, config: str | None, overrides: dict, batches: Sequenc
     import jax
 
     from jaxserve.config import EngineConfig, ModelConfig
-    from jaxserve.engine.buckets import BucketTable, pick_bucket
+    from jaxserve.engine.buckets import BucketTable, pick_bucket, pick_step_shape
     from jaxserve.model.weights import param_bytes
 
     span = args.warmup_steps + args.rounds * args.steps
@@ -378,8 +378,7 @@ def bench_model(name: str, config: str | None, overrides: dict, batches: Sequenc
                   page_size=llm.plan.page_size, buckets={"batch": list(runner.buckets.batch_sizes),
                                                          "pages": list(runner.buckets.page_counts)})
     # The decode buckets of every point, compiled up front in parallel (prefill shapes compile on demand).
-    shapes = sorted({(pick_bucket(b, runner.buckets.batch_sizes), 1,
-                      pick_bucket(math.ceil(c / page), runner.buckets.page_counts)) for b, c in points})
+    shapes = sorted({pick_step_shape(runner.buckets, b, math.ceil(c / page), runner.platform) for b, c in points})
     runner.warm_up(shapes, progress=False)
     report["build_and_compile_s"] = time.perf_counter() - t
     print(f"{name}: engine built, {len(shapes)} decode buckets compiled in {report['build_and_compile_s']:.0f} s",

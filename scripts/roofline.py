@@ -329,16 +329,13 @@ def prefill_rows(batch: int, prompt_len: int, page_size: int, vocab: int, seed: 
             for b in range(batch)]
 
 
-def shape_of(runner, rows) -> tuple[int, int, int]:
-    """The bucket `ModelRunner.execute` picks for these rows (one replica)."""
-    from jaxserve.engine.compile import pick_bucket
+def shape_of(runner, rows) -> tuple[int, int]:
+    """The ragged (tokens, pages) bucket `ModelRunner.execute` picks for these rows (one replica)."""
+    from jaxserve.engine.buckets import pick_step_shape
 
-    bk = runner.buckets
-    B = pick_bucket(len(rows), bk.batch_sizes)
-    tokens = max(len(r.tokens) for r in rows)
-    T = 1 if tokens == 1 else pick_bucket(tokens, bk.chunk_sizes)
-    P = bk.page_counts[-1] if T > 1 else pick_bucket(max(len(r.page_ids) for r in rows), bk.page_counts)
-    return B, T, P
+    ps = runner.cache.page_size
+    pages = max(-(-(r.start_pos + len(r.tokens)) // ps) for r in rows)
+    return pick_step_shape(runner.buckets, sum(len(r.tokens) for r in rows), pages, runner.platform)
 
 
 def time_point(runner, rows, args) -> dict:
