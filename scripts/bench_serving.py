@@ -259,6 +259,45 @@ def token_costs(summary: dict, cost_per_device_hour: float, num_devices: int = 1
             "usd_per_million_tokens": per_million(inputs + outputs)}
 
 
+async def step_metrics(client: httpx.AsyncClient) -> dict | None:
+    """The server's step composition from /metrics (jaxserve's steps_total{kind} and iteration_tokens
+    histogram); None for a server without them (another engine)."""
+    try:
+        r = await client.get("/metrics")
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    kinds, buckets, total = {}, {}, None
+    for line in r.text.splitlines():
+        if line.startswith("jaxserve:steps_total{"):
+            kinds[line.split('kind="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("jaxserve:iteration_tokens_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[float(le)] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("jaxserve:iteration_tokens_sum "):
+            total = float(line.rsplit(" ", 1)[1])
+    return {"steps": kinds, "buckets": buckets, "tokens": total} if kinds else None
+
+
+def step_composition(before: dict | None, after: dict | None) -> dict:
+    """Steps by kind during a run, and the share of token slots that were real tokens: a step's token
+    axis is padded to the next power of two, which is the iteration_tokens bucket it lands in (one
+    replica), so the slots are the sum of each bucket's new steps times its bound."""
+    if before is None or after is None:
+        return {}
+    steps = {k: after["steps"].get(k, 0) - before["steps"].get(k, 0) for k in after["steps"]}
+    bounds = sorted(after["buckets"])
+    slots, below = 0.0, 0.0
+    for bound in bounds:
+        cumulative = after["buckets"][bound] - before["buckets"].get(bound, 0)
+        if math.isfinite(bound):
+            slots += (cumulative - below) * bound
+        below = cumulative
+    tokens = after["tokens"] - before["tokens"]
+    return {"steps_by_kind": steps, "step_tokens": tokens, "step_token_slots": slots,
+            "token_slot_fill": tokens / slots if slots else None}
+
+
 async def run_rate(base_url: str, args: argparse.Namespace, rate: float, workload: list[Request]) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limit = args.max_concurrency or len(workload)
@@ -279,6 +318,7 @@ async def run_rate(base_url: str, args: argparse.Namespace, rate: float, workloa
             async with sem:
                 return await send(client, args, model, req)
 
+        metrics_before = await step_metrics(client)
         tasks = []
         start = time.perf_counter()
         for req in workload:
@@ -287,7 +327,9 @@ async def run_rate(base_url: str, args: argparse.Namespace, rate: float, workloa
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        composition = step_composition(metrics_before, await step_metrics(client))
     summary = summarize(list(results), duration, args)
+    summary.update(composition)
     summary.update({"request_rate": rate if math.isfinite(rate) else "inf", "base_url": base_url, "model": model,
                     "max_concurrency": args.max_concurrency})
     if args.save_requests:
@@ -312,6 +354,10 @@ def print_summary(label: str, s: dict) -> None:
               f"{usd(s['usd_per_million_input_tokens'])} per M input tokens, "
               f"{usd(s['usd_per_million_output_tokens'])} per M output tokens, "
               f"{usd(s['usd_per_million_tokens'])} per M tokens of both")
+    if s.get("steps_by_kind"):
+        fill = s["token_slot_fill"]
+        print(f"  steps {s['steps_by_kind']}  real tokens in "
+              f"{'n/a' if fill is None else f'{100 * fill:.0f}%'} of the token slots")
     for err in s.get("errors", []):
         print(f"  error: {err}")
 

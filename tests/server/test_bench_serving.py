@@ -7,7 +7,7 @@ import json
 import bench_serving as bench
 import pytest
 
-from server_testlib import TEST_API_KEY
+from server_testlib import TEST_API_KEY, server_kind
 
 
 def test_workload_is_seeded_and_shaped():
@@ -37,4 +37,18 @@ def test_sweep_writes_json_and_plot(shared_server, tmp_path):
                     "mean_ttft_ms", "p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "p99_itl_ms",
                     "p99_e2el_ms"):
             assert r[key] == r[key] and r[key] >= 0, key  # present and not NaN
+        if server_kind() == "real":  # the step composition scraped from /metrics (the mock has no steps)
+            assert sum(r["steps_by_kind"].values()) > 0
+            assert 0 < r["step_tokens"] <= r["step_token_slots"] and 0 < r["token_slot_fill"] <= 1
     assert png.stat().st_size > 1000
+
+
+def test_step_composition_counts_slots_from_the_histogram():
+    before = {"steps": {"decode": 2, "prefill": 0, "mixed": 0}, "buckets": {1.0: 1, 2.0: 2, 4.0: 2, float("inf"): 2},
+              "tokens": 3}
+    # New: a decode of 1 token, a mixed step of 3 tokens (4 slots), a prefill of 4 (4 slots).
+    after = {"steps": {"decode": 3, "prefill": 1, "mixed": 1}, "buckets": {1.0: 2, 2.0: 3, 4.0: 5, float("inf"): 5},
+             "tokens": 11}
+    got = bench.step_composition(before, after)
+    assert got["steps_by_kind"] == {"decode": 1, "prefill": 1, "mixed": 1}
+    assert (got["step_tokens"], got["step_token_slots"]) == (8, 9) and got["token_slot_fill"] == 8 / 9
