@@ -103,12 +103,42 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": ("w_up", True),
     "mlp.down_proj.weight": ("w_down", True),
 }
+# Gemma 3 (sandwich norms): post_attention_layernorm normalises the attention output, and the MLP has a
+# norm on each side of it.
+_SANDWICH_NAMES = {
+    "post_attention_layernorm.weight": ("post_attn_norm", False),
+    "pre_feedforward_layernorm.weight": ("mlp_norm", False),
+    "post_feedforward_layernorm.weight": ("post_mlp_norm", False),
+}
 _TOP_NAMES = {
     "model.embed_tokens.weight": ("embed", False),
     "model.norm.weight": ("final_norm", False),
     "lm_head.weight": ("lm_head", True),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Gemma3ForConditionalGeneration: the text tower under its prefix (transformers >= 5 first, then the
+# layout the published checkpoints have), mapped to Gemma3ForCausalLM's names; the vision tower and
+# projector are not read.
+_TEXT_TOWER_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                        ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+
+
+def _layer_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+    """HF name (after "model.layers.{i}.") -> (LayerParams field, transpose?) for this family."""
+    return {**_LAYER_NAMES, **_SANDWICH_NAMES} if cfg.sandwich_norms else _LAYER_NAMES
+
+
+def _text_tower_name(name: str, cfg: ModelConfig) -> str | None:
+    """`name` as the text model calls it, or None for a tensor of a multimodal checkpoint's other towers."""
+    if cfg.architecture != "Gemma3ForConditionalGeneration":
+        return name
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, replacement in _TEXT_TOWER_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return name
 
 
 def load_hf_params(
@@ -130,18 +160,20 @@ def load_hf_params(
             filled[field] = set()
         return host[field]
 
-    layer_specs = {name: getattr(specs.layers, name) for name, _ in _LAYER_NAMES.values()}
+    layer_names = _layer_names(cfg)
+    layer_specs = {f: getattr(specs.layers, f) for f in LayerParams.__dataclass_fields__}
     for path in safetensors_files(model_dir):
-        for name, tensor in iter_safetensors(path):
-            if name.endswith(_IGNORED_SUFFIXES):
+        for stored_name, tensor in iter_safetensors(path):
+            name = _text_tower_name(stored_name, cfg)
+            if name is None or name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name.startswith("model.layers."):
                 index_str, _, rest = name[len("model.layers."):].partition(".")
-                field, transpose = _LAYER_NAMES.get(rest, (None, False))
+                field, transpose = layer_names.get(rest, (None, False))
                 spec = layer_specs.get(field) if field else None
                 layer = int(index_str)
                 if spec is None or layer >= cfg.num_layers:
-                    raise ModelLoadError(f"{path}: unexpected tensor {name} for this config")
+                    raise ModelLoadError(f"{path}: unexpected tensor {stored_name} for this config")
                 _copy_into(target(field, spec.shape), layer, tensor, transpose, name)
                 filled[field].add(layer)
             elif name in _TOP_NAMES:
@@ -152,7 +184,7 @@ def load_hf_params(
                 _copy_into(target(field, spec.shape), None, tensor, transpose, name)
                 filled[field].add(0)
             else:
-                raise ModelLoadError(f"{path}: unexpected tensor {name!r} (not a {cfg.architecture} weight)")
+                raise ModelLoadError(f"{path}: unexpected tensor {stored_name!r} (not a {cfg.architecture} weight)")
 
     missing = [f for f in layer_specs if layer_specs[f] is not None and len(filled.get(f, ())) != cfg.num_layers]
     missing += [f for f in ("embed", "final_norm", "lm_head") if getattr(specs, f) is not None and f not in host]
@@ -226,7 +258,7 @@ def hf_tensors(params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
         if value is not None:
             out[name] = np.asarray(value).T if transpose else np.asarray(value)
     for i, lp in enumerate(per_layer):
-        for name, (field, transpose) in _LAYER_NAMES.items():
+        for name, (field, transpose) in _layer_names(cfg).items():
             value = getattr(lp, field)
             if value is not None:
                 out[f"model.layers.{i}.{name}"] = np.asarray(value).T if transpose else np.asarray(value)

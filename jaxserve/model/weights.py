@@ -36,6 +36,10 @@ class LayerParams:
     bo: jax.Array | None = None  # f[L, D] (Llama attention_bias)
     q_norm: jax.Array | None = None  # f[L, H] (Qwen3: RMSNorm weight over each query head, before RoPE)
     k_norm: jax.Array | None = None  # f[L, H]
+    # Gemma 3's sandwich norms: RMSNorms of the attention output and of the MLP output, before each
+    # residual add (`mlp_norm` is then HF's pre_feedforward_layernorm). None for the other families.
+    post_attn_norm: jax.Array | None = None  # f[L, D]
+    post_mlp_norm: jax.Array | None = None  # f[L, D]
 
 
 @flax.struct.dataclass
@@ -67,14 +71,15 @@ def param_specs(cfg: ModelConfig) -> Params:
     """A Params pytree whose leaves are ArraySpecs: the single description everything else derives from."""
     L, D, F, V, H = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     NH, KH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    bias = cfg.qkv_bias
+    bias, sandwich = cfg.qkv_bias, cfg.sandwich_norms
+    norm = "zeros" if cfg.norm_weight_offset else "ones"  # Gemma scales by (1 + weight): zeros is the identity
     layers = LayerParams(
-        attn_norm=ArraySpec((L, D), ("layers", "embed_replicated"), "ones"),
+        attn_norm=ArraySpec((L, D), ("layers", "embed_replicated"), norm),
         wq=ArraySpec((L, D, NH), ("layers", "embed", "heads"), "normal"),
         wk=ArraySpec((L, D, KH), ("layers", "embed", "kv_heads"), "normal"),
         wv=ArraySpec((L, D, KH), ("layers", "embed", "kv_heads"), "normal"),
         wo=ArraySpec((L, NH, D), ("layers", "heads", "embed"), "normal"),
-        mlp_norm=ArraySpec((L, D), ("layers", "embed_replicated"), "ones"),
+        mlp_norm=ArraySpec((L, D), ("layers", "embed_replicated"), norm),
         w_gate=ArraySpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
         w_up=ArraySpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
         w_down=ArraySpec((L, F, D), ("layers", "mlp", "embed"), "normal"),
@@ -82,13 +87,15 @@ def param_specs(cfg: ModelConfig) -> Params:
         bk=ArraySpec((L, KH), ("layers", "kv_heads"), "zeros") if bias else None,
         bv=ArraySpec((L, KH), ("layers", "kv_heads"), "zeros") if bias else None,
         bo=ArraySpec((L, D), ("layers", "embed_replicated"), "zeros") if cfg.o_bias else None,
-        q_norm=ArraySpec((L, H), ("layers", "head_dim"), "ones") if cfg.qk_norm else None,
-        k_norm=ArraySpec((L, H), ("layers", "head_dim"), "ones") if cfg.qk_norm else None,
+        q_norm=ArraySpec((L, H), ("layers", "head_dim"), norm) if cfg.qk_norm else None,
+        k_norm=ArraySpec((L, H), ("layers", "head_dim"), norm) if cfg.qk_norm else None,
+        post_attn_norm=ArraySpec((L, D), ("layers", "embed_replicated"), norm) if sandwich else None,
+        post_mlp_norm=ArraySpec((L, D), ("layers", "embed_replicated"), norm) if sandwich else None,
     )
     return Params(
         embed=ArraySpec((V, D), ("vocab", "embed"), "normal"),
         layers=layers,
-        final_norm=ArraySpec((D,), ("embed_replicated",), "ones"),
+        final_norm=ArraySpec((D,), ("embed_replicated",), norm),
         lm_head=None if cfg.tie_word_embeddings else ArraySpec((D, V), ("embed", "vocab"), "normal"),
     )
 
