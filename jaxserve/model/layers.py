@@ -1,5 +1,6 @@
-"""Building blocks of the decoder: RMSNorm, rotary embeddings (with Llama-3.1 scaling), SwiGLU,
-and the plain-JAX paged attention that is the reference for the Pallas kernels."""
+"""Building blocks of the decoder: RMSNorm (Gemma's (1 + weight) form too), rotary embeddings (with
+Llama-3.1 scaling, and Gemma 3's local base), SwiGLU and GeGLU, and the plain-JAX paged attention that
+is the reference for the Pallas kernels."""
 
 from __future__ import annotations
 
@@ -15,19 +16,27 @@ from jaxserve.quant import QuantArray, matmul
 Weight = jax.Array | QuantArray
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Normalise in f32 and cast back before scaling, as HF does (matters for bf16 parity)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """Normalise in f32 and cast back before scaling, as HF's Llama does (matters for bf16 parity).
+
+    With `offset` (Gemma: 1.0) the scale is (offset + weight), applied in f32 before the cast, as HF's
+    Gemma3RMSNorm does (a bf16 1 + weight would round)."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (x32 * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * x32.astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies (f32[H/2]), computed on the host once per config (it is static)."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """Inverse frequencies (f32[H/2]), computed on the host once per config (it is static).
+
+    local=True: those of Gemma 3's sliding layers (base `rope_local_theta`, never scaled)."""
     h = cfg.head_dim
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
     # f32 arithmetic, like HF, so positions far out round the same way.
-    inv_freq = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, h, 2, dtype=np.float32) / np.float32(h)))
-    scaling = cfg.rope_scaling
+    inv_freq = 1.0 / (np.float32(theta) ** (np.arange(0, h, 2, dtype=np.float32) / np.float32(h)))
+    scaling = None if local else cfg.rope_scaling
     if scaling is None:
         pass
     elif scaling.kind == "linear":
@@ -46,9 +55,9 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def rope_cos_sin(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def rope_cos_sin(positions: jax.Array, cfg: ModelConfig, local: bool = False) -> tuple[jax.Array, jax.Array]:
     """cos, sin of shape f32[..., H] for integer positions (halves duplicated, HF's layout)."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg, local))
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
@@ -64,6 +73,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def swiglu(x: jax.Array, w_gate: Weight, w_up: Weight, w_down: Weight) -> jax.Array:
     return matmul(jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up), w_down)
+
+
+def geglu(x: jax.Array, w_gate: Weight, w_up: Weight, w_down: Weight) -> jax.Array:
+    """Gemma's gated MLP: GELU with the tanh approximation (HF's gelu_pytorch_tanh) on the gate."""
+    return matmul(jax.nn.gelu(matmul(x, w_gate), approximate=True) * matmul(x, w_up), w_down)
 
 
 def paged_attention_reference(
@@ -217,7 +231,8 @@ def causal_attention(
     q: jax.Array,  # f[B, T, N, H]
     k: jax.Array,  # f[B, T, K, H]
     v: jax.Array,  # f[B, T, K, H]
-    sliding_window: int | None = None,
+    sliding_window: jax.Array | int | None = None,  # may be traced (a per-layer operand of a scan)
+    sm_scale: float | None = None,  # None = H ** -0.5
 ) -> jax.Array:  # f[B, T, N, H]
     """Dense causal self-attention over whole sequences (training and scoring; no cache).
 
@@ -230,7 +245,8 @@ def causal_attention(
     if sliding_window is not None:
         mask &= pos[:, None] - pos[None, :] < sliding_window
     qg = q.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * (H**-0.5)
+    scale = H**-0.5 if sm_scale is None else sm_scale
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(B, T, N, H).astype(q.dtype)

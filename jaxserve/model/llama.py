@@ -1,7 +1,8 @@
 """The Llama-family forward pass as a pure function of (params, cache, batch) for one replica.
 
-Llama 2/3/3.1, Mistral (sliding window), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) differ
-only in ModelConfig flags.
+Llama 2/3/3.1, Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) and Gemma 3
+((1 + weight) norms, four per layer, GeGLU, scaled embeddings, local and global layers with their own
+RoPE bases, window and softmax scale) differ only in ModelConfig flags.
 Each layer writes its new K/V into the pages first, then attends over the pages, so a prefill
 chunk, a decode token and a mix of both are the same computation.
 """
@@ -12,6 +13,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve import quant
 from jaxserve.config import ModelConfig
@@ -20,6 +22,7 @@ from jaxserve.model.layers import (
     apply_rope,
     NO_SLIDING_WINDOW,
     causal_attention,
+    geglu,
     paged_attention_reference,
     ragged_attention_reference,
     rms_norm,
@@ -44,27 +47,85 @@ def _linear(x: jax.Array, w: jax.Array | quant.QuantArray, b: jax.Array | None) 
     return y if b is None else y + b
 
 
+def _norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_weight_offset)
+
+
 def _project_qkv(cfg: ModelConfig, lp: LayerParams, x: jax.Array, cos: jax.Array, sin: jax.Array):
-    """Pre-norm, q/k/v projections, per-head q/k norms (Qwen3) and rotary embeddings: q f[B,T,N,H],
-    k and v f[B,T,K,H]."""
+    """Pre-norm, q/k/v projections, per-head q/k norms (Qwen3, Gemma 3) and rotary embeddings:
+    q f[B,T,N,H], k and v f[B,T,K,H]."""
     B, T, _ = x.shape
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    h = _norm(cfg, x, lp.attn_norm)
     q = _linear(h, lp.wq, lp.bq).reshape(B, T, N, H)
     k = _linear(h, lp.wk, lp.bk).reshape(B, T, K, H)
     v = _linear(h, lp.wv, lp.bv).reshape(B, T, K, H)
     if lp.q_norm is not None:  # the params decide, so a config and its pytree never disagree
-        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+        q = _norm(cfg, q, lp.q_norm)
+        k = _norm(cfg, k, lp.k_norm)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def _output_and_mlp(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Array) -> jax.Array:
-    """Output projection and residual, then the pre-norm SwiGLU block and its residual."""
+    """Output projection and residual, then the pre-norm gated MLP (SwiGLU, or Gemma's GeGLU) and its
+    residual; with Gemma 3's sandwich norms each block's output is normalised before its residual add."""
     B, T, N, H = attn.shape
-    x = x + _linear(attn.reshape(B, T, N * H), lp.wo, lp.bo)
-    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-    return x + swiglu(h, lp.w_gate, lp.w_up, lp.w_down)
+    out = _linear(attn.reshape(B, T, N * H), lp.wo, lp.bo)
+    if lp.post_attn_norm is not None:
+        out = _norm(cfg, out, lp.post_attn_norm)
+    x = x + out
+    mlp = geglu if cfg.hidden_act == "gelu_pytorch_tanh" else swiglu
+    out = mlp(_norm(cfg, x, lp.mlp_norm), lp.w_gate, lp.w_up, lp.w_down)
+    if lp.post_mlp_norm is not None:
+        out = _norm(cfg, out, lp.post_mlp_norm)
+    return x + out
+
+
+def _embed(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    x = params.embed[tokens]
+    if cfg.scale_embeddings:  # Gemma: sqrt(hidden_size) rounded to the embedding dtype first, as HF does
+        x = x * jnp.asarray(np.float32(cfg.hidden_size**0.5), x.dtype)
+    return x
+
+
+def _layer_kinds(cfg: ModelConfig) -> np.ndarray | None:
+    """i32[L]: 1 for a local (sliding-window) layer, 0 for a global one, when the layers differ
+    (Gemma 3's layer_types); None when every layer is alike."""
+    if not cfg.layer_types:
+        return None
+    return np.asarray([t == "sliding_attention" for t in cfg.layer_types], np.int32)
+
+
+def _layer_window(cfg: ModelConfig, layer: int) -> int | None:
+    """The sliding window of layer `layer` as a static value (None: sees every key)."""
+    kinds = _layer_kinds(cfg)
+    return cfg.sliding_window if kinds is None or kinds[layer] else None
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array, np.ndarray | None]:
+    """(cos, sin, kinds): cos, sin f32[..., H] shared by every layer and kinds None; or, with local
+    and global layers (Gemma 3: `rope_local_theta` for the local ones, `rope_theta` and its scaling
+    for the global), f32[2, ..., H] (global, local) and `_layer_kinds` i32[L] choosing each layer's.
+    Both tables are computed once per step, so a scanned step stays one scan with `kinds` an operand."""
+    cos, sin = rope_cos_sin(positions, cfg)
+    kinds = _layer_kinds(cfg)
+    if kinds is None or cfg.rope_local_theta is None:
+        return cos, sin, None
+    local_cos, local_sin = rope_cos_sin(positions, cfg, local=True)
+    return jnp.stack([cos, local_cos]), jnp.stack([sin, local_sin]), kinds
+
+
+def _layer_rope(cos: jax.Array, sin: jax.Array, kind: jax.Array | int | None) -> tuple[jax.Array, jax.Array]:
+    """One layer's table from `rope_tables` (`kind` static when unrolled, a scanned operand otherwise)."""
+    return (cos, sin) if kind is None else (cos[kind], sin[kind])
+
+
+def _query_scale(cfg: ModelConfig) -> float | None:
+    """What q is multiplied by so that attention's head_dim ** -0.5 becomes query_pre_attn_scalar ** -0.5
+    (Gemma 3), for the rectangle step's attention functions, which take no softmax scale; None: 1."""
+    if cfg.query_pre_attn_scalar is None:
+        return None
+    return float(cfg.query_pre_attn_scalar**-0.5 * cfg.head_dim**0.5)
 
 
 def _layer(
@@ -72,9 +133,10 @@ def _layer(
     attention: AttentionFn,
     lp: LayerParams,  # one layer's slice
     layer: jax.Array | int,
+    window: jax.Array | int | None,  # this layer's sliding window (traced when scanned), None = all keys
     x: jax.Array,  # f[B, T, D]
     cache: KVCache,  # one replica: k, v f[L, K, NP, S, H] (+ scales when int8)
-    cos: jax.Array,  # f32[B, T, H]
+    cos: jax.Array,  # f32[B, T, H]  this layer's table
     sin: jax.Array,
     page_table: jax.Array,  # i32[B, P]
     positions: jax.Array,  # i32[B, T]
@@ -84,7 +146,10 @@ def _layer(
     q, k, v = _project_qkv(cfg, lp, x, cos, sin)
     cache = write_kv(cache, layer, k, v, page_table, positions, valid)
     scales = {} if not cache.quantized else dict(k_scale=cache.k_scale[layer], v_scale=cache.v_scale[layer])
-    attn = attention(q, cache.k[layer], cache.v[layer], page_table, positions, seq_lens, cfg.sliding_window, **scales)
+    q_scale = _query_scale(cfg)
+    if q_scale is not None:
+        q = q * jnp.asarray(q_scale, q.dtype)
+    attn = attention(q, cache.k[layer], cache.v[layer], page_table, positions, seq_lens, window, **scales)
     return _output_and_mlp(cfg, lp, x, attn), cache
 
 
@@ -114,25 +179,36 @@ def forward(
     positions = start_pos[:, None] + jnp.arange(T, dtype=jnp.int32)  # i32[B, T]
     valid = jnp.arange(T, dtype=jnp.int32)[None, :] < num_new[:, None]  # bool[B, T]
     seq_lens = start_pos + num_new
-    cos, sin = rope_cos_sin(positions, cfg)
-    x = params.embed[tokens]  # f[B, T, D]
-    layer_args = (cos, sin, page_table, positions, valid, seq_lens)
+    cos, sin, kinds = rope_tables(cfg, positions)
+    x = _embed(params, cfg, tokens)  # f[B, T, D]
+    layer_args = (page_table, positions, valid, seq_lens)
+
+    def run(lp, layer, x, cache):  # unrolled: the layer's window and table are static
+        kind = None if kinds is None else int(kinds[layer])
+        return _layer(cfg, attention, lp, layer, _layer_window(cfg, layer), x, cache,
+                      *_layer_rope(cos, sin, kind), *layer_args)
 
     if isinstance(params.layers, tuple):  # per-layer arrays: the fast unrolled form
         for layer, lp in enumerate(params.layers):
-            x, cache = _layer(cfg, attention, lp, layer, x, cache, *layer_args)
+            x, cache = run(lp, layer, x, cache)
     elif scan_layers:
+        # Layers that differ (Gemma 3) scan their window and RoPE table choice with the weights; the
+        # other families keep the static window and one table.
+        per_layer = None if not cfg.layer_types else (
+            layer_attention_params(cfg)[0], None if kinds is None else jnp.asarray(kinds))
+
         def body(carry, xs):
             x, cache = carry
-            lp, layer = xs
-            return _layer(cfg, attention, lp, layer, x, cache, *layer_args), None
+            lp, layer, per = xs
+            window, kind = (cfg.sliding_window, None) if per is None else per
+            return _layer(cfg, attention, lp, layer, window, x, cache, *_layer_rope(cos, sin, kind),
+                          *layer_args), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_ids))
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_ids, per_layer))
     else:  # stacked weights, unrolled: correct but slow on CPU (see weights.Params)
         for layer in range(cfg.num_layers):
-            lp = jax.tree.map(lambda w: w[layer], params.layers)
-            x, cache = _layer(cfg, attention, lp, layer, x, cache, *layer_args)
+            x, cache = run(jax.tree.map(lambda w: w[layer], params.layers), layer, x, cache)
 
     if not all_logits:
         last = jnp.maximum(num_new - 1, 0)
@@ -142,10 +218,16 @@ def forward(
 
 def layer_attention_params(cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """Per-layer attention operands (sliding window i32[L], softmax scale f32[L]): arrays scanned
-    with the weights, so layers that differ (Gemma 3's local and global ones) share one step."""
+    with the weights, so layers that differ (Gemma 3's local and global ones) share one step.
+    Gemma 3: the window on its local layers only, the scale query_pre_attn_scalar ** -0.5."""
     window = NO_SLIDING_WINDOW if cfg.sliding_window is None else cfg.sliding_window
-    return (jnp.full((cfg.num_layers,), window, jnp.int32),
-            jnp.full((cfg.num_layers,), cfg.head_dim**-0.5, jnp.float32))
+    scale = (cfg.head_dim if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar) ** -0.5
+    if not cfg.layer_types:  # every layer alike: the program the other families have always had
+        windows = jnp.full((cfg.num_layers,), window, jnp.int32)
+    else:
+        windows = jnp.asarray(np.asarray([window if _layer_window(cfg, i) is not None else NO_SLIDING_WINDOW
+                                          for i in range(cfg.num_layers)], np.int32))
+    return windows, jnp.full((cfg.num_layers,), scale, jnp.float32)
 
 
 def _ragged_layer(
@@ -157,7 +239,7 @@ def _ragged_layer(
     sm_scale: jax.Array,  # f32[]
     x: jax.Array,  # f[1, N, D]
     cache: KVCache,  # one replica
-    cos: jax.Array,  # f32[1, N, H]
+    cos: jax.Array,  # f32[1, N, H]  this layer's table
     sin: jax.Array,
     batch: RaggedBatch,
 ) -> tuple[jax.Array, KVCache]:
@@ -187,24 +269,28 @@ def forward_ragged(
     (a tuple of per-layer params, or stacked weights sliced per layer), as in `forward`."""
     if matmul != "reference":
         params = quant.with_kernel(params, matmul)
-    cos, sin = rope_cos_sin(batch.positions[None], cfg)  # f32[1, N, H]
-    x = params.embed[batch.tokens][None]  # f[1, N, D]
+    cos, sin, kinds = rope_tables(cfg, batch.positions[None])  # f32[1, N, H], or [2, 1, N, H] (Gemma 3)
+    x = _embed(params, cfg, batch.tokens)[None]  # f[1, N, D]
     windows, sm_scales = layer_attention_params(cfg)
 
     def run(lp, layer, x, cache):
-        return _ragged_layer(cfg, attention, lp, layer, windows[layer], sm_scales[layer], x, cache, cos, sin, batch)
+        kind = None if kinds is None else int(kinds[layer])
+        return _ragged_layer(cfg, attention, lp, layer, windows[layer], sm_scales[layer], x, cache,
+                             *_layer_rope(cos, sin, kind), batch)
 
     if isinstance(params.layers, tuple):
         for layer, lp in enumerate(params.layers):
             x, cache = run(lp, layer, x, cache)
     elif scan_layers:
         def body(carry, xs):
-            lp, layer, window, sm_scale = xs
+            lp, layer, window, sm_scale, kind = xs
             x, cache = carry
-            return _ragged_layer(cfg, attention, lp, layer, window, sm_scale, x, cache, cos, sin, batch), None
+            return _ragged_layer(cfg, attention, lp, layer, window, sm_scale, x, cache,
+                                 *_layer_rope(cos, sin, kind), batch), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_ids, windows, sm_scales))
+        xs = (params.layers, layer_ids, windows, sm_scales, None if kinds is None else jnp.asarray(kinds))
+        (x, cache), _ = jax.lax.scan(body, (x, cache), xs)
     else:
         for layer in range(cfg.num_layers):
             x, cache = run(jax.tree.map(lambda w: w[layer], params.layers), layer, x, cache)
@@ -212,10 +298,13 @@ def forward_ragged(
 
 
 def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    x = _norm(cfg, x, params.final_norm)
     if params.lm_head is None:  # tied: contract with embed [V, D] directly (a .T materialised a copy)
-        return jnp.einsum("...d,vd->...v", x, params.embed, preferred_element_type=jnp.float32)
-    return quant.matmul(x, params.lm_head, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...d,vd->...v", x, params.embed, preferred_element_type=jnp.float32)
+    else:
+        logits = quant.matmul(x, params.lm_head, preferred_element_type=jnp.float32)
+    cap = cfg.final_logit_softcapping
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
 
 
 def forward_dense(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:
@@ -225,16 +314,20 @@ def forward_dense(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> jax
     or a tuple (unrolled)."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    cos, sin = rope_cos_sin(positions, cfg)
-    x = params.embed[tokens]
+    cos, sin, kinds = rope_tables(cfg, positions)
+    x = _embed(params, cfg, tokens)
+    sm_scale = None if cfg.query_pre_attn_scalar is None else float(cfg.query_pre_attn_scalar**-0.5)
 
-    def layer(x, lp):
-        q, k, v = _project_qkv(cfg, lp, x, cos, sin)
-        return _output_and_mlp(cfg, lp, x, causal_attention(q, k, v, cfg.sliding_window))
+    def layer(x, lp, window, kind):
+        q, k, v = _project_qkv(cfg, lp, x, *_layer_rope(cos, sin, kind))
+        return _output_and_mlp(cfg, lp, x, causal_attention(q, k, v, window, sm_scale))
 
     if isinstance(params.layers, tuple):
-        for lp in params.layers:
-            x = layer(x, lp)
-    else:
-        x, _ = jax.lax.scan(lambda x, lp: (layer(x, lp), None), x, params.layers)
+        for i, lp in enumerate(params.layers):
+            x = layer(x, lp, _layer_window(cfg, i), None if kinds is None else int(kinds[i]))
+    elif not cfg.layer_types:
+        x, _ = jax.lax.scan(lambda x, lp: (layer(x, lp, cfg.sliding_window, None), None), x, params.layers)
+    else:  # local and global layers: window and RoPE table scanned with the weights
+        xs = (params.layers, layer_attention_params(cfg)[0], None if kinds is None else jnp.asarray(kinds))
+        x, _ = jax.lax.scan(lambda x, xs: (layer(x, *xs), None), x, xs)
     return _logits(params, cfg, x)
