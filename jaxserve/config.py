@@ -25,11 +25,11 @@ from jaxserve.settings import (
     setting,
 )
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")  # Gemma 3: its text tower
 # Architectures whose config jaxserve reads and plans (`jaxserve plan`) but cannot serve yet: their forward
-# (GeGLU, local/global layers, experts) waits for the ragged-step rebuild (issue 24).
-PLAN_ONLY_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# (experts) is issue 24's remaining work.
+PLAN_ONLY_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 PLANNABLE_ARCHITECTURES = SUPPORTED_ARCHITECTURES + PLAN_ONLY_ARCHITECTURES
 
 
@@ -46,7 +46,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and options of a decoder (Llama, Mistral, Qwen2, Qwen3; planned only: Gemma 3, Qwen3-MoE,
+    """Shape and options of a decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3; planned only: Qwen3-MoE,
     Mixtral); hashable, so it is a static jit argument. The fields after `eos_token_ids` default to what
     the Llama family has, so its configs are unchanged by them."""
 
@@ -78,6 +78,7 @@ class ModelConfig:
     scale_embeddings: bool = False  # Gemma: the input embedding times sqrt(hidden_size)
     sandwich_norms: bool = False  # Gemma 3: RMSNorms after attention and after the MLP too (4 per layer)
     norm_weight_offset: float = 0.0  # Gemma: RMSNorm multiplies by (offset + weight), offset 1
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 3 if configured)
     # Mixture of experts (Qwen3-MoE, Mixtral): num_experts > 0 replaces the MLP of every layer not in
     # `dense_layers` by `num_experts` SwiGLU experts of `moe_intermediate_size` and a router [D, E];
     # each token runs its top `num_experts_per_tok`, weighted by the softmax renormalised over them
@@ -252,8 +253,9 @@ class ModelConfig:
             hf = {**_GEMMA3_TEXT_DEFAULTS, **(hf["text_config"] if "text_config" in hf else hf)}
         extra = _family_fields(arch, hf)
         act = extra.get("hidden_act", hf.get("hidden_act", "silu"))
-        if act != "silu" and arch in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu' / SwiGLU)")
+        if act not in ("silu", "gelu_pytorch_tanh") and arch in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu' / SwiGLU and "
+                                        "'gelu_pytorch_tanh' / GeGLU)")
         if hf.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias=True is not supported")
         num_heads = int(hf["num_attention_heads"])
@@ -339,8 +341,8 @@ def _family_fields(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
     if arch == "Qwen3ForCausalLM":
         return {"qk_norm": True}
     if arch.startswith("Gemma3"):
-        if hf.get("final_logit_softcapping") or hf.get("attn_logit_softcapping"):
-            raise UnsupportedModelError("Gemma with logit soft-capping (Gemma 2) is not supported")
+        if hf.get("attn_logit_softcapping"):  # Gemma 2's; HF's Gemma 3 attention does not apply it either
+            raise UnsupportedModelError("Gemma with attention logit soft-capping (Gemma 2) is not supported")
         num_layers = int(hf["num_hidden_layers"])
         layer_types = hf.get("layer_types")
         if not layer_types:
@@ -353,10 +355,15 @@ def _family_fields(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
         rope = hf.get("rope_parameters") or {}
         local = rope.get("sliding_attention") if isinstance(rope.get("sliding_attention"), Mapping) else {}
         local_theta = local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+        if local.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(f"Gemma 3 local layers with rope_type {local['rope_type']!r} are not "
+                                        "supported (only the default RoPE there)")
+        cap = hf.get("final_logit_softcapping")
         return {"qk_norm": True, "hidden_act": hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh"),
                 "layer_types": tuple(layer_types), "rope_local_theta": float(local_theta),
                 "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or hf["head_dim"]),
-                "scale_embeddings": True, "sandwich_norms": True, "norm_weight_offset": 1.0}
+                "scale_embeddings": True, "sandwich_norms": True, "norm_weight_offset": 1.0,
+                "final_logit_softcapping": float(cap) if cap else None}
     if arch == "Qwen3MoeForCausalLM":
         num_layers, step = int(hf["num_hidden_layers"]), int(hf.get("decoder_sparse_step") or 1)
         only = {int(i) for i in hf.get("mlp_only_layers") or ()}

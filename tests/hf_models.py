@@ -31,7 +31,16 @@ ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     # head_dim 32 is not hidden / heads (16): the q/k norms and the projections must use the explicit one
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": True, "head_dim": 32}),
+    # Local and global layers (window 8, shorter than the test prompts), each with its own RoPE base (the
+    # global one linearly scaled), a softmax scale of query_pre_attn_scalar 24 != head_dim 32.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "num_hidden_layers": 4, "head_dim": 32, "sliding_window": 8, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "rope_theta": 100000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}),
 }
+# Gemma's norms scale by (1 + weight): centred on 0, they spread as the others' centred on 1 do.
+NORM_CENTRE = {"gemma3": 0.0}
 
 
 def make_hf_model(out_dir: str, arch: str = "llama", seed: int = 0, dtype: str = "float32", **overrides):
@@ -47,7 +56,8 @@ def make_hf_model(out_dir: str, arch: str = "llama", seed: int = 0, dtype: str =
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.uniform_(0.5, 1.5)
+                centre = NORM_CENTRE.get(arch, 1.0)
+                p.uniform_(centre - 0.5, centre + 0.5)
             elif "embed_tokens" in name:
                 p.normal_(0.0, 0.1)
             else:

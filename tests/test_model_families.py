@@ -1,6 +1,6 @@
-"""Qwen3, Gemma 3, Qwen3-MoE and Mixtral: read from their config.json, counted and planned; all but Qwen3
-(served: tests/model/test_qwen3.py) refused for serving until their forward exists (issue 24). No weights:
-the shipped configs/models are shapes only."""
+"""Qwen3, Gemma 3, Qwen3-MoE and Mixtral: read from their config.json, counted and planned; the MoE
+families refused for serving until their forward exists (issue 24; served: Qwen3, tests/model/test_qwen3.py,
+and Gemma 3, tests/model/test_gemma3.py). No weights: the shipped configs/models are shapes only."""
 
 import json
 import math
@@ -29,7 +29,7 @@ from jaxserve.planning.roofline import (
 REPO = pathlib.Path(__file__).resolve().parent.parent
 MODELS = REPO / "configs" / "models"
 NEW = ("qwen3-8b", "gemma-3-12b", "qwen3-30b-a3b", "mixtral-8x7b")
-PLAN_ONLY = ("gemma-3-12b", "qwen3-30b-a3b", "mixtral-8x7b")  # served: qwen3-8b
+PLAN_ONLY = ("qwen3-30b-a3b", "mixtral-8x7b")  # served: qwen3-8b, gemma-3-12b
 # Published totals (model cards): (total, active) parameters; Gemma-3-12B's text tower only.
 PUBLISHED = {"qwen3-8b": (8.2e9, 8.2e9), "gemma-3-12b": (11.8e9, 11.8e9),
              "qwen3-30b-a3b": (30.5e9, 3.3e9), "mixtral-8x7b": (46.7e9, 12.9e9)}
@@ -123,6 +123,11 @@ def test_qwen3_is_served():
     assert cfg.servable and cfg.qk_norm and cfg == planned("qwen3-8b")
 
 
+def test_gemma3_is_served():
+    cfg = ModelConfig.from_dir(str(MODELS / "gemma-3-12b"))
+    assert cfg.servable and cfg.sandwich_norms and cfg == planned("gemma-3-12b")
+
+
 def test_the_engine_refuses_a_plan_only_model(hf_model_dir, tmp_path):
     from jaxserve import LLM
 
@@ -130,9 +135,10 @@ def test_the_engine_refuses_a_plan_only_model(hf_model_dir, tmp_path):
     dest = tmp_path / "model"
     shutil.copytree(path, dest)
     config = json.loads((dest / "config.json").read_text())
-    config.update(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text")
+    config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+                  num_experts_per_tok=2)
     (dest / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="'Gemma3ForCausalLM' is not supported for serving yet"):
+    with pytest.raises(UnsupportedModelError, match="'MixtralForCausalLM' is not supported for serving yet"):
         LLM(str(dest), warm_up=False)
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*planned only"):
         ModelConfig.from_hf_dict({**config, "architectures": ["GPT2LMHeadModel"]}, plan_only=True)

@@ -1,0 +1,212 @@
+"""Gemma 3 (local and global layers, (1 + weight) norms, GeGLU, scaled embeddings) against Hugging Face.
+
+One tiny random Gemma3ForCausalLM (4 layers: local, global, local, global; sliding window 8, shorter
+than every prompt here; RoPE base 10k on the local layers, 100k linearly scaled on the global ones;
+query_pre_attn_scalar 24 != head_dim 32; hidden 64, 4 heads, 2 KV heads, tied), saved as safetensors
+and read back through jaxserve's loader, serves every test here: logits of the paged (unrolled and
+scanned), dense and ragged forwards, greedy tokens through the engine (continuous batching, prefix
+caching), int8 and orbax loading, the multimodal checkpoint's text tower, final logit soft-capping."""
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve import steps
+from jaxserve.checkpoint import hf_tensors, load_hf_params, write_safetensors
+from jaxserve.config import ModelConfig
+from jaxserve.kv_cache import KVCache, RaggedBatch, StepBatch, cache_shape, init_cache
+from jaxserve.model.llama import forward, forward_dense, forward_ragged, layer_attention_params
+from jaxserve.model.layers import NO_SLIDING_WINDOW
+from jaxserve.model.weights import unstack_layers
+from jaxserve.ragged import RaggedRow
+
+from hf_models import assert_same_greedy, hf_greedy
+
+PAGE = 8
+
+
+@pytest.fixture(scope="session")
+def gemma3(hf_model_dir):
+    """(model dir, HF model, ModelConfig, params f32 loaded by jaxserve) of the tiny Gemma 3."""
+    path, model = hf_model_dir("gemma3")
+    cfg = ModelConfig.from_dir(path)
+    return path, model, cfg, load_hf_params(path, cfg, jnp.float32)
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()  # f32[len, V]
+
+
+def test_config_and_weights(gemma3):
+    path, model, cfg, params = gemma3
+    assert (cfg.architecture, cfg.servable, cfg.hidden_act, cfg.sliding_window) == (
+        "Gemma3ForCausalLM", True, "gelu_pytorch_tanh", 8)
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling.kind, cfg.query_pre_attn_scalar) == (
+        1e5, 1e4, "linear", 24)
+    windows, scales = layer_attention_params(cfg)
+    assert windows.tolist() == [8, NO_SLIDING_WINDOW, 8, NO_SLIDING_WINDOW]
+    np.testing.assert_allclose(np.asarray(scales), 24**-0.5)
+    assert params.lm_head is None and params.layers.post_mlp_norm.shape == (4, 64)
+    hf_layer = model.model.layers[2]
+    for ours, theirs in [(params.layers.mlp_norm, hf_layer.pre_feedforward_layernorm),
+                         (params.layers.post_attn_norm, hf_layer.post_attention_layernorm),
+                         (params.layers.post_mlp_norm, hf_layer.post_feedforward_layernorm)]:
+        np.testing.assert_array_equal(np.asarray(ours[2]), theirs.weight.detach().numpy())
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+
+
+def step_batch(tokens, start, pages):
+    n = len(tokens)
+    return StepBatch(tokens=jnp.asarray(np.asarray(tokens, np.int32)[None, None]),
+                     start_pos=jnp.full((1, 1), start, jnp.int32), num_new=jnp.full((1, 1), n, jnp.int32),
+                     page_table=jnp.asarray(np.asarray(pages, np.int32)[None, None]))
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_prefill_decode_and_dense_logits_match_hf(gemma3, scan):
+    """A 19-token prompt (past the window of 8) prefilled, then 5 decodes, and the dense forward."""
+    _, model, cfg, params = gemma3
+    prompt = np.random.RandomState(1).randint(0, cfg.vocab_size, size=19).tolist()
+    continuation, _ = hf_greedy(model, prompt, 5)
+    full = prompt + continuation
+    ref = hf_logits(model, full)
+    pages = [3, 1, 4, 2][: -(-len(full) // PAGE)]  # out of order, page 0 unused
+    cache = init_cache(cfg, num_pages=5, page_size=PAGE, dtype=jnp.float32)
+    options = steps.StepOptions(scan_layers=scan)
+    logits, cache = steps.prefill(params, cache, step_batch(prompt, 0, pages), cfg=cfg,
+                                  options=steps.StepOptions(scan_layers=scan, all_logits=True))
+    np.testing.assert_allclose(np.asarray(logits[0, 0]), ref[: len(prompt)], atol=1e-4, rtol=0)
+    for pos in range(len(prompt), len(full)):
+        logits, cache = steps.decode(params, cache, step_batch([full[pos]], pos, pages), cfg=cfg, options=options)
+        np.testing.assert_allclose(np.asarray(logits[0, 0]), ref[pos], atol=1e-4, rtol=0, err_msg=f"decode {pos}")
+    dense_params = params if scan else unstack_layers(params)  # stacked layers scan, a tuple unrolls
+    dense = jax.jit(forward_dense, static_argnames="cfg")(dense_params, jnp.asarray([full], jnp.int32), cfg=cfg)
+    np.testing.assert_allclose(np.asarray(dense[0]), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_ragged_row_matches_forward(gemma3, scan):
+    """One row of `forward_ragged` (a chunk after 11 cached tokens, past the window) equals `forward`."""
+    _, _, cfg, params = gemma3
+    params = params if scan else unstack_layers(params)
+    rng = np.random.RandomState(4)
+    history, new = rng.randint(0, cfg.vocab_size, 11).tolist(), rng.randint(0, cfg.vocab_size, 6).tolist()
+    pages = [2, 4, 1]
+    shape = cache_shape(cfg, 5, PAGE)[1:]  # one replica; NaN until written, so a stray read shows
+    cache = KVCache(k=jnp.full(shape, jnp.nan, jnp.float32), v=jnp.full(shape, jnp.nan, jnp.float32))
+    table = np.asarray([pages], np.int32)
+    one = lambda n: np.asarray([n], np.int32)  # noqa: E731
+    fwd = jax.jit(forward, static_argnames=("cfg", "scan_layers", "all_logits"))
+    _, base = fwd(params, cache, np.asarray([history], np.int32), one(0), one(len(history)), table, cfg=cfg,
+                  scan_layers=scan)
+    ref, ref_cache = fwd(params, base, np.asarray([new], np.int32), one(len(history)), one(len(new)), table,
+                         cfg=cfg, scan_layers=scan, all_logits=True)
+    batch = RaggedBatch.build([RaggedRow(new, len(history), pages, len(new))], page_size=PAGE, num_tokens=8,
+                              num_rows=2, max_pages=4, num_logits=8)
+    logits, got_cache = jax.jit(forward_ragged, static_argnames=("cfg", "scan_layers"))(
+        params, base, batch, cfg=cfg, scan_layers=scan)
+    np.testing.assert_allclose(np.asarray(logits[: len(new)]), np.asarray(ref[0]), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(got_cache.k), np.asarray(ref_cache.k), atol=1e-5, rtol=0, equal_nan=True)
+
+
+@pytest.fixture(scope="module")
+def llm(gemma3):
+    from jaxserve import LLM
+
+    with LLM(gemma3[0], dtype="float32", page_size=PAGE, max_model_len=64, max_num_seqs=4,
+             max_num_batched_tokens=32, enable_prefix_caching=True, warm_up=False) as llm:
+        yield llm
+
+
+def test_greedy_through_the_engine_matches_hf(gemma3, llm):
+    """Greedy tokens through LLM.generate: three prompts batched together (two longer than the window),
+    then two that share the first one's prefix (whole pages served from the prefix cache)."""
+    from jaxserve import SamplingParams
+
+    _, model, cfg, _ = gemma3
+    rng = np.random.RandomState(2)
+    first = [rng.randint(0, cfg.vocab_size, size=n).tolist() for n in (2 * PAGE + 3, PAGE + 4, 5)]
+    shared = [first[0][: 2 * PAGE] + rng.randint(0, cfg.vocab_size, size=n).tolist() for n in (1, 7)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for prompts in (first, shared):
+        hits_before = llm.blocks.num_prefix_hit_tokens
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        for prompt, out in zip(prompts, outputs):
+            ref, gaps = hf_greedy(model, prompt, 12)
+            assert out.prompt_token_ids == prompt and out.outputs[0].finish_reason == "length"
+            assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"gemma3 prompt len {len(prompt)}")
+    assert llm.blocks.num_prefix_hit_tokens - hits_before >= 2 * 2 * PAGE  # both shared prompts hit 2 pages
+    assert llm.blocks.num_free_pages(0) == llm.plan.num_pages - 1
+
+
+def test_int8_and_orbax_loading(gemma3, tmp_path):
+    """int8 quantizes the projections and leaves all six norms float; an orbax round trip restores them."""
+    from jaxserve import quant
+    from jaxserve.config import EngineConfig
+    from jaxserve.model_loader import load_model
+    from jaxserve.orbax_checkpoint import save_params
+    from jaxserve.sharding import make_mesh
+
+    path, _, cfg, params = gemma3
+    tokens = jnp.asarray(np.random.RandomState(6).randint(0, cfg.vocab_size, size=(1, 13)), jnp.int32)
+    ref = forward_dense(params, tokens, cfg=cfg)
+    q8 = load_model(EngineConfig(model=path, dtype="float32", quantization="int8"), make_mesh((1, 1))).params
+    assert isinstance(q8.layers.w_gate, quant.QuantArray)
+    for name in ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "q_norm", "k_norm"):
+        assert getattr(q8.layers, name).dtype == jnp.float32, name
+        np.testing.assert_array_equal(np.asarray(getattr(q8.layers, name)), np.asarray(getattr(params.layers, name)))
+    # int8 rounding, not a wrong model (logits up to ~4)
+    assert float(jnp.abs(forward_dense(q8, tokens, cfg=cfg) - ref).max()) < 0.3
+
+    out = tmp_path / "orbax"
+    shutil.copytree(path, out)
+    save_params(str(out), params)
+    restored = load_model(EngineConfig(model=str(out), dtype="float32"), make_mesh((1, 2))).params
+    assert restored.layers.post_mlp_norm.sharding.is_fully_replicated
+    np.testing.assert_allclose(np.asarray(forward_dense(restored, tokens, cfg=cfg)), np.asarray(ref), atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["transformers5", "published"])
+def test_conditional_generation_checkpoint_loads_its_text_tower(gemma3, tmp_path, layout):
+    """Gemma3ForConditionalGeneration (4B and larger): the nested text_config and the text tower's
+    weights under either prefix; the vision tower's tensors are skipped."""
+    path, _, cfg, params = gemma3
+    text = json.loads((pathlib.Path(path) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {**text, "architectures": None}, "vision_config": {"model_type": "siglip_vision_model"},
+        "eos_token_id": [1, 106]}))
+    prefix, head = ("model.language_model.", "lm_head.") if layout == "transformers5" else (
+        "language_model.model.", "language_model.lm_head.")
+    tensors = {(prefix + k[len("model."):] if k.startswith("model.") else head + k[len("lm_head."):]): v
+               for k, v in hf_tensors(params, cfg).items()}
+    vision = "model.vision_tower." if layout == "transformers5" else "vision_tower."
+    tensors[vision + "vision_model.embeddings.patch_embedding.weight"] = np.ones((4, 3, 2, 2), np.float32)
+    tensors["multi_modal_projector.mm_soft_emb_norm.weight"] = np.ones(8, np.float32)
+    write_safetensors(str(tmp_path / "model.safetensors"), tensors)
+    mm_cfg = ModelConfig.from_dir(str(tmp_path))
+    assert mm_cfg.architecture == "Gemma3ForConditionalGeneration" and mm_cfg.eos_token_ids == (1, 106)
+    assert mm_cfg.layer_types == cfg.layer_types and mm_cfg.query_pre_attn_scalar == 24
+    loaded = load_hf_params(str(tmp_path), mm_cfg, jnp.float32)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_final_logit_softcapping_matches_hf(hf_model_dir):
+    """final_logit_softcapping (None in the released Gemma 3 configs) caps the logits as HF does."""
+    path, model = hf_model_dir("gemma3", final_logit_softcapping=2.0)
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.final_logit_softcapping == 2.0
+    ids = np.random.RandomState(7).randint(0, cfg.vocab_size, size=12).tolist()
+    ref = hf_logits(model, ids)
+    assert np.abs(ref).max() < 2.0  # every logit bent by the cap (uncapped they reach ~4)
+    got = forward_dense(load_hf_params(path, cfg, jnp.float32), jnp.asarray([ids], jnp.int32), cfg=cfg)
+    np.testing.assert_allclose(np.asarray(got[0]), ref, atol=1e-4, rtol=0)
