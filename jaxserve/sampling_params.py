@@ -6,6 +6,7 @@ import dataclasses
 from typing import Sequence
 
 from jaxserve.errors import RequestError
+from jaxserve.structured.spec import StructuredSpec
 
 
 @dataclasses.dataclass
@@ -33,6 +34,10 @@ class SamplingParams:
     # token id -> added to its logit before every sampling step (greedy too), in [-100, 100] (OpenAI);
     # at most 300 entries. The engine refuses ids outside the model's vocabulary.
     logit_bias: dict[int, float] | None = None
+    # Structured output: the output is constrained to this JSON schema, regex, choice or grammar
+    # (build one with StructuredSpec's classmethods or jaxserve.structured.spec_from_request). A
+    # finished grammar ends the output; one cut by max_tokens is finish_reason "length".
+    structured: StructuredSpec | None = None
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -72,6 +77,17 @@ class SamplingParams:
             self.logit_bias = _check_logit_bias(self.logit_bias)
         if self.min_tokens > self.max_tokens:
             raise RequestError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredSpec):
+                raise RequestError(f"structured must be a jaxserve.structured.StructuredSpec, got "
+                                   f"{type(self.structured).__name__}")
+            # A finished grammar allows only EOS: an output that may not end there cannot be served.
+            if self.ignore_eos:
+                raise RequestError("ignore_eos cannot be combined with structured output (a finished grammar "
+                                   "ends the output with EOS)")
+            if self.min_tokens:
+                raise RequestError("min_tokens cannot be combined with structured output (the grammar decides "
+                                   "where the output ends)")
 
     @property
     def greedy(self) -> bool:

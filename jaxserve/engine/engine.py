@@ -149,6 +149,8 @@ class LLMEngine:
         # prefill and decode steps apart; every other step is one mixed ragged step.
         self.scheduler.mixed = self.scheduler.lookahead is None
         self.requests: dict[str, Request] = {}
+        self._grammar_compiler = None  # structured output: made on the first constrained request
+        self._grammar_lock = threading.Lock()
         self._seed_stream = np.random.default_rng(s.seed)
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens_computed=0, steps=0)
         self.composition = StepComposition(self.settings.max_num_batched_tokens)
@@ -203,6 +205,8 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.close()
         self.runner.close()
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.close()
         release_compiled_code()
 
     def _check_open(self) -> None:
@@ -265,6 +269,14 @@ class LLMEngine:
         if forked > usable:
             raise RequestError(f"n={params.n} samples of a {len(ids)}-token prompt need {forked} KV pages to start; "
                                f"a replica's cache has {usable}")
+        if params.structured is not None:
+            if self.settings.speculation:
+                # Verification would need the grammar's masks at every drafted position (and a rollback
+                # of rejected drafts); until the speculative step takes them, the two are exclusive.
+                raise RequestError("structured output is not supported with speculative decoding "
+                                   f"(speculation={self.settings.speculation!r}); start the engine without it")
+            if self.tokenizer is None:
+                raise RequestError("structured output needs the model's tokenizer (start with tokenizer=PATH)")
         if params.prompt_logprobs is not None and not self.settings.enable_prompt_logprobs:
             raise RequestError("prompt_logprobs needs the engine started with enable_prompt_logprobs=True "
                                "(--enable-prompt-logprobs), which compiles the scoring steps")
@@ -280,16 +292,35 @@ class LLMEngine:
         self.check_request(ids, params)
         return ids, params
 
+    @property
+    def grammar_compiler(self):
+        """The structured-output GrammarCompiler (jaxserve.structured) for this model's tokenizer and
+        logits width: compiles on its own thread, caches by spec. Any thread may use it."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise RequestError("structured output needs the model's tokenizer (start with tokenizer=PATH)")
+                from jaxserve.structured import GrammarCompiler
+
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab_size=self.model_config.vocab_size)
+            return self._grammar_compiler
+
     def add_request(
         self,
         request_id: str,
         prompt: str | None = None,
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
+        grammar=None,
     ) -> None:
+        """Queue a request. `grammar`: its CompiledGrammar when the caller compiled `structured` already
+        (AsyncLLMEngine does, off the step thread); otherwise it is compiled here (cached by spec), and
+        a spec the grammar library rejects raises GrammarError (a RequestError)."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         ids, params = self.prepare_request(prompt, sampling_params, prompt_token_ids)
+        if params.structured is not None and grammar is None:
+            grammar = self.grammar_compiler.compile(params.structured)
         base_seed = params.seed if params.seed is not None else int(self._seed_stream.integers(2**32))
         seqs = [
             Sequence(
@@ -300,6 +331,10 @@ class LLMEngine:
             for i in range(params.n)
         ]
         seqs[0].num_siblings_to_fork = params.n - 1
+        if params.structured is not None:
+            seqs[0].grammar = grammar.matcher()
+            for seq in seqs[1:]:  # the samples fork before their first token: each from the start state
+                seq.grammar = seqs[0].grammar.copy()
         if params.prompt_logprobs is not None:
             seqs[0].prompt_logprobs = [None] * len(ids)
         self.requests[request_id] = Request(request_id, prompt, list(ids), params, seqs, time.monotonic())
@@ -376,13 +411,17 @@ class LLMEngine:
             RowWork(r.seq.tokens[r.start : r.start + r.num_tokens], r.start, self.blocks.page_table(r.seq.seq_id),
                     RowSampling.from_params(r.seq.params, seed=r.seq.seed, step=len(r.seq.output_token_ids),
                                             prompt_ids=r.seq.prompt_token_ids, output_ids=r.seq.output_token_ids),
-                    r.seq.replica, self._prompt_targets(r.seq, r.start, r.num_tokens), r.samples)
+                    r.seq.replica, self._prompt_targets(r.seq, r.start, r.num_tokens), r.samples,
+                    r.seq.grammar if r.samples else None)
             for r in rows
         ]
 
     def _multi_step_lookahead(self, seq: Sequence, batch_size: int) -> int:
         """num_scheduler_steps: the decode steps after this one that `seq` may still take (the scheduler
-        gives them pages); none past max_tokens or max_model_len."""
+        gives them pages); none past max_tokens or max_model_len, and none for a constrained row, whose
+        next mask needs the token it samples now (it runs its one step inside the multi-step call)."""
+        if seq.grammar is not None:
+            return 0
         return max(0, min(self.settings.num_scheduler_steps - 1,
                           seq.params.max_tokens - len(seq.output_token_ids) - 1,
                           self.plan.max_model_len - seq.num_tokens - 1))
@@ -494,11 +533,18 @@ class LLMEngine:
             seq.text += seq.detokenizer.add(token)
         n_out = len(seq.output_token_ids)
         reason = None
+        eos = token in self._eos_ids()
+        if seq.grammar is not None and not eos:
+            # The mask allowed it, so this cannot fail; if it did the matcher allows only EOS from now on.
+            if not seq.grammar.advance(token):
+                logger.warning("%s: the grammar refused token %d: %s", seq.seq_id, token, seq.grammar.error)
         if n_out >= params.min_tokens:
-            if (not params.ignore_eos and token in self._eos_ids()) or token in params.stop_token_ids:
+            if (not params.ignore_eos and eos) or token in params.stop_token_ids:
                 reason = "stop"
             elif params.stop and self._cut_at_stop_string(seq):
                 reason = "stop"
+            elif seq.grammar is not None and seq.grammar.is_finished:
+                reason = "stop"  # the grammar is complete and allows only EOS: end now, without that step
         if reason is None and (n_out >= params.max_tokens or seq.num_tokens >= self.plan.max_model_len):
             reason = "length"
         if reason is not None:
@@ -602,7 +648,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._lock = threading.Lock()  # held by the step thread for a step and its intake; by stats()/shutdown()
-        self._intake: collections.deque = collections.deque()  # ("add", id, ids, params) | ("abort", id)
+        self._intake: collections.deque = collections.deque()  # ("add", id, ids, params, grammar) | ("abort", id)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -653,9 +699,12 @@ class AsyncLLMEngine:
             if kind == "abort":
                 self.engine.abort_request(request_id)
                 continue
-            ids, params = rest
+            ids, params, grammar = rest
             try:
-                self.engine.add_request(request_id, None, params, ids)
+                if grammar is None:
+                    self.engine.add_request(request_id, None, params, ids)
+                else:
+                    self.engine.add_request(request_id, None, params, ids, grammar=grammar)
             except Exception as err:  # noqa: BLE001 - checked at intake; a late refusal fails this request only
                 self._deliver(request_id, err if isinstance(err, RequestError) else RequestError(str(err)))
 
@@ -700,10 +749,13 @@ class AsyncLLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
         ids, params = self.engine.prepare_request(prompt, sampling_params, prompt_token_ids)  # no step state
+        grammar = None
+        if params.structured is not None:  # compiled on the compiler's thread; GrammarError is the 400
+            grammar = await asyncio.wrap_future(self.engine.grammar_compiler.submit(params.structured))
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use")
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._intake.append(("add", request_id, ids, params))
+        self._intake.append(("add", request_id, ids, params, grammar))
         self.start()
         self._wake.set()
         finished = False

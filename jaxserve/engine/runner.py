@@ -29,6 +29,7 @@ from jaxserve.model.weights import Params
 from jaxserve.ragged import PAD_SLOT, RaggedRow, pack_ragged
 from jaxserve.sampling import MAX_LOGPROBS, RowSampling, SampleOutput, SamplingTensors, sample
 from jaxserve.steps import StepOptions, ragged_step
+from jaxserve.structured.apply import TokenMask, mask_logits
 from jaxserve.transfer import Layout, from_buffer
 
 logger = logging.getLogger(__name__)
@@ -47,12 +48,17 @@ class RowWork:
     # With prompt logprobs: the token after each of `tokens` (what its logits are scored against).
     targets: Sequence[int] | None = None
     samples: bool = True
+    # Structured output: the sequence's GrammarMatcher (jaxserve.structured), whose mask constrains
+    # this row's sample; None: unconstrained.
+    grammar: Any = None
 
 
-def _generate_step(params, cache, batch, sampling, cfg, options, cache_sharding=None, out_sharding=None):
+def _generate_step(params, cache, batch, sampling, mask, cfg, options, cache_sharding=None, out_sharding=None):
     logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, L, V]
     if cache_sharding is not None:  # keep the donated cache's layout stable from step to step
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
+    # Grammar masks first, so every sampler transform (and the logprobs) sees only allowed tokens.
+    logits = mask_logits(logits, mask)
     # Top logprobs are always computed: one top-k over the vocabulary is cheap beside the step, and a
     # second compiled variant per bucket would double start-up time.
     out = sample(logits, sampling, want_logprobs=MAX_LOGPROBS)
@@ -83,14 +89,16 @@ def _next_decode_batch(batch: RaggedBatch, tokens: jax.Array, active: jax.Array,
                          context_lens=batch.context_lens + active)
 
 
-def _multi_decode_step(params, cache, batch, sampling, steps, cfg, options, num_steps, page_size,
+def _multi_decode_step(params, cache, batch, sampling, mask, steps, cfg, options, num_steps, page_size,
                        cache_sharding=None, out_sharding=None):
     """`num_steps` decode steps in one call (num_scheduler_steps): each feeds the token it sampled to
     the next, so the host is not needed in between. Row r takes part in its first steps[r] steps and
-    writes nothing after (its pages beyond those are not its own). Samples: [num_steps, R, L, ...]."""
+    writes nothing after (its pages beyond those are not its own). Samples: [num_steps, R, L, ...].
+    The grammar masks hold for the first step only: the engine gives constrained rows one step."""
     def one(carry, k):
         cache, batch, sampling = carry
-        out, cache = _generate_step(params, cache, batch, sampling, cfg, options, cache_sharding)
+        now = mask.replace(constrained=mask.constrained & (k == 0))
+        out, cache = _generate_step(params, cache, batch, sampling, now, cfg, options, cache_sharding)
         batch = _next_decode_batch(batch, out.tokens, k + 1 < steps, page_size)
         return (cache, batch, sampling.advanced(out.tokens)), out
 
@@ -113,14 +121,14 @@ class PromptScores:
     top_logprobs: jax.Array  # f32[..., T, MAX_LOGPROBS]
 
 
-def _score_step(params, cache, batch, sampling, sample_index, targets, cfg, options, cache_sharding=None,
+def _score_step(params, cache, batch, sampling, mask, sample_index, targets, cfg, options, cache_sharding=None,
                 out_sharding=None):
     """A step that also scores every token (prompt_logprobs): `batch.logit_index` lists all N tokens,
     `sample_index` i32[R, L] the ones that sample."""
     logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, N, V]
     if cache_sharding is not None:
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
-    sampled = sample(jnp.take_along_axis(logits, sample_index[..., None], axis=1), sampling,
+    sampled = sample(mask_logits(jnp.take_along_axis(logits, sample_index[..., None], axis=1), mask), sampling,
                      want_logprobs=MAX_LOGPROBS)
     logp = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
@@ -142,6 +150,7 @@ class PackedRows:
     shape: tuple  # (tokens, pages)
     batch: RaggedBatch  # numpy, leading R
     sampling: SamplingTensors  # [R, L]
+    mask: TokenMask  # numpy [R, L]: the constrained rows' grammar masks
     logit_at: np.ndarray  # each row's flat index in [R * L] (its sample); -1 for rows that do not sample
     token_at: list[tuple[int, int, int]]  # each row's (replica, first token, tokens)
     score_inputs: tuple[np.ndarray, np.ndarray] | None = None  # scoring: (sample index [R, L], targets [R, N])
@@ -182,6 +191,10 @@ class ModelRunner:
         # Token history for repetition/presence/frequency penalties, padded to one fixed length so
         # penalties never recompile (B x history_len int32s per step: small beside the weights).
         self.history_len = buckets.page_counts[-1] * cache.page_size
+        # Structured output: per L, the [R * L, ceil(V / 32)] host buffer the grammar masks are written
+        # into, and the llguidance executor that fills it (made on the first constrained step).
+        self._masks: dict[int, np.ndarray] = {}
+        self._mask_executor: Any = None
         self.platform = jax.default_backend()
         self.compiler_options = step_compiler_options(self.platform)
         # Multi-host, process 0 only: hands each step's packed inputs and each page copy to the other
@@ -207,7 +220,7 @@ class ModelRunner:
 
     def step_inputs(self, shape: tuple) -> tuple:
         """ShapeDtypeStructs of the host inputs of bucket `shape`, as `run_packed` takes them:
-        (RaggedBatch, SamplingTensors), plus (sample index, targets) for a scoring variant or each
+        (RaggedBatch, SamplingTensors, TokenMask), plus (sample index, targets) for a scoring variant or each
         row's step count for a multi-step one. (They travel packed: jaxserve.transfer gives the one
         packed array its sharding.)"""
         N, P = shape[:2]
@@ -221,7 +234,7 @@ class ModelRunner:
         batch = RaggedBatch(tokens=i32(N), positions=i32(N), slots=i32(N), token_row=i32(N),
                             query_start=i32(S + 1), context_lens=i32(S), page_table=i32(S, P),
                             logit_index=i32(N if score else L))
-        inputs = (batch, SamplingTensors.spec((R, L), self.history_len))
+        inputs = (batch, SamplingTensors.spec((R, L), self.history_len), TokenMask.spec((R, L), self.cfg.vocab_size))
         if score:  # which of the N logits sample, and each token's next token, scored
             return inputs + (i32(L), i32(N))
         if shape[2:] == (MULTI_STEP,):  # how many of the decode steps each row takes part in
@@ -334,10 +347,11 @@ class ModelRunner:
         score = any(r.targets is not None for r in rows)
         packed = self._pack(rows, score=score)
         if not score:
-            out = self._run(packed.shape, (packed.batch, packed.sampling))
+            out = self._run(packed.shape, (packed.batch, packed.sampling, packed.mask))
             return jax.tree.map(packed.unpack, out)
         sample_index, targets = packed.score_inputs
-        sampled, scores = self._run(packed.shape + (SCORE,), (packed.batch, packed.sampling, sample_index, targets))
+        sampled, scores = self._run(packed.shape + (SCORE,),
+                                    (packed.batch, packed.sampling, packed.mask, sample_index, targets))
         width = max(n for _, _, n in packed.token_at)
         index = np.asarray([[min(t + j, t + n - 1) for j in range(width)] for _, t, n in packed.token_at])
         replica = np.asarray([rep for rep, _, _ in packed.token_at])[:, None]
@@ -356,7 +370,7 @@ class ModelRunner:
         per_row = np.zeros((self.num_replicas, self.buckets.max_rows), np.int32)
         for (rep, t, _), n in zip(packed.token_at, steps):
             per_row[rep, t] = n  # a pure decode step: row k's token is token k
-        out = self._run(packed.shape + (MULTI_STEP,), (packed.batch, packed.sampling, per_row))
+        out = self._run(packed.shape + (MULTI_STEP,), (packed.batch, packed.sampling, packed.mask, per_row))
         return jax.tree.map(lambda x: x.reshape(x.shape[:1] + (-1,) + x.shape[3:])[:, packed.logit_at], out)
 
     def _pack(self, rows: Sequence[RowWork], score: bool, extra_tokens: Sequence[int] | None = None) -> PackedRows:
@@ -400,7 +414,30 @@ class ModelRunner:
                 fields[name].append(getattr(arrays, name))
         batch = RaggedBatch(**{name: np.stack(v) for name, v in fields.items()})
         st = SamplingTensors.pack(flat_sampling, (R, L), self.history_len)
-        return PackedRows(shape, batch, st, logit_at, token_at, (sample_index, targets) if score else None)
+        grammars = [(rows[i].grammar, int(logit_at[i])) for i in range(len(rows))
+                    if rows[i].grammar is not None and logit_at[i] >= 0]
+        return PackedRows(shape, batch, st, self._token_mask(R, L, grammars), logit_at, token_at,
+                          (sample_index, targets) if score else None)
+
+    def _token_mask(self, R: int, L: int, grammars: list[tuple[Any, int]]) -> TokenMask:
+        """The step's TokenMask [R, L]: each constrained row's next-token mask, filled on the host by
+        llguidance (its threads, GIL released). One buffer per L is kept and reused: the rows of free
+        rows are never read on the device (their flag is off), so a step without a constrained row
+        costs no mask work here, only the copy of the buffer into the step's inputs."""
+        bitmask = self._masks.get(L)
+        if bitmask is None:
+            bitmask = self._masks[L] = np.full((R * L, -(-self.cfg.vocab_size // 32)), -1, np.int32)
+        constrained = np.zeros(R * L, bool)
+        if grammars:
+            from jaxserve.structured import fill_bitmasks
+
+            if self._mask_executor is None:
+                import llguidance
+
+                self._mask_executor = llguidance.LLExecutor()
+            fill_bitmasks(grammars, bitmask, self._mask_executor)
+            constrained[[at for _, at in grammars]] = True
+        return TokenMask(bitmask.reshape(R, L, -1), constrained.reshape(R, L))
 
     def _run(self, shape: tuple, inputs: tuple) -> Any:
         if self.broadcaster is None:

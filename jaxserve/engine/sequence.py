@@ -48,6 +48,9 @@ class Sequence:
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     spec: Any = None  # spec_decode.SpecState when speculative decoding is on: draft lag, acceptance
+    # Structured output: the GrammarMatcher (jaxserve.structured) holding the grammar's state after the
+    # output so far. Preemption by recompute keeps it (the output is kept); n > 1 siblings get copies.
+    grammar: Any = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

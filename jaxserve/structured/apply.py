@@ -10,10 +10,11 @@ hence one executable for every mix.
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
-__all__ = ["apply_token_bitmask"]
+__all__ = ["TokenMask", "apply_token_bitmask", "mask_logits"]
 
 
 def apply_token_bitmask(
@@ -38,3 +39,33 @@ def apply_token_bitmask(
             raise ValueError(f"constrained has shape {constrained.shape}; expected {logits.shape[:-1]}")
         allowed = allowed | ~constrained.astype(bool)[..., None]
     return jnp.where(allowed, logits, jnp.array(-jnp.inf, logits.dtype))
+
+
+@flax.struct.dataclass
+class TokenMask:
+    """The per-row grammar masks of one step, as the runner ships them in every step's inputs.
+
+    Every step carries one (all-free when no row is constrained), so its shape depends only on the
+    bucket and constrained requests need no executable of their own.
+    """
+
+    bitmask: jax.Array  # i32[*B, W], W = ceil(V / 32); read only where `constrained`
+    constrained: jax.Array  # bool[*B]: False rows skip the mask (their words may be stale)
+
+    @classmethod
+    def spec(cls, batch: tuple[int, ...], vocab_size: int) -> "TokenMask":
+        """ShapeDtypeStructs, for ahead-of-time lowering."""
+        words = (int(vocab_size) + 31) // 32
+        return cls(jax.ShapeDtypeStruct(tuple(batch) + (words,), jnp.int32),
+                   jax.ShapeDtypeStruct(tuple(batch), jnp.bool_))
+
+
+def mask_logits(
+    logits: jax.Array,  # f32[*B, V]
+    mask: TokenMask,  # [*B]
+) -> jax.Array:  # like logits
+    """`apply_token_bitmask` under a cond on any row being constrained: a step with no constrained
+    row skips the unpacking and the select (its logits are returned as they are)."""
+    return jax.lax.cond(jnp.any(mask.constrained),
+                        lambda: apply_token_bitmask(logits, mask.bitmask, mask.constrained),
+                        lambda: logits)
