@@ -4,7 +4,10 @@ Conventions:
 - A field sent as `null` counts as absent (many clients send every field), at every nesting level.
 - A field the schema does not know is rejected with a 400 that names it (error type
   "unsupported_field"), never silently ignored; that includes OpenAI fields jaxserve does not
-  implement yet (`tools`, `suffix`, ...) and `response_format` other than text.
+  implement yet (`tools`, `suffix`, ...).
+- Structured output (`response_format`, vLLM's `structured_outputs` and `guided_*`) is typed loosely
+  here and checked by `jaxserve.structured.spec_from_request` in `requests.translate`, whose
+  GrammarError names the problem (a 400); the grammar library's own refusals come from the engine.
 - Types and ranges that the schema states (e.g. `temperature` in [0, 2]) fail with 422.
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_N = 16
@@ -38,10 +41,6 @@ KNOWN_UNSUPPORTED = {
     "service_tier": "service_tier is not supported",
     "reasoning_effort": "reasoning_effort is not supported",
     "web_search_options": "web search is not supported",
-    "guided_json": "guided decoding is not supported",
-    "guided_regex": "guided decoding is not supported",
-    "guided_choice": "guided decoding is not supported",
-    "guided_grammar": "guided decoding is not supported",
     "tool_calls": "tool calls in messages are not supported",
     "tool_call_id": "tool messages are not supported",
     "refusal": "refusal in messages is not supported",
@@ -83,6 +82,13 @@ class StreamOptions(OpenAIBase):
     include_usage: Optional[bool] = Field(None, description="send a last chunk with the usage of the whole request")
 
 
+class ResponseFormat(OpenAIBase):
+    """OpenAI's response_format: text, json_object, or json_schema with {"name", "schema", "strict"}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[dict[str, Any]] = None
+
+
 class SamplingFields(OpenAIBase):
     """Fields shared by completions and chat completions."""
 
@@ -110,6 +116,16 @@ class SamplingFields(OpenAIBase):
     include_stop_str_in_output: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Structured output (one of them per request): OpenAI's response_format, vLLM's structured_outputs
+    # and its older guided_* aliases.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict[str, Any]] = Field(
+        None, description="vLLM's: one of json (a schema), regex, choice, grammar (Lark or GBNF), json_object")
+    guided_json: Optional[Union[dict[str, Any], str, bool]] = Field(None, description="a JSON schema")
+    guided_regex: Optional[str] = Field(None, description="the whole output matches this regex (no look-around, "
+                                                          "no backreferences)")
+    guided_choice: Optional[list[str]] = Field(None, description="the output is exactly one of these strings")
+    guided_grammar: Optional[str] = Field(None, description="a Lark or GBNF grammar")
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -168,25 +184,12 @@ class ChatMessage(OpenAIBase):
         return "".join(part.text or "" for part in self.content)
 
 
-class ResponseFormat(OpenAIBase):
-    type: str
-    json_schema: Optional[dict[str, Any]] = None
-
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, value: str) -> str:
-        if value != "text":
-            raise unsupported("response_format", f"response_format type {value!r} is not supported (only 'text')")
-        return value
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Optional[int] = Field(None, ge=1, description="default: what is left of max_model_len")
     max_completion_tokens: Optional[int] = Field(None, ge=1, description="same as max_tokens")
     logprobs: Optional[bool] = Field(None, description="return log-probabilities of the output tokens")
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: Optional[ResponseFormat] = None
     add_generation_prompt: Optional[bool] = Field(None, description="default true")
     continue_final_message: Optional[bool] = Field(None, description="continue the last (assistant) message")
     chat_template_kwargs: Optional[dict[str, Any]] = Field(

@@ -17,6 +17,8 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.chat import ChatTemplateError
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from jaxserve.structured.errors import GrammarError
+from jaxserve.structured.request_fields import spec_from_request
 
 if TYPE_CHECKING:
     from jaxserve.server.state import ServerState
@@ -52,6 +54,9 @@ def translate(state: ServerState, body: CompletionRequest | ChatCompletionReques
     max_len = state.max_model_len
     defaults = state.generation_defaults
     values = {**defaults.request_values(), **_sampling_values(body)}  # the model's defaults; the request's win
+    structured = _structured_spec(body)
+    if structured is not None:
+        values["structured"] = structured
     echo = False
     drop_generated = False
     n_logprobs: int | None = None
@@ -158,6 +163,25 @@ def _sampling_values(body: CompletionRequest | ChatCompletionRequest) -> dict[st
     if body.stop_token_ids is not None:
         values["stop_token_ids"] = tuple(body.stop_token_ids)
     return values
+
+
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar")
+
+
+def _structured_spec(body: CompletionRequest | ChatCompletionRequest):
+    """The request's structured-output constraint (a StructuredSpec) or None; a 400 naming the field."""
+    rf = body.response_format.model_dump(exclude_none=True) if body.response_format is not None else None
+    try:
+        return spec_from_request(response_format=rf, structured_outputs=body.structured_outputs,
+                                 guided_json=body.guided_json, guided_regex=body.guided_regex,
+                                 guided_choice=body.guided_choice, guided_grammar=body.guided_grammar)
+    except GrammarError as err:
+        text = str(err)
+        param = next((f for f in _STRUCTURED_FIELDS if text.startswith(f)), None)
+        if param is None:  # the message names the kind (json_schema, regex, ...): name the field sent
+            param = next((f for f in _STRUCTURED_FIELDS if getattr(body, f) is not None), None)
+        raise APIError(400, text, param=param, code="invalid_structured_output") from None
 
 
 def _sampling_params(values: dict[str, Any]) -> SamplingParams:

@@ -246,6 +246,8 @@ class MockAsyncLLMEngine:
         bad = [t for t in (getattr(params, "logit_bias", None) or ()) if not 0 <= t < VOCAB_SIZE]
         if bad:
             raise RequestError(f"logit_bias token id(s) {bad[:5]} are outside the vocabulary [0, {VOCAB_SIZE})")
+        if getattr(params, "structured", None) is not None:  # its fake tokens could never follow a grammar
+            raise RequestError("the mock engine does not implement structured output; serve a model")
         limit = self.engine.plan.max_model_len
         if len(ids) >= limit:
             raise RequestError(f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len={limit}")

@@ -53,7 +53,8 @@ def test_health_models_capabilities(client):
     caps = client.get("/v1/capabilities").json()
     assert "temperature" in caps["completions"]["fields"] and "messages" in caps["chat_completions"]["fields"]
     assert {"tools", "suffix"} <= set(caps["rejected_parameters"]) and "logit_bias" not in caps["rejected_parameters"]
-    assert caps["stream_options"] == ["include_usage"] and caps["response_format"] == ["text"]
+    assert caps["stream_options"] == ["include_usage"]
+    assert caps["response_format"] == ["text", "json_object", "json_schema"]
     # every engine takes every SamplingParams field: nothing is refused for want of engine support
     assert caps["engine_sampling_params"] == sorted(SamplingParams.__dataclass_fields__)
     assert "not_supported_by_engine_yet" not in caps and "n_by" not in caps
@@ -223,7 +224,6 @@ def test_null_fields_count_as_absent(client):
     ("/v1/completions", {"best_of": 2}, "best_of"),
     ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "content"),
     ("/v1/chat/completions", {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
