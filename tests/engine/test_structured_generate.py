@@ -1,0 +1,163 @@
+"""Structured output end to end on the shipped default model: LLM.generate with a JSON schema, a regex or
+a choice gives outputs that parse and match; unconstrained rows sharing the batch are unchanged; nothing
+compiles after warm-up; n > 1, multi-step decode and preemption keep each sequence's grammar."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from jaxserve import LLM, SamplingParams, resources
+from jaxserve.engine.compile import CompileCounter
+from jaxserve.errors import RequestError
+from jaxserve.structured import GrammarError, StructuredSpec
+
+SETTINGS = dict(dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, page_size=8)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "home": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                 "required": ["city"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+PROMPTS = ["A person, as JSON:", "Once upon a time", "The user record is", "{"]
+REGEX = r"[a-z]{2,5}-\d{3}"
+CHOICES = ["red", "green", "blue", "dark purple"]
+
+
+def check_schema(doc) -> None:
+    """SCHEMA's constraints, checked by hand (no jsonschema dependency)."""
+    assert isinstance(doc, dict) and set(doc) <= set(SCHEMA["properties"]) and {"name", "age", "role"} <= set(doc)
+    assert isinstance(doc["name"], str) and len(doc["name"]) <= 10
+    assert isinstance(doc["age"], int) and not isinstance(doc["age"], bool) and 0 <= doc["age"] <= 120
+    assert doc["role"] in ("admin", "user", "guest")
+    if "tags" in doc:
+        assert isinstance(doc["tags"], list) and len(doc["tags"]) <= 3
+        assert all(isinstance(t, str) and len(t) <= 6 for t in doc["tags"])
+    if "home" in doc:
+        assert set(doc["home"]) == {"city"} and isinstance(doc["home"]["city"], str) and len(doc["home"]["city"]) <= 8
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(str(resources.default_checkpoint()), **SETTINGS) as llm:
+        yield llm
+
+
+def generate(llm, prompts, params):
+    return [o.outputs for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_json_schema_outputs_parse_and_validate_with_no_compile(llm):
+    before = CompileCounter.requests
+    spec = StructuredSpec.json_schema(SCHEMA)
+    params = [SamplingParams(max_tokens=200, temperature=1.0, top_p=0.95, seed=seed, structured=spec)
+              for seed in range(8)]
+    outs = generate(llm, [PROMPTS[i % 4] for i in range(8)], params)
+    texts = []
+    for (c,) in outs:
+        assert c.finish_reason == "stop", c.text
+        check_schema(json.loads(c.text))
+        assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', '""', c.text))  # compact: no whitespace
+        texts.append(c.text)
+    assert len(set(texts)) > 1  # seeded sampling, not one forced document
+    again = generate(llm, [PROMPTS[0]], params[:1])[0][0]
+    assert again.text == outs[0][0].text  # the seed decides, as without a grammar
+    assert CompileCounter.requests == before and llm.runner.unplanned_compiles == 0
+
+
+def test_regex_and_choice_match(llm):
+    regex, choice = StructuredSpec.regex(REGEX), StructuredSpec.choice(CHOICES)
+    params = ([SamplingParams(max_tokens=20, temperature=1.0, seed=s, structured=regex) for s in range(6)]
+              + [SamplingParams(max_tokens=20, temperature=1.0, seed=s, structured=choice) for s in range(6)])
+    outs = generate(llm, [PROMPTS[i % 4] for i in range(12)], params)
+    for (c,) in outs[:6]:
+        assert re.fullmatch(REGEX, c.text) and c.finish_reason == "stop", c.text
+    for (c,) in outs[6:]:
+        assert c.text in CHOICES and c.finish_reason == "stop", c.text
+
+
+def test_greedy_unconstrained_rows_unchanged_beside_constrained_ones(llm):
+    free = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * 2
+    alone = generate(llm, PROMPTS[:2], free)
+    schema = StructuredSpec.json_schema(SCHEMA)
+    constrained = [SamplingParams(max_tokens=60, temperature=0.7, seed=3, structured=schema),
+                   SamplingParams(max_tokens=20, temperature=0, structured=StructuredSpec.regex(REGEX))]
+    mixed = generate(llm, [PROMPTS[2], PROMPTS[0], PROMPTS[3], PROMPTS[1]],
+                     [constrained[0], free[0], constrained[1], free[1]])
+    assert [mixed[1][0].token_ids, mixed[3][0].token_ids] == [alone[0][0].token_ids, alone[1][0].token_ids]
+    assert re.fullmatch(REGEX, mixed[2][0].text)
+
+
+def test_n_samples_each_follow_the_grammar(llm):
+    spec = StructuredSpec.json_schema(SCHEMA)
+    params = SamplingParams(n=3, max_tokens=200, temperature=1.0, seed=11, structured=spec)
+    (outs,) = generate(llm, [PROMPTS[0]], [params])
+    assert len(outs) == 3
+    for c in outs:
+        check_schema(json.loads(c.text))
+
+
+def test_cut_by_max_tokens_is_length(llm):
+    params = SamplingParams(max_tokens=3, temperature=0, structured=StructuredSpec.json_schema(SCHEMA))
+    ((c,),) = generate(llm, [PROMPTS[0]], [params])
+    assert c.finish_reason == "length" and len(c.token_ids) == 3
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(c.text)
+
+
+def test_refusals(llm):
+    spec = StructuredSpec.json_object()
+    with pytest.raises(RequestError, match="ignore_eos"):
+        SamplingParams(structured=spec, ignore_eos=True)
+    with pytest.raises(RequestError, match="min_tokens"):
+        SamplingParams(structured=spec, min_tokens=2, max_tokens=4)
+    with pytest.raises(RequestError, match="StructuredSpec"):
+        SamplingParams(structured={"type": "json_object"})
+    with pytest.raises(GrammarError, match="backreference"):
+        llm.generate("x", SamplingParams(structured=StructuredSpec.regex(r"(a)\1")), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_speculative_decoding_with_structured_output_is_refused(llm, monkeypatch):
+    import dataclasses
+
+    speculative = dataclasses.replace(llm.engine.settings, num_speculative_tokens=3, speculative_method="ngram")
+    monkeypatch.setattr(llm.engine, "settings", speculative)
+    with pytest.raises(RequestError, match="speculative decoding"):
+        llm.engine.check_request([1, 2, 3], SamplingParams(structured=StructuredSpec.json_object()))
+
+
+def test_multi_step_and_preemption_keep_the_grammar():
+    """num_scheduler_steps=4 runs constrained rows one step at a time beside multi-step free rows, and a
+    cache too small for every row preempts and recomputes: outputs still parse, free greedy rows match
+    a single-step engine's."""
+    free = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    small_schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                     "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+                    "required": ["name", "age"], "additionalProperties": False}
+    spec = StructuredSpec.json_schema(small_schema)
+    params = [free, SamplingParams(max_tokens=60, temperature=1.0, seed=5, structured=spec), free,
+              SamplingParams(max_tokens=60, temperature=1.0, seed=6, structured=spec)]
+    prompts = PROMPTS
+    with LLM(str(resources.default_checkpoint()), **SETTINGS, num_scheduler_steps=4, num_pages=16,
+             warm_up=False) as small:
+        outs = generate(small, prompts, params)
+        preempted = small.engine.scheduler.num_preemptions
+    with LLM(str(resources.default_checkpoint()), **SETTINGS, warm_up=False) as plain:
+        want = generate(plain, prompts, params)
+    assert preempted > 0
+    for i in (1, 3):
+        doc = json.loads(outs[i][0].text)
+        assert set(doc) == {"name", "age"} and len(doc["name"]) <= 8 and 0 <= doc["age"] <= 99
+        assert outs[i][0].text == want[i][0].text  # seeded: same tokens whatever the step mix
+    assert [outs[0][0].token_ids, outs[2][0].token_ids] == [want[0][0].token_ids, want[2][0].token_ids]
