@@ -1,6 +1,6 @@
 """Mask time per token for a bounded JSON schema: llguidance (and xgrammar, when importable) on jaxserve tokenizers.
 
-    python -m jaxserve.structured.bench [--hf-tokenizer DIR] [--xgrammar] [--apply]
+    python -m jaxserve.structured.bench [--hf-tokenizer DIR] [--xgrammar] [--apply] [--step-inputs]
 
 Each document is a valid instance of SCHEMA (drawn by a seeded random walk under the grammar),
 tokenized as the bridge tokenizes text (no sentencepiece dummy prefix); the time is that of computing the mask before each of
@@ -185,6 +185,42 @@ def time_apply(vocab_size: int, rows: int) -> dict:
     return out
 
 
+def time_step_inputs(vocab_size: int, rows: int, iters: int = 300) -> dict:
+    """What the TokenMask costs a step with no constrained row, host side: the runner's mask for `rows`
+    logits (one reused buffer, a flag array), packed with a decode step's other inputs into the one
+    int32 buffer and copied to the device, against the same inputs without it. Medians in us."""
+    import jax
+
+    from jaxserve.engine.runner import ModelRunner
+    from jaxserve.kv_cache import RaggedBatch
+    from jaxserve.sampling import RowSampling, SamplingTensors
+    from jaxserve.structured.apply import TokenMask
+    from jaxserve.transfer import Layout
+
+    R, S, P, history = 1, rows, 64, 64 * 16
+    i32 = lambda *shape: np.zeros((R,) + shape, np.int32)  # noqa: E731
+    batch = RaggedBatch(tokens=i32(rows), positions=i32(rows), slots=i32(rows), token_row=i32(rows),
+                        query_start=i32(S + 1), context_lens=i32(S), page_table=i32(S, P), logit_index=i32(rows))
+    st = SamplingTensors.pack([RowSampling(temperature=0.7, seed=i) for i in range(rows)], (R, rows), history)
+    runner = ModelRunner.__new__(ModelRunner)  # only what _token_mask reads
+    runner.cfg, runner._masks, runner._mask_executor = type("C", (), {"vocab_size": vocab_size}), {}, None
+    plain, masked = Layout.of((batch, st)), Layout.of((batch, st, TokenMask.spec((R, rows), vocab_size)))
+
+    def once(layout, with_mask):
+        t0 = time.perf_counter()
+        inputs = (batch, st, runner._token_mask(R, rows, [])) if with_mask else (batch, st)
+        jax.block_until_ready(layout.put(inputs))
+        return (time.perf_counter() - t0) * 1e6
+
+    out = {"vocab": vocab_size, "rows": rows, "device": jax.devices()[0].platform,
+           "mask_bytes": rows * ((vocab_size + 31) // 32) * 4 + rows, "inputs_bytes_without": plain.width * 4}
+    for name, layout, flag in (("pack_put_us_without_mask", plain, False), ("pack_put_us_with_mask", masked, True)):
+        ts = [once(layout, flag) for _ in range(iters)]
+        out[name] = round(statistics.median(ts[iters // 10:]), 1)
+    out["mask_us_per_step"] = round(out["pack_put_us_with_mask"] - out["pack_put_us_without_mask"], 1)
+    return out
+
+
 def _summary(name: str, xs: list[float]) -> dict:
     a = np.asarray(xs)
     return {f"{name}_mean": round(float(a.mean()), 1), f"{name}_p50": round(float(np.median(a)), 1),
@@ -198,7 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--xgrammar", action="store_true", help="also time xgrammar (needs torch; not a dependency)")
     ap.add_argument("--apply", action="store_true", help="also time apply_token_bitmask at V=49152, 16 rows")
+    ap.add_argument("--step-inputs", action="store_true",
+                    help="only time what the mask adds to a step's host inputs when no row is constrained")
     args = ap.parse_args(argv)
+    if args.step_inputs:
+        for vocab, rows in ((8192, 16), (49152, 16), (128256, 16), (128256, 256)):
+            print(json.dumps(time_step_inputs(vocab, rows)), flush=True)
+        return 0
     for path in [str(default_checkpoint()), *args.hf_tokenizer]:
         tok = load_tokenizer(path)
         t0 = time.perf_counter()
