@@ -1,8 +1,9 @@
 """`steps.ragged_step` on the Pallas kernels equals it on the reference attention.
 
 Mixed rows (decodes with context, a first prompt chunk, the last chunk of a partly prefilled prompt,
-a verification of 3 tokens, padding tokens and rows), scanned and unrolled, with a sliding window and
-with an int8 cache; on one device, and per device under `shard_map` on meshes of 2 (data) x 2 (model)
+a verification of 3 tokens, padding tokens and rows), scanned and unrolled, with a sliding window, with
+Gemma 3's local and global layers (window, softmax scale and RoPE table per layer, scanned operands)
+and with an int8 cache; on one device, and per device under `shard_map` on meshes of 2 (data) x 2 (model)
 and 1 x 4 (model axis wider than the KV heads: they are replicated). Slots no row writes start NaN.
 """
 
@@ -90,10 +91,18 @@ def assert_same(got, ref):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("variant", ["scan", "unrolled", "sliding_window", "int8_kv"])
+GEMMA3 = make_cfg(architecture="Gemma3ForCausalLM", layer_types=("sliding_attention", "full_attention"),
+                  sliding_window=6, rope_theta=1e6, rope_local_theta=1e4, query_pre_attn_scalar=24.0,
+                  qk_norm=True, sandwich_norms=True, norm_weight_offset=1.0, scale_embeddings=True,
+                  hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("variant", ["scan", "unrolled", "sliding_window", "gemma3_layers", "int8_kv"])
 def test_pallas_ragged_step_equals_reference(variant):
-    cfg = make_cfg(sliding_window=6) if variant == "sliding_window" else CFG
+    cfg = {"sliding_window": make_cfg(sliding_window=6), "gemma3_layers": GEMMA3}.get(variant, CFG)
     params = PARAMS if variant != "unrolled" else unstack_layers(PARAMS)
+    if variant == "gemma3_layers":
+        params = init_dummy_params(cfg, seed=1, dtype=jnp.float32, std=0.15)
     cache, batch = scenario(cfg, 1, quantized=variant == "int8_kv")
     scan = variant != "unrolled"
     ref = run(params, cache, batch, cfg, "reference", scan)

@@ -174,10 +174,35 @@ def test_int8_and_orbax_loading(gemma3, tmp_path):
     np.testing.assert_allclose(np.asarray(forward_dense(restored, tokens, cfg=cfg)), np.asarray(ref), atol=1e-5)
 
 
+def test_hf_conditional_generation_matches_hf(tmp_path):
+    """A Gemma3ForConditionalGeneration that transformers itself saved (tiny SigLIP tower; 5.24 writes the
+    published layout: language_model.model.*, vision_tower.*, multi_modal_projector.*): its text
+    tower's logits on a text-only prompt equal HF's."""
+    import transformers
+
+    from hf_models import ARCHS, TINY
+
+    text = {**TINY, **ARCHS["gemma3"][2]}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4)).eval()
+    model.save_pretrained(str(tmp_path))
+    cfg = ModelConfig.from_dir(str(tmp_path))
+    assert cfg.architecture == "Gemma3ForConditionalGeneration" and cfg.layer_types == tuple(text["layer_types"])
+    ids = np.random.RandomState(8).randint(0, cfg.vocab_size, size=14).tolist()
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids])).logits[0].numpy()
+    got = forward_dense(load_hf_params(str(tmp_path), cfg, jnp.float32), jnp.asarray([ids], jnp.int32), cfg=cfg)
+    np.testing.assert_allclose(np.asarray(got[0]), ref, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("layout", ["transformers5", "published"])
 def test_conditional_generation_checkpoint_loads_its_text_tower(gemma3, tmp_path, layout):
     """Gemma3ForConditionalGeneration (4B and larger): the nested text_config and the text tower's
-    weights under either prefix; the vision tower's tensors are skipped."""
+    weights under either prefix (model.language_model.*, as transformers >= 5 names the modules, or
+    the published language_model.model.*); the vision tower's tensors are skipped."""
     path, _, cfg, params = gemma3
     text = json.loads((pathlib.Path(path) / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({
