@@ -343,6 +343,9 @@ def _family_fields(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
     if arch.startswith("Gemma3"):
         if hf.get("attn_logit_softcapping"):  # Gemma 2's; HF's Gemma 3 attention does not apply it either
             raise UnsupportedModelError("Gemma with attention logit soft-capping (Gemma 2) is not supported")
+        if hf.get("use_bidirectional_attention"):  # EmbeddingGemma: an encoder, not a causal decoder
+            raise UnsupportedModelError("Gemma 3 with use_bidirectional_attention=True (an embedding model) is "
+                                        "not supported")
         num_layers = int(hf["num_hidden_layers"])
         layer_types = hf.get("layer_types")
         if not layer_types:

@@ -126,6 +126,9 @@ def test_qwen3_is_served():
 def test_gemma3_is_served():
     cfg = ModelConfig.from_dir(str(MODELS / "gemma-3-12b"))
     assert cfg.servable and cfg.sandwich_norms and cfg == planned("gemma-3-12b")
+    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf_dict({**hf_json("gemma-3-12b")["text_config"], "architectures": ["Gemma3ForCausalLM"],
+                                  "use_bidirectional_attention": True})
 
 
 def test_the_engine_refuses_a_plan_only_model(hf_model_dir, tmp_path):
