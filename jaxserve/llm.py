@@ -82,6 +82,12 @@ class LLM:
             raise RequestError(f"{len(sampling_params)} SamplingParams for {len(all_ids)} prompts")
         for ids, params in zip(all_ids, sampling_params):
             self.engine.check_request(ids, params)
+        # Structured output: every grammar compiled (cached by spec) before any request is queued, so a
+        # spec the library rejects raises GrammarError with nothing left running.
+        futures = [self.engine.grammar_compiler.submit(p.structured)
+                   for p in sampling_params if p.structured is not None]
+        for future in futures:
+            future.result()
 
         order = []
         for text, ids, params in zip(texts, all_ids, sampling_params):

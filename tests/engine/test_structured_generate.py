@@ -124,7 +124,8 @@ def test_refusals(llm):
     with pytest.raises(RequestError, match="StructuredSpec"):
         SamplingParams(structured={"type": "json_object"})
     with pytest.raises(GrammarError, match="backreference"):
-        llm.generate("x", SamplingParams(structured=StructuredSpec.regex(r"(a)\1")), use_tqdm=False)
+        llm.generate(["x", "y"], [SamplingParams(structured=StructuredSpec.regex("a+")),
+                                  SamplingParams(structured=StructuredSpec.regex(r"(a)\1"))], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -161,3 +162,13 @@ def test_multi_step_and_preemption_keep_the_grammar():
         assert set(doc) == {"name", "age"} and len(doc["name"]) <= 8 and 0 <= doc["age"] <= 99
         assert outs[i][0].text == want[i][0].text  # seeded: same tokens whatever the step mix
     assert [outs[0][0].token_ids, outs[2][0].token_ids] == [want[0][0].token_ids, want[2][0].token_ids]
+
+
+def test_prompt_logprobs_steps_apply_the_mask_too():
+    """With prompt logprobs the step is the scoring variant; its sampler sees the mask as well."""
+    with LLM(str(resources.default_checkpoint()), **SETTINGS, enable_prompt_logprobs=True, warm_up=False) as scoring:
+        params = [SamplingParams(max_tokens=20, temperature=1.0, seed=s, prompt_logprobs=1,
+                                 structured=StructuredSpec.choice(CHOICES)) for s in range(4)]
+        outs = scoring.generate(PROMPTS, params, use_tqdm=False)
+    for o in outs:
+        assert o.outputs[0].text in CHOICES and o.prompt_logprobs is not None
