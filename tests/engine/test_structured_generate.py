@@ -172,3 +172,17 @@ def test_prompt_logprobs_steps_apply_the_mask_too():
         outs = scoring.generate(PROMPTS, params, use_tqdm=False)
     for o in outs:
         assert o.outputs[0].text in CHOICES and o.prompt_logprobs is not None
+
+
+def test_two_replicas(llm):
+    """Data parallel (mesh (2, 1)): each replica's rows get their own masks; free greedy rows match one replica's."""
+    free = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    params = [free, SamplingParams(max_tokens=20, temperature=1.0, seed=1, structured=StructuredSpec.regex(REGEX)),
+              free, SamplingParams(max_tokens=20, temperature=1.0, seed=2, structured=StructuredSpec.choice(CHOICES))]
+    want = generate(llm, PROMPTS, params)
+    with LLM(str(resources.default_checkpoint()), **SETTINGS, mesh_shape=(2, 1), warm_up=False) as dp:
+        assert dp.engine.num_replicas == 2
+        got = generate(dp, PROMPTS, params)
+    assert re.fullmatch(REGEX, got[1][0].text) and got[3][0].text in CHOICES
+    assert [got[0][0].token_ids, got[2][0].token_ids] == [want[0][0].token_ids, want[2][0].token_ids]
+    assert [got[1][0].text, got[3][0].text] == [want[1][0].text, want[3][0].text]  # seeded: the same draws
