@@ -121,14 +121,16 @@ def test_ragged_row_matches_forward(gemma3, scan):
 def llm(gemma3):
     from jaxserve import LLM
 
-    with LLM(gemma3[0], dtype="float32", page_size=PAGE, max_model_len=64, max_num_seqs=4,
+    # 8 usable pages: the first three prompts need 9 (their K/V: 30, 23, 16 tokens), so one is preempted
+    with LLM(gemma3[0], dtype="float32", page_size=PAGE, num_pages=9, max_model_len=64, max_num_seqs=4,
              max_num_batched_tokens=32, enable_prefix_caching=True, warm_up=False) as llm:
         yield llm
 
 
 def test_greedy_through_the_engine_matches_hf(gemma3, llm):
-    """Greedy tokens through LLM.generate: three prompts batched together (two longer than the window),
-    then two that share the first one's prefix (whole pages served from the prefix cache)."""
+    """Greedy tokens through LLM.generate: three prompts batched together (two longer than the window; the
+    pool too small for all three, so one is preempted and recomputed), then two that share the first one's
+    prefix (whole pages served from the prefix cache)."""
     from jaxserve import SamplingParams
 
     _, model, cfg, _ = gemma3
@@ -143,6 +145,8 @@ def test_greedy_through_the_engine_matches_hf(gemma3, llm):
             ref, gaps = hf_greedy(model, prompt, 12)
             assert out.prompt_token_ids == prompt and out.outputs[0].finish_reason == "length"
             assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"gemma3 prompt len {len(prompt)}")
+        if prompts is first:
+            assert llm.engine.scheduler.num_preemptions > 0
     assert llm.blocks.num_prefix_hit_tokens - hits_before >= 2 * 2 * PAGE  # both shared prompts hit 2 pages
     assert llm.blocks.num_free_pages(0) == llm.plan.num_pages - 1
 
