@@ -121,9 +121,11 @@ def test_ragged_row_matches_forward(gemma3, scan):
 def llm(gemma3):
     from jaxserve import LLM
 
-    # 8 usable pages: the first three prompts need 9 (their K/V: 30, 23, 16 tokens), so one is preempted
+    # 8 usable pages: the first three prompts need 9 (their K/V: 30, 23, 16 tokens), so one is preempted.
+    # Layers scanned (the engine's accelerator default; the window and RoPE table as scanned operands):
+    # each step shape compiles one layer body, not four.
     with LLM(gemma3[0], dtype="float32", page_size=PAGE, num_pages=9, max_model_len=64, max_num_seqs=4,
-             max_num_batched_tokens=32, enable_prefix_caching=True, warm_up=False) as llm:
+             max_num_batched_tokens=32, enable_prefix_caching=True, scan_layers=True, warm_up=False) as llm:
         yield llm
 
 
