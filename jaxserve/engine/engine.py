@@ -631,6 +631,9 @@ class LLMEngine:
             prefill_tokens_computed=self.counters["prefill_tokens_computed"],
             last_step_seconds=self.last_step_seconds,
             last_step_bytes_read=self.last_step_bytes_read,
+            # structured output: host time computing grammar masks, and the constrained rows masked
+            grammar_mask_seconds_total=self.runner.mask_seconds,
+            grammar_masked_rows_total=self.runner.masked_rows,
             **self.composition.as_stats(),
             **(self.spec.stats() if self.spec is not None else {}),
             **(self.multihost.stats() if self.multihost is not None else {}),
@@ -751,7 +754,9 @@ class AsyncLLMEngine:
         ids, params = self.engine.prepare_request(prompt, sampling_params, prompt_token_ids)  # no step state
         grammar = None
         if params.structured is not None:  # compiled on the compiler's thread; GrammarError is the 400
-            grammar = await asyncio.wrap_future(self.engine.grammar_compiler.submit(params.structured))
+            # Shielded: a caller that goes away must not cancel a compilation other requests share.
+            compiling = self.engine.grammar_compiler.submit(params.structured)
+            grammar = await asyncio.shield(asyncio.wrap_future(compiling))
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use")
         self._streams[request_id] = (asyncio.get_running_loop(), queue)

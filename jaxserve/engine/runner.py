@@ -195,6 +195,8 @@ class ModelRunner:
         # into, and the llguidance executor that fills it (made on the first constrained step).
         self._masks: dict[int, np.ndarray] = {}
         self._mask_executor: Any = None
+        self.mask_seconds = 0.0  # host time spent computing grammar masks, all steps together
+        self.masked_rows = 0  # constrained rows masked, all steps together
         self.platform = jax.default_backend()
         self.compiler_options = step_compiler_options(self.platform)
         # Multi-host, process 0 only: hands each step's packed inputs and each page copy to the other
@@ -435,7 +437,10 @@ class ModelRunner:
                 import llguidance
 
                 self._mask_executor = llguidance.LLExecutor()
+            start = time.perf_counter()
             fill_bitmasks(grammars, bitmask, self._mask_executor)
+            self.mask_seconds += time.perf_counter() - start
+            self.masked_rows += len(grammars)
             constrained[[at for _, at in grammars]] = True
         return TokenMask(bitmask.reshape(R, L, -1), constrained.reshape(R, L))
 

@@ -73,6 +73,9 @@ def test_json_schema_outputs_parse_and_validate_with_no_compile(llm):
     again = generate(llm, [PROMPTS[0]], params[:1])[0][0]
     assert again.text == outs[0][0].text  # the seed decides, as without a grammar
     assert CompileCounter.requests == before and llm.runner.unplanned_compiles == 0
+    stats = llm.engine.stats()
+    assert stats["grammar_masked_rows_total"] >= sum(len(c.token_ids) for (c,) in outs)
+    assert stats["grammar_mask_seconds_total"] > 0
 
 
 def test_regex_and_choice_match(llm):
