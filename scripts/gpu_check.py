@@ -11,9 +11,15 @@ Sections (`--sections`, in this order by default):
           reference (max abs error).
 * tests   `pytest tests/kernels` in a child process with PALLAS_TESTS_NATIVE=1: the GPU kernels run
           compiled (interpret=False), the TPU-only interpreter cases are skipped.
-* server  `python -m jaxserve.serve` on a dummy (random weights) Llama-3-8B-shaped model with small
-          limits, then a few streamed completions (token-id prompts: the model has no tokenizer):
-          start-up time, time to first token, decode speed, throughput of concurrent requests.
+* copies  the engine's ragged decode step for the Llama-3-8B shape, lowered and compiled here (from
+          shapes alone: no weights), scanned and unrolled, with and without XLA:GPU's
+          `xla_gpu_enable_dynamic_slice_fusion`: the copies, dynamic slices and gathers left in the
+          optimized program outside fusions, and the bytes they move per step (a per-layer copy of
+          the KV cache or of a stacked weight shows up here).
+* server  `python -m jaxserve.serve` on a dummy (random weights) Llama-3-8B-shaped model (64 sequence
+          slots), then streamed completions (token-id prompts: the model has no tokenizer) at 1, 4,
+          16 and 64 concurrent streams: start-up time, time to first token, decode speed, output
+          tokens/s at each concurrency, and batch-1 decode against the weight-read bound.
 
 Every section runs even if an earlier one fails; the report is rewritten after each, so a run cut
 short still leaves what it measured. GPU memory: XLA_PYTHON_CLIENT_PREALLOCATE=false here and in the
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import shutil
@@ -47,7 +54,7 @@ import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTIONS = ("bench", "tests", "server")
+SECTIONS = ("bench", "tests", "copies", "server")
 DEFAULT_MODEL = os.path.join(REPO, "configs", "models", "llama3-8b")
 
 # Llama-3-8B attention and MLP shapes (bench); the dry run shrinks every dimension.
@@ -435,11 +442,12 @@ def server_smoke(dry_run: bool, model: str | None, extra: list[str], timeout: fl
     model = model or DEFAULT_MODEL
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise FileNotFoundError(f"{model}/config.json not found (pass --model DIR)")
-    if dry_run:
-        # Two compiled buckets only: (batch 1, 1 token, 4 pages) and (batch 1, 16 tokens, 4 pages).
-        limits = dict(max_model_len=64, max_num_seqs=1, max_num_batched_tokens=16, prompt_len=8, max_tokens=4)
-    else:
-        limits = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=128, prompt_len=64, max_tokens=32)
+    if dry_run:  # a handful of small ragged buckets (tokens 1 .. 16, 4 pages)
+        limits = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, prompt_len=8, max_tokens=4,
+                      concurrency=[1, 2])
+    else:  # 64 sequence slots: the streams of every concurrency level decode in one step
+        limits = dict(max_model_len=256, max_num_seqs=64, max_num_batched_tokens=256, prompt_len=64,
+                      max_tokens=64, concurrency=[1, 4, 16, 64])
     port = free_port()
     cmd = [sys.executable, "-m", "jaxserve.serve", "--model", model, "--load-format", "dummy", "--dtype", "bfloat16",
            "--max-model-len", str(limits["max_model_len"]), "--max-num-seqs", str(limits["max_num_seqs"]),
@@ -469,22 +477,33 @@ def server_smoke(dry_run: bool, model: str | None, extra: list[str], timeout: fl
             served = http_json(base + "/v1/models")[1]["data"][0]["id"]
             with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
                 vocab = json.load(f)["vocab_size"]
+            levels = limits["concurrency"]
             prompts = [[(7 + 13 * i + 31 * j) % (vocab - 10) + 5 for j in range(limits["prompt_len"])]
-                       for i in range(limits["max_num_seqs"] + 1)]
+                       for i in range(1 + sum(levels))]
             request_timeout = max(60.0, timeout / 2)
-            # The first request runs alone (its TTFT is a prefill on an idle server); then a full batch at once.
+            # The first request runs alone (its TTFT is a prefill on an idle server); then each concurrency
+            # level sends that many streams at once (fresh prompts: no prefix-cache hits).
             result["single"] = stream_completion(base, served, prompts[0], limits["max_tokens"], request_timeout)
-            c0 = time.perf_counter()
-            with ThreadPoolExecutor(len(prompts) - 1) as pool:
-                batch = list(pool.map(lambda p: stream_completion(base, served, p, limits["max_tokens"],
-                                                                  request_timeout), prompts[1:]))
-            wall = time.perf_counter() - c0
-            result["concurrent"] = {
-                "requests": len(batch), "wall_s": round(wall, 3),
-                "output_tokens_per_s": round(sum(r["completion_tokens"] for r in batch) / wall, 2),
-                "ttft_s_median": statistics.median(r["ttft_s"] for r in batch),
-                "ttft_s_max": max(r["ttft_s"] for r in batch),
-            }
+            result["concurrency"], used = [], 1
+            for level in levels:
+                batch_prompts, used = prompts[used: used + level], used + level
+                c0 = time.perf_counter()
+                with ThreadPoolExecutor(level) as pool:
+                    batch = list(pool.map(lambda p: stream_completion(base, served, p, limits["max_tokens"],
+                                                                      request_timeout), batch_prompts))
+                wall = time.perf_counter() - c0
+                decode = [r["decode_s_per_token"] for r in batch if r["decode_s_per_token"]]
+                result["concurrency"].append({
+                    "streams": level, "wall_s": round(wall, 3),
+                    "output_tokens_per_s": round(sum(r["completion_tokens"] for r in batch) / wall, 2),
+                    "ttft_s_median": statistics.median(r["ttft_s"] for r in batch),
+                    "ttft_s_max": max(r["ttft_s"] for r in batch),
+                    "tpot_s_median": statistics.median(decode) if decode else None,
+                })
+            result["concurrent"] = dict(result["concurrency"][-1], requests=levels[-1])
+            one = result["concurrency"][0]["output_tokens_per_s"]
+            result["throughput_vs_one_stream"] = {c["streams"]: round(c["output_tokens_per_s"] / one, 2)
+                                                  for c in result["concurrency"]}
             try:
                 with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
                     text = resp.read().decode()
@@ -513,6 +532,118 @@ def server_smoke(dry_run: bool, model: str | None, extra: list[str], timeout: fl
     if failure is not None:
         raise SectionFailed(failure, result) from failure
     return result
+
+
+# ---- copies in the compiled step -------------------------------------------------------------------
+def hlo_copy_census(hlo_text: str, min_bytes: int = 1 << 20) -> dict:
+    """Copies, dynamic slices and gathers in an optimized HLO module outside fused computations (a
+    fusion's inner slices move nothing by themselves), with the bytes each produces; those of at
+    least `min_bytes` are listed. Ops in while bodies (a scan over layers) run once per iteration."""
+    import re
+
+    sizes = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
+    op = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (\w+)\[([\d,]*)\][^ ]* (copy|dynamic-slice|gather)\(")
+    computation, fused = None, False
+    found: dict[str, dict] = {}
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and "{" in line:  # a computation's header
+            computation = line.split("(")[0].replace("ENTRY", "").strip().lstrip("%")
+            fused = "fused" in computation or "fusion" in computation
+            continue
+        m = op.match(line)
+        if m is None or fused:
+            continue
+        dtype, dims, kind = m.groups()
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        nbytes = n * sizes.get(dtype, 4)
+        entry = found.setdefault(kind, {"count": 0, "bytes": 0, "large": []})
+        entry["count"] += 1
+        entry["bytes"] += nbytes
+        if nbytes >= min_bytes:
+            entry["large"].append({"shape": f"{dtype}[{dims}]", "bytes": nbytes, "in": computation})
+    return found
+
+
+def step_copies(dry_run: bool, model: str | None) -> dict:
+    """The ragged decode step (16 rows, one token each) of the model, compiled from shapes, and the
+    copy census of each variant."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve import steps
+    from jaxserve.config import ModelConfig
+    from jaxserve.kv_cache import KVCache, RaggedBatch
+    from jaxserve.model.weights import map_specs
+
+    work = tempfile.mkdtemp(prefix="gpu_check_copies_")
+    try:
+        if model is None and dry_run:
+            model = os.path.join(work, "tiny-llama")
+            os.makedirs(model)
+            with open(os.path.join(model, "config.json"), "w", encoding="utf-8") as f:
+                json.dump(TINY_MODEL, f)
+        cfg = ModelConfig.from_dir(model or DEFAULT_MODEL)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    gpu = jax.default_backend() == "gpu"
+    dtype = jnp.bfloat16
+    rows, pages_per_row, page_size = (2, 4, 16) if dry_run else (16, 128, 16)  # 16 x 2,048 tokens of context
+    num_pages = rows * pages_per_row + 1
+    sds = jax.ShapeDtypeStruct
+    stacked = map_specs(lambda a: sds(a.shape, dtype), cfg)
+    unrolled = stacked.replace(layers=tuple(jax.tree.map(lambda a: sds(a.shape[1:], a.dtype), stacked.layers)
+                                            for _ in range(cfg.num_layers)))
+    kv = sds((1, cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim), dtype)
+    cache = KVCache(k=kv, v=kv)
+    i32 = lambda *d: sds((1,) + d, jnp.int32)  # noqa: E731
+    batch = RaggedBatch(tokens=i32(rows), positions=i32(rows), slots=i32(rows), token_row=i32(rows),
+                        query_start=i32(rows + 1), context_lens=i32(rows), page_table=i32(rows, pages_per_row),
+                        logit_index=i32(rows))
+    impl = "pallas_gpu" if gpu else "reference"
+    result = {"model": model or DEFAULT_MODEL, "rows": rows,
+              "context_per_row": pages_per_row * page_size, "attention": impl,
+              "cache_bytes": 2 * kv.size * 2, "variants": {}}
+    for scan in (True, False):
+        options = steps.StepOptions(scan_layers=scan, attention_backend=impl)
+        params = stacked if scan else unrolled
+        lowered = steps.ragged.trace(params, cache, batch, cfg=cfg, options=options).lower()
+        for fusion in ((False, True) if gpu else (None,)):
+            opts = {} if fusion is None else {"xla_gpu_enable_dynamic_slice_fusion": fusion}
+            t0 = time.perf_counter()
+            compiled = lowered.compile(opts)
+            name = ("scanned" if scan else "unrolled") + ("" if fusion is None else
+                                                        f", dynamic_slice_fusion={str(fusion).lower()}")
+            result["variants"][name] = {"compile_s": round(time.perf_counter() - t0, 2),
+                                        **hlo_copy_census(compiled.as_text())}
+    return result
+
+
+def weight_read_bound(data: dict, model: str | None, dry_run: bool) -> dict | None:
+    """Batch-1 decode (the server's lone stream) against reading every bf16 weight once per token at
+    the copy bandwidth the bench section measured; None without both."""
+    try:
+        tpot = data["server"]["single"]["decode_s_per_token"]
+        bandwidth = data["bench"]["copy_bandwidth"]["bytes_per_second"]
+    except (KeyError, TypeError):
+        return None
+    if not tpot or not bandwidth:
+        return None
+    import jax
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.model.weights import param_specs
+
+    if dry_run and model is None:  # the dry run's server model (its directory is gone by now)
+        cfg = ModelConfig.from_hf_dict(TINY_MODEL)
+    else:
+        cfg = ModelConfig.from_dir(model or DEFAULT_MODEL)
+    specs = jax.tree.leaves(param_specs(cfg), is_leaf=lambda x: hasattr(x, "axes"))
+    weight_bytes = 2 * sum(math.prod(s.shape) for s in specs)
+    bound = weight_bytes / bandwidth
+    return {"weight_bytes": weight_bytes, "bound_s_per_token": bound, "tpot_s": tpot,
+            "fraction_of_bound": round(bound / tpot, 3)}
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -558,9 +689,14 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "tests":
             report.section("tests", run_kernel_tests, args.dry_run, args.tests, shlex.split(args.pytest_args),
                            args.tests_timeout, out_dir)
+        elif name == "copies":
+            report.section("copies", step_copies, args.dry_run, args.model)
         elif name == "server":
             report.section("server", server_smoke, args.dry_run, args.model, shlex.split(args.server_args),
                            args.server_timeout, out_dir)
+    bound = weight_read_bound(report.data, args.model, args.dry_run)
+    if bound is not None:
+        report.data["batch1_vs_weight_read_bound"] = bound
     tests = report.data.get("tests")
     report.data["ok"] = not report.data["errors"] and (tests is None or tests["returncode"] == 0)
     report.write()

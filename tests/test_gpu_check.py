@@ -41,3 +41,34 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     server = report["server"]
     assert server["single"]["completion_tokens"] == server["limits"]["max_tokens"]
     assert server["concurrent"]["output_tokens_per_s"] > 0 and server["exit_code"] == 0
+    assert [c["streams"] for c in server["concurrency"]] == [1, 2] and server["throughput_vs_one_stream"]["1"] == 1
+    bound = report["batch1_vs_weight_read_bound"]
+    assert bound["weight_bytes"] > 0 and 0 < bound["fraction_of_bound"]
+    # The copy census of the compiled decode step (CPU here: no dynamic-slice-fusion variants).
+    copies = report["copies"]["variants"]
+    assert set(copies) == {"scanned", "unrolled"}
+    assert all(v["compile_s"] > 0 for v in copies.values())
+
+
+def test_copy_census_reads_unfused_ops_only():
+    import sys as _sys
+    _sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import gpu_check
+
+    hlo = """HloModule m
+
+%fused_computation (p: f32[4,8]) -> f32[2,8] {
+  %p = f32[4,8]{1,0} parameter(0)
+  ROOT %ds = f32[2,8]{1,0} dynamic-slice(%p, %c, %c), dynamic_slice_sizes={2,8}
+}
+
+ENTRY %main (a: bf16[1024,1024]) -> bf16[1024,1024] {
+  %a = bf16[1024,1024]{1,0} parameter(0)
+  %copy.1 = bf16[1024,1024]{0,1} copy(%a)
+  ROOT %g = s32[4]{0} gather(%x, %y)
+}
+"""
+    census = gpu_check.hlo_copy_census(hlo)
+    assert census["copy"] == {"count": 1, "bytes": 2 << 20, "large": [
+        {"shape": "bf16[1024,1024]", "bytes": 2 << 20, "in": "main"}]}
+    assert census["gather"]["count"] == 1 and "dynamic-slice" not in census
