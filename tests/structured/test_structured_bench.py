@@ -12,3 +12,9 @@ def test_bench_smoke(capsys):
     assert r["library"] == "llguidance" and r["vocab"] == 8192
     assert r["mask_us_second_pass_n"] > 0 and r["mask_us_second_pass_p50"] > 0
     json.loads(r["example"])
+
+
+def test_step_inputs_smoke():
+    r = bench.time_step_inputs(8192, 4, iters=20)
+    assert r["mask_bytes"] == 4 * 256 * 4 + 4
+    assert r["pack_put_us_without_mask"] > 0 and r["pack_put_us_with_mask"] > 0
