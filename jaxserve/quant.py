@@ -143,8 +143,8 @@ def map_linear(params: Params, fn: Callable[[Any], Any], quantize_lm_head: bool 
     Works on stacked layers and on a tuple of per-layer LayerParams; embeddings, norms and biases are
     left as they are; lm_head is included when `quantize_lm_head` (a tied head is the embedding: never).
     """
-    def one(lp: LayerParams) -> LayerParams:
-        return lp.replace(**{f: fn(getattr(lp, f)) for f in LINEAR_FIELDS})
+    def one(lp: LayerParams) -> LayerParams:  # a family's absent weights (None) stay absent
+        return lp.replace(**{f: fn(getattr(lp, f)) for f in LINEAR_FIELDS if getattr(lp, f) is not None})
 
     layers = params.layers
     layers = tuple(one(lp) for lp in layers) if isinstance(layers, tuple) else one(layers)

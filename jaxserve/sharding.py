@@ -57,6 +57,10 @@ def logical_rules(cfg: ModelConfig, model_size: int) -> dict[str, str | None]:
         "heads": MODEL,
         "kv_heads": split(cfg.num_kv_heads),
         "mlp": split(cfg.intermediate_size),
+        # Experts replicated for now: each device holds every expert and routes its own copy of the tokens
+        # (no all-gather of expert weights; expert parallelism over `model` is issue 24's remaining work).
+        "experts": None,
+        "expert_mlp": None,
         "vocab": split(cfg.vocab_size),
         "replica": DATA,
     }

@@ -27,9 +27,9 @@ class LayerParams:
     wv: jax.Array  # f[L, D, K*H]
     wo: jax.Array  # f[L, N*H, D]
     mlp_norm: jax.Array  # f[L, D]
-    w_gate: jax.Array  # f[L, D, F]
-    w_up: jax.Array  # f[L, D, F]
-    w_down: jax.Array  # f[L, F, D]
+    w_gate: jax.Array | None  # f[L, D, F]; None for a mixture of experts (its MLP is the expert_* below)
+    w_up: jax.Array | None  # f[L, D, F]
+    w_down: jax.Array | None  # f[L, F, D]
     bq: jax.Array | None = None  # f[L, N*H] (Qwen2, Llama attention_bias)
     bk: jax.Array | None = None  # f[L, K*H]
     bv: jax.Array | None = None  # f[L, K*H]
@@ -40,6 +40,12 @@ class LayerParams:
     # residual add (`mlp_norm` is then HF's pre_feedforward_layernorm). None for the other families.
     post_attn_norm: jax.Array | None = None  # f[L, D]
     post_mlp_norm: jax.Array | None = None  # f[L, D]
+    # Mixture of experts (Qwen3-MoE, Mixtral; moe.MoEParams per layer): the router and E SwiGLU experts
+    # of hidden size F_e = moe_intermediate_size. None for the dense families.
+    router: jax.Array | None = None  # f[L, D, E]
+    expert_gate: jax.Array | None = None  # f[L, E, D, F_e]
+    expert_up: jax.Array | None = None  # f[L, E, D, F_e]
+    expert_down: jax.Array | None = None  # f[L, E, F_e, D]
 
 
 @flax.struct.dataclass
@@ -71,7 +77,8 @@ def param_specs(cfg: ModelConfig) -> Params:
     """A Params pytree whose leaves are ArraySpecs: the single description everything else derives from."""
     L, D, F, V, H = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     NH, KH = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    bias, sandwich = cfg.qkv_bias, cfg.sandwich_norms
+    bias, sandwich, moe = cfg.qkv_bias, cfg.sandwich_norms, cfg.is_moe
+    E, FE = cfg.num_experts, cfg.moe_intermediate_size
     norm = "zeros" if cfg.norm_weight_offset else "ones"  # Gemma scales by (1 + weight): zeros is the identity
     layers = LayerParams(
         attn_norm=ArraySpec((L, D), ("layers", "embed_replicated"), norm),
@@ -80,9 +87,10 @@ def param_specs(cfg: ModelConfig) -> Params:
         wv=ArraySpec((L, D, KH), ("layers", "embed", "kv_heads"), "normal"),
         wo=ArraySpec((L, NH, D), ("layers", "heads", "embed"), "normal"),
         mlp_norm=ArraySpec((L, D), ("layers", "embed_replicated"), norm),
-        w_gate=ArraySpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
-        w_up=ArraySpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
-        w_down=ArraySpec((L, F, D), ("layers", "mlp", "embed"), "normal"),
+        # a dense MLP or experts, never both (config.check_servable)
+        w_gate=None if moe else ArraySpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+        w_up=None if moe else ArraySpec((L, D, F), ("layers", "embed", "mlp"), "normal"),
+        w_down=None if moe else ArraySpec((L, F, D), ("layers", "mlp", "embed"), "normal"),
         bq=ArraySpec((L, NH), ("layers", "heads"), "zeros") if bias else None,
         bk=ArraySpec((L, KH), ("layers", "kv_heads"), "zeros") if bias else None,
         bv=ArraySpec((L, KH), ("layers", "kv_heads"), "zeros") if bias else None,
@@ -91,6 +99,10 @@ def param_specs(cfg: ModelConfig) -> Params:
         k_norm=ArraySpec((L, H), ("layers", "head_dim"), norm) if cfg.qk_norm else None,
         post_attn_norm=ArraySpec((L, D), ("layers", "embed_replicated"), norm) if sandwich else None,
         post_mlp_norm=ArraySpec((L, D), ("layers", "embed_replicated"), norm) if sandwich else None,
+        router=ArraySpec((L, D, E), ("layers", "embed", None), "normal") if moe else None,
+        expert_gate=ArraySpec((L, E, D, FE), ("layers", "experts", "embed", "expert_mlp"), "normal") if moe else None,
+        expert_up=ArraySpec((L, E, D, FE), ("layers", "experts", "embed", "expert_mlp"), "normal") if moe else None,
+        expert_down=ArraySpec((L, E, FE, D), ("layers", "experts", "expert_mlp", "embed"), "normal") if moe else None,
     )
     return Params(
         embed=ArraySpec((V, D), ("vocab", "embed"), "normal"),
