@@ -1,8 +1,9 @@
 """The Llama-family forward pass as a pure function of (params, cache, batch) for one replica.
 
-Llama 2/3/3.1, Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) and Gemma 3
+Llama 2/3/3.1, Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms), Gemma 3
 ((1 + weight) norms, four per layer, GeGLU, scaled embeddings, local and global layers with their own
-RoPE bases, window and softmax scale) differ only in ModelConfig flags.
+RoPE bases, window and softmax scale), Qwen3-MoE and Mixtral (the MLP a mixture of experts, moe.py)
+differ only in ModelConfig flags.
 Each layer writes its new K/V into the pages first, then attends over the pages, so a prefill
 chunk, a decode token and a mix of both are the same computation.
 """
@@ -29,6 +30,7 @@ from jaxserve.model.layers import (
     rope_cos_sin,
     swiglu,
 )
+from jaxserve.model.moe import MoEParams, moe_mlp
 from jaxserve.model.weights import LayerParams, Params
 
 # attention(q f[B,T,N,H], k_pages f[K,NP,S,H], v_pages, page_table i32[B,P], positions i32[B,T],
@@ -67,15 +69,21 @@ def _project_qkv(cfg: ModelConfig, lp: LayerParams, x: jax.Array, cos: jax.Array
 
 
 def _output_and_mlp(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Array) -> jax.Array:
-    """Output projection and residual, then the pre-norm gated MLP (SwiGLU, or Gemma's GeGLU) and its
-    residual; with Gemma 3's sandwich norms each block's output is normalised before its residual add."""
+    """Output projection and residual, then the pre-norm gated MLP (SwiGLU, Gemma's GeGLU, or a mixture
+    of SwiGLU experts over the flattened tokens) and its residual; with Gemma 3's sandwich norms each block's output is normalised before its residual add."""
     B, T, N, H = attn.shape
     out = _linear(attn.reshape(B, T, N * H), lp.wo, lp.bo)
     if lp.post_attn_norm is not None:
         out = _norm(cfg, out, lp.post_attn_norm)
     x = x + out
-    mlp = geglu if cfg.hidden_act == "gelu_pytorch_tanh" else swiglu
-    out = mlp(_norm(cfg, x, lp.mlp_norm), lp.w_gate, lp.w_up, lp.w_down)
+    h = _norm(cfg, x, lp.mlp_norm)
+    if lp.router is not None:  # a mixture of experts: every token (padding too: harmless) routed on its own
+        experts = MoEParams(router=lp.router, w_gate=lp.expert_gate, w_up=lp.expert_up, w_down=lp.expert_down)
+        out = moe_mlp(h.reshape(B * T, -1), experts, top_k=cfg.num_experts_per_tok,
+                      normalize=cfg.norm_topk_prob).reshape(h.shape)
+    else:
+        mlp = geglu if cfg.hidden_act == "gelu_pytorch_tanh" else swiglu
+        out = mlp(h, lp.w_gate, lp.w_up, lp.w_down)
     if lp.post_mlp_norm is not None:
         out = _norm(cfg, out, lp.post_mlp_norm)
     return x + out
