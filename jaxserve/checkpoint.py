@@ -110,6 +110,15 @@ _SANDWICH_NAMES = {
     "pre_feedforward_layernorm.weight": ("mlp_norm", False),
     "post_feedforward_layernorm.weight": ("post_mlp_norm", False),
 }
+# Mixture of experts: the router, and the experts either one tensor per expert (what transformers 5.24
+# still writes, and the published checkpoints: Qwen3-MoE mlp.experts.{e}.gate_proj/up_proj/down_proj,
+# Mixtral block_sparse_moe.experts.{e}.w1/w3/w2) or fused over the experts (transformers 5's modules:
+# mlp.experts.gate_up_proj [E, 2F, D] gate half first, mlp.experts.down_proj [E, D, F]).
+_ROUTER_NAMES = {"mlp.gate.weight": ("router", True), "block_sparse_moe.gate.weight": ("router", True)}
+_EXPERT_PREFIXES = ("mlp.experts.", "block_sparse_moe.experts.")
+_SPLIT_EXPERT_NAMES = {"gate_proj.weight": "expert_gate", "up_proj.weight": "expert_up",
+                       "down_proj.weight": "expert_down", "w1.weight": "expert_gate", "w3.weight": "expert_up",
+                       "w2.weight": "expert_down"}
 _TOP_NAMES = {
     "model.embed_tokens.weight": ("embed", False),
     "model.norm.weight": ("final_norm", False),
@@ -126,7 +135,27 @@ _VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "visi
 
 def _layer_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
     """HF name (after "model.layers.{i}.") -> (LayerParams field, transpose?) for this family."""
-    return {**_LAYER_NAMES, **_SANDWICH_NAMES} if cfg.sandwich_norms else _LAYER_NAMES
+    names = {**_LAYER_NAMES, **_SANDWICH_NAMES} if cfg.sandwich_norms else _LAYER_NAMES
+    return {**names, **_ROUTER_NAMES} if cfg.is_moe else names
+
+
+def _expert_parts(rest: str, tensor: np.ndarray) -> list[tuple[str, int | None, np.ndarray]] | None:
+    """An expert tensor (`rest` after "model.layers.{i}.") as (field, expert, array in our [in, out]
+    layout) parts, expert None when the array holds every expert; None when it is no expert tensor."""
+    prefix = next((p for p in _EXPERT_PREFIXES if rest.startswith(p)), None)
+    if prefix is None:
+        return None
+    name = rest[len(prefix):]
+    if name == "gate_up_proj":  # f[E, 2F, D]
+        half = tensor.shape[1] // 2
+        return [("expert_gate", None, tensor[:, :half].swapaxes(1, 2)),
+                ("expert_up", None, tensor[:, half:].swapaxes(1, 2))]
+    if name == "down_proj":  # f[E, D, F]
+        return [("expert_down", None, tensor.swapaxes(1, 2))]
+    index, _, weight = name.partition(".")
+    if index.isdigit() and weight in _SPLIT_EXPERT_NAMES:  # one expert's [out, in]
+        return [(_SPLIT_EXPERT_NAMES[weight], int(index), tensor.T)]
+    return None
 
 
 def _text_tower_name(name: str, cfg: ModelConfig) -> str | None:
@@ -169,6 +198,10 @@ def load_hf_params(
                 continue
             if name.startswith("model.layers."):
                 index_str, _, rest = name[len("model.layers."):].partition(".")
+                parts = _expert_parts(rest, tensor) if cfg.is_moe else None
+                if parts is not None:
+                    _copy_experts(target, layer_specs, int(index_str), parts, filled, cfg, stored_name)
+                    continue
                 field, transpose = layer_names.get(rest, (None, False))
                 spec = layer_specs.get(field) if field else None
                 layer = int(index_str)
@@ -186,7 +219,10 @@ def load_hf_params(
             else:
                 raise ModelLoadError(f"{path}: unexpected tensor {stored_name!r} (not a {cfg.architecture} weight)")
 
-    missing = [f for f in layer_specs if layer_specs[f] is not None and len(filled.get(f, ())) != cfg.num_layers]
+    def expected(field: str) -> int:  # expert fields count (layer, expert) pairs
+        return cfg.num_layers * (cfg.num_experts if field.startswith("expert_") else 1)
+
+    missing = [f for f in layer_specs if layer_specs[f] is not None and len(filled.get(f, ())) != expected(f)]
     missing += [f for f in ("embed", "final_norm", "lm_head") if getattr(specs, f) is not None and f not in host]
     if missing:
         raise ModelLoadError(f"{model_dir}: checkpoint lacks weights for {', '.join(missing)}")
@@ -214,6 +250,18 @@ def load_hf_params(
     top = {f: place(f, getattr(shardings, f) if shardings is not None else None)
            for f in ("embed", "final_norm", "lm_head") if getattr(specs, f) is not None}
     return Params(embed=top["embed"], layers=layers, final_norm=top["final_norm"], lm_head=top.get("lm_head"))
+
+
+def _copy_experts(target, layer_specs, layer: int, parts, filled: dict[str, set], cfg: ModelConfig,
+                  name: str) -> None:
+    """Copy one layer's expert tensor(s) into the stacked f[L, E, ...] arrays; `filled` gets (layer, expert)."""
+    for field, expert, array in parts:
+        spec = layer_specs[field]
+        if layer >= cfg.num_layers or (expert is not None and expert >= cfg.num_experts):
+            raise ModelLoadError(f"unexpected tensor {name} for this config ({cfg.num_layers} layers, "
+                                 f"{cfg.num_experts} experts)")
+        _copy_into(target(field, spec.shape)[layer], expert, array, False, name)
+        filled[field].update((layer, e) for e in (range(cfg.num_experts) if expert is None else (expert,)))
 
 
 def _copy_into(dest: np.ndarray, layer: int | None, tensor: np.ndarray, transpose: bool, name: str) -> None:
@@ -257,9 +305,19 @@ def hf_tensors(params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
         value = getattr(params, field)
         if value is not None:
             out[name] = np.asarray(value).T if transpose else np.asarray(value)
+    mixtral = cfg.architecture == "MixtralForCausalLM"
+    router_name = "block_sparse_moe.gate.weight" if mixtral else "mlp.gate.weight"
+    expert_names = (("block_sparse_moe.experts.{}.w1.weight", "block_sparse_moe.experts.{}.w3.weight",
+                     "block_sparse_moe.experts.{}.w2.weight") if mixtral else
+                    ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.up_proj.weight", "mlp.experts.{}.down_proj.weight"))
     for i, lp in enumerate(per_layer):
         for name, (field, transpose) in _layer_names(cfg).items():
             value = getattr(lp, field)
-            if value is not None:
+            if value is not None and field != "router":
                 out[f"model.layers.{i}.{name}"] = np.asarray(value).T if transpose else np.asarray(value)
+        if lp.router is not None:  # the per-expert layout transformers writes
+            out[f"model.layers.{i}.{router_name}"] = np.asarray(lp.router).T
+            for field, pattern in zip(("expert_gate", "expert_up", "expert_down"), expert_names):
+                for e, w in enumerate(np.asarray(getattr(lp, field))):
+                    out[f"model.layers.{i}.{pattern.format(e)}"] = w.T
     return out
