@@ -9,6 +9,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from jaxserve.errors import JaxServeError, RequestError
+from jaxserve.structured.errors import GrammarError
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ def engine_error(err: BaseException) -> APIError:
     take requests (503), or something failed while processing it (500, logged)."""
     if isinstance(err, APIError):
         return err
+    if isinstance(err, GrammarError):  # the grammar library refused the request's schema, regex or grammar
+        return APIError(400, str(err), code="invalid_structured_output")
     if isinstance(err, RequestError):
         return APIError(400, str(err), code="invalid_request")
     if isinstance(err, JaxServeError):

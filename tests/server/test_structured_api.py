@@ -99,6 +99,7 @@ def test_bad_constraints_are_400s_and_the_server_keeps_serving(client, extra, ne
     r = chat(client, **extra)
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"], r.json()
+    assert r.json()["error"]["code"] == "invalid_structured_output"
     ok = complete(client, max_tokens=4, temperature=0)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
