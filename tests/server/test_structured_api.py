@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 
@@ -103,3 +104,20 @@ def test_bad_constraints_are_400s_and_the_server_keeps_serving(client, extra, ne
     ok = complete(client, max_tokens=4, temperature=0)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
+
+
+def test_grammars_compile_before_intake_never_on_the_step_thread(client, monkeypatch):
+    from jaxserve.structured import GrammarCompiler
+
+    compiler = client.app.state.jaxserve.engine.engine.grammar_compiler
+    calls = []
+
+    def compile_on_caller(spec):
+        calls.append(threading.current_thread().name)
+        return GrammarCompiler.compile(compiler, spec)
+
+    monkeypatch.setattr(compiler, "compile", compile_on_caller)
+    misses = compiler.cache_info().misses
+    r = complete(client, guided_regex=r"[a-c]{1,4}x", temperature=0)  # a spec no other test sends
+    assert r.status_code == 200 and re.fullmatch(r"[a-c]{1,4}x", r.json()["choices"][0]["text"])
+    assert calls == [] and compiler.cache_info().misses == misses + 1  # compiled once, by submit
