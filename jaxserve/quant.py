@@ -27,8 +27,10 @@ import jax.numpy as jnp
 from jaxserve.model.weights import LayerParams, Params
 
 INT8_MAX = 127
-# The linear weights that quantization="int8" replaces ([in, out] each); lm_head only on request.
-LINEAR_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# The linear weights that quantization="int8" replaces ([in, out] each, experts [E, in, out]: a scale
+# per expert and output channel; model.moe multiplies them itself, whatever `kernel`); lm_head only on
+# request; never the routers.
+LINEAR_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "expert_gate", "expert_up", "expert_down")
 # Resolved matmul implementations of a QuantArray: "reference" (XLA, any platform and mesh), "xla_cpu"
 # (XLA, decode rows in cache-sized K chunks: one device's CPU), and the Pallas kernel per backend.
 MATMUL_IMPLS = ("reference", "xla_cpu", "pallas_tpu", "pallas_gpu", "pallas_interpret")

@@ -11,17 +11,25 @@ weights, so a batch-1 step reads top-k experts, not all of them.
 On accelerators `ragged_dot` lowers to grouped GEMMs; XLA:CPU computes it densely (every expert
 for every row), so on a CPU a prefill through the grouped path costs E times the routed FLOPs.
 
-Not yet wired into the model's layers (issue 24): `llama.py`'s MLP calls this where a config has
-experts, and the mesh shards `experts` for expert parallelism.
+`llama.py`'s MLP calls this where a config has experts (LayerParams.router and expert_*). int8
+experts are QuantArrays (one scale per expert and output channel): the grouped path multiplies by
+the int8 values widened to x's dtype and scales each assignment row by its expert's scales; the
+gathered path dequantizes only the gathered experts. Expert parallelism on the mesh is not done yet
+(the experts are replicated: sharding.logical_rules).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+
+from jaxserve.quant import QuantArray
+
+Weight = jax.Array | QuantArray
 
 
 @flax.struct.dataclass
@@ -29,9 +37,9 @@ class MoEParams:
     """One layer's experts: the router and each expert's SwiGLU weights, stacked on the expert axis E."""
 
     router: jax.Array  # f[D, E]
-    w_gate: jax.Array  # f[E, D, F]
-    w_up: jax.Array  # f[E, D, F]
-    w_down: jax.Array  # f[E, F, D]
+    w_gate: Weight  # f[E, D, F] (or int8 values with f32[E, F] scales)
+    w_up: Weight  # f[E, D, F]
+    w_down: Weight  # f[E, F, D]
 
     @classmethod
     def from_hf(cls, router: Any, gate_up_proj: Any, down_proj: Any) -> "MoEParams":
@@ -55,7 +63,34 @@ def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool) -> tuple
 
 def moe_mlp(x: jax.Array, p: MoEParams, *, top_k: int, normalize: bool,
             act: Callable[[jax.Array], jax.Array] = jax.nn.silu) -> jax.Array:
-    """The MoE MLP of tokens x f[T, D] -> f[T, D]."""
+    """The MoE MLP of tokens x f[T, D] -> f[T, D].
+
+    Under `jax.vmap` over x alone (the engine's step maps its forward over replicas, the weights
+    shared) the batch's tokens are routed as one [B * T, D] set: jax's ragged_dot batches only when
+    every operand, the weights too, is mapped (jax 0.10: "ragged_dot vmap over any dim but 0"). With a
+    data axis > 1 that sort spans the replicas' devices (correct; a per-device dispatch is part of
+    expert parallelism, not done yet). Not differentiable in reverse mode (custom_vmap)."""
+    return _batchable(top_k, normalize, act)(x, p)
+
+
+@functools.lru_cache(maxsize=None)
+def _batchable(top_k: int, normalize: bool, act: Callable[[jax.Array], jax.Array]):
+    """`_moe_tokens` with a vmap rule that flattens a mapped x's batch into its tokens."""
+    fn = jax.custom_batching.custom_vmap(lambda x, p: _moe_tokens(x, p, top_k, normalize, act))
+
+    @fn.def_vmap
+    def _flatten_batch(axis_size, in_batched, x, p):
+        x_batched, p_batched = in_batched
+        if any(jax.tree.leaves(p_batched)):
+            raise NotImplementedError("moe_mlp under vmap with mapped expert weights (only x may be mapped)")
+        if not x_batched:
+            return fn(x, p), False
+        return fn(x.reshape(-1, x.shape[-1]), p).reshape(x.shape), True
+
+    return fn
+
+
+def _moe_tokens(x: jax.Array, p: MoEParams, top_k: int, normalize: bool, act) -> jax.Array:
     T, D = x.shape
     E = p.router.shape[-1]
     weights, experts = route(x, p.router, top_k, normalize)
@@ -66,19 +101,36 @@ def moe_mlp(x: jax.Array, p: MoEParams, *, top_k: int, normalize: bool,
     token = order // top_k
     group_sizes = jnp.zeros(E, jnp.int32).at[flat].add(1)
     rows = x[token]  # f[T * k, D]
-    gate = jax.lax.ragged_dot(rows, p.w_gate, group_sizes)
-    up = jax.lax.ragged_dot(rows, p.w_up, group_sizes)
-    out = jax.lax.ragged_dot((act(gate) * up).astype(x.dtype), p.w_down, group_sizes)  # f[T * k, D]
+    row_expert = flat[order]  # i32[T * k]: each sorted row's expert (its int8 scales)
+    gate = _grouped(rows, p.w_gate, group_sizes, row_expert)
+    up = _grouped(rows, p.w_up, group_sizes, row_expert)
+    out = _grouped((act(gate) * up).astype(x.dtype), p.w_down, group_sizes, row_expert)  # f[T * k, D]
     scale = weights.reshape(-1)[order].astype(jnp.float32)[:, None]
     return jnp.zeros((T, D), jnp.float32).at[token].add(out.astype(jnp.float32) * scale).astype(x.dtype)
+
+
+def _grouped(rows: jax.Array, w: Weight, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
+    """rows f[A, in] (sorted by expert) times their experts' w [E, in, out]: one ragged_dot."""
+    if not isinstance(w, QuantArray):
+        return jax.lax.ragged_dot(rows, w, group_sizes)
+    # The int8 -> rows.dtype convert is exact; a row's scales (its expert's) commute with the sum over `in`.
+    y = jax.lax.ragged_dot(rows, w.values.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32)
+    return (y * w.scales[row_expert]).astype(rows.dtype)
+
+
+def _take(w: Weight, experts: jax.Array, dtype) -> jax.Array:
+    """The weights of experts i32[T, k]: f[T, k, in, out] (int8 ones dequantized after the gather)."""
+    if not isinstance(w, QuantArray):
+        return w[experts]
+    return w.values[experts].astype(dtype) * w.scales[experts][..., None, :].astype(dtype)
 
 
 def _gathered_experts(x, p: MoEParams, weights, experts, act) -> jax.Array:
     """Each assignment multiplies by its own expert's weights, gathered: T * k experts' bytes read,
     never all E (XLA:CPU's ragged_dot computes every expert for every row: measured 54 ms for 8
     experts against 4 ms for one, 512 x 512 x 1024, this CPU, 2026-12-01)."""
-    gate = jnp.einsum("td,tkdf->tkf", x, p.w_gate[experts], preferred_element_type=jnp.float32)
-    up = jnp.einsum("td,tkdf->tkf", x, p.w_up[experts], preferred_element_type=jnp.float32)
+    gate = jnp.einsum("td,tkdf->tkf", x, _take(p.w_gate, experts, x.dtype), preferred_element_type=jnp.float32)
+    up = jnp.einsum("td,tkdf->tkf", x, _take(p.w_up, experts, x.dtype), preferred_element_type=jnp.float32)
     h = (act(gate) * up).astype(x.dtype)
-    out = jnp.einsum("tkf,tkfd->tkd", h, p.w_down[experts], preferred_element_type=jnp.float32)
+    out = jnp.einsum("tkf,tkfd->tkd", h, _take(p.w_down, experts, x.dtype), preferred_element_type=jnp.float32)
     return jnp.einsum("tkd,tk->td", out, weights).astype(x.dtype)
