@@ -26,10 +26,10 @@ from jaxserve.settings import (
 )
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")  # Gemma 3: its text tower
-# Architectures whose config jaxserve reads and plans (`jaxserve plan`) but cannot serve yet: their forward
-# (experts) is issue 24's remaining work.
-PLAN_ONLY_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                           "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",  # Gemma 3: its text tower
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# Architectures whose config jaxserve reads and plans (`jaxserve plan`) but cannot serve yet (none today).
+PLAN_ONLY_ARCHITECTURES: tuple[str, ...] = ()
 PLANNABLE_ARCHITECTURES = SUPPORTED_ARCHITECTURES + PLAN_ONLY_ARCHITECTURES
 
 
@@ -46,9 +46,9 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and options of a decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3; planned only: Qwen3-MoE,
-    Mixtral); hashable, so it is a static jit argument. The fields after `eos_token_ids` default to what
-    the Llama family has, so its configs are unchanged by them."""
+    """Shape and options of a decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, Mixtral); hashable,
+    so it is a static jit argument. The fields after `eos_token_ids` default to what the Llama family
+    has, so its configs are unchanged by them."""
 
     vocab_size: int
     hidden_size: int
@@ -100,16 +100,22 @@ class ModelConfig:
 
     @property
     def servable(self) -> bool:
-        """Whether jaxserve has a forward for this architecture (else it can only plan it)."""
-        return self.architecture in SUPPORTED_ARCHITECTURES
+        """Whether jaxserve has a forward for this architecture and config (else it can only plan it)."""
+        return self.architecture in SUPPORTED_ARCHITECTURES and not (self.is_moe and self.dense_layers)
 
     def check_servable(self) -> None:
-        """Raise UnsupportedModelError for an architecture jaxserve can plan but not run yet."""
-        if not self.servable:
+        """Raise UnsupportedModelError for an architecture (or a config) jaxserve can plan but not run."""
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"architecture {self.architecture!r} is not supported for serving yet: jaxserve can plan it "
-                f"(`jaxserve plan --model DIR`) but not run it (its forward is issue 24's remaining work); "
-                f"served today: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"(`jaxserve plan --model DIR`) but not run it; served today: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if not self.servable:
+            # The layers are one stack (scanned): a dense MLP in some and experts in others would need two
+            # stacks or both MLPs' weights in every layer. No released Qwen3-MoE has dense layers.
+            raise UnsupportedModelError(
+                f"{self.architecture} with dense MLP layers among the expert layers (mlp_only_layers / "
+                f"decoder_sparse_step: dense layers {list(self.dense_layers)}) is not supported for serving; "
+                "jaxserve can plan it (`jaxserve plan --model DIR`)")
 
     @property
     def is_moe(self) -> bool:
@@ -239,15 +245,15 @@ class ModelConfig:
     def from_hf_dict(cls, hf: Mapping[str, Any], plan_only: bool = False) -> "ModelConfig":
         """Translate a Hugging Face config.json; refuse what we do not implement rather than run it wrongly.
 
-        plan_only=True (the planner) also accepts PLAN_ONLY_ARCHITECTURES; without it they raise
-        UnsupportedModelError (`check_servable`), so no loader runs them on the Llama forward."""
+        plan_only=True (the planner) also accepts PLAN_ONLY_ARCHITECTURES and configs `check_servable`
+        refuses (a Qwen3-MoE with dense layers); without it they raise UnsupportedModelError."""
         archs = hf.get("architectures") or [_arch_from_model_type(hf.get("model_type"))]
         arch = archs[0]
         if arch not in PLANNABLE_ARCHITECTURES:
+            planned = f" (planned only, not served yet: {', '.join(PLAN_ONLY_ARCHITECTURES)})" if (
+                PLAN_ONLY_ARCHITECTURES) else ""
             raise UnsupportedModelError(
-                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
-                f"(planned only, not served yet: {', '.join(PLAN_ONLY_ARCHITECTURES)})"
-            )
+                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}{planned}")
         outer = hf
         if arch.startswith("Gemma3"):  # the text tower; the checkpoints leave Gemma3TextConfig's defaults out
             hf = {**_GEMMA3_TEXT_DEFAULTS, **(hf["text_config"] if "text_config" in hf else hf)}
@@ -371,11 +377,15 @@ def _family_fields(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
         num_layers, step = int(hf["num_hidden_layers"]), int(hf.get("decoder_sparse_step") or 1)
         only = {int(i) for i in hf.get("mlp_only_layers") or ()}
         dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step != 0)
-        return {"qk_norm": True, "num_experts": int(hf["num_experts"]),
+        # transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts; the published configs num_experts
+        experts = hf.get("num_experts") or hf["num_local_experts"]
+        return {"qk_norm": True, "num_experts": int(experts),
                 "num_experts_per_tok": int(hf["num_experts_per_tok"]),
                 "moe_intermediate_size": int(hf["moe_intermediate_size"]),
                 "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "dense_layers": dense}
-    if arch == "MixtralForCausalLM":  # every layer's MLP is experts of intermediate_size; top-k renormalised
+    # Every layer's MLP is experts of intermediate_size, top-k renormalised; router_jitter_noise acts in
+    # training only (HF's router adds it only when training).
+    if arch == "MixtralForCausalLM":
         return {"num_experts": int(hf["num_local_experts"]), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
                 "moe_intermediate_size": int(hf["intermediate_size"]), "norm_topk_prob": True}
     return {}

@@ -38,6 +38,13 @@ ARCHS = {
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         "rope_theta": 100000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
         "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}),
+    # Mixtures of experts: 8 experts of 32 with top-2 and the softmax over all experts (Qwen3-MoE's
+    # norm_topk_prob False), and Mixtral's 4 experts of 128 (intermediate_size), top-2 renormalised.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
 }
 # Gemma's norms scale by (1 + weight): centred on 0, they spread as the others' centred on 1 do.
 NORM_CENTRE = {"gemma3": 0.0}

@@ -1,6 +1,6 @@
-"""Qwen3, Gemma 3, Qwen3-MoE and Mixtral: read from their config.json, counted and planned; the MoE
-families refused for serving until their forward exists (issue 24; served: Qwen3, tests/model/test_qwen3.py,
-and Gemma 3, tests/model/test_gemma3.py). No weights: the shipped configs/models are shapes only."""
+"""Qwen3, Gemma 3, Qwen3-MoE and Mixtral: read from their config.json, counted and planned, and served
+(tests/model/test_qwen3.py, test_gemma3.py, test_moe_models.py); a Qwen3-MoE with dense layers among its
+expert layers is planned but refused for serving. No weights: the shipped configs/models are shapes only."""
 
 import json
 import math
@@ -29,7 +29,6 @@ from jaxserve.planning.roofline import (
 REPO = pathlib.Path(__file__).resolve().parent.parent
 MODELS = REPO / "configs" / "models"
 NEW = ("qwen3-8b", "gemma-3-12b", "qwen3-30b-a3b", "mixtral-8x7b")
-PLAN_ONLY = ("qwen3-30b-a3b", "mixtral-8x7b")  # served: qwen3-8b, gemma-3-12b
 # Published totals (model cards): (total, active) parameters; Gemma-3-12B's text tower only.
 PUBLISHED = {"qwen3-8b": (8.2e9, 8.2e9), "gemma-3-12b": (11.8e9, 11.8e9),
              "qwen3-30b-a3b": (30.5e9, 3.3e9), "mixtral-8x7b": (46.7e9, 12.9e9)}
@@ -111,11 +110,21 @@ def test_dense_configs_keep_their_defaults():
     assert cfg == ModelConfig.from_hf_dict(hf_json("llama3-8b"), plan_only=True)
 
 
-@pytest.mark.parametrize("name", PLAN_ONLY)
-def test_serving_is_refused_with_a_clear_message(name):
-    arch = hf_json(name)["architectures"][0]
-    with pytest.raises(UnsupportedModelError, match=f"{arch}.*can plan it.*not run it"):
-        ModelConfig.from_dir(str(MODELS / name))
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_moe_families_are_served(name):
+    cfg = ModelConfig.from_dir(str(MODELS / name))
+    assert cfg.servable and cfg.is_moe and cfg == planned(name)
+
+
+def test_dense_layers_among_experts_are_planned_not_served():
+    hf = {**hf_json("qwen3-30b-a3b"), "mlp_only_layers": [3]}
+    cfg = ModelConfig.from_hf_dict(hf, plan_only=True)
+    assert cfg.dense_layers == (3,) and not cfg.servable
+    with pytest.raises(UnsupportedModelError, match=r"dense MLP layers among the expert layers.*\[3\]"):
+        ModelConfig.from_hf_dict(hf)
+    # transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts
+    v5 = {k: v for k, v in hf_json("qwen3-30b-a3b").items() if k != "num_experts"}
+    assert ModelConfig.from_hf_dict({**v5, "num_local_experts": 128}) == planned("qwen3-30b-a3b")
 
 
 def test_qwen3_is_served():
@@ -131,19 +140,19 @@ def test_gemma3_is_served():
                                   "use_bidirectional_attention": True})
 
 
-def test_the_engine_refuses_a_plan_only_model(hf_model_dir, tmp_path):
+def test_the_engine_refuses_an_unservable_model(hf_model_dir, tmp_path):
     from jaxserve import LLM
 
     path, _ = hf_model_dir("llama")
     dest = tmp_path / "model"
     shutil.copytree(path, dest)
     config = json.loads((dest / "config.json").read_text())
-    config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
-                  num_experts_per_tok=2)
+    config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2)
     (dest / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="'MixtralForCausalLM' is not supported for serving yet"):
+    with pytest.raises(UnsupportedModelError, match="dense MLP layers among the expert layers"):
         LLM(str(dest), warm_up=False)
-    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*planned only"):
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*is not supported; supported"):
         ModelConfig.from_hf_dict({**config, "architectures": ["GPT2LMHeadModel"]}, plan_only=True)
 
 

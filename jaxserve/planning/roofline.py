@@ -18,7 +18,7 @@ import dataclasses
 import math
 from typing import Any
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelConfig
 from jaxserve.devices import DeviceSpec
 from jaxserve.errors import ConfigError
 
@@ -421,8 +421,9 @@ def make_plan(cfg: ModelConfig, target: Target, *, dtype: str = "bfloat16", quan
         return param_bytes_read_per_device(cfg, rows, per_device, experts_dev, model_size, expert_parallel)
 
     if not cfg.servable:
-        notes.append(f"{cfg.architecture}: jaxserve plans it but cannot serve it yet (its forward is issue 24's "
-                     "remaining work)")
+        why = ("dense MLP layers among its expert layers" if cfg.architecture in SUPPORTED_ARCHITECTURES
+               else "no forward for it")
+        notes.append(f"{cfg.architecture}: jaxserve plans it but cannot serve it yet ({why})")
     if cfg.architecture == "Gemma3ForConditionalGeneration":
         notes.append("parameters: the text tower only (the checkpoint's SigLIP vision tower and projector, "
                      "about 0.4 B more, are not counted)")

@@ -1,0 +1,242 @@
+"""Qwen3-MoE and Mixtral (mixture-of-experts MLPs) end to end against Hugging Face transformers.
+
+Two tiny random models, each saved by transformers (per-expert tensors) and read back through
+jaxserve's loader, serve every test here (one session fixture per family): a Qwen3-MoE (2 layers,
+hidden 64, 8 experts of 32, top-2 weighted by the softmax over all 8 (norm_topk_prob False), head_dim
+32 with q/k norms) and a Mixtral (2 layers, 4 experts of 128, top-2 renormalised, no window). Logits
+of the paged (unrolled and scanned), dense and ragged forwards, greedy tokens through the engine
+(continuous batching, prefix caching), the fused-expert checkpoint layout, int8 experts.
+
+A prompt of T tokens makes 2T assignments: more than the experts in a prefill (the grouped
+ragged_dot path) and at most the experts in a decode (each assignment's expert gathered), so both
+paths of moe.moe_mlp meet HF's here. A router near-tie that flips an expert choice would move the
+logits past 1e-4: `assert_logits_close` then accepts it only at a top-k gap below ROUTER_TIE, logged.
+"""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve import steps
+from jaxserve.checkpoint import hf_tensors, load_hf_params, write_safetensors
+from jaxserve.config import ModelConfig
+from jaxserve.kv_cache import KVCache, RaggedBatch, StepBatch, cache_shape, init_cache
+from jaxserve.model.llama import forward, forward_dense, forward_ragged
+from jaxserve.model.weights import unstack_layers
+from jaxserve.ragged import RaggedRow
+
+from hf_models import assert_same_greedy, hf_greedy
+
+PAGE = 8
+FAMILIES = ["qwen3_moe", "mixtral"]
+ROUTER_TIE = 1e-4  # gap between the k-th and (k+1)-th router probability below which a flip is excused
+
+
+def _load(hf_model_dir, arch):
+    path, model = hf_model_dir(arch)
+    cfg = ModelConfig.from_dir(path)
+    return path, model, cfg, load_hf_params(path, cfg, jnp.float32)
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe(hf_model_dir):
+    """(model dir, HF model, ModelConfig, params f32 loaded by jaxserve) of the tiny Qwen3-MoE."""
+    return _load(hf_model_dir, "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def mixtral(hf_model_dir):
+    """(model dir, HF model, ModelConfig, params f32 loaded by jaxserve) of the tiny Mixtral."""
+    return _load(hf_model_dir, "mixtral")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param, request.getfixturevalue(request.param)
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()  # f32[len, V]
+
+
+def router_gap(model, ids, top_k):
+    """The smallest gap, over every token and layer of HF's forward on `ids`, between the k-th and
+    the (k+1)-th router probability: how near a routing decision came to flipping."""
+    inputs, hooks = [], []
+    for layer in model.model.layers:
+        hooks.append(layer.mlp.gate.register_forward_hook(lambda m, args, out: inputs.append((m, args[0]))))
+    try:
+        hf_logits(model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    gaps = []
+    for module, x in inputs:
+        probs = torch.softmax(x.reshape(-1, x.shape[-1]).double() @ module.weight.double().T, dim=-1)
+        top = torch.topk(probs, top_k + 1, dim=-1).values
+        gaps.append(float((top[:, top_k - 1] - top[:, top_k]).min()))
+    return min(gaps)
+
+
+def assert_logits_close(got, ref, model, ids, cfg, label, atol=1e-4):
+    """Within atol of HF, or off only where a router near-tie (gap < ROUTER_TIE) may have flipped an expert."""
+    err = float(np.abs(np.asarray(got) - ref).max())
+    if err <= atol:
+        return
+    gap = router_gap(model, ids, cfg.num_experts_per_tok)
+    assert gap < ROUTER_TIE, f"{label}: logits {err:.2e} from HF, smallest router top-k gap {gap:.2e}"
+    print(f"{label}: logits {err:.2e} from HF at a router near-tie (top-k gap {gap:.2e}); accepted")
+
+
+def step_batch(tokens, start, pages):
+    n = len(tokens)
+    return StepBatch(tokens=jnp.asarray(np.asarray(tokens, np.int32)[None, None]),
+                     start_pos=jnp.full((1, 1), start, jnp.int32), num_new=jnp.full((1, 1), n, jnp.int32),
+                     page_table=jnp.asarray(np.asarray(pages, np.int32)[None, None]))
+
+
+def test_config_and_weights(family):
+    name, (path, model, cfg, params) = family
+    want = {"qwen3_moe": ("Qwen3MoeForCausalLM", 8, 32, False, True),
+            "mixtral": ("MixtralForCausalLM", 4, 128, True, False)}[name]
+    assert (cfg.architecture, cfg.num_experts, cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.qk_norm) == want
+    assert cfg.servable and cfg.num_experts_per_tok == 2 and cfg.dense_layers == () and cfg.sliding_window is None
+    E, D, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    lp = params.layers
+    assert lp.w_gate is None and lp.w_up is None and lp.w_down is None
+    assert lp.router.shape == (2, D, E) and lp.expert_gate.shape == lp.expert_up.shape == (2, E, D, F)
+    assert lp.expert_down.shape == (2, E, F, D)
+    hf_mlp = model.model.layers[1].mlp
+    gate_up = hf_mlp.experts.gate_up_proj.detach().numpy()  # f[E, 2F, D], gate half first
+    np.testing.assert_array_equal(np.asarray(lp.expert_up[1, 3]), gate_up[3, F:].T)
+    np.testing.assert_array_equal(np.asarray(lp.expert_down[1, 2]), hf_mlp.experts.down_proj.detach().numpy()[2].T)
+    np.testing.assert_array_equal(np.asarray(lp.router[1]), hf_mlp.gate.weight.detach().numpy().T)
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_prefill_decode_and_dense_logits_match_hf(family, scan):
+    """A 19-token prompt prefilled (38 assignments: the grouped path), then 5 decodes (2 assignments:
+    the gathered path), and the dense forward."""
+    name, (_, model, cfg, params) = family
+    prompt = np.random.RandomState(1).randint(0, cfg.vocab_size, size=19).tolist()
+    continuation, _ = hf_greedy(model, prompt, 5)
+    full = prompt + continuation
+    ref = hf_logits(model, full)
+    pages = [3, 1, 4, 2][: -(-len(full) // PAGE)]  # out of order, page 0 unused
+    cache = init_cache(cfg, num_pages=5, page_size=PAGE, dtype=jnp.float32)
+    logits, cache = steps.prefill(params, cache, step_batch(prompt, 0, pages), cfg=cfg,
+                                  options=steps.StepOptions(scan_layers=scan, all_logits=True))
+    assert_logits_close(logits[0, 0], ref[: len(prompt)], model, prompt, cfg, f"{name} prefill")
+    for pos in range(len(prompt), len(full)):
+        logits, cache = steps.decode(params, cache, step_batch([full[pos]], pos, pages), cfg=cfg,
+                                     options=steps.StepOptions(scan_layers=scan))
+        assert_logits_close(logits[0, 0], ref[pos], model, full[: pos + 1], cfg, f"{name} decode {pos}")
+    dense_params = params if scan else unstack_layers(params)  # stacked layers scan, a tuple unrolls
+    dense = jax.jit(forward_dense, static_argnames="cfg")(dense_params, jnp.asarray([full], jnp.int32), cfg=cfg)
+    assert_logits_close(dense[0], ref, model, full, cfg, f"{name} dense")
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_ragged_row_matches_forward(family, scan):
+    """One row of `forward_ragged` (a chunk after cached history; two padding tokens routed too) equals
+    `forward` on that chunk."""
+    _, (_, _, cfg, params) = family
+    params = params if scan else unstack_layers(params)
+    rng = np.random.RandomState(4)
+    history, new = rng.randint(0, cfg.vocab_size, 11).tolist(), rng.randint(0, cfg.vocab_size, 6).tolist()
+    pages = [2, 4, 1]
+    shape = cache_shape(cfg, 5, PAGE)[1:]  # one replica; NaN until written, so a stray read shows
+    cache = KVCache(k=jnp.full(shape, jnp.nan, jnp.float32), v=jnp.full(shape, jnp.nan, jnp.float32))
+    table = np.asarray([pages], np.int32)
+    one = lambda n: np.asarray([n], np.int32)  # noqa: E731
+    fwd = jax.jit(forward, static_argnames=("cfg", "scan_layers", "all_logits"))
+    _, base = fwd(params, cache, np.asarray([history], np.int32), one(0), one(len(history)), table, cfg=cfg,
+                  scan_layers=scan)
+    ref, ref_cache = fwd(params, base, np.asarray([new], np.int32), one(len(history)), one(len(new)), table,
+                         cfg=cfg, scan_layers=scan, all_logits=True)
+    batch = RaggedBatch.build([RaggedRow(new, len(history), pages, len(new))], page_size=PAGE, num_tokens=8,
+                              num_rows=2, max_pages=4, num_logits=8)
+    logits, got_cache = jax.jit(forward_ragged, static_argnames=("cfg", "scan_layers"))(
+        params, base, batch, cfg=cfg, scan_layers=scan)
+    np.testing.assert_allclose(np.asarray(logits[: len(new)]), np.asarray(ref[0]), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(got_cache.k), np.asarray(ref_cache.k), atol=1e-5, rtol=0, equal_nan=True)
+
+
+@pytest.fixture(scope="module")
+def llm(family):
+    from jaxserve import LLM
+
+    # Layers scanned: each step shape compiles one layer body.
+    with LLM(family[1][0], dtype="float32", page_size=PAGE, max_model_len=64, max_num_seqs=4,
+             max_num_batched_tokens=32, enable_prefix_caching=True, scan_layers=True, warm_up=False) as llm:
+        yield llm
+
+
+def test_greedy_through_the_engine_matches_hf(family, llm):
+    """Greedy tokens through LLM.generate: three prompts batched together, then two that share the first
+    one's prefix (whole pages served from the prefix cache)."""
+    from jaxserve import SamplingParams
+
+    name, (_, model, cfg, _) = family
+    rng = np.random.RandomState(2)
+    first = [rng.randint(0, cfg.vocab_size, size=n).tolist() for n in (2 * PAGE + 3, PAGE, 5)]
+    shared = [first[0][: 2 * PAGE] + rng.randint(0, cfg.vocab_size, size=n).tolist() for n in (1, 7)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for prompts in (first, shared):
+        hits_before = llm.blocks.num_prefix_hit_tokens
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        for prompt, out in zip(prompts, outputs):
+            ref, gaps = hf_greedy(model, prompt, 12)
+            assert out.prompt_token_ids == prompt and out.outputs[0].finish_reason == "length"
+            assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"{name} prompt len {len(prompt)}")
+    assert llm.blocks.num_prefix_hit_tokens - hits_before >= 2 * 2 * PAGE  # both shared prompts hit 2 pages
+    assert llm.blocks.num_free_pages(0) == llm.plan.num_pages - 1
+
+
+def test_fused_expert_checkpoint_loads(family, tmp_path):
+    """transformers 5's module layout (mlp.experts.gate_up_proj / down_proj fused over the experts, what
+    `state_dict()` holds) loads to the same params as the per-expert files transformers writes, and
+    `hf_tensors` gives back exactly the per-expert file."""
+    from jaxserve.checkpoint import iter_safetensors, safetensors_files
+
+    _, (path, model, cfg, params) = family
+    saved = dict(kv for f in safetensors_files(path) for kv in iter_safetensors(f))
+    ours = hf_tensors(params, cfg)
+    assert set(ours) == set(saved)
+    for k, v in saved.items():
+        np.testing.assert_array_equal(ours[k], v, err_msg=k)
+    fused = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in fused)
+    shutil.copy(f"{path}/config.json", tmp_path / "config.json")
+    write_safetensors(str(tmp_path / "model.safetensors"), fused)
+    loaded = load_hf_params(str(tmp_path), cfg, jnp.float32)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_int8_experts(qwen3_moe):
+    """int8 quantizes the experts (a scale per expert and output channel) and leaves the router float;
+    the grouped (prefill) and gathered (decode-sized) paths both stay near the float model."""
+    from jaxserve import quant
+    from jaxserve.config import EngineConfig
+    from jaxserve.model_loader import load_model
+    from jaxserve.sharding import make_mesh
+
+    path, _, cfg, params = qwen3_moe
+    q8 = load_model(EngineConfig(model=path, dtype="float32", quantization="int8"), make_mesh((1, 1))).params
+    lp = q8.layers
+    assert isinstance(lp.expert_gate, quant.QuantArray) and lp.expert_gate.scales.shape == (2, 8, 32)
+    assert lp.router.dtype == jnp.float32 and lp.w_gate is None
+    dense = jax.jit(forward_dense, static_argnames="cfg")
+    for n in (13, 2):  # 26 assignments (grouped) and 4 (gathered: <= 8 experts)
+        tokens = jnp.asarray(np.random.RandomState(6).randint(0, cfg.vocab_size, size=(1, n)), jnp.int32)
+        ref = dense(params, tokens, cfg=cfg)
+        err = float(jnp.abs(dense(q8, tokens, cfg=cfg) - ref).max())
+        assert err < 0.25 * float(jnp.abs(ref).max()), (n, err)  # int8 rounding, not a wrong model
