@@ -57,10 +57,13 @@ def logical_rules(cfg: ModelConfig, model_size: int) -> dict[str, str | None]:
         "heads": MODEL,
         "kv_heads": split(cfg.num_kv_heads),
         "mlp": split(cfg.intermediate_size),
-        # Experts replicated for now: each device holds every expert and routes its own copy of the tokens
-        # (no all-gather of expert weights; expert parallelism over `model` is issue 24's remaining work).
+        # Experts tensor-parallel: every device holds all E experts, each split on its hidden dimension like
+        # a dense MLP's (gate/up column-, down row-parallel), so GSPMD ends the layer in one all-reduce of the
+        # assignment rows, never a gather of expert weights (tests/model/test_moe_models.py). Expert
+        # parallelism (whole experts per device, tokens dispatched to them) is not done yet: sharding
+        # `experts` here makes GSPMD all-reduce the gathered experts' weights in a decode step.
         "experts": None,
-        "expert_mlp": None,
+        "expert_mlp": split(cfg.moe_intermediate_size) if cfg.is_moe else None,
         "vocab": split(cfg.vocab_size),
         "replica": DATA,
     }

@@ -5,7 +5,8 @@ jaxserve's loader, serve every test here (one session fixture per family): a Qwe
 hidden 64, 8 experts of 32, top-2 weighted by the softmax over all 8 (norm_topk_prob False), head_dim
 32 with q/k norms) and a Mixtral (2 layers, 4 experts of 128, top-2 renormalised, no window). Logits
 of the paged (unrolled and scanned), dense and ragged forwards, greedy tokens through the engine
-(continuous batching, prefix caching), the fused-expert checkpoint layout, int8 experts.
+(continuous batching, prefix caching), the fused-expert checkpoint layout, int8 experts, and the
+experts tensor-parallel on a model axis of 4.
 
 A prompt of T tokens makes 2T assignments: more than the experts in a prefill (the grouped
 ragged_dot path) and at most the experts in a decode (each assignment's expert gathered), so both
@@ -240,3 +241,28 @@ def test_int8_experts(qwen3_moe):
         ref = dense(params, tokens, cfg=cfg)
         err = float(jnp.abs(dense(q8, tokens, cfg=cfg) - ref).max())
         assert err < 0.25 * float(jnp.abs(ref).max()), (n, err)  # int8 rounding, not a wrong model
+
+
+def test_experts_tensor_parallel_on_a_mesh(qwen3_moe):
+    """On a model axis of 4 the experts split on their hidden dimension (sharding.logical_rules): the
+    dense forward (a grouped and a gathered step) equals one device's, and no all-gather brings expert
+    weights together (the MLP ends in an all-reduce of activations, as a dense one does)."""
+    import re
+
+    from jaxserve.sharding import make_mesh, make_shardings
+
+    _, _, cfg, params = qwen3_moe
+    shardings = make_shardings(cfg, make_mesh((1, 4)))
+    assert tuple(shardings.params.layers.expert_gate.spec) == (None, None, None, "model")
+    assert tuple(shardings.params.layers.expert_down.spec) == (None, None, "model", None)
+    sharded = jax.device_put(params, shardings.params)
+    dense = jax.jit(forward_dense, static_argnames="cfg")
+    D, F = cfg.hidden_size, cfg.moe_intermediate_size
+    for n in (13, 2):  # 26 assignments (grouped), 4 (gathered, <= experts)
+        tokens = jnp.asarray(np.random.RandomState(9).randint(0, cfg.vocab_size, size=(1, n)), jnp.int32)
+        np.testing.assert_allclose(np.asarray(dense(sharded, tokens, cfg=cfg)),
+                                   np.asarray(dense(params, tokens, cfg=cfg)), atol=1e-4, rtol=0)  # sum order
+        hlo = dense.lower(sharded, tokens, cfg=cfg).compile().as_text()
+        gathered = [tuple(int(d) for d in m.split(",")) for m in re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(", hlo)]
+        assert not [s for s in gathered if {D, F} <= set(s)], gathered
+        assert "all-reduce(" in hlo
