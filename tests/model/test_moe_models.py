@@ -78,10 +78,11 @@ def router_gap(model, ids, top_k):
         for h in hooks:
             h.remove()
     gaps = []
-    for module, x in inputs:
-        probs = torch.softmax(x.reshape(-1, x.shape[-1]).double() @ module.weight.double().T, dim=-1)
-        top = torch.topk(probs, top_k + 1, dim=-1).values
-        gaps.append(float((top[:, top_k - 1] - top[:, top_k]).min()))
+    with torch.no_grad():
+        for module, x in inputs:
+            probs = torch.softmax(x.reshape(-1, x.shape[-1]).double() @ module.weight.double().T, dim=-1)
+            top = torch.topk(probs, top_k + 1, dim=-1).values
+            gaps.append(float((top[:, top_k - 1] - top[:, top_k]).min()))
     return min(gaps)
 
 
@@ -130,6 +131,8 @@ def test_prefill_decode_and_dense_logits_match_hf(family, scan):
     continuation, _ = hf_greedy(model, prompt, 5)
     full = prompt + continuation
     ref = hf_logits(model, full)
+    # measured: 9.3e-4 (Qwen3-MoE), 1.5e-3 (Mixtral): no routing decision near a flip
+    print(f"{name}: smallest router top-k gap {router_gap(model, full, cfg.num_experts_per_tok):.1e}")
     pages = [3, 1, 4, 2][: -(-len(full) // PAGE)]  # out of order, page 0 unused
     cache = init_cache(cfg, num_pages=5, page_size=PAGE, dtype=jnp.float32)
     logits, cache = steps.prefill(params, cache, step_batch(prompt, 0, pages), cfg=cfg,
