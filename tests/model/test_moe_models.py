@@ -225,9 +225,10 @@ def test_fused_expert_checkpoint_loads(family, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_int8_experts(qwen3_moe):
+def test_int8_experts_and_orbax(qwen3_moe, tmp_path):
     """int8 quantizes the experts (a scale per expert and output channel) and leaves the router float;
-    the grouped (prefill) and gathered (decode-sized) paths both stay near the float model."""
+    the grouped (prefill) and gathered (decode-sized) paths both stay near the float model. An orbax
+    round trip restores the experts onto a (1, 2) mesh, split on their hidden dimension."""
     from jaxserve import quant
     from jaxserve.config import EngineConfig
     from jaxserve.model_loader import load_model
@@ -243,7 +244,20 @@ def test_int8_experts(qwen3_moe):
         tokens = jnp.asarray(np.random.RandomState(6).randint(0, cfg.vocab_size, size=(1, n)), jnp.int32)
         ref = dense(params, tokens, cfg=cfg)
         err = float(jnp.abs(dense(q8, tokens, cfg=cfg) - ref).max())
-        assert err < 0.25 * float(jnp.abs(ref).max()), (n, err)  # int8 rounding, not a wrong model
+        print(f"int8, {n} tokens: logits {err:.3f} from float (max {float(jnp.abs(ref).max()):.2f})")
+        # int8 rounding, not a wrong model (measured 0.12 and 0.11, logits up to 8)
+        assert err < 0.25 * float(jnp.abs(ref).max()), (n, err)
+
+    from jaxserve.orbax_checkpoint import save_params
+
+    out = tmp_path / "orbax"
+    shutil.copytree(path, out)
+    save_params(str(out), params)
+    restored = load_model(EngineConfig(model=str(out), dtype="float32"), make_mesh((1, 2))).params
+    assert restored.layers.w_gate is None and tuple(restored.layers.expert_up.sharding.spec) == (
+        None, None, None, "model")
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_experts_tensor_parallel_on_a_mesh(qwen3_moe):
