@@ -177,15 +177,17 @@ def test_ragged_row_matches_forward(family, scan):
 def llm(family):
     from jaxserve import LLM
 
+    # 8 usable pages: the first three prompts need 9 (their K/V: 30, 19, 16 tokens), so one is preempted.
     # Layers scanned: each step shape compiles one layer body.
-    with LLM(family[1][0], dtype="float32", page_size=PAGE, max_model_len=64, max_num_seqs=4,
+    with LLM(family[1][0], dtype="float32", page_size=PAGE, num_pages=9, max_model_len=64, max_num_seqs=4,
              max_num_batched_tokens=32, enable_prefix_caching=True, scan_layers=True, warm_up=False) as llm:
         yield llm
 
 
 def test_greedy_through_the_engine_matches_hf(family, llm):
-    """Greedy tokens through LLM.generate: three prompts batched together, then two that share the first
-    one's prefix (whole pages served from the prefix cache)."""
+    """Greedy tokens through LLM.generate: three prompts batched together (the pool too small for all
+    three, so one is preempted and recomputed), then two that share the first one's prefix (whole pages
+    served from the prefix cache)."""
     from jaxserve import SamplingParams
 
     name, (_, model, cfg, _) = family
@@ -200,6 +202,8 @@ def test_greedy_through_the_engine_matches_hf(family, llm):
             ref, gaps = hf_greedy(model, prompt, 12)
             assert out.prompt_token_ids == prompt and out.outputs[0].finish_reason == "length"
             assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"{name} prompt len {len(prompt)}")
+        if prompts is first:
+            assert llm.engine.scheduler.num_preemptions > 0
     assert llm.blocks.num_prefix_hit_tokens - hits_before >= 2 * 2 * PAGE  # both shared prompts hit 2 pages
     assert llm.blocks.num_free_pages(0) == llm.plan.num_pages - 1
 
