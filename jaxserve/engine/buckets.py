@@ -3,8 +3,8 @@
 Every step shape comes from a small fixed table compiled at start-up. The engine's step is ragged
 (`jaxserve.ragged`): one flat axis of `N` tokens in which decodes and prompt chunks sit side by
 side, so its executables are keyed by the token-budget bucket `N` (powers of two up to the budget)
-and, on a CPU only, for steps no larger than the row count, by a page-count bucket `P` too (a CPU
-decode step costs the keys it reads; accelerator kernels read only each row's own pages). The
+and, on a CPU only, by a page-count bucket `P` too (powers of 4: a CPU step's attention costs the
+keys it reads; accelerator kernels read only each row's own pages). The
 runner and the speculative decoder compile one executable per entry of the lists below, and
 `executable_counts` says, from the settings alone, how many that is, so the count can be checked,
 logged and budgeted without compiling anything.
@@ -21,14 +21,20 @@ SCORE = "score"  # the prefill variant that also scores every prompt token (prom
 DRAFT = "draft"  # the draft model's prefill (speculative decoding with a draft model)
 
 
-def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
-    """lo, 2lo, 4lo, ... capped by hi, with hi itself always included."""
+def powers_of_two(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
+    """lo, 2lo, 4lo, ... (or lo, factor·lo, ...) capped by hi, with hi itself always included."""
     out, n = [], lo
     while n < hi:
         out.append(n)
-        n *= 2
+        n *= factor
     out.append(hi)
     return tuple(sorted(set(out)))
+
+
+# Page-count buckets grow 4x: a CPU step's attention costs its queries times its page table's keys,
+# so every step gets a page axis (prompt chunks with short contexts too), and 4x keeps it 3 buckets
+# deep for 64 pages (at most 4x the keys a row needs, against 2x with powers of two).
+PAGE_BUCKET_FACTOR = 4
 
 
 def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -55,7 +61,7 @@ class BucketTable:
         return cls(
             batch_sizes=powers_of_two(1, max_num_seqs),
             chunk_sizes=powers_of_two(min(16, max_num_batched_tokens), max_num_batched_tokens),
-            page_counts=powers_of_two(min(4, max_pages_per_seq), max_pages_per_seq),
+            page_counts=powers_of_two(min(4, max_pages_per_seq), max_pages_per_seq, PAGE_BUCKET_FACTOR),
             token_counts=powers_of_two(1, max(max_num_batched_tokens, max_num_seqs)),
         )
 
@@ -73,8 +79,8 @@ class BucketTable:
 
 
 def has_page_axis(platform: str) -> bool:
-    """Whether small ragged steps get page-count buckets: on a CPU the reference attention reads
-    every key of its page table, so a short decode must not pay for the longest context."""
+    """Whether ragged steps get page-count buckets: on a CPU the reference attention reads every
+    key of its page table, so a short decode or a short prompt must not pay for the longest context."""
     return platform == "cpu"
 
 
@@ -82,17 +88,12 @@ def step_shapes(buckets: BucketTable, num_scheduler_steps: int = 1, platform: st
     """Every (tokens, pages) ragged step the engine may run, plus a multi-step variant of each
     decode-sized one (tokens <= rows) when num_scheduler_steps > 1.
 
-    On a CPU the decode-sized steps (N <= max rows: every row one token) get every page-count bucket,
-    since a decode is bound by the keys it reads; larger steps, which hold prompt chunks, take the
-    largest page table. On an accelerator every step takes the largest (the kernels read each row's
-    own pages only): one executable per token bucket.
+    On a CPU every token bucket gets every page-count bucket (4x apart), since a step's attention
+    costs its queries times its page table's keys. On an accelerator every step takes the largest
+    page table (the kernels read each row's own pages only): one executable per token bucket.
     """
     n, p = buckets.token_counts, buckets.page_counts
-    small = [t for t in n if t <= buckets.max_rows]
-    if has_page_axis(platform):
-        plain = [(t, pc) for t in small for pc in p] + [(t, p[-1]) for t in n if t > buckets.max_rows]
-    else:
-        plain = [(t, p[-1]) for t in n]
+    plain = [(t, pc) for t in n for pc in p] if has_page_axis(platform) else [(t, p[-1]) for t in n]
     multi = [s + (MULTI_STEP,) for s in plain if s[0] <= buckets.max_rows] if num_scheduler_steps > 1 else []
     return plain + multi
 
@@ -101,7 +102,7 @@ def pick_step_shape(buckets: BucketTable, num_tokens: int, num_pages: int, platf
     """The smallest compiled (tokens, pages) step holding `num_tokens` tokens whose longest row has
     `num_pages` pages."""
     n = pick_bucket(num_tokens, buckets.token_counts)
-    if has_page_axis(platform) and n <= buckets.max_rows:
+    if has_page_axis(platform):
         return n, pick_bucket(max(num_pages, 1), buckets.page_counts)
     return n, buckets.page_counts[-1]
 

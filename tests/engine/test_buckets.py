@@ -15,20 +15,20 @@ DRAFT = dict(speculative_method="draft", speculative_model="checkpoints/default-
 
 @pytest.mark.parametrize("platform, overrides, expected", [
     # configs/default.yaml: 16 rows, 256 batched tokens, 64 pages of 16 tokens -> 9 token buckets
-    # (1 .. 256) and 5 page-count buckets; on a CPU the 5 decode-sized token buckets (<= 16 rows) get
-    # every page count and the 4 larger ones the largest: 25 + 4 = 29 ragged steps.
-    ("cpu", {}, ExecutableCounts(steps=29, page_copies=1)),
-    ("cpu", dict(NGRAM, num_speculative_tokens=4), ExecutableCounts(steps=29, speculative=75, page_copies=1)),
-    ("cpu", dict(NGRAM, num_speculative_tokens=8), ExecutableCounts(steps=29, speculative=100, page_copies=1)),
+    # (1 .. 256) and 3 page-count buckets (4, 16, 64); on a CPU every token bucket gets every page
+    # count: 27 ragged steps. The speculative decoder keeps its own 5 batch x 3 page buckets.
+    ("cpu", {}, ExecutableCounts(steps=27, page_copies=1)),
+    ("cpu", dict(NGRAM, num_speculative_tokens=4), ExecutableCounts(steps=27, speculative=45, page_copies=1)),
+    ("cpu", dict(NGRAM, num_speculative_tokens=8), ExecutableCounts(steps=27, speculative=60, page_copies=1)),
     ("cpu", dict(DRAFT, num_speculative_tokens=4),
-     ExecutableCounts(steps=29, speculative=75, draft_prefill=15, page_copies=2)),
-    ("cpu", dict(enable_prompt_logprobs=True), ExecutableCounts(steps=29, scoring=9, page_copies=1)),
-    ("cpu", dict(num_scheduler_steps=4), ExecutableCounts(steps=29, multi_step=25, page_copies=1)),
+     ExecutableCounts(steps=27, speculative=45, draft_prefill=15, page_copies=2)),
+    ("cpu", dict(enable_prompt_logprobs=True), ExecutableCounts(steps=27, scoring=9, page_copies=1)),
+    ("cpu", dict(num_scheduler_steps=4), ExecutableCounts(steps=27, multi_step=15, page_copies=1)),
     # An accelerator: one ragged step per token bucket; it verifies K drafts in one width.
     ("tpu", {}, ExecutableCounts(steps=9, page_copies=1)),
     ("tpu", dict(enable_prompt_logprobs=True), ExecutableCounts(steps=9, scoring=9, page_copies=1)),
-    ("tpu", dict(NGRAM, num_speculative_tokens=4), ExecutableCounts(steps=9, speculative=25, page_copies=1)),
-    ("gpu", dict(NGRAM, num_speculative_tokens=8), ExecutableCounts(steps=9, speculative=25, page_copies=1)),
+    ("tpu", dict(NGRAM, num_speculative_tokens=4), ExecutableCounts(steps=9, speculative=15, page_copies=1)),
+    ("gpu", dict(NGRAM, num_speculative_tokens=8), ExecutableCounts(steps=9, speculative=15, page_copies=1)),
 ])
 def test_default_config_executable_counts(platform, overrides, expected):
     """The counts docs/ARCHITECTURE.md states for configs/default.yaml: at most 30 on a CPU and 10
