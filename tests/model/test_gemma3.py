@@ -21,13 +21,13 @@ import jax.numpy as jnp
 from jaxserve import steps
 from jaxserve.checkpoint import hf_tensors, load_hf_params, write_safetensors
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, RaggedBatch, StepBatch, cache_shape, init_cache
-from jaxserve.model.llama import forward, forward_dense, forward_ragged, layer_attention_params
+from jaxserve.kv_cache import init_cache
+from jaxserve.model.llama import forward_dense, layer_attention_params
 from jaxserve.model.layers import NO_SLIDING_WINDOW
 from jaxserve.model.weights import unstack_layers
-from jaxserve.ragged import RaggedRow
 
 from hf_models import assert_same_greedy, hf_greedy
+from model_checks import check_ragged_row_matches_forward, hf_logits, step_batch
 
 PAGE = 8
 
@@ -38,11 +38,6 @@ def gemma3(hf_model_dir):
     path, model = hf_model_dir("gemma3")
     cfg = ModelConfig.from_dir(path)
     return path, model, cfg, load_hf_params(path, cfg, jnp.float32)
-
-
-def hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()  # f32[len, V]
 
 
 def test_config_and_weights(gemma3):
@@ -61,13 +56,6 @@ def test_config_and_weights(gemma3):
                          (params.layers.post_mlp_norm, hf_layer.post_feedforward_layernorm)]:
         np.testing.assert_array_equal(np.asarray(ours[2]), theirs.weight.detach().numpy())
     assert cfg.num_params() == sum(p.numel() for p in model.parameters())
-
-
-def step_batch(tokens, start, pages):
-    n = len(tokens)
-    return StepBatch(tokens=jnp.asarray(np.asarray(tokens, np.int32)[None, None]),
-                     start_pos=jnp.full((1, 1), start, jnp.int32), num_new=jnp.full((1, 1), n, jnp.int32),
-                     page_table=jnp.asarray(np.asarray(pages, np.int32)[None, None]))
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
@@ -96,25 +84,7 @@ def test_prefill_decode_and_dense_logits_match_hf(gemma3, scan):
 def test_ragged_row_matches_forward(gemma3, scan):
     """One row of `forward_ragged` (a chunk after 11 cached tokens, past the window) equals `forward`."""
     _, _, cfg, params = gemma3
-    params = params if scan else unstack_layers(params)
-    rng = np.random.RandomState(4)
-    history, new = rng.randint(0, cfg.vocab_size, 11).tolist(), rng.randint(0, cfg.vocab_size, 6).tolist()
-    pages = [2, 4, 1]
-    shape = cache_shape(cfg, 5, PAGE)[1:]  # one replica; NaN until written, so a stray read shows
-    cache = KVCache(k=jnp.full(shape, jnp.nan, jnp.float32), v=jnp.full(shape, jnp.nan, jnp.float32))
-    table = np.asarray([pages], np.int32)
-    one = lambda n: np.asarray([n], np.int32)  # noqa: E731
-    fwd = jax.jit(forward, static_argnames=("cfg", "scan_layers", "all_logits"))
-    _, base = fwd(params, cache, np.asarray([history], np.int32), one(0), one(len(history)), table, cfg=cfg,
-                  scan_layers=scan)
-    ref, ref_cache = fwd(params, base, np.asarray([new], np.int32), one(len(history)), one(len(new)), table,
-                         cfg=cfg, scan_layers=scan, all_logits=True)
-    batch = RaggedBatch.build([RaggedRow(new, len(history), pages, len(new))], page_size=PAGE, num_tokens=8,
-                              num_rows=2, max_pages=4, num_logits=8)
-    logits, got_cache = jax.jit(forward_ragged, static_argnames=("cfg", "scan_layers"))(
-        params, base, batch, cfg=cfg, scan_layers=scan)
-    np.testing.assert_allclose(np.asarray(logits[: len(new)]), np.asarray(ref[0]), atol=1e-5, rtol=0)
-    np.testing.assert_allclose(np.asarray(got_cache.k), np.asarray(ref_cache.k), atol=1e-5, rtol=0, equal_nan=True)
+    check_ragged_row_matches_forward(cfg, params, scan, PAGE)
 
 
 @pytest.fixture(scope="module")

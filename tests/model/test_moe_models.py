@@ -26,12 +26,12 @@ import jax.numpy as jnp
 from jaxserve import steps
 from jaxserve.checkpoint import hf_tensors, load_hf_params, write_safetensors
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, RaggedBatch, StepBatch, cache_shape, init_cache
-from jaxserve.model.llama import forward, forward_dense, forward_ragged
+from jaxserve.kv_cache import init_cache
+from jaxserve.model.llama import forward_dense
 from jaxserve.model.weights import unstack_layers
-from jaxserve.ragged import RaggedRow
 
 from hf_models import assert_same_greedy, hf_greedy
+from model_checks import check_ragged_row_matches_forward, hf_logits, step_batch
 
 PAGE = 8
 FAMILIES = ["qwen3_moe", "mixtral"]
@@ -59,11 +59,6 @@ def mixtral(hf_model_dir):
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
     return request.param, request.getfixturevalue(request.param)
-
-
-def hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()  # f32[len, V]
 
 
 def router_gap(model, ids, top_k):
@@ -94,13 +89,6 @@ def assert_logits_close(got, ref, model, ids, cfg, label, atol=1e-4):
     gap = router_gap(model, ids, cfg.num_experts_per_tok)
     assert gap < ROUTER_TIE, f"{label}: logits {err:.2e} from HF, smallest router top-k gap {gap:.2e}"
     print(f"{label}: logits {err:.2e} from HF at a router near-tie (top-k gap {gap:.2e}); accepted")
-
-
-def step_batch(tokens, start, pages):
-    n = len(tokens)
-    return StepBatch(tokens=jnp.asarray(np.asarray(tokens, np.int32)[None, None]),
-                     start_pos=jnp.full((1, 1), start, jnp.int32), num_new=jnp.full((1, 1), n, jnp.int32),
-                     page_table=jnp.asarray(np.asarray(pages, np.int32)[None, None]))
 
 
 def test_config_and_weights(family):
@@ -152,25 +140,7 @@ def test_ragged_row_matches_forward(family, scan):
     """One row of `forward_ragged` (a chunk after cached history; two padding tokens routed too) equals
     `forward` on that chunk."""
     _, (_, _, cfg, params) = family
-    params = params if scan else unstack_layers(params)
-    rng = np.random.RandomState(4)
-    history, new = rng.randint(0, cfg.vocab_size, 11).tolist(), rng.randint(0, cfg.vocab_size, 6).tolist()
-    pages = [2, 4, 1]
-    shape = cache_shape(cfg, 5, PAGE)[1:]  # one replica; NaN until written, so a stray read shows
-    cache = KVCache(k=jnp.full(shape, jnp.nan, jnp.float32), v=jnp.full(shape, jnp.nan, jnp.float32))
-    table = np.asarray([pages], np.int32)
-    one = lambda n: np.asarray([n], np.int32)  # noqa: E731
-    fwd = jax.jit(forward, static_argnames=("cfg", "scan_layers", "all_logits"))
-    _, base = fwd(params, cache, np.asarray([history], np.int32), one(0), one(len(history)), table, cfg=cfg,
-                  scan_layers=scan)
-    ref, ref_cache = fwd(params, base, np.asarray([new], np.int32), one(len(history)), one(len(new)), table,
-                         cfg=cfg, scan_layers=scan, all_logits=True)
-    batch = RaggedBatch.build([RaggedRow(new, len(history), pages, len(new))], page_size=PAGE, num_tokens=8,
-                              num_rows=2, max_pages=4, num_logits=8)
-    logits, got_cache = jax.jit(forward_ragged, static_argnames=("cfg", "scan_layers"))(
-        params, base, batch, cfg=cfg, scan_layers=scan)
-    np.testing.assert_allclose(np.asarray(logits[: len(new)]), np.asarray(ref[0]), atol=1e-5, rtol=0)
-    np.testing.assert_allclose(np.asarray(got_cache.k), np.asarray(ref_cache.k), atol=1e-5, rtol=0, equal_nan=True)
+    check_ragged_row_matches_forward(cfg, params, scan, PAGE)
 
 
 @pytest.fixture(scope="module")

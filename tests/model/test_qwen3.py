@@ -7,7 +7,6 @@ caching), and the int8 and orbax loading paths."""
 
 import numpy as np
 import pytest
-import torch
 
 import jax
 import jax.numpy as jnp
@@ -15,12 +14,11 @@ import jax.numpy as jnp
 from jaxserve import steps
 from jaxserve.checkpoint import load_hf_params
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, RaggedBatch, StepBatch, cache_shape, init_cache
-from jaxserve.model.llama import forward, forward_dense, forward_ragged
-from jaxserve.model.weights import unstack_layers
-from jaxserve.ragged import RaggedRow
+from jaxserve.kv_cache import init_cache
+from jaxserve.model.llama import forward_dense
 
 from hf_models import assert_same_greedy, hf_greedy
+from model_checks import check_ragged_row_matches_forward, hf_logits, step_batch
 
 PAGE = 8
 
@@ -33,11 +31,6 @@ def qwen3(hf_model_dir):
     return path, model, cfg, load_hf_params(path, cfg, jnp.float32)
 
 
-def hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()  # f32[len, V]
-
-
 def test_config_and_weights(qwen3):
     path, model, cfg, params = qwen3
     assert (cfg.architecture, cfg.servable, cfg.qk_norm, cfg.qkv_bias, cfg.tie_word_embeddings) == (
@@ -48,13 +41,6 @@ def test_config_and_weights(qwen3):
     np.testing.assert_array_equal(np.asarray(params.layers.k_norm[1]),
                                   model.model.layers[1].self_attn.k_norm.weight.detach().numpy())
     assert cfg.num_params() == sum(p.numel() for p in model.parameters())
-
-
-def step_batch(tokens, start, pages):
-    n = len(tokens)
-    return StepBatch(tokens=jnp.asarray(np.asarray(tokens, np.int32)[None, None]),
-                     start_pos=jnp.full((1, 1), start, jnp.int32), num_new=jnp.full((1, 1), n, jnp.int32),
-                     page_table=jnp.asarray(np.asarray(pages, np.int32)[None, None]))
 
 
 def test_prefill_decode_and_dense_logits_match_hf(qwen3):
@@ -80,25 +66,7 @@ def test_prefill_decode_and_dense_logits_match_hf(qwen3):
 def test_ragged_row_matches_forward(qwen3, scan):
     """One row of `forward_ragged` (a chunk after cached history) equals `forward` on that chunk."""
     _, _, cfg, params = qwen3
-    params = params if scan else unstack_layers(params)
-    rng = np.random.RandomState(4)
-    history, new = rng.randint(0, cfg.vocab_size, 11).tolist(), rng.randint(0, cfg.vocab_size, 6).tolist()
-    pages = [2, 4, 1]
-    shape = cache_shape(cfg, 5, PAGE)[1:]  # one replica; NaN until written, so a stray read shows
-    cache = KVCache(k=jnp.full(shape, jnp.nan, jnp.float32), v=jnp.full(shape, jnp.nan, jnp.float32))
-    table = np.asarray([pages], np.int32)
-    one = lambda n: np.asarray([n], np.int32)  # noqa: E731
-    fwd = jax.jit(forward, static_argnames=("cfg", "scan_layers", "all_logits"))
-    _, base = fwd(params, cache, np.asarray([history], np.int32), one(0), one(len(history)), table, cfg=cfg,
-                  scan_layers=scan)
-    ref, ref_cache = fwd(params, base, np.asarray([new], np.int32), one(len(history)), one(len(new)), table,
-                         cfg=cfg, scan_layers=scan, all_logits=True)
-    batch = RaggedBatch.build([RaggedRow(new, len(history), pages, len(new))], page_size=PAGE, num_tokens=8,
-                              num_rows=2, max_pages=4, num_logits=8)
-    logits, got_cache = jax.jit(forward_ragged, static_argnames=("cfg", "scan_layers"))(
-        params, base, batch, cfg=cfg, scan_layers=scan)
-    np.testing.assert_allclose(np.asarray(logits[: len(new)]), np.asarray(ref[0]), atol=1e-5, rtol=0)
-    np.testing.assert_allclose(np.asarray(got_cache.k), np.asarray(ref_cache.k), atol=1e-5, rtol=0, equal_nan=True)
+    check_ragged_row_matches_forward(cfg, params, scan, PAGE)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,49 @@
+"""Checks every served model family's tests share: HF logits, a one-row rectangle batch, and the
+ragged step's row against the rectangle forward (tests/model/test_<family>.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from jaxserve.kv_cache import KVCache, RaggedBatch, StepBatch, cache_shape
+from jaxserve.model.llama import forward, forward_ragged
+from jaxserve.model.weights import unstack_layers
+from jaxserve.ragged import RaggedRow
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()  # f32[len, V]
+
+
+def step_batch(tokens, start, pages):
+    """One row of `tokens` from position `start` on `pages`, as the rectangle steps take it."""
+    n = len(tokens)
+    return StepBatch(tokens=jnp.asarray(np.asarray(tokens, np.int32)[None, None]),
+                     start_pos=jnp.full((1, 1), start, jnp.int32), num_new=jnp.full((1, 1), n, jnp.int32),
+                     page_table=jnp.asarray(np.asarray(pages, np.int32)[None, None]))
+
+
+def check_ragged_row_matches_forward(cfg, params, scan: bool, page_size: int) -> None:
+    """One row of `forward_ragged` (a 6-token chunk after 11 cached tokens, padded to 8 tokens and 2
+    rows) gives `forward`'s logits and K/V on that chunk; the cache starts NaN, so a stray read shows."""
+    params = params if scan else unstack_layers(params)
+    rng = np.random.RandomState(4)
+    history, new = rng.randint(0, cfg.vocab_size, 11).tolist(), rng.randint(0, cfg.vocab_size, 6).tolist()
+    pages = [2, 4, 1]
+    shape = cache_shape(cfg, 5, page_size)[1:]  # one replica
+    cache = KVCache(k=jnp.full(shape, jnp.nan, jnp.float32), v=jnp.full(shape, jnp.nan, jnp.float32))
+    table = np.asarray([pages], np.int32)
+    one = lambda n: np.asarray([n], np.int32)  # noqa: E731
+    fwd = jax.jit(forward, static_argnames=("cfg", "scan_layers", "all_logits"))
+    _, base = fwd(params, cache, np.asarray([history], np.int32), one(0), one(len(history)), table, cfg=cfg,
+                  scan_layers=scan)
+    ref, ref_cache = fwd(params, base, np.asarray([new], np.int32), one(len(history)), one(len(new)), table,
+                         cfg=cfg, scan_layers=scan, all_logits=True)
+    batch = RaggedBatch.build([RaggedRow(new, len(history), pages, len(new))], page_size=page_size, num_tokens=8,
+                              num_rows=2, max_pages=4, num_logits=8)
+    logits, got_cache = jax.jit(forward_ragged, static_argnames=("cfg", "scan_layers"))(
+        params, base, batch, cfg=cfg, scan_layers=scan)
+    np.testing.assert_allclose(np.asarray(logits[: len(new)]), np.asarray(ref[0]), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(got_cache.k), np.asarray(ref_cache.k), atol=1e-5, rtol=0, equal_nan=True)
