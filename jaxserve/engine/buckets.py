@@ -3,8 +3,8 @@
 Every step shape comes from a small fixed table compiled at start-up. The engine's step is ragged
 (`jaxserve.ragged`): one flat axis of `N` tokens in which decodes and prompt chunks sit side by
 side, so its executables are keyed by the token-budget bucket `N` (powers of two up to the budget)
-and, on a CPU only, by a page-count bucket `P` too (powers of 4: a CPU step's attention costs the
-keys it reads; accelerator kernels read only each row's own pages). The
+and, on a CPU only, by a page-count bucket `P` too (a CPU step's attention costs the keys it reads;
+accelerator kernels read only each row's own pages). The
 runner and the speculative decoder compile one executable per entry of the lists below, and
 `executable_counts` says, from the settings alone, how many that is, so the count can be checked,
 logged and budgeted without compiling anything.
@@ -31,11 +31,6 @@ def powers_of_two(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
-# Page-count buckets grow 4x: a CPU step's attention costs its queries times its page table's keys,
-# so every step gets a page axis (prompt chunks with short contexts too), and 4x keeps it 3 buckets
-# deep for 64 pages (at most 4x the keys a row needs, against 2x with powers of two).
-PAGE_BUCKET_FACTOR = 4
-
 
 def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
     """Smallest bucket >= n; a value above the table is a bug of the caller (checked at admission)."""
@@ -51,18 +46,25 @@ class BucketTable:
 
     batch_sizes: tuple[int, ...]  # rows (the speculative steps' buckets; the ragged step has max rows)
     chunk_sizes: tuple[int, ...]  # tokens per row of the draft model's prefill
-    page_counts: tuple[int, ...]
-    # The ragged step's token axis N: powers of two up to the step's token budget (and never below
-    # the row count, so a step of every row decoding fits).
+    page_counts: tuple[int, ...]  # pages per row: decode-sized steps (and the speculative ones)
+    # The ragged step's token axis N: 1 (batch-1 decode), then powers of two from 4 up to the step's
+    # token budget, never below the row count (a step of every row decoding fits). Two decode rows
+    # take the 4-token bucket: on a CPU a small step costs its weight reads, whatever N.
     token_counts: tuple[int, ...] = ()
+    # Pages per row of the steps larger than the row count (prompt chunks ride there), 4x apart: on a
+    # CPU their attention costs queries x keys, so a short prompt must not attend over the longest
+    # context, but a finer axis would cost more executables than it saves.
+    chunk_page_counts: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int) -> "BucketTable":
         return cls(
             batch_sizes=powers_of_two(1, max_num_seqs),
             chunk_sizes=powers_of_two(min(16, max_num_batched_tokens), max_num_batched_tokens),
-            page_counts=powers_of_two(min(4, max_pages_per_seq), max_pages_per_seq, PAGE_BUCKET_FACTOR),
-            token_counts=powers_of_two(1, max(max_num_batched_tokens, max_num_seqs)),
+            page_counts=powers_of_two(min(4, max_pages_per_seq), max_pages_per_seq),
+            token_counts=tuple(sorted({1, *powers_of_two(min(4, max(max_num_batched_tokens, max_num_seqs)),
+                                                         max(max_num_batched_tokens, max_num_seqs))})),
+            chunk_page_counts=powers_of_two(min(16, max_pages_per_seq), max_pages_per_seq, 4),
         )
 
     @property
@@ -84,16 +86,25 @@ def has_page_axis(platform: str) -> bool:
     return platform == "cpu"
 
 
+def page_buckets(buckets: BucketTable, num_tokens: int) -> tuple[int, ...]:
+    """The page-count buckets of a CPU step of `num_tokens` tokens (see `BucketTable`)."""
+    return buckets.page_counts if num_tokens <= buckets.max_rows else buckets.chunk_page_counts
+
+
 def step_shapes(buckets: BucketTable, num_scheduler_steps: int = 1, platform: str = "cpu") -> list[tuple]:
     """Every (tokens, pages) ragged step the engine may run, plus a multi-step variant of each
     decode-sized one (tokens <= rows) when num_scheduler_steps > 1.
 
-    On a CPU every token bucket gets every page-count bucket (4x apart), since a step's attention
-    costs its queries times its page table's keys. On an accelerator every step takes the largest
-    page table (the kernels read each row's own pages only): one executable per token bucket.
+    On a CPU, decode-sized steps (N <= max rows) get every page-count bucket (2x apart: a decode
+    costs the keys it reads), larger ones the coarser `chunk_page_counts` (4x apart). On an
+    accelerator every step takes the largest page table (the kernels read each row's own pages
+    only): one executable per token bucket.
     """
     n, p = buckets.token_counts, buckets.page_counts
-    plain = [(t, pc) for t in n for pc in p] if has_page_axis(platform) else [(t, p[-1]) for t in n]
+    if has_page_axis(platform):
+        plain = [(t, pc) for t in n for pc in page_buckets(buckets, t)]
+    else:
+        plain = [(t, p[-1]) for t in n]
     multi = [s + (MULTI_STEP,) for s in plain if s[0] <= buckets.max_rows] if num_scheduler_steps > 1 else []
     return plain + multi
 
@@ -103,7 +114,7 @@ def pick_step_shape(buckets: BucketTable, num_tokens: int, num_pages: int, platf
     `num_pages` pages."""
     n = pick_bucket(num_tokens, buckets.token_counts)
     if has_page_axis(platform):
-        return n, pick_bucket(max(num_pages, 1), buckets.page_counts)
+        return n, pick_bucket(max(num_pages, 1), page_buckets(buckets, n))
     return n, buckets.page_counts[-1]
 
 

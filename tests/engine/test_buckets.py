@@ -14,21 +14,22 @@ DRAFT = dict(speculative_method="draft", speculative_model="checkpoints/default-
 
 
 @pytest.mark.parametrize("platform, overrides, expected", [
-    # configs/default.yaml: 16 rows, 256 batched tokens, 64 pages of 16 tokens -> 9 token buckets
-    # (1 .. 256) and 3 page-count buckets (4, 16, 64); on a CPU every token bucket gets every page
-    # count: 27 ragged steps. The speculative decoder keeps its own 5 batch x 3 page buckets.
-    ("cpu", {}, ExecutableCounts(steps=27, page_copies=1)),
-    ("cpu", dict(NGRAM, num_speculative_tokens=4), ExecutableCounts(steps=27, speculative=45, page_copies=1)),
-    ("cpu", dict(NGRAM, num_speculative_tokens=8), ExecutableCounts(steps=27, speculative=60, page_copies=1)),
+    # configs/default.yaml: 16 rows, 256 batched tokens, 64 pages of 16 tokens -> 8 token buckets
+    # (1, 4, 8, ... 256); on a CPU the 4 decode-sized ones (<= 16 rows) get the 5 page buckets (4 .. 64)
+    # and the 4 larger ones the 2 coarse ones (16, 64): 20 + 8 = 28 ragged steps. The speculative
+    # decoder keeps its own 5 batch x 5 page buckets.
+    ("cpu", {}, ExecutableCounts(steps=28, page_copies=1)),
+    ("cpu", dict(NGRAM, num_speculative_tokens=4), ExecutableCounts(steps=28, speculative=75, page_copies=1)),
+    ("cpu", dict(NGRAM, num_speculative_tokens=8), ExecutableCounts(steps=28, speculative=100, page_copies=1)),
     ("cpu", dict(DRAFT, num_speculative_tokens=4),
-     ExecutableCounts(steps=27, speculative=45, draft_prefill=15, page_copies=2)),
-    ("cpu", dict(enable_prompt_logprobs=True), ExecutableCounts(steps=27, scoring=9, page_copies=1)),
-    ("cpu", dict(num_scheduler_steps=4), ExecutableCounts(steps=27, multi_step=15, page_copies=1)),
+     ExecutableCounts(steps=28, speculative=75, draft_prefill=15, page_copies=2)),
+    ("cpu", dict(enable_prompt_logprobs=True), ExecutableCounts(steps=28, scoring=8, page_copies=1)),
+    ("cpu", dict(num_scheduler_steps=4), ExecutableCounts(steps=28, multi_step=20, page_copies=1)),
     # An accelerator: one ragged step per token bucket; it verifies K drafts in one width.
-    ("tpu", {}, ExecutableCounts(steps=9, page_copies=1)),
-    ("tpu", dict(enable_prompt_logprobs=True), ExecutableCounts(steps=9, scoring=9, page_copies=1)),
-    ("tpu", dict(NGRAM, num_speculative_tokens=4), ExecutableCounts(steps=9, speculative=15, page_copies=1)),
-    ("gpu", dict(NGRAM, num_speculative_tokens=8), ExecutableCounts(steps=9, speculative=15, page_copies=1)),
+    ("tpu", {}, ExecutableCounts(steps=8, page_copies=1)),
+    ("tpu", dict(enable_prompt_logprobs=True), ExecutableCounts(steps=8, scoring=8, page_copies=1)),
+    ("tpu", dict(NGRAM, num_speculative_tokens=4), ExecutableCounts(steps=8, speculative=25, page_copies=1)),
+    ("gpu", dict(NGRAM, num_speculative_tokens=8), ExecutableCounts(steps=8, speculative=25, page_copies=1)),
 ])
 def test_default_config_executable_counts(platform, overrides, expected):
     """The counts docs/ARCHITECTURE.md states for configs/default.yaml: at most 30 on a CPU and 10
@@ -45,9 +46,9 @@ def test_counts_follow_the_table():
                                                     mesh_shape=[2, 1]))
     table = BucketTable.for_settings(settings, 64)
     assert table == BucketTable(batch_sizes=(1, 2, 4), chunk_sizes=(16, 32), page_counts=(4,),
-                                token_counts=(1, 2, 4, 8, 16, 32))
-    # tokens 1 .. 32 at the one page count; one page copy per replica
-    assert executable_counts(settings) == ExecutableCounts(steps=6, page_copies=2)
+                                token_counts=(1, 4, 8, 16, 32), chunk_page_counts=(4,))
+    # tokens 1, 4 .. 32 at the one page count; one page copy per replica
+    assert executable_counts(settings) == ExecutableCounts(steps=5, page_copies=2)
     unset = settings.replace(max_model_len=None)
     with pytest.raises(ValueError, match="max_model_len"):
         executable_counts(unset)
