@@ -47,3 +47,29 @@ def check_ragged_row_matches_forward(cfg, params, scan: bool, page_size: int) ->
         params, base, batch, cfg=cfg, scan_layers=scan)
     np.testing.assert_allclose(np.asarray(logits[: len(new)]), np.asarray(ref[0]), atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(got_cache.k), np.asarray(ref_cache.k), atol=1e-5, rtol=0, equal_nan=True)
+
+
+def check_greedy_through_engine(llm, model, vocab_size: int, label: str, page_size: int, first_lengths,
+                                expect_preemption: bool) -> None:
+    """Greedy tokens through `llm.generate` equal HF's (near-ties excused): prompts of `first_lengths`
+    batched together (`expect_preemption`: the pool is too small for all, so one is preempted and
+    recomputed, asserted), then two that share the first one's first two pages (served from the
+    prefix cache, asserted); every page comes back."""
+    from hf_models import assert_same_greedy, hf_greedy
+    from jaxserve import SamplingParams
+
+    rng = np.random.RandomState(2)
+    first = [rng.randint(0, vocab_size, size=n).tolist() for n in first_lengths]
+    shared = [first[0][: 2 * page_size] + rng.randint(0, vocab_size, size=n).tolist() for n in (1, 7)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for prompts in (first, shared):
+        hits_before = llm.blocks.num_prefix_hit_tokens
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        for prompt, out in zip(prompts, outputs):
+            ref, gaps = hf_greedy(model, prompt, 12)
+            assert out.prompt_token_ids == prompt and out.outputs[0].finish_reason == "length"
+            assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"{label} prompt len {len(prompt)}")
+        if prompts is first and expect_preemption:
+            assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.blocks.num_prefix_hit_tokens - hits_before >= 2 * 2 * page_size  # both shared prompts hit 2 pages
+    assert llm.blocks.num_free_pages(0) == llm.plan.num_pages - 1

@@ -26,8 +26,8 @@ from jaxserve.model.llama import forward_dense, layer_attention_params
 from jaxserve.model.layers import NO_SLIDING_WINDOW
 from jaxserve.model.weights import unstack_layers
 
-from hf_models import assert_same_greedy, hf_greedy
-from model_checks import check_ragged_row_matches_forward, hf_logits, step_batch
+from hf_models import hf_greedy
+from model_checks import check_greedy_through_engine, check_ragged_row_matches_forward, hf_logits, step_batch
 
 PAGE = 8
 
@@ -103,24 +103,9 @@ def test_greedy_through_the_engine_matches_hf(gemma3, llm):
     """Greedy tokens through LLM.generate: three prompts batched together (two longer than the window; the
     pool too small for all three, so one is preempted and recomputed), then two that share the first one's
     prefix (whole pages served from the prefix cache)."""
-    from jaxserve import SamplingParams
-
     _, model, cfg, _ = gemma3
-    rng = np.random.RandomState(2)
-    first = [rng.randint(0, cfg.vocab_size, size=n).tolist() for n in (2 * PAGE + 3, PAGE + 4, 5)]
-    shared = [first[0][: 2 * PAGE] + rng.randint(0, cfg.vocab_size, size=n).tolist() for n in (1, 7)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    for prompts in (first, shared):
-        hits_before = llm.blocks.num_prefix_hit_tokens
-        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        for prompt, out in zip(prompts, outputs):
-            ref, gaps = hf_greedy(model, prompt, 12)
-            assert out.prompt_token_ids == prompt and out.outputs[0].finish_reason == "length"
-            assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"gemma3 prompt len {len(prompt)}")
-        if prompts is first:
-            assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.blocks.num_prefix_hit_tokens - hits_before >= 2 * 2 * PAGE  # both shared prompts hit 2 pages
-    assert llm.blocks.num_free_pages(0) == llm.plan.num_pages - 1
+    check_greedy_through_engine(llm, model, cfg.vocab_size, "gemma3", PAGE, (2 * PAGE + 3, PAGE + 4, 5),
+                                expect_preemption=True)
 
 
 def test_int8_and_orbax_loading(gemma3, tmp_path):

@@ -17,8 +17,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import init_cache
 from jaxserve.model.llama import forward_dense
 
-from hf_models import assert_same_greedy, hf_greedy
-from model_checks import check_ragged_row_matches_forward, hf_logits, step_batch
+from hf_models import hf_greedy
+from model_checks import check_greedy_through_engine, check_ragged_row_matches_forward, hf_logits, step_batch
 
 PAGE = 8
 
@@ -81,22 +81,9 @@ def llm(qwen3):
 def test_greedy_through_the_engine_matches_hf(qwen3, llm):
     """Greedy tokens through LLM.generate: three prompts batched together, then two that share the first
     one's prefix (whole pages served from the prefix cache)."""
-    from jaxserve import SamplingParams
-
     _, model, cfg, _ = qwen3
-    rng = np.random.RandomState(2)
-    first = [rng.randint(0, cfg.vocab_size, size=n).tolist() for n in (2 * PAGE + 3, PAGE, 5)]
-    shared = [first[0][: 2 * PAGE] + rng.randint(0, cfg.vocab_size, size=n).tolist() for n in (1, 7)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    for prompts in (first, shared):
-        hits_before = llm.blocks.num_prefix_hit_tokens
-        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        for prompt, out in zip(prompts, outputs):
-            ref, gaps = hf_greedy(model, prompt, 12)
-            assert out.prompt_token_ids == prompt and out.outputs[0].finish_reason == "length"
-            assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"qwen3 prompt len {len(prompt)}")
-    assert llm.blocks.num_prefix_hit_tokens - hits_before >= 2 * 2 * PAGE  # both shared prompts hit 2 pages
-    assert llm.blocks.num_free_pages(0) == llm.plan.num_pages - 1
+    check_greedy_through_engine(llm, model, cfg.vocab_size, "qwen3", PAGE, (2 * PAGE + 3, PAGE, 5),
+                                expect_preemption=False)
 
 
 def test_int8_and_orbax_loading(qwen3, tmp_path):
