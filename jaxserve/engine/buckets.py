@@ -58,12 +58,12 @@ class BucketTable:
 
     @classmethod
     def build(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int) -> "BucketTable":
+        most_tokens = max(max_num_batched_tokens, max_num_seqs)
         return cls(
             batch_sizes=powers_of_two(1, max_num_seqs),
             chunk_sizes=powers_of_two(min(16, max_num_batched_tokens), max_num_batched_tokens),
             page_counts=powers_of_two(min(4, max_pages_per_seq), max_pages_per_seq),
-            token_counts=tuple(sorted({1, *powers_of_two(min(4, max(max_num_batched_tokens, max_num_seqs)),
-                                                         max(max_num_batched_tokens, max_num_seqs))})),
+            token_counts=tuple(sorted({1, *powers_of_two(min(4, most_tokens), most_tokens)})),
             chunk_page_counts=powers_of_two(min(16, max_pages_per_seq), max_pages_per_seq, 4),
         )
 
