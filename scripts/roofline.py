@@ -28,7 +28,6 @@ up front through `ModelRunner.warm_up`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json

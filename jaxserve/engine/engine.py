@@ -23,7 +23,7 @@ from jaxserve.engine.compile import (CompileCounter, check_memory_mappings, enab
                                      release_compiled_code)
 from jaxserve.engine.runner import ModelRunner, RowWork
 from jaxserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
-from jaxserve.engine.sequence import Sequence, Status
+from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.step_stats import StepComposition, is_prompt_chunk
 from jaxserve.errors import ConfigError, EngineClosedError, RequestError
 from jaxserve.kv_cache import init_cache

@@ -20,7 +20,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.buckets import BucketTable, draft_buckets, pick_bucket, speculative_shapes
 from jaxserve.engine.runner import delete_buffers
 from jaxserve.errors import ConfigError
-from jaxserve.kv_cache import PADDING_PAGE, KVCache, StepBatch, cache_shardings, copy_pages_padded, init_cache
+from jaxserve.kv_cache import PADDING_PAGE, StepBatch, cache_shardings, copy_pages_padded, init_cache
 from jaxserve.model.weights import param_bytes
 from jaxserve.sampling import RowSampling, SamplingTensors
 from jaxserve.spec_decode.ngram import TokenBuffer, propose_ngram
