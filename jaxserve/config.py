@@ -449,6 +449,10 @@ class EngineConfig(Settings):
         1, "decode steps per host round-trip: > 1 runs that many decode steps in one compiled call (less host "
         "overhead per token, burstier streaming, prefills wait longer; compiles a multi-step variant of every "
         "decode bucket)", parse_int, group="scheduling")
+    async_scheduling: bool = setting(
+        True, "overlap the host with the device: step N+1 is scheduled and dispatched before step N's tokens "
+        "reach the host (its inputs take them on the device); false runs every step to completion first. "
+        "Speculative and multi-step engines always run serially", parse_bool, group="scheduling")
     mesh_shape: tuple[int, ...] = setting((1, 1), "device mesh (data, model), e.g. 1,4", parse_int_tuple,
                                           cli_format=format_int_tuple, group="parallelism")
     scan_layers: bool | None = setting(None, "lax.scan over layers (true) or unrolled (false); default per backend",
