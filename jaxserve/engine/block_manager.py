@@ -52,6 +52,9 @@ class _Seq:
     last_key: bytes = _ROOT_KEY
     # False after reset_prefix_cache(): its KV may predate the reset, so it must not seed the cache.
     cacheable: bool = True
+    # Leading pages handed back because every layer's sliding window has passed them; their table
+    # entries are RESERVED_PAGE placeholders (attention masks those positions, so nothing reads them).
+    num_released: int = 0
 
 
 class _Pool:
@@ -107,6 +110,14 @@ class BlockManager:
     Only full, computed pages are ever shared or cached, so no sequence writes into a page that
     another sequence (or the cache) can see. Single-threaded: the scheduler owns it.
 
+    With `sliding_window` W (only when every layer is windowed, as Mistral: a model with global
+    layers reads every page), `release_outside_window` hands back a sequence's leading pages that
+    lie wholly before `num_computed - W`: no later query of that sequence reads them. A hashed page
+    becomes evictable and keeps its cache entry (a later prompt with that prefix still hits it
+    while it survives; prefix lookups walk the chained keys and stop at the first one gone), an
+    unhashed one goes to the free list, a shared one (fork, prefix hit) just loses a holder. Its
+    slot in the page table becomes a RESERVED_PAGE placeholder, so positions still index the table.
+
     Typical engine use per step: `can_admit` / `admit` new requests (admit allocates pages for the
     whole prompt), `ensure_capacity` for each running sequence's chunk or decode token (False means
     preempt someone), run the model, then `mark_computed`; `free` finished, aborted or preempted
@@ -120,6 +131,7 @@ class BlockManager:
         num_replicas: int = 1,
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
+        sliding_window: int | None = None,
     ):
         if num_pages < 2:
             raise BlockManagerError(f"num_pages={num_pages}: need at least 2 (page 0 is reserved)")
@@ -129,6 +141,8 @@ class BlockManager:
             raise BlockManagerError(f"num_replicas={num_replicas} must be >= 1")
         if not 0.0 <= watermark < 1.0:
             raise BlockManagerError(f"watermark={watermark} must be in [0, 1)")
+        if sliding_window is not None and sliding_window < 1:
+            raise BlockManagerError(f"sliding_window={sliding_window} must be >= 1 (or None)")
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_replicas = num_replicas
@@ -139,6 +153,9 @@ class BlockManager:
         # Counters for a prefix-cache hit-rate metric (prompt tokens looked up / served from cache).
         self.num_prefix_queried_tokens = 0
         self.num_prefix_hit_tokens = 0
+        # The window every layer attends within (None: pages are held until the sequence is freed).
+        self.sliding_window = sliding_window
+        self.num_window_released_pages = 0  # pages handed back by release_outside_window, ever
         self._pools = [_Pool(num_pages) for _ in range(num_replicas)]
         self._seqs: dict[Hashable, _Seq] = {}
 
@@ -161,8 +178,20 @@ class BlockManager:
         return self._seq(seq_id).replica
 
     def page_table(self, seq_id: Hashable) -> list[int]:
-        """A copy of the sequence's page ids (local to its replica), in token order."""
+        """A copy of the sequence's page ids (local to its replica), in token order; pages released
+        outside the sliding window read RESERVED_PAGE."""
         return list(self._seq(seq_id).pages)
+
+    def num_held_pages(self, seq_id: Hashable) -> int:
+        """Pages the sequence holds now (its table less the released placeholders)."""
+        seq = self._seq(seq_id)
+        return len(seq.pages) - seq.num_released
+
+    def stats(self) -> dict[str, int]:
+        """Counters for metrics: prefix-cache lookups and hits (tokens), window-released pages."""
+        return {"prefix_queried_tokens": self.num_prefix_queried_tokens,
+                "prefix_hit_tokens": self.num_prefix_hit_tokens,
+                "window_released_pages": self.num_window_released_pages}
 
     def num_free_pages(self, replica: int = 0) -> int:
         """Pages that can be handed out now: free ones plus evictable cached ones."""
@@ -188,6 +217,8 @@ class BlockManager:
             if seq.replica != replica:
                 continue
             for i, page in enumerate(seq.pages):
+                if i < seq.num_released:
+                    continue
                 n = min(self.page_size, max(0, seq.num_computed - i * self.page_size))
                 if n > fill.get(page, -1):
                     fill[page] = n
@@ -272,6 +303,30 @@ class BlockManager:
         seq.pages.extend(pool.allocate() for _ in range(need))
         return True
 
+    def release_outside_window(self, seq_id: Hashable) -> int:
+        """Hand back the sequence's leading pages that no query of it will read again; returns how many.
+
+        With `sliding_window` W a query at position p sees keys p - W + 1 .. p. Every later query of
+        the sequence sits at or after `num_computed` (what mark_computed last recorded), and even a
+        step still in flight whose tokens are already marked queries at `num_computed - 1` at the
+        earliest, which sees keys from `num_computed - W` on: the pages wholly before that are dead.
+        No-op (0) without a window. Call between steps, before the table is packed for the next one.
+        """
+        seq = self._seq(seq_id)
+        if self.sliding_window is None:
+            return 0
+        dead = max(0, seq.num_computed - self.sliding_window) // self.page_size
+        if dead <= seq.num_released:
+            return 0
+        pool = self._pools[seq.replica]
+        for i in range(seq.num_released, dead):
+            pool.release(seq.pages[i])
+            seq.pages[i] = RESERVED_PAGE
+        released = dead - seq.num_released
+        seq.num_released = dead
+        self.num_window_released_pages += released
+        return released
+
     def mark_computed(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
         """Record that the first `num_computed` tokens of the sequence have their KV written.
 
@@ -302,6 +357,8 @@ class BlockManager:
         full = num_computed // ps
         for i in range(seq.num_hashed, full):
             key = _page_key(key, token_ids[i * ps : (i + 1) * ps])
+            if i < seq.num_released:
+                continue  # already handed back: the key still chains on to the pages after it
             page = seq.pages[i]
             # Skip if another page already holds this prefix (two sequences computed it at once):
             # ours stays uncached and returns to the free list when released.
@@ -327,7 +384,7 @@ class BlockManager:
         if partial and pool.num_available() < 1:
             raise OutOfPagesError(f"replica {parent.replica}: no free page to fork {parent_id!r}")
         pages = parent.pages[:full]
-        for page in pages:
+        for page in pages[parent.num_released :]:  # released placeholders are copied, not held
             pool.ref[page] += 1
         copies = []
         if partial:
@@ -335,7 +392,8 @@ class BlockManager:
             copies.append((parent.pages[full], dst))
             pages.append(dst)
         self._seqs[child_id] = _Seq(
-            parent.replica, pages, parent.num_computed, parent.num_hashed, parent.last_key, parent.cacheable
+            parent.replica, pages, parent.num_computed, parent.num_hashed, parent.last_key, parent.cacheable,
+            parent.num_released,
         )
         return copies
 
@@ -346,7 +404,7 @@ class BlockManager:
             raise UnknownSequenceError(f"sequence {seq_id!r} is not admitted")
         pool = self._pools[seq.replica]
         # Tail first: a later page is useless without its prefix, so it should be evicted earlier.
-        for page in reversed(seq.pages):
+        for page in reversed(seq.pages[seq.num_released :]):
             pool.release(page)
 
     def reset_prefix_cache(self) -> None:
@@ -371,17 +429,26 @@ class BlockManager:
         holders = [Counter() for _ in self._pools]
         for sid, seq in self._seqs.items():
             expect(0 <= seq.replica < self.num_replicas, f"{sid!r}: bad replica {seq.replica}")
-            expect(len(set(seq.pages)) == len(seq.pages), f"{sid!r}: page twice in its table {seq.pages}")
-            expect(RESERVED_PAGE not in seq.pages, f"{sid!r} holds the reserved page")
+            held = seq.pages[seq.num_released :]
             expect(
-                all(0 < p < self.num_pages for p in seq.pages), f"{sid!r}: page id out of range {seq.pages}"
+                seq.pages[: seq.num_released] == [RESERVED_PAGE] * seq.num_released,
+                f"{sid!r}: released pages {seq.pages[: seq.num_released]} are not placeholders",
             )
+            if seq.num_released:
+                expect(self.sliding_window is not None, f"{sid!r}: pages released without a window")
+                expect(
+                    seq.num_released * self.page_size <= seq.num_computed - self.sliding_window,
+                    f"{sid!r}: released {seq.num_released} pages still inside the window",
+                )
+            expect(len(set(held)) == len(held), f"{sid!r}: page twice in its table {seq.pages}")
+            expect(RESERVED_PAGE not in held, f"{sid!r} holds the reserved page")
+            expect(all(0 < p < self.num_pages for p in held), f"{sid!r}: page id out of range {seq.pages}")
             expect(
                 seq.num_computed <= len(seq.pages) * self.page_size,
                 f"{sid!r}: {seq.num_computed} computed tokens in {len(seq.pages)} pages",
             )
             expect(seq.num_hashed * self.page_size <= seq.num_computed, f"{sid!r}: hashed beyond computed")
-            holders[seq.replica].update(seq.pages)
+            holders[seq.replica].update(held)
         for r, pool in enumerate(self._pools):
             expect(pool.ref[RESERVED_PAGE] == 0, f"replica {r}: reserved page has refs")
             free = list(pool.free)

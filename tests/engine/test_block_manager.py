@@ -24,7 +24,7 @@ PS = 4
 def snapshot(bm: BlockManager):
     """Everything observable about the bookkeeping, to prove a call changed nothing."""
     seqs = {
-        sid: (s.replica, list(s.pages), s.num_computed, s.num_hashed, s.last_key, s.cacheable)
+        sid: (s.replica, list(s.pages), s.num_computed, s.num_hashed, s.last_key, s.cacheable, s.num_released)
         for sid, s in bm._seqs.items()
     }
     pools = [(list(p.ref), list(p.free), list(p.evictable), dict(p.key_of)) for p in bm._pools]
@@ -402,6 +402,146 @@ def test_fork_without_free_page_raises_cleanly():
     assert snapshot(bm) == before
 
 
+# ---------------------------------------------------------------------------- sliding-window release
+
+W = 2 * PS + 1  # a window that is not a whole number of pages
+
+
+def decode_to(bm: BlockManager, sid, tokens, n):
+    """Grow the sequence token by token to `n` computed, releasing what the window left behind."""
+    done = bm._seqs[sid].num_computed
+    for c in range(done + 1, n + 1):
+        bm.release_outside_window(sid)
+        computed(bm, sid, tokens, c)
+
+
+def test_window_release_keeps_pages_per_sequence_bounded():
+    bm = BlockManager(num_pages=16, page_size=PS, watermark=0.0, sliding_window=W)
+    tokens = list(range(40))
+    bm.admit("a", 0, tokens[:3])
+    held = []
+    for c in range(1, len(tokens) + 1):
+        bm.release_outside_window("a")
+        computed(bm, "a", tokens, c)
+        held.append(bm.num_held_pages("a"))
+        table = bm.page_table("a")
+        # Released before the c-th token: the pages wholly before position c - 1 - W; the rest are real.
+        gone = max(0, c - 1 - W) // PS
+        assert table[:gone] == [RESERVED_PAGE] * gone and RESERVED_PAGE not in table[gone:]
+    assert max(held) <= -(-W // PS) + 2  # the window's pages, one partly past it, the one being written
+    assert len(bm.page_table("a")) == bm.pages_for(len(tokens))  # positions still index the table
+    assert bm.num_window_released_pages == bm.stats()["window_released_pages"] == len(bm.page_table("a")) - held[-1]
+    bm.free("a")
+    assert bm.num_free_pages() == 15 and bm.num_used_pages() == 0
+    bm.check_invariants()
+
+
+def test_window_release_is_exact_and_idempotent():
+    bm = BlockManager(num_pages=16, page_size=PS, watermark=0.0, sliding_window=W)
+    tokens = list(range(4 * PS))
+    bm.admit("a", 0, tokens)
+    # W + PS - 1 computed: the step in flight may be at position W + PS - 2, which still sees key PS - 1
+    # (the last of page 0), so page 0 stays.
+    computed(bm, "a", tokens, W + PS - 1)
+    assert bm.release_outside_window("a") == 0
+    computed(bm, "a", tokens, W + PS)
+    assert bm.release_outside_window("a") == 1 and bm.release_outside_window("a") == 0
+    assert bm.page_table("a")[0] == RESERVED_PAGE
+    bm.check_invariants()
+
+
+def test_without_window_release_is_a_no_op():
+    bm = BlockManager(num_pages=16, page_size=PS, watermark=0.0)
+    tokens = list(range(6 * PS))
+    bm.admit("a", 0, tokens)
+    computed(bm, "a", tokens, len(tokens))
+    before = snapshot(bm)
+    assert bm.release_outside_window("a") == 0
+    assert snapshot(bm) == before
+
+
+def test_released_pages_stay_cached_and_a_shared_prefix_still_hits():
+    bm = BlockManager(num_pages=16, page_size=PS, watermark=0.0, sliding_window=W)
+    tokens = list(range(6 * PS))
+    bm.admit("a", 0, tokens[: 2 * PS + 1])
+    first_two = bm.page_table("a")[:2]
+    decode_to(bm, "a", tokens, len(tokens))
+    bm.release_outside_window("a")
+    assert bm.page_table("a")[:2] == [RESERVED_PAGE] * 2
+    assert bm.num_evictable_pages() >= 2  # released, hashed: evictable, not free
+    # A later prompt sharing the first two pages (and more) hits them while they survive.
+    prompt = tokens[: 3 * PS] + [999]
+    assert bm.lookup_prefix(0, prompt) == 3 * PS
+    assert bm.admit("b", 0, prompt) == 3 * PS
+    assert bm.page_table("b")[:2] == first_two
+    bm.check_invariants()
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_free_pages() == 15
+    bm.check_invariants()
+
+
+def test_prefix_lookup_stops_at_the_first_evicted_page_of_the_chain():
+    """Released pages are evicted first-freed-first, so the head of a chain can go while its tail
+    survives: the lookup walks the chained keys and stops at the first page that is gone."""
+    bm = BlockManager(num_pages=12, page_size=PS, watermark=0.0, sliding_window=W)  # 11 usable
+    tokens = list(range(6 * PS))
+    bm.admit("a", 0, tokens[:1])
+    decode_to(bm, "a", tokens, len(tokens))
+    bm.release_outside_window("a")
+    released = bm.num_window_released_pages
+    assert released >= 3
+    held = bm.num_held_pages("a")
+    # Drain the free list and one evictable page: the least recently released, the chain's head.
+    bm.admit("x", 0, [7] * ((11 - held - released + 1) * PS - 1))
+    assert bm.lookup_prefix(0, tokens[: 3 * PS] + [1]) == 0  # page 0 gone: pages 1 and 2 are unreachable
+    bm.check_invariants()
+
+
+def test_released_unhashed_pages_go_to_the_free_list():
+    bm = BlockManager(num_pages=16, page_size=PS, watermark=0.0, enable_prefix_caching=False, sliding_window=W)
+    tokens = list(range(6 * PS))
+    bm.admit("a", 0, tokens[:1])
+    decode_to(bm, "a", tokens, len(tokens))
+    assert bm.num_window_released_pages > 0 and bm.num_evictable_pages() == 0
+    assert bm.num_free_pages() == 15 - bm.num_held_pages("a")
+
+
+def test_fork_after_release_shares_only_held_pages():
+    bm = BlockManager(num_pages=16, page_size=PS, watermark=0.0, sliding_window=W)
+    tokens = list(range(5 * PS + 2))
+    bm.admit("p", 0, tokens[:1])
+    decode_to(bm, "p", tokens, len(tokens))
+    bm.release_outside_window("p")
+    assert bm.fork("p", "c")  # the partial last page is copied
+    assert bm.page_table("c")[: bm._seqs["p"].num_released] == bm.page_table("p")[: bm._seqs["p"].num_released]
+    bm.check_invariants()
+    # The parent runs on and releases more; the child still holds the pages they share.
+    more = tokens + [5] * (2 * PS)
+    decode_to(bm, "p", more, len(more))
+    shared = [p for p in bm.page_table("c") if p != RESERVED_PAGE]
+    assert all(bm._pools[0].ref[p] >= 1 for p in shared)
+    bm.release_outside_window("c")
+    bm.free("p")
+    bm.free("c")
+    assert bm.num_used_pages() == 0 and bm.num_free_pages() == 15
+    bm.check_invariants()
+
+
+def test_preempted_after_release_is_recomputed_from_scratch():
+    """A preempted sequence frees only the pages it still holds, then is admitted again with its
+    whole token list (pages for all of it: the recompute's prefill writes every position)."""
+    bm = BlockManager(num_pages=16, page_size=PS, watermark=0.0, sliding_window=W)
+    tokens = list(range(5 * PS))
+    bm.admit("a", 0, tokens[:1])
+    decode_to(bm, "a", tokens, len(tokens))
+    bm.free("a")
+    assert bm.num_used_pages() == 0
+    hit = bm.admit("a", 0, tokens)
+    assert hit == 4 * PS  # every full page but the last survived as evictable
+    bm.check_invariants()
+
+
 # ---------------------------------------------------------------------------- replicas, metrics, errors
 
 
@@ -482,6 +622,7 @@ def test_misuse_errors():
         dict(num_pages=8, page_size=4, num_replicas=0),
         dict(num_pages=8, page_size=4, watermark=1.0),
         dict(num_pages=8, page_size=4, watermark=-0.1),
+        dict(num_pages=8, page_size=4, sliding_window=0),
     ],
 )
 def test_bad_construction(kwargs):
@@ -526,9 +667,12 @@ KV depends on everything before it, so a prefix hit is only correct if the full 
     hypothesis discard many runs.
     """
 
-    @initialize(caching=st.sampled_from([True, True, False]), watermark=st.sampled_from([0.0, 0.2]))
-    def setup(self, caching, watermark):
-        self.bm = BlockManager(NUM_PAGES, PS, REPLICAS, enable_prefix_caching=caching, watermark=watermark)
+    @initialize(caching=st.sampled_from([True, True, False]), watermark=st.sampled_from([0.0, 0.2]),
+                window=st.sampled_from([None, None, 1, PS + 2]))
+    def setup(self, caching, watermark, window):
+        self.window = window
+        self.bm = BlockManager(NUM_PAGES, PS, REPLICAS, enable_prefix_caching=caching, watermark=watermark,
+                               sliding_window=window)
         self.seqs: dict[int, dict] = {}  # id -> {"tokens": [...], "computed": int}
         self.device: dict[tuple[int, int], list] = {}  # (replica, page) -> slot contents
         self.next_id = 0
@@ -629,6 +773,7 @@ KV depends on everything before it, so a prefix hit is only correct if the full 
     @rule(chunk=st.integers(1, 8), token=token_st)
     def engine_step(self, chunk, token):
         for sid in sorted(self.seqs):  # _compute preempts only the sequence it is given
+            self.bm.release_outside_window(sid)  # as the scheduler does before a decode row's capacity
             self._compute(sid, chunk, token)
 
     @rule(data=st.data(), extra=st.integers(0, 2 * PS))
@@ -672,6 +817,25 @@ KV depends on everything before it, so a prefix hit is only correct if the full 
         assert len(child_table) == self.bm.pages_for(c)
         self.seqs[cid] = {"tokens": p["tokens"][:c], "computed": c}
 
+    @rule(data=st.data())
+    def release_window(self, data):
+        """What the scheduler does before each decode row's capacity."""
+        if not self.seqs:
+            return
+        sid = self._pick(data)
+        r = self.bm.replica_of(sid)
+        before = self.bm.page_table(sid)
+        n = self.bm.release_outside_window(sid)
+        after = self.bm.page_table(sid)
+        if self.window is None:
+            assert n == 0
+            return
+        if n:
+            event("window release")
+        for page in set(before) - set(after) - {RESERVED_PAGE}:  # each went back or is still held by another
+            if self._holders(r, page) == 0:
+                assert page in self.bm._pools[r].free or page in self.bm._pools[r].evictable
+
     @rule(data=st.data(), reset=st.integers(0, 19))
     def free(self, data, reset):
         """Finish, abort and preemption all free the same way; rarely, also reset the cache."""
@@ -688,10 +852,17 @@ KV depends on everything before it, so a prefix hit is only correct if the full 
     def consistent(self):
         self.bm.check_invariants()
         for r in range(REPLICAS):
-            used = {p for s in self.seqs if self.bm.replica_of(s) == r for p in self.bm.page_table(s)}
+            used = {p for s in self.seqs if self.bm.replica_of(s) == r for p in self.bm.page_table(s)} - {RESERVED_PAGE}
             assert self.bm.num_used_pages(r) == len(used)
             assert self.bm.num_free_pages(r) + self.bm.num_used_pages(r) == NUM_PAGES - 1
             assert 0.0 <= self.bm.kv_utilization(r) <= 1.0
+        # Every key a later query can still see holds that sequence's KV: no page was released (and
+        # reused) while inside a window, and the placeholders cover only positions no query reads.
+        for sid, s in self.seqs.items():
+            r, table, c = self.bm.replica_of(sid), self.bm.page_table(sid), s["computed"]
+            for pos in range(max(0, c - (self.window or c)), c):
+                assert table[pos // PS] != RESERVED_PAGE
+                assert self.device[(r, table[pos // PS])][pos % PS] == tuple(s["tokens"][: pos + 1])
 
     def teardown(self):
         if not hasattr(self, "bm"):
