@@ -69,6 +69,12 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
                    help="on SIGTERM/SIGINT, how long in-flight requests may take to finish")
     g.add_argument("--device-bandwidth", type=float, default=None,
                    help="peak memory bandwidth in bytes/s for the MBU metric (default: known devices only)")
+    from jaxserve.server.tool_parsers import PARSERS
+
+    g.add_argument("--tool-call-parser", default="hermes", choices=tuple(PARSERS),
+                   help="the format the model writes tool calls in, read back into tool_calls when tool_choice is "
+                        "auto: hermes (<tool_call>{json}</tool_call>; the shipped model's template) or llama3_json "
+                        "(Llama 3.1's {\"name\", \"parameters\"})")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     m = parser.add_argument_group("mock engine (tests, HTTP-layer fuzzing)")
@@ -218,6 +224,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serv
         weights_note=note,
         chat_renderer=chat_renderer,
         generation_defaults=generation_defaults,
+        tool_call_parser=ns.tool_call_parser,
     )
     app = create_app(options)
     state = app.state.jaxserve

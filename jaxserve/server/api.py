@@ -261,7 +261,10 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
                           "POST /detokenize"],
             "completions": {"fields": sorted(CompletionRequest.model_fields)},
             "chat_completions": {"fields": sorted(ChatCompletionRequest.model_fields),
-                                 "roles": ["system", "developer", "user", "assistant"], "content_parts": ["text"]},
+                                 "roles": ["system", "developer", "user", "assistant", "tool"],
+                                 "content_parts": ["text"]},
+            "tool_choice": ["none", "auto", "required", "function"],
+            "tool_call_parser": options.tool_call_parser,
             "response_format": ["text", "json_object", "json_schema"],
             "structured_outputs": ["json", "regex", "choice", "grammar", "json_object"],
             "stream_options": ["include_usage"],
@@ -270,7 +273,8 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
                        "max_body_bytes": options.max_body_bytes, "max_waiting": options.max_waiting},
             # every engine takes all of SamplingParams (n, stop strings, penalties, logprobs, ...)
             "engine_sampling_params": _SAMPLING_PARAMS if state.ready else [],
-            "rejected_parameters": sorted(KNOWN_UNSUPPORTED),
+            # tools and tool_choice are chat fields: refused only by /v1/completions
+            "rejected_parameters": sorted(set(KNOWN_UNSUPPORTED) - set(ChatCompletionRequest.model_fields)),
         }
 
     # ---- generation routes -----------------------------------------------------------------------

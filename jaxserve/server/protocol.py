@@ -4,7 +4,9 @@ Conventions:
 - A field sent as `null` counts as absent (many clients send every field), at every nesting level.
 - A field the schema does not know is rejected with a 400 that names it (error type
   "unsupported_field"), never silently ignored; that includes OpenAI fields jaxserve does not
-  implement yet (`tools`, `suffix`, ...).
+  implement yet (`suffix`, `functions`, ...).
+- Tools (`tools`, `tool_choice`, `parallel_tool_calls`, assistant `tool_calls`) are typed loosely here
+  and checked by `jaxserve.server.tools` in `requests.translate` (a 400 naming the field).
 - Structured output (`response_format`, vLLM's `structured_outputs` and `guided_*`) is typed loosely
   here and checked by `jaxserve.structured.spec_from_request` in `requests.translate`, whose
   GrammarError names the problem (a 400); the grammar library's own refusals come from the engine.
@@ -26,9 +28,9 @@ MAX_STOP = 16
 # Fields of the OpenAI API (or vLLM's extras) that jaxserve knowingly does not implement; the error
 # names them as such rather than as unknown.
 KNOWN_UNSUPPORTED = {
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
-    "parallel_tool_calls": "tool calling is not supported",
+    "tools": "tools are taken by /v1/chat/completions only",
+    "tool_choice": "tools are taken by /v1/chat/completions only",
+    "parallel_tool_calls": "tools are taken by /v1/chat/completions only",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "suffix": "suffix (insertion) is not supported",
@@ -41,8 +43,6 @@ KNOWN_UNSUPPORTED = {
     "service_tier": "service_tier is not supported",
     "reasoning_effort": "reasoning_effort is not supported",
     "web_search_options": "web search is not supported",
-    "tool_calls": "tool calls in messages are not supported",
-    "tool_call_id": "tool messages are not supported",
     "refusal": "refusal in messages is not supported",
 }
 
@@ -172,9 +172,13 @@ class ContentPart(OpenAIBase):
 
 
 class ChatMessage(OpenAIBase):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[Annotated[list[dict[str, Any]], Field(max_length=128)]] = Field(
+        None, description="assistant: the calls it made, [{\"id\", \"type\": \"function\", \"function\": {\"name\", "
+                          "\"arguments\": a JSON string}}]")
+    tool_call_id: Optional[str] = Field(None, description="tool: the id of the call this message answers")
 
     def text(self) -> str:
         if self.content is None:
@@ -196,6 +200,13 @@ class ChatCompletionRequest(SamplingFields):
         None, description="extra variables for the chat template, e.g. {\"enable_thinking\": false}")
     documents: Optional[Annotated[list[dict[str, Any]], Field(max_length=64)]] = Field(
         None, description="documents for retrieval-augmented templates (the template's `documents` variable)")
+    tools: Optional[Annotated[list[dict[str, Any]], Field(max_length=128)]] = Field(
+        None, description="[{\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\", "
+                          "\"strict\"}}], rendered by the chat template")
+    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(
+        None, description="\"none\", \"auto\" (the default with tools), \"required\", or "
+                          "{\"type\": \"function\", \"function\": {\"name\"}}")
+    parallel_tool_calls: Optional[bool] = Field(None, description="default true: more than one call per turn")
 
     @model_validator(mode="after")
     def _checks(self):
@@ -233,6 +244,8 @@ class TokenizeRequest(OpenAIBase):
     continue_final_message: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     documents: Optional[Annotated[list[dict[str, Any]], Field(max_length=64)]] = None
+    tools: Optional[Annotated[list[dict[str, Any]], Field(max_length=128)]] = Field(
+        None, description="messages: tools for the chat template, as chat completions takes them")
     return_token_strs: Optional[bool] = Field(None, description="also return each token's string")
 
     @model_validator(mode="after")
@@ -311,16 +324,28 @@ class ChatLogprobs(BaseModel):
     content: Optional[list[TokenLogprob]] = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str  # "call_..."
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]  # None when the reply is only tool calls
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    finish_reason: Optional[Literal["stop", "length", "abort", "tool_calls"]] = None
 
 
 class ChatCompletionResponse(BaseModel):

@@ -17,6 +17,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.chat import ChatTemplateError
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from jaxserve.server.tools import ToolPlan, normalize_tools, plan_tools, template_messages
 from jaxserve.structured.errors import GrammarError
 from jaxserve.structured.request_fields import spec_from_request
 
@@ -47,6 +48,7 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's text
     drop_generated: bool = False  # completions with max_tokens 0: echo only, the one generated token dropped
     n_logprobs: int | None = None  # top-N logprobs per output token in the response, None: none asked
+    tools: ToolPlan | None = None  # chat with tools: what parses the output into tool_calls
 
 
 def translate(state: ServerState, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> GenerationRequest:
@@ -60,9 +62,18 @@ def translate(state: ServerState, body: CompletionRequest | ChatCompletionReques
     echo = False
     drop_generated = False
     n_logprobs: int | None = None
+    tools: ToolPlan | None = None
 
     if chat:
-        text = render_chat(state, body)
+        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.options.tool_call_parser)
+        if tools.spec is not None:
+            if structured is not None:
+                field = next(f for f in _STRUCTURED_FIELDS if getattr(body, f) is not None)
+                raise APIError(400, f"tool_choice {tools.choice!r} constrains the output to tool calls, and {field} "
+                                    "constrains it too; send one of them", param="tool_choice",
+                               code="invalid_tools")
+            values["structured"] = tools.spec
+        text = render_chat(state, body, tools.tools)
         if tok is None:
             raise APIError(400, "this model has no tokenizer, so chat is not available: use /v1/completions with "
                                 "token ids", param="messages", code="no_tokenizer")
@@ -92,19 +103,22 @@ def translate(state: ServerState, body: CompletionRequest | ChatCompletionReques
                 values["prompt_logprobs"] = max(body.logprobs, values.get("prompt_logprobs") or 0)
 
     _check_lengths(prompts, values["max_tokens"], drop_generated, max_len, chat)
-    return GenerationRequest(chat, prompts, _sampling_params(values), echo, drop_generated, n_logprobs)
+    return GenerationRequest(chat, prompts, _sampling_params(values), echo, drop_generated, n_logprobs, tools)
 
 
-def render_chat(state: ServerState, body: ChatCompletionRequest | TokenizeRequest) -> str:
-    """The body's messages as prompt text, with the server's chat template (a 400 when it refuses them)."""
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in body.messages]
+def render_chat(state: ServerState, body: ChatCompletionRequest | TokenizeRequest,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The body's messages (and tools) as prompt text, with the server's chat template (a 400 when it
+    refuses them). `tools`: already checked; else the body's are checked here."""
+    messages = template_messages(body.messages)
+    if tools is None and body.tools:
+        tools = normalize_tools(body.tools)
     add_gen = body.add_generation_prompt
     if add_gen is None:
         add_gen = not body.continue_final_message
     try:
         return state.chat.render(messages, add_generation_prompt=add_gen,
-                                 continue_final_message=bool(body.continue_final_message),
+                                 continue_final_message=bool(body.continue_final_message), tools=tools,
                                  documents=body.documents, chat_template_kwargs=body.chat_template_kwargs)
     except ChatTemplateError as err:
         raise APIError(400, str(err), param="messages", code="chat_template_error") from None

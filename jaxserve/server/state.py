@@ -33,6 +33,8 @@ class ServerOptions:
     # Built and checked at start-up (serve.py), before the engine compiles; None: built from the engine.
     chat_renderer: ChatRenderer | None = None
     generation_defaults: GenerationDefaults | None = None
+    # tool_choice "auto": the format the model writes its calls in (tool_parsers.PARSERS; --tool-call-parser)
+    tool_call_parser: str = "hermes"
 
 
 class ServerState:

@@ -22,6 +22,7 @@ from jaxserve.sampling_params import CompletionOutput, RequestOutput, SamplingPa
 from jaxserve.server.errors import APIError, dumps, engine_error, error_body
 from jaxserve.server.logprobs import LogprobFormatter
 from jaxserve.server.requests import GenerationRequest
+from jaxserve.server.tool_parsers import ToolCallStream, get_parser
 
 if TYPE_CHECKING:
     from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -80,7 +81,10 @@ async def respond(state: ServerState, request: Request, body: CompletionRequest 
                 echo_text = sub.prompt_text if sub.prompt_text is not None else (
                     tok.decode(sub.prompt_ids, skip_special_tokens=False) if tok is not None else "")
             for k in range(sub.width):
-                choices[sub.base_choice + k] = Choice(sub.base_choice + k, sub, echo_text, job.drop_generated)
+                choice = Choice(sub.base_choice + k, sub, echo_text, job.drop_generated)
+                if job.tools is not None and job.tools.parser is not None:
+                    choice.tools = ToolCallStream(get_parser(job.tools.parser), parallel=job.tools.parallel)
+                choices[sub.base_choice + k] = choice
     except BaseException:
         fan.close()  # the engine's requests are running: abort them rather than leave them orphaned
         raise
@@ -235,6 +239,7 @@ class Choice:
         self.all_logprobs: list = []
         self.prompt_lps_sent = False
         self.offset = len(echo_text)
+        self.tools: ToolCallStream | None = None  # chat with tools: the output is parsed into tool calls
 
     def update(self, o: CompletionOutput) -> tuple[str, list[int], list, bool]:
         """Take a cumulative CompletionOutput; return (new text, new ids, new logprob entries, just finished)."""
@@ -332,8 +337,15 @@ class ResponseAssembler:
                         ids, entries = echo_ids + ids, echo_entries + entries
                     lps, _ = self.fmt.completion_logprobs(ids, entries, self.n_logprobs, 0)
             if self.chat:
-                choice = {"index": idx, "message": {"role": "assistant", "content": c.text},
-                          "logprobs": lps, "finish_reason": c.finish_reason}
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                reason = c.finish_reason
+                if c.tools is not None:
+                    content, calls = c.tools.result(c.text)
+                    message["content"] = content if (content is not None or calls) else ""
+                    if calls:
+                        message["tool_calls"] = calls
+                        reason = "tool_calls" if reason == "stop" else reason
+                choice = {"index": idx, "message": message, "logprobs": lps, "finish_reason": reason}
             else:
                 choice = {"index": idx, "text": c.echo_text + c.text, "logprobs": lps,
                           "finish_reason": c.finish_reason}
@@ -358,13 +370,15 @@ class ResponseAssembler:
                 yield self._chunk([{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None} for idx in sorted(self.choices)], None, include_usage)
             async for i, out in fan.events():
-                pieces = []
+                per_choice = []  # a choice's pieces go in successive chunks (a tool call's header, then its arguments)
                 for choice, delta, new_ids, new_lps, just_finished in self._observe(i, out):
-                    piece = self._stream_piece(choice, delta, new_ids, new_lps, just_finished)
-                    if piece is not None:
-                        pieces.append(piece)
-                if pieces:
-                    yield self._chunk(pieces, None, include_usage)
+                    if choice.tools is not None:
+                        per_choice.append(self._tool_pieces(choice, new_ids, new_lps, just_finished))
+                    else:
+                        piece = self._stream_piece(choice, delta, new_ids, new_lps, just_finished)
+                        per_choice.append([piece] if piece is not None else [])
+                for k in range(max((len(p) for p in per_choice), default=0)):
+                    yield self._chunk([p[k] for p in per_choice if len(p) > k], None, include_usage)
             if include_usage:
                 yield self._chunk([], self.usage(), True)
             yield "data: [DONE]\n\n"
@@ -376,6 +390,22 @@ class ResponseAssembler:
             yield "data: [DONE]\n\n"
         finally:
             fan.close()
+
+    def _tool_pieces(self, c: Choice, new_ids: list[int], new_lps: list, finished: bool) -> list[dict]:
+        """A chat choice with tools: its content and tool-call deltas since the last chunk, one piece each."""
+        deltas = c.tools.update(c.text, final=finished)
+        lps = None
+        if self.n_logprobs is not None and new_ids:
+            lps = {"content": self.fmt.chat_logprobs(new_ids, new_lps, self.n_logprobs)}
+        if finished or (lps is not None and not deltas):
+            deltas.append({})
+        pieces = [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+        if pieces:
+            pieces[0]["logprobs"] = lps
+        if finished:
+            reason = c.finish_reason
+            pieces[-1]["finish_reason"] = "tool_calls" if (reason == "stop" and c.tools.called) else reason
+        return pieces
 
     def _stream_piece(self, c: Choice, delta: str, new_ids: list[int], new_lps: list, finished: bool) -> dict | None:
         echo_part = ""

@@ -64,9 +64,17 @@ def test_special_token_variables_of_the_shipped_tokenizer():
     assert r.render(CONVERSATION) == "<s>|</s>|<pad>|<unk>"
 
 
-def test_shipped_model_falls_back_to_chatml_with_a_warning(caplog):
+def test_shipped_model_template_is_chatml_plus_tools_and_a_bare_tokenizer_falls_back(tmp_path, caplog):
     r = load_chat_renderer(EngineConfig(model=str(DEFAULT)))
-    assert r.source == "fallback-chatml" and "ships no chat template" in caplog.text
+    assert r.source == "checkpoint" and "chat_template.jinja" in r.origin
+    chatml = ChatRenderer(None)
+    for gen in (True, False):  # without tools exactly ChatML, which the model was served with before
+        assert r.render(CONVERSATION, add_generation_prompt=gen) == chatml.render(CONVERSATION, add_generation_prompt=gen)
+    assert "<tool_call>" in r.render(CONVERSATION, tools=[{"type": "function", "function": {"name": "f"}}])
+    for name in ("tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(DEFAULT / name, tmp_path / name)
+    bare = load_chat_renderer(EngineConfig(model=str(DEFAULT), tokenizer=str(tmp_path)))
+    assert bare.source == "fallback-chatml" and "ships no chat template" in caplog.text
 
 
 def test_chat_template_setting_file_or_inline(tmp_path):
@@ -140,4 +148,4 @@ def test_server_renders_with_the_start_up_renderer_and_kwargs(make_client):
     bad = client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"add_generation_prompt": False}})
     assert bad.status_code == 400 and "add_generation_prompt" in bad.json()["error"]["message"]
     tools = client.post("/v1/chat/completions", json={**body, "tools": [{"type": "function"}]})
-    assert tools.status_code == 400  # tool calling is a later issue: still refused by name
+    assert tools.status_code == 400 and "tools[0].function" in tools.json()["error"]["message"]
