@@ -245,6 +245,7 @@ class Scheduler:
         for seq in decoding:
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
+            self.blocks.release_outside_window(seq.seq_id)  # pages no layer's window reads again (Mistral)
             while not self.blocks.ensure_capacity(seq.seq_id, seq.num_tokens):
                 # The newest sequence on this replica: only its pages can make room here.
                 victim = [s for s in self.running if s.replica == seq.replica][-1]
