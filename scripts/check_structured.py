@@ -1,0 +1,275 @@
+"""Acceptance check of structured output and tool calls (issue 23) with the official `openai` client.
+
+Starts `python -m jaxserve.serve` on the shipped default model (or uses a running server, `--url`) and runs,
+all sampled (temperature 1, seeded):
+- `client.chat.completions.parse(..., response_format=User)`: 20 requests, max_tokens 400, on a bounded
+  pydantic schema (a nested object, a list with maxItems of strings with maxLength, an enum, a bounded
+  integer, optional fields); a request cut by max_tokens (`LengthFinishReasonError`) is a failure.
+- `guided_regex` and `guided_choice` on /v1/completions: 200 completions each, counting full matches.
+- `tool_choice="required"` with two functions, 50 requests streamed and 50 not: a pass is finish_reason
+  "tool_calls" with at least one call, every call naming one of the functions with arguments that validate
+  against its schema (jsonschema if installed, else the functions' pydantic models); the streamed ones
+  are folded from OpenAI's deltas (the first delta of a call must carry id, type, name and arguments "").
+Prints one JSON report (and writes it to --out).
+
+    python scripts/check_structured.py                       # starts the server (default config)
+    python scripts/check_structured.py --url http://127.0.0.1:8000/v1
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Literal, Optional
+
+import httpx
+import openai
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- the schemas ------------------------------------------------------------------------------------
+
+
+class Address(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    city: str = Field(max_length=20)
+    zip_code: str = Field(max_length=10)
+
+
+class User(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=24)
+    age: int = Field(ge=0, le=120)
+    role: Literal["admin", "editor", "viewer"]
+    address: Address
+    tags: list[Annotated[str, Field(max_length=12)]] = Field(max_length=4)
+    nickname: Optional[str] = Field(default=None, max_length=16)
+    score: Optional[int] = Field(default=None, ge=1, le=10)
+
+
+class GetWeather(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    city: str = Field(max_length=20)
+    unit: Literal["celsius", "fahrenheit"]
+    days: Optional[int] = Field(default=None, ge=1, le=7)
+
+
+class GetTime(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    zone: Literal["UTC", "CET", "PST", "JST"]
+    offset_hours: int = Field(ge=-12, le=12)
+
+
+FUNCTIONS = {"get_weather": (GetWeather, "The weather in a city for the next days"),
+             "get_time": (GetTime, "The current time in a time zone")}
+TOOLS = [{"type": "function", "function": {"name": name, "description": doc, "parameters": model.model_json_schema()}}
+         for name, (model, doc) in FUNCTIONS.items()]
+REGEX = r"[A-Z]{2}\d{3}"
+CHOICES = ["red", "green", "blue", "yellow"]
+
+
+def validator():
+    """(name, arguments text) -> None or the reason it fails; jsonschema when installed, else pydantic."""
+    try:
+        import jsonschema
+    except ImportError:
+        jsonschema = None
+
+    def check(name: str, arguments: str) -> str | None:
+        if name not in FUNCTIONS:
+            return f"unknown function {name!r}"
+        model = FUNCTIONS[name][0]
+        try:
+            if jsonschema is not None:
+                jsonschema.validate(json.loads(arguments), model.model_json_schema())
+            else:
+                model.model_validate_json(arguments)
+        except (ValueError, ValidationError) as err:  # jsonschema's ValidationError is a ValueError too
+            return f"{name}: {str(err).splitlines()[0]}"
+        except Exception as err:  # noqa: BLE001 - jsonschema.ValidationError
+            return f"{name}: {type(err).__name__}: {str(err).splitlines()[0]}"
+        return None
+
+    return check, ("jsonschema" if jsonschema is not None else "pydantic")
+
+
+# ---- the checks -------------------------------------------------------------------------------------
+
+
+def check_parse(client: openai.OpenAI, n: int, workers: int) -> dict:
+    def one(seed: int):
+        try:
+            completion = client.chat.completions.parse(
+                model=MODEL, messages=[{"role": "system", "content": "Answer in JSON."},
+                                       {"role": "user", "content": "Make up a user profile."}],
+                response_format=User, max_tokens=400, temperature=1.0, seed=seed)
+        except openai.LengthFinishReasonError:
+            return False, "cut by max_tokens"
+        except (openai.APIError, ValidationError, ValueError) as err:
+            return False, f"{type(err).__name__}: {str(err)[:200]}"
+        choice = completion.choices[0]
+        parsed = choice.message.parsed
+        if not isinstance(parsed, User):
+            return False, f"not parsed (finish_reason {choice.finish_reason})"
+        return choice.finish_reason == "stop", parsed.model_dump_json()
+
+    return _tally(one, range(n), workers)
+
+
+def check_completions(client: openai.OpenAI, n: int, workers: int, field: str) -> dict:
+    value = REGEX if field == "guided_regex" else CHOICES
+
+    def one(seed: int):
+        r = client.completions.create(model=MODEL, prompt="The code is", max_tokens=16, temperature=1.0, seed=seed,
+                                      extra_body={field: value})
+        text = r.choices[0].text
+        ok = re.fullmatch(REGEX, text) is not None if field == "guided_regex" else text in CHOICES
+        return ok, text
+
+    return _tally(one, range(n), workers)
+
+
+def check_tools(client: openai.OpenAI, n: int, workers: int, stream: bool) -> dict:
+    check, _ = validator()
+    messages = [{"role": "user", "content": "What is the weather in Oslo, and what time is it in Tokyo?"}]
+
+    def one(seed: int):
+        kwargs = dict(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=400,
+                      temperature=1.0, seed=(2000 if stream else 1000) + seed)
+        if stream:
+            calls: dict[int, dict] = {}
+            reason = None
+            for chunk in client.chat.completions.create(stream=True, **kwargs):
+                if not chunk.choices:
+                    continue
+                choice = chunk.choices[0]
+                for tc in choice.delta.tool_calls or []:
+                    if tc.index not in calls:
+                        if not (tc.id and tc.id.startswith("call_") and tc.type == "function" and tc.function.name
+                                and tc.function.arguments == ""):
+                            return False, f"first delta of call {tc.index} is not OpenAI's header: {tc}"
+                        calls[tc.index] = {"name": tc.function.name, "arguments": ""}
+                    else:
+                        calls[tc.index]["arguments"] += tc.function.arguments or ""
+                reason = choice.finish_reason or reason
+            got = [calls[i] for i in sorted(calls)]
+        else:
+            r = client.chat.completions.create(**kwargs)
+            reason = r.choices[0].finish_reason
+            got = [{"name": c.function.name, "arguments": c.function.arguments}
+                   for c in r.choices[0].message.tool_calls or []]
+        if reason != "tool_calls" or not got:
+            return False, f"finish_reason {reason}, {len(got)} calls"
+        problems = [p for c in got if (p := check(c["name"], c["arguments"]))]
+        if problems:
+            return False, "; ".join(problems)
+        calls_made.append(len(got))
+        return True, json.dumps(got)
+
+    calls_made: list[int] = []
+    result = _tally(one, range(n), workers)
+    result["calls_per_response"] = {k: calls_made.count(k) for k in sorted(set(calls_made))}
+    return result
+
+
+def _tally(fn, items, workers: int) -> dict:
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(fn, items))
+    passed = sum(ok for ok, _ in results)
+    failures = [detail for ok, detail in results if not ok]
+    return {"passed": passed, "total": len(results), "seconds": round(time.perf_counter() - start, 1),
+            "failures": failures[:5], "example": next((d for ok, d in results if ok), None)}
+
+
+# ---- the server -------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(args: list[str], timeout: float):
+    port = _free_port()
+    log = tempfile.NamedTemporaryFile("w+b", prefix="check_structured-", suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "jaxserve.serve", "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
+           *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited with {proc.returncode}; log: {log.name}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the server was not healthy within {timeout:.0f} s; log: {log.name}")
+            time.sleep(0.5)
+        yield url + "/v1", " ".join(cmd[1:])
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(60)
+        if proc.poll() is None:
+            proc.kill()
+
+
+MODEL = None
+
+
+def main(argv=None) -> int:
+    global MODEL
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--url", help="a running server's /v1 base URL (default: start one)")
+    ap.add_argument("--server-args", default="", help="extra flags for the started server")
+    ap.add_argument("--parse", type=int, default=20)
+    ap.add_argument("--guided", type=int, default=200, help="completions per guided field")
+    ap.add_argument("--tools", type=int, default=50, help="tool_choice=required requests, streamed and not each")
+    ap.add_argument("--workers", type=int, default=8, help="concurrent requests")
+    ap.add_argument("--startup-timeout", type=float, default=900)
+    ap.add_argument("--out", help="also write the report here")
+    args = ap.parse_args(argv)
+
+    with contextlib.ExitStack() as stack:
+        if args.url:
+            url, command = args.url, None
+        else:
+            url, command = stack.enter_context(served(args.server_args.split(), args.startup_timeout))
+        client = openai.OpenAI(base_url=url, api_key=os.environ.get("JAXSERVE_API_KEY", "none"), timeout=600,
+                               max_retries=0)
+        MODEL = client.models.list().data[0].id
+        report = {"server": command or url, "model": MODEL, "openai": openai.__version__,
+                  "validator": validator()[1]}
+        report["parse"] = check_parse(client, args.parse, args.workers)
+        for field in ("guided_regex", "guided_choice"):
+            report[field] = check_completions(client, args.guided, args.workers, field)
+        report["tools_required"] = check_tools(client, args.tools, args.workers, stream=False)
+        report["tools_required_stream"] = check_tools(client, args.tools, args.workers, stream=True)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    checks = [v for v in report.values() if isinstance(v, dict)]
+    return 0 if all(c["passed"] == c["total"] for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
