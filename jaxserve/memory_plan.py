@@ -31,6 +31,21 @@ class MemoryPlan:
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8"
     kv_bytes_per_token_model_dtype: int | None = None  # what a cache in the model dtype would take
     draft_kv_bytes_per_token: int = 0  # speculative decoding: the draft's cache, in the same pages
+    num_layers: int = 0
+    num_sliding_layers: int = 0  # layers that see only the last `sliding_window` keys (Mistral: all; Gemma 3: the local ones)
+    sliding_window: int | None = None
+
+    @property
+    def window_unread_bytes(self) -> int:
+        """Bytes of this cache no query reads when it is full of max_model_len sequences: the sliding
+        layers' share of each sequence's pages behind its window. One pool gives every layer the
+        whole context; only where every layer is windowed does the block manager hand those pages
+        back (`BlockManager.release_outside_window`); a mixed model (Gemma 3) would need a pool per
+        layer group to use them."""
+        if not (self.num_sliding_layers and self.sliding_window) or self.max_model_len <= self.sliding_window:
+            return 0
+        behind = (self.max_model_len - self.sliding_window) / self.max_model_len
+        return int(self.kv_cache_bytes * self.num_sliding_layers / self.num_layers * behind)
 
     @property
     def tokens_in_model_dtype(self) -> int:
@@ -61,6 +76,13 @@ class MemoryPlan:
             draft = self.num_pages * self.page_size * self.draft_kv_bytes_per_token
             text += (f"; draft model KV {self.draft_kv_bytes_per_token} bytes/token in the same pages "
                      f"(+{draft / gib:.3f} GiB)")
+        if self.window_unread_bytes:
+            every = self.num_sliding_layers == self.num_layers
+            fate = ("the block manager can release the pages behind it" if every
+                    else "one pool for local and global layers holds them anyway")
+            who = "every layer sees" if every else f"{self.num_sliding_layers} of {self.num_layers} layers see"
+            text += (f"; {who} only the last {self.sliding_window} tokens: at max_model_len "
+                     f"{self.window_unread_bytes / gib:.3f} GiB of this cache is never read ({fate})")
         if self.kv_cache_dtype == "int8" and self.kv_bytes_per_token_model_dtype:
             base = self.tokens_in_model_dtype
             more = self.tokens_that_fit - base
@@ -102,4 +124,5 @@ def plan_memory(cfg: ModelConfig, settings: EngineConfig, dtype: Any, param_byte
                       dtype=jnp.dtype(dtype).name, quantization=settings.quantization,
                       kv_cache_dtype=settings.kv_cache_dtype,
                       kv_bytes_per_token_model_dtype=cfg.kv_bytes_per_token(itemsize),
-                      draft_kv_bytes_per_token=draft_kv_bytes_per_token)
+                      draft_kv_bytes_per_token=draft_kv_bytes_per_token, num_layers=cfg.num_layers,
+                      num_sliding_layers=cfg.num_sliding_layers, sliding_window=cfg.sliding_window)
