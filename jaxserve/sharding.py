@@ -4,6 +4,10 @@ The mesh has axes ("data", "model"): `model` splits heads, KV heads, the MLP hid
 vocabulary (Megatron-style tensor parallelism: q/k/v/gate/up column-parallel, o/down row-parallel, so
 XLA inserts two all-reduces per layer); `data` splits replicas, each with its own batch and page
 pool. Model code names logical axes only; it never writes a PartitionSpec.
+
+A mixture of experts is tensor-parallel like a dense MLP (`moe_parallelism="tensor"`: each expert
+split on its hidden dimension over `model`) or expert-parallel (`"expert"`: whole experts split over
+`model`, each device computing only its experts' tokens under `ExpertParallel`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from jaxserve.errors import ConfigError
 from jaxserve.model.weights import Params, logical_axes
 
 DATA, MODEL = "data", "model"
+MOE_PARALLELISMS = ("tensor", "expert")
 
 
 def make_mesh(mesh_shape: tuple[int, int], devices: list[Any] | None = None) -> Mesh:
@@ -41,8 +46,17 @@ def make_mesh(mesh_shape: tuple[int, int], devices: list[Any] | None = None) -> 
     return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def logical_rules(cfg: ModelConfig, model_size: int) -> dict[str, str | None]:
-    """Logical axis -> mesh axis. KV heads are replicated when the model axis does not divide them."""
+def logical_rules(cfg: ModelConfig, model_size: int, moe_parallelism: str = "tensor") -> dict[str, str | None]:
+    """Logical axis -> mesh axis. KV heads are replicated when the model axis does not divide them.
+    `moe_parallelism` (MOE_PARALLELISMS) says how a mixture of experts uses the model axis."""
+    if moe_parallelism not in MOE_PARALLELISMS:
+        raise ConfigError(f"moe_parallelism must be one of {MOE_PARALLELISMS}, got {moe_parallelism!r}")
+    expert_parallel = moe_parallelism == "expert" and cfg.is_moe
+    if expert_parallel and cfg.num_experts % model_size:
+        raise ConfigError(
+            f"expert parallelism: the model axis ({model_size} devices) must divide the {cfg.num_experts} "
+            f"experts; choose mesh_shape[1] among "
+            f"{[d for d in range(1, cfg.num_experts + 1) if cfg.num_experts % d == 0]}, or moe_parallelism='tensor'")
     if cfg.num_heads % model_size:
         raise ConfigError(
             f"the model axis ({model_size} devices) must divide the {cfg.num_heads} query heads; "
@@ -59,11 +73,11 @@ def logical_rules(cfg: ModelConfig, model_size: int) -> dict[str, str | None]:
         "mlp": split(cfg.intermediate_size),
         # Experts tensor-parallel: every device holds all E experts, each split on its hidden dimension like
         # a dense MLP's (gate/up column-, down row-parallel), so GSPMD ends the layer in one all-reduce of the
-        # assignment rows, never a gather of expert weights (tests/model/test_moe_models.py). Expert
-        # parallelism (whole experts per device, tokens dispatched to them) is not done yet: sharding
-        # `experts` here makes GSPMD all-reduce the gathered experts' weights in a decode step.
-        "experts": None,
-        "expert_mlp": split(cfg.moe_intermediate_size) if cfg.is_moe else None,
+        # assignment rows, never a gather of expert weights (tests/model/test_moe_models.py).
+        # Expert-parallel: E / model whole experts per device, computed per device by `ExpertParallel`
+        # (left to GSPMD, sharded experts make it all-reduce the gathered experts' weights in a decode step).
+        "experts": MODEL if expert_parallel else None,
+        "expert_mlp": split(cfg.moe_intermediate_size) if cfg.is_moe and not expert_parallel else None,
         "vocab": split(cfg.vocab_size),
         "replica": DATA,
     }
@@ -90,10 +104,10 @@ class Shardings:
 
 
 def make_shardings(cfg: ModelConfig, mesh: Mesh, stacked: bool = True, quantization: str = "none",
-                   quantize_lm_head: bool = False) -> Shardings:
+                   quantize_lm_head: bool = False, moe_parallelism: str = "tensor") -> Shardings:
     """`stacked=False` gives the shardings of params whose layers are a tuple (weights.unstack_layers);
     quantization="int8" those of the quantized layout (a QuantArray of shardings per linear weight)."""
-    rules = logical_rules(cfg, mesh.shape[MODEL])
+    rules = logical_rules(cfg, mesh.shape[MODEL], moe_parallelism)
     is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
     axes = logical_axes(cfg)
     if quantization == "int8":
@@ -165,3 +179,42 @@ def _local_kv_heads(arrays: tuple[jax.Array, ...], heads_here: int, group: int) 
         return tuple(jax.lax.dynamic_slice_in_dim(a, first // group, 1, axis=0) for a in arrays)
     ids = (first + jnp.arange(heads_here)) // group
     return tuple(a[ids] for a in arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """Expert parallelism for `moe.moe_mlp(..., expert_parallel=ExpertParallel(cfg, mesh))` (hashable:
+    the MoE function is cached on it).
+
+    Called with `local(x f[T, D], p_here, first_expert i32[]) -> f32[T, D]` (moe.moe_local), it gives
+    fn(x, p) -> f[T, D] running `local` once per device under `jax.shard_map`: the experts' weights
+    (and int8 scales) split on their expert axis as `logical_rules` lays them out, so each device
+    holds E / model whole experts and never sees another's; the router replicated; the tokens split
+    over the replicas (`data`) and whole on `model`. One psum over `model` adds each device's
+    partial output: the only collective (the same bytes as tensor parallelism's all-reduce)."""
+
+    cfg: ModelConfig
+    mesh: Mesh
+
+    def __call__(self, local: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+        rules = logical_rules(self.cfg, self.mesh.shape[MODEL], "expert")
+        experts_axis, tokens_axis = rules["experts"], rules["replica"]
+        experts_spec = spec_for(("experts",), rules)  # the leading axis of every expert array
+        mesh = self.mesh
+
+        def per_device(x, p):
+            here = p.w_gate.shape[0]
+            first = jax.lax.axis_index(experts_axis) * here if experts_axis else jnp.int32(0)
+            out = local(x, p, first)
+            return (jax.lax.psum(out, experts_axis) if experts_axis else out).astype(x.dtype)
+
+        def wrapped(x, p):
+            # x f[T, D]: the replicas' tokens, split over `data` when it divides them (the engine's step
+            # flattens R replicas' tokens, R a multiple of the data axis)
+            split_tokens = tokens_axis is not None and x.shape[0] % mesh.shape[tokens_axis] == 0
+            x_spec = PartitionSpec(tokens_axis if split_tokens else None, None)
+            p_specs = jax.tree.map(lambda _: experts_spec, p)
+            p_specs = p_specs.replace(router=PartitionSpec())
+            return jax.shard_map(per_device, mesh=mesh, in_specs=(x_spec, p_specs), out_specs=x_spec)(x, p)
+
+        return wrapped

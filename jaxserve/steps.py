@@ -22,7 +22,7 @@ from jaxserve.kv_cache import KVCache, RaggedBatch, StepBatch
 from jaxserve.model.layers import paged_attention_reference, ragged_attention_reference
 from jaxserve.model.llama import forward, forward_ragged
 from jaxserve.model.weights import Params
-from jaxserve.sharding import DATA, MODEL, _local_kv_heads, shard_attention
+from jaxserve.sharding import DATA, MODEL, ExpertParallel, _local_kv_heads, shard_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,10 @@ class StepOptions:
     # How int8 (QuantArray) weights are multiplied: one of quant.MATMUL_IMPLS (the engine resolves
     # the user's quantized_matmul_backend); float weights ignore it.
     matmul_backend: str = "reference"
+    # How a mixture of experts uses the mesh's model axis (sharding.MOE_PARALLELISMS): "expert" runs
+    # each device's own experts under shard_map (the params laid out by make_shardings(...,
+    # moe_parallelism="expert")); "tensor" leaves the experts, split on their hidden dimension, to GSPMD.
+    moe_parallelism: str = "tensor"
 
 
 # Resolved attention implementations (the engine turns the user's "auto" | "reference" | "pallas" into one).
@@ -54,6 +58,15 @@ def attention_impl(impl: str, mesh: Mesh | None = None):
         fn = functools.partial(pallas_attention, backend=backend, interpret=impl == "pallas_interpret")
         return shard_attention(fn, mesh) if _per_shard(impl, mesh) else fn
     raise ValueError(f"unknown attention implementation {impl!r}; expected one of {ATTENTION_IMPLS}")
+
+
+def expert_parallel_impl(cfg: ModelConfig, options: StepOptions) -> ExpertParallel | None:
+    """The forward's `expert_parallel` argument: None unless a mixture of experts is expert-parallel on
+    a model axis of several devices."""
+    mesh = options.mesh
+    if options.moe_parallelism != "expert" or not cfg.is_moe or mesh is None or mesh.shape[MODEL] == 1:
+        return None
+    return ExpertParallel(cfg, mesh)
 
 
 def _per_shard(impl: str, mesh: Mesh | None) -> bool:
@@ -167,6 +180,7 @@ def model_step(
         all_logits=options.all_logits,
         attention=attention_impl(options.attention_backend, options.mesh),
         matmul=options.matmul_backend,
+        expert_parallel=expert_parallel_impl(cfg, options),
     )
     # A shard_map inside the vmap maps the replica axis onto `data` through spmd_axis_name.
     spmd = DATA if _per_shard(options.attention_backend, options.mesh) else None
@@ -203,7 +217,8 @@ def ragged_step(
         raise ValueError("the ragged step returns the logits at logit_index (list every token there for all "
                          "of them); all_logits is for the rectangle steps")
     fwd = functools.partial(forward_ragged, cfg=cfg, scan_layers=options.scan_layers, matmul=options.matmul_backend,
-                            attention=ragged_attention_impl(options.attention_backend, options.mesh))
+                            attention=ragged_attention_impl(options.attention_backend, options.mesh),
+                            expert_parallel=expert_parallel_impl(cfg, options))
     # A shard_map inside the vmap maps the replica axis onto `data` through spmd_axis_name.
     spmd = DATA if _per_shard(options.attention_backend, options.mesh) else None
     return jax.vmap(fwd, in_axes=(None, 0, 0), spmd_axis_name=spmd)(params, cache, batch)

@@ -30,7 +30,7 @@ from jaxserve.model.layers import (
     rope_cos_sin,
     swiglu,
 )
-from jaxserve.model.moe import MoEParams, moe_mlp
+from jaxserve.model.moe import ExpertParallelFn, MoEParams, moe_mlp
 from jaxserve.model.weights import LayerParams, Params
 
 # attention(q f[B,T,N,H], k_pages f[K,NP,S,H], v_pages, page_table i32[B,P], positions i32[B,T],
@@ -68,7 +68,8 @@ def _project_qkv(cfg: ModelConfig, lp: LayerParams, x: jax.Array, cos: jax.Array
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _output_and_mlp(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Array) -> jax.Array:
+def _output_and_mlp(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Array,
+                    expert_parallel: ExpertParallelFn | None = None) -> jax.Array:
     """Output projection and residual, then the pre-norm gated MLP (SwiGLU, Gemma's GeGLU, or a mixture
     of SwiGLU experts over the flattened tokens) and its residual; with Gemma 3's sandwich norms each block's output is normalised before its residual add."""
     B, T, N, H = attn.shape
@@ -80,7 +81,7 @@ def _output_and_mlp(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.A
     if lp.router is not None:  # a mixture of experts: every token (padding too: harmless) routed on its own
         experts = MoEParams(router=lp.router, w_gate=lp.expert_gate, w_up=lp.expert_up, w_down=lp.expert_down)
         out = moe_mlp(h.reshape(B * T, -1), experts, top_k=cfg.num_experts_per_tok,
-                      normalize=cfg.norm_topk_prob).reshape(h.shape)
+                      normalize=cfg.norm_topk_prob, expert_parallel=expert_parallel).reshape(h.shape)
     else:
         mlp = geglu if cfg.hidden_act == "gelu_pytorch_tanh" else swiglu
         out = mlp(h, lp.w_gate, lp.w_up, lp.w_down)
@@ -150,6 +151,7 @@ def _layer(
     positions: jax.Array,  # i32[B, T]
     valid: jax.Array,  # bool[B, T]
     seq_lens: jax.Array,  # i32[B]
+    expert_parallel: ExpertParallelFn | None = None,
 ) -> tuple[jax.Array, KVCache]:
     q, k, v = _project_qkv(cfg, lp, x, cos, sin)
     cache = write_kv(cache, layer, k, v, page_table, positions, valid)
@@ -158,7 +160,7 @@ def _layer(
     if q_scale is not None:
         q = q * jnp.asarray(q_scale, q.dtype)
     attn = attention(q, cache.k[layer], cache.v[layer], page_table, positions, seq_lens, window, **scales)
-    return _output_and_mlp(cfg, lp, x, attn), cache
+    return _output_and_mlp(cfg, lp, x, attn, expert_parallel), cache
 
 
 def forward(
@@ -174,12 +176,14 @@ def forward(
     all_logits: bool = False,
     attention: AttentionFn = paged_attention_reference,
     matmul: str = "reference",
+    expert_parallel: ExpertParallelFn | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run one chunk for one replica. Returns (logits, cache).
 
     logits is f32[B, V] at each row's last valid token, or f32[B, T, V] with all_logits (parity tests,
     prompt logprobs). Rows with num_new == 0 yield meaningless logits and write nothing. `matmul`
-    (one of quant.MATMUL_IMPLS) is how int8 (QuantArray) weights are multiplied.
+    (one of quant.MATMUL_IMPLS) is how int8 (QuantArray) weights are multiplied; `expert_parallel`
+    (sharding.ExpertParallel) computes a mixture of experts expert-parallel (moe.moe_mlp).
     """
     if matmul != "reference":
         params = quant.with_kernel(params, matmul)
@@ -189,7 +193,7 @@ def forward(
     seq_lens = start_pos + num_new
     cos, sin, kinds = rope_tables(cfg, positions)
     x = _embed(params, cfg, tokens)  # f[B, T, D]
-    layer_args = (page_table, positions, valid, seq_lens)
+    layer_args = (page_table, positions, valid, seq_lens, expert_parallel)
 
     def run(lp, layer, x, cache):  # unrolled: the layer's window and table are static
         kind = None if kinds is None else int(kinds[layer])
@@ -250,13 +254,14 @@ def _ragged_layer(
     cos: jax.Array,  # f32[1, N, H]  this layer's table
     sin: jax.Array,
     batch: RaggedBatch,
+    expert_parallel: ExpertParallelFn | None = None,
 ) -> tuple[jax.Array, KVCache]:
     q, k, v = _project_qkv(cfg, lp, x, cos, sin)  # [1, N, heads, H]: the flat axis as one batch row
     cache = write_kv_slots(cache, layer, k[0], v[0], batch.slots)
     scales = {} if not cache.quantized else dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
     attn = attention(q[0], cache.k, cache.v, layer, batch.positions, batch.query_start, batch.context_lens,
                      batch.page_table, window, sm_scale, **scales)
-    return _output_and_mlp(cfg, lp, x, attn[None]), cache
+    return _output_and_mlp(cfg, lp, x, attn[None], expert_parallel), cache
 
 
 def forward_ragged(
@@ -268,6 +273,7 @@ def forward_ragged(
     scan_layers: bool = False,
     attention: RaggedAttentionFn = ragged_attention_reference,
     matmul: str = "reference",
+    expert_parallel: ExpertParallelFn | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """One ragged step (prompt chunks, decodes, verifications in one flat token axis) for one
     replica. Returns (logits f32[len(logit_index), V] at `batch.logit_index`, cache).
@@ -284,7 +290,7 @@ def forward_ragged(
     def run(lp, layer, x, cache):
         kind = None if kinds is None else int(kinds[layer])
         return _ragged_layer(cfg, attention, lp, layer, windows[layer], sm_scales[layer], x, cache,
-                             *_layer_rope(cos, sin, kind), batch)
+                             *_layer_rope(cos, sin, kind), batch, expert_parallel)
 
     if isinstance(params.layers, tuple):
         for layer, lp in enumerate(params.layers):
@@ -294,7 +300,7 @@ def forward_ragged(
             lp, layer, window, sm_scale, kind = xs
             x, cache = carry
             return _ragged_layer(cfg, attention, lp, layer, window, sm_scale, x, cache,
-                                 *_layer_rope(cos, sin, kind), batch), None
+                                 *_layer_rope(cos, sin, kind), batch, expert_parallel), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         xs = (params.layers, layer_ids, windows, sm_scales, None if kinds is None else jnp.asarray(kinds))
@@ -315,7 +321,8 @@ def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return logits if cap is None else jnp.tanh(logits / cap) * cap
 
 
-def forward_dense(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+def forward_dense(params: Params, tokens: jax.Array, *, cfg: ModelConfig,
+                  expert_parallel: ExpertParallelFn | None = None) -> jax.Array:
     """Logits f32[B, T, V] of whole sequences from position 0, without a KV cache (training, scoring).
 
     The same layers as `forward`, with dense causal attention; `layers` may be stacked (scanned)
@@ -328,7 +335,7 @@ def forward_dense(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> jax
 
     def layer(x, lp, window, kind):
         q, k, v = _project_qkv(cfg, lp, x, *_layer_rope(cos, sin, kind))
-        return _output_and_mlp(cfg, lp, x, causal_attention(q, k, v, window, sm_scale))
+        return _output_and_mlp(cfg, lp, x, causal_attention(q, k, v, window, sm_scale), expert_parallel)
 
     if isinstance(params.layers, tuple):
         for i, lp in enumerate(params.layers):

@@ -14,8 +14,13 @@ for every row), so on a CPU a prefill through the grouped path costs E times the
 `llama.py`'s MLP calls this where a config has experts (LayerParams.router and expert_*). int8
 experts are QuantArrays (one scale per expert and output channel): the grouped path multiplies by
 the int8 values widened to x's dtype and scales each assignment row by its expert's scales; the
-gathered path dequantizes only the gathered experts. Expert parallelism on the mesh is not done yet
-(the experts are replicated: sharding.logical_rules).
+gathered path dequantizes only the gathered experts.
+
+On a mesh the experts are tensor-parallel (every device holds every expert, split on its hidden
+dimension; GSPMD partitions the code below as it does a dense MLP) or expert-parallel (the
+`moe_parallelism="expert"` setting: E / model whole experts per device; `sharding.ExpertParallel`
+runs `moe_local` once per device on its own experts under shard_map and one psum adds the devices'
+partial outputs; see `moe_mlp`).
 """
 
 from __future__ import annotations
@@ -61,22 +66,40 @@ def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool) -> tuple
     return weights, experts.astype(jnp.int32)
 
 
+# expert_parallel(local) -> fn(x f[T, D], p: MoEParams) -> f[T, D]: runs local(x, p_here, first_expert)
+# once per device on that device's experts and sums the partial outputs (sharding.ExpertParallel).
+ExpertParallelFn = Callable[[Callable[..., jax.Array]], Callable[[jax.Array, MoEParams], jax.Array]]
+
+
 def moe_mlp(x: jax.Array, p: MoEParams, *, top_k: int, normalize: bool,
-            act: Callable[[jax.Array], jax.Array] = jax.nn.silu) -> jax.Array:
+            act: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+            expert_parallel: ExpertParallelFn | None = None) -> jax.Array:
     """The MoE MLP of tokens x f[T, D] -> f[T, D].
 
     Under `jax.vmap` over x alone (the engine's step maps its forward over replicas, the weights
     shared) the batch's tokens are routed as one [B * T, D] set: jax's ragged_dot batches only when
-    every operand, the weights too, is mapped (jax 0.10: "ragged_dot vmap over any dim but 0"). With a
-    data axis > 1 that sort spans the replicas' devices (correct; a per-device dispatch is part of
-    expert parallelism, not done yet). Not differentiable in reverse mode (custom_vmap)."""
-    return _batchable(top_k, normalize, act)(x, p)
+    every operand, the weights too, is mapped (jax 0.10: "ragged_dot vmap over any dim but 0").
+    Tensor-parallel (expert_parallel None), that sort spans the data axis's devices on a mesh
+    (correct). With `expert_parallel` (sharding.ExpertParallel) each device keeps its replicas' tokens
+    and its own experts: it routes its tokens over all E experts (the router is replicated), computes
+    only the assignments to its experts (`moe_local`) and one psum over the expert devices adds the
+    partial outputs (the tokens are already on every device of the model axis: the attention's
+    all-reduce left them there, so dispatching is a local selection and combining the one collective).
+    Not differentiable in reverse mode (custom_vmap)."""
+    return _batchable(top_k, normalize, act, expert_parallel)(x, p)
 
 
 @functools.lru_cache(maxsize=None)
-def _batchable(top_k: int, normalize: bool, act: Callable[[jax.Array], jax.Array]):
-    """`_moe_tokens` with a vmap rule that flattens a mapped x's batch into its tokens."""
-    fn = jax.custom_batching.custom_vmap(lambda x, p: _moe_tokens(x, p, top_k, normalize, act))
+def _batchable(top_k: int, normalize: bool, act: Callable[[jax.Array], jax.Array],
+               expert_parallel: ExpertParallelFn | None):
+    """`_moe_tokens` (or its expert-parallel form) with a vmap rule that flattens a mapped x's batch
+    into its tokens."""
+    if expert_parallel is None:
+        tokens_fn = lambda x, p: _moe_tokens(x, p, top_k, normalize, act)  # noqa: E731
+    else:
+        local = functools.partial(moe_local, top_k=top_k, normalize=normalize, act=act)
+        tokens_fn = expert_parallel(local)
+    fn = jax.custom_batching.custom_vmap(tokens_fn)
 
     @fn.def_vmap
     def _flatten_batch(axis_size, in_batched, x, p):
@@ -91,22 +114,48 @@ def _batchable(top_k: int, normalize: bool, act: Callable[[jax.Array], jax.Array
 
 
 def _moe_tokens(x: jax.Array, p: MoEParams, top_k: int, normalize: bool, act) -> jax.Array:
-    T, D = x.shape
     E = p.router.shape[-1]
     weights, experts = route(x, p.router, top_k, normalize)
-    if T * top_k <= E:  # few assignments (decode): read only the chosen experts' weights
-        return _gathered_experts(x, p, weights, experts, act)
+    if x.shape[0] * top_k <= E:  # few assignments (decode): read only the chosen experts' weights
+        return _gathered_experts(x, p, weights, experts, act).astype(x.dtype)
+    return _grouped_experts(x, p, weights, experts, E, act).astype(x.dtype)
+
+
+def moe_local(x: jax.Array, p: MoEParams, first_expert: jax.Array, *, top_k: int, normalize: bool,
+              act=jax.nn.silu) -> jax.Array:
+    """One device's share of the MoE MLP of x f[T, D] under expert parallelism: f32[T, D], the sum over
+    each token's assignments to experts first_expert .. first_expert + E_here - 1 only.
+
+    `p` holds the router of all E experts f[D, E] and this device's E_here experts' weights
+    [E_here, ...]; adding every device's result gives `moe_mlp`. The assignments to other devices'
+    experts are weighted 0 and sorted after this device's groups, where ragged_dot leaves their rows
+    zero (rows past the groups' sum), so the grouped matmuls cover this device's experts alone."""
+    here = p.w_gate.shape[0]
+    weights, experts = route(x, p.router, top_k, normalize)
+    local = experts - first_expert  # i32[T, k]
+    mine = (local >= 0) & (local < here)
+    weights = jnp.where(mine, weights, 0.0)
+    if x.shape[0] * top_k <= here:  # few assignments: gather (others' assignments read expert 0, weighted 0)
+        return _gathered_experts(x, p, weights, jnp.where(mine, local, 0), act)
+    return _grouped_experts(x, p, weights, jnp.where(mine, local, here), here, act)
+
+
+def _grouped_experts(x, p: MoEParams, weights, experts, num_groups: int, act) -> jax.Array:
+    """f32[T, D]: the assignments experts i32[T, k] sorted into `num_groups` groups (ids >= num_groups
+    last, in no group: zero rows), three ragged_dots, weighted and summed back onto their tokens."""
+    T, D = x.shape
+    top_k = experts.shape[1]
     flat = experts.reshape(-1)  # i32[T * k]: assignment a is token a // k's (a % k)-th expert
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
     token = order // top_k
-    group_sizes = jnp.zeros(E, jnp.int32).at[flat].add(1)
+    group_sizes = jnp.zeros(num_groups, jnp.int32).at[flat].add(1, mode="drop")
     rows = x[token]  # f[T * k, D]
-    row_expert = flat[order]  # i32[T * k]: each sorted row's expert (its int8 scales)
+    row_expert = jnp.minimum(flat[order], num_groups - 1)  # i32[T * k]: each sorted row's expert (int8 scales)
     gate = _grouped(rows, p.w_gate, group_sizes, row_expert)
     up = _grouped(rows, p.w_up, group_sizes, row_expert)
     out = _grouped((act(gate) * up).astype(x.dtype), p.w_down, group_sizes, row_expert)  # f[T * k, D]
     scale = weights.reshape(-1)[order].astype(jnp.float32)[:, None]
-    return jnp.zeros((T, D), jnp.float32).at[token].add(out.astype(jnp.float32) * scale).astype(x.dtype)
+    return jnp.zeros((T, D), jnp.float32).at[token].add(out.astype(jnp.float32) * scale)
 
 
 def _grouped(rows: jax.Array, w: Weight, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
@@ -133,4 +182,4 @@ def _gathered_experts(x, p: MoEParams, weights, experts, act) -> jax.Array:
     up = jnp.einsum("td,tkdf->tkf", x, _take(p.w_up, experts, x.dtype), preferred_element_type=jnp.float32)
     h = (act(gate) * up).astype(x.dtype)
     out = jnp.einsum("tkf,tkfd->tkd", h, _take(p.w_down, experts, x.dtype), preferred_element_type=jnp.float32)
-    return jnp.einsum("tkd,tk->td", out, weights).astype(x.dtype)
+    return jnp.einsum("tkd,tk->td", out, weights)  # f32[T, D]

@@ -138,17 +138,11 @@ def sharding_rules(cfg: ModelConfig, model_size: int, expert_parallel: bool = Fa
     For a mixture of experts, the planner's rule for the expert arrays: tensor-parallel splits every
     expert's hidden dimension over the model axis ("expert_mlp"); expert_parallel puts E / model_size
     whole experts on each device ("experts"). Either way activations stay replicated, so the layer
-    ends in one all-reduce of [T, D] as a dense MLP does."""
-    from jaxserve.sharding import MODEL, logical_rules
+    ends in one all-reduce of [T, D] as a dense MLP does. These are `sharding.logical_rules` with the
+    engine's `moe_parallelism` setting ("expert" or "tensor")."""
+    from jaxserve.sharding import logical_rules
 
-    rules = dict(logical_rules(cfg, model_size))
-    if cfg.is_moe:
-        if expert_parallel and cfg.num_experts % model_size:
-            raise ConfigError(f"expert parallelism needs the model axis ({model_size} devices) to divide the "
-                              f"{cfg.num_experts} experts")
-        rules["experts"] = MODEL if expert_parallel and model_size > 1 else None
-        rules["expert_mlp"] = MODEL if not expert_parallel and cfg.moe_intermediate_size % model_size == 0 else None
-    return rules
+    return dict(logical_rules(cfg, model_size, "expert" if expert_parallel else "tensor"))
 
 
 def param_bytes_per_device(cfg: ModelConfig, bytes_per_element: int, quantization: str = "none",
