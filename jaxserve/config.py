@@ -455,6 +455,10 @@ class EngineConfig(Settings):
         "Speculative and multi-step engines always run serially", parse_bool, group="scheduling")
     mesh_shape: tuple[int, ...] = setting((1, 1), "device mesh (data, model), e.g. 1,4", parse_int_tuple,
                                           cli_format=format_int_tuple, group="parallelism")
+    moe_parallelism: str = setting(
+        "tensor", "how a mixture of experts uses the model axis: tensor (every expert split on its hidden "
+        "dimension) or expert (whole experts per device, each device computing its own experts' tokens)",
+        choice("tensor", "expert"), group="parallelism")
     scan_layers: bool | None = setting(None, "lax.scan over layers (true) or unrolled (false); default per backend",
                                        optional(parse_bool), group="compilation and kernels")
     attention_backend: str = setting("auto", "auto | reference | pallas", choice("auto", "reference", "pallas"), group="compilation and kernels")

@@ -55,9 +55,10 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
     """
     model_dir = resolve_model_dir(settings)
     cfg = ModelConfig.from_dir(model_dir)
-    shardings = make_shardings(cfg, mesh, stacked, settings.quantization, settings.quantize_lm_head)
+    moe = settings.moe_parallelism
+    shardings = make_shardings(cfg, mesh, stacked, settings.quantization, settings.quantize_lm_head, moe)
     quantized = settings.quantization == "int8"
-    float_shardings = make_shardings(cfg, mesh, stacked) if quantized else shardings
+    float_shardings = make_shardings(cfg, mesh, stacked, moe_parallelism=moe) if quantized else shardings
     dtype = resolve_dtype(settings, model_dir)
     fmt = settings.load_format
     if fmt == "auto":
@@ -72,7 +73,7 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
     elif fmt == "orbax":
         stored = read_manifest(model_dir).get("quantization", "none")
         params = load_orbax_params(model_dir, cfg, dtype, mesh, shardings if stored != "none" else float_shardings,
-                                   stacked, settings.quantization, settings.quantize_lm_head)
+                                   stacked, settings.quantization, settings.quantize_lm_head, moe)
         quantized &= stored == "none"  # an int8 checkpoint is restored as int8: nothing left to quantize
     else:
         params = load_hf_params(model_dir, cfg, dtype, float_shardings.params, stacked)
@@ -82,7 +83,8 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
 
 
 def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: Any, mesh: Mesh, shardings: Shardings,
-                      stacked: bool, quantization: str = "none", quantize_lm_head: bool = False) -> Params:
+                      stacked: bool, quantization: str = "none", quantize_lm_head: bool = False,
+                      moe_parallelism: str = "tensor") -> Params:
     """Restore a jaxserve orbax checkpoint straight onto the mesh, cast to `dtype` by orbax.
 
     An int8 checkpoint (manifest quantization="int8") needs the same `quantization` and
@@ -97,7 +99,7 @@ def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: Any, mesh: Mesh, 
         raise ModelLoadError(f"{model_dir} holds {stored}-quantized params (quantize_lm_head={stored_head}); "
                              f"load it with quantization={stored!r}, quantize_lm_head={stored_head}")
     stacked_shardings = shardings.params if stacked else make_shardings(
-        cfg, mesh, True, stored, quantize_lm_head).params
+        cfg, mesh, True, stored, quantize_lm_head, moe_parallelism).params
     params = restore_params(model_dir, abstract_params(cfg, dtype, stacked_shardings, stored, quantize_lm_head))
     if stacked:
         return params
