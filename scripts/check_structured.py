@@ -10,7 +10,10 @@ all sampled (temperature 1, seeded):
   "tool_calls" with at least one call, every call naming one of the functions with arguments that validate
   against its schema (jsonschema if installed, else the functions' pydantic models); the streamed ones
   are folded from OpenAI's deltas (the first delta of a call must carry id, type, name and arguments "").
-Prints one JSON report (and writes it to --out).
+With `--throughput`, also output tokens/s of chat completions under the `User` schema against free ones
+of the same number of tokens (`ignore_eos`, max_tokens the constrained replies' mean length), with 1 and
+16 clients each keeping one request in flight, and the host time spent on grammar masks per engine step
+(from /metrics). Prints one JSON report (and writes it to --out).
 
     python scripts/check_structured.py                       # starts the server (default config)
     python scripts/check_structured.py --url http://127.0.0.1:8000/v1
@@ -184,6 +187,52 @@ def check_tools(client: openai.OpenAI, n: int, workers: int, stream: bool) -> di
     return result
 
 
+def _scrape(base_url: str) -> dict[str, float]:
+    text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("jaxserve:grammar_mask_seconds_total") or line.startswith("jaxserve:grammar_masked_rows_total"):
+            out[line.split()[0]] = float(line.split()[1])
+        elif line.startswith("jaxserve:steps_total"):
+            out["steps"] = out.get("steps", 0.0) + float(line.split()[1])
+    return out
+
+
+def check_throughput(client: openai.OpenAI, base_url: str, batch: int, requests_per_client: int) -> dict:
+    messages = [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": "Make up a user profile."}]
+
+    def run(constrained: bool, free_tokens: int = 128) -> dict:
+        def one(i: int) -> int:
+            if constrained:
+                r = client.chat.completions.create(
+                    model=MODEL, messages=messages, max_tokens=400, temperature=1.0, seed=i,
+                    response_format={"type": "json_schema", "json_schema": {
+                        "name": "User", "schema": User.model_json_schema(), "strict": True}})
+            else:
+                r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=free_tokens, temperature=1.0,
+                                                   seed=i, extra_body={"ignore_eos": True})
+            return r.usage.completion_tokens
+
+        before = _scrape(base_url)
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(batch) as pool:
+            tokens = sum(pool.map(one, range(batch * requests_per_client)))
+        seconds = time.perf_counter() - start
+        after = _scrape(base_url)
+        steps = after.get("steps", 0) - before.get("steps", 0)
+        mask = after.get("jaxserve:grammar_mask_seconds_total", 0) - before.get("jaxserve:grammar_mask_seconds_total", 0)
+        rows = after.get("jaxserve:grammar_masked_rows_total", 0) - before.get("jaxserve:grammar_masked_rows_total", 0)
+        return {"requests": batch * requests_per_client, "output_tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1),
+                "steps": int(steps), "mask_us_per_step": round(1e6 * mask / steps, 1) if steps else None,
+                "mask_us_per_masked_row": round(1e6 * mask / rows, 1) if rows else None}
+
+    run(True)  # warm: the schema compiled and cached, the buckets touched
+    schema = run(True)
+    free = run(False, free_tokens=max(1, round(schema["output_tokens"] / schema["requests"])))
+    return {"batch": batch, "free": free, "json_schema": schema,
+            "ratio": round(schema["tokens_per_s"] / free["tokens_per_s"], 2)}
+
+
 def _tally(fn, items, workers: int) -> dict:
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -244,6 +293,7 @@ def main(argv=None) -> int:
     ap.add_argument("--guided", type=int, default=200, help="completions per guided field")
     ap.add_argument("--tools", type=int, default=50, help="tool_choice=required requests, streamed and not each")
     ap.add_argument("--workers", type=int, default=8, help="concurrent requests")
+    ap.add_argument("--throughput", action="store_true", help="also JSON-schema vs free tokens/s at batch 1 and 16")
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument("--out", help="also write the report here")
     args = ap.parse_args(argv)
@@ -263,11 +313,14 @@ def main(argv=None) -> int:
             report[field] = check_completions(client, args.guided, args.workers, field)
         report["tools_required"] = check_tools(client, args.tools, args.workers, stream=False)
         report["tools_required_stream"] = check_tools(client, args.tools, args.workers, stream=True)
+        if args.throughput:
+            report["load_average_before"] = os.getloadavg()[0]
+            report["throughput"] = [check_throughput(client, url, b, 24 if b == 1 else 6) for b in (1, 16)]
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    checks = [v for v in report.values() if isinstance(v, dict)]
+    checks = [v for v in report.values() if isinstance(v, dict) and "passed" in v]
     return 0 if all(c["passed"] == c["total"] for c in checks) else 1
 
 

@@ -123,6 +123,10 @@ class _EngineCollector:
         yield from counter("jaxserve:generation_tokens", "Tokens generated.", "generation_tokens_total")
         yield from counter("jaxserve:compiles_after_warmup", "XLA compilations after warm-up (should stay 0).",
                            "compiles_after_warmup")
+        yield from counter("jaxserve:grammar_mask_seconds", "Host seconds computing structured-output token masks.",
+                           "grammar_mask_seconds_total")
+        yield from counter("jaxserve:grammar_masked_rows", "Sampled rows that a grammar mask constrained.",
+                           "grammar_masked_rows_total")
         yield from gauge("jaxserve:executables", "Compiled step executables the engine holds (buckets and variants).",
                          "executables")
         # Speculative decoding (only when it is on).

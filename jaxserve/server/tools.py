@@ -95,7 +95,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_to
         raise _bad(f"tool_choice {'required' if choice == 'required' else repr(named)} needs tools, and none were "
                    "given", "tool_choice")
     if choice in ("none", "auto") or checked is None:
-        return ToolPlan(checked, choice, parser if choice == "auto" else None, parallel, None)
+        return ToolPlan(checked, choice, parser if (choice == "auto" and checked) else None, parallel, None)
     functions = [t["function"] for t in checked]
     if choice == "named":
         functions = [f for f in functions if f["name"] == named]

@@ -192,6 +192,9 @@ def test_none_and_no_call_leave_the_text_alone(scripted):
     engine.reply = "No tool needed."
     r = post(client, tools=[WEATHER]).json()["choices"][0]
     assert r["message"] == {"role": "assistant", "content": "No tool needed."} and r["finish_reason"] == "stop"
+    engine.reply = HERMES_REPLY  # auto without tools: nothing to call, the text is content
+    r = post(client, tool_choice="auto").json()["choices"][0]
+    assert r["message"] == {"role": "assistant", "content": HERMES_REPLY}
 
 
 def test_llama3_json_parser(scripted):
@@ -267,6 +270,9 @@ def test_named_function_is_called_once(model_client):
     (call,) = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_time"
     _validate("get_time", json.loads(call["function"]["arguments"]))
+    metrics = model_client.get("/metrics").text  # the masks' host time is exported
+    line = next(ln for ln in metrics.splitlines() if ln.startswith("jaxserve:grammar_mask_seconds_total"))
+    assert float(line.split()[1]) > 0
 
 
 def test_a_schema_the_tokenizer_compile_refuses_is_a_400(model_client):
@@ -276,3 +282,18 @@ def test_a_schema_the_tokenizer_compile_refuses_is_a_400(model_client):
     assert r.status_code == 400, r.text
     ok = post(model_client, max_tokens=4, temperature=0)
     assert ok.status_code == 200
+
+
+def test_each_of_n_choices_gets_its_own_calls(scripted):
+    client, engine = scripted
+    engine.reply = HERMES_REPLY
+    r = post(client, tools=[WEATHER, TIME], n=2, temperature=1.0, seed=1)
+    choices = r.json()["choices"]
+    assert [c["finish_reason"] for c in choices] == ["tool_calls", "tool_calls"]
+    ids = [call["id"] for c in choices for call in c["message"]["tool_calls"]]
+    assert len(ids) == 4 and len(set(ids)) == 4
+    streamed = sse(post(client, tools=[WEATHER, TIME], n=2, temperature=1.0, seed=1, stream=True))
+    for index in (0, 1):
+        content, calls, reason = accumulate([{"choices": [c for c in ch["choices"] if c["index"] == index]}
+                                             for ch in streamed if any(c["index"] == index for c in ch["choices"])])
+        assert reason == "tool_calls" and [c["name"] for c in calls] == ["get_weather", "get_time"]
