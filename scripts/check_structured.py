@@ -187,6 +187,34 @@ def check_tools(client: openai.OpenAI, n: int, workers: int, stream: bool) -> di
     return result
 
 
+def check_bad_input(base_url: str) -> dict:
+    """Each bad request is a 400 whose message names the problem, and a good request still answers."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    cases = {
+        "invalid schema": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"type": "bogus"}}}}}}, "bogus"),
+        "unsupported regex feature": ({"guided_regex": r"(a)\1"}, "backreference"),
+        "tool without a name": ({"tools": [{"type": "function", "function": {"parameters": {"type": "object"}}}]},
+                                "function.name"),
+        "tool_choice naming an unknown function": ({"tools": TOOLS, "tool_choice": {
+            "type": "function", "function": {"name": "get_stock"}}}, "get_stock"),
+        "tool_choice required without tools": ({"tool_choice": "required"}, "needs tools"),
+        "invalid parameter schema": ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "bogus"}}}}}]}, "bogus"),
+    }
+    results, passed = {}, 0
+    for label, (extra, needle) in cases.items():
+        r = httpx.post(base_url + "/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 8,
+                                                             **extra}, timeout=120)
+        ok_error = r.status_code == 400 and needle in r.json()["error"]["message"]
+        after = httpx.post(base_url + "/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 4},
+                           timeout=120)
+        ok = ok_error and after.status_code == 200
+        passed += ok
+        results[label] = f"{r.status_code} {r.json()['error']['message'] if r.status_code != 200 else ''}"[:200]
+    return {"passed": passed, "total": len(cases), "responses": results}
+
+
 def _scrape(base_url: str) -> dict[str, float]:
     text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=30).text
     out: dict[str, float] = {}
@@ -308,6 +336,7 @@ def main(argv=None) -> int:
         MODEL = client.models.list().data[0].id
         report = {"server": command or url, "model": MODEL, "openai": openai.__version__,
                   "validator": validator()[1]}
+        report["bad_input"] = check_bad_input(url)
         report["parse"] = check_parse(client, args.parse, args.workers)
         for field in ("guided_regex", "guided_choice"):
             report[field] = check_completions(client, args.guided, args.workers, field)
