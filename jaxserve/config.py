@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Mapping
 
@@ -35,13 +36,19 @@ PLANNABLE_ARCHITECTURES = SUPPORTED_ARCHITECTURES + PLAN_ONLY_ARCHITECTURES
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Rotary-embedding frequency scaling; `kind` is "linear" or "llama3" (Llama-3.1)."""
+    """Rotary-embedding frequency scaling; `kind` is "linear", "llama3" (Llama-3.1) or "yarn" (Qwen3's
+    long-context checkpoints: frequencies interpolated by `factor` outside the band of dimensions
+    between beta_fast and beta_slow rotations, and cos/sin times `attention_factor`)."""
 
     kind: str
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0  # yarn: resolved from factor / mscale / mscale_all_dim as transformers does
+    truncate: bool = True  # yarn: the correction band's bounds rounded to whole dimensions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +299,7 @@ class ModelConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if is_qwen or arch.startswith("Qwen3") else 1e-5)),
             rope_theta=rope_theta,
-            rope_scaling=_rope_scaling(scaling),
+            rope_scaling=_rope_scaling(scaling, hf),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen or bool(hf.get("attention_bias", False)),
@@ -391,7 +398,7 @@ def _family_fields(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def _rope_scaling(scaling: Mapping[str, Any] | None) -> RopeScaling | None:
+def _rope_scaling(scaling: Mapping[str, Any] | None, hf: Mapping[str, Any] | None = None) -> RopeScaling | None:
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -407,7 +414,31 @@ def _rope_scaling(scaling: Mapping[str, Any] | None) -> RopeScaling | None:
             high_freq_factor=float(scaling["high_freq_factor"]),
             original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
         )
-    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3)")
+    if kind == "yarn":
+        return _yarn_scaling(scaling, hf or {})
+    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3, yarn)")
+
+
+def _yarn_scaling(scaling: Mapping[str, Any], hf: Mapping[str, Any]) -> RopeScaling:
+    """transformers' defaults: the pretraining length from the config's top level or else
+    max_position_embeddings; factor = max_position_embeddings / that length when unset; beta_fast 32
+    and beta_slow 1 when unset (or 0); attention_factor from mscale / mscale_all_dim, else
+    0.1 ln(factor) + 1."""
+    max_pos = int(hf.get("max_position_embeddings", 2048))
+    original = int(hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+                   or max_pos)
+    factor = float(scaling.get("factor") or max_pos / original)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling("yarn", factor=factor, original_max_position_embeddings=original,
+                       beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
+                       attention_factor=float(attention), truncate=bool(scaling.get("truncate", True)))
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -1,5 +1,5 @@
 """Building blocks of the decoder: RMSNorm (Gemma's (1 + weight) form too), rotary embeddings (with
-Llama-3.1 scaling, and Gemma 3's local base), SwiGLU and GeGLU, and the plain-JAX paged attention that
+linear, Llama-3.1 and YaRN scaling, and Gemma 3's local base), SwiGLU and GeGLU, and the plain-JAX paged attention that
 is the reference for the Pallas kernels."""
 
 from __future__ import annotations
@@ -52,13 +52,49 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = np.where(medium, smoothed, scaled)
+    elif scaling.kind == "yarn":
+        inv_freq = _yarn_inv_freq(np.float32(theta), h, scaling)
+    else:
+        raise ValueError(f"unknown rope scaling {scaling.kind!r}")
     return inv_freq.astype(np.float32)
+
+
+def _yarn_inv_freq(theta: np.float32, h: int, scaling) -> np.ndarray:
+    """YaRN (arXiv 2309.00071), as transformers computes it in f32: dimensions that turn more than
+    beta_fast times over the pretraining length keep their frequency, those under beta_slow turns are
+    divided by `factor`, a linear ramp between."""
+    pos_freqs = theta ** (np.arange(0, h, 2, dtype=np.float32) / np.float32(h))
+    extrapolation = np.float32(1.0) / pos_freqs
+    interpolation = np.float32(1.0) / (np.float32(scaling.factor) * pos_freqs)
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over the length
+        length = scaling.original_max_position_embeddings
+        return h * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, h - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(h // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = np.float32(1.0) - ramp.astype(np.float32)  # 1: the frequency extrapolates (unchanged)
+    return interpolation * (np.float32(1.0) - keep) + extrapolation * keep
+
+
+def rope_attention_factor(cfg: ModelConfig, local: bool = False) -> float:
+    """What cos and sin are multiplied by (YaRN's attention_factor; 1 otherwise)."""
+    scaling = None if local else cfg.rope_scaling
+    return scaling.attention_factor if scaling is not None and scaling.kind == "yarn" else 1.0
 
 
 def rope_cos_sin(positions: jax.Array, cfg: ModelConfig, local: bool = False) -> tuple[jax.Array, jax.Array]:
     """cos, sin of shape f32[..., H] for integer positions (halves duplicated, HF's layout)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg, local))
     emb = jnp.concatenate([freqs, freqs], axis=-1)
+    scale = rope_attention_factor(cfg, local)
+    if scale != 1.0:  # YaRN: both q and k are scaled, so the scores by scale ** 2, as transformers does
+        return jnp.cos(emb) * scale, jnp.sin(emb) * scale
     return jnp.cos(emb), jnp.sin(emb)
 
 
