@@ -73,9 +73,9 @@ def test_long_generation_holds_a_bounded_number_of_pages(mistral):
     assert llm.blocks.num_window_released_pages - released_before >= 13 - 5
 
 
-def test_shared_prefix_hits_released_pages(mistral):
+def test_shared_prefix_hits_released_pages_and_forks_release_safely(mistral):
     """B arrives once A's first two pages are released (evictable, still hashed) and reuses them,
-    while C runs beside them. (Forks, n > 1, are covered in tests/engine/test_block_manager.py.)"""
+    while C (n = 2) forks after its prompt and both its samples release the pages they share."""
     llm, model = mistral
     rng = np.random.RandomState(6)
     a = rng.randint(0, 512, size=20).tolist()
@@ -92,7 +92,7 @@ def test_shared_prefix_hits_released_pages(mistral):
         seen["b"] = (step, blocks.lookup_prefix(0, b))
         return [("b", b, step, 1)]
 
-    got, most = run(llm, [("a", a, 0, 1), ("c", c, 2, 1)], released=True, on_step=add_b_once_a_released_two_pages)
+    got, most = run(llm, [("a", a, 0, 1), ("c", c, 2, 2)], released=True, on_step=add_b_once_a_released_two_pages)
     # A no longer held its first two pages when B came, and they were still cached for it.
     assert seen["b"][1] == 2 * PAGE
     assert blocks.num_prefix_hit_tokens - hits_before >= 2 * PAGE
@@ -100,6 +100,7 @@ def test_shared_prefix_hits_released_pages(mistral):
         ref, gaps = hf_greedy(model, prompt, MAX_TOKENS)
         for sample in got[rid]:
             assert_same_greedy(sample, ref, gaps, f"mistral {rid}, window pages released")
+    assert len(got["c"]) == 2
     assert most <= -(-window_of(llm) // PAGE) + 2
 
 
