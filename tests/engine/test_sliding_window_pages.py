@@ -122,3 +122,18 @@ def test_release_spares_the_preemption_a_full_pool_needs(mistral):
     for i, prompt in enumerate(prompts):
         ref, gaps = hf_greedy(model, prompt, MAX_TOKENS)
         assert_same_greedy(freed[f"p{i}"][0], ref, gaps, f"mistral prompt {i}, window pages released")
+
+
+def test_preempted_after_release_recomputes_the_same_tokens(mistral):
+    """Four such sequences overflow 15 pages even with release: the preempted ones give back only the
+    pages they still hold and are recomputed from their tokens (HF's tokens all the same)."""
+    llm, model = mistral
+    rng = np.random.RandomState(8)
+    prompts = [rng.randint(0, 512, size=n).tolist() for n in (20, 13, 30, 9)]
+    before = llm.engine.scheduler.num_preemptions
+    got, most = run(llm, [(f"q{i}", p, 0, 1) for i, p in enumerate(prompts)], released=True)
+    assert llm.engine.scheduler.num_preemptions > before
+    assert most <= -(-window_of(llm) // PAGE) + 2
+    for i, prompt in enumerate(prompts):
+        ref, gaps = hf_greedy(model, prompt, MAX_TOKENS)
+        assert_same_greedy(got[f"q{i}"][0], ref, gaps, f"mistral prompt {i}, preempted with pages released")
