@@ -219,7 +219,7 @@ def _scrape(base_url: str) -> dict[str, float]:
     text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=30).text
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("jaxserve:grammar_mask_seconds_total") or line.startswith("jaxserve:grammar_masked_rows_total"):
+        if line.startswith(("jaxserve:grammar_mask_seconds_total", "jaxserve:grammar_masked_rows_total")):
             out[line.split()[0]] = float(line.split()[1])
         elif line.startswith("jaxserve:steps_total"):
             out["steps"] = out.get("steps", 0.0) + float(line.split()[1])
@@ -227,7 +227,8 @@ def _scrape(base_url: str) -> dict[str, float]:
 
 
 def check_throughput(client: openai.OpenAI, base_url: str, batch: int, requests_per_client: int) -> dict:
-    messages = [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": "Make up a user profile."}]
+    messages = [{"role": "system", "content": "Answer in JSON."},
+                {"role": "user", "content": "Make up a user profile."}]
 
     def run(constrained: bool, free_tokens: int = 128) -> dict:
         def one(i: int) -> int:
@@ -237,8 +238,8 @@ def check_throughput(client: openai.OpenAI, base_url: str, batch: int, requests_
                     response_format={"type": "json_schema", "json_schema": {
                         "name": "User", "schema": User.model_json_schema(), "strict": True}})
             else:
-                r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=free_tokens, temperature=1.0,
-                                                   seed=i, extra_body={"ignore_eos": True})
+                r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=free_tokens,
+                                                   temperature=1.0, seed=i, extra_body={"ignore_eos": True})
             return r.usage.completion_tokens
 
         before = _scrape(base_url)
@@ -247,10 +248,14 @@ def check_throughput(client: openai.OpenAI, base_url: str, batch: int, requests_
             tokens = sum(pool.map(one, range(batch * requests_per_client)))
         seconds = time.perf_counter() - start
         after = _scrape(base_url)
-        steps = after.get("steps", 0) - before.get("steps", 0)
-        mask = after.get("jaxserve:grammar_mask_seconds_total", 0) - before.get("jaxserve:grammar_mask_seconds_total", 0)
-        rows = after.get("jaxserve:grammar_masked_rows_total", 0) - before.get("jaxserve:grammar_masked_rows_total", 0)
-        return {"requests": batch * requests_per_client, "output_tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1),
+        def grew(key: str) -> float:
+            return after.get(key, 0.0) - before.get(key, 0.0)
+
+        steps = grew("steps")
+        mask = grew("jaxserve:grammar_mask_seconds_total")
+        rows = grew("jaxserve:grammar_masked_rows_total")
+        return {"requests": batch * requests_per_client, "output_tokens": tokens, "seconds": round(seconds, 2),
+                "tokens_per_s": round(tokens / seconds, 1),
                 "steps": int(steps), "mask_us_per_step": round(1e6 * mask / steps, 1) if steps else None,
                 "mask_us_per_masked_row": round(1e6 * mask / rows, 1) if rows else None}
 

@@ -326,9 +326,8 @@ class ToolCallStream:
         self.sent: list[_Sent] = []
 
     def _calls(self, parsed: Parsed) -> list[ParsedCall]:
-        calls = [c for c in parsed.calls]
         named = []
-        for c in calls:  # a call is sent from its name on, in order
+        for c in parsed.calls:  # a call is sent from its name on, in order
             if c.name is None:
                 break
             named.append(c)

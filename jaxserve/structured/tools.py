@@ -27,9 +27,11 @@ def tool_call_schema(functions: Sequence[Mapping[str, Any]], parallel: bool = Tr
     items = []
     for fn in functions:
         params = fn.get("parameters")
+        if params is None:
+            params = {"type": "object"}
         items.append({
             "type": "object",
-            "properties": {"name": {"const": fn["name"]}, "arguments": params if params is not None else {"type": "object"}},
+            "properties": {"name": {"const": fn["name"]}, "arguments": params},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         })
@@ -37,7 +39,8 @@ def tool_call_schema(functions: Sequence[Mapping[str, Any]], parallel: bool = Tr
     return {"type": "array", "items": item, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
 
 
-def tool_call_spec(functions: Sequence[Mapping[str, Any]], parallel: bool = True, strict: bool = True) -> StructuredSpec:
+def tool_call_spec(functions: Sequence[Mapping[str, Any]], parallel: bool = True,
+                   strict: bool = True) -> StructuredSpec:
     """The constraint a forced tool call generates under; `strict` refuses keywords the library lacks."""
     return StructuredSpec.json_schema(tool_call_schema(functions, parallel), strict=strict)
 
