@@ -297,3 +297,12 @@ def test_each_of_n_choices_gets_its_own_calls(scripted):
         content, calls, reason = accumulate([{"choices": [c for c in ch["choices"] if c["index"] == index]}
                                              for ch in streamed if any(c["index"] == index for c in ch["choices"])])
         assert reason == "tool_calls" and [c["name"] for c in calls] == ["get_weather", "get_time"]
+
+
+def test_tokenize_renders_the_tools_as_chat_does(scripted):
+    client, _ = scripted
+    plain = client.post("/tokenize", json={"messages": MESSAGES}).json()["count"]
+    with_tools = client.post("/tokenize", json={"messages": MESSAGES, "tools": [WEATHER]}).json()["count"]
+    assert with_tools > plain + 100
+    bad = client.post("/tokenize", json={"messages": MESSAGES, "tools": [{"type": "function", "function": {}}]})
+    assert bad.status_code == 400 and "tools[0].function.name" in bad.json()["error"]["message"]
