@@ -306,3 +306,28 @@ def test_tokenize_renders_the_tools_as_chat_does(scripted):
     assert with_tools > plain + 100
     bad = client.post("/tokenize", json={"messages": MESSAGES, "tools": [{"type": "function", "function": {}}]})
     assert bad.status_code == 400 and "tools[0].function.name" in bad.json()["error"]["message"]
+
+
+def test_the_openai_client_parses_forced_calls_streamed_and_not(model_client):
+    """openai's own helpers: `parse` with a strict pydantic tool fills `parsed_arguments`; `stream` folds
+    the deltas into the same message shape."""
+    import openai
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        city: str = Field(max_length=20)
+        days: int = Field(ge=1, le=7)
+
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=model_client, max_retries=0)
+    tools = [openai.pydantic_function_tool(GetWeather)]
+    done = client.chat.completions.parse(model="default", messages=MESSAGES, tools=tools, tool_choice="required",
+                                         max_tokens=300, temperature=1.0, seed=11)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert all(isinstance(c.function.parsed_arguments, GetWeather) for c in choice.message.tool_calls)
+    with client.chat.completions.stream(model="default", messages=MESSAGES, tools=tools, tool_choice="required",
+                                        max_tokens=300, temperature=1.0, seed=12) as stream:
+        final = stream.get_final_completion()
+    calls = final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "tool_calls" and calls
+    assert all(isinstance(c.function.parsed_arguments, GetWeather) and c.id.startswith("call_") for c in calls)
