@@ -379,7 +379,8 @@ def follower_loop(runner: Any, channel: Any = None, should_stop: Callable[[], bo
             runner.copy_pages(message.replica, message.src, message.dst)
         else:
             try:
-                runner.run_packed(message.shape, message.inputs)
+                # Waited for here, so that a failed collective fails this step's message.
+                jax.block_until_ready(runner.run_packed(message.shape, message.inputs))
             except Exception as err:  # noqa: BLE001 - a collective with a dead peer, most likely
                 raise PeerFailureError(f"step {seq} failed: {type(err).__name__}: {str(err).strip()[:500]}") from err
             steps += 1

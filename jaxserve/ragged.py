@@ -21,6 +21,17 @@ PAD_SLOT = -1  # slot of a padding token: out of range, so its K/V write is drop
 PADDING_PAGE = 0  # page-table entries past a row's pages point at the padding page (never owned)
 
 
+def placeholder(slot: int) -> int:
+    """The token id standing for sample `slot` (its index among its replica's samples) of the step in
+    flight, until the host has it: the compiled step takes the real id from the previous step's
+    samples on the device (jaxserve.placeholders). Real ids are >= 0 and -1 pads histories."""
+    return -2 - slot
+
+
+def is_placeholder(token: int) -> bool:
+    return token <= -2
+
+
 @dataclasses.dataclass(frozen=True)
 class RaggedRow:
     """One row of a step: `tokens` to run from position `start` (tokens already cached), its page

@@ -17,21 +17,24 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve import multihost
+from jaxserve.engine.backends import default_scan_layers, resolve_attention, resolve_quantized_matmul
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.buckets import BucketTable, executable_counts
 from jaxserve.engine.compile import (CompileCounter, check_memory_mappings, enable_compilation_cache,
                                      release_compiled_code)
-from jaxserve.engine.runner import ModelRunner, RowWork
+from jaxserve.engine.runner import ModelRunner, PendingSamples, RowWork
 from jaxserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
-from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.output_processor import OutputProcessor, Request
+from jaxserve.engine.sequence import Sequence, TokenView
 from jaxserve.engine.step_stats import StepComposition, is_prompt_chunk
-from jaxserve.errors import ConfigError, EngineClosedError, RequestError
+from jaxserve.errors import EngineClosedError, RequestError
 from jaxserve.kv_cache import init_cache
 from jaxserve.memory_plan import plan_memory
 from jaxserve.model.weights import param_bytes
 from jaxserve.model_loader import load_model
+from jaxserve.ragged import is_placeholder, placeholder
 from jaxserve.sampling import RowSampling, SampleOutput
-from jaxserve.sampling_params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from jaxserve.sampling_params import RequestOutput, SamplingParams
 from jaxserve.sharding import make_mesh
 from jaxserve.spec_decode.decoder import draft_kv_bytes_per_token
 from jaxserve.steps import StepOptions
@@ -39,73 +42,19 @@ from jaxserve.steps import StepOptions
 logger = logging.getLogger(__name__)
 
 
-def default_scan_layers(backend: str) -> bool:
-    """Unrolled layers decode faster on CPU (measured: 23 vs 44 ms/step, SmolLM2-135M shape);
-    accelerators scan, which keeps compile time flat in depth: on an H200 an unrolled 30-layer
-    SmolLM2-shaped engine was still compiling its weight initialisation after 200 s, while a scanned
-    Llama-3-8B-shaped server was ready in 37 s (docs/BENCHMARKS.md, "On an H200")."""
-    return backend != "cpu"
-
-
 @dataclasses.dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    arrival_time: float
+class LaunchedStep:
+    """A dispatched step whose samples the host has not processed yet; per row: the output index its
+    sampled token fills (-1: the row does not sample), its sequence's computed tokens once the step
+    is done, and the sequence's preemption count at dispatch (a preempted one lost those pages)."""
 
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
-
-
-def resolve_attention(setting: str, platform: str, mesh_shape: tuple[int, int]) -> str:
-    """Which attention implementation runs, logged with the reason; never a silent fallback."""
-    sharded = tuple(mesh_shape) != (1, 1)
-    if setting == "auto":
-        if platform not in ("tpu", "gpu"):
-            impl, why = "reference", f"plain-JAX reference on {platform} (the kernels only interpret there)"
-        else:
-            impl, why = "pallas_" + platform, f"Pallas kernels on {platform}"
-    elif setting == "pallas":
-        impl = "pallas_" + platform if platform in ("tpu", "gpu") else "pallas_interpret"
-        why = "Pallas kernels, as asked" + (" (interpret mode on CPU: slow, for testing)" if platform == "cpu" else "")
-    else:
-        impl, why = "reference", "plain-JAX reference, as asked"
-    if impl != "reference" and sharded:
-        why += f", per device under shard_map on the {tuple(mesh_shape)} mesh"
-    logger.info("attention: %s (attention_backend=%s): %s", impl, setting, why)
-    return impl
-
-
-def resolve_quantized_matmul(setting: str, platform: str, mesh_shape: tuple[int, int], quantization: str) -> str:
-    """How int8 weights are multiplied (one of quant.MATMUL_IMPLS), logged with the reason."""
-    if quantization == "none":
-        return "reference"  # no int8 weights: nothing to choose
-    sharded = tuple(mesh_shape) != (1, 1)
-    if setting == "auto":
-        if platform not in ("tpu", "gpu") and not sharded:
-            impl, why = "xla_cpu", "XLA on CPU, decode rows widening each weight in cache-sized chunks"
-        elif platform not in ("tpu", "gpu"):
-            impl, why = "reference", f"XLA (int8 -> activation dtype per weight, then the matmul) on {platform}"
-        elif sharded:
-            impl, why = "reference", "XLA: GSPMD cannot split the Pallas kernel over a multi-device mesh"
-        else:
-            impl, why = "pallas_" + platform, f"Pallas int8_matmul on {platform}"
-    elif setting == "pallas":
-        if sharded:
-            raise ConfigError("quantized_matmul_backend='pallas' runs on a single device only (no shard_map "
-                              "wrapper for the int8 matmul yet); use 'auto' or 'reference' with this mesh")
-        impl = "pallas_" + platform if platform in ("tpu", "gpu") else "pallas_interpret"
-        why = "Pallas int8_matmul, as asked"
-        if platform == "cpu":
-            why += " (interpret mode on CPU: slow, for testing)"
-    else:
-        impl, why = "reference", "XLA, as asked"
-    logger.info("int8 matmul: %s (quantized_matmul_backend=%s): %s", impl, setting, why)
-    return impl
+    plan: SchedulerOutput
+    rows: list[RowWork]
+    pending: PendingSamples
+    constrained: bool = False  # a row samples under a grammar
+    sample_at: list[int] = dataclasses.field(default_factory=list)
+    computed: list[int] = dataclasses.field(default_factory=list)  # -1: told to the block manager at dispatch
+    preemptions: list[int] = dataclasses.field(default_factory=list)
 
 
 class LLMEngine:
@@ -128,18 +77,27 @@ class LLMEngine:
             logger.warning("loaded params take %d bytes; the config's arithmetic says %d",
                            param_bytes(loaded.params), self.plan.param_bytes)
         self.tokenizer = self._load_tokenizer(loaded.model_dir)
+        eos = (self.tokenizer.eos_token_ids if self.tokenizer is not None and self.tokenizer.eos_token_ids
+               else loaded.cfg.eos_token_ids)
+        self.outputs = OutputProcessor(self.tokenizer, eos, self.plan.max_model_len)
         attention = resolve_attention(s.attention_backend, jax.default_backend(), s.mesh_shape)
         matmul = resolve_quantized_matmul(s.quantized_matmul_backend, jax.default_backend(), s.mesh_shape,
                                           s.quantization)
-        options = StepOptions(scan_layers=scan, attention_backend=attention, mesh=self.mesh, matmul_backend=matmul)
+        options = StepOptions(scan_layers=scan, attention_backend=attention, mesh=self.mesh, matmul_backend=matmul,
+                              moe_parallelism=s.moe_parallelism)
         max_chunk = min(s.max_num_batched_tokens, self.plan.max_model_len)
         self.buckets = BucketTable.for_settings(s, self.plan.max_model_len)
         cache = init_cache(loaded.cfg, self.plan.num_pages, s.page_size, loaded.dtype, self.num_replicas,
                            self.shardings.cache, s.kv_cache_dtype, self.shardings.cache_scale)
         self.runner = ModelRunner(loaded.cfg, loaded.params, cache, self.buckets, options, self.shardings,
                                   num_scheduler_steps=s.num_scheduler_steps)
+        # Every layer windowed (Mistral): pages wholly behind the window go back to the pool. Not with a
+        # draft model, whose cache shares the page ids and need not be windowed.
+        cfg = loaded.cfg
+        windowed = cfg.sliding_window and cfg.num_sliding_layers == cfg.num_layers and s.speculation != "draft"
         self.blocks = BlockManager(self.plan.num_pages, s.page_size, self.num_replicas,
-                                   enable_prefix_caching=s.enable_prefix_caching)
+                                   enable_prefix_caching=s.enable_prefix_caching,
+                                   sliding_window=cfg.sliding_window if windowed else None)
         self.scheduler = Scheduler(self.blocks, self.buckets, s.max_num_seqs, max_chunk, self.plan.max_model_len,
                                    scheduling=s.scheduling, preemption_mode=s.preemption_mode)
         self.spec = self._speculative_decoder(loaded) if s.speculation else None
@@ -148,6 +106,13 @@ class LLMEngine:
         # Speculative and multi-step decode rows run executables of their own: those engines keep
         # prefill and decode steps apart; every other step is one mixed ragged step.
         self.scheduler.mixed = self.scheduler.lookahead is None
+        # Async scheduling: step N+1 dispatched before step N's samples are processed (self.step).
+        # Speculation's acceptance and multi-step's run lengths decide the next inputs on the host.
+        self.async_scheduling = s.async_scheduling and self.scheduler.lookahead is None
+        if s.async_scheduling and not self.async_scheduling:
+            logger.info("async scheduling off: %s engines run each step to completion first",
+                        "speculative" if self.spec is not None else "multi-step")
+        self._in_flight: LaunchedStep | None = None
         self.requests: dict[str, Request] = {}
         self._grammar_compiler = None  # structured output: made on the first constrained request
         self._grammar_lock = threading.Lock()
@@ -199,6 +164,7 @@ class LLMEngine:
             return
         for request_id in list(self.requests):
             self.abort_request(request_id)
+        self._in_flight = None
         self.closed = True
         if self.multihost is not None:  # process 0: the other processes stop their follower loops
             self.multihost.shutdown()
@@ -260,6 +226,8 @@ class LLMEngine:
         if len(ids) >= limit:
             raise RequestError(f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len={limit}")
         needed = self.blocks.pages_for(min(len(ids) + params.max_tokens, limit))
+        if self.blocks.sliding_window is not None:  # decode pages behind the window go back to the pool
+            needed = min(needed, self.blocks.pages_for(len(ids)) + self.blocks.pages_for(self.blocks.sliding_window) + 1)
         usable = self.plan.num_pages - 1 - self.blocks.watermark_pages
         if needed > usable:
             raise RequestError(f"prompt + max_tokens needs {needed} KV pages; a replica's cache has {usable}")
@@ -326,7 +294,7 @@ class LLMEngine:
             Sequence(
                 seq_id=f"{request_id}#{i}", request_id=request_id, index=i, prompt_token_ids=list(ids),
                 params=params, seed=(base_seed + 0x9E3779B9 * i) % 2**32,
-                detokenizer=self._detokenizer(ids, params),
+                detokenizer=self.outputs.detokenizer(ids, params),
             )
             for i in range(params.n)
         ]
@@ -343,14 +311,6 @@ class LLMEngine:
             self.scheduler.add_siblings(seqs[0], seqs[1:])
         self.counters["prompt_tokens"] += len(ids)
 
-    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
-        if self.tokenizer is None:
-            return None
-        from jaxserve.tokenizer import IncrementalDetokenizer
-
-        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
-                                      prompt_ids=prompt_ids)
-
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; returns its final output (finish_reason 'abort')."""
         request = self.requests.pop(request_id, None)
@@ -364,54 +324,107 @@ class LLMEngine:
         return self._output(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests not finished, or a step in flight still to process."""
+        return bool(self.requests) or self._in_flight is not None
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the compiled step, and return the requests that advanced."""
+        """Schedule, dispatch the compiled step, and return the requests that advanced.
+
+        With async scheduling the step whose samples are processed is the previous one: step N+1 is
+        scheduled and dispatched before step N's samples are fetched (its inputs take them on the
+        device, as placeholders), so the host's work on step N overlaps the device's on step N+1."""
         self._check_open()
         start = time.perf_counter()
+        outputs = []
+        if self._in_flight is not None and self._in_flight.constrained:
+            # Rows under a grammar: their next masks need these tokens, so this step is processed
+            # first (the next one is dispatched after it: no overlap while such rows run).
+            outputs = self.flush()
         plan = self.scheduler.schedule()
         self._copy_forked_pages(plan)
-        if not plan.rows:
-            return []
-        self.composition.record(plan.rows)
-        if plan.kind == "decode" and any(r.num_lookahead for r in plan.rows):
+        if plan.rows:
+            self.composition.record(plan.rows)
+        if plan.rows and plan.kind == "decode" and any(r.num_lookahead for r in plan.rows):
+            # Speculative and multi-step engines run serially: nothing is ever in flight here.
             if self.spec is not None:
                 return self._speculative_step(plan, start)
             return self._multi_step(plan, start)
+        launched = self._launch(plan) if plan.rows else None
+        if not self.async_scheduling:
+            return self._process(launched, start) if launched is not None else []
+        previous, self._in_flight = self._in_flight, launched
+        return outputs + (self._process(previous, start) if previous is not None else [])
+
+    def flush(self) -> list[RequestOutput]:
+        """Process the step in flight now (async scheduling), so that every sampled token is on the
+        host; returns the requests it advanced. Needed before `async_scheduling` is switched."""
+        self._check_open()
+        previous, self._in_flight = self._in_flight, None
+        return self._process(previous, time.perf_counter()) if previous is not None else []
+
+    def _launch(self, plan: SchedulerOutput) -> "LaunchedStep":
+        """Pack and dispatch the plan's step (not waiting for it); each row that samples gets a
+        placeholder for its token, and its tokens so far count as computed, so the next step can be
+        scheduled at once."""
         rows = self._row_work(plan.rows)
-        sampled = self.runner.execute(rows)
+        pending = self.runner.launch(rows)
         if self.spec is not None:
             self.spec.after_step(plan.kind, plan.rows, rows)
-        if isinstance(sampled, tuple):
-            sampled, scores = sampled
-            for i, row in enumerate(plan.rows):
-                if rows[i].targets is not None:
-                    self._record_prompt_logprobs(row.seq, row.start, rows[i].targets, scores, i)
         # What the step had to read: every weight once, plus each row's cached K/V.
         context = sum(r.start + r.num_tokens for r in plan.rows)
         self.last_step_bytes_read = self.plan.param_bytes + context * self.plan.kv_bytes_per_token
-        advanced: dict[str, Request] = {}
+        step = LaunchedStep(plan, rows, pending, constrained=any(r.grammar is not None for r in rows))
         for i, row in enumerate(plan.rows):
             seq = row.seq
-            seq.num_computed += row.num_tokens
-            self._mark_computed(seq, seq.tokens)
             if plan.kind == "prefill" or is_prompt_chunk(row):
                 self.counters["prefill_tokens_computed"] += row.num_tokens
-            if row.samples:
+            seq.num_computed += row.num_tokens
+            if any(is_placeholder(t) for t in rows[i].tokens):
+                # Its K/V hashes need that token's id: told to the block manager once it is known.
+                step.computed.append(seq.num_computed)
+            else:  # told now, so the next schedule sees it (a parent's fork copies these pages)
+                self._mark_computed(seq, seq.token_view, seq.num_computed)
+                step.computed.append(-1)
+            step.preemptions.append(seq.num_preemptions)
+            if rows[i].samples:
+                step.sample_at.append(len(seq.output_token_ids))
+                seq.output_token_ids.append(placeholder(pending.packed.sample_slot(i)))
+            else:
+                step.sample_at.append(-1)
+        return step
+
+    def _process(self, step: "LaunchedStep", start: float) -> list[RequestOutput]:
+        """Take a dispatched step's samples (waiting for them if need be): each sampled token replaces
+        its placeholder and is detokenized and checked for stops. Rows of sequences that finished or
+        were aborted since the dispatch are dropped (a token computed past EOS is discarded)."""
+        sampled = step.pending.result()
+        scores = None
+        if isinstance(sampled, tuple):
+            sampled, scores = sampled
+        advanced: dict[str, Request] = {}
+        for i, row in enumerate(step.plan.rows):
+            seq = row.seq
+            if seq.is_finished:
+                continue
+            if step.computed[i] >= 0 and seq.num_preemptions == step.preemptions[i]:  # still has those pages
+                self._mark_computed(seq, seq.token_view, step.computed[i])
+            targets = step.rows[i].targets
+            if targets is not None:
+                self.outputs.record_prompt_logprobs(seq, row.start, targets, scores, i)
+            if step.sample_at[i] >= 0:
                 if seq.params.logprobs is not None:
-                    self._record_logprobs(seq, sampled, i)
-                self._append_token(seq, int(sampled.tokens[i]))
+                    self.outputs.record_logprobs(seq, sampled, i)
+                self._resolve_token(seq, step.sample_at[i], int(sampled.tokens[i]))
                 advanced[seq.request_id] = self.requests[seq.request_id]
         return self._finish_step(advanced, start)
 
     def _row_work(self, rows: list[ScheduledRow]) -> list[RowWork]:
         return [
-            RowWork(r.seq.tokens[r.start : r.start + r.num_tokens], r.start, self.blocks.page_table(r.seq.seq_id),
+            RowWork(r.seq.token_view[r.start : r.start + r.num_tokens], r.start, self.blocks.page_table(r.seq.seq_id),
                     RowSampling.from_params(r.seq.params, seed=r.seq.seed, step=len(r.seq.output_token_ids),
                                             prompt_ids=r.seq.prompt_token_ids, output_ids=r.seq.output_token_ids),
-                    r.seq.replica, self._prompt_targets(r.seq, r.start, r.num_tokens), r.samples,
+                    r.seq.replica, self.outputs.prompt_targets(r.seq, r.start, r.num_tokens), r.samples,
                     r.seq.grammar if r.samples else None)
             for r in rows
         ]
@@ -438,7 +451,7 @@ class LLMEngine:
         for i, row in enumerate(plan.rows):
             seq = row.seq
             self._emit_run(seq, out.tokens[: steps[i], i].tolist(),
-                           lambda j: self._record_logprobs(seq, jax.tree.map(lambda x: x[j], out), i))
+                           lambda j: self.outputs.record_logprobs(seq, jax.tree.map(lambda x: x[j], out), i))
             advanced[seq.request_id] = self.requests[seq.request_id]
         return self._finish_step(advanced, start)
 
@@ -448,7 +461,7 @@ class LLMEngine:
         K/V is written. EOS, stop strings and max_tokens cut the run where they occur.
         `record_logprobs(j)` records the logprobs of emitted[j] (called only when they are asked for)."""
         seq.num_computed += len(emitted)
-        self._mark_computed(seq, seq.tokens + emitted[:-1])
+        self._mark_computed(seq, seq.tokens + emitted[:-1], seq.num_computed)
         for j, token in enumerate(emitted):
             if seq.params.logprobs is not None:
                 record_logprobs(j)
@@ -468,11 +481,12 @@ class LLMEngine:
             self.spec.record_step_time(self.last_step_seconds)
         return outputs
 
-    def _mark_computed(self, seq: Sequence, tokens: list[int]) -> None:
-        """Tell the block manager what is computed. With a draft model, only tokens whose draft K/V is
-        written too (the draft may lag by a token or more), so a prefix-cache hit serves both caches."""
+    def _mark_computed(self, seq: Sequence, tokens: TokenView | list[int], num_computed: int) -> None:
+        """Tell the block manager that the first `num_computed` tokens are computed. With a draft
+        model, only tokens whose draft K/V is written too (the draft may lag by a token or more), so
+        a prefix-cache hit serves both caches."""
         lag = seq.spec.lag if seq.spec is not None else 0
-        self.blocks.mark_computed(seq.seq_id, tokens, seq.num_computed - lag)
+        self.blocks.mark_computed(seq.seq_id, tokens, num_computed - lag)
 
     def _speculative_step(self, plan: SchedulerOutput, start: float) -> list[RequestOutput]:
         """Decode with speculation: each row emits its accepted drafts and the target's next token;
@@ -485,7 +499,7 @@ class LLMEngine:
             seq = row.seq
             # The accepted drafts, then the target's token.
             self._emit_run(seq, out.tokens[i, : int(out.num_accepted[i]) + 1].tolist(),
-                           lambda j: self._record_logprobs(seq, SampleOutput(out.tokens[i], out.logprobs[i],
+                           lambda j: self.outputs.record_logprobs(seq, SampleOutput(out.tokens[i], out.logprobs[i],
                                                                               out.top_ids[i], out.top_logprobs[i]), j))
             advanced[seq.request_id] = self.requests[seq.request_id]
         return self._finish_step(advanced, start)
@@ -497,109 +511,20 @@ class LLMEngine:
             if self.spec is not None:
                 self.spec.copy_pages(replica, pairs[:, 0], pairs[:, 1])
 
-    @staticmethod
-    def _prompt_targets(seq: Sequence, start: int, num_tokens: int) -> list[int] | None:
-        """The next prompt token of each computed position, when this chunk has prompt tokens to score."""
-        prompt = seq.prompt_token_ids
-        if seq.prompt_logprobs is None or start + 1 >= len(prompt):
-            return None
-        return [prompt[p + 1] if p + 1 < len(prompt) else 0 for p in range(start, start + num_tokens)]
-
-    @staticmethod
-    def _record_prompt_logprobs(seq: Sequence, start: int, targets: list[int], scores, i: int) -> None:
-        top = seq.params.prompt_logprobs
-        for j in range(len(targets)):
-            position = start + j + 1  # the prompt token that position start + j predicts
-            if position >= len(seq.prompt_token_ids):
-                break
-            entry = {int(t): float(lp) for t, lp in zip(scores.top_ids[i, j, :top], scores.top_logprobs[i, j, :top])}
-            entry[targets[j]] = float(scores.target_logprobs[i, j])
-            seq.prompt_logprobs[position] = entry  # a recompute after preemption rewrites the same values
-
-    def _record_logprobs(self, seq: Sequence, sampled, i: int) -> None:
-        top = seq.params.logprobs
-        entry = {int(t): float(lp) for t, lp in zip(sampled.top_ids[i, :top], sampled.top_logprobs[i, :top])}
-        entry[int(sampled.tokens[i])] = float(sampled.logprobs[i])
-        seq.logprobs.append(entry)
-        seq.cumulative_logprob += float(sampled.logprobs[i])
-
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.output_token_ids.append(token)
+        self._resolve_token(seq, len(seq.output_token_ids) - 1, token)
+
+    def _resolve_token(self, seq: Sequence, index: int, token: int) -> None:
+        """`token` is output `index` of `seq`: the output processor takes it; a sequence that stops
+        here leaves the batch and frees its pages at once."""
         self.counters["generation_tokens"] += 1
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
-        params = seq.params
-        if seq.detokenizer is not None:
-            seq.text += seq.detokenizer.add(token)
-        n_out = len(seq.output_token_ids)
-        reason = None
-        eos = token in self._eos_ids()
-        if seq.grammar is not None and not eos:
-            # The mask allowed it, so this cannot fail; if it did the matcher allows only EOS from now on.
-            if not seq.grammar.advance(token):
-                logger.warning("%s: the grammar refused token %d: %s", seq.seq_id, token, seq.grammar.error)
-        if n_out >= params.min_tokens:
-            if (not params.ignore_eos and eos) or token in params.stop_token_ids:
-                reason = "stop"
-            elif params.stop and self._cut_at_stop_string(seq):
-                reason = "stop"
-            elif seq.grammar is not None and seq.grammar.is_finished:
-                reason = "stop"  # the grammar is complete and allows only EOS: end now, without that step
-        if reason is None and (n_out >= params.max_tokens or seq.num_tokens >= self.plan.max_model_len):
-            reason = "length"
+        reason = self.outputs.resolve_token(seq, index, token)
         if reason is not None:
-            if seq.detokenizer is not None and seq.stop_text_len is None:
-                seq.text += seq.detokenizer.flush()
             self.scheduler.finish(seq, reason)
 
-    def _cut_at_stop_string(self, seq: Sequence) -> bool:
-        """Find the earliest stop string in the text; keep the text before it (or through it)."""
-        hits = [(seq.text.find(s), s) for s in seq.params.stop]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
-            return False
-        index, stop = min(hits)
-        seq.stop_text_len = index + (len(stop) if seq.params.include_stop_str_in_output else 0)
-        seq.text = seq.text[: seq.stop_text_len]
-        return True
-
-    def _eos_ids(self) -> tuple[int, ...]:
-        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
-            return tuple(self.tokenizer.eos_token_ids)
-        return self.model_config.eos_token_ids
-
-    def _visible_text(self, seq: Sequence) -> str:
-        """While running, hold back a tail that could still become a stop string (so it is cut exactly)."""
-        if seq.is_finished or not seq.params.stop:
-            return seq.text
-        hold = max(len(s) for s in seq.params.stop) - 1
-        return seq.text[: max(0, len(seq.text) - hold)]
-
     def _output(self, request: Request) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[
-                CompletionOutput(
-                    s.index, list(s.output_token_ids), self._visible_text(s), s.finish_reason,
-                    list(s.logprobs) if s.params.logprobs is not None else None,
-                    s.cumulative_logprob if s.params.logprobs is not None else None,
-                )
-                for s in request.seqs
-            ],
-            finished=request.finished,
-            prompt_logprobs=list(request.seqs[0].prompt_logprobs) if request.params.prompt_logprobs is not None
-            else None,
-            metrics=RequestMetrics(
-                arrival_time=request.arrival_time,
-                first_scheduled_time=min((t for t in (s.first_scheduled_time for s in request.seqs) if t), default=None),
-                first_token_time=min((t for t in (s.first_token_time for s in request.seqs) if t), default=None),
-                finished_time=max((s.finished_time or 0.0 for s in request.seqs), default=None)
-                if request.finished else None,
-                **self._spec_metrics(request.seqs),
-            ),
-        )
+        return self.outputs.output(request, self._spec_metrics(request.seqs))
 
     def _spec_metrics(self, seqs: list[Sequence]) -> dict:
         if self.spec is None:

@@ -26,6 +26,7 @@ from jaxserve.engine.compile import CompileCounter, step_compiler_options
 from jaxserve.errors import EngineClosedError
 from jaxserve.kv_cache import KVCache, RaggedBatch, cache_shardings, copy_pages_padded
 from jaxserve.model.weights import Params
+from jaxserve.placeholders import carry_tokens, resolve
 from jaxserve.ragged import PAD_SLOT, RaggedRow, pack_ragged
 from jaxserve.sampling import MAX_LOGPROBS, RowSampling, SampleOutput, SamplingTensors, sample
 from jaxserve.steps import StepOptions, ragged_step
@@ -53,7 +54,25 @@ class RowWork:
     grammar: Any = None
 
 
-def _generate_step(params, cache, batch, sampling, mask, cfg, options, cache_sharding=None, out_sharding=None):
+def _take_carried(batch: RaggedBatch, sampling: SamplingTensors, carried: jax.Array):
+    """The step's inputs with every placeholder (`jaxserve.placeholders`: a token the previous step
+    sampled, not yet on the host) replaced by that step's carried token: in the tokens computed and
+    in the penalty histories."""
+    return (batch.replace(tokens=resolve(batch.tokens, carried)),
+            sampling.replace(history=resolve(sampling.history, carried)))
+
+
+def _carry(tokens: jax.Array, carried: jax.Array, carry_sharding=None) -> jax.Array:
+    """The tokens the next step's placeholders name: this step's samples i32[R, L] at carried's width."""
+    out = carry_tokens(tokens, carried.shape[-1])
+    return out if carry_sharding is None else jax.lax.with_sharding_constraint(out, carry_sharding)
+
+
+def _generate_step(params, cache, carried, batch, sampling, mask, cfg, options, cache_sharding=None,
+                   out_sharding=None, carry_sharding=None):
+    """One ragged step: the forward, then a sample per row that samples. `carried` i32[R, S]: the
+    previous step's samples (what placeholders name); returns (samples [R, L], cache, carried)."""
+    batch, sampling = _take_carried(batch, sampling, carried)
     logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, L, V]
     if cache_sharding is not None:  # keep the donated cache's layout stable from step to step
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
@@ -64,12 +83,12 @@ def _generate_step(params, cache, batch, sampling, mask, cfg, options, cache_sha
     out = sample(logits, sampling, want_logprobs=MAX_LOGPROBS)
     if out_sharding is not None:  # multi-host: every process reads its own full copy of the samples
         out = jax.lax.with_sharding_constraint(out, out_sharding)
-    return out, cache
+    return out, cache, _carry(out.tokens, carried, carry_sharding)
 
 
-# The compiled steps take (params, cache, packed inputs): see jaxserve.transfer.
-_generate_step_jit = jax.jit(from_buffer(_generate_step, 2), static_argnames=(
-    "layout", "cfg", "options", "cache_sharding", "out_sharding"), donate_argnums=(1,))
+# The compiled steps take (params, cache, carried tokens, packed inputs): see jaxserve.transfer.
+_STATIC = ("layout", "cfg", "options", "cache_sharding", "out_sharding", "carry_sharding")
+_generate_step_jit = jax.jit(from_buffer(_generate_step, 3), static_argnames=_STATIC, donate_argnums=(1,))
 
 
 def _next_decode_batch(batch: RaggedBatch, tokens: jax.Array, active: jax.Array, page_size: int) -> RaggedBatch:
@@ -89,27 +108,31 @@ def _next_decode_batch(batch: RaggedBatch, tokens: jax.Array, active: jax.Array,
                          context_lens=batch.context_lens + active)
 
 
-def _multi_decode_step(params, cache, batch, sampling, mask, steps, cfg, options, num_steps, page_size,
-                       cache_sharding=None, out_sharding=None):
+def _multi_decode_step(params, cache, carried, batch, sampling, mask, steps, cfg, options, num_steps, page_size,
+                       cache_sharding=None, out_sharding=None, carry_sharding=None):
     """`num_steps` decode steps in one call (num_scheduler_steps): each feeds the token it sampled to
     the next, so the host is not needed in between. Row r takes part in its first steps[r] steps and
     writes nothing after (its pages beyond those are not its own). Samples: [num_steps, R, L, ...].
-    The grammar masks hold for the first step only: the engine gives constrained rows one step."""
+    The grammar masks hold for the first step only: the engine gives constrained rows one step.
+    Multi-step engines run serially (no step follows this one before its samples are on the host),
+    so `carried` is passed through unchanged."""
+    batch, sampling = _take_carried(batch, sampling, carried)
+
     def one(carry, k):
         cache, batch, sampling = carry
         now = mask.replace(constrained=mask.constrained & (k == 0))
-        out, cache = _generate_step(params, cache, batch, sampling, now, cfg, options, cache_sharding)
+        out, cache, _ = _generate_step(params, cache, carried, batch, sampling, now, cfg, options, cache_sharding)
         batch = _next_decode_batch(batch, out.tokens, k + 1 < steps, page_size)
         return (cache, batch, sampling.advanced(out.tokens)), out
 
     (cache, _, _), out = jax.lax.scan(one, (cache, batch, sampling), jnp.arange(num_steps, dtype=jnp.int32))
     if out_sharding is not None:
         out = jax.lax.with_sharding_constraint(out, out_sharding)
-    return out, cache
+    return out, cache, carried
 
 
-_multi_decode_step_jit = jax.jit(from_buffer(_multi_decode_step, 2), static_argnames=(
-    "layout", "cfg", "options", "num_steps", "page_size", "cache_sharding", "out_sharding"), donate_argnums=(1,))
+_multi_decode_step_jit = jax.jit(from_buffer(_multi_decode_step, 3),
+                                 static_argnames=_STATIC + ("num_steps", "page_size"), donate_argnums=(1,))
 
 
 @flax.struct.dataclass
@@ -121,10 +144,11 @@ class PromptScores:
     top_logprobs: jax.Array  # f32[..., T, MAX_LOGPROBS]
 
 
-def _score_step(params, cache, batch, sampling, mask, sample_index, targets, cfg, options, cache_sharding=None,
-                out_sharding=None):
+def _score_step(params, cache, carried, batch, sampling, mask, sample_index, targets, cfg, options,
+                cache_sharding=None, out_sharding=None, carry_sharding=None):
     """A step that also scores every token (prompt_logprobs): `batch.logit_index` lists all N tokens,
     `sample_index` i32[R, L] the ones that sample."""
+    batch, sampling = _take_carried(batch, sampling, carried)
     logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, N, V]
     if cache_sharding is not None:
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
@@ -136,11 +160,10 @@ def _score_step(params, cache, batch, sampling, mask, sample_index, targets, cfg
     out = (sampled, PromptScores(target, top_ids, top_logprobs))
     if out_sharding is not None:
         out = jax.lax.with_sharding_constraint(out, out_sharding)
-    return out, cache
+    return out, cache, _carry(sampled.tokens, carried, carry_sharding)
 
 
-_score_step_jit = jax.jit(from_buffer(_score_step, 2), static_argnames=(
-    "layout", "cfg", "options", "cache_sharding", "out_sharding"), donate_argnums=(1,))
+_score_step_jit = jax.jit(from_buffer(_score_step, 3), static_argnames=_STATIC, donate_argnums=(1,))
 
 
 @dataclasses.dataclass
@@ -157,6 +180,31 @@ class PackedRows:
 
     def unpack(self, x: np.ndarray) -> np.ndarray:  # x: [R, L, ...] -> [rows, ...]
         return x.reshape((-1,) + x.shape[2:])[np.maximum(self.logit_at, 0)]
+
+    def sample_slot(self, i: int) -> int:
+        """Row i's sample's index among its replica's samples (what a placeholder of it names)."""
+        return int(self.logit_at[i]) % self.sampling.temperature.shape[1]
+
+
+class PendingSamples:
+    """A dispatched step's samples on their way to the host (the copy starts at dispatch): the
+    engine schedules and dispatches the next step before it asks for them."""
+
+    def __init__(self, out: Any, packed: PackedRows):
+        self._out, self.packed = out, packed
+        for leaf in jax.tree.leaves(out):
+            leaf.copy_to_host_async()
+
+    def result(self) -> SampleOutput | tuple[SampleOutput, "PromptScores"]:
+        """Each row's sample in row order, as `ModelRunner.execute` returns them (waits for the step)."""
+        packed, out = self.packed, jax.device_get(self._out)
+        if packed.score_inputs is None:
+            return jax.tree.map(packed.unpack, out)
+        sampled, scores = out
+        width = max(n for _, _, n in packed.token_at)
+        index = np.asarray([[min(t + j, t + n - 1) for j in range(width)] for _, t, n in packed.token_at])
+        replica = np.asarray([rep for rep, _, _ in packed.token_at])[:, None]
+        return jax.tree.map(packed.unpack, sampled), jax.tree.map(lambda x: x[replica, index], scores)
 
 
 class ModelRunner:
@@ -207,6 +255,12 @@ class ModelRunner:
         self.out_sharding = None
         if shardings is not None and shardings.mesh.is_multi_process:
             self.out_sharding = jax.sharding.NamedSharding(shardings.mesh, jax.sharding.PartitionSpec())
+        # The last step's samples, i32[R, max_rows], kept on the device: each step takes them in and
+        # gives its own back, so a step's placeholders name tokens of the step before it
+        # (jaxserve.placeholders). Replicated on a mesh: small, and every process can read it.
+        self.carry_sharding = None if shardings is None else jax.sharding.NamedSharding(
+            shardings.mesh, jax.sharding.PartitionSpec())
+        self.carried = jax.device_put(np.zeros((self.num_replicas, buckets.max_rows), np.int32), self.carry_sharding)
         CompileCounter.install()
 
     # ---- compilation ---------------------------------------------------------------------------
@@ -251,7 +305,7 @@ class ModelRunner:
         cache_sharding = None if self.shardings is None else cache_shardings(
             self.shardings, "int8" if self.cache.quantized else "auto")
         static = dict(cfg=self.cfg, options=self.options, cache_sharding=cache_sharding,
-                      out_sharding=self.out_sharding)
+                      out_sharding=self.out_sharding, carry_sharding=self.carry_sharding)
         if shape[2:] == (MULTI_STEP,):
             step = _multi_decode_step_jit
             static.update(num_steps=self.num_scheduler_steps, page_size=self.cache.page_size)
@@ -260,7 +314,9 @@ class ModelRunner:
         else:
             step = _generate_step_jit
         layout = self._layouts[shape] = Layout.of(self.step_inputs(shape))
-        return step.trace(self.params, self.cache, layout.spec(self.buffer_sharding), layout=layout, **static).lower()
+        carried = jax.ShapeDtypeStruct(self.carried.shape, jnp.int32, sharding=self.carry_sharding)
+        return step.trace(self.params, self.cache, carried, layout.spec(self.buffer_sharding), layout=layout,
+                          **static).lower()
 
     def compile(self, shape: tuple):
         self.check_open()
@@ -312,7 +368,7 @@ class ModelRunner:
             if shape in self._ran:
                 continue
             zeros = self._layouts[shape].zeros(self.buffer_sharding)
-            _, self.cache = self._executables[shape](self.params, self.cache, zeros)
+            _, self.cache, self.carried = self._executables[shape](self.params, self.cache, self.carried, zeros)
             self._ran.add(shape)
         jax.block_until_ready(self.cache)
 
@@ -334,7 +390,7 @@ class ModelRunner:
         inputs = self._layouts[shape].zeros(self.buffer_sharding)
 
         def run():
-            out, self.cache = executable(self.params, self.cache, inputs)
+            out, self.cache, self.carried = executable(self.params, self.cache, self.carried, inputs)
             return out
         return run
 
@@ -346,18 +402,18 @@ class ModelRunner:
 
         If any row has `targets`, the step also scores every token (the scoring variant) and returns
         (samples, PromptScores of shape [n, tokens of the longest row, ...])."""
+        return self.launch(rows).result()
+
+    def launch(self, rows: Sequence[RowWork]) -> PendingSamples:
+        """`execute` without the wait: dispatches the step and starts its samples' copy to the host.
+        A row's tokens may hold placeholders of the previous step's samples (jaxserve.placeholders)."""
         score = any(r.targets is not None for r in rows)
         packed = self._pack(rows, score=score)
         if not score:
-            out = self._run(packed.shape, (packed.batch, packed.sampling, packed.mask))
-            return jax.tree.map(packed.unpack, out)
+            return PendingSamples(self._run(packed.shape, (packed.batch, packed.sampling, packed.mask)), packed)
         sample_index, targets = packed.score_inputs
-        sampled, scores = self._run(packed.shape + (SCORE,),
-                                    (packed.batch, packed.sampling, packed.mask, sample_index, targets))
-        width = max(n for _, _, n in packed.token_at)
-        index = np.asarray([[min(t + j, t + n - 1) for j in range(width)] for _, t, n in packed.token_at])
-        replica = np.asarray([rep for rep, _, _ in packed.token_at])[:, None]
-        return jax.tree.map(packed.unpack, sampled), jax.tree.map(lambda x: x[replica, index], scores)
+        out = self._run(packed.shape + (SCORE,), (packed.batch, packed.sampling, packed.mask, sample_index, targets))
+        return PendingSamples(out, packed)
 
     def execute_multi(self, rows: Sequence[RowWork], steps: Sequence[int]) -> SampleOutput:
         """Run `num_scheduler_steps` decode steps for single-token `rows` in one call; row i takes part
@@ -372,7 +428,8 @@ class ModelRunner:
         per_row = np.zeros((self.num_replicas, self.buckets.max_rows), np.int32)
         for (rep, t, _), n in zip(packed.token_at, steps):
             per_row[rep, t] = n  # a pure decode step: row k's token is token k
-        out = self._run(packed.shape + (MULTI_STEP,), (packed.batch, packed.sampling, packed.mask, per_row))
+        out = jax.device_get(self._run(packed.shape + (MULTI_STEP,),
+                                       (packed.batch, packed.sampling, packed.mask, per_row)))
         return jax.tree.map(lambda x: x.reshape(x.shape[:1] + (-1,) + x.shape[3:])[:, packed.logit_at], out)
 
     def _pack(self, rows: Sequence[RowWork], score: bool, extra_tokens: Sequence[int] | None = None) -> PackedRows:
@@ -455,9 +512,9 @@ class ModelRunner:
             raise
 
     def run_packed(self, shape: tuple, inputs: tuple) -> Any:
-        """Run the compiled step of bucket `shape` on packed host inputs ((RaggedBatch, SamplingTensors,
-        ...) of NumPy arrays, leading axis R); returns the samples on the host, [R, L, ...].
-        Multi-host followers call this with the inputs process 0 packed."""
+        """Dispatch the compiled step of bucket `shape` on packed host inputs ((RaggedBatch,
+        SamplingTensors, ...) of NumPy arrays, leading axis R); returns the samples as device arrays,
+        [R, L, ...] (not waited for). Multi-host followers call this with the inputs process 0 packed."""
         self.check_open()
         if shape not in self._executables:
             self.unplanned_compiles += 1
@@ -467,9 +524,10 @@ class ModelRunner:
             self._ran.add(shape)
             self.first_runs += 1
         # Explicit transfers only (the step loop runs under jax.transfer_guard("disallow") in tests):
-        # one host->device copy of the packed inputs, one device->host copy of the samples.
-        out, self.cache = executable(self.params, self.cache, self.put_inputs(shape, inputs))
-        return jax.device_get(out)
+        # one host->device copy of the packed inputs here; the samples' copy back is the caller's.
+        out, self.cache, self.carried = executable(self.params, self.cache, self.carried,
+                                                   self.put_inputs(shape, inputs))
+        return out
 
     def put_inputs(self, shape: tuple, inputs: tuple) -> jax.Array:
         """Bucket `shape`'s host inputs packed into one array and copied to the device (sharded over
@@ -493,8 +551,8 @@ class ModelRunner:
         self._executables.clear()
         self._layouts.clear()
         self._ran.clear()
-        delete_buffers((self.params, self.cache))
-        self.params = self.cache = None
+        delete_buffers((self.params, self.cache, self.carried))
+        self.params = self.cache = self.carried = None
 
     def check_open(self) -> None:
         if self.closed:

@@ -117,7 +117,7 @@ class Scheduler:
         """Decodes first (one token each; preempting when pages run out), then prompt chunks, each
         replica within its own token budget."""
         copies = self._fork_ready_parents()
-        decoding = [s for s in self.running if s.compute_target - s.num_computed == 1]
+        decoding = [s for s in self.running if s.compute_target - s.num_computed == 1 and self._can_run(s)]
         rows, preempted = self._schedule_decode(decoding)
         budget = [self.max_num_batched_tokens] * self.blocks.num_replicas
         for row in rows:
@@ -130,7 +130,7 @@ class Scheduler:
         scheduled = {id(r.seq) for r in rows}
         for seq in self.running:  # admission order: partially prefilled prompts first, then the new
             chunk = min(seq.compute_target - seq.num_computed, budget[seq.replica])
-            if id(seq) in scheduled or chunk < 1:
+            if id(seq) in scheduled or chunk < 1 or not self._can_run(seq):
                 continue
             rows.append(ScheduledRow(seq, seq.num_computed, chunk))
             budget[seq.replica] -= chunk
@@ -138,6 +138,15 @@ class Scheduler:
             return SchedulerOutput("idle", [], copies, preempted)
         kind = "decode" if len(rows) == decodes else "prefill" if not decodes else "mixed"
         return SchedulerOutput(kind, rows, copies, preempted)
+
+    def _can_run(self, seq: Sequence) -> bool:
+        """Whether `seq` may join a step scheduled while its last token is still in flight (async
+        scheduling): not if its next mask needs that token's id (a grammar), nor if its length ends
+        it once the token lands (max_tokens, max_model_len: there is nothing left to compute)."""
+        if not seq.in_flight:
+            return True
+        return (seq.grammar is None and len(seq.output_token_ids) < seq.params.max_tokens
+                and seq.num_tokens < self.max_model_len)
 
     def _fork_ready_parents(self) -> list[tuple[int, int, int]]:
         """A parent that computed all but its last prompt token forks its n - 1 siblings now.

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import enum
 import time
 from typing import Any
 
+from jaxserve.ragged import is_placeholder
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -14,6 +16,32 @@ class Status(enum.Enum):
     WAITING = "waiting"  # no pages; queued for admission (new, or preempted)
     RUNNING = "running"  # holds pages; computes a prompt chunk or one decode token per step
     FINISHED = "finished"
+
+
+class TokenView(collections.abc.Sequence):
+    """prompt + output read in place: a step slices a row's few tokens (and the block manager a
+    page's) without the whole list being rebuilt each step."""
+
+    def __init__(self, prompt: list[int], output: list[int]):
+        self._prompt, self._output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._output)
+
+    def __getitem__(self, index):
+        p = len(self._prompt)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return list(self)[index]
+            if stop <= p:
+                return self._prompt[start:stop]
+            if start >= p:
+                return self._output[start - p : stop - p]
+            return self._prompt[start:] + self._output[: stop - p]
+        if index < 0:
+            index += len(self)
+        return self._prompt[index] if index < p else self._output[index - p]
 
 
 @dataclasses.dataclass(eq=False)
@@ -60,8 +88,27 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def token_view(self) -> TokenView:
+        """The tokens (prompt + output) without a copy."""
+        return TokenView(self.prompt_token_ids, self.output_token_ids)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def in_flight(self) -> bool:
+        """Its last token is a placeholder (jaxserve.ragged.placeholder): sampled by the step in
+        flight, its id not yet on the host."""
+        return bool(self.output_token_ids) and is_placeholder(self.output_token_ids[-1])
+
+    @property
+    def resolved_output_ids(self) -> list[int]:
+        """The output tokens whose ids the host has (all but the trailing placeholders)."""
+        ids, end = self.output_token_ids, len(self.output_token_ids)
+        while end and is_placeholder(ids[end - 1]):
+            end -= 1
+        return ids[:end]
 
     @property
     def num_pending(self) -> int:

@@ -29,6 +29,7 @@ import time
 from typing import Any, AsyncIterator
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.output_processor import find_stop_string, held_back
 from jaxserve.errors import JaxServeError, RequestError
 from jaxserve.memory_plan import MemoryPlan
 from jaxserve.sampling_params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
@@ -382,7 +383,7 @@ class MockAsyncLLMEngine:
                 s.cumulative_logprob += entry[token]
             self._counters["generation_tokens_total"] += 1
             full = tok.decode(s.token_ids, skip_special_tokens=params.skip_special_tokens)
-            cut = _find_stop(full, params.stop)
+            cut = find_stop_string(full, params.stop)
             if cut is not None:
                 pos, stop = cut
                 s.text = full[: pos + (len(stop) if params.include_stop_str_in_output else 0)]
@@ -394,7 +395,7 @@ class MockAsyncLLMEngine:
                   or len(req.prompt_ids) + len(s.token_ids) >= self.engine.plan.max_model_len):
                 s.finish_reason = "length"
             # While running, hold back a tail that could still become a stop string.
-            s.text = full if s.finish_reason else full[: len(full) - _held_back(full, params.stop)]
+            s.text = full if s.finish_reason else full[: len(full) - held_back(full, params.stop)]
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = time.monotonic()
         finished = all(s.finish_reason is not None for s in req.siblings)
@@ -485,26 +486,6 @@ class MockAsyncLLMEngine:
                 "last_step_seconds": self._last_step_seconds,
                 "last_step_bytes_read": self._last_step_bytes,
             }
-
-
-def _find_stop(text: str, stops) -> tuple[int, str] | None:
-    best = None
-    for s in stops:
-        i = text.find(s)
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
-    return best
-
-
-def _held_back(text: str, stops) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-    hold = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:n]):
-                hold = n
-                break
-    return hold
 
 
 def mock_settings(**overrides: Any) -> EngineConfig:

@@ -185,28 +185,12 @@ def qwen3_moe_one_device_tokens(models):
     return _engine_tokens(models("qwen3_moe")[1])[0]
 
 
-@pytest.fixture
-def engine_passes_moe_parallelism(monkeypatch):
-    """The engine builds its StepOptions itself; where it does not yet pass `moe_parallelism` on, the
-    setting is added here (a no-op once engine.py passes it)."""
-    import jaxserve.engine.engine as engine_module
-
-    real = engine_module.StepOptions
-
-    def with_setting(mode):
-        monkeypatch.setattr(engine_module, "StepOptions", lambda **kw: real(**{"moe_parallelism": mode, **kw}))
-
-    return with_setting
-
-
 @pytest.mark.parametrize("mode", MODES)
-def test_greedy_through_the_engine_on_a_mesh(models, qwen3_moe_one_device_tokens, engine_passes_moe_parallelism,
-                                             mode):
+def test_greedy_through_the_engine_on_a_mesh(models, qwen3_moe_one_device_tokens, mode):
     """Three prompts batched (19, 6 and 11 tokens: prefill chunks and decodes in the same steps), 8
     greedy tokens each, on the (1, 4) mesh: the same tokens as one device, the experts laid out as
     the mode says (per device: all 8 experts at a quarter of their hidden size, or 2 whole experts)."""
     _, path, cfg, _ = models("qwen3_moe")
-    engine_passes_moe_parallelism(mode)
     tokens, layout, options_mode = _engine_tokens(path, mesh_shape=(1, 4), moe_parallelism=mode)
     assert options_mode == mode
     E, F = cfg.num_experts, cfg.moe_intermediate_size

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams, quant, steps
-from jaxserve.engine.engine import resolve_quantized_matmul
+from jaxserve.engine.backends import resolve_quantized_matmul
 from jaxserve.errors import ConfigError
 from jaxserve.kv_cache import StepBatch, init_cache
 from jaxserve.model.weights import param_bytes

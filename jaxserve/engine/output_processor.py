@@ -1,0 +1,176 @@
+"""From sampled ids to what a request's caller sees (no jax): detokenization, stop conditions,
+logprob entries and the RequestOutput of each request that advanced.
+
+The engine hands every sampled token here once its id is on the host (`resolve_token`); the
+scheduler decides nothing from text. The mock engine (jaxserve.testing) cuts stop strings with the
+same `find_stop_string` and `held_back`, so the server tests see the real engine's text rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Sequence as SequenceOf
+
+from jaxserve.engine.sequence import Sequence
+from jaxserve.sampling_params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request in the engine: its n sequences (samples) share the prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+def find_stop_string(text: str, stops: SequenceOf[str]) -> tuple[int, str] | None:
+    """The earliest stop string in `text` (its index and itself), or None."""
+    hits = [(text.find(s), s) for s in stops]
+    hits = [(i, s) for i, s in hits if i >= 0]
+    return min(hits) if hits else None
+
+
+def held_back(text: str, stops: SequenceOf[str]) -> int:
+    """Characters at the end of a running sequence's text withheld from its caller: the longest tail
+    that is a proper prefix of a stop string, so a stop string is cut exactly, never streamed and
+    then taken back."""
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:n]):
+                hold = n
+                break
+    return hold
+
+
+class OutputProcessor:
+    """Turns sampled ids into sequence state and RequestOutputs; owns no scheduling state."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: SequenceOf[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def detokenizer(self, prompt_ids: list[int], params: SamplingParams):
+        """A sequence's incremental detokenizer (None without a tokenizer: outputs have ids only)."""
+        if self.tokenizer is None:
+            return None
+        from jaxserve.tokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                      prompt_ids=prompt_ids)
+
+    def resolve_token(self, seq: Sequence, index: int, token: int) -> str | None:
+        """`token` is output `index` of `seq` (a placeholder until now, or just appended): detokenize
+        it, advance the grammar, and return the finish reason if the sequence stops here ("stop",
+        "length"), having dropped any output after it (the placeholder of a step dispatched later)."""
+        seq.output_token_ids[index] = token
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        params = seq.params
+        if seq.detokenizer is not None:
+            seq.text += seq.detokenizer.add(token)
+        n_out = index + 1
+        reason = None
+        eos = token in self.eos_token_ids
+        if seq.grammar is not None and not eos:
+            # The mask allowed it, so this cannot fail; if it did the matcher allows only EOS from now on.
+            if not seq.grammar.advance(token):
+                logger.warning("%s: the grammar refused token %d: %s", seq.seq_id, token, seq.grammar.error)
+        if n_out >= params.min_tokens:
+            if (not params.ignore_eos and eos) or token in params.stop_token_ids:
+                reason = "stop"
+            elif params.stop and self._cut_at_stop_string(seq):
+                reason = "stop"
+            elif seq.grammar is not None and seq.grammar.is_finished:
+                reason = "stop"  # the grammar is complete and allows only EOS: end now, without that step
+        if reason is None and (n_out >= params.max_tokens or len(seq.prompt_token_ids) + n_out >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            del seq.output_token_ids[n_out:]
+            if seq.detokenizer is not None and seq.stop_text_len is None:
+                seq.text += seq.detokenizer.flush()
+        return reason
+
+    @staticmethod
+    def _cut_at_stop_string(seq: Sequence) -> bool:
+        """Keep the text before the earliest stop string (or through it, include_stop_str_in_output)."""
+        hit = find_stop_string(seq.text, seq.params.stop)
+        if hit is None:
+            return False
+        index, stop = hit
+        seq.stop_text_len = index + (len(stop) if seq.params.include_stop_str_in_output else 0)
+        seq.text = seq.text[: seq.stop_text_len]
+        return True
+
+    @staticmethod
+    def record_logprobs(seq: Sequence, sampled: Any, i: int) -> None:
+        """The logprob entry of row i's sample (`sampled`: a SampleOutput on the host)."""
+        top = seq.params.logprobs
+        entry = {int(t): float(lp) for t, lp in zip(sampled.top_ids[i, :top], sampled.top_logprobs[i, :top])}
+        entry[int(sampled.tokens[i])] = float(sampled.logprobs[i])
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += float(sampled.logprobs[i])
+
+    @staticmethod
+    def prompt_targets(seq: Sequence, start: int, num_tokens: int) -> list[int] | None:
+        """The next prompt token of each computed position, when this chunk has prompt tokens to score."""
+        prompt = seq.prompt_token_ids
+        if seq.prompt_logprobs is None or start + 1 >= len(prompt):
+            return None
+        return [prompt[p + 1] if p + 1 < len(prompt) else 0 for p in range(start, start + num_tokens)]
+
+    @staticmethod
+    def record_prompt_logprobs(seq: Sequence, start: int, targets: list[int], scores: Any, i: int) -> None:
+        top = seq.params.prompt_logprobs
+        for j in range(len(targets)):
+            position = start + j + 1  # the prompt token that position start + j predicts
+            if position >= len(seq.prompt_token_ids):
+                break
+            entry = {int(t): float(lp) for t, lp in zip(scores.top_ids[i, j, :top], scores.top_logprobs[i, j, :top])}
+            entry[targets[j]] = float(scores.target_logprobs[i, j])
+            seq.prompt_logprobs[position] = entry  # a recompute after preemption rewrites the same values
+
+    @staticmethod
+    def visible_text(seq: Sequence) -> str:
+        if seq.is_finished:
+            return seq.text
+        return seq.text[: len(seq.text) - held_back(seq.text, seq.params.stop)]
+
+    def output(self, request: Request, spec_metrics: dict | None = None) -> RequestOutput:
+        """The request's cumulative output so far (token ids whose values are on the host)."""
+        seqs = request.seqs
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    s.index, s.resolved_output_ids, self.visible_text(s), s.finish_reason,
+                    list(s.logprobs) if s.params.logprobs is not None else None,
+                    s.cumulative_logprob if s.params.logprobs is not None else None,
+                )
+                for s in seqs
+            ],
+            finished=request.finished,
+            prompt_logprobs=list(seqs[0].prompt_logprobs) if request.params.prompt_logprobs is not None else None,
+            metrics=RequestMetrics(
+                arrival_time=request.arrival_time,
+                first_scheduled_time=min((t for t in (s.first_scheduled_time for s in seqs) if t), default=None),
+                first_token_time=min((t for t in (s.first_token_time for s in seqs) if t), default=None),
+                finished_time=max((s.finished_time or 0.0 for s in seqs), default=None) if request.finished else None,
+                **(spec_metrics or {}),
+            ),
+        )
