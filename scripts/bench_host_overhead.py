@@ -16,8 +16,10 @@ For each model and each (batch, context) point it
    * copy        the host->device copy of that buffer (`jax.device_put`; the wrapper of
                  `ModelRunner.put_inputs` runs `Layout.put`'s two halves itself, to time them apart)
    * dispatch    the call of the compiled step's executable (returns before the device is done)
-   * wait        from dispatch to the samples on the host (`jax.device_get` in `run_packed`)
-   * postprocess token handling: unpacking the samples, appending tokens, detokenizing, stop checks
+   * wait        fetching the samples processed this step and unpacking them to rows
+                 (`PendingSamples.result`: with async scheduling those of the step before, which
+                 ran while this step was scheduled and packed)
+   * postprocess token handling: placeholders replaced, tokens detokenized, stop checks
    * emit        `LLMEngine._finish_step`: the RequestOutput of every request that advanced
    * other       the rest of the step (step bookkeeping, the generate-style loop over the outputs)
 
@@ -27,8 +29,10 @@ For each model and each (batch, context) point it
 4. reports engine tokens/s, device-only tokens/s, their ratio, host microseconds per phase per step
    and the bytes copied to the device per step (the packed buffer) and back (the samples).
 
-Engine and device-only timings alternate in --rounds rounds, so the machine's drift hits both: the
-rates are medians over rounds, the ratio the median of the rounds' ratios (with their range). The
+Engine (with async scheduling off and on, `--async-scheduling`) and device-only timings alternate in
+--rounds rounds, so the machine's drift hits all: the rates are medians over rounds, the ratio the
+median of the rounds' ratios (with their range). Between modes the engine is flushed
+(`LLMEngine.flush`) and its `async_scheduling` switched: one engine, the same executables. The
 timed steps attend at most `context` tokens and stay in one page-count bucket (the JSON gives the
 range attended: the prompt is shortened by the measured steps and the rows' admission skew).
 
@@ -87,6 +91,12 @@ def prompt_length(context: int, span: int) -> int:
     return context - span - 1
 
 
+def decode_steps(args) -> int:
+    """Decode steps each row takes at one point: the warm-up, then per round and engine mode one
+    untimed step (it fills the async pipeline) and the timed steps."""
+    return args.warmup_steps + args.rounds * len(args.modes) * (args.steps + 1)
+
+
 def admission_skew(batch: int, budget: int, min_chunk: int) -> int:
     """Tokens the first-admitted rows may run ahead of the last: the tails of `batch` prompts enter
     at most budget // min_chunk rows per step while the rows already in decode (a bound for the
@@ -132,6 +142,7 @@ class StepTimer:
         self.last: dict[str, Any] = {}  # the last step's plan, bucket, packed buffer, fetched bytes
         self._patched: list[tuple[Any, str]] = []
         self._executables: dict = {}
+        self._restore: list = []
 
     def _add(self, phase: str, seconds: float) -> None:
         self.marks[phase] = self.marks.get(phase, 0.0) + seconds
@@ -164,12 +175,23 @@ class StepTimer:
 
         def run_packed(fn):
             def wrapper(shape, inputs):
-                out = fn(shape, inputs)
-                t = pc()  # from the executable's return to here: the samples' wait and device->host copy
-                self._add("wait", t - self.last.pop("dispatch_end"))
-                self.last["shape"], self.last["run_packed_end"] = shape, t
-                return out
+                self.last["shape"] = shape
+                return fn(shape, inputs)
             return wrapper
+
+        from jaxserve.engine.runner import PendingSamples
+
+        real_result = PendingSamples.result
+
+        def result(pending):  # every PendingSamples: they are made per step
+            t = pc()
+            out = real_result(pending)
+            self.last["result_end"] = pc()
+            self._add("wait", self.last["result_end"] - t)
+            return out
+
+        PendingSamples.result = result
+        self._restore.append(lambda: setattr(PendingSamples, "result", real_result))
 
         def put_inputs(fn):  # Layout.put = device_put(pack(...)), timed as its two halves
             def wrapper(shape, inputs):
@@ -191,7 +213,7 @@ class StepTimer:
                 t = pc()
                 # from the samples on the host to here: unpacking them to rows, appending tokens,
                 # detokenizing, stop checks
-                self._add("postprocess", t - self.last.pop("run_packed_end"))
+                self._add("postprocess", t - self.last.pop("result_end"))
                 out = fn(*a, **k)
                 self._add("emit", pc() - t)
                 return out
@@ -204,8 +226,7 @@ class StepTimer:
             def recorder(*a, _exe=exe):
                 t = pc()
                 out = _exe(*a)
-                self.last["dispatch_end"] = pc()
-                self._add("dispatch", self.last["dispatch_end"] - t)
+                self._add("dispatch", pc() - t)
                 self.last["executable"] = _exe
                 self.last["fetched_bytes"] = sum(x.nbytes for x in jax.tree.leaves(out[0]))
                 return out
@@ -219,6 +240,9 @@ class StepTimer:
             except AttributeError:
                 pass
         self._patched.clear()
+        for undo in self._restore:
+            undo()
+        self._restore.clear()
         self.runner._executables.update(self._executables)
 
     def step(self) -> tuple[float, dict[str, float], list]:
@@ -239,7 +263,7 @@ def measure_point(llm, batch: int, context: int, args, seed: int) -> dict:
     from jaxserve import SamplingParams
 
     eng, runner = llm.engine, llm.runner
-    span = args.warmup_steps + args.rounds * args.steps
+    span = decode_steps(args)
     # Prompt tails are prefilled a few rows per step, alternating with decode steps of the rows
     # already in: the first rows run ahead by up to one token per admission step (the skew).
     skew = admission_skew(batch, llm.settings.max_num_batched_tokens, runner.buckets.chunk_sizes[0])
@@ -267,50 +291,61 @@ def measure_point(llm, batch: int, context: int, args, seed: int) -> dict:
     timer = StepTimer(eng).install()
     unplanned, first_runs = runner.unplanned_compiles, runner.first_runs
     preemptions = eng.scheduler.num_preemptions
-    step_s, phases, kinds, shapes = [], [], set(), set()
-    round_engine, round_device = [], []
+    runs = {mode: {"step_s": [], "phases": [], "kinds": set(), "shapes": set(), "rounds": []} for mode in args.modes}
+    round_device = []
     try:
         for _ in range(args.rounds):
-            t = time.perf_counter()
-            for _ in range(args.steps):
-                s, ph, outputs = timer.step()
-                step_s.append(s)
-                phases.append(ph)
-                plan = timer.last["plan"]
-                kinds.add((plan.kind, len(plan.rows), len(outputs)))
-                shapes.add(timer.last["shape"])
-            round_engine.append(time.perf_counter() - t)
+            for mode in args.modes:  # one engine: flushed, then switched
+                eng.flush()
+                eng.async_scheduling = mode
+                eng.step()  # untimed: with async scheduling, it puts a step in flight (the steady state)
+                run = runs[mode]
+                t = time.perf_counter()
+                for _ in range(args.steps):
+                    s, ph, outputs = timer.step()
+                    run["step_s"].append(s)
+                    run["phases"].append(ph)
+                    plan = timer.last["plan"]
+                    run["kinds"].add((plan.kind, len(plan.rows), len(outputs)))
+                    run["shapes"].add(timer.last["shape"])
+                run["rounds"].append(time.perf_counter() - t)
+            eng.flush()  # nothing in flight: the calls below replace the carried samples
             # device-only: the same executable, the last step's (device-resident) inputs, back to back
             exe, buffer = timer.last["executable"], timer.last["buffer"]
             out = None
             t = time.perf_counter()
             for _ in range(args.steps):
-                out, runner.cache = exe(runner.params, runner.cache, buffer)
+                out, runner.cache, runner.carried = exe(runner.params, runner.cache, runner.carried, buffer)
             jax.block_until_ready((out, runner.cache))
             round_device.append(time.perf_counter() - t)
     finally:
         timer.remove()
+        eng.flush()
+        eng.async_scheduling = llm.settings.async_scheduling
         hi = max(q.num_tokens for q in seqs) - 1  # the last step attended all but the token it sampled
         for rid in ids:
             eng.abort_request(rid)
-    entry = {"batch": batch, "context": context, "prompt_tokens": n_prompt,
-             "preemptions_before_timing": entry_preemptions,
-             "contexts_attended": [lo, hi], "setup_s": setup_s}
-    entry.update(summarize_point(batch, step_s, round_engine, round_device, args.steps, phases))
-    entry["bucket"] = list(next(iter(shapes))) if len(shapes) == 1 else [list(s) for s in sorted(shapes)]
-    entry["bytes_to_device_per_step"] = int(timer.last["host_buffer"].nbytes)
-    entry["bytes_from_device_per_step"] = int(timer.last["fetched_bytes"])
-    problems = []
-    if kinds != {("decode", batch, batch)}:
-        problems.append(f"steps were not all {batch}-row decodes: {sorted(kinds)}")
-    if len(shapes) != 1:
-        problems.append(f"steps ran {len(shapes)} buckets: {sorted(shapes)}")
-    if runner.unplanned_compiles != unplanned or runner.first_runs != first_runs:
-        problems.append("a compile or a first run inside the timed steps")
-    if eng.scheduler.num_preemptions != preemptions:
-        problems.append(f"{eng.scheduler.num_preemptions - preemptions} preemptions inside the timed steps")
-    entry["valid"], entry["problems"] = not problems, problems
-    return entry
+    entries = []
+    for mode, run in runs.items():
+        entry = {"batch": batch, "context": context, "async_scheduling": mode, "prompt_tokens": n_prompt,
+                 "preemptions_before_timing": entry_preemptions, "contexts_attended": [lo, hi], "setup_s": setup_s}
+        entry.update(summarize_point(batch, run["step_s"], run["rounds"], round_device, args.steps, run["phases"]))
+        shapes = run["shapes"]
+        entry["bucket"] = list(next(iter(shapes))) if len(shapes) == 1 else [list(s) for s in sorted(shapes)]
+        entry["bytes_to_device_per_step"] = int(timer.last["host_buffer"].nbytes)
+        entry["bytes_from_device_per_step"] = int(timer.last["fetched_bytes"])
+        problems = []
+        if run["kinds"] != {("decode", batch, batch)}:
+            problems.append(f"steps were not all {batch}-row decodes: {sorted(run['kinds'])}")
+        if len(shapes) != 1:
+            problems.append(f"steps ran {len(shapes)} buckets: {sorted(shapes)}")
+        if runner.unplanned_compiles != unplanned or runner.first_runs != first_runs:
+            problems.append("a compile or a first run inside the timed steps")
+        if eng.scheduler.num_preemptions != preemptions:
+            problems.append(f"{eng.scheduler.num_preemptions - preemptions} preemptions inside the timed steps")
+        entry["valid"], entry["problems"] = not problems, problems
+        entries.append(entry)
+    return entries
 
 
 # ---- one model --------------------------------------------------------------------------------------
@@ -346,7 +381,7 @@ def bench_model(name: str, config: str | None, overrides: dict, batches: Sequenc
     from jaxserve.engine.buckets import BucketTable, pick_bucket, pick_step_shape
     from jaxserve.model.weights import param_bytes
 
-    span = args.warmup_steps + args.rounds * args.steps
+    span = decode_steps(args)
     base = EngineConfig.from_yaml(config, overrides) if config else EngineConfig.from_dict(overrides)
     cfg = ModelConfig.from_dir(base.model)
     limit = cfg.max_position_embeddings
@@ -386,16 +421,19 @@ def bench_model(name: str, config: str | None, overrides: dict, batches: Sequenc
     for i, (b, c) in enumerate(points):
         load = os.getloadavg()[0]
         try:
-            entry = measure_point(llm, b, c, args, seed=i)
+            entries = measure_point(llm, b, c, args, seed=i)
         except Exception as err:  # noqa: BLE001 - one failed point must not lose the others
-            entry = {"batch": b, "context": c, "error": repr(err), "valid": False}
+            entries = [{"batch": b, "context": c, "error": repr(err), "valid": False}]
             print(f"  batch {b:>3} context {c:>5}: failed: {err!r}", file=sys.stderr, flush=True)
         else:
-            print(f"  batch {b:>3} context {c:>5}: engine {entry['engine_tokens_per_s']:9.1f} tok/s, device-only "
-                  f"{entry['device_tokens_per_s']:9.1f}, ratio {entry['ratio']:.2f}"
-                  + ("" if entry["valid"] else f"  INVALID: {entry['problems']}"), flush=True)
-        entry["load_average_before"] = load
-        report["points"].append(entry)
+            for entry in entries:
+                print(f"  batch {b:>3} context {c:>5} async {'on ' if entry['async_scheduling'] else 'off'}: engine "
+                      f"{entry['engine_tokens_per_s']:9.1f} tok/s, device-only {entry['device_tokens_per_s']:9.1f}, "
+                      f"ratio {entry['ratio']:.2f}" + ("" if entry["valid"] else f"  INVALID: {entry['problems']}"),
+                      flush=True)
+        for entry in entries:
+            entry["load_average_before"] = load
+            report["points"].append(entry)
     llm.close()
     return report
 
@@ -427,7 +465,7 @@ def print_report(report: dict) -> None:
           f"{report['load_average_end'][0]:.2f}")
     print(f"{report['settings']['rounds']} rounds x {report['settings']['steps']} steps per point "
           f"(+{report['settings']['warmup_steps']} warm-up); host phases in us per step (mean)")
-    head = (f"{'model':>13} {'B':>3} {'ctx':>5} {'engine':>9} {'device':>9} {'ratio':>5} {'step us':>9} "
+    head = (f"{'model':>13} {'B':>3} {'ctx':>5} {'async':>5} {'engine':>9} {'device':>9} {'ratio':>5} {'step us':>9} "
             + " ".join(f"{p[:8]:>8}" for p in PHASES) + f" {'H2D B':>7}")
     print(head + "\n" + "-" * len(head))
     for mod in report["models"]:
@@ -435,7 +473,8 @@ def print_report(report: dict) -> None:
             if "error" in p:
                 print(f"{mod['name']:>13} {p['batch']:>3} {p['context']:>5}  failed: {p['error']}")
                 continue
-            print(f"{mod['name']:>13} {p['batch']:>3} {p['context']:>5} {p['engine_tokens_per_s']:9.1f} "
+            print(f"{mod['name']:>13} {p['batch']:>3} {p['context']:>5} {'on' if p['async_scheduling'] else 'off':>5} "
+                  f"{p['engine_tokens_per_s']:9.1f} "
                   f"{p['device_tokens_per_s']:9.1f} {p['ratio']:5.2f} {p['step_us']:9.0f} "
                   + " ".join(f"{p['phases_us'][ph]:8.0f}" for ph in PHASES)
                   + f" {p['bytes_to_device_per_step']:7d}" + ("" if p["valid"] else "  INVALID"))
@@ -452,6 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="engine steps (and device-only calls) per round")
     ap.add_argument("--rounds", type=int, default=3, help="alternating engine / device-only rounds per point")
     ap.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps before the first round")
+    ap.add_argument("--async-scheduling", default="off,on", help="engine modes measured, alternating in each round")
     ap.add_argument("--skip", default="", help="points left out, e.g. smollm2-135m:64x1024,smollm2-135m:16x1024")
     ap.add_argument("--quick", action="store_true", help="tiny 2-layer dummy model, batches 1,2, contexts 32,64, "
                                                          "2 rounds of 3 steps: seconds")
@@ -459,6 +499,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", help="write the JSON report here")
     args = ap.parse_args(argv)
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    modes = {"on": True, "off": False}
+    if not args.async_scheduling or any(m not in modes for m in args.async_scheduling.split(",")):
+        ap.error("--async-scheduling takes a comma list of on, off")
+    args.modes = [modes[m] for m in args.async_scheduling.split(",")]
 
     tmp = None
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]
@@ -493,6 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": " ".join([os.path.relpath(sys.argv[0])] + list(argv if argv is not None else sys.argv[1:])),
         "machine": machine_info(), "load_average_start": load_start, "load_average_end": os.getloadavg(),
         "settings": {"steps": args.steps, "rounds": args.rounds, "warmup_steps": args.warmup_steps,
+                     "async_scheduling": args.modes,
                      "batches": batches, "contexts": contexts, "skip": sorted(args.skip)},
         "phases": list(PHASES), "models": results, "elapsed_s": time.perf_counter() - t0,
     }

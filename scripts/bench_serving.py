@@ -267,7 +267,7 @@ async def step_metrics(client: httpx.AsyncClient) -> dict | None:
         r.raise_for_status()
     except httpx.HTTPError:
         return None
-    kinds, buckets, total = {}, {}, None
+    kinds, buckets, total, cpu = {}, {}, None, None
     for line in r.text.splitlines():
         if line.startswith("jaxserve:steps_total{"):
             kinds[line.split('kind="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
@@ -276,7 +276,9 @@ async def step_metrics(client: httpx.AsyncClient) -> dict | None:
             buckets[float(le)] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("jaxserve:iteration_tokens_sum "):
             total = float(line.rsplit(" ", 1)[1])
-    return {"steps": kinds, "buckets": buckets, "tokens": total} if kinds else None
+        elif line.startswith("process_cpu_seconds_total "):  # the server process: host and XLA threads
+            cpu = float(line.rsplit(" ", 1)[1])
+    return {"steps": kinds, "buckets": buckets, "tokens": total, "cpu_seconds": cpu} if kinds else None
 
 
 def step_composition(before: dict | None, after: dict | None) -> dict:
@@ -294,8 +296,11 @@ def step_composition(before: dict | None, after: dict | None) -> dict:
             slots += (cumulative - below) * bound
         below = cumulative
     tokens = after["tokens"] - before["tokens"]
+    cpu = None
+    if before.get("cpu_seconds") is not None and after.get("cpu_seconds") is not None:
+        cpu = after["cpu_seconds"] - before["cpu_seconds"]
     return {"steps_by_kind": steps, "step_tokens": tokens, "step_token_slots": slots,
-            "token_slot_fill": tokens / slots if slots else None}
+            "token_slot_fill": tokens / slots if slots else None, "server_cpu_seconds": cpu}
 
 
 async def run_rate(base_url: str, args: argparse.Namespace, rate: float, workload: list[Request]) -> dict:
@@ -330,6 +335,8 @@ async def run_rate(base_url: str, args: argparse.Namespace, rate: float, workloa
         composition = step_composition(metrics_before, await step_metrics(client))
     summary = summarize(list(results), duration, args)
     summary.update(composition)
+    if composition.get("server_cpu_seconds") is not None and summary.get("total_output_tokens"):
+        summary["server_cpu_seconds_per_output_token"] = composition["server_cpu_seconds"] / summary["total_output_tokens"]
     summary.update({"request_rate": rate if math.isfinite(rate) else "inf", "base_url": base_url, "model": model,
                     "max_concurrency": args.max_concurrency})
     if args.save_requests:
@@ -358,6 +365,9 @@ def print_summary(label: str, s: dict) -> None:
         fill = s["token_slot_fill"]
         print(f"  steps {s['steps_by_kind']}  real tokens in "
               f"{'n/a' if fill is None else f'{100 * fill:.0f}%'} of the token slots")
+    if s.get("server_cpu_seconds_per_output_token") is not None:
+        print(f"  server CPU {1e3 * s['server_cpu_seconds_per_output_token']:.2f} ms per output token "
+              f"({s['server_cpu_seconds']:.1f} s, all threads)")
     for err in s.get("errors", []):
         print(f"  error: {err}")
 

@@ -27,7 +27,8 @@ def test_quick_report_structure_and_numbers(report):
     assert model["name"] == "tiny" and model["skipped"] == []
     s = report["settings"]
     points = model["points"]
-    assert [(p["batch"], p["context"]) for p in points] == [(b, c) for c in s["contexts"] for b in s["batches"]]
+    assert [(p["batch"], p["context"], p["async_scheduling"]) for p in points] == [
+        (b, c, m) for c in s["contexts"] for b in s["batches"] for m in (False, True)]
     for p in points:
         where = f"batch {p['batch']} context {p['context']}"
         assert "error" not in p, where
@@ -60,7 +61,7 @@ def test_quick_report_structure_and_numbers(report):
 
 
 def test_larger_batches_copy_more_bytes(report):
-    pts = {(p["batch"], p["context"]): p for p in report["models"][0]["points"]}
+    pts = {(p["batch"], p["context"]): p for p in report["models"][0]["points"] if p["async_scheduling"]}
     # Per-row inputs double; the per-engine row metadata (query starts, context lengths, page tables of
     # max_num_seqs rows) does not.
     one, two = pts[(1, 32)]["bytes_to_device_per_step"], pts[(2, 32)]["bytes_to_device_per_step"]

@@ -15,7 +15,7 @@ import logging
 import sys
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from jaxserve.devices import spec_for_device_kind
@@ -167,6 +167,8 @@ class ServerMetrics:
         self._bandwidth_value = device_bandwidth
         self._bandwidth_detected = device_bandwidth is not None
         r = self.registry
+        # process_cpu_seconds_total and memory: CPU per output token (host and XLA share the cores)
+        ProcessCollector(registry=r)
         self.ttft = Histogram("jaxserve:time_to_first_token_seconds", "Time to first token.",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("jaxserve:time_per_output_token_seconds", "Time per output token after the first.",
