@@ -284,9 +284,9 @@ class ModelConfig:
         is_qwen = arch == "Qwen2ForCausalLM"
         sliding_window = hf.get("sliding_window")
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-            if hf.get("use_sliding_window"):
-                raise UnsupportedModelError(f"{arch} with use_sliding_window=True is not supported")
-            sliding_window = None
+            sliding_window, layer_types = _qwen_sliding_window(hf)
+            if layer_types:
+                extra = {**extra, "layer_types": layer_types}
         eos = outer.get("eos_token_id", hf.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         cfg = cls(
@@ -396,6 +396,25 @@ def _family_fields(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
         return {"num_experts": int(hf["num_local_experts"]), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
                 "moe_intermediate_size": int(hf["intermediate_size"]), "norm_topk_prob": True}
     return {}
+
+
+def _qwen_sliding_window(hf: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+    """Qwen2 / Qwen3's `use_sliding_window`: the layers from `max_window_layers` on attend to only
+    the last `sliding_window` keys (transformers' `layer_types`). Returns (window, layer types):
+    (None, ()) when no layer is windowed, (window, ()) when every layer is."""
+    window = hf.get("sliding_window")
+    if not hf.get("use_sliding_window") or not window:
+        return None, ()
+    num_layers = int(hf["num_hidden_layers"])
+    first = int(hf.get("max_window_layers") if hf.get("max_window_layers") is not None else num_layers)
+    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                      for i in range(num_layers)]
+    if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise UnsupportedModelError(f"layer_types must name {num_layers} layers 'sliding_attention' or "
+                                    f"'full_attention', got {types!r}")
+    if "sliding_attention" not in types:
+        return None, ()
+    return int(window), (() if "full_attention" not in types else tuple(types))
 
 
 def _rope_scaling(scaling: Mapping[str, Any] | None, hf: Mapping[str, Any] | None = None) -> RopeScaling | None:

@@ -29,6 +29,10 @@ ARCHS = {
     ),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24, "head_dim": 16}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    # use_sliding_window: layer 0 global, layer 1 windowed (max_window_layers 1), a window of 12 keys
+    # shorter than the parity prompts
+    "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM", {
+        "tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1}),
     # head_dim 32 is not hidden / heads (16): the q/k norms and the projections must use the explicit one
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": True, "head_dim": 32}),
     # Local and global layers (window 8, shorter than the test prompts), each with its own RoPE base (the

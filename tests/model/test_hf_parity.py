@@ -13,7 +13,7 @@ from jaxserve.kv_cache import StepBatch, init_cache
 
 from hf_models import assert_same_greedy, hf_greedy
 
-ARCHS = ["llama", "llama3_rope", "mistral", "qwen2"]
+ARCHS = ["llama", "llama3_rope", "mistral", "qwen2", "qwen2_window"]
 PAGE = 8
 def step_batch(tokens, start, pages):
     n = len(tokens)
