@@ -11,6 +11,7 @@ buffer over `data` as it sharded each input.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -49,6 +50,10 @@ class Layout:
             fields.append((tuple(leaf.shape[1:]), dtype.name))
         return cls(treedef, tuple(fields), replicas)
 
+    @functools.cached_property
+    def _dtypes(self) -> tuple[np.dtype, ...]:
+        return tuple(np.dtype(dtype) for _, dtype in self.fields)
+
     @property
     def width(self) -> int:
         return sum(math.prod(shape) for shape, _ in self.fields)
@@ -63,9 +68,10 @@ class Layout:
         if treedef != self.treedef:
             raise ValueError(f"inputs {treedef} do not match the compiled layout {self.treedef}")
         words = []
-        for leaf, (shape, dtype) in zip(leaves, self.fields):
+        for leaf, (shape, dtype), expected in zip(leaves, self.fields, self._dtypes):
             leaf = np.asarray(leaf)
-            if leaf.shape[1:] != shape or leaf.shape[0] != self.replicas or leaf.dtype.name != dtype:
+            # dtype objects compared, not their names: numpy's dtype.name costs ~4 us, 23 leaves a step
+            if leaf.shape[1:] != shape or leaf.shape[0] != self.replicas or leaf.dtype != expected:
                 raise ValueError(f"input {leaf.dtype}{list(leaf.shape)} does not match the compiled layout "
                                  f"{dtype}{[self.replicas, *shape]}")
             flat = np.ascontiguousarray(leaf).reshape(self.replicas, -1)
