@@ -25,6 +25,26 @@ def step_batch(tokens, start, pages):
                      page_table=jnp.asarray(np.asarray(pages, np.int32)[None, None]))
 
 
+def check_paged_and_dense_logits_match(cfg, params, full, prompt_len: int, ref, pages, page_size: int) -> None:
+    """The prompt prefilled on `pages`, then each later token of `full` decoded, and the dense
+    forward over all of `full`: each gives the HF logits `ref` f32[len(full), V] (atol 1e-4)."""
+    from jaxserve import steps
+    from jaxserve.kv_cache import init_cache
+    from jaxserve.model.llama import forward_dense
+
+    prompt = full[:prompt_len]
+    cache = init_cache(cfg, num_pages=max(pages) + 1, page_size=page_size, dtype=jnp.float32)
+    logits, cache = steps.prefill(params, cache, step_batch(prompt, 0, pages), cfg=cfg,
+                                  options=steps.StepOptions(all_logits=True))
+    np.testing.assert_allclose(np.asarray(logits[0, 0]), ref[:prompt_len], atol=1e-4, rtol=0)
+    for pos in range(prompt_len, len(full)):
+        logits, cache = steps.decode(params, cache, step_batch([full[pos]], pos, pages), cfg=cfg,
+                                     options=steps.StepOptions())
+        np.testing.assert_allclose(np.asarray(logits[0, 0]), ref[pos], atol=1e-4, rtol=0, err_msg=f"decode {pos}")
+    dense = jax.jit(forward_dense, static_argnames="cfg")(params, jnp.asarray([full], jnp.int32), cfg=cfg)
+    np.testing.assert_allclose(np.asarray(dense[0]), ref, atol=1e-4, rtol=0)
+
+
 def check_ragged_row_matches_forward(cfg, params, scan: bool, page_size: int) -> None:
     """One row of `forward_ragged` (a 6-token chunk after 11 cached tokens, padded to 8 tokens and 2
     rows) gives `forward`'s logits and K/V on that chunk; the cache starts NaN, so a stray read shows."""

@@ -8,17 +8,15 @@ caching), and the int8 and orbax loading paths."""
 import numpy as np
 import pytest
 
-import jax
 import jax.numpy as jnp
 
-from jaxserve import steps
 from jaxserve.checkpoint import load_hf_params
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import init_cache
 from jaxserve.model.llama import forward_dense
 
 from hf_models import hf_greedy
-from model_checks import check_greedy_through_engine, check_ragged_row_matches_forward, hf_logits, step_batch
+from model_checks import (check_greedy_through_engine, check_paged_and_dense_logits_match,
+                          check_ragged_row_matches_forward, hf_logits)
 
 PAGE = 8
 
@@ -50,16 +48,7 @@ def test_prefill_decode_and_dense_logits_match_hf(qwen3):
     full = prompt + continuation
     ref = hf_logits(model, full)
     pages = [3, 1, 4, 2][: -(-len(full) // PAGE)]  # out of order, page 0 unused
-    cache = init_cache(cfg, num_pages=5, page_size=PAGE, dtype=jnp.float32)
-    logits, cache = steps.prefill(params, cache, step_batch(prompt, 0, pages), cfg=cfg,
-                                  options=steps.StepOptions(all_logits=True))
-    np.testing.assert_allclose(np.asarray(logits[0, 0]), ref[: len(prompt)], atol=1e-4, rtol=0)
-    for pos in range(len(prompt), len(full)):
-        logits, cache = steps.decode(params, cache, step_batch([full[pos]], pos, pages), cfg=cfg,
-                                     options=steps.StepOptions())
-        np.testing.assert_allclose(np.asarray(logits[0, 0]), ref[pos], atol=1e-4, rtol=0, err_msg=f"decode {pos}")
-    dense = jax.jit(forward_dense, static_argnames="cfg")(params, jnp.asarray([full], jnp.int32), cfg=cfg)
-    np.testing.assert_allclose(np.asarray(dense[0]), ref, atol=1e-4, rtol=0)
+    check_paged_and_dense_logits_match(cfg, params, full, len(prompt), ref, pages, PAGE)
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])

@@ -8,15 +8,13 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jaxserve import steps
 from jaxserve.checkpoint import load_hf_params
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import init_cache
 from jaxserve.model.layers import rope_attention_factor, rope_inv_freq
 from jaxserve.model.llama import forward_dense
 
 from hf_models import TINY, assert_same_greedy, hf_greedy, make_hf_model
-from model_checks import hf_logits, step_batch
+from model_checks import check_paged_and_dense_logits_match, hf_logits
 
 PAGE = 8
 # A pretraining length of 16 tokens scaled 4x: the test prompts (~30 tokens) run past it, and most
@@ -69,16 +67,7 @@ def test_yarn_qwen3_logits_match_hf(yarn_qwen3):
     full = prompt + continuation
     ref = hf_logits(model, full)
     pages = [3, 1, 4, 2, 5][: -(-len(full) // PAGE)]
-    cache = init_cache(cfg, num_pages=6, page_size=PAGE, dtype=jnp.float32)
-    logits, cache = steps.prefill(params, cache, step_batch(prompt, 0, pages), cfg=cfg,
-                                  options=steps.StepOptions(all_logits=True))
-    np.testing.assert_allclose(np.asarray(logits[0, 0]), ref[: len(prompt)], atol=1e-4, rtol=0)
-    for pos in range(len(prompt), len(full)):
-        logits, cache = steps.decode(params, cache, step_batch([full[pos]], pos, pages), cfg=cfg,
-                                     options=steps.StepOptions())
-        np.testing.assert_allclose(np.asarray(logits[0, 0]), ref[pos], atol=1e-4, rtol=0, err_msg=f"decode {pos}")
-    dense = jax.jit(forward_dense, static_argnames="cfg")(params, jnp.asarray([full], jnp.int32), cfg=cfg)
-    np.testing.assert_allclose(np.asarray(dense[0]), ref, atol=1e-4, rtol=0)
+    check_paged_and_dense_logits_match(cfg, params, full, len(prompt), ref, pages, PAGE)
     # Not vacuous: the same weights without the scaling are far from HF.
     import dataclasses
 

@@ -17,6 +17,29 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 
 
+@contextlib.contextmanager
+def default_model_client(max_model_len: int, max_num_batched_tokens: int):
+    """A TestClient on the app over the real engine serving the shipped default model (float32, 4
+    sequences, pages of 8), served as "default"; the engine is shut down afterwards."""
+    from starlette.testclient import TestClient
+
+    from jaxserve import resources
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.engine import AsyncLLMEngine, LLMEngine
+    from jaxserve.server.api import ServerOptions, create_app
+
+    settings = EngineConfig(model=str(resources.default_checkpoint()), dtype="float32", max_model_len=max_model_len,
+                            max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens, page_size=8)
+    engine = AsyncLLMEngine(LLMEngine(settings, warm_up=False))
+    engine.start()
+    try:
+        with TestClient(create_app(ServerOptions(served_model_names=("default",)), engine),
+                        raise_server_exceptions=False) as c:
+            yield c
+    finally:
+        engine.shutdown()
+
+
 def real_engine_available() -> bool:
     try:
         if importlib.util.find_spec("jaxserve.engine.engine") is None:

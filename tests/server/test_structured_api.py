@@ -10,8 +10,7 @@ import threading
 
 import pytest
 
-from jaxserve import resources
-from jaxserve.config import EngineConfig
+from server_testlib import default_model_client
 
 SCHEMA = {
     "type": "object",
@@ -25,19 +24,8 @@ MESSAGES = [{"role": "user", "content": "Rate the weather as JSON."}]
 
 @pytest.fixture(scope="module")
 def client():
-    from starlette.testclient import TestClient
-
-    from jaxserve.engine.engine import AsyncLLMEngine, LLMEngine
-    from jaxserve.server.api import ServerOptions, create_app
-
-    settings = EngineConfig(model=str(resources.default_checkpoint()), dtype="float32", max_model_len=256,
-                            max_num_seqs=4, max_num_batched_tokens=64, page_size=8)
-    engine = AsyncLLMEngine(LLMEngine(settings, warm_up=False))
-    engine.start()
-    with TestClient(create_app(ServerOptions(served_model_names=("default",)), engine),
-                    raise_server_exceptions=False) as c:
+    with default_model_client(max_model_len=256, max_num_batched_tokens=64) as c:
         yield c
-    engine.shutdown()
 
 
 def chat(client, **extra):

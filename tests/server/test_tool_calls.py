@@ -9,9 +9,9 @@ import json
 import pytest
 
 from jaxserve import resources
-from jaxserve.config import EngineConfig
 from jaxserve.server.chat import ChatRenderer
 from jaxserve.testing.mock_engine import EOS_ID, MockAsyncLLMEngine, MockTokenizer, mock_settings
+from server_testlib import default_model_client
 
 TEMPLATE = (resources.default_checkpoint() / "chat_template.jinja").read_text()
 WEATHER = {"type": "function", "function": {
@@ -216,19 +216,8 @@ def test_llama3_json_parser(scripted):
 
 @pytest.fixture(scope="module")
 def model_client():
-    from starlette.testclient import TestClient
-
-    from jaxserve.engine.engine import AsyncLLMEngine, LLMEngine
-    from jaxserve.server.api import ServerOptions, create_app
-
-    settings = EngineConfig(model=str(resources.default_checkpoint()), dtype="float32", max_model_len=1024,
-                            max_num_seqs=4, max_num_batched_tokens=128, page_size=8)
-    engine = AsyncLLMEngine(LLMEngine(settings, warm_up=False))
-    engine.start()
-    with TestClient(create_app(ServerOptions(served_model_names=("default",)), engine),
-                    raise_server_exceptions=False) as c:
+    with default_model_client(max_model_len=1024, max_num_batched_tokens=128) as c:
         yield c
-    engine.shutdown()
 
 
 def _validate(name: str, arguments: dict) -> None:
