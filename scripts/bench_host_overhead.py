@@ -315,7 +315,8 @@ def measure_point(llm, batch: int, context: int, args, seed: int) -> dict:
             out = None
             t = time.perf_counter()
             for _ in range(args.steps):
-                out, runner.cache, runner.carried = exe(runner.params, runner.cache, runner.carried, buffer)
+                out, runner.cache, runner.carried = exe(runner.params, runner.cache, runner.carried, runner.last_sparse,
+                                                        buffer)
             jax.block_until_ready((out, runner.cache))
             round_device.append(time.perf_counter() - t)
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 from typing import Any, Sequence
@@ -62,17 +63,31 @@ def _take_carried(batch: RaggedBatch, sampling: SamplingTensors, carried: jax.Ar
             sampling.replace(history=resolve(sampling.history, carried)))
 
 
+# The sampling inputs that are padding in most steps: each row's penalty history and logit-bias slots
+# (together 95% of a step's input words when no row uses them). They travel apart from the packed
+# buffer, as 2-D [R, L * width] operands, so that a step needing none of them reuses arrays already
+# on the device and copies nothing (`ModelRunner._put_sparse`).
+SPARSE_FIELDS = ("history", "bias_ids", "bias_values")
+
+
+def _with_sparse(sampling: SamplingTensors, sparse: tuple) -> SamplingTensors:
+    """The SamplingTensors with its sparse fields back from their [R, L * width] operands."""
+    R, L = sampling.temperature.shape
+    return sampling.replace(**{name: x.reshape(R, L, -1) for name, x in zip(SPARSE_FIELDS, sparse)})
+
+
 def _carry(tokens: jax.Array, carried: jax.Array, carry_sharding=None) -> jax.Array:
     """The tokens the next step's placeholders name: this step's samples i32[R, L] at carried's width."""
     out = carry_tokens(tokens, carried.shape[-1])
     return out if carry_sharding is None else jax.lax.with_sharding_constraint(out, carry_sharding)
 
 
-def _generate_step(params, cache, carried, batch, sampling, mask, cfg, options, cache_sharding=None,
+def _generate_step(params, cache, carried, sparse, batch, sampling, mask, cfg, options, cache_sharding=None,
                    out_sharding=None, carry_sharding=None):
     """One ragged step: the forward, then a sample per row that samples. `carried` i32[R, S]: the
-    previous step's samples (what placeholders name); returns (samples [R, L], cache, carried)."""
-    batch, sampling = _take_carried(batch, sampling, carried)
+    previous step's samples (what placeholders name); `sparse`: the SPARSE_FIELDS of `sampling`;
+    returns (samples [R, L], cache, carried)."""
+    batch, sampling = _take_carried(batch, _with_sparse(sampling, sparse), carried)
     logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, L, V]
     if cache_sharding is not None:  # keep the donated cache's layout stable from step to step
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
@@ -88,7 +103,7 @@ def _generate_step(params, cache, carried, batch, sampling, mask, cfg, options, 
 
 # The compiled steps take (params, cache, carried tokens, packed inputs): see jaxserve.transfer.
 _STATIC = ("layout", "cfg", "options", "cache_sharding", "out_sharding", "carry_sharding")
-_generate_step_jit = jax.jit(from_buffer(_generate_step, 3), static_argnames=_STATIC, donate_argnums=(1,))
+_generate_step_jit = jax.jit(from_buffer(_generate_step, 4), static_argnames=_STATIC, donate_argnums=(1,))
 
 
 def _next_decode_batch(batch: RaggedBatch, tokens: jax.Array, active: jax.Array, page_size: int) -> RaggedBatch:
@@ -108,20 +123,22 @@ def _next_decode_batch(batch: RaggedBatch, tokens: jax.Array, active: jax.Array,
                          context_lens=batch.context_lens + active)
 
 
-def _multi_decode_step(params, cache, carried, batch, sampling, mask, steps, cfg, options, num_steps, page_size,
-                       cache_sharding=None, out_sharding=None, carry_sharding=None):
+def _multi_decode_step(params, cache, carried, sparse, batch, sampling, mask, steps, cfg, options, num_steps,
+                       page_size, cache_sharding=None, out_sharding=None, carry_sharding=None):
     """`num_steps` decode steps in one call (num_scheduler_steps): each feeds the token it sampled to
     the next, so the host is not needed in between. Row r takes part in its first steps[r] steps and
     writes nothing after (its pages beyond those are not its own). Samples: [num_steps, R, L, ...].
     The grammar masks hold for the first step only: the engine gives constrained rows one step.
     Multi-step engines run serially (no step follows this one before its samples are on the host),
     so `carried` is passed through unchanged."""
-    batch, sampling = _take_carried(batch, sampling, carried)
+    batch, sampling = _take_carried(batch, _with_sparse(sampling, sparse), carried)
 
     def one(carry, k):
         cache, batch, sampling = carry
         now = mask.replace(constrained=mask.constrained & (k == 0))
-        out, cache, _ = _generate_step(params, cache, carried, batch, sampling, now, cfg, options, cache_sharding)
+        sparse = tuple(getattr(sampling, name) for name in SPARSE_FIELDS)
+        out, cache, _ = _generate_step(params, cache, carried, sparse, batch, sampling, now, cfg, options,
+                                       cache_sharding)
         batch = _next_decode_batch(batch, out.tokens, k + 1 < steps, page_size)
         return (cache, batch, sampling.advanced(out.tokens)), out
 
@@ -131,7 +148,7 @@ def _multi_decode_step(params, cache, carried, batch, sampling, mask, steps, cfg
     return out, cache, carried
 
 
-_multi_decode_step_jit = jax.jit(from_buffer(_multi_decode_step, 3),
+_multi_decode_step_jit = jax.jit(from_buffer(_multi_decode_step, 4),
                                  static_argnames=_STATIC + ("num_steps", "page_size"), donate_argnums=(1,))
 
 
@@ -144,11 +161,11 @@ class PromptScores:
     top_logprobs: jax.Array  # f32[..., T, MAX_LOGPROBS]
 
 
-def _score_step(params, cache, carried, batch, sampling, mask, sample_index, targets, cfg, options,
+def _score_step(params, cache, carried, sparse, batch, sampling, mask, sample_index, targets, cfg, options,
                 cache_sharding=None, out_sharding=None, carry_sharding=None):
     """A step that also scores every token (prompt_logprobs): `batch.logit_index` lists all N tokens,
     `sample_index` i32[R, L] the ones that sample."""
-    batch, sampling = _take_carried(batch, sampling, carried)
+    batch, sampling = _take_carried(batch, _with_sparse(sampling, sparse), carried)
     logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, N, V]
     if cache_sharding is not None:
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
@@ -163,7 +180,7 @@ def _score_step(params, cache, carried, batch, sampling, mask, sample_index, tar
     return out, cache, _carry(sampled.tokens, carried, carry_sharding)
 
 
-_score_step_jit = jax.jit(from_buffer(_score_step, 3), static_argnames=_STATIC, donate_argnums=(1,))
+_score_step_jit = jax.jit(from_buffer(_score_step, 4), static_argnames=_STATIC, donate_argnums=(1,))
 
 
 @dataclasses.dataclass
@@ -184,6 +201,14 @@ class PackedRows:
     def sample_slot(self, i: int) -> int:
         """Row i's sample's index among its replica's samples (what a placeholder of it names)."""
         return int(self.logit_at[i]) % self.sampling.temperature.shape[1]
+
+
+def split_sparse(inputs: tuple) -> tuple[tuple, tuple]:
+    """A step's host inputs (RaggedBatch, SamplingTensors, TokenMask, ...) as (the packed part: the
+    sampling's SPARSE_FIELDS taken out, those fields); arrays or ShapeDtypeStructs alike."""
+    batch, sampling, *rest = inputs
+    fields = tuple(getattr(sampling, name) for name in SPARSE_FIELDS)
+    return (batch, sampling.replace(**{name: None for name in SPARSE_FIELDS}), *rest), fields
 
 
 class PendingSamples:
@@ -230,6 +255,8 @@ class ModelRunner:
         self.num_scheduler_steps = num_scheduler_steps  # > 1: decode buckets get a multi-step variant
         self._executables: dict[tuple, Any] = {}  # (tokens, pages) or (..., "score" | "multi-step")
         self._layouts: dict[tuple, Layout] = {}  # how each bucket's inputs are packed
+        self._idle: dict[int, tuple] = {}  # per L: the sparse sampling inputs of steps that use none
+        self.last_sparse: tuple | None = None  # the last step's sparse sampling inputs (benchmarks reuse them)
         self.unplanned_compiles = 0  # shapes that were not in the warmed table
         self.closed = False  # close(): executables dropped, params and cache deleted
         # Calls that ran a bucket's executable for the first time: on a CPU such a call takes ~15 ms
@@ -313,9 +340,12 @@ class ModelRunner:
             step = _score_step_jit
         else:
             step = _generate_step_jit
-        layout = self._layouts[shape] = Layout.of(self.step_inputs(shape))
+        packed, fields = split_sparse(self.step_inputs(shape))
+        layout = self._layouts[shape] = Layout.of(packed)
         carried = jax.ShapeDtypeStruct(self.carried.shape, jnp.int32, sharding=self.carry_sharding)
-        return step.trace(self.params, self.cache, carried, layout.spec(self.buffer_sharding), layout=layout,
+        sparse = tuple(jax.ShapeDtypeStruct((f.shape[0], math.prod(f.shape[1:])), f.dtype, sharding=self.buffer_sharding)
+                       for f in fields)
+        return step.trace(self.params, self.cache, carried, sparse, layout.spec(self.buffer_sharding), layout=layout,
                           **static).lower()
 
     def compile(self, shape: tuple):
@@ -368,7 +398,8 @@ class ModelRunner:
             if shape in self._ran:
                 continue
             zeros = self._layouts[shape].zeros(self.buffer_sharding)
-            _, self.cache, self.carried = self._executables[shape](self.params, self.cache, self.carried, zeros)
+            _, self.cache, self.carried = self._executables[shape](self.params, self.cache, self.carried,
+                                                                   self._idle_sparse(shape), zeros)
             self._ran.add(shape)
         jax.block_until_ready(self.cache)
 
@@ -387,10 +418,10 @@ class ModelRunner:
         executable = self.compile(shape)
         if shape not in self._layouts:
             self._lower(shape)
-        inputs = self._layouts[shape].zeros(self.buffer_sharding)
+        inputs, sparse = self._layouts[shape].zeros(self.buffer_sharding), self._idle_sparse(shape)
 
         def run():
-            out, self.cache, self.carried = executable(self.params, self.cache, self.carried, inputs)
+            out, self.cache, self.carried = executable(self.params, self.cache, self.carried, sparse, inputs)
             return out
         return run
 
@@ -524,15 +555,39 @@ class ModelRunner:
             self._ran.add(shape)
             self.first_runs += 1
         # Explicit transfers only (the step loop runs under jax.transfer_guard("disallow") in tests):
-        # one host->device copy of the packed inputs here; the samples' copy back is the caller's.
-        out, self.cache, self.carried = executable(self.params, self.cache, self.carried,
-                                                   self.put_inputs(shape, inputs))
+        # one host->device copy of the packed inputs here (and one of the sparse sampling inputs
+        # when a row uses penalties or logit_bias); the samples' copy back is the caller's.
+        packed, fields = split_sparse(inputs)
+        self.last_sparse = self._put_sparse(shape, fields)
+        out, self.cache, self.carried = executable(self.params, self.cache, self.carried, self.last_sparse,
+                                                   self.put_inputs(shape, packed))
         return out
 
     def put_inputs(self, shape: tuple, inputs: tuple) -> jax.Array:
-        """Bucket `shape`'s host inputs packed into one array and copied to the device (sharded over
-        the replicas on a mesh) in one transfer; the bucket must have been compiled."""
+        """Bucket `shape`'s host inputs but the sparse ones (`split_sparse`) packed into one array and
+        copied to the device (sharded over the replicas on a mesh) in one transfer; the bucket must
+        have been compiled."""
         return self._layouts[shape].put(inputs, self.buffer_sharding)
+
+    def _put_sparse(self, shape: tuple, fields: tuple[np.ndarray, ...]) -> tuple[jax.Array, ...]:
+        """The SPARSE_FIELDS on the device as [R, L * width]: copied (one transfer) when some row has
+        a penalty history or logit_bias entries, else the idle arrays already there."""
+        history, bias_ids = fields[0], fields[1]
+        if not ((history[..., 0] >= 0).any() or (bias_ids[..., 0] >= 0).any()):
+            return self._idle_sparse(shape)
+        R = history.shape[0]
+        return jax.device_put(tuple(np.ascontiguousarray(f).reshape(R, -1) for f in fields), self.buffer_sharding)
+
+    def _idle_sparse(self, shape: tuple) -> tuple[jax.Array, ...]:
+        """Bucket `shape`'s SPARSE_FIELDS as no row uses them (empty histories, no bias), kept on the
+        device per number of logits L, so steps without penalties or logit_bias copy none of them."""
+        L = self.num_logits(shape[0])
+        idle = self._idle.get(L)
+        if idle is None:
+            st = SamplingTensors.pack([], (self.num_replicas, L), self.history_len)
+            fields = tuple(getattr(st, name).reshape(self.num_replicas, -1) for name in SPARSE_FIELDS)
+            idle = self._idle[L] = jax.device_put(fields, self.buffer_sharding)
+        return idle
 
     @property
     def buffer_sharding(self) -> Any:
@@ -550,6 +605,8 @@ class ModelRunner:
         self.closed = True
         self._executables.clear()
         self._layouts.clear()
+        self._idle.clear()
+        self.last_sparse = None
         self._ran.clear()
         delete_buffers((self.params, self.cache, self.carried))
         self.params = self.cache = self.carried = None

@@ -197,6 +197,35 @@ def test_decode_loop_makes_one_explicit_transfer_each_way_per_step(llm, monkeypa
         engine.step()
 
 
+def test_sparse_sampling_inputs_are_copied_only_when_a_row_uses_them(llm, monkeypatch):
+    """The penalty histories and logit-bias slots travel apart from the packed buffer: with a
+    penalised row in the batch each step copies them too (a second transfer); the steps of the test
+    above, where no row uses them, reuse the idle arrays on the device."""
+    engine = llm.engine
+    prompts, _ = make_requests(2, seed=11)
+    engine.add_request("plain", prompt_token_ids=prompts[0], sampling_params=SamplingParams(max_tokens=30, temperature=0))
+    engine.add_request("penalised", prompt_token_ids=prompts[1],
+                       sampling_params=SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.3))
+    while any(s.num_pending > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    engine.step()
+    calls = {"device_put": 0}
+    real = jax.device_put
+
+    def counted(*args, **kwargs):
+        calls["device_put"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", counted)
+    with jax.transfer_guard("disallow"):
+        for _ in range(5):
+            engine.step()
+    assert calls == {"device_put": 10}  # the packed inputs and the sparse ones, each step
+    monkeypatch.undo()
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_engine_settings_reject_unknown_modes():
     with pytest.raises(Exception, match="not one of"):
         EngineConfig(model="x", scheduling="sometimes")
