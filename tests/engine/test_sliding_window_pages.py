@@ -35,6 +35,7 @@ def run(llm, requests, released: bool, on_step=None):
     from jaxserve import SamplingParams
 
     eng = llm.engine
+    served = eng.blocks.sliding_window
     eng.blocks.sliding_window = window_of(llm) if released else None
     done, most, step = {}, 0, 0
     pending = sorted(requests, key=lambda r: r[2])
@@ -54,8 +55,13 @@ def run(llm, requests, released: bool, on_step=None):
         if on_step is not None:
             pending += on_step(step)
     assert eng.blocks.num_free_pages(0) == llm.plan.num_pages - 1  # every page came back
-    eng.blocks.sliding_window = None
+    eng.blocks.sliding_window = served
     return done, most
+
+
+def test_the_engine_releases_pages_of_an_all_windowed_model(mistral):
+    llm, _ = mistral
+    assert llm.engine.blocks.sliding_window == window_of(llm)  # on as served, not only in these tests
 
 
 def test_long_generation_holds_a_bounded_number_of_pages(mistral):
