@@ -38,6 +38,7 @@ class RowSampling:
     prompt_ids: Sequence[int] = ()  # only read when a penalty is set
     output_ids: Sequence[int] = ()  # tokens generated before this step; only read when a penalty is set
     logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit (at most MAX_LOGIT_BIAS)
+    logprobs: int = 0  # top logprobs the row returns (0: its token's only); a step computes them if a row asks
 
     @property
     def uses_penalties(self) -> bool:
@@ -60,6 +61,7 @@ class RowSampling:
             prompt_ids=prompt_ids,
             output_ids=output_ids,
             logit_bias=getattr(params, "logit_bias", None),
+            logprobs=getattr(params, "logprobs", None) or 0,
         )
 
 
@@ -83,6 +85,7 @@ class SamplingTensors:
     prompt_len: jax.Array  # i32[B]  how many leading history entries are prompt (not output) tokens
     bias_ids: jax.Array  # i32[B, MAX_LOGIT_BIAS]  logit_bias token ids, -1 padding
     bias_values: jax.Array  # f32[B, MAX_LOGIT_BIAS]  what each adds to its logit, 0 padding
+    num_top_logprobs: jax.Array  # i32[B]  top logprobs the row returns; 0 in every row: the top-k is skipped
 
     @classmethod
     def pack(cls, rows: Sequence[RowSampling | None], batch: int | tuple[int, ...],
@@ -110,6 +113,7 @@ class SamplingTensors:
             "prompt_len": np.zeros(n, np.int32),
             "bias_ids": np.full((n, MAX_LOGIT_BIAS), -1, np.int32),
             "bias_values": np.zeros((n, MAX_LOGIT_BIAS), np.float32),
+            "num_top_logprobs": np.zeros(n, np.int32),
         }
         for i, row in enumerate(rows):
             if row is None:
@@ -118,6 +122,7 @@ class SamplingTensors:
                          "frequency_penalty", "seed", "step"):
                 st[name][i] = getattr(row, name)
             st["top_k"][i] = max(row.top_k, 0)  # -1 means no limit too
+            st["num_top_logprobs"][i] = row.logprobs
             if row.uses_penalties:
                 length = len(row.prompt_ids) + len(row.output_ids)
                 if length > history_len:
@@ -142,7 +147,7 @@ class SamplingTensors:
             temperature=s(f32), top_k=s(i32), top_p=s(f32), min_p=s(f32), repetition_penalty=s(f32),
             presence_penalty=s(f32), frequency_penalty=s(f32), seed=s(jnp.uint32), step=s(i32),
             history=s(i32, (history_len,)), prompt_len=s(i32),
-            bias_ids=s(i32, (MAX_LOGIT_BIAS,)), bias_values=s(f32, (MAX_LOGIT_BIAS,)),
+            bias_ids=s(i32, (MAX_LOGIT_BIAS,)), bias_values=s(f32, (MAX_LOGIT_BIAS,)), num_top_logprobs=s(i32),
         )
 
     def advanced(self, tokens: jax.Array) -> SamplingTensors:
@@ -247,7 +252,8 @@ def _draw(logits: jax.Array, st: SamplingTensors, sampled: jax.Array) -> jax.Arr
 
 
 def sample(logits: jax.Array, st: SamplingTensors, *, want_logprobs: int = 0) -> SampleOutput:
-    """Sample one token per row of logits f32[*B, V]; `want_logprobs` (static) is the top-N to return.
+    """Sample one token per row of logits f32[*B, V]; `want_logprobs` (static) is the top-N to return
+    (computed when a row's `num_top_logprobs` is above 0, else zeros).
 
     Order as vLLM: logit_bias -> penalties -> temperature -> top-k/top-p/min-p -> sample (greedy rows
     take the argmax of the biased, penalised logits). Logprobs are of the raw model distribution,
@@ -271,8 +277,16 @@ def sample(logits: jax.Array, st: SamplingTensors, *, want_logprobs: int = 0) ->
     lse = jax.nn.logsumexp(raw, axis=-1)
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - lse
     if want_logprobs:
-        top_vals, top_ids = jax.lax.top_k(raw, want_logprobs)
-        top_logprobs = top_vals - lse[:, None]
+        # A vocabulary-wide top-k, under a cond: only steps in which some row asks for top logprobs
+        # pay for it (the others return zeros, which no caller reads).
+        def top():
+            values, ids = jax.lax.top_k(raw, want_logprobs)
+            return values - lse[:, None], ids
+
+        def none():
+            return jnp.zeros((raw.shape[0], want_logprobs), jnp.float32), jnp.zeros((raw.shape[0], want_logprobs), jnp.int32)
+
+        top_logprobs, top_ids = jax.lax.cond(jnp.any(st.num_top_logprobs > 0), top, none)
     else:
         top_ids = jnp.zeros((raw.shape[0], 0), jnp.int32)
         top_logprobs = jnp.zeros((raw.shape[0], 0), jnp.float32)

@@ -233,7 +233,8 @@ def dataclass_replace(row, **changes):
 def test_logprobs_of_chosen_and_top_n(n):
     rng = np.random.default_rng(6)
     logits = (rng.normal(size=(64, V)) * 4).astype(np.float32)
-    rows = [RowSampling(temperature=float(t), top_k=10, seed=3, step=i, repetition_penalty=1.2, prompt_ids=[5])
+    rows = [RowSampling(temperature=float(t), top_k=10, seed=3, step=i, repetition_penalty=1.2, prompt_ids=[5],
+                        logprobs=n if i == 5 else 0)  # one row asking computes the top-N of every row
             for i, t in enumerate(np.linspace(0, 2, 64))]
     out = run(logits, rows, want_logprobs=n)
     ref = log_softmax(logits)
@@ -243,6 +244,14 @@ def test_logprobs_of_chosen_and_top_n(n):
     np.testing.assert_allclose(out.top_logprobs, -np.sort(-ref, axis=-1)[:, :n], atol=1e-5)
     np.testing.assert_allclose(np.take_along_axis(ref, out.top_ids, -1), out.top_logprobs, atol=1e-5)
     assert (np.diff(out.top_logprobs, axis=-1) <= 0).all()
+
+
+def test_top_logprobs_are_skipped_when_no_row_asks():
+    rng = np.random.default_rng(7)
+    logits = (rng.normal(size=(8, V)) * 4).astype(np.float32)
+    out = run(logits, [RowSampling(seed=i) for i in range(8)], want_logprobs=MAX_LOGPROBS)
+    assert out.top_ids.shape == (8, MAX_LOGPROBS) and not out.top_logprobs.any()  # zeros: nobody reads them
+    np.testing.assert_allclose(out.logprobs, log_softmax(logits)[np.arange(8), out.tokens], atol=1e-5)
 
 
 # ---- packing -------------------------------------------------------------------------------------
