@@ -9,6 +9,7 @@ from jaxserve.structured.bitmask import allocate_bitmask, allowed_tokens, bitmas
 from jaxserve.structured.compiler import CacheInfo, CompiledGrammar, GrammarCompiler, ll_grammar
 from jaxserve.structured.errors import GrammarError
 from jaxserve.structured.matcher import GrammarMatcher, fill_bitmasks
+from jaxserve.structured.reasoning import ReasoningGatedMatcher
 from jaxserve.structured.request_fields import spec_from_request
 from jaxserve.structured.spec import KINDS, StructuredSpec
 from jaxserve.structured.tokenizer_bridge import ll_tokenizer
@@ -20,6 +21,7 @@ __all__ = [
     "GrammarCompiler",
     "GrammarError",
     "GrammarMatcher",
+    "ReasoningGatedMatcher",
     "StructuredSpec",
     "allocate_bitmask",
     "allowed_tokens",

@@ -23,6 +23,7 @@ import llguidance
 
 from jaxserve.structured.errors import GrammarError
 from jaxserve.structured.matcher import GrammarMatcher
+from jaxserve.structured.reasoning import ReasoningGate, ReasoningGatedMatcher, build_gate
 from jaxserve.structured.spec import StructuredSpec
 from jaxserve.structured.tokenizer_bridge import ll_tokenizer
 from jaxserve.tokenizer import Tokenizer
@@ -41,10 +42,13 @@ class CompiledGrammar:
     warnings: tuple[str, ...]
     _tokenizer: llguidance.LLTokenizer = dataclasses.field(repr=False)
     _template: llguidance.LLMatcher = dataclasses.field(repr=False)
+    gate: ReasoningGate | None = dataclasses.field(default=None, repr=False)  # spec.reasoning_end's tables
 
-    def matcher(self) -> GrammarMatcher:
-        """A fresh matcher at the start of the output (a copy of the compiled one: microseconds)."""
-        return GrammarMatcher(self, self._template.deep_copy())
+    def matcher(self) -> GrammarMatcher | ReasoningGatedMatcher:
+        """A fresh matcher at the start of the output (a copy of the compiled one: microseconds);
+        reasoning-gated when the spec has a `reasoning_end`."""
+        inner = GrammarMatcher(self, self._template.deep_copy())
+        return inner if self.gate is None else ReasoningGatedMatcher(self, self.gate, inner)
 
     def new_ll_matcher(self) -> llguidance.LLMatcher:
         return self._template.deep_copy()
@@ -113,6 +117,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._hits = self._misses = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="jaxserve-grammar")
+        self._gates: dict[str, ReasoningGate] = {}  # per reasoning_end marker
 
     def submit(self, spec: StructuredSpec) -> "concurrent.futures.Future[CompiledGrammar]":
         with self._lock:
@@ -166,7 +171,17 @@ class GrammarCompiler:
             warnings=tuple(template.get_grammar_warnings()),
             _tokenizer=self.ll_tokenizer,
             _template=template,
+            gate=None if spec.reasoning_end is None else self._gate(spec.reasoning_end),
         )
+
+    def _gate(self, marker: str) -> ReasoningGate:
+        with self._lock:
+            gate = self._gates.get(marker)
+        if gate is None:
+            gate = build_gate(self.ll_tokenizer, self.vocab_size, self.eos_token_ids, marker)
+            with self._lock:
+                gate = self._gates.setdefault(marker, gate)
+        return gate
 
     def _forget_if_broken(self, spec: StructuredSpec, fut: concurrent.futures.Future) -> None:
         # Only the spec's own fault is worth remembering; anything else (cancelled at close, a bug)

@@ -124,6 +124,11 @@ class GrammarMatcher:
         """An independent matcher in the same state (a fork for n > 1 or beam-like branching)."""
         return GrammarMatcher(self.compiled, self._m.deep_copy(), self._num_tokens)
 
+    def ll_matcher(self) -> llguidance.LLMatcher | None:
+        """The llguidance matcher `fill_bitmasks` computes this row's mask with (None: the matcher
+        fills its row itself, e.g. a reasoning-gated one before its marker)."""
+        return self._m
+
     def __repr__(self) -> str:
         state = "error" if self.is_error else "finished" if self.is_finished else "running"
         return f"GrammarMatcher({self.compiled.spec.kind}, tokens={self._num_tokens}, {state})"
@@ -149,13 +154,18 @@ def fill_bitmasks(
             raise ValueError(f"a matcher's mask has {m.bitmask_words} words; out has {w}")
         if not 0 <= i < out.shape[0]:
             raise ValueError(f"row {i} is outside out's {out.shape[0]} rows")
-    if executor is None:
-        for m, i in rows:
-            m.fill_bitmask(out[i])
-        return
-    executor.unsafe_compute_mask_ptr([(m._m, i) for m, i in rows], out.ctypes.data, w * 4, out.shape[0])
+    computed = []
     for m, i in rows:
-        if m._m.is_error():
+        ll = m.ll_matcher()
+        if ll is None or executor is None:
+            m.fill_bitmask(out[i])
+        else:
+            computed.append((m, ll, i))
+    if not computed:
+        return
+    executor.unsafe_compute_mask_ptr([(ll, i) for _, ll, i in computed], out.ctypes.data, w * 4, out.shape[0])
+    for m, ll, i in computed:
+        if ll.is_error():
             set_only(out[i], m.compiled.eos_token_ids)
 
 

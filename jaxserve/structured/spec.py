@@ -33,12 +33,17 @@ class StructuredSpec:
     text: str
     strict: bool = True
     compact_json: bool = True
+    # The grammar applies after this text (a reasoning model's end of thinking, e.g. "</think>");
+    # before it every token but EOS is allowed (structured/reasoning.py). None: from the first token.
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise GrammarError(f"unknown structured-output kind {self.kind!r} (expected one of {', '.join(KINDS)})")
         if not isinstance(self.text, str):
             raise GrammarError(f"{self.kind}: the spec text must be a string, got {type(self.text).__name__}")
+        if self.reasoning_end is not None and (not isinstance(self.reasoning_end, str) or not self.reasoning_end):
+            raise GrammarError("reasoning_end must be a non-empty string")
 
     @property
     def is_json(self) -> bool:
@@ -103,6 +108,10 @@ class StructuredSpec:
         if not text.strip():
             raise GrammarError("grammar: the grammar is empty")
         return cls("grammar", text)
+
+    def after_reasoning(self, marker: str | None) -> "StructuredSpec":
+        """The same constraint, applied only once the output contains `marker` (None: from the start)."""
+        return dataclasses.replace(self, reasoning_end=marker)
 
     def choices(self) -> list[str]:
         assert self.kind == "choice"
