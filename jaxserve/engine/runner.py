@@ -93,8 +93,8 @@ def _generate_step(params, cache, carried, sparse, batch, sampling, mask, cfg, o
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
     # Grammar masks first, so every sampler transform (and the logprobs) sees only allowed tokens.
     logits = mask_logits(logits, mask)
-    # Top logprobs are always computed: one top-k over the vocabulary is cheap beside the step, and a
-    # second compiled variant per bucket would double start-up time.
+    # Top logprobs under a cond inside `sample` (only steps where a row asks pay for the top-k): one
+    # executable, where a second compiled variant per bucket would double start-up time.
     out = sample(logits, sampling, want_logprobs=MAX_LOGPROBS)
     if out_sharding is not None:  # multi-host: every process reads its own full copy of the samples
         out = jax.lax.with_sharding_constraint(out, out_sharding)
