@@ -75,6 +75,12 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
                    help="the format the model writes tool calls in, read back into tool_calls when tool_choice is "
                         "auto: hermes (<tool_call>{json}</tool_call>; the shipped model's template) or llama3_json "
                         "(Llama 3.1's {\"name\", \"parameters\"})")
+    from jaxserve.server.reasoning_parsers import REASONING_PARSERS
+
+    g.add_argument("--reasoning-parser", default=None, choices=tuple(REASONING_PARSERS),
+                   help="chat: split a reasoning model's <think>...</think> from its answer (message.reasoning_content "
+                        "apart from content); a constrained request's grammar then applies after </think>. "
+                        "Default: none (the whole output is content)")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     m = parser.add_argument_group("mock engine (tests, HTTP-layer fuzzing)")
@@ -225,6 +231,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serv
         chat_renderer=chat_renderer,
         generation_defaults=generation_defaults,
         tool_call_parser=ns.tool_call_parser,
+        reasoning_parser=ns.reasoning_parser,
     )
     app = create_app(options)
     state = app.state.jaxserve

@@ -265,6 +265,7 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
                                  "content_parts": ["text"]},
             "tool_choice": ["none", "auto", "required", "function"],
             "tool_call_parser": options.tool_call_parser,
+            "reasoning_parser": options.reasoning_parser,
             "response_format": ["text", "json_object", "json_schema"],
             "structured_outputs": ["json", "regex", "choice", "grammar", "json_object"],
             "stream_options": ["include_usage"],

@@ -17,6 +17,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.chat import ChatTemplateError
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from jaxserve.server.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from jaxserve.server.tools import ToolPlan, normalize_tools, plan_tools, template_messages
 from jaxserve.structured.errors import GrammarError
 from jaxserve.structured.request_fields import spec_from_request
@@ -49,6 +50,8 @@ class GenerationRequest:
     drop_generated: bool = False  # completions with max_tokens 0: echo only, the one generated token dropped
     n_logprobs: int | None = None  # top-N logprobs per output token in the response, None: none asked
     tools: ToolPlan | None = None  # chat with tools: what parses the output into tool_calls
+    reasoning: ReasoningParser | None = None  # chat under --reasoning-parser: splits reasoning from content
+    reasoning_open: bool = True  # the output starts in reasoning (False: the prompt closed the think block)
 
 
 def translate(state: ServerState, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> GenerationRequest:
@@ -63,6 +66,8 @@ def translate(state: ServerState, body: CompletionRequest | ChatCompletionReques
     drop_generated = False
     n_logprobs: int | None = None
     tools: ToolPlan | None = None
+    reasoning: ReasoningParser | None = None
+    reasoning_open = True
 
     if chat:
         tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.options.tool_call_parser)
@@ -78,6 +83,11 @@ def translate(state: ServerState, body: CompletionRequest | ChatCompletionReques
             raise APIError(400, "this model has no tokenizer, so chat is not available: use /v1/completions with "
                                 "token ids", param="messages", code="no_tokenizer")
         prompts = [Prompt(text, list(tok.encode(text, add_special_tokens=False)))]
+        if state.options.reasoning_parser is not None:
+            reasoning = get_reasoning_parser(state.options.reasoning_parser)
+            reasoning_open = not reasoning.reasoning_in_prompt_closed(text)
+            if reasoning_open and values.get("structured") is not None:  # the grammar applies to the answer
+                values["structured"] = values["structured"].after_reasoning(reasoning.end)
         max_tokens = body.max_tokens or body.max_completion_tokens
         if max_tokens is None:  # as vLLM: the model's max_new_tokens, at most what is left of the context
             left = max(1, max_len - len(prompts[0].token_ids)) if max_len is not None else None
@@ -103,7 +113,8 @@ def translate(state: ServerState, body: CompletionRequest | ChatCompletionReques
                 values["prompt_logprobs"] = max(body.logprobs, values.get("prompt_logprobs") or 0)
 
     _check_lengths(prompts, values["max_tokens"], drop_generated, max_len, chat)
-    return GenerationRequest(chat, prompts, _sampling_params(values), echo, drop_generated, n_logprobs, tools)
+    return GenerationRequest(chat, prompts, _sampling_params(values), echo, drop_generated, n_logprobs, tools,
+                             reasoning, reasoning_open)
 
 
 def render_chat(state: ServerState, body: ChatCompletionRequest | TokenizeRequest,

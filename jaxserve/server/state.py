@@ -35,6 +35,8 @@ class ServerOptions:
     generation_defaults: GenerationDefaults | None = None
     # tool_choice "auto": the format the model writes its calls in (tool_parsers.PARSERS; --tool-call-parser)
     tool_call_parser: str = "hermes"
+    # chat: the reasoning format (reasoning_parsers.REASONING_PARSERS; --reasoning-parser); None: all content
+    reasoning_parser: str | None = None
 
 
 class ServerState:

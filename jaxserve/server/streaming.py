@@ -22,6 +22,7 @@ from jaxserve.sampling_params import CompletionOutput, RequestOutput, SamplingPa
 from jaxserve.server.errors import APIError, dumps, engine_error, error_body
 from jaxserve.server.logprobs import LogprobFormatter
 from jaxserve.server.requests import GenerationRequest
+from jaxserve.server.reasoning_parsers import ReasoningStream
 from jaxserve.server.tool_parsers import ToolCallStream, get_parser
 
 if TYPE_CHECKING:
@@ -84,6 +85,8 @@ async def respond(state: ServerState, request: Request, body: CompletionRequest 
                 choice = Choice(sub.base_choice + k, sub, echo_text, job.drop_generated)
                 if job.tools is not None and job.tools.parser is not None:
                     choice.tools = ToolCallStream(get_parser(job.tools.parser), parallel=job.tools.parallel)
+                if job.reasoning is not None:
+                    choice.reasoning = ReasoningStream(job.reasoning, job.reasoning_open)
                 choices[sub.base_choice + k] = choice
     except BaseException:
         fan.close()  # the engine's requests are running: abort them rather than leave them orphaned
@@ -240,6 +243,7 @@ class Choice:
         self.prompt_lps_sent = False
         self.offset = len(echo_text)
         self.tools: ToolCallStream | None = None  # chat with tools: the output is parsed into tool calls
+        self.reasoning: ReasoningStream | None = None  # --reasoning-parser: reasoning apart from content
 
     def update(self, o: CompletionOutput) -> tuple[str, list[int], list, bool]:
         """Take a cumulative CompletionOutput; return (new text, new ids, new logprob entries, just finished)."""
@@ -339,9 +343,14 @@ class ResponseAssembler:
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": c.text}
                 reason = c.finish_reason
+                text = c.text
+                if c.reasoning is not None:  # the reasoning apart; tools and the content read what follows it
+                    reasoning, text = c.reasoning.split(c.text, final=True)
+                    message["reasoning_content"] = reasoning or None
+                    message["content"] = text or None
                 if c.tools is not None:
-                    content, calls = c.tools.result(c.text)
-                    message["content"] = content if (content is not None or calls) else ""
+                    content, calls = c.tools.result(text)
+                    message["content"] = content if (content is not None or calls or c.reasoning) else ""
                     if calls:
                         message["tool_calls"] = calls
                         reason = "tool_calls" if reason == "stop" else reason
@@ -372,8 +381,8 @@ class ResponseAssembler:
             async for i, out in fan.events():
                 per_choice = []  # a choice's pieces go in successive chunks (a tool call's header, then its arguments)
                 for choice, delta, new_ids, new_lps, just_finished in self._observe(i, out):
-                    if choice.tools is not None:
-                        per_choice.append(self._tool_pieces(choice, new_ids, new_lps, just_finished))
+                    if choice.tools is not None or choice.reasoning is not None:
+                        per_choice.append(self._parsed_pieces(choice, new_ids, new_lps, just_finished))
                     else:
                         piece = self._stream_piece(choice, delta, new_ids, new_lps, just_finished)
                         per_choice.append([piece] if piece is not None else [])
@@ -391,9 +400,20 @@ class ResponseAssembler:
         finally:
             fan.close()
 
-    def _tool_pieces(self, c: Choice, new_ids: list[int], new_lps: list, finished: bool) -> list[dict]:
-        """A chat choice with tools: its content and tool-call deltas since the last chunk, one piece each."""
-        deltas = c.tools.update(c.text, final=finished)
+    def _parsed_pieces(self, c: Choice, new_ids: list[int], new_lps: list, finished: bool) -> list[dict]:
+        """A chat choice with tools or a reasoning parser: its reasoning, content and tool-call deltas
+        since the last chunk, one piece each."""
+        deltas: list[dict] = []
+        text = c.text
+        if c.reasoning is not None:
+            new_reasoning, new_content = c.reasoning.update(c.text, final=finished)
+            if new_reasoning:
+                deltas.append({"reasoning_content": new_reasoning})
+            text = c.reasoning.split(c.text, final=finished)[1]
+            if c.tools is None and new_content:
+                deltas.append({"content": new_content})
+        if c.tools is not None:
+            deltas += c.tools.update(text, final=finished)
         lps = None
         if self.n_logprobs is not None and new_ids:
             lps = {"content": self.fmt.chat_logprobs(new_ids, new_lps, self.n_logprobs)}
@@ -404,7 +424,7 @@ class ResponseAssembler:
             pieces[0]["logprobs"] = lps
         if finished:
             reason = c.finish_reason
-            pieces[-1]["finish_reason"] = "tool_calls" if (reason == "stop" and c.tools.called) else reason
+            pieces[-1]["finish_reason"] = "tool_calls" if (reason == "stop" and c.tools and c.tools.called) else reason
         return pieces
 
     def _stream_piece(self, c: Choice, delta: str, new_ids: list[int], new_lps: list, finished: bool) -> dict | None:

@@ -98,3 +98,12 @@ def test_engine_failure_exits_1(argv, tmp_path):
                           text=True, timeout=120, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "does not exist" in proc.stderr
+
+
+def test_reasoning_parser_flag():
+    parser = serve.build_parser()
+    assert parser.parse_args([]).reasoning_parser is None
+    assert parser.parse_args(["--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
+    assert parser.parse_args(["--reasoning-parser", "deepseek_r1"]).reasoning_parser == "deepseek_r1"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--reasoning-parser", "nope"])
