@@ -109,3 +109,63 @@ def test_grammars_compile_before_intake_never_on_the_step_thread(client, monkeyp
     r = complete(client, guided_regex=r"[a-c]{1,4}x", temperature=0)  # a spec no other test sends
     assert r.status_code == 200 and re.fullmatch(r"[a-c]{1,4}x", r.json()["choices"][0]["text"])
     assert calls == [] and compiler.cache_info().misses == misses + 1  # compiled once, by submit
+
+
+# ---- under --reasoning-parser: the grammar applies after </think> ---------------------------------
+
+def _reasoning_on(client, monkeypatch):
+    monkeypatch.setattr(client.app.state.jaxserve.options, "reasoning_parser", "qwen3")
+
+
+def test_reasoning_parser_closed_think_block_content_parses(client, monkeypatch):
+    """The prompt closed the think block (Qwen3's enable_thinking=False): the grammar applies at once."""
+    _reasoning_on(client, monkeypatch)
+    rf = {"type": "json_schema", "json_schema": {"name": "rating", "schema": SCHEMA, "strict": True}}
+    messages = MESSAGES + [{"role": "assistant", "content": "<think>\n\n</think>\n\n"}]
+    r = chat(client, messages=messages, continue_final_message=True, add_generation_prompt=False, response_format=rf,
+             temperature=1.0, seed=2)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert choice["message"]["reasoning_content"] is None
+    doc = json.loads(choice["message"]["content"])
+    assert set(doc) == {"answer", "score"} and 1 <= doc["score"] <= 5
+
+
+def test_reasoning_parser_open_reasoning_is_not_constrained(client, monkeypatch):
+    """The default model never writes </think>: its reasoning is what it writes free (no EOS), never JSON,
+    and a reply cut inside the reasoning is finish_reason length with no content."""
+    _reasoning_on(client, monkeypatch)
+    free = chat(client, temperature=0, max_tokens=16).json()["choices"][0]["message"]["reasoning_content"]
+    r = chat(client, temperature=0, max_tokens=16, response_format={"type": "json_object"})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    assert choice["message"]["reasoning_content"].startswith(free) and not free.startswith("{")
+
+
+def test_gated_grammar_on_the_engine_after_the_models_own_marker(client):
+    """The engine with a gated spec whose marker the model writes itself (its greedy output's first
+    tokens): free text through the marker, then JSON that parses."""
+    import asyncio
+
+    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.structured import StructuredSpec
+
+    engine = client.app.state.jaxserve.engine
+    prompt = engine.tokenizer.encode("The weather today is")
+
+    async def run(params):
+        out = None
+        async for out in engine.generate(None, None, params, list(prompt)):
+            pass
+        return out.outputs[0]
+
+    free = asyncio.run(run(SamplingParams(temperature=0, max_tokens=4)))
+    marker = engine.tokenizer.decode(free.token_ids[:3])
+    assert marker.strip()
+    spec = StructuredSpec.json_schema(SCHEMA).after_reasoning(marker)
+    out = asyncio.run(run(SamplingParams(temperature=0, max_tokens=80, structured=spec)))  # the same first tokens
+    assert out.finish_reason == "stop", out
+    head, _, answer = out.text.partition(marker)
+    assert not head.strip() and out.token_ids[:3] == free.token_ids[:3]
+    doc = json.loads(answer)
+    assert set(doc) == {"answer", "score"}
