@@ -61,7 +61,7 @@ def test_truncated_weights(hf_model_dir, tmp_path):
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "not supported"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}}, "yarn"),
+        ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0}}, "longrope"),
     ],
 )
 def test_unsupported_model(hf_model_dir, tmp_path, change, message):
