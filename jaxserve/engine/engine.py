@@ -337,9 +337,10 @@ class LLMEngine:
         self._check_open()
         start = time.perf_counter()
         outputs = []
-        if self._in_flight is not None and self._in_flight.constrained:
-            # Rows under a grammar: their next masks need these tokens, so this step is processed
-            # first (the next one is dispatched after it: no overlap while such rows run).
+        if self._in_flight is not None and (self._in_flight.constrained or not self.async_scheduling):
+            # Rows under a grammar: their next masks need these tokens, so that step is processed
+            # first (the next one is dispatched after it: no overlap while such rows run). So is a
+            # step left in flight when async scheduling was switched off.
             outputs = self.flush()
         plan = self.scheduler.schedule()
         self._copy_forked_pages(plan)
@@ -348,17 +349,17 @@ class LLMEngine:
         if plan.rows and plan.kind == "decode" and any(r.num_lookahead for r in plan.rows):
             # Speculative and multi-step engines run serially: nothing is ever in flight here.
             if self.spec is not None:
-                return self._speculative_step(plan, start)
-            return self._multi_step(plan, start)
+                return outputs + self._speculative_step(plan, start)
+            return outputs + self._multi_step(plan, start)
         launched = self._launch(plan) if plan.rows else None
         if not self.async_scheduling:
-            return self._process(launched, start) if launched is not None else []
+            return outputs + (self._process(launched, start) if launched is not None else [])
         previous, self._in_flight = self._in_flight, launched
         return outputs + (self._process(previous, start) if previous is not None else [])
 
     def flush(self) -> list[RequestOutput]:
         """Process the step in flight now (async scheduling), so that every sampled token is on the
-        host; returns the requests it advanced. Needed before `async_scheduling` is switched."""
+        host; returns the requests it advanced."""
         self._check_open()
         previous, self._in_flight = self._in_flight, None
         return self._process(previous, time.perf_counter()) if previous is not None else []

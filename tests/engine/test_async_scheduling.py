@@ -146,3 +146,24 @@ def test_aborts_while_a_step_is_in_flight_lose_no_page():
             engine.step()
         assert blocks.num_free_pages(0) == blocks.num_usable_pages
         blocks.check_invariants()
+
+
+def test_switching_async_scheduling_off_mid_run_loses_nothing():
+    """A step left in flight when the setting is switched off is processed by the next step."""
+    with LLM("checkpoints/default", **SETTINGS) as llm:
+        engine = llm.engine
+        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        engine.add_request("a", None, params, list(range(5, 25)))
+        outputs = []
+        for _ in range(3):
+            outputs += engine.step()
+        assert engine._in_flight is not None
+        engine.async_scheduling = False
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        assert engine._in_flight is None
+        final = [o for o in outputs if o.finished]
+        assert len(final) == 1 and len(final[0].outputs[0].token_ids) == 10
+        engine.async_scheduling = True
+        assert llm.generate(prompt_token_ids=[list(range(5, 25))], sampling_params=params)[0].outputs[0].token_ids \
+            == final[0].outputs[0].token_ids
