@@ -117,3 +117,19 @@ def test_bfloat16_top1_agreement_with_hf(hf_model_dir):
     print(f"bf16: {decisive}/{total} decisive positions, top-1 agreement {agree}/{decisive}")
     assert decisive >= 0.5 * total
     assert agree / decisive >= 0.99, f"top-1 agreement {agree}/{decisive}"
+
+
+def test_qwen2_sliding_window_through_the_engine_with_preemption(hf_model_dir):
+    """Qwen2 with use_sliding_window (a global and a windowed layer): greedy tokens through the engine
+    equal HF's with the pool too small for the batch (one sequence preempted and recomputed) and the
+    prefix cache serving two later prompts; its pages stay held (mixed layers: no window release)."""
+    from jaxserve import LLM
+
+    from model_checks import check_greedy_through_engine
+
+    path, model = hf_model_dir("qwen2_window")
+    with LLM(path, dtype="float32", page_size=PAGE, num_pages=9, max_model_len=64, max_num_seqs=4,
+             max_num_batched_tokens=32, warm_up=False) as llm:
+        assert llm.model_config.num_sliding_layers == 1 and llm.blocks.sliding_window is None
+        check_greedy_through_engine(llm, model, llm.model_config.vocab_size, "qwen2_window", PAGE,
+                                    (2 * PAGE + 3, PAGE + 4, 5), expect_preemption=True)
