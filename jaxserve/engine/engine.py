@@ -577,6 +577,9 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._lock = threading.Lock()  # held by the step thread for a step and its intake; by stats()/shutdown()
+        # Set while a stats() caller waits for the lock: the step thread, which would take it straight
+        # back after each step, gives it up for a moment (Python's lock is not fair).
+        self._stats_waiting = threading.Event()
         self._intake: collections.deque = collections.deque()  # ("add", id, ids, params, grammar) | ("abort", id)
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -655,6 +658,8 @@ class AsyncLLMEngine:
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)
+            if self._stats_waiting.is_set():
+                time.sleep(0.0005)  # let the stats() caller blocked on the lock take it
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
@@ -708,5 +713,7 @@ class AsyncLLMEngine:
         self._wake.set()
 
     def stats(self) -> dict:
+        self._stats_waiting.set()
         with self._lock:
+            self._stats_waiting.clear()
             return self.engine.stats()
