@@ -14,7 +14,29 @@ import time
 from pathlib import Path
 import httpx
 
+from jaxserve.testing.mock_engine import EOS_ID, MockAsyncLLMEngine
+
 REPO = Path(__file__).resolve().parents[2]
+
+
+class ScriptedEngine(MockAsyncLLMEngine):
+    """The mock engine answering every request with `reply` (then EOS); records each prompt's text
+    (canned model outputs for the tool-call and reasoning parser tests)."""
+
+    reply = ""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prompts: list[str] = []
+
+    async def generate(self, request_id, prompt=None, sampling_params=None, prompt_token_ids=None):
+        self.prompts.append(self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False))
+        async for out in super().generate(request_id, prompt, sampling_params, prompt_token_ids):
+            yield out
+
+    def _token(self, req, sibling, k):
+        ids = self.tokenizer.encode(self.reply)
+        return ids[k] if k < len(ids) else EOS_ID
 
 
 @contextlib.contextmanager

@@ -10,31 +10,13 @@ import pytest
 
 from jaxserve import resources
 from jaxserve.server.chat import ChatRenderer
-from jaxserve.testing.mock_engine import EOS_ID, MockAsyncLLMEngine, MockTokenizer, mock_settings
+from jaxserve.testing.mock_engine import MockTokenizer, mock_settings
+from server_testlib import ScriptedEngine
 
 TEMPLATE = (resources.default_checkpoint() / "chat_template.jinja").read_text()
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-
-
-class ScriptedEngine(MockAsyncLLMEngine):
-    """The mock engine answering every request with `reply` (then EOS); records each prompt's text."""
-
-    reply = ""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.prompts: list[str] = []
-
-    async def generate(self, request_id, prompt=None, sampling_params=None, prompt_token_ids=None):
-        self.prompts.append(self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False))
-        async for out in super().generate(request_id, prompt, sampling_params, prompt_token_ids):
-            yield out
-
-    def _token(self, req, sibling, k):
-        ids = self.tokenizer.encode(self.reply)
-        return ids[k] if k < len(ids) else EOS_ID
 
 
 @pytest.fixture

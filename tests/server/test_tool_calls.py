@@ -10,8 +10,8 @@ import pytest
 
 from jaxserve import resources
 from jaxserve.server.chat import ChatRenderer
-from jaxserve.testing.mock_engine import EOS_ID, MockAsyncLLMEngine, MockTokenizer, mock_settings
-from server_testlib import default_model_client
+from jaxserve.testing.mock_engine import MockTokenizer, mock_settings
+from server_testlib import ScriptedEngine, default_model_client
 
 TEMPLATE = (resources.default_checkpoint() / "chat_template.jinja").read_text()
 WEATHER = {"type": "function", "function": {
@@ -26,25 +26,6 @@ TIME = {"type": "function", "function": {
         "offset": {"type": "integer", "minimum": -12, "maximum": 12}},
         "required": ["zone"], "additionalProperties": False}}}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-class ScriptedEngine(MockAsyncLLMEngine):
-    """The mock engine, answering every request with `reply` (then EOS); records each prompt's text."""
-
-    reply = ""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.prompts: list[str] = []
-
-    async def generate(self, request_id, prompt=None, sampling_params=None, prompt_token_ids=None):
-        self.prompts.append(self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False))
-        async for out in super().generate(request_id, prompt, sampling_params, prompt_token_ids):
-            yield out
-
-    def _token(self, req, sibling, k):
-        ids = self.tokenizer.encode(self.reply)
-        return ids[k] if k < len(ids) else EOS_ID
 
 
 @pytest.fixture
