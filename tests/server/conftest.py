@@ -22,11 +22,15 @@ def make_client():
 
     made = []
 
-    def make(token_delay: float = 0.001, settings: dict | None = None, tokenizer=None, **options):
-        engine = MockAsyncLLMEngine(mock_settings(**(settings or {})), token_delay=token_delay, tokenizer=tokenizer)
+    def make(token_delay: float = 0.001, settings: dict | None = None, tokenizer=None, engine_cls=MockAsyncLLMEngine,
+             **options):
+        """`engine_cls`: the mock engine's class (a subclass scripting its replies); the client's
+        `mock_engine` is the engine behind it."""
+        engine = engine_cls(mock_settings(**(settings or {})), token_delay=token_delay, tokenizer=tokenizer)
         engine.start()
         opts = ServerOptions(served_model_names=("mock",), **options)
         client = TestClient(create_app(opts, engine), raise_server_exceptions=False)
+        client.mock_engine = engine
         made.append((client, engine))
         return client
 

@@ -175,6 +175,11 @@ def sse_events(lines) -> list:
     return events
 
 
+def sse_chunks(response) -> list[dict]:
+    """The JSON chunks of a finished streamed response (without '[DONE]')."""
+    return [e for e in sse_events(response.text.splitlines()) if e != "[DONE]"]
+
+
 # ---- in-process app over the mock engine ---------------------------------------------------------
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from jaxserve import resources
 from jaxserve.server.chat import ChatRenderer
-from jaxserve.testing.mock_engine import MockTokenizer, mock_settings
-from server_testlib import ScriptedEngine
+from jaxserve.testing.mock_engine import MockTokenizer
+from server_testlib import ScriptedEngine, sse_chunks
 
 TEMPLATE = (resources.default_checkpoint() / "chat_template.jinja").read_text()
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -20,27 +20,14 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 
 @pytest.fixture
-def scripted():
-    from starlette.testclient import TestClient
-
-    from jaxserve.server.api import ServerOptions, create_app
-
-    engine = ScriptedEngine(mock_settings(max_model_len=4096, num_pages=2048), token_delay=0.0002)
-    engine.start()
-    renderer = ChatRenderer(MockTokenizer(), template=TEMPLATE)
-    options = ServerOptions(served_model_names=("mock",), chat_renderer=renderer, reasoning_parser="qwen3")
-    client = TestClient(create_app(options, engine), raise_server_exceptions=False)
-    yield client, engine
-    client.close()
-    engine.shutdown()
+def scripted(make_client):
+    client = make_client(token_delay=0.0002, settings=dict(max_model_len=4096, num_pages=2048), engine_cls=ScriptedEngine,
+                         chat_renderer=ChatRenderer(MockTokenizer(), template=TEMPLATE), reasoning_parser="qwen3")
+    return client, client.mock_engine
 
 
 def post(client, **body):
     return client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 300, **body})
-
-
-def sse(r) -> list[dict]:
-    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
 
 
 def fold(chunks):
@@ -68,7 +55,7 @@ def test_reasoning_apart_from_content_streamed_and_not(scripted):
     engine.reply = "<think>\nTwo and two.\n</think>\n\nIt is 4."
     message = post(client).json()["choices"][0]["message"]
     assert message["reasoning_content"] == "Two and two.\n" and message["content"] == "It is 4."
-    reasoning, content, _, reason, kinds = fold(sse(post(client, stream=True)))
+    reasoning, content, _, reason, kinds = fold(sse_chunks(post(client, stream=True)))
     assert (reasoning, content, reason) == ("Two and two.\n", "It is 4.", "stop")
     assert kinds == sorted(kinds, key=lambda k: k != "reasoning")  # every reasoning piece before the content
     assert client.get("/v1/capabilities").json()["reasoning_parser"] == "qwen3"
@@ -79,7 +66,7 @@ def test_a_reasoning_that_never_ends_is_all_reasoning(scripted):
     engine.reply = "<think>I keep thinking"
     message = post(client).json()["choices"][0]["message"]
     assert message["reasoning_content"] == "I keep thinking" and message["content"] is None
-    assert fold(sse(post(client, stream=True)))[:2] == ("I keep thinking", "")
+    assert fold(sse_chunks(post(client, stream=True)))[:2] == ("I keep thinking", "")
 
 
 def test_a_closed_think_block_in_the_prompt_means_all_content(scripted):
@@ -102,7 +89,7 @@ def test_tool_calls_are_parsed_from_the_content_only(scripted):
     assert "Rome" in choice["message"]["reasoning_content"] and choice["message"]["content"] is None
     (call,) = choice["message"]["tool_calls"]
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
-    reasoning, content, names, reason, _ = fold(sse(post(client, tools=[WEATHER], stream=True)))
+    reasoning, content, names, reason, _ = fold(sse_chunks(post(client, tools=[WEATHER], stream=True)))
     assert "Rome" in reasoning and content == "" and names == ["get_weather"] and reason == "tool_calls"
 
 

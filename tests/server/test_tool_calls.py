@@ -10,8 +10,8 @@ import pytest
 
 from jaxserve import resources
 from jaxserve.server.chat import ChatRenderer
-from jaxserve.testing.mock_engine import MockTokenizer, mock_settings
-from server_testlib import ScriptedEngine, default_model_client
+from jaxserve.testing.mock_engine import MockTokenizer
+from server_testlib import ScriptedEngine, default_model_client, sse_chunks
 
 TEMPLATE = (resources.default_checkpoint() / "chat_template.jinja").read_text()
 WEATHER = {"type": "function", "function": {
@@ -29,27 +29,14 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture
-def scripted():
-    from starlette.testclient import TestClient
-
-    from jaxserve.server.api import ServerOptions, create_app
-
-    engine = ScriptedEngine(mock_settings(max_model_len=4096, num_pages=2048), token_delay=0.0005)
-    engine.start()
-    renderer = ChatRenderer(MockTokenizer(), template=TEMPLATE)
-    client = TestClient(create_app(ServerOptions(served_model_names=("mock",), chat_renderer=renderer), engine),
-                        raise_server_exceptions=False)
-    yield client, engine
-    client.close()
-    engine.shutdown()
+def scripted(make_client):
+    client = make_client(token_delay=0.0005, settings=dict(max_model_len=4096, num_pages=2048), engine_cls=ScriptedEngine,
+                         chat_renderer=ChatRenderer(MockTokenizer(), template=TEMPLATE))
+    return client, client.mock_engine
 
 
 def post(client, **body):
     return client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 300, **body})
-
-
-def sse(r) -> list[dict]:
-    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
 
 
 def accumulate(chunks: list[dict]) -> tuple[str, list[dict], str | None]:
@@ -155,7 +142,7 @@ def test_auto_streams_openai_tool_call_deltas(scripted):
     engine.reply = HERMES_REPLY
     r = post(client, tools=[WEATHER, TIME], stream=True)
     assert r.status_code == 200
-    chunks = sse(r)
+    chunks = sse_chunks(r)
     content, calls, reason = accumulate(chunks)
     assert reason == "tool_calls" and content == "Checking."
     whole = post(client, tools=[WEATHER, TIME]).json()["choices"][0]["message"]
@@ -225,7 +212,7 @@ def test_required_calls_validate_streamed_and_not(model_client):
         for call in choice["message"]["tool_calls"]:
             _validate(call["function"]["name"], json.loads(call["function"]["arguments"]))
     r = post(model_client, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0, seed=7, stream=True)
-    content, calls, reason = accumulate(sse(r))
+    content, calls, reason = accumulate(sse_chunks(r))
     assert reason == "tool_calls" and content == "" and calls
     for call in calls:
         assert call["id"].startswith("call_")
@@ -262,7 +249,7 @@ def test_each_of_n_choices_gets_its_own_calls(scripted):
     assert [c["finish_reason"] for c in choices] == ["tool_calls", "tool_calls"]
     ids = [call["id"] for c in choices for call in c["message"]["tool_calls"]]
     assert len(ids) == 4 and len(set(ids)) == 4
-    streamed = sse(post(client, tools=[WEATHER, TIME], n=2, temperature=1.0, seed=1, stream=True))
+    streamed = sse_chunks(post(client, tools=[WEATHER, TIME], n=2, temperature=1.0, seed=1, stream=True))
     for index in (0, 1):
         content, calls, reason = accumulate([{"choices": [c for c in ch["choices"] if c["index"] == index]}
                                              for ch in streamed if any(c["index"] == index for c in ch["choices"])])
