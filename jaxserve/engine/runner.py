@@ -82,12 +82,9 @@ def _carry(tokens: jax.Array, carried: jax.Array, carry_sharding=None) -> jax.Ar
     return out if carry_sharding is None else jax.lax.with_sharding_constraint(out, carry_sharding)
 
 
-def _generate_step(params, cache, carried, sparse, batch, sampling, mask, cfg, options, cache_sharding=None,
-                   out_sharding=None, carry_sharding=None):
-    """One ragged step: the forward, then a sample per row that samples. `carried` i32[R, S]: the
-    previous step's samples (what placeholders name); `sparse`: the SPARSE_FIELDS of `sampling`;
-    returns (samples [R, L], cache, carried)."""
-    batch, sampling = _take_carried(batch, _with_sparse(sampling, sparse), carried)
+def _forward_and_sample(params, cache, batch, sampling, mask, cfg, options, cache_sharding=None):
+    """The forward of a step whose inputs are whole (placeholders resolved), then a sample per row
+    that samples: (samples [R, L], cache)."""
     logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, L, V]
     if cache_sharding is not None:  # keep the donated cache's layout stable from step to step
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
@@ -95,7 +92,16 @@ def _generate_step(params, cache, carried, sparse, batch, sampling, mask, cfg, o
     logits = mask_logits(logits, mask)
     # Top logprobs under a cond inside `sample` (only steps where a row asks pay for the top-k): one
     # executable, where a second compiled variant per bucket would double start-up time.
-    out = sample(logits, sampling, want_logprobs=MAX_LOGPROBS)
+    return sample(logits, sampling, want_logprobs=MAX_LOGPROBS), cache
+
+
+def _generate_step(params, cache, carried, sparse, batch, sampling, mask, cfg, options, cache_sharding=None,
+                   out_sharding=None, carry_sharding=None):
+    """One ragged step: the forward, then a sample per row that samples. `carried` i32[R, S]: the
+    previous step's samples (what placeholders name); `sparse`: the SPARSE_FIELDS of `sampling`;
+    returns (samples [R, L], cache, carried)."""
+    batch, sampling = _take_carried(batch, _with_sparse(sampling, sparse), carried)
+    out, cache = _forward_and_sample(params, cache, batch, sampling, mask, cfg, options, cache_sharding)
     if out_sharding is not None:  # multi-host: every process reads its own full copy of the samples
         out = jax.lax.with_sharding_constraint(out, out_sharding)
     return out, cache, _carry(out.tokens, carried, carry_sharding)
@@ -136,9 +142,7 @@ def _multi_decode_step(params, cache, carried, sparse, batch, sampling, mask, st
     def one(carry, k):
         cache, batch, sampling = carry
         now = mask.replace(constrained=mask.constrained & (k == 0))
-        sparse = tuple(getattr(sampling, name) for name in SPARSE_FIELDS)
-        out, cache, _ = _generate_step(params, cache, carried, sparse, batch, sampling, now, cfg, options,
-                                       cache_sharding)
+        out, cache = _forward_and_sample(params, cache, batch, sampling, now, cfg, options, cache_sharding)
         batch = _next_decode_batch(batch, out.tokens, k + 1 < steps, page_size)
         return (cache, batch, sampling.advanced(out.tokens)), out
 
