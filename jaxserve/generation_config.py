@@ -10,10 +10,11 @@ Settings (spelled as vLLM spells them):
                               defaults (SamplingParams'); or a DIR holding a generation_config.json.
   override_generation_config  a JSON object merged over the loaded values, e.g. '{"temperature": 0.5}'.
 
-What is read: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens (-> max_tokens), and
-`do_sample`. Where jaxserve goes beyond vLLM (which ignores `do_sample`): `do_sample: false` means greedy,
-as in transformers, so the defaults get temperature 0 (unless the override sets a temperature itself).
-The file's values are taken as written, not diffed against transformers' GenerationConfig defaults.
+What is read: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens (-> max_tokens),
+the `config_key`s of `jaxserve.sampling_fields`, range-checked as SamplingParams checks them; and
+`do_sample`. Where jaxserve goes beyond vLLM (which ignores `do_sample`): `do_sample: false` means
+greedy, as in transformers, so the defaults get temperature 0 (unless the override sets a temperature
+itself). The file's values are taken as written, not diffed against transformers' GenerationConfig defaults.
 
 `max_tokens` from `max_new_tokens` follows vLLM for defaults: chat completions default to
 min(max_new_tokens, what is left of the context); /v1/completions to min(16, max_new_tokens), its
@@ -31,19 +32,14 @@ import os
 from typing import Any, Mapping
 
 from jaxserve.errors import ConfigError
+from jaxserve.sampling_fields import FIELDS, SamplingField
 
 logger = logging.getLogger(__name__)
 
 GENERATION_CONFIG_FILE = "generation_config.json"
-# generation_config.json key -> SamplingParams field
-SAMPLING_KEYS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
+# generation_config.json key -> the SamplingParams field it sets (the table's `config_key`s)
+_CONFIG_FIELDS: dict[str, SamplingField] = {f.config_key: f for f in FIELDS if f.config_key is not None}
+SAMPLING_KEYS = {key: f.name for key, f in _CONFIG_FIELDS.items()}
 OVERRIDE_KEYS = (*SAMPLING_KEYS, "do_sample")
 
 
@@ -65,14 +61,9 @@ def _check(key: str, value: Any) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"do_sample must be true or false, got {value!r}")
         return value
-    if key in ("top_k", "max_new_tokens"):
-        v = _integer(key, value)
-        if (key == "top_k" and v < -1) or (key == "max_new_tokens" and v < 1):
-            raise ConfigError(f"{key} out of range: {value!r}")
-        return v
-    v = _number(key, value)
-    ok = {"temperature": v >= 0, "top_p": 0 < v <= 1, "min_p": 0 <= v <= 1, "repetition_penalty": v > 0}[key]
-    if not ok:
+    field = _CONFIG_FIELDS[key]
+    v = _integer(key, value) if field.type is int else _number(key, value)  # the file may write 20.0 for 20
+    if not field.valid(v):
         raise ConfigError(f"{key} out of range: {value!r}")
     return v
 

@@ -12,6 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import sampling_fields
+from jaxserve.sampling_fields import DEVICE_FIELDS
+
 # logit_bias entries a row may carry (OpenAI's 300, which SamplingParams enforces): the static width
 # of the bias arrays, so a biased request needs no new executable. Unbiased rows carry padding.
 from jaxserve.sampling_params import MAX_LOGIT_BIAS
@@ -19,12 +22,25 @@ from jaxserve.sampling_params import MAX_LOGIT_BIAS
 # Temperatures below this are greedy (vLLM's threshold): dividing by a smaller one overflows the logits.
 SAMPLING_EPS = 1e-5
 # The static top-N the engine compiles for when any row asks for top logprobs (OpenAI's maximum is 20).
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = sampling_fields.MAX_LOGPROBS
+
+# SamplingTensors' per-row scalars, name -> (dtype, value of padding rows): the table's device fields
+# (SamplingParams values: temperature, top_k, top_p, min_p, the penalties), then the row's own state.
+ROW_SCALARS: dict[str, tuple[str, float | int]] = {
+    **{f.name: (f.device.dtype, f.device.idle) for f in DEVICE_FIELDS},
+    "seed": ("uint32", 0),  # the engine's seed of the sample (from the request's seed, or random)
+    "step": ("int32", 0),
+    "prompt_len": ("int32", 0),
+    "num_top_logprobs": ("int32", 0),  # from SamplingParams.logprobs (None: 0)
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class RowSampling:
-    """Host-side parameters of one row; defaults are neutral, so a padding row is greedy and unpenalised."""
+    """Host-side parameters of one row; defaults are neutral, so a padding row is greedy and unpenalised.
+
+    The fields down to frequency_penalty are the table's device fields (`sampling_fields.DEVICE_FIELDS`),
+    each defaulting to its idle value (tests/test_sampling_fields.py holds them to it)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 (or -1) = no limit
@@ -47,21 +63,15 @@ class RowSampling:
     @classmethod
     def from_params(cls, params: Any, *, seed: int, step: int, prompt_ids: Sequence[int] = (),
                     output_ids: Sequence[int] = ()) -> RowSampling:
-        """From a SamplingParams; fields it does not have yet take their neutral value."""
+        """From a SamplingParams: its device fields, logit_bias and logprobs, with the engine's seed and step."""
         return cls(
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            min_p=getattr(params, "min_p", 0.0),
-            repetition_penalty=getattr(params, "repetition_penalty", 1.0),
-            presence_penalty=getattr(params, "presence_penalty", 0.0),
-            frequency_penalty=getattr(params, "frequency_penalty", 0.0),
+            **{f.name: getattr(params, f.name) for f in DEVICE_FIELDS},
             seed=seed,
             step=step,
             prompt_ids=prompt_ids,
             output_ids=output_ids,
-            logit_bias=getattr(params, "logit_bias", None),
-            logprobs=getattr(params, "logprobs", None) or 0,
+            logit_bias=params.logit_bias,
+            logprobs=params.logprobs or 0,
         )
 
 
@@ -99,29 +109,18 @@ class SamplingTensors:
         n = math.prod(shape)
         if len(rows) > n:
             raise ValueError(f"{len(rows)} rows do not fit a batch of {shape}")
-        st = {
-            "temperature": np.zeros(n, np.float32),
-            "top_k": np.zeros(n, np.int32),
-            "top_p": np.ones(n, np.float32),
-            "min_p": np.zeros(n, np.float32),
-            "repetition_penalty": np.ones(n, np.float32),
-            "presence_penalty": np.zeros(n, np.float32),
-            "frequency_penalty": np.zeros(n, np.float32),
-            "seed": np.zeros(n, np.uint32),
-            "step": np.zeros(n, np.int32),
-            "history": np.full((n, history_len), -1, np.int32),
-            "prompt_len": np.zeros(n, np.int32),
-            "bias_ids": np.full((n, MAX_LOGIT_BIAS), -1, np.int32),
-            "bias_values": np.zeros((n, MAX_LOGIT_BIAS), np.float32),
-            "num_top_logprobs": np.zeros(n, np.int32),
-        }
+        st = {name: np.full(n, idle, dtype) for name, (dtype, idle) in ROW_SCALARS.items()}
+        st["history"] = np.full((n, history_len), -1, np.int32)
+        st["bias_ids"] = np.full((n, MAX_LOGIT_BIAS), -1, np.int32)
+        st["bias_values"] = np.zeros((n, MAX_LOGIT_BIAS), np.float32)
         for i, row in enumerate(rows):
             if row is None:
                 continue
-            for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                         "frequency_penalty", "seed", "step"):
-                st[name][i] = getattr(row, name)
+            for f in DEVICE_FIELDS:
+                st[f.name][i] = getattr(row, f.name)
             st["top_k"][i] = max(row.top_k, 0)  # -1 means no limit too
+            st["seed"][i] = row.seed
+            st["step"][i] = row.step
             st["num_top_logprobs"][i] = row.logprobs
             if row.uses_penalties:
                 length = len(row.prompt_ids) + len(row.output_ids)
@@ -141,13 +140,11 @@ class SamplingTensors:
     def spec(cls, batch: tuple[int, ...], history_len: int) -> SamplingTensors:
         """ShapeDtypeStructs of packed tensors, for ahead-of-time lowering."""
         def s(dtype, extra=()):
-            return jax.ShapeDtypeStruct(tuple(batch) + extra, dtype)
-        f32, i32 = jnp.float32, jnp.int32
+            return jax.ShapeDtypeStruct(tuple(batch) + extra, np.dtype(dtype))
         return cls(
-            temperature=s(f32), top_k=s(i32), top_p=s(f32), min_p=s(f32), repetition_penalty=s(f32),
-            presence_penalty=s(f32), frequency_penalty=s(f32), seed=s(jnp.uint32), step=s(i32),
-            history=s(i32, (history_len,)), prompt_len=s(i32),
-            bias_ids=s(i32, (MAX_LOGIT_BIAS,)), bias_values=s(f32, (MAX_LOGIT_BIAS,)), num_top_logprobs=s(i32),
+            **{name: s(dtype) for name, (dtype, _) in ROW_SCALARS.items()},
+            history=s(np.int32, (history_len,)),
+            bias_ids=s(np.int32, (MAX_LOGIT_BIAS,)), bias_values=s(np.float32, (MAX_LOGIT_BIAS,)),
         )
 
     def advanced(self, tokens: jax.Array) -> SamplingTensors:

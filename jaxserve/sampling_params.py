@@ -6,12 +6,17 @@ import dataclasses
 from typing import Sequence
 
 from jaxserve.errors import RequestError
+from jaxserve.sampling_fields import FIELDS
 from jaxserve.structured.spec import StructuredSpec
 
 
 @dataclasses.dataclass
 class SamplingParams:
-    """How to generate. temperature 0 is greedy; top_k 0 (or -1) and top_p 1 mean no limit."""
+    """How to generate. temperature 0 is greedy; top_k 0 (or -1) and top_p 1 mean no limit.
+
+    The type, range and meaning of each field are in `jaxserve.sampling_fields.FIELDS`, which
+    __post_init__ checks against; stop, stop_token_ids, logit_bias and structured have their own checks.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -40,39 +45,16 @@ class SamplingParams:
     structured: StructuredSpec | None = None
 
     def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        for field in FIELDS:  # types and ranges; a RequestError whose message starts with the field's name
+            field.check(getattr(self, field.name))
         if self.top_k == -1:
             self.top_k = 0
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise RequestError(f"top_k must be 0 or -1 (no limit) or a positive integer, got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not 0 <= self.seed < 2**32:
-            raise RequestError(f"seed must be in [0, 2**32), got {self.seed!r}")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise RequestError(f"n must be an integer >= 1, got {self.n!r}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("stop must be a list of non-empty strings")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise RequestError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not self.repetition_penalty > 0:
-            raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 20):
-                raise RequestError(f"{name} must be an integer in [0, 20], got {value!r}")
         if self.logit_bias is not None:
             self.logit_bias = _check_logit_bias(self.logit_bias)
         if self.min_tokens > self.max_tokens:

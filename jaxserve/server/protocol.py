@@ -10,19 +10,22 @@ Conventions:
 - Structured output (`response_format`, vLLM's `structured_outputs` and `guided_*`) is typed loosely
   here and checked by `jaxserve.structured.spec_from_request` in `requests.translate`, whose
   GrammarError names the problem (a 400); the grammar library's own refusals come from the engine.
-- Types and ranges that the schema states (e.g. `temperature` in [0, 2]) fail with 422.
+- Types and ranges that the schema states (e.g. `temperature` in [0, 2]) fail with 422. Those of the
+  plain sampling fields (temperature, top_p, n, seed, ...) come from `jaxserve.sampling_fields`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from pydantic_core import PydanticCustomError
 
-MAX_N = 16
+from jaxserve import sampling_fields
+from jaxserve.sampling_fields import FIELDS, MAX_LOGPROBS, SamplingField
+
+MAX_N = sampling_fields.MAX_N  # the table bounds n by it; GET /v1/capabilities reports it
 MAX_PROMPTS = 64
-MAX_LOGPROBS = 20
 MAX_STOP = 16
 
 # Fields of the OpenAI API (or vLLM's extras) that jaxserve knowingly does not implement; the error
@@ -89,33 +92,30 @@ class ResponseFormat(OpenAIBase):
     json_schema: Optional[dict[str, Any]] = None
 
 
-class SamplingFields(OpenAIBase):
-    """Fields shared by completions and chat completions."""
+def _request_field(field: SamplingField) -> tuple[Any, Any]:
+    """A table field as a pydantic field: absent (None) by default, its bounds (the API's upper bound
+    where it has a stricter one) stated in the schema, so a value outside them is a 422."""
+    le = field.api_le if field.api_le is not None else field.le
+    return (Optional[field.type],
+            Field(None, ge=field.ge, gt=field.gt, le=le, lt=field.lt, description=field.api_description()))
+
+
+# The sampling fields the table describes and the API takes as they are.
+_TableSamplingFields = create_model(
+    "_TableSamplingFields", __base__=OpenAIBase, **{f.name: _request_field(f) for f in FIELDS if f.request})
+
+
+class SamplingFields(_TableSamplingFields):
+    """Fields shared by completions and chat completions: the table's, and those with their own types."""
 
     model: Optional[str] = Field(None, description="a served model name (GET /v1/models); default: the served model")
-    temperature: Optional[float] = Field(
-        None, ge=0, le=2, description="0 is greedy; default: the model's generation_config.json, else 1")
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    n: Optional[int] = Field(None, ge=1, le=MAX_N, description="completions per prompt")
     stop: StopField = Field(None, description="stop strings, cut from the returned text")
     stop_token_ids: Optional[Annotated[list[NonNegInt], Field(max_length=64)]] = None
-    seed: Optional[int] = Field(None, ge=0, lt=2**32)
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
-    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     user: Optional[str] = Field(None, description="an end-user id; recorded, not used")
     logit_bias: Optional[dict[str, float]] = Field(
         None, description="token id (a string key) -> bias in [-100, 100] added to its logit; at most 300 entries")
-    # vLLM-style extras
-    top_k: Optional[int] = Field(None, ge=-1, description="0 or -1: no limit")
-    min_p: Optional[float] = Field(None, ge=0, le=1)
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=100)
-    ignore_eos: Optional[bool] = None
-    min_tokens: Optional[int] = Field(None, ge=0)
-    include_stop_str_in_output: Optional[bool] = None
-    skip_special_tokens: Optional[bool] = None
-    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     # Structured output (one of them per request): OpenAI's response_format, vLLM's structured_outputs
     # and its older guided_* aliases.
     response_format: Optional[ResponseFormat] = None

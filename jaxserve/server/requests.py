@@ -13,6 +13,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from jaxserve.errors import RequestError
+from jaxserve.sampling_fields import FIELDS
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.chat import ChatTemplateError
 from jaxserve.server.errors import APIError
@@ -27,10 +28,9 @@ if TYPE_CHECKING:
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
-# Request fields handed to SamplingParams as they are, when set.
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "n", "seed", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "ignore_eos", "min_tokens", "include_stop_str_in_output",
-                    "skip_special_tokens", "prompt_logprobs", "logit_bias")
+# Request fields handed to SamplingParams as they are, when set: the table's (sampling_fields), and
+# logit_bias, whose string keys SamplingParams converts.
+_SAMPLING_FIELDS = (*(f.name for f in FIELDS if f.request), "logit_bias")
 
 
 @dataclasses.dataclass
