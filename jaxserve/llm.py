@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine
+from jaxserve.engine.output_processor import OutputAccumulator
 from jaxserve.errors import ConfigError, RequestError
 from jaxserve.generation_config import load_generation_defaults
 from jaxserve.sampling_params import RequestOutput, SamplingParams
@@ -147,13 +148,18 @@ class LLM:
         from tqdm import tqdm
 
         done: dict[str, RequestOutput] = {}
+        totals = OutputAccumulator()  # the engine emits what is new per step; the caller gets whole outputs
+        wanted = set(order)
         start, tokens = time.perf_counter(), 0
         with tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while len(done) < len(order):
-                for out in self.engine.step():
+                for delta in self.engine.step():
+                    if delta.request_id not in wanted:  # added to the engine by someone else
+                        continue
+                    tokens += sum(len(c.token_ids) for c in delta.outputs)
+                    out = totals.add(delta)
                     if out.finished:
-                        done[out.request_id] = out
-                        tokens += sum(len(c.token_ids) for c in out.outputs)
+                        done[out.request_id] = totals.pop(out.request_id)
                         bar.update(1)
                         bar.set_postfix(out_tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
         results = [done[request_id] for request_id in order]

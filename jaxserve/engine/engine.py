@@ -10,7 +10,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import jax
 import numpy as np
@@ -312,7 +312,7 @@ class LLMEngine:
         self.counters["prompt_tokens"] += len(ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its pages; returns its final output (finish_reason 'abort')."""
+        """Stop a request now and free its pages; returns its last delta (finish_reason 'abort')."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -329,7 +329,9 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, dispatch the compiled step, and return the requests that advanced.
+        """Schedule, dispatch the compiled step, and return a delta for each request that advanced:
+        a RequestOutput holding only what is new (token ids, text, logprob entries, finish reason; sum
+        them with output_processor.OutputAccumulator, as LLM.generate does).
 
         With async scheduling the step whose samples are processed is the previous one: step N+1 is
         scheduled and dispatched before step N's samples are fetched (its inputs take them on the
@@ -473,7 +475,9 @@ class LLMEngine:
     def _finish_step(self, advanced: dict[str, Request], start: float) -> list[RequestOutput]:
         outputs = []
         for request in advanced.values():
-            outputs.append(self._output(request))
+            delta = self._output(request)
+            if delta is not None:
+                outputs.append(delta)
             if request.finished:
                 del self.requests[request.request_id]
         self.counters["steps"] += 1
@@ -524,8 +528,8 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
 
-    def _output(self, request: Request) -> RequestOutput:
-        return self.outputs.output(request, self._spec_metrics(request.seqs))
+    def _output(self, request: Request) -> RequestOutput | None:
+        return self.outputs.delta(request, self._spec_metrics(request.seqs))
 
     def _spec_metrics(self, seqs: list[Sequence]) -> dict:
         if self.spec is None:
@@ -567,12 +571,15 @@ class LLMEngine:
 
 
 class AsyncLLMEngine:
-    """Runs LLMEngine.step in one background thread; each request streams through an asyncio queue.
+    """Runs LLMEngine.step in one background thread and hands each request's deltas to its caller's
+    asyncio queue.
 
-    The event loop never waits for a step: `generate` checks a request synchronously (so a bad one
+    The event loop never waits for a step: `submit` checks a request synchronously (so a bad one
     still raises RequestError, the server's 400) and hands it to the step thread through the intake
-    queue, which the thread drains between steps, as it does aborts. Only the step thread touches the
-    engine's scheduler state; `stats()` takes the step lock and is for a worker thread."""
+    queue, which the thread drains between steps, as it does aborts. Each step's deltas go straight
+    into the queue the caller gave (the server gives one per HTTP request, shared by its prompts).
+    Only the step thread touches the engine's scheduler state; `stats()` takes the step lock and is
+    for a worker thread."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -584,7 +591,8 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> where its deltas go: (the caller's event loop, its queue, the caller's tag)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Any]] = {}
         self._ids = itertools.count()
 
     @classmethod
@@ -629,7 +637,9 @@ class AsyncLLMEngine:
         while self._intake:
             kind, request_id, *rest = self._intake.popleft()
             if kind == "abort":
-                self.engine.abort_request(request_id)
+                last = self.engine.abort_request(request_id)
+                if last is not None:
+                    self._deliver(request_id, last)
                 continue
             ids, params, grammar = rest
             try:
@@ -661,16 +671,43 @@ class AsyncLLMEngine:
             if self._stats_waiting.is_set():
                 time.sleep(0.0005)  # let the stats() caller blocked on the lock take it
 
-    def _deliver(self, request_id: str, item) -> None:
+    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
+        """Put `(tag, item)` in the request's queue; its last item (finished, or an error) ends its stream."""
         stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, queue = stream
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+        if stream is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            self._streams.pop(request_id, None)
+        loop, queue, tag = stream
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (tag, item))
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            pass
 
     def _fail_all(self, err: Exception) -> None:
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
             self._deliver(request_id, err)
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
+                     queue: asyncio.Queue, tag: Any = None) -> None:
+        """Check the request and queue it for the step thread. A bad request raises RequestError here
+        (GrammarError for a schema the grammar library rejects), before it enters the engine. From
+        then on `queue` receives `(tag, delta)` each step the request advances (a RequestOutput of
+        what is new; the last one has `finished`), or `(tag, exception)` if the request fails.
+        Several requests may share a queue; `abort` stops one."""
+        ids, params = self.engine.prepare_request(None, sampling_params, prompt_token_ids)  # no step state
+        grammar = None
+        if params.structured is not None:  # compiled on the compiler's thread; GrammarError is the 400
+            # Shielded: a caller that goes away must not cancel a compilation other requests share.
+            compiling = self.engine.grammar_compiler.submit(params.structured)
+            grammar = await asyncio.shield(asyncio.wrap_future(compiling))
+        if request_id in self._streams:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self._streams[request_id] = (asyncio.get_running_loop(), queue, tag)
+        self._intake.append(("add", request_id, ids, params, grammar))
+        self.start()
+        self._wake.set()
 
     async def generate(
         self,
@@ -679,36 +716,27 @@ class AsyncLLMEngine:
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields the request's cumulative output each time it advances; aborts it if the caller stops."""
+        """Yields the request's delta each time it advances (sum them with OutputAccumulator for whole
+        outputs); aborts the request if the caller stops early."""
         request_id = request_id or f"req-{next(self._ids)}"
+        ids, params = self.engine.prepare_request(prompt, sampling_params, prompt_token_ids)
         queue: asyncio.Queue = asyncio.Queue()
-        ids, params = self.engine.prepare_request(prompt, sampling_params, prompt_token_ids)  # no step state
-        grammar = None
-        if params.structured is not None:  # compiled on the compiler's thread; GrammarError is the 400
-            # Shielded: a caller that goes away must not cancel a compilation other requests share.
-            compiling = self.engine.grammar_compiler.submit(params.structured)
-            grammar = await asyncio.shield(asyncio.wrap_future(compiling))
-        if request_id in self._streams:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._intake.append(("add", request_id, ids, params, grammar))
-        self.start()
-        self._wake.set()
+        await self.submit(request_id, ids, params, queue)
         finished = False
         try:
             while not finished:
-                item = await queue.get()
+                _, item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
                 finished = item.finished
                 yield item
         finally:
-            self._streams.pop(request_id, None)
             if not finished:
-                await self.abort(request_id)
+                self.abort(request_id)
 
-    async def abort(self, request_id: str) -> None:
-        """Abort between steps (queued behind the request's own admission, so it cannot overtake it)."""
+    def abort(self, request_id: str) -> None:
+        """Abort between steps (queued behind the request's own admission, so it cannot overtake it);
+        any thread may call it. Its queue gets a last delta with finish_reason 'abort'."""
         self._intake.append(("abort", request_id))
         self._wake.set()
 

@@ -1,5 +1,6 @@
 """From sampled ids to what a request's caller sees (no jax): detokenization, stop conditions,
-logprob entries and the RequestOutput of each request that advanced.
+logprob entries and each advanced request's delta (a RequestOutput of what is new since the last);
+`OutputAccumulator` sums deltas into whole outputs.
 
 The engine hands every sampled token here once its id is on the host (`resolve_token`); the
 scheduler decides nothing from text. The mock engine (jaxserve.testing) cuts stop strings with the
@@ -14,6 +15,7 @@ import time
 from typing import Any, Sequence as SequenceOf
 
 from jaxserve.engine.sequence import Sequence
+from jaxserve.ragged import is_placeholder
 from jaxserve.sampling_params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     arrival_time: float
+    prompt_logprobs_emitted: bool = False
 
     @property
     def finished(self) -> bool:
@@ -143,29 +146,26 @@ class OutputProcessor:
             entry[targets[j]] = float(scores.target_logprobs[i, j])
             seq.prompt_logprobs[position] = entry  # a recompute after preemption rewrites the same values
 
-    @staticmethod
-    def visible_text(seq: Sequence) -> str:
-        if seq.is_finished:
-            return seq.text
-        return seq.text[: len(seq.text) - held_back(seq.text, seq.params.stop)]
-
-    def output(self, request: Request, spec_metrics: dict | None = None) -> RequestOutput:
-        """The request's cumulative output so far (token ids whose values are on the host)."""
+    def delta(self, request: Request, spec_metrics: dict | None = None) -> RequestOutput | None:
+        """What is new in `request` since its last delta (None: nothing): per sample, the output tokens
+        whose ids reached the host, their logprob entries, the text released (a tail that may still
+        become a stop string is held back while running) and the finish reason once. The cost is that
+        of the new tokens, whatever the context length. The prompt's logprobs ride in the first delta."""
+        outputs = [o for o in (self._sample_delta(s) for s in request.seqs) if o is not None]
+        if not outputs:
+            return None
         seqs = request.seqs
+        prompt_logprobs = None
+        if request.params.prompt_logprobs is not None and not request.prompt_logprobs_emitted:
+            request.prompt_logprobs_emitted = True
+            prompt_logprobs = list(seqs[0].prompt_logprobs)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            outputs=[
-                CompletionOutput(
-                    s.index, s.resolved_output_ids, self.visible_text(s), s.finish_reason,
-                    list(s.logprobs) if s.params.logprobs is not None else None,
-                    s.cumulative_logprob if s.params.logprobs is not None else None,
-                )
-                for s in seqs
-            ],
+            outputs=outputs,
             finished=request.finished,
-            prompt_logprobs=list(seqs[0].prompt_logprobs) if request.params.prompt_logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,
             metrics=RequestMetrics(
                 arrival_time=request.arrival_time,
                 first_scheduled_time=min((t for t in (s.first_scheduled_time for s in seqs) if t), default=None),
@@ -174,3 +174,62 @@ class OutputProcessor:
                 **(spec_metrics or {}),
             ),
         )
+
+    @staticmethod
+    def _sample_delta(seq: Sequence) -> CompletionOutput | None:
+        ids = seq.output_token_ids
+        end = len(ids)
+        while end > seq.ids_emitted and is_placeholder(ids[end - 1]):  # sampled, not yet on the host
+            end -= 1
+        text_end = len(seq.text)
+        if not seq.is_finished:
+            text_end -= held_back(seq.text, seq.params.stop)
+        finishing = seq.is_finished and not seq.finish_emitted
+        if end == seq.ids_emitted and text_end <= seq.text_emitted and not finishing:
+            return None
+        want_logprobs = seq.params.logprobs is not None
+        out = CompletionOutput(
+            seq.index, ids[seq.ids_emitted : end], seq.text[seq.text_emitted : text_end], seq.finish_reason,
+            seq.logprobs[seq.ids_emitted : end] if want_logprobs else None,
+            seq.cumulative_logprob if want_logprobs else None,
+        )
+        seq.ids_emitted = end
+        seq.text_emitted = max(seq.text_emitted, text_end)
+        seq.finish_emitted = seq.is_finished
+        return out
+
+
+class OutputAccumulator:
+    """Cumulative RequestOutputs from the engine's deltas: `add` each delta, get the request's whole
+    output so far (what `LLM.generate` returns; the server keeps its own per-choice state instead)."""
+
+    def __init__(self):
+        self.outputs: dict[str, RequestOutput] = {}
+
+    def add(self, delta: RequestOutput) -> RequestOutput:
+        total = self.outputs.get(delta.request_id)
+        if total is None:
+            total = self.outputs[delta.request_id] = RequestOutput(
+                delta.request_id, delta.prompt, delta.prompt_token_ids, [], delta.finished)
+        by_index = {o.index: o for o in total.outputs}
+        for new in delta.outputs:
+            old = by_index.get(new.index)
+            if old is None:
+                old = by_index[new.index] = CompletionOutput(
+                    new.index, [], "", None, [] if new.logprobs is not None else None)
+                total.outputs.append(old)
+            old.token_ids.extend(new.token_ids)
+            old.text += new.text
+            if new.logprobs is not None:
+                old.logprobs.extend(new.logprobs)
+            old.cumulative_logprob = new.cumulative_logprob
+            old.finish_reason = new.finish_reason
+        total.outputs.sort(key=lambda o: o.index)
+        total.finished = delta.finished
+        total.metrics = delta.metrics
+        if delta.prompt_logprobs is not None:
+            total.prompt_logprobs = delta.prompt_logprobs
+        return total
+
+    def pop(self, request_id: str) -> RequestOutput:
+        return self.outputs.pop(request_id)

@@ -82,6 +82,10 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # What the caller has been sent (the output processor emits only what is new: its deltas)
+    ids_emitted: int = 0  # output tokens (and their logprob entries)
+    text_emitted: int = 0  # characters of `text`
+    finish_emitted: bool = False
 
     @property
     def tokens(self) -> list[int]:

@@ -2,18 +2,20 @@
 
 Every engine takes `jaxserve.sampling_params.SamplingParams` with all its fields (n, stop strings,
 penalties, logprobs, ...), so the server builds one SamplingParams per prompt and never asks which
-fields an engine knows. Outputs are cumulative `RequestOutput`s (vLLM's shape): each one carries the
-request's whole text and token ids so far; the server computes what is new.
+fields an engine knows. Outputs are deltas: each `RequestOutput` carries what is new since the last
+(token ids, text, logprob entries, the finish reason once), put in the queue the server gave
+`submit`, one queue per HTTP request shared by its prompts.
 
 No jax here: the server imports this with the mock engine too.
 """
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Iterable, Protocol, runtime_checkable
+import asyncio
+from typing import Any, Iterable, Protocol, runtime_checkable
 
 from jaxserve.config import EngineConfig
-from jaxserve.sampling_params import RequestOutput, SamplingParams
+from jaxserve.sampling_params import SamplingParams
 
 
 @runtime_checkable
@@ -47,13 +49,14 @@ class ServingEngine(Protocol):
     def shutdown(self) -> None:
         """Stop the step thread and release the engine."""
 
-    def generate(self, request_id: str, prompt: str | None = None, sampling_params: SamplingParams | None = None,
-                 prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative output each step it advances. A bad request raises RequestError
-        before the first output (the server's 400); closing the iterator early aborts the request."""
+    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                     queue: asyncio.Queue, tag: Any = None) -> None:
+        """Check the request (RequestError: the server's 400) and queue it; from then on `queue` gets
+        `(tag, delta)` each step it advances, the last with `finished` set, or `(tag, exception)` if
+        it fails."""
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request between steps."""
+    def abort(self, request_id: str) -> None:
+        """Abort a request between steps (from any thread; unknown or finished ids are ignored)."""
 
     def stats(self) -> dict[str, Any]:
         """Counters for /metrics and --max-waiting (`num_waiting`, `num_running`, pages, ...). May block

@@ -1,8 +1,8 @@
 """Stream assembly: a translated request through the engine and back as one response or an SSE stream.
 
-`respond` submits one engine request per prompt (each yields its `n` choices), `Fanout` pumps their
-cumulative outputs into one queue, `Choice` turns cumulative outputs into deltas (text, token ids,
-logprob entries), and `ResponseAssembler` builds the OpenAI objects: the final response with usage,
+`respond` submits one engine request per prompt (each yields its `n` choices), all delivering their
+deltas (new text, token ids, logprob entries) into one queue (`Fanout`); `Choice` sums one sample's
+deltas, and `ResponseAssembler` builds the OpenAI objects: the final response with usage,
 or the chunks of a stream. A client that disconnects gets its engine requests aborted (HTTP 499 when
 nothing was sent yet); a failure after the first chunk ends the stream with an in-band error event.
 """
@@ -30,8 +30,6 @@ if TYPE_CHECKING:
     from jaxserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
-
-_END = object()
 
 
 class _ClientGone(Exception):
@@ -116,72 +114,65 @@ async def respond(state: ServerState, request: Request, body: CompletionRequest 
 
 
 class Fanout:
-    """Runs the engine generators of one HTTP request concurrently and yields (engine request index, output)."""
+    """The engine requests of one HTTP request, all delivering into one queue: yields (engine request
+    index, delta) until each has finished or failed."""
 
     def __init__(self, state: ServerState, subs: list[EngineRequest]):
         self.state = state
         self.subs = subs
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.buffer: list[tuple[int, Any, Any]] = []
+        self.queue: asyncio.Queue = asyncio.Queue()  # (sub index, delta | exception), from the engine
+        self.buffer: list[tuple[int, Any]] = []
         self.open = len(subs)
+        self.submitted: list[EngineRequest] = []
+        self.awaiting_first = set(range(len(subs)))  # counted in state.pending_first until they answer
         state.pending_first += len(subs)
-        self.tasks = [asyncio.ensure_future(self._pump(i, sub)) for i, sub in enumerate(subs)]
 
-    async def _pump(self, i: int, sub: EngineRequest) -> None:
-        first = True
-        gen = self.state.engine.generate(sub.request_id, prompt=None, sampling_params=sub.params,
-                                         prompt_token_ids=list(sub.prompt_ids))
-        try:
-            async for out in gen:
-                if first:
-                    first = False
-                    self.state.pending_first -= 1
-                self.queue.put_nowait((i, out, None))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as err:  # noqa: BLE001 - handed to the request, which answers 400/500
-            if not sub.done and not first:
-                self.state.metrics.finished.labels(finish_reason="error").inc(sub.width)
-            sub.done = True
-            self.queue.put_nowait((i, None, err))
-        finally:
-            if first:
-                self.state.pending_first -= 1
-            try:
-                await gen.aclose()
-            except BaseException:  # noqa: BLE001
-                pass
-            self.queue.put_nowait((i, None, _END))
+    def _answered(self, i: int) -> None:
+        if i in self.awaiting_first:
+            self.awaiting_first.discard(i)
+            self.state.pending_first -= 1
 
     async def prime(self) -> None:
-        """Wait until every engine request has answered once; raise its error if one failed."""
+        """Submit every engine request, then wait until each has answered once; raise the error of one
+        the engine refused (its checks raise at submit; a refusal at admission arrives as an error)."""
+        engine = self.state.engine
+        for i, sub in enumerate(self.subs):
+            await engine.submit(sub.request_id, list(sub.prompt_ids), sub.params, self.queue, tag=i)
+            self.submitted.append(sub)
         seen: set[int] = set()
         while len(seen) < len(self.subs):
             item = await self.queue.get()
             self.buffer.append(item)
             seen.add(item[0])
-            if item[2] is not None and item[2] is not _END:
-                raise item[2]
+            self._answered(item[0])
+            if isinstance(item[1], BaseException):
+                raise item[1]
 
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         while self.open:
-            item = self.buffer.pop(0) if self.buffer else await self.queue.get()
-            i, out, err = item
-            if err is _END:
+            i, item = self.buffer.pop(0) if self.buffer else await self.queue.get()
+            answered_before = i not in self.awaiting_first
+            self._answered(i)
+            sub = self.subs[i]
+            if isinstance(item, BaseException):
+                if not sub.done and answered_before:
+                    self.state.metrics.finished.labels(finish_reason="error").inc(sub.width)
+                sub.done = True
                 self.open -= 1
-                continue
-            if err is not None:
-                raise err
-            yield i, out
+                raise item
+            if item.finished:
+                self.open -= 1
+            yield i, item
 
     def close(self) -> None:
-        """Cancel what still runs (its engine requests are aborted); count those as finish_reason 'abort'."""
-        for task in self.tasks:
-            if not task.done():
-                task.cancel()
+        """Abort the engine requests still running; count them as finish_reason 'abort'."""
+        for i in list(self.awaiting_first):
+            self._answered(i)
         for sub in self.subs:
             if not sub.done:
                 sub.done = True
+                if sub in self.submitted:
+                    self.state.engine.abort(sub.request_id)
                 self.state.metrics.finished.labels(finish_reason="abort").inc(sub.width)
 
 
@@ -226,7 +217,7 @@ class SSEResponse(StreamingResponse):
 
 
 class Choice:
-    """One choice of the response: the cumulative outputs of one sample, and what of them was sent."""
+    """One choice of the response: one sample's output, summed from its deltas."""
 
     def __init__(self, index: int, sub: EngineRequest, echo_text: str, drop_generated: bool):
         self.index = index
@@ -234,8 +225,7 @@ class Choice:
         self.echo_text = echo_text
         self.echo_sent = not echo_text
         self.drop = drop_generated
-        self.text_sent = 0
-        self.tokens_sent = 0
+        self.num_generated = 0  # tokens the engine produced for it (also when they are not returned)
         self.token_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
@@ -246,22 +236,14 @@ class Choice:
         self.reasoning: ReasoningStream | None = None  # --reasoning-parser: reasoning apart from content
 
     def update(self, o: CompletionOutput) -> tuple[str, list[int], list, bool]:
-        """Take a cumulative CompletionOutput; return (new text, new ids, new logprob entries, just finished)."""
-        ids = [] if self.drop else list(o.token_ids)
-        text = "" if self.drop else (o.text or "")
-        new_ids = ids[self.tokens_sent:]
-        lps = o.logprobs
-        new_lps = [] if (self.drop or lps is None) else list(lps[self.tokens_sent: len(ids)])
-        if new_lps:
-            self.all_logprobs.extend(new_lps)
-        if text.startswith(self.text[: self.text_sent]) or self.text_sent == 0:
-            delta = text[self.text_sent:]
-        else:  # the engine revised text it had already released; we cannot unsend it
-            logger.warning("request %s: output text changed after it was streamed", self.sub.request_id)
-            delta = text[self.text_sent:] if len(text) > self.text_sent else ""
-        self.token_ids, self.text = ids, text
-        self.tokens_sent = len(ids)
-        self.text_sent = max(self.text_sent, len(text))
+        """Take a delta of this sample; return (new text, new ids, new logprob entries, just finished)."""
+        self.num_generated += len(o.token_ids)
+        new_ids = [] if self.drop else list(o.token_ids)
+        delta = "" if self.drop else (o.text or "")
+        new_lps = [] if (self.drop or o.logprobs is None) else list(o.logprobs)
+        self.token_ids.extend(new_ids)
+        self.text += delta
+        self.all_logprobs.extend(new_lps)
         just_finished = self.finish_reason is None and o.finish_reason is not None
         if o.finish_reason is not None:
             self.finish_reason = o.finish_reason
@@ -301,11 +283,12 @@ class ResponseAssembler:
         if out.finished and not sub.done:
             sub.done = True
             self.state.metrics.e2e.observe(now - sub.arrival)
-            longest = max((len(o.token_ids) for o in out.outputs), default=0)
+            mine = [c for c in self.choices.values() if c.sub is sub]
+            longest = max((c.num_generated for c in mine), default=0)
             if sub.first_time is not None and longest > 1:
                 self.state.metrics.tpot.observe((now - sub.first_time) / (longest - 1))
-            for o in out.outputs:
-                self.state.metrics.finished.labels(finish_reason=str(o.finish_reason)).inc()
+            for c in mine:
+                self.state.metrics.finished.labels(finish_reason=str(c.finish_reason)).inc()
         return updates
 
     def usage(self) -> dict:

@@ -1,10 +1,10 @@
 """A deterministic stand-in for `AsyncLLMEngine`, for testing and fuzzing the HTTP layer without a model.
 
 Same interface as the real engine (`jaxserve.server.engine_protocol.ServingEngine`: `tokenizer`,
-`max_model_len`, `settings`, `start`, `generate`, `abort`, `stats`, `shutdown`; also `from_settings`
-and `.engine`), the same SamplingParams (every field), same threading model (a background step loop
-that hands outputs to the event loop), and the same output contract (cumulative `token_ids`/`text`,
-`finish_reason` "stop" | "length" | "abort").
+`max_model_len`, `settings`, `start`, `submit`, `abort`, `stats`, `shutdown`; also `generate`,
+`from_settings` and `.engine`), the same SamplingParams (every field), same threading model (a
+background step loop that puts deltas into the caller's queue), and the same output contract (deltas:
+new `token_ids`/`text`/logprobs per step, `finish_reason` "stop" | "length" | "abort" once).
 
 What it "generates" (JetStream's mock in spirit): output token k of a request is a pure function of
 the prompt's token ids and k (and, when sampling, of the seed and the sibling index), drawn from the
@@ -120,6 +120,9 @@ class _Sibling:
     cumulative_logprob: float = 0.0
     text: str = ""
     finish_reason: str | None = None
+    ids_sent: int = 0  # what earlier deltas carried
+    text_sent: int = 0
+    finish_sent: bool = False
 
 
 @dataclasses.dataclass
@@ -130,11 +133,13 @@ class _Request:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    tag: Any
     digest: bytes
     pages: int
     metrics: RequestMetrics
     siblings: list[_Sibling]
     prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
     done: bool = False
     fail: int = 0  # 1: fail in the first step; 2: after the first token (tests the 500 / stream-error paths)
 
@@ -225,29 +230,19 @@ class MockAsyncLLMEngine:
             thread.join(timeout=60)
 
     # ---- requests -------------------------------------------------------------------------------
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | None = None,
-        sampling_params: Any = None,
-        prompt_token_ids: list[int] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
+                     queue: asyncio.Queue, tag: Any = None) -> None:
         params = sampling_params if sampling_params is not None else SamplingParams()
-        tok = self.engine.tokenizer
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise RequestError("give a prompt or prompt_token_ids")
-            prompt_token_ids = tok.encode(prompt)
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise RequestError("a prompt must have at least one token")
         bad = [t for t in ids if not 0 <= t < VOCAB_SIZE]
         if bad:
             raise RequestError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {VOCAB_SIZE})")
-        bad = [t for t in (getattr(params, "logit_bias", None) or ()) if not 0 <= t < VOCAB_SIZE]
+        bad = [t for t in (params.logit_bias or ()) if not 0 <= t < VOCAB_SIZE]
         if bad:
             raise RequestError(f"logit_bias token id(s) {bad[:5]} are outside the vocabulary [0, {VOCAB_SIZE})")
-        if getattr(params, "structured", None) is not None:  # its fake tokens could never follow a grammar
+        if params.structured is not None:  # its fake tokens could never follow a grammar
             raise RequestError("the mock engine does not implement structured output; serve a model")
         limit = self.engine.plan.max_model_len
         if len(ids) >= limit:
@@ -257,16 +252,15 @@ class MockAsyncLLMEngine:
         if pages > self.engine.plan.num_pages - 1:
             raise RequestError(
                 f"prompt + max_tokens needs {pages} KV pages; the cache has {self.engine.plan.num_pages - 1}")
-        text = tok.decode(ids, skip_special_tokens=False) if self.fail_marker else ""
+        text = self.engine.tokenizer.decode(ids, skip_special_tokens=False) if self.fail_marker else ""
         fail = 0
         if self.fail_marker and self.fail_marker[:-2] + "-later" + self.fail_marker[-2:] in text:
             fail = 2
         elif self.fail_marker and self.fail_marker in text:
             fail = 1
-        loop = asyncio.get_running_loop()
         req = _Request(
-            request_id=request_id, prompt=prompt, prompt_ids=ids, params=params, loop=loop, queue=asyncio.Queue(),
-            digest=hashlib.blake2b(repr(ids).encode(), digest_size=16).digest(), pages=pages,
+            request_id=request_id, prompt=None, prompt_ids=ids, params=params, loop=asyncio.get_running_loop(),
+            queue=queue, tag=tag, digest=hashlib.blake2b(repr(ids).encode(), digest_size=16).digest(), pages=pages,
             metrics=RequestMetrics(arrival_time=time.monotonic()),
             siblings=[_Sibling(i) for i in range(params.n)], fail=fail,
         )
@@ -278,33 +272,34 @@ class MockAsyncLLMEngine:
             self._by_id[request_id] = req
             self._waiting.append(req)
             self._lock.notify_all()
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's deltas, as AsyncLLMEngine.generate does."""
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise RequestError("give a prompt or prompt_token_ids")
+            prompt_token_ids = self.engine.tokenizer.encode(prompt)
+        queue: asyncio.Queue = asyncio.Queue()
+        await self.submit(request_id, prompt_token_ids, sampling_params, queue)
         finished = False
-        error: BaseException | None = None
         try:
-            while True:
-                item = error or await req.queue.get()
-                # Outputs are cumulative, so a consumer that fell behind only needs the newest one. An error
-                # queued behind outputs comes after the newest of them, as with the real engine: what was
-                # produced before a failure is still delivered (a consumer on a busy machine falls behind).
-                error = None
-                while not isinstance(item, BaseException) and not req.queue.empty():
-                    newer = req.queue.get_nowait()
-                    if isinstance(newer, BaseException):
-                        error = newer
-                        break
-                    item = newer
+            while not finished:
+                _, item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                if item.finished:
-                    finished = True
+                finished = item.finished
                 yield item
-                if finished:
-                    return
         finally:
             if not finished:
                 self._abort_now(request_id, notify=False)
 
-    async def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> None:
         self._abort_now(request_id, notify=True)
 
     def _abort_now(self, request_id: str, notify: bool) -> None:
@@ -437,28 +432,38 @@ class MockAsyncLLMEngine:
         return entry
 
     def _output(self, req: _Request, finished: bool) -> RequestOutput:
+        """The request's delta: what each sibling produced since the last one."""
         want_lp = req.params.logprobs is not None
+        outputs = []
+        for s in req.siblings:
+            finishing = s.finish_reason is not None and not s.finish_sent
+            if len(s.token_ids) == s.ids_sent and len(s.text) <= s.text_sent and not finishing:
+                continue
+            outputs.append(CompletionOutput(
+                index=s.index, token_ids=s.token_ids[s.ids_sent:], text=s.text[s.text_sent:],
+                finish_reason=s.finish_reason, logprobs=[dict(e) for e in s.logprobs[s.ids_sent:]] if want_lp else None,
+                cumulative_logprob=s.cumulative_logprob if want_lp else None,
+            ))
+            s.ids_sent, s.text_sent = len(s.token_ids), max(s.text_sent, len(s.text))
+            s.finish_sent = s.finish_reason is not None
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            req.prompt_logprobs_sent = True
+            prompt_logprobs = list(req.prompt_logprobs)
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=list(req.prompt_ids),
-            outputs=[
-                CompletionOutput(
-                    index=s.index, token_ids=list(s.token_ids), text=s.text, finish_reason=s.finish_reason,
-                    logprobs=[dict(e) for e in s.logprobs] if want_lp else None,
-                    cumulative_logprob=s.cumulative_logprob if want_lp else None,
-                )
-                for s in req.siblings
-            ],
+            outputs=outputs,
             finished=finished,
-            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,
             metrics=dataclasses.replace(req.metrics),
         )
 
     @staticmethod
     def _deliver(req: _Request, item: Any) -> None:
         try:
-            req.loop.call_soon_threadsafe(req.queue.put_nowait, item)
+            req.loop.call_soon_threadsafe(req.queue.put_nowait, (req.tag, item))
         except RuntimeError:  # the request's event loop is closed; nobody is listening
             pass
 

@@ -95,7 +95,7 @@ def test_requests_and_aborts_do_not_wait_for_a_running_step():
         second = engine.generate("b", sampling_params=SamplingParams(max_tokens=2), prompt_token_ids=[3])
         second_output = asyncio.ensure_future(second.__anext__())
         await asyncio.sleep(0)  # the generator runs up to its first wait: checked and queued
-        await engine.abort("a")
+        engine.abort("a")
         handed_over = time.monotonic() - t0
         assert fake.in_step.is_set()  # still inside the same step
         # a bad request is refused at once, before the queue (the server's 400), not after the step

@@ -7,6 +7,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.runner import PendingSamples
 from jaxserve.ragged import is_placeholder
+from jaxserve.engine.output_processor import OutputAccumulator
 
 SETTINGS = dict(dtype="float32", page_size=8, max_model_len=192, max_num_seqs=8, max_num_batched_tokens=32,
                 warm_up=False)
@@ -101,10 +102,10 @@ def test_next_step_is_dispatched_before_the_last_is_fetched(monkeypatch):
         for i in range(3):
             engine.add_request(f"r{i}", None, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                                list(range(5 + i, 20 + i)))
-        outputs = {}
+        outputs, totals = {}, OutputAccumulator()
         while engine.has_unfinished_requests():
             for out in engine.step():
-                outputs[out.request_id] = out
+                outputs[out.request_id] = totals.add(out)
                 assert all(t >= 0 for c in out.outputs for t in c.token_ids)  # no placeholder leaks out
     # every fetch but the last follows the dispatch of the next step
     assert events[:2] == ["dispatch", "dispatch"]
@@ -154,16 +155,18 @@ def test_switching_async_scheduling_off_mid_run_loses_nothing():
         engine = llm.engine
         params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
         engine.add_request("a", None, params, list(range(5, 25)))
-        outputs = []
+        deltas = []
         for _ in range(3):
-            outputs += engine.step()
+            deltas += engine.step()
         assert engine._in_flight is not None
         engine.async_scheduling = False
         while engine.has_unfinished_requests():
-            outputs += engine.step()
+            deltas += engine.step()
         assert engine._in_flight is None
-        final = [o for o in outputs if o.finished]
-        assert len(final) == 1 and len(final[0].outputs[0].token_ids) == 10
+        assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
+        totals = OutputAccumulator()
+        final = [totals.add(d) for d in deltas][-1]
+        assert len(final.outputs[0].token_ids) == 10
         engine.async_scheduling = True
         assert llm.generate(prompt_token_ids=[list(range(5, 25))], sampling_params=params)[0].outputs[0].token_ids \
-            == final[0].outputs[0].token_ids
+            == final.outputs[0].token_ids

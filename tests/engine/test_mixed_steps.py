@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.engine.output_processor import OutputAccumulator
 
 SETTINGS = dict(dtype="float32", page_size=8, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
                 enable_prefix_caching=False, warm_up=False)
@@ -30,18 +31,24 @@ def test_long_prompt_rides_along_with_running_decodes(llm):
         return plans[-1]
 
     engine.scheduler.schedule = recording_schedule
+    totals = OutputAccumulator()  # the engine emits deltas: every step's are summed
+
+    def step():
+        for delta in engine.step():
+            totals.add(delta)
+
     try:
         for i, prompt in enumerate(short):
             engine.add_request(f"s{i}", None, SamplingParams(max_tokens=40, **GREEDY), prompt)
         while any(s.num_computed < len(s.prompt_token_ids) for r in engine.requests.values() for s in r.seqs):
-            engine.step()
+            step()
         running = [engine.requests[f"s{i}"].seqs[0] for i in range(3)]
         engine.add_request("long", None, SamplingParams(max_tokens=8, **GREEDY), long_prompt)
         long_seq = engine.requests["long"].seqs[0]
         plans.clear()
         while long_seq.num_computed < len(long_prompt):
             before = [len(s.output_token_ids) for s in running]
-            engine.step()
+            step()
             plan = plans[-1]
             assert plan.kind == "mixed"
             by_seq = {id(r.seq): r for r in plan.rows}
@@ -50,11 +57,9 @@ def test_long_prompt_rides_along_with_running_decodes(llm):
             assert sum(r.num_tokens for r in plan.rows) <= SETTINGS["max_num_batched_tokens"]
             assert [len(s.output_token_ids) for s in running] == [b + 1 for b in before]
         assert len(plans) >= 5  # the prompt took several chunks, each beside the decodes
-        outputs = {}
         while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    outputs[out.request_id] = out.outputs[0].token_ids
+            step()
+        outputs = {rid: out.outputs[0].token_ids for rid, out in totals.outputs.items()}
     finally:
         engine.scheduler.schedule = schedule
     for request_id, prompt, max_tokens in [*((f"s{i}", p, 40) for i, p in enumerate(short)),

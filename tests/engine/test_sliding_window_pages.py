@@ -33,11 +33,12 @@ def run(llm, requests, released: bool, on_step=None):
     `on_step(step)` may return more of them to add at once. Returns {request id: [token ids per
     sample]} and the most pages any sequence held."""
     from jaxserve import SamplingParams
+    from jaxserve.engine.output_processor import OutputAccumulator
 
     eng = llm.engine
     served = eng.blocks.sliding_window
     eng.blocks.sliding_window = window_of(llm) if released else None
-    done, most, step = {}, 0, 0
+    done, most, step, totals = {}, 0, 0, OutputAccumulator()
     pending = sorted(requests, key=lambda r: r[2])
     while pending or eng.has_unfinished_requests():
         while pending and pending[0][2] <= step:
@@ -45,7 +46,7 @@ def run(llm, requests, released: bool, on_step=None):
             eng.add_request(rid, prompt_token_ids=prompt,
                             sampling_params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
                                                            n=n))
-        for out in eng.step():
+        for out in map(totals.add, eng.step()):
             if out.finished:
                 done[out.request_id] = [c.token_ids for c in out.outputs]
         for seq in eng.scheduler.running:

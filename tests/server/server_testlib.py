@@ -29,14 +29,26 @@ class ScriptedEngine(MockAsyncLLMEngine):
         super().__init__(*args, **kwargs)
         self.prompts: list[str] = []
 
-    async def generate(self, request_id, prompt=None, sampling_params=None, prompt_token_ids=None):
+    async def submit(self, request_id, prompt_token_ids, sampling_params, queue, tag=None):
         self.prompts.append(self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False))
-        async for out in super().generate(request_id, prompt, sampling_params, prompt_token_ids):
-            yield out
+        await super().submit(request_id, prompt_token_ids, sampling_params, queue, tag)
 
     def _token(self, req, sibling, k):
         ids = self.tokenizer.encode(self.reply)
         return ids[k] if k < len(ids) else EOS_ID
+
+
+def record_submits(client) -> list[tuple]:
+    """Wrap the app's engine so each engine request's (SamplingParams, prompt ids) is kept, in order."""
+    engine = client.app.state.jaxserve.engine
+    calls, original = [], engine.submit
+
+    async def submit(request_id, prompt_token_ids, sampling_params, queue, tag=None):
+        calls.append((sampling_params, list(prompt_token_ids)))
+        await original(request_id, prompt_token_ids, sampling_params, queue, tag)
+
+    engine.submit = submit
+    return calls
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from server_testlib import parse_metrics, sse_events, wait_until
+from server_testlib import parse_metrics, record_submits, sse_events, wait_until
 
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.testing.mock_engine import VOCAB_SIZE
@@ -348,7 +348,7 @@ def test_max_waiting_503(make_client):
     threads[0].start()
     assert wait_until(lambda: engine.stats()["num_running"] == 1, timeout=10)
     threads[1].start()
-    assert wait_until(lambda: engine.stats()["num_waiting"] == 1, timeout=10)
+    assert wait_until(lambda: engine.stats()["num_waiting"] == 1, timeout=10), (results, engine.stats(), client.app.state.jaxserve.pending_first)
     t0 = time.monotonic()
     err = assert_error(complete(client, max_tokens=1), 503)
     assert err["code"] == "queue_full" and time.monotonic() - t0 < 1.0
@@ -371,8 +371,8 @@ def test_engine_failure_is_500_and_server_keeps_serving(client):
 
 
 def test_mock_engine_delivers_what_it_produced_before_a_failure_to_a_slow_consumer():
-    """The fake engine coalesces outputs a consumer fell behind on; a failure queued behind them still
-    comes after the newest output (a busy machine once turned the in-band stream error above into a 500)."""
+    """A failure queued behind outputs a consumer fell behind on comes after them (a busy machine once
+    turned the in-band stream error above into a 500)."""
     import asyncio
 
     from jaxserve.sampling_params import SamplingParams
@@ -401,14 +401,7 @@ def test_every_sampling_field_reaches_the_engine(make_client):
     """The server hands every sampling field to the engine in one SamplingParams per prompt; n is the
     engine's (one engine request yields all n choices), never a server-side fan-out."""
     client = make_client()
-    engine = client.app.state.jaxserve.engine
-    calls, original = [], engine.generate
-
-    def generate(request_id, prompt=None, sampling_params=None, prompt_token_ids=None):
-        calls.append(sampling_params)
-        return original(request_id, prompt=prompt, sampling_params=sampling_params, prompt_token_ids=prompt_token_ids)
-
-    engine.generate = generate
+    calls = record_submits(client)
     fields = dict(n=3, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=1, stop=["zz"], stop_token_ids=[7],
                   min_tokens=1, repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3, logprobs=2,
                   prompt_logprobs=1, include_stop_str_in_output=True, skip_special_tokens=False, ignore_eos=True)
@@ -416,7 +409,7 @@ def test_every_sampling_field_reaches_the_engine(make_client):
     assert out.status_code == 200, out.text
     out = out.json()
     assert len(out["choices"]) == 3 and out["usage"]["completion_tokens"] == 12
-    (params,) = calls
+    ((params, _),) = calls
     assert isinstance(params, SamplingParams) and params.max_tokens == 4
     expected = {**fields, "stop": ("zz",), "stop_token_ids": (7,)}
     assert {k: getattr(params, k) for k in expected} == expected

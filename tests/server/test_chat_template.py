@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from server_testlib import record_submits
 
 from jaxserve import serve
 from jaxserve.config import EngineConfig
@@ -123,28 +124,16 @@ def test_broken_checkpoint_template_names_its_file(tmp_path, capsys):
     assert f"{model / 'tokenizer_config.json'}" in err and "--chat-template" in err
 
 
-def recording(client) -> list:
-    engine = client.app.state.jaxserve.engine
-    calls, original = [], engine.generate
-
-    def generate(request_id, prompt=None, sampling_params=None, prompt_token_ids=None):
-        calls.append(list(prompt_token_ids or []))
-        return original(request_id, prompt=prompt, sampling_params=sampling_params, prompt_token_ids=prompt_token_ids)
-
-    engine.generate = generate
-    return calls
-
-
 def test_server_renders_with_the_start_up_renderer_and_kwargs(make_client):
     tok = MockTokenizer()
     client = make_client(chat_renderer=build_chat_renderer(tok, MODERN))
     assert client.get("/v1/capabilities").json()["chat_template"] == "setting"
-    calls = recording(client)
+    calls = record_submits(client)
     body = {"messages": CONVERSATION[1:2], "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False},
             "documents": [{"title": "T", "text": "x"}]}
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
-    assert tok.decode(calls[-1], skip_special_tokens=False) == "<|endoftext|>[DOC T]x[/DOC]<u>Hi</u><a><think></think>"
+    assert tok.decode(calls[-1][1], skip_special_tokens=False) == "<|endoftext|>[DOC T]x[/DOC]<u>Hi</u><a><think></think>"
     bad = client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"add_generation_prompt": False}})
     assert bad.status_code == 400 and "add_generation_prompt" in bad.json()["error"]["message"]
     tools = client.post("/v1/chat/completions", json={**body, "tools": [{"type": "function"}]})

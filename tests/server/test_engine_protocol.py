@@ -10,7 +10,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.server.engine_protocol import ServerTokenizer, ServingEngine
 from jaxserve.testing.mock_engine import MockAsyncLLMEngine, MockTokenizer, mock_settings
 
-MEMBERS = ("tokenizer", "max_model_len", "settings", "start", "shutdown", "generate", "abort", "stats")
+MEMBERS = ("tokenizer", "max_model_len", "settings", "start", "shutdown", "submit", "abort", "stats")
 
 
 class StubLLMEngine:
@@ -33,7 +33,7 @@ def real_engine():
 
 def test_protocol_names_what_the_server_uses():
     assert set(MEMBERS) <= set(dir(ServingEngine))
-    assert inspect.iscoroutinefunction(ServingEngine.abort)
+    assert inspect.iscoroutinefunction(ServingEngine.submit) and not inspect.iscoroutinefunction(ServingEngine.abort)
 
 
 def test_real_engine_satisfies_the_protocol():
@@ -41,7 +41,8 @@ def test_real_engine_satisfies_the_protocol():
     assert isinstance(engine, ServingEngine)
     assert engine.max_model_len == 96 and engine.settings.max_model_len == 96
     assert isinstance(engine.tokenizer, ServerTokenizer)
-    assert inspect.isasyncgenfunction(type(engine).generate) and inspect.iscoroutinefunction(type(engine).abort)
+    assert inspect.iscoroutinefunction(type(engine).submit) and not inspect.iscoroutinefunction(type(engine).abort)
+    assert inspect.isasyncgenfunction(type(engine).generate)  # for research code: the deltas of one request
     for name in MEMBERS:
         assert hasattr(engine, name), name
 
@@ -51,7 +52,8 @@ def test_mock_engine_satisfies_the_protocol():
     assert isinstance(engine, ServingEngine)
     assert engine.max_model_len == 80 and engine.settings.max_model_len == 80
     assert isinstance(engine.tokenizer, ServerTokenizer)
-    assert inspect.isasyncgenfunction(type(engine).generate) and inspect.iscoroutinefunction(type(engine).abort)
+    assert inspect.iscoroutinefunction(type(engine).submit) and not inspect.iscoroutinefunction(type(engine).abort)
+    assert inspect.isasyncgenfunction(type(engine).generate)
     assert set(engine.stats()) >= {"num_running", "num_waiting"}
 
 
@@ -63,7 +65,7 @@ def test_an_object_lacking_a_member_does_not():
 
         def start(self): ...
         def shutdown(self): ...
-        def generate(self, request_id, prompt=None, sampling_params=None, prompt_token_ids=None): ...
+        async def submit(self, request_id, prompt_token_ids, sampling_params, queue, tag=None): ...
         def stats(self): ...
 
     assert not isinstance(NoAbort(), ServingEngine)

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from server_testlib import record_submits
 
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
@@ -91,23 +92,10 @@ def test_bad_file_or_dir_fails_at_start_up(tmp_path):
 # ---- the server's plumbing (mock engine: which SamplingParams the engine is handed) ---------------
 
 
-def recording(client) -> list:
-    """Wrap the app's engine so each request's SamplingParams and prompt ids are kept."""
-    engine = client.app.state.jaxserve.engine
-    calls, original = [], engine.generate
-
-    def generate(request_id, prompt=None, sampling_params=None, prompt_token_ids=None):
-        calls.append((sampling_params, list(prompt_token_ids or [])))
-        return original(request_id, prompt=prompt, sampling_params=sampling_params, prompt_token_ids=prompt_token_ids)
-
-    engine.generate = generate
-    return calls
-
-
 def test_server_fills_unset_fields_from_the_defaults(make_client, qwen_like):
     gen = load_generation_defaults(EngineConfig(generation_config=qwen_like), log=False)
     client = make_client(generation_defaults=gen)
-    calls = recording(client)
+    calls = record_submits(client)
     assert client.post("/v1/completions", json={"prompt": "ab"}).status_code == 200
     p = calls[-1][0]
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty, p.max_tokens) == (0.7, 0.8, 20, 1.05, 16)
@@ -125,16 +113,16 @@ def test_completions_default_max_tokens_follows_vllm(make_client):
     """/v1/completions: min(16, max_new_tokens); chat: min(max_new_tokens, what is left of the context)."""
     few = load_generation_defaults(EngineConfig(override_generation_config={"max_new_tokens": 5}), log=False)
     client = make_client(generation_defaults=few)
-    calls = recording(client)
+    calls = record_submits(client)
     client.post("/v1/completions", json={"prompt": "ab"})
     assert calls[-1][0].max_tokens == 5
     plain = make_client()
-    calls = recording(plain)
+    calls = record_submits(plain)
     plain.post("/v1/completions", json={"prompt": "ab"})
     assert calls[-1][0].max_tokens == 16 and calls[-1][0].temperature == 1.0  # the built-in defaults
     many = make_client(generation_defaults=load_generation_defaults(
         EngineConfig(override_generation_config={"max_new_tokens": 10_000}), log=False))
-    calls = recording(many)
+    calls = record_submits(many)
     many.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     max_len = many.app.state.jaxserve.max_model_len
     assert calls[-1][0].max_tokens == max_len - len(calls[-1][1])

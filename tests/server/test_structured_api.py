@@ -147,6 +147,7 @@ def test_gated_grammar_on_the_engine_after_the_models_own_marker(client):
     tokens): free text through the marker, then JSON that parses."""
     import asyncio
 
+    from jaxserve.engine.output_processor import OutputAccumulator
     from jaxserve.sampling_params import SamplingParams
     from jaxserve.structured import StructuredSpec
 
@@ -154,9 +155,9 @@ def test_gated_grammar_on_the_engine_after_the_models_own_marker(client):
     prompt = engine.tokenizer.encode("The weather today is")
 
     async def run(params):
-        out = None
-        async for out in engine.generate(None, None, params, list(prompt)):
-            pass
+        total = OutputAccumulator()
+        async for delta in engine.generate(None, None, params, list(prompt)):
+            out = total.add(delta)
         return out.outputs[0]
 
     free = asyncio.run(run(SamplingParams(temperature=0, max_tokens=4)))
