@@ -151,8 +151,7 @@ class LLMEngine:
         if self.closed:
             return 0
         copies = self.num_replicas * (2 if self.settings.speculation == "draft" else 1)
-        return (len(self.runner._executables) + (len(self.spec._executables) if self.spec is not None else 0)
-                + (copies if self.compiles_at_warm_up is not None else 0))
+        return len(self.runner._executables) + (copies if self.compiles_at_warm_up is not None else 0)
 
     # ---- release -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -512,9 +511,7 @@ class LLMEngine:
     def _copy_forked_pages(self, plan: SchedulerOutput) -> None:
         for replica in {c[0] for c in plan.page_copies}:
             pairs = np.asarray([(s, d) for r, s, d in plan.page_copies if r == replica], np.int32)
-            self.runner.copy_pages(replica, pairs[:, 0], pairs[:, 1])
-            if self.spec is not None:
-                self.spec.copy_pages(replica, pairs[:, 0], pairs[:, 1])
+            self.runner.copy_pages(replica, pairs[:, 0], pairs[:, 1])  # the draft's cache too
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.output_token_ids.append(token)

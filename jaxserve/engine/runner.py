@@ -1,9 +1,12 @@
 """The model runner: packs scheduled rows into one ragged step, calls its executable, fetches samples.
 
-It is the only place where host state becomes device arrays. A step is a flat axis of `N` tokens
-per replica (`jaxserve.ragged`): decodes, prompt chunks and their mix in one call. Each (tokens,
-pages) bucket of `buckets.step_shapes` is compiled once ahead of time; the cache is donated into
-every call and replaced by the result.
+It is the only place where host state becomes device arrays, and the one owner of executables. A
+step is a flat axis of `N` tokens per replica (`jaxserve.ragged`): decodes, prompt chunks and their
+mix in one call. Each (tokens, pages) bucket of `buckets.step_shapes` is compiled once ahead of time;
+the cache is donated into every call and replaced by the result. With speculative decoding the
+runner also holds the draft's params and cache and the speculative executables (`spec_steps`: verify
+steps and the draft's prefill), lowered, compiled, warmed up, called and broadcast to the other
+processes of a multi-host job the same way; `jaxserve.spec_decode` packs their inputs.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.engine import buckets as bucket_shapes
 from jaxserve.engine.buckets import MULTI_STEP, SCORE, BucketTable, pick_step_shape
+from jaxserve.engine import spec_steps
 from jaxserve.engine.compile import CompileCounter, step_compiler_options
 from jaxserve.errors import EngineClosedError
 from jaxserve.kv_cache import KVCache, RaggedBatch, cache_shardings, copy_pages_padded
@@ -257,7 +261,9 @@ class ModelRunner:
         self.shardings = shardings  # jaxserve.sharding.Shardings or None
         self.num_replicas = cache.num_replicas
         self.num_scheduler_steps = num_scheduler_steps  # > 1: decode buckets get a multi-step variant
-        self._executables: dict[tuple, Any] = {}  # (tokens, pages) or (..., "score" | "multi-step")
+        # Every executable: (tokens, pages) or (..., "score" | "multi-step"); speculative decoding's
+        # (batch, pages, drafts, "verify") and (batch, tokens, pages, "draft") (jaxserve.engine.spec_steps).
+        self._executables: dict[tuple, Any] = {}
         self._layouts: dict[tuple, Layout] = {}  # how each bucket's inputs are packed
         self._idle: dict[int, tuple] = {}  # per L: the sparse sampling inputs of steps that use none
         self.last_sparse: tuple | None = None  # the last step's sparse sampling inputs (benchmarks reuse them)
@@ -292,13 +298,25 @@ class ModelRunner:
         self.carry_sharding = None if shardings is None else jax.sharding.NamedSharding(
             shardings.mesh, jax.sharding.PartitionSpec())
         self.carried = jax.device_put(np.zeros((self.num_replicas, buckets.max_rows), np.int32), self.carry_sharding)
+        self.speculation: spec_steps.Speculation | None = None  # enable_speculation
         CompileCounter.install()
+
+    def enable_speculation(self, method: str, num_tokens: int, draft: Any = None) -> spec_steps.Speculation:
+        """Hold speculative decoding's executables too (and, for the draft method, the loaded `draft`
+        model's params and a cache of its own over the same page ids)."""
+        self.speculation = spec_steps.Speculation.load(method, num_tokens, draft, self.cache.num_pages,
+                                                       self.cache.page_size, self.num_replicas)
+        return self.speculation
 
     # ---- compilation ---------------------------------------------------------------------------
     def step_shapes(self) -> list[tuple]:
         """Every (tokens, pages) ragged step the engine may run (and their multi-step variants); see
         `buckets.step_shapes`."""
         return bucket_shapes.step_shapes(self.buckets, self.num_scheduler_steps, self.platform)
+
+    def spec_shapes(self) -> list[tuple]:
+        """Every speculative executable's key (none without speculation); see `spec_steps`."""
+        return spec_steps.spec_shapes(self.buckets, self.speculation, self.platform)
 
     def num_logits(self, num_tokens: int) -> int:
         """Logits a step of `num_tokens` tokens returns: one per row that samples, at most one per
@@ -309,7 +327,9 @@ class ModelRunner:
         """ShapeDtypeStructs of the host inputs of bucket `shape`, as `run_packed` takes them:
         (RaggedBatch, SamplingTensors, TokenMask), plus (sample index, targets) for a scoring variant or each
         row's step count for a multi-step one. (They travel packed: jaxserve.transfer gives the one
-        packed array its sharding.)"""
+        packed array its sharding.) A speculative step's: see `spec_steps.step_inputs`."""
+        if spec_steps.is_speculative(shape):
+            return spec_steps.step_inputs(shape, self.num_replicas, self.history_len)
         N, P = shape[:2]
         R, S = self.num_replicas, self.buckets.max_rows
         L = self.num_logits(N)
@@ -333,6 +353,9 @@ class ModelRunner:
         return bucket_shapes.score_shapes(self.buckets)
 
     def _lower(self, shape: tuple):
+        if spec_steps.is_speculative(shape):
+            layout = self._layouts[shape] = Layout.of(self.step_inputs(shape))
+            return spec_steps.lower(self, shape, layout)
         cache_sharding = None if self.shardings is None else cache_shardings(
             self.shardings, "int8" if self.cache.quantized else "auto")
         static = dict(cfg=self.cfg, options=self.options, cache_sharding=cache_sharding,
@@ -369,7 +392,7 @@ class ModelRunner:
         from tqdm import tqdm
 
         shapes = [s for s in (shapes if shapes is not None else self.step_shapes()) if s not in self._executables]
-        logger.info("compiling %d ragged step buckets (tokens, pages): %s", len(shapes), shapes)
+        logger.info("compiling %d step buckets: %s", len(shapes), shapes)
 
         def compile_one(shape, lowered):
             start = time.perf_counter()
@@ -402,30 +425,55 @@ class ModelRunner:
             if shape in self._ran:
                 continue
             zeros = self._layouts[shape].zeros(self.buffer_sharding)
-            _, self.cache, self.carried = self._executables[shape](self.params, self.cache, self.carried,
-                                                                   self._idle_sparse(shape), zeros)
+            if spec_steps.is_speculative(shape):
+                spec_steps.call(self, self._executables[shape], shape, zeros)
+            else:
+                _, self.cache, self.carried = self._executables[shape](self.params, self.cache, self.carried,
+                                                                       self._idle_sparse(shape), zeros)
             self._ran.add(shape)
         jax.block_until_ready(self.cache)
 
     def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray) -> None:
-        """Copy pages src[i] -> dst[i] of one replica (forked sequences), in one compiled width."""
+        """Copy pages src[i] -> dst[i] of one replica (forked sequences), in one compiled width; the
+        draft's cache too."""
         self.check_open()
         if self.broadcaster is not None:
             self.broadcaster.copy_pages(replica, src, dst)
-        self.cache = copy_pages_padded(self.cache, replica, src, dst, self.buckets.batch_sizes[-1])
+        width = self.buckets.batch_sizes[-1]
+        self.cache = copy_pages_padded(self.cache, replica, src, dst, width)
+        spec = self.speculation
+        if spec is not None and spec.draft_cache is not None:
+            spec.draft_cache = copy_pages_padded(spec.draft_cache, replica, src, dst, width)
 
     def decode_probe(self, batch_size: int):
-        """A callable that runs the plain decode step of `batch_size` rows at the smallest page count
-        on all-zero inputs (the padding page) and returns its samples: what speculation times its
-        verify steps against."""
+        """`probe` of the plain decode step of `batch_size` rows at the smallest page count, every row
+        padding: what speculation times its verify steps against."""
         shape = pick_step_shape(self.buckets, batch_size, 1, self.platform)
+        R, L = self.num_replicas, self.num_logits(shape[0])
+        batch, _, mask = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), self.step_inputs(shape))
+        return self.probe(shape, (batch, SamplingTensors.pack([None] * (R * L), (R, L), self.history_len), mask))
+
+    def probe(self, shape: tuple, inputs: tuple):
+        """A callable that runs bucket `shape`'s executable on these host inputs (rows on the padding
+        page, which no sequence owns) and returns its outputs, for timing: the inputs are copied to the
+        device once, here. Multi-host: every call is handed to the other processes first, as a step."""
         executable = self.compile(shape)
-        if shape not in self._layouts:
-            self._lower(shape)
-        inputs, sparse = self._layouts[shape].zeros(self.buffer_sharding), self._idle_sparse(shape)
+        speculative = spec_steps.is_speculative(shape)
+        if speculative:
+            buffer = self.put_inputs(shape, inputs)
+        else:
+            packed, fields = split_sparse(inputs)
+            sparse, buffer = self._put_sparse(shape, fields), self.put_inputs(shape, packed)
+        if shape not in self._ran:
+            self._ran.add(shape)
+            self.first_runs += 1
 
         def run():
-            out, self.cache, self.carried = executable(self.params, self.cache, self.carried, sparse, inputs)
+            if self.broadcaster is not None:
+                self.broadcaster.step(shape, inputs)
+            if speculative:
+                return spec_steps.call(self, executable, shape, buffer)
+            out, self.cache, self.carried = executable(self.params, self.cache, self.carried, sparse, buffer)
             return out
         return run
 
@@ -445,9 +493,9 @@ class ModelRunner:
         score = any(r.targets is not None for r in rows)
         packed = self._pack(rows, score=score)
         if not score:
-            return PendingSamples(self._run(packed.shape, (packed.batch, packed.sampling, packed.mask)), packed)
+            return PendingSamples(self.run_step(packed.shape, (packed.batch, packed.sampling, packed.mask)), packed)
         sample_index, targets = packed.score_inputs
-        out = self._run(packed.shape + (SCORE,), (packed.batch, packed.sampling, packed.mask, sample_index, targets))
+        out = self.run_step(packed.shape + (SCORE,), (packed.batch, packed.sampling, packed.mask, sample_index, targets))
         return PendingSamples(out, packed)
 
     def execute_multi(self, rows: Sequence[RowWork], steps: Sequence[int]) -> SampleOutput:
@@ -463,7 +511,7 @@ class ModelRunner:
         per_row = np.zeros((self.num_replicas, self.buckets.max_rows), np.int32)
         for (rep, t, _), n in zip(packed.token_at, steps):
             per_row[rep, t] = n  # a pure decode step: row k's token is token k
-        out = jax.device_get(self._run(packed.shape + (MULTI_STEP,),
+        out = jax.device_get(self.run_step(packed.shape + (MULTI_STEP,),
                                        (packed.batch, packed.sampling, packed.mask, per_row)))
         return jax.tree.map(lambda x: x.reshape(x.shape[:1] + (-1,) + x.shape[3:])[:, packed.logit_at], out)
 
@@ -536,7 +584,9 @@ class ModelRunner:
             constrained[[at for _, at in grammars]] = True
         return TokenMask(bitmask.reshape(R, L, -1), constrained.reshape(R, L))
 
-    def _run(self, shape: tuple, inputs: tuple) -> Any:
+    def run_step(self, shape: tuple, inputs: tuple) -> Any:
+        """`run_packed`, handed first to the other processes of a multi-host job (which make the same
+        call): how every step runs, the speculative ones too (`jaxserve.spec_decode` calls it)."""
         if self.broadcaster is None:
             return self.run_packed(shape, inputs)
         self.broadcaster.step(shape, inputs)  # multi-host: the other processes run the same call
@@ -549,7 +599,8 @@ class ModelRunner:
     def run_packed(self, shape: tuple, inputs: tuple) -> Any:
         """Dispatch the compiled step of bucket `shape` on packed host inputs ((RaggedBatch,
         SamplingTensors, ...) of NumPy arrays, leading axis R); returns the samples as device arrays,
-        [R, L, ...] (not waited for). Multi-host followers call this with the inputs process 0 packed."""
+        [R, L, ...] (not waited for). A speculative step's inputs and outputs: `spec_steps`.
+        Multi-host followers call this with the inputs process 0 packed."""
         self.check_open()
         if shape not in self._executables:
             self.unplanned_compiles += 1
@@ -561,6 +612,8 @@ class ModelRunner:
         # Explicit transfers only (the step loop runs under jax.transfer_guard("disallow") in tests):
         # one host->device copy of the packed inputs here (and one of the sparse sampling inputs
         # when a row uses penalties or logit_bias); the samples' copy back is the caller's.
+        if spec_steps.is_speculative(shape):
+            return spec_steps.call(self, executable, shape, self.put_inputs(shape, inputs))
         packed, fields = split_sparse(inputs)
         self.last_sparse = self._put_sparse(shape, fields)
         out, self.cache, self.carried = executable(self.params, self.cache, self.carried, self.last_sparse,
@@ -600,8 +653,8 @@ class ModelRunner:
 
     # ---- release -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Drop every compiled executable and delete the params' and the KV cache's device buffers;
-        afterwards every call raises EngineClosedError. The executables' code is unmapped once JAX's
+        """Drop every compiled executable and delete the params' and the KV caches' device buffers (the
+        draft's too); afterwards every call raises EngineClosedError. The executables' code is unmapped once JAX's
         in-memory compilation cache lets go of them too (`compile.release_compiled_code`, which
         `LLMEngine.close` calls after this)."""
         if self.closed:
@@ -614,6 +667,10 @@ class ModelRunner:
         self._ran.clear()
         delete_buffers((self.params, self.cache, self.carried))
         self.params = self.cache = self.carried = None
+        if self.speculation is not None:
+            spec = self.speculation
+            delete_buffers((spec.draft_params, spec.draft_cache))
+            spec.draft_params = spec.draft_cache = None
 
     def check_open(self) -> None:
         if self.closed:

@@ -1,7 +1,10 @@
-"""SpeculativeDecoder: the host side of speculative decoding. It loads the draft and its cache, decides
-each sequence's proposals (with the scheduler, which gives them pages), packs a speculative step
-into bucketed arrays, runs its AOT-compiled executable, and keeps the draft's cache in step with the
-target's (draft prefill alongside every target prefill; catch-up when it fell behind).
+"""SpeculativeDecoder: the host side of speculative decoding. It decides each sequence's proposals (with
+the scheduler, which gives them pages) and how many (the adaptive policy, from measured step times),
+packs a speculative step into bucketed arrays, has the runner run it, records what was accepted, and
+keeps the draft's cache in step with the target's (draft prefill alongside every target prefill;
+catch-up when it fell behind). The runner holds the draft's params and cache and every executable
+(`jaxserve.engine.spec_steps`): it lowers, compiles, warms up and calls them, and a multi-host job's
+other processes run them too.
 """
 
 from __future__ import annotations
@@ -17,17 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine.buckets import BucketTable, draft_buckets, pick_bucket, speculative_shapes
-from jaxserve.engine.runner import delete_buffers
+from jaxserve.engine.buckets import DRAFT, BucketTable, draft_buckets, pick_bucket
 from jaxserve.errors import ConfigError
-from jaxserve.kv_cache import PADDING_PAGE, StepBatch, cache_shardings, copy_pages_padded, init_cache
+from jaxserve.kv_cache import PADDING_PAGE, StepBatch
 from jaxserve.model.weights import param_bytes
 from jaxserve.sampling import RowSampling, SamplingTensors
 from jaxserve.spec_decode.ngram import TokenBuffer, propose_ngram
 from jaxserve.spec_decode.policy import SpecPolicy, SpecState
 from jaxserve.spec_decode.rejection import VerifyOutput
-from jaxserve.spec_decode.step import SpecInputs, SpecOptions, draft_prefill_jit, spec_step_jit
-from jaxserve.transfer import Layout
+from jaxserve.spec_decode.step import VERIFY, SpecInputs
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ class SpecCounters:
 
 class SpeculativeDecoder:
     """Speculative decoding for one engine: `lookahead` (scheduler hook), `run` (a speculative step),
-    `after_step` (keeps the draft's cache in step after plain steps), `copy_pages` (forks)."""
+    `after_step` (keeps the draft's cache in step after plain steps). Device state and executables are
+    the runner's (`runner.speculation`, `runner.run_step`)."""
 
     def __init__(self, settings: EngineConfig, runner: Any, blocks: Any, buckets: BucketTable, max_model_len: int,
                  draft: Any = None):
@@ -110,15 +112,8 @@ class SpeculativeDecoder:
         self.max_model_len = max_model_len
         self.num_replicas = runner.num_replicas
         self.draft_buckets = draft_buckets(self.k, jax.default_backend())
-        self.accept_all = False  # a deliberately wrong verifier: only the test that must catch it sets this
         self.counters = SpecCounters()
         self.decode_steps = 0
-        self._executables: dict[tuple, Any] = {}
-        self._layouts: dict[tuple, Layout] = {}  # how each compiled shape's inputs are packed
-        self.unplanned_compiles = 0
-        sh = runner.shardings
-        self._cache_sharding = None if sh is None else cache_shardings(sh, "int8" if runner.cache.quantized else "auto")
-        self.draft_cfg = self.draft_params = self.draft_cache = self._draft_cache_sharding = None
         # Seconds per decode step: ("plain", batch) and ("spec", batch, drafts). `_device` from timing the
         # compiled steps (calibration), `_wall` the engine's recent whole steps (host work too). A median,
         # not an average: one slow step (a collection, another process on the core) must not price a
@@ -128,23 +123,25 @@ class SpeculativeDecoder:
         self._wall_median: dict[tuple, float] = {}  # of the kinds with MIN_STEP_TIME_SAMPLES samples or more
         self._timing: tuple | None = None  # what the current engine step is, for record_step_time
         self._untimed = False  # the current step compiled, calibrated or first ran something: not a sample
+        # Runner calls that ran an executable for the first time (~15 ms slower on a CPU): no samples.
         self._runner_first_runs = runner.first_runs
-        self._ran: set[tuple] = set()  # shapes whose executable has run (a first run is ~15 ms slower)
         if self.method == "draft":
             if draft is None:
                 raise ValueError("the draft method needs the loaded draft model")
             if draft.cfg.max_position_embeddings < max_model_len:
                 raise ConfigError(f"the draft model handles {draft.cfg.max_position_embeddings} positions, fewer "
                                   f"than max_model_len={max_model_len}: lower max_model_len")
-            self.draft_cfg, self.draft_params = draft.cfg, draft.params
-            self.draft_cache = init_cache(draft.cfg, runner.cache.num_pages, runner.cache.page_size, draft.dtype,
-                                          self.num_replicas, draft.shardings.cache)
-            self._draft_cache_sharding = cache_shardings(draft.shardings, "auto")
             logger.info("draft model: %.1f M parameters (the model: %.1f M)", param_bytes(draft.params) / 4e6,
                         param_bytes(runner.params) / 4e6)
+        self.speculation = runner.enable_speculation(self.method, self.k, draft if self.method == "draft" else None)
         self.policy = SpecPolicy(self.k, settings.speculative_adaptive)
         logger.info("speculative decoding: %s, %d tokens per step%s (adaptive=%s)", self.method, self.k,
                     f" from {settings.speculative_model}" if draft is not None else "", settings.speculative_adaptive)
+
+    @property
+    def draft_params(self) -> Any:
+        """The draft's params (the runner holds them; None without a draft or once closed)."""
+        return self.speculation.draft_params
 
     # ---- per-sequence decisions (called by the scheduler) ------------------------------------------
     @staticmethod
@@ -213,15 +210,8 @@ class SpeculativeDecoder:
         run_plain = self.runner.decode_probe(B)
 
         def run_spec(d):
-            executable = self._executable((B, P, d))
-            inputs = self._put((B, P, d), (self._empty_inputs(R, B, P, d).replace(
+            return self.runner.probe((B, P, d, VERIFY), (self._empty_inputs(R, B, P, d).replace(
                 num_new=np.full((R, B), d + 1, np.int32), draft_len=np.ones((R, B), np.int32)), sampling))
-
-            def run():
-                out, self.runner.cache, self.draft_cache = executable(
-                    self.runner.params, self.runner.cache, self.draft_params, self.draft_cache, inputs)
-                return out
-            return run
 
         self._untimed = True
         self._device[("plain", B)] = _median_seconds(run_plain)
@@ -244,94 +234,15 @@ class SpeculativeDecoder:
                           drafts=zeros(R, B, d), draft_tokens=zeros(R, B, 2), draft_start=zeros(R, B),
                           draft_len=zeros(R, B), want_logprobs=np.zeros((R, B), bool))
 
-    # ---- compilation -------------------------------------------------------------------------------
-    def step_shapes(self) -> list[tuple]:
-        """(batch, pages, drafts) of the speculative step, and (batch, tokens, pages, "draft") of the
-        draft's prefill."""
-        return speculative_shapes(self.buckets, self.k, self.method, jax.default_backend())
-
-    def _lower(self, shape: tuple):
-        R = self.num_replicas
-        buffer_sharding = self.runner.buffer_sharding
-        if len(shape) == 4:
-            B, T, P, _ = shape
-            layout = self._layouts[shape] = Layout.of((self._empty_prefill(R, B, T, P),))
-            return draft_prefill_jit.trace(self.draft_params, self.draft_cache, layout.spec(buffer_sharding),
-                                           layout=layout, cfg=self.draft_cfg, options=self.runner.options,
-                                           cache_sharding=self._draft_cache_sharding).lower()
-        B, P, d = shape
-        layout = self._layouts[shape] = Layout.of((self._empty_inputs(R, B, P, d),
-                                                   SamplingTensors.spec((R, B), self.runner.history_len)))
-        options = SpecOptions(method=self.method, num_tokens=d, accept_all=self.accept_all)
-        return spec_step_jit.trace(
-            self.runner.params, self.runner.cache, self.draft_params, self.draft_cache, layout.spec(buffer_sharding),
-            layout=layout, cfg=self.runner.cfg, draft_cfg=self.draft_cfg, options=self.runner.options, spec=options,
-            cache_sharding=self._cache_sharding, draft_cache_sharding=self._draft_cache_sharding).lower()
-
-    def _executable(self, shape: tuple):
-        self.runner.check_open()
-        executable = self._executables.get(shape)
-        if executable is None:
-            self._untimed = True
-            self.unplanned_compiles += 1
-            logger.warning("compiling unplanned speculative shape %s", shape)
-            executable = self._executables[shape] = self._lower(shape).compile(self._compiler_options())
-        if shape not in self._ran:  # every caller runs it next
-            self._ran.add(shape)
-            self._untimed = True
-        return executable
-
-    def _compiler_options(self):
-        return getattr(self.runner, "compiler_options", None)
-
-    def warm_up(self, progress: bool = True) -> list[tuple]:
-        """Compile every speculative bucket ahead of time (lowered one by one, compiled in parallel)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from tqdm import tqdm
-
-        shapes = [s for s in self.step_shapes() if s not in self._executables]
-        logger.info("compiling %d speculative buckets: %s", len(shapes), shapes)
-        timings = []
-
-        def compile_one(shape, lowered):
-            start = time.perf_counter()
-            return shape, lowered.compile(self._compiler_options()), time.perf_counter() - start
-
-        with ThreadPoolExecutor(max_workers=2) as pool, tqdm(total=len(shapes), desc="compiling speculative buckets",
-                                                            disable=not progress, unit="bucket") as bar:
-            futures = []
-            for shape in shapes:
-                future = pool.submit(compile_one, shape, self._lower(shape))
-                future.add_done_callback(lambda _: bar.update(1))
-                futures.append(future)
-            for future in futures:
-                shape, executable, seconds = future.result()
-                self._executables[shape] = executable
-                timings.append((shape, seconds))
-        self._run_each_once(shapes)
-        if self.method == "draft":
-            for replica in range(self.num_replicas):
-                self.copy_pages(replica, np.zeros(0, np.int32), np.zeros(0, np.int32))
+    # ---- warm-up -----------------------------------------------------------------------------------
+    def warm_up(self) -> list[tuple]:
+        """Have the runner compile and first-run every speculative executable (`runner.spec_shapes`),
+        then time them for the adaptive policy; returns the runner's (shape, seconds) per executable."""
+        timings = self.runner.warm_up(self.runner.spec_shapes())
         if self.policy.adaptive:
             for batch in self.buckets.batch_sizes:
                 self.costs(batch)
         return timings
-
-    def _run_each_once(self, shapes: Sequence[tuple]) -> None:
-        """Call each executable once on all-zero inputs (rows on the padding page): a first call costs
-        ~15 ms more on a CPU (see ModelRunner.run_each_once)."""
-        for shape in shapes:
-            if shape in self._ran:
-                continue
-            zeros = self._layouts[shape].zeros(self.runner.buffer_sharding)
-            if len(shape) == 4:  # the draft's prefill
-                self.draft_cache = self._executables[shape](self.draft_params, self.draft_cache, zeros)
-            else:
-                _, self.runner.cache, self.draft_cache = self._executables[shape](
-                    self.runner.params, self.runner.cache, self.draft_params, self.draft_cache, zeros)
-            self._ran.add(shape)
-        jax.block_until_ready(self.runner.cache)
 
     # ---- keeping the draft's cache in step ---------------------------------------------------------
     def after_step(self, kind: str, rows: Sequence[Any], works: Sequence[Any]) -> None:
@@ -362,8 +273,7 @@ class SpeculativeDecoder:
                 batch.tokens[rep, b, : len(toks)] = toks
                 batch.start_pos[rep, b], batch.num_new[rep, b] = pos, len(toks)
                 batch.page_table[rep, b, : len(pages)] = pages
-        executable = self._executable((B, T, P, "draft"))
-        self.draft_cache = executable(self.draft_params, self.draft_cache, self._put((B, T, P, "draft"), (batch,)))
+        self.runner.run_step((B, T, P, DRAFT), (batch,))
 
     def _catch_up(self, rows: Sequence[Any]) -> None:
         """Rows whose draft is 2+ tokens behind (plain decode steps ran without it) catch up to 1 behind:
@@ -388,15 +298,11 @@ class SpeculativeDecoder:
                 self._draft_prefill(works[at : at + rows_per_call])
 
     def _rows_per_prefill(self, works: list[tuple]) -> int:
-        """Rows of these chunks that one compiled draft-prefill bucket takes (see step_shapes)."""
+        """Rows of these chunks that one compiled draft-prefill bucket takes (see
+        `buckets.speculative_shapes`)."""
         b, t = self.buckets.batch_sizes, self.buckets.chunk_sizes
         T = pick_bucket(max(max(len(w[0]) for w in works), t[0]), t)
         return b[-1] if T == t[0] else max([bs for bs in b if bs * T <= t[-1]] or [1])
-
-    def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray) -> None:
-        """The draft's half of a fork's page copies (the runner copies the target's)."""
-        if self.draft_cache is not None:
-            self.draft_cache = copy_pages_padded(self.draft_cache, replica, src, dst, self.buckets.batch_sizes[-1])
 
     # ---- the speculative step ----------------------------------------------------------------------
     def run(self, rows: Sequence[Any]) -> VerifyOutput:
@@ -438,11 +344,8 @@ class SpeculativeDecoder:
                     output_ids=seq.output_token_ids)
                 where[i] = rep * B + b
         sampling = SamplingTensors.pack(flat_sampling, (R, B), self.runner.history_len)
-        executable = self._executable((B, P, d))
         self._timing = ("spec", B, d)
-        out, self.runner.cache, self.draft_cache = executable(
-            self.runner.params, self.runner.cache, self.draft_params, self.draft_cache,
-            self._put((B, P, d), (inputs, sampling)))
+        out = self.runner.run_step((B, P, d, VERIFY), (inputs, sampling))
         out = jax.tree.map(lambda x: x.reshape((R * B,) + x.shape[2:])[where], jax.device_get(out))
 
         self.decode_steps += 1
@@ -458,19 +361,12 @@ class SpeculativeDecoder:
                 state.lag = 1 if 0 < k == n else 0  # a fully accepted run: the draft never fed its last draft
         return out
 
-    def _put(self, shape: tuple, inputs: Any) -> jax.Array:
-        """Host inputs of compiled shape `shape` packed and copied to the device in one explicit transfer
-        (sharded over the replicas on a mesh); the shape must have been compiled."""
-        return self._layouts[shape].put(inputs, self.runner.buffer_sharding)
-
     def close(self) -> None:
-        """Drop the speculative executables and delete the draft's params and cache (the runner, closed
-        by the engine, deletes the target's)."""
-        self._executables.clear()
-        self._layouts.clear()
-        self._ran.clear()
-        delete_buffers((self.draft_params, self.draft_cache))
-        self.draft_params = self.draft_cache = None
+        """Forget the measured step times. The executables and the draft's params and cache are the
+        runner's, released by its close()."""
+        self._device.clear()
+        self._wall.clear()
+        self._wall_median.clear()
 
     # ---- observability -------------------------------------------------------------------------------
     def stats(self) -> dict:

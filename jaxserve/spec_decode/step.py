@@ -24,6 +24,8 @@ from jaxserve.spec_decode.rejection import VerifyOutput, verify
 from jaxserve.steps import StepOptions, model_step
 from jaxserve.transfer import from_buffer
 
+VERIFY = "verify"  # the tag of a verify step's executable key (batch, pages, drafts, VERIFY) in the runner
+
 
 @dataclasses.dataclass(frozen=True)
 class SpecOptions:
@@ -70,8 +72,10 @@ def spec_step(
     spec: SpecOptions,
     cache_sharding: KVCache | None = None,
     draft_cache_sharding: KVCache | None = None,
+    out_sharding: jax.sharding.Sharding | None = None,
 ) -> tuple[VerifyOutput, KVCache, KVCache | None]:
-    """VerifyOutput with leading axes [R, B], and both caches."""
+    """VerifyOutput with leading axes [R, B], and both caches. `out_sharding`: on a mesh spanning
+    processes, the outputs replicated, so that process 0 can read all of them."""
     R, B = inputs.pos.shape
     K = spec.num_tokens
     num_draft = jnp.maximum(inputs.num_new - 1, 0)
@@ -91,12 +95,16 @@ def spec_step(
     cache = constrain(cache, cache_sharding)
     out = verify(logits.reshape(R * B, K + 1, -1), drafts.reshape(R * B, K), draft_probs,
                  num_draft.reshape(R * B), st, inputs.want_logprobs.reshape(R * B), accept_all=spec.accept_all)
-    return jax.tree.map(lambda x: x.reshape((R, B) + x.shape[1:]), out), cache, draft_cache
+    out = jax.tree.map(lambda x: x.reshape((R, B) + x.shape[1:]), out)
+    if out_sharding is not None:
+        out = jax.lax.with_sharding_constraint(out, out_sharding)
+    return out, cache, draft_cache
 
 
 # Compiled as (params, cache, draft params, draft cache, packed inputs): see jaxserve.transfer.
 spec_step_jit = jax.jit(from_buffer(spec_step, 4), static_argnames=(
-    "layout", "cfg", "draft_cfg", "options", "spec", "cache_sharding", "draft_cache_sharding"), donate_argnums=(1, 3))
+    "layout", "cfg", "draft_cfg", "options", "spec", "cache_sharding", "draft_cache_sharding", "out_sharding"),
+    donate_argnums=(1, 3))
 
 
 def draft_prefill(params: Params, cache: KVCache, batch: StepBatch, *, cfg: ModelConfig, options: StepOptions,

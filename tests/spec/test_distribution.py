@@ -60,8 +60,9 @@ def test_sampled_tokens_follow_the_target_and_a_wrong_verifier_is_caught(models)
     pvalue = chi_square_pvalue(counts, joint)
     assert pvalue > SIGNIFICANCE, pvalue
 
-    spec = llm.engine.spec
-    spec.accept_all = True
-    spec._executables.clear()  # recompile the speculative step with the wrong verifier
+    runner = llm.runner
+    runner.speculation.accept_all = True
+    for shape in runner.spec_shapes():  # recompile the speculative steps with the wrong verifier
+        runner._executables.pop(shape, None)
     wrong = sample_counts(llm, REQUESTS // 4)
     assert chi_square_pvalue(wrong, joint) < 1e-6

@@ -35,7 +35,8 @@ def test_no_compilation_after_warm_up_with_speculation(hf_model_dir, tmp_path, m
     # with the machine's load. The draft speculates every third decode step (plain steps leave it
     # behind, so speculative steps run its catch-up too); n-gram on every step, where it finds a match.
     decoder.policy = SpeculateEvery(3 if method == "draft" else 1)
-    assert set(decoder.step_shapes()) <= set(decoder._executables)
+    # One owner: the runner compiled the speculative executables with its own steps.
+    assert set(llm.runner.spec_shapes()) <= set(llm.runner._executables)
     before = CompileCounter.requests
     rng = np.random.RandomState(0)
     for batch in (1, 2, 2, 1):
@@ -48,7 +49,7 @@ def test_no_compilation_after_warm_up_with_speculation(hf_model_dir, tmp_path, m
     llm.generate(prompt_token_ids=[[5, 6, 7, 5, 6]], sampling_params=SamplingParams(n=2, max_tokens=20, seed=1),
                  use_tqdm=False)
     assert CompileCounter.requests == before
-    assert llm.runner.unplanned_compiles == 0 and decoder.unplanned_compiles == 0
+    assert llm.runner.unplanned_compiles == 0
     stats = llm.engine.stats()
     assert stats["spec_decode_num_steps"] > 0 and stats["compiles_after_warmup"] == 0
     assert stats["spec_decode_num_steps"] < decoder.decode_steps  # plain steps ran too

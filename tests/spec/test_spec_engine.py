@@ -8,6 +8,7 @@ from spec_testlib import perturbed_copy
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.errors import ConfigError
+from jaxserve.spec_decode.step import VERIFY
 
 # Small buckets keep compilation short: batches 1-4, 4 or 8 pages of 8 tokens, chunks of 16 or 32.
 BASE = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
@@ -150,7 +151,7 @@ def test_speculative_steps_make_only_explicit_transfers(draft_llm):
     # The guarded steps run 3 rows (batch bucket 4) over at most 4 pages, at any verify width: compile
     # those first (a compilation inside the guard would write the compilation cache and trip it).
     for drafts in engine.spec.draft_buckets:
-        engine.spec._executable((4, 4, drafts))
+        engine.runner.compile((4, 4, drafts, VERIFY))
     rng = np.random.RandomState(9)
     for i in range(3):
         engine.add_request(f"g{i}", prompt_token_ids=rng.randint(0, 512, size=6).tolist(),
