@@ -151,10 +151,12 @@ class SpeculativeDecoder:
         return seq.spec
 
     def lookahead(self, seq: Any, batch_size: int) -> int:
-        """Draft tokens to propose for `seq` this decode step in a batch of `batch_size` rows (the
-        scheduler then gives them pages)."""
+        """Draft tokens to propose for `seq` this decode step in a batch of `batch_size` rows, all
+        replicas together (the scheduler then gives them pages)."""
         state = self.state(seq)
-        costs = self.costs(batch_size) if self.policy.adaptive else None
+        # Steps are priced by their per-replica batch bucket; the replicas' rows taken as balanced.
+        per_replica = min(-(-batch_size // self.num_replicas), self.buckets.batch_sizes[-1])
+        costs = self.costs(per_replica) if self.policy.adaptive else None
         k = min(self.policy.choose(state, self.decode_steps, costs),
                 seq.params.max_tokens - len(seq.output_token_ids) - 1,  # k + 1 tokens may be emitted
                 self.max_model_len - seq.num_tokens - 1)
@@ -170,7 +172,8 @@ class SpeculativeDecoder:
 
     # ---- what speculation costs -------------------------------------------------------------------
     def costs(self, batch_size: int) -> list[float]:
-        """costs[k]: a step verifying k drafts (its width bucket), in plain decode steps of this batch."""
+        """costs[k]: a step verifying k drafts (its width bucket), in plain decode steps of this batch
+        (rows per replica)."""
         B = pick_bucket(batch_size, self.buckets.batch_sizes)
         if ("plain", B) not in self._device:
             self._calibrate(B)
@@ -248,7 +251,11 @@ class SpeculativeDecoder:
     def after_step(self, kind: str, rows: Sequence[Any], works: Sequence[Any]) -> None:
         """After a plain (non-speculative) step: the draft prefills what the target prefilled; a plain
         decode step leaves the draft one more token behind (caught up before its next proposal)."""
-        self._timing = ("plain", pick_bucket(len(rows), self.buckets.batch_sizes)) if kind == "decode" else None
+        if kind == "decode":  # priced by the per-replica batch bucket, as run() prices its steps
+            per_replica = collections.Counter(row.seq.replica for row in rows)
+            self._timing = ("plain", pick_bucket(max(per_replica.values()), self.buckets.batch_sizes))
+        else:
+            self._timing = None
         if kind == "prefill":
             for row in rows:
                 self.state(row.seq).lag = 0
