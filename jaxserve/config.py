@@ -580,8 +580,6 @@ class EngineConfig(Settings):
             raise ConfigError(f"num_processes={n} needs coordinator_address=HOST:PORT (process 0's address)")
         if self.distributed_timeout < 1:
             raise ConfigError(f"distributed_timeout must be at least 1 second, got {self.distributed_timeout}")
-        if n > 1 and self.num_speculative_tokens > 0:
-            raise ConfigError("speculative decoding is not supported with num_processes > 1 yet")
 
     def _validate_speculation(self) -> None:
         k, method = self.num_speculative_tokens, self.speculative_method

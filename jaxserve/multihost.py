@@ -9,11 +9,13 @@ Only process 0 (the leader) has a scheduler, a block manager and the HTTP server
 step into bucketed host arrays; the leader's `Leader` hands them to the others before running the step,
 as ONE message in the jax.distributed key-value store (the coordination service process 0 already
 hosts); each follower (`follower_loop`) blocks on the next key, unpacks, and makes the same call with
-the same inputs. Page copies (forked sequences) and shutdown travel the same way. This is the only
+the same inputs. Every executable is the runner's, so speculative decoding's verify and draft-prefill
+steps travel as steps too (followers hold the draft's params and cache as well). Page copies (forked
+sequences, both caches) and shutdown travel the same way. This is the only
 host-to-host exchange in the step loop; `scripts/bench_multihost.py` measures it.
 
-Message: a fixed header (magic, version, op, sequence number, four int32 arguments) then, for a step,
-each input array of the bucket in pytree order: its kept width along the last axis, a fill value for
+Message: a fixed header (magic, version, op, sequence number, four int32 arguments: for a step the
+bucket's kind and up to three sizes) then, for a step, each input array of the bucket in pytree order: its kept width along the last axis, a fill value for
 the rest, and the kept bytes. The shapes come from the bucket (both sides know them), so the message
 carries no shapes; trimming the padding (page tables, token chunks, the penalty history that is -1
 unless a row uses penalties) keeps a decode step's message to a few hundred bytes.
@@ -42,15 +44,21 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxserve.engine.runner import MULTI_STEP
+from jaxserve.engine.buckets import DRAFT
+from jaxserve.engine.runner import MULTI_STEP, SCORE
+from jaxserve.spec_decode.step import VERIFY
 from jaxserve.errors import ConfigError, JaxServeError
 
 logger = logging.getLogger(__name__)
 
 OP_STEP, OP_COPY_PAGES, OP_SHUTDOWN = 1, 2, 3
-STEP_VARIANTS = ((), ("score",), (MULTI_STEP,))  # a step message's bucket variant, by its index
-# magic u32, version u16, op u16, seq u64, four int32 arguments (step: N, P, variant, 0; copy: replica, n)
-_MAGIC, _VERSION = 0x4D53584A, 2  # b"JXSM" little-endian; version 2: ragged (tokens, pages) steps
+# A step message's bucket kind, by its index: the key's trailing tag, after how many sizes. Ragged steps
+# (tokens, pages) and their variants; speculative (batch, pages, drafts) verify and (batch, tokens,
+# pages) draft-prefill steps.
+STEP_VARIANTS = ((), (SCORE,), (MULTI_STEP,), (VERIFY,), (DRAFT,))
+_STEP_SIZES = (2, 2, 2, 3, 3)
+# magic u32, version u16, op u16, seq u64, four int32 arguments (step: variant, sizes; copy: replica, n)
+_MAGIC, _VERSION = 0x4D53584A, 3  # b"JXSM" little-endian; version 3: speculative steps too
 _HEADER = struct.Struct("<IHHQ4i")
 # per input array: layout (_WHOLE or _ROWS), int32 sent as int16 (0/1), the fill value of trimmed rows
 _LEAF = struct.Struct("<BBd")
@@ -116,9 +124,10 @@ def _client():
     return client
 
 
-# Settings that may differ between the processes of a job: paths (the model is compared by its config),
-# how a process reached the coordinator, and which process it is.
-_LOCAL_SETTINGS = ("process_id", "coordinator_address", "model", "tokenizer", "compilation_cache_dir")
+# Settings that may differ between the processes of a job: paths (the model and the draft are compared
+# by their configs), how a process reached the coordinator, and which process it is.
+_LOCAL_SETTINGS = ("process_id", "coordinator_address", "model", "tokenizer", "speculative_model",
+                   "compilation_cache_dir")
 
 
 def fingerprint(engine: Any) -> dict:
@@ -126,9 +135,11 @@ def fingerprint(engine: Any) -> dict:
     the model config, the cache size and the buckets."""
     settings = {k: v for k, v in engine.settings.to_dict().items() if k not in _LOCAL_SETTINGS}
     b = engine.buckets
+    spec = engine.runner.speculation
     return dict(settings=settings, num_pages=engine.plan.num_pages, max_model_len=engine.plan.max_model_len,
                 buckets=[list(b.batch_sizes), list(b.chunk_sizes), list(b.page_counts), list(b.token_counts)],
-                model=repr(engine.model_config), devices=jax.device_count())
+                model=repr(engine.model_config), draft=repr(spec.draft_cfg) if spec is not None else None,
+                devices=jax.device_count())
 
 
 def check_consistent(engine: Any, timeout_s: float = 3600.0) -> None:
@@ -193,9 +204,23 @@ def _encode_leaf(a: np.ndarray) -> tuple[bytes, list[bytes]]:
     return _LEAF.pack(layout, narrow, float(fill)), parts
 
 
+def _step_args(shape: tuple) -> tuple[int, int, int, int]:
+    """A bucket key as the header's four ints: its variant, then its sizes (0-padded)."""
+    variant = next(i for i, (tag, n) in enumerate(zip(STEP_VARIANTS, _STEP_SIZES))
+                   if len(shape) == n + len(tag) and tuple(shape[n:]) == tag)
+    sizes = tuple(shape[: _STEP_SIZES[variant]])
+    return (variant,) + sizes + (0,) * (3 - len(sizes))
+
+
+def _step_shape(args: tuple[int, ...]) -> tuple:
+    variant = args[0]
+    if not 0 <= variant < len(STEP_VARIANTS):
+        raise PeerFailureError(f"unknown step variant {variant}")
+    return tuple(args[1 : 1 + _STEP_SIZES[variant]]) + STEP_VARIANTS[variant]
+
+
 def encode_step(seq: int, shape: tuple, leaves: list[np.ndarray]) -> bytes:
-    N, P = shape[:2]
-    metas, payload = [_HEADER.pack(_MAGIC, _VERSION, OP_STEP, seq, N, P, STEP_VARIANTS.index(shape[2:]), 0)], []
+    metas, payload = [_HEADER.pack(_MAGIC, _VERSION, OP_STEP, seq, *_step_args(shape))], []
     for a in leaves:
         meta, parts = _encode_leaf(a)
         metas.append(meta)
@@ -236,7 +261,7 @@ def decode(data: bytes, runner: Any = None) -> Message:
         return Message(op, seq, replica=a0, src=pages[:a1].copy(), dst=pages[a1:].copy())
     if op != OP_STEP:
         raise PeerFailureError(f"unknown message op {op}")
-    shape = (a0, a1) + STEP_VARIANTS[a2]
+    shape = _step_shape((a0, a1, a2, a3))
     specs, treedef = step_input_specs(runner, shape)
     metas = [_LEAF.unpack_from(data, offset + i * _LEAF.size) for i in range(len(specs))]
     offset += len(specs) * _LEAF.size

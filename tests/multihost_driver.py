@@ -1,11 +1,12 @@
 """One process of a multi-host test job: N local processes x 2 virtual CPU devices, gloo over loopback.
 
     python tests/multihost_driver.py --model DIR --port P --process-id I [--num-processes 2] [--mesh 1,4]
-                                     [--out FILE] [--forever READY_FILE]
+                                     [--out FILE] [--forever READY_FILE] [--speculate ngram|draft]
 
 Process 0 runs `workload()` through `LLM.generate` and writes the token ids as JSON to --out; the
 others run the follower loop and exit 0 when process 0 shuts down. --forever: process 0 runs a one-prompt
-workload, creates READY_FILE and repeats the workload until killed (the kill test). tests/test_multihost.py launches it.
+workload, creates READY_FILE and repeats the workload until killed (the kill test). --speculate: speculative
+decoding (SPECULATION; the draft method drafts with the model itself). tests/test_multihost.py launches it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,16 @@ import time
 # Few buckets (5 shapes), all compiled at start-up as a server does (compile time dominates these jobs).
 SETTINGS = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
                 warm_up=True, compilation_cache_dir="none")
+# Not adaptive: every row with a proposal speculates, whatever the (machine-dependent) step times. Two
+# tokens: verify widths 1 and 2 only (every executable is compiled on both processes of a 2-core box).
+SPECULATION = dict(num_speculative_tokens=2, speculative_adaptive=False)
+
+
+def speculation(method: str | None, model: str) -> dict:
+    if method is None:
+        return {}
+    draft = dict(speculative_model=model) if method == "draft" else {}
+    return dict(SPECULATION, speculative_method=method, **draft)
 
 
 def workload(small: bool = False):
@@ -55,6 +66,7 @@ def main() -> int:
     parser.add_argument("--devices-per-process", type=int, default=2)
     parser.add_argument("--out", default=None)
     parser.add_argument("--forever", default=None, metavar="READY_FILE")
+    parser.add_argument("--speculate", default=None, choices=["ngram", "draft"])
     args = parser.parse_args()
     start = time.perf_counter()
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -68,7 +80,7 @@ def main() -> int:
 
     llm = LLM(args.model, mesh_shape=tuple(int(x) for x in args.mesh.split(",")),
               coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.num_processes,
-              process_id=args.process_id, distributed_timeout=10, **SETTINGS)
+              process_id=args.process_id, distributed_timeout=10, **SETTINGS, **speculation(args.speculate, args.model))
     ready = time.perf_counter()
     if args.process_id != 0:
         return multihost.run_follower(llm.engine)

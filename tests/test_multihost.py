@@ -30,9 +30,8 @@ def test_distributed_settings_are_checked():
         EngineConfig(num_processes=2, process_id=1)
     with pytest.raises(ConfigError, match="process_id"):
         EngineConfig(num_processes=2, process_id=2, coordinator_address="h:1")
-    with pytest.raises(ConfigError, match="speculative"):
-        EngineConfig(num_processes=2, coordinator_address="h:1", speculative_method="ngram",
-                     num_speculative_tokens=2)
+    # Speculative decoding runs on every process like any step.
+    EngineConfig(num_processes=2, coordinator_address="h:1", speculative_method="ngram", num_speculative_tokens=2)
     settings = EngineConfig.from_cli(["--coordinator-address", "10.0.0.1:1234", "--num-processes", "4",
                                       "--process-id", "3"])
     assert (settings.coordinator_address, settings.num_processes, settings.process_id) == ("10.0.0.1:1234", 4, 3)
@@ -65,7 +64,8 @@ def _packed(runner, shape, rng, dense):
     return tuple(jax.tree.unflatten(treedef, leaves))
 
 
-@pytest.mark.parametrize("shape", [(4, 8), (32, 8), (32, 8, "score"), (4, 8, "multi-step")])
+@pytest.mark.parametrize("shape", [(4, 8), (32, 8), (32, 8, "score"), (4, 8, "multi-step"), (4, 8, 3, "verify"),
+                                   (2, 16, 8, "draft")])
 def test_step_message_round_trip(llm, shape):
     import jax
 
@@ -243,6 +243,36 @@ def test_two_processes_match_one(hf_model_dir, single_process_tokens, tmp_path, 
     # One message per step or page copy, small: a few hundred bytes on average.
     assert stats["multihost_messages_total"] >= 10
     assert stats["multihost_message_bytes_total"] / stats["multihost_messages_total"] < 2000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_two_processes_speculate(hf_model_dir, single_process_tokens, tmp_path, method):
+    """Speculative decoding with one replica per process: its verify steps (and the draft's prefill)
+    are the runner's steps, handed to the follower like every other, so both processes run them. The
+    greedy rows are those of one process without speculation; the seeded n=2 request samples its
+    full length (speculation keeps its law, not its tokens)."""
+    import multihost_driver
+
+    path, _ = hf_model_dir("llama")
+    port, out = _free_port(), tmp_path / "out.json"
+    procs = [_launch(path, port, 0, tmp_path, "--mesh", "2,2", "--speculate", method, "--out", str(out)),
+             _launch(path, port, 1, tmp_path, "--mesh", "2,2", "--speculate", method)]
+    start = time.monotonic()
+    # The draft method compiles the most: verify steps with the draft's loop and its prefill buckets.
+    codes = _finish(procs, JOB_TIMEOUT * (2 if method == "draft" else 1))
+    print(f"2-process {method} speculation job: {time.monotonic() - start:.1f} s")
+    for i, (code, proc) in enumerate(zip(codes, procs)):
+        assert code == 0, f"process {i} exited {code}:\n{_stderr(proc)[-3000:]}"
+    got, want = json.loads(out.read_text()), single_process_tokens[(2, 2)]
+    greedy = [i for i, (_, params) in enumerate(multihost_driver.workload()) if params.temperature == 0]
+    assert [got["tokens"][i] for i in greedy] == [want[i] for i in greedy]
+    sampled = [i for i in range(len(want)) if i not in greedy]
+    assert [[len(c) for c in got["tokens"][i]] for i in sampled] == [[len(c) for c in want[i]] for i in sampled]
+    stats = got["stats"]
+    assert stats["spec_decode_num_steps"] > 0 and stats["spec_decode_num_draft_tokens"] > 0, stats
+    if method == "draft":  # the model drafting for itself: every greedy draft is accepted
+        assert stats["spec_decode_num_accepted_tokens"] > 0, stats
 
 
 @pytest.mark.slow
