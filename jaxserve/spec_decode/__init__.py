@@ -3,7 +3,8 @@ rejection-sampling rule that leaves the output distribution exactly the target's
 
 Modules, one job each: `ngram` (host-side prompt lookup), `policy` (per-request state and how many
 tokens to propose), `draft` (the draft's jitted proposal loop), `rejection` (on-device acceptance),
-`step` (the compiled propose + verify + accept step), `decoder` (host orchestration for the engine).
+`step` (the jitted propose + verify + accept step), `decoder` (host orchestration for the engine: what to
+propose, packing, acceptance). The runner lowers, compiles and calls the steps (`jaxserve.engine.spec_steps`).
 """
 
 from jaxserve.spec_decode.decoder import SpeculativeDecoder, load_draft

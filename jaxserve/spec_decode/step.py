@@ -1,5 +1,6 @@
 """The compiled speculative step: propose (draft loop, or the host's n-gram tokens), verify all k+1
 positions in one target pass over the paged cache, accept on device. One dispatch, one transfer back.
+The runner lowers, compiles and calls it (`jaxserve.engine.spec_steps`), as it does every step.
 
 Verification is the prefill computation: the target takes [pending token, d_1..d_k] at positions
 pos..pos+k (each layer writes their K/V, then attends causally over the pages) and returns the logits
