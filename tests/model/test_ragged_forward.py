@@ -5,6 +5,7 @@ prefilled prompt, a verification of 3 tokens) through `forward_ragged` gives the
 cache that each row run alone through `forward` gives; unused pages hold NaN throughout.
 """
 
+import dataclasses
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ from jaxserve.kv_cache import KVCache, RaggedBatch, cache_shape, write_kv_slots
 from jaxserve.model.layers import ragged_attention_reference
 from jaxserve.model.llama import forward, forward_ragged
 from jaxserve.model.weights import init_dummy_params, unstack_layers
+from jaxserve import ragged
 from jaxserve.ragged import PAD_SLOT, RaggedRow, pack_ragged
 
 PAGE = 4
@@ -143,9 +145,10 @@ def test_scanned_equals_unrolled():
     assert_same_cache(ca, cb)
 
 
-def test_pack_ragged_layout():
+@pytest.mark.parametrize("pack", [ragged._pack_by_row, ragged._pack_by_array])
+def test_both_packers_write_the_layout(pack):
     rows = [RaggedRow([5, 6, 7], 0, [3, 9], 0), RaggedRow([8], 5, [4, 2], 1), RaggedRow([1, 2], 2, [7], 2)]
-    a = pack_ragged(rows, page_size=4, num_tokens=8, num_rows=4, max_pages=3, num_logits=4)
+    a = pack(rows, page_size=4, num_tokens=8, num_rows=4, max_pages=3, num_logits=4)
     np.testing.assert_array_equal(a.tokens, [5, 6, 7, 8, 1, 2, 0, 0])
     np.testing.assert_array_equal(a.positions, [0, 1, 2, 5, 2, 3, 0, 0])
     np.testing.assert_array_equal(a.slots, [12, 13, 14, 9, 30, 31, PAD_SLOT, PAD_SLOT])
@@ -154,11 +157,32 @@ def test_pack_ragged_layout():
     np.testing.assert_array_equal(a.context_lens, [3, 6, 4, 0])
     np.testing.assert_array_equal(a.page_table, [[3, 9, 0], [4, 2, 0], [7, 0, 0], [0, 0, 0]])
     np.testing.assert_array_equal(a.logit_index, [3, 4, 5, 0])
-    assert all(x.dtype == np.int32 for x in (a.tokens, a.slots, a.query_start, a.page_table, a.logit_index))
     with pytest.raises(ValueError, match="pages"):
-        pack_ragged([RaggedRow([1] * 5, 0, [1])], page_size=4, num_tokens=8, num_rows=2, max_pages=2, num_logits=1)
+        pack([RaggedRow([1] * 5, 0, [1])], page_size=4, num_tokens=8, num_rows=2, max_pages=2, num_logits=1)
+    with pytest.raises(ValueError, match="num_logits"):
+        pack([RaggedRow([1], 0, [1], 2)], page_size=4, num_tokens=8, num_rows=2, max_pages=2, num_logits=4)
     with pytest.raises(ValueError, match="do not fit"):
-        pack_ragged(rows, page_size=4, num_tokens=5, num_rows=4, max_pages=3, num_logits=4)
+        pack(rows, page_size=4, num_tokens=5, num_rows=4, max_pages=3, num_logits=4)
+
+
+def test_the_array_packer_agrees_with_the_row_loop():
+    """pack_ragged takes the loop for few rows and whole-array NumPy for many: both give the same
+    arrays for random steps (decodes, chunks, verifications, placeholders, spare pages)."""
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        rows = []
+        for _ in range(int(rng.integers(0, 17))):
+            n = int(rng.integers(1, 6))
+            start = int(rng.integers(0, 20))
+            pages = rng.integers(1, 50, size=-(-(start + n) // 4) + int(rng.integers(0, 2))).tolist()
+            tokens = rng.integers(-3, 100, size=n).tolist()  # placeholders (< -1) pack like any id
+            rows.append(RaggedRow(tokens, start, pages, int(rng.integers(0, n + 1))))
+        shape = dict(page_size=4, num_tokens=96, num_rows=16, max_pages=8, num_logits=96)
+        by_row, by_array = ragged._pack_by_row(rows, **shape), ragged._pack_by_array(rows, **shape)
+        for field in dataclasses.fields(by_row):
+            want, got = getattr(by_row, field.name), getattr(by_array, field.name)
+            np.testing.assert_array_equal(got, want, err_msg=f"trial {trial}: {field.name}")
+            assert got.dtype == want.dtype == np.int32
 
 
 def test_host_packer_does_not_import_jax():
