@@ -138,10 +138,18 @@ class SpeculativeDecoder:
         logger.info("speculative decoding: %s, %d tokens per step%s (adaptive=%s)", self.method, self.k,
                     f" from {settings.speculative_model}" if draft is not None else "", settings.speculative_adaptive)
 
+    # The draft's model, as the runner holds it (None without a draft; params and cache once closed).
+    @property
+    def draft_cfg(self) -> ModelConfig | None:
+        return self.speculation.draft_cfg
+
     @property
     def draft_params(self) -> Any:
-        """The draft's params (the runner holds them; None without a draft or once closed)."""
         return self.speculation.draft_params
+
+    @property
+    def draft_cache(self) -> Any:
+        return self.speculation.draft_cache
 
     # ---- per-sequence decisions (called by the scheduler) ------------------------------------------
     @staticmethod
