@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -52,6 +53,7 @@ class LaunchedStep:
     rows: list[RowWork]
     pending: PendingSamples
     constrained: bool = False  # a row samples under a grammar
+    samples: Any = None  # what `pending` returned, once fetched
     sample_at: list[int] = dataclasses.field(default_factory=list)
     computed: list[int] = dataclasses.field(default_factory=list)  # -1: told to the block manager at dispatch
     preemptions: list[int] = dataclasses.field(default_factory=list)
@@ -338,11 +340,8 @@ class LLMEngine:
         self._check_open()
         start = time.perf_counter()
         outputs = []
-        if self._in_flight is not None and (self._in_flight.constrained or not self.async_scheduling):
-            # Rows under a grammar: their next masks need these tokens, so that step is processed
-            # first (the next one is dispatched after it: no overlap while such rows run). So is a
-            # step left in flight when async scheduling was switched off.
-            outputs = self.flush()
+        if self._in_flight is not None and not self.async_scheduling:
+            outputs = self.flush()  # a step left in flight when async scheduling was switched off
         plan = self.scheduler.schedule()
         self._copy_forked_pages(plan)
         if plan.rows:
@@ -352,7 +351,13 @@ class LLMEngine:
             if self.spec is not None:
                 return outputs + self._speculative_step(plan, start)
             return outputs + self._multi_step(plan, start)
-        launched = self._launch(plan) if plan.rows else None
+        before_masks = None
+        if self._in_flight is not None and self._in_flight.constrained:
+            # Rows under a grammar: the next step's masks need these tokens. Their grammars take them
+            # once the rest of the next step is packed (the device idles only while the masks are
+            # filled); the rest of this step's processing overlaps the next step, as for free rows.
+            before_masks = functools.partial(self._advance_grammars, self._in_flight)
+        launched = self._launch(plan, before_masks) if plan.rows else None
         if not self.async_scheduling:
             return outputs + (self._process(launched, start) if launched is not None else [])
         previous, self._in_flight = self._in_flight, launched
@@ -365,12 +370,12 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, None
         return self._process(previous, time.perf_counter()) if previous is not None else []
 
-    def _launch(self, plan: SchedulerOutput) -> "LaunchedStep":
+    def _launch(self, plan: SchedulerOutput, before_masks=None) -> "LaunchedStep":
         """Pack and dispatch the plan's step (not waiting for it); each row that samples gets a
         placeholder for its token, and its tokens so far count as computed, so the next step can be
-        scheduled at once."""
+        scheduled at once. `before_masks`: see ModelRunner.launch."""
         rows = self._row_work(plan.rows)
-        pending = self.runner.launch(rows)
+        pending = self.runner.launch(rows, before_masks)
         if self.spec is not None:
             self.spec.after_step(plan.kind, plan.rows, rows)
         # What the step had to read: every weight once, plus each row's cached K/V.
@@ -400,7 +405,7 @@ class LLMEngine:
         """Take a dispatched step's samples (waiting for them if need be): each sampled token replaces
         its placeholder and is detokenized and checked for stops. Rows of sequences that finished or
         were aborted since the dispatch are dropped (a token computed past EOS is discarded)."""
-        sampled = step.pending.result()
+        sampled = self._samples(step)
         scores = None
         if isinstance(sampled, tuple):
             sampled, scores = sampled
@@ -420,6 +425,23 @@ class LLMEngine:
                 self._resolve_token(seq, step.sample_at[i], int(sampled.tokens[i]))
                 advanced[seq.request_id] = self.requests[seq.request_id]
         return self._finish_step(advanced, start)
+
+    @staticmethod
+    def _samples(step: "LaunchedStep"):
+        if step.samples is None:
+            step.samples = step.pending.result()
+        return step.samples
+
+    def _advance_grammars(self, step: "LaunchedStep") -> None:
+        """Give each constrained row of a dispatched step its sampled token (waiting for the step), so
+        that the next step's masks follow it; detokenizing and stop checks wait for `_process`."""
+        sampled = self._samples(step)
+        if isinstance(sampled, tuple):
+            sampled = sampled[0]
+        for i, row in enumerate(step.plan.rows):
+            seq = row.seq
+            if seq.grammar is not None and step.sample_at[i] >= 0 and not seq.is_finished:
+                self.outputs.advance_grammar(seq, step.sample_at[i], int(sampled.tokens[i]))
 
     def _row_work(self, rows: list[ScheduledRow]) -> list[RowWork]:
         return [

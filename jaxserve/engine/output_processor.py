@@ -88,10 +88,8 @@ class OutputProcessor:
         n_out = index + 1
         reason = None
         eos = token in self.eos_token_ids
-        if seq.grammar is not None and not eos:
-            # The mask allowed it, so this cannot fail; if it did the matcher allows only EOS from now on.
-            if not seq.grammar.advance(token):
-                logger.warning("%s: the grammar refused token %d: %s", seq.seq_id, token, seq.grammar.error)
+        if seq.grammar is not None:
+            self.advance_grammar(seq, index, token)
         if n_out >= params.min_tokens:
             if (not params.ignore_eos and eos) or token in params.stop_token_ids:
                 reason = "stop"
@@ -106,6 +104,16 @@ class OutputProcessor:
             if seq.detokenizer is not None and seq.stop_text_len is None:
                 seq.text += seq.detokenizer.flush()
         return reason
+
+    def advance_grammar(self, seq: Sequence, index: int, token: int) -> None:
+        """Output `index` of a constrained sequence is `token`: its grammar takes it, once (async
+        scheduling hands it over before the token is otherwise processed, for the next step's mask)."""
+        if index < seq.grammar_tokens or token in self.eos_token_ids:
+            return
+        seq.grammar_tokens = index + 1
+        # The mask allowed it, so this cannot fail; if it did the matcher allows only EOS from now on.
+        if not seq.grammar.advance(token):
+            logger.warning("%s: the grammar refused token %d: %s", seq.seq_id, token, seq.grammar.error)
 
     @staticmethod
     def _cut_at_stop_string(seq: Sequence) -> bool:

@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import flax.struct
 import jax
@@ -487,11 +487,13 @@ class ModelRunner:
         (samples, PromptScores of shape [n, tokens of the longest row, ...])."""
         return self.launch(rows).result()
 
-    def launch(self, rows: Sequence[RowWork]) -> PendingSamples:
+    def launch(self, rows: Sequence[RowWork], before_masks: Callable[[], None] | None = None) -> PendingSamples:
         """`execute` without the wait: dispatches the step and starts its samples' copy to the host.
-        A row's tokens may hold placeholders of the previous step's samples (jaxserve.placeholders)."""
+        A row's tokens may hold placeholders of the previous step's samples (jaxserve.placeholders).
+        `before_masks` runs once the inputs are packed, before the grammar rows' masks are filled
+        (async scheduling: it hands those grammars the previous step's tokens)."""
         score = any(r.targets is not None for r in rows)
-        packed = self._pack(rows, score=score)
+        packed = self._pack(rows, score=score, before_masks=before_masks)
         if not score:
             return PendingSamples(self.run_step(packed.shape, (packed.batch, packed.sampling, packed.mask)), packed)
         sample_index, targets = packed.score_inputs
@@ -515,7 +517,8 @@ class ModelRunner:
                                        (packed.batch, packed.sampling, packed.mask, per_row)))
         return jax.tree.map(lambda x: x.reshape(x.shape[:1] + (-1,) + x.shape[3:])[:, packed.logit_at], out)
 
-    def _pack(self, rows: Sequence[RowWork], score: bool, extra_tokens: Sequence[int] | None = None) -> PackedRows:
+    def _pack(self, rows: Sequence[RowWork], score: bool, extra_tokens: Sequence[int] | None = None,
+              before_masks: Callable[[], None] | None = None) -> PackedRows:
         """Lay rows out in the smallest ragged bucket: NumPy arrays with leading R. `extra_tokens`:
         positions each row writes after its tokens within this call (multi-step), which its pages hold."""
         R, S, ps = self.num_replicas, self.buckets.max_rows, self.cache.page_size
@@ -558,6 +561,8 @@ class ModelRunner:
         st = SamplingTensors.pack(flat_sampling, (R, L), self.history_len)
         grammars = [(rows[i].grammar, int(logit_at[i])) for i in range(len(rows))
                     if rows[i].grammar is not None and logit_at[i] >= 0]
+        if grammars and before_masks is not None:
+            before_masks()
         return PackedRows(shape, batch, st, self._token_mask(R, L, grammars), logit_at, token_at,
                           (sample_index, targets) if score else None)
 

@@ -141,12 +141,12 @@ class Scheduler:
 
     def _can_run(self, seq: Sequence) -> bool:
         """Whether `seq` may join a step scheduled while its last token is still in flight (async
-        scheduling): not if its next mask needs that token's id (a grammar), nor if its length ends
-        it once the token lands (max_tokens, max_model_len: there is nothing left to compute)."""
+        scheduling): not if its length ends it once the token lands (max_tokens, max_model_len:
+        there is nothing left to compute). A row under a grammar may: the engine hands its grammar
+        that token before the row's next mask is filled (LLMEngine.step)."""
         if not seq.in_flight:
             return True
-        return (seq.grammar is None and len(seq.output_token_ids) < seq.params.max_tokens
-                and seq.num_tokens < self.max_model_len)
+        return len(seq.output_token_ids) < seq.params.max_tokens and seq.num_tokens < self.max_model_len
 
     def _fork_ready_parents(self) -> list[tuple[int, int, int]]:
         """A parent that computed all but its last prompt token forks its n - 1 siblings now.

@@ -191,9 +191,9 @@ def test_two_replicas(llm):
 
 
 def test_async_scheduling_steps_constrained_rows_every_step(llm):
-    """With async scheduling (the default) a step holding a constrained row is processed before the
-    next is scheduled: the constrained request advances one token per step beside free ones, and
-    its outputs equal those with the overlap off."""
+    """With async scheduling (the default) the next step's masks wait for the grammars to take the
+    tokens of the step in flight: the constrained request advances one token per step beside free
+    ones, and its outputs equal those with the overlap off."""
     engine = llm.engine
     assert engine.async_scheduling
     spec = StructuredSpec.json_schema(SCHEMA)
