@@ -146,8 +146,8 @@ def _pack_by_array(
     page_table = np.full((num_rows, max_pages), PADDING_PAGE, np.int32)
     page_rows = np.repeat(np.arange(count), pages_per_row)
     page_cols = np.arange(page_rows.size) - np.repeat(np.cumsum(pages_per_row) - pages_per_row, pages_per_row)
-    page_table[page_rows, page_cols] = np.fromiter(
-        (p for r in rows for p in r.pages), np.int32, page_rows.size)
+    if count:  # a list converts id by id; an int32 array (BlockManager.page_ids) is read as it is
+        page_table[page_rows, page_cols] = np.concatenate([np.asarray(r.pages, np.int32) for r in rows])
 
     first = np.cumsum(lens) - lens  # each row's first token on the flat axis
     row_of = np.repeat(np.arange(count), lens)

@@ -45,7 +45,7 @@ def _page_key(parent_key: bytes, tokens: Sequence[int]) -> bytes:
 @dataclass
 class _Seq:
     replica: int
-    pages: list[int]
+    pages: array  # page ids ("i": int32), in token order: copied as one block when a step is packed
     num_computed: int = 0
     # Leading full pages whose chain key is known; `last_key` is the key of the last of them.
     num_hashed: int = 0
@@ -182,6 +182,11 @@ class BlockManager:
         outside the sliding window read RESERVED_PAGE."""
         return list(self._seq(seq_id).pages)
 
+    def page_ids(self, seq_id: Hashable) -> array:
+        """The same as an int32 `array` copy: the engine packs it into every step, where a buffer copies
+        in one block (numpy.asarray reads it without a copy) and a list converts id by id."""
+        return self._seq(seq_id).pages[:]
+
     def num_held_pages(self, seq_id: Hashable) -> int:
         """Pages the sequence holds now (its table less the released placeholders)."""
         seq = self._seq(seq_id)
@@ -279,7 +284,7 @@ class BlockManager:
             pool.take(page)
         pages = hits + [pool.allocate() for _ in range(self.pages_for(n) - len(hits))]
         num_cached = len(hits) * self.page_size
-        self._seqs[seq_id] = _Seq(replica, pages, num_cached, len(hits), last_key)
+        self._seqs[seq_id] = _Seq(replica, array("i", pages), num_cached, len(hits), last_key)
         if self.enable_prefix_caching:
             self.num_prefix_queried_tokens += n
             self.num_prefix_hit_tokens += num_cached
@@ -431,7 +436,7 @@ class BlockManager:
             expect(0 <= seq.replica < self.num_replicas, f"{sid!r}: bad replica {seq.replica}")
             held = seq.pages[seq.num_released :]
             expect(
-                seq.pages[: seq.num_released] == [RESERVED_PAGE] * seq.num_released,
+                list(seq.pages[: seq.num_released]) == [RESERVED_PAGE] * seq.num_released,
                 f"{sid!r}: released pages {seq.pages[: seq.num_released]} are not placeholders",
             )
             if seq.num_released:

@@ -445,7 +445,7 @@ class LLMEngine:
 
     def _row_work(self, rows: list[ScheduledRow]) -> list[RowWork]:
         return [
-            RowWork(r.seq.token_view[r.start : r.start + r.num_tokens], r.start, self.blocks.page_table(r.seq.seq_id),
+            RowWork(r.seq.token_view[r.start : r.start + r.num_tokens], r.start, self.blocks.page_ids(r.seq.seq_id),
                     RowSampling.from_params(r.seq.params, seed=r.seq.seed, step=len(r.seq.output_token_ids),
                                             prompt_ids=r.seq.prompt_token_ids, output_ids=r.seq.output_token_ids),
                     r.seq.replica, self.outputs.prompt_targets(r.seq, r.start, r.num_tokens), r.samples,
