@@ -137,7 +137,11 @@ class Fanout:
         the engine refused (its checks raise at submit; a refusal at admission arrives as an error)."""
         engine = self.state.engine
         for i, sub in enumerate(self.subs):
-            await engine.submit(sub.request_id, list(sub.prompt_ids), sub.params, self.queue, tag=i)
+            try:
+                await engine.submit(sub.request_id, list(sub.prompt_ids), sub.params, self.queue, tag=i)
+            except Exception:
+                sub.done = True  # refused (a 400): not counted as an abort when the request closes
+                raise
             self.submitted.append(sub)
         seen: set[int] = set()
         while len(seen) < len(self.subs):
@@ -146,6 +150,7 @@ class Fanout:
             seen.add(item[0])
             self._answered(item[0])
             if isinstance(item[1], BaseException):
+                self.subs[item[0]].done = True  # refused: not counted as an abort when the request closes
                 raise item[1]
 
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -448,3 +448,14 @@ def test_openapi_schema_documents_the_api(client):
     props = schema["components"]["schemas"]["CompletionRequest"]["properties"]
     assert {"prompt", "max_tokens", "temperature", "logprobs", "echo", "min_p", "prompt_logprobs"} <= set(props)
     json.dumps(schema)
+
+
+def test_a_refused_request_is_not_counted_as_aborted(client):
+    """A request the engine refuses (a 400 from its checks) is an error, not an abort."""
+    def aborted():
+        return parse_metrics(client.get("/metrics").text).get('jaxserve:request_finished_total{finish_reason="abort"}', 0)
+
+    before = aborted()
+    assert_error(complete(client, max_tokens=2, logit_bias={str(VOCAB_SIZE + 5): 1.0}), 400)
+    assert complete(client, max_tokens=2).status_code == 200
+    assert aborted() == before
