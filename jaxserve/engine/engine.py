@@ -375,7 +375,8 @@ class LLMEngine:
         placeholder for its token, and its tokens so far count as computed, so the next step can be
         scheduled at once. `before_masks`: see ModelRunner.launch."""
         rows = self._row_work(plan.rows)
-        pending = self.runner.launch(rows, before_masks)
+        logprobs = any(r.seq.params.logprobs is not None for r in plan.rows)
+        pending = self.runner.launch(rows, before_masks, logprobs=logprobs)
         if self.spec is not None:
             self.spec.after_step(plan.kind, plan.rows, rows)
         # What the step had to read: every weight once, plus each row's cached K/V.

@@ -94,9 +94,9 @@ def test_next_step_is_dispatched_before_the_last_is_fetched(monkeypatch):
         engine = llm.engine
         launch = engine.runner.launch
 
-        def recording_launch(rows, before_masks=None):
+        def recording_launch(rows, before_masks=None, logprobs=True):
             events.append("dispatch")
-            return launch(rows, before_masks)
+            return launch(rows, before_masks, logprobs)
 
         engine.runner.launch = recording_launch
         for i in range(3):
