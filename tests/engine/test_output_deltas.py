@@ -87,3 +87,19 @@ def test_generate_returns_the_sum_of_the_deltas(llm):
         again = totals.outputs[f"again{i}"]
         assert [(o.token_ids, o.text, o.finish_reason) for o in again.outputs] == \
             [(o.token_ids, o.text, o.finish_reason) for o in out.outputs]
+
+
+def test_a_step_fetches_logprobs_only_when_a_row_asks(llm):
+    """Without a row asking for logprobs only the sampled tokens come back to the host."""
+    import jax
+
+    engine = llm.engine
+    fetched = []
+    for rid, params in [("plain", SamplingParams(max_tokens=3, temperature=0)),
+                        ("lp", SamplingParams(max_tokens=3, temperature=0, logprobs=2))]:
+        engine.add_request(rid, None, params, engine.encode("the cat sat"))
+        engine.step()
+        fetched.append(len(jax.tree.leaves(engine._in_flight.pending._out)))
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert fetched == [1, 4]  # tokens; tokens, logprobs, top ids, top logprobs
