@@ -99,11 +99,13 @@ class SamplingTensors:
 
     @classmethod
     def pack(cls, rows: Sequence[RowSampling | None], batch: int | tuple[int, ...],
-             history_len: int = 1) -> SamplingTensors:
+             history_len: int = 1, steps: Sequence[int] | None = None) -> SamplingTensors:
         """NumPy tensors for `rows` laid out row-major over `batch`; missing or None rows are padding.
 
         `history_len` (Lh) is part of the compiled shape, so it should come from a fixed bucket. The
-        history of rows without penalties is left empty: nothing reads it.
+        history of rows without penalties is left empty: nothing reads it. `steps`: each row's
+        output index, in place of `row.step` (the engine keeps one RowSampling per sequence and
+        gives the step apart, rather than building a RowSampling per row per step).
         """
         shape = (batch,) if isinstance(batch, int) else tuple(batch)
         n = math.prod(shape)
@@ -120,7 +122,7 @@ class SamplingTensors:
                 st[f.name][i] = getattr(row, f.name)
             st["top_k"][i] = max(row.top_k, 0)  # -1 means no limit too
             st["seed"][i] = row.seed
-            st["step"][i] = row.step
+            st["step"][i] = row.step if steps is None else steps[i]
             st["num_top_logprobs"][i] = row.logprobs
             if row.uses_penalties:
                 length = len(row.prompt_ids) + len(row.output_ids)

@@ -447,12 +447,19 @@ class LLMEngine:
     def _row_work(self, rows: list[ScheduledRow]) -> list[RowWork]:
         return [
             RowWork(r.seq.token_view[r.start : r.start + r.num_tokens], r.start, self.blocks.page_ids(r.seq.seq_id),
-                    RowSampling.from_params(r.seq.params, seed=r.seq.seed, step=len(r.seq.output_token_ids),
-                                            prompt_ids=r.seq.prompt_token_ids, output_ids=r.seq.output_token_ids),
-                    r.seq.replica, self.outputs.prompt_targets(r.seq, r.start, r.num_tokens), r.samples,
-                    r.seq.grammar if r.samples else None)
+                    self._row_sampling(r.seq), r.seq.replica, self.outputs.prompt_targets(r.seq, r.start, r.num_tokens),
+                    r.samples, r.seq.grammar if r.samples else None, step=len(r.seq.output_token_ids))
             for r in rows
         ]
+
+    @staticmethod
+    def _row_sampling(seq: Sequence) -> RowSampling:
+        """The sequence's sampling row, built once: its params and seed are fixed, and its prompt and
+        output lists are read where they stand when a step is packed (the step index goes apart)."""
+        if seq.row_sampling is None:
+            seq.row_sampling = RowSampling.from_params(seq.params, seed=seq.seed, step=0,
+                                                       prompt_ids=seq.prompt_token_ids, output_ids=seq.output_token_ids)
+        return seq.row_sampling
 
     def _multi_step_lookahead(self, seq: Sequence, batch_size: int) -> int:
         """num_scheduler_steps: the decode steps after this one that `seq` may still take (the scheduler

@@ -57,6 +57,7 @@ class RowWork:
     # Structured output: the sequence's GrammarMatcher (jaxserve.structured), whose mask constrains
     # this row's sample; None: unconstrained.
     grammar: Any = None
+    step: int | None = None  # the output index this row samples, in place of sampling.step
 
 
 def _take_carried(batch: RaggedBatch, sampling: SamplingTensors, carried: jax.Array):
@@ -544,6 +545,7 @@ class ModelRunner:
         L = self.num_logits(N)
         fields = {f.name: [] for f in dataclasses.fields(RaggedBatch)}
         flat_sampling: list[RowSampling | None] = [None] * (R * L)
+        flat_steps = [0] * (R * L)
         logit_at = np.full(len(rows), -1, np.int64)
         token_at: list[tuple[int, int, int]] = [(0, 0, 1)] * len(rows)
         sample_index = np.zeros((R, L), np.int32)
@@ -557,6 +559,8 @@ class ModelRunner:
                 token_at[i] = (rep, first, len(row.tokens))
                 if row.samples:
                     flat_sampling[rep * L + j] = row.sampling
+                    if row.sampling is not None:
+                        flat_steps[rep * L + j] = row.sampling.step if row.step is None else row.step
                     logit_at[i] = rep * L + j
                     j += 1
                 if row.targets is not None:
@@ -567,7 +571,7 @@ class ModelRunner:
             for name in fields:
                 fields[name].append(getattr(arrays, name))
         batch = RaggedBatch(**{name: np.stack(v) for name, v in fields.items()})
-        st = SamplingTensors.pack(flat_sampling, (R, L), self.history_len)
+        st = SamplingTensors.pack(flat_sampling, (R, L), self.history_len, steps=flat_steps)
         grammars = [(rows[i].grammar, int(logit_at[i])) for i in range(len(rows))
                     if rows[i].grammar is not None and logit_at[i] >= 0]
         if grammars and before_masks is not None:
