@@ -24,6 +24,7 @@ import timeit
 from jaxserve.engine.output_processor import OutputProcessor, Request
 from jaxserve.engine.sequence import Sequence, Status
 from jaxserve.ragged import RaggedRow, pack_ragged
+from jaxserve.sampling import RowSampling, SamplingTensors
 from jaxserve.sampling_params import SamplingParams
 
 PAGE_SIZE = 16
@@ -37,6 +38,17 @@ def time_packing(batch: int, context: int) -> float:
     shape = dict(page_size=PAGE_SIZE, num_tokens=max(4, 1 << (batch - 1).bit_length()), num_rows=64,
                  max_pages=pages, num_logits=64)
     return min(timeit.repeat(lambda: pack_ragged(rows, **shape), number=50, repeat=7)) / 50 * 1e6
+
+
+def time_sampling_rows(batch: int) -> tuple[float, float]:
+    """(us per RowSampling.from_params, us per SamplingTensors.pack of `batch` rows)."""
+    params = SamplingParams(max_tokens=100, temperature=0.7, top_p=0.9)
+    prompt, output = list(range(100)), list(range(50))
+    build = lambda: RowSampling.from_params(params, seed=1, step=50, prompt_ids=prompt, output_ids=output)  # noqa: E731
+    rows = [build() for _ in range(batch)]
+    per_row = min(timeit.repeat(build, number=2000, repeat=5)) / 2000 * 1e6
+    pack = min(timeit.repeat(lambda: SamplingTensors.pack(rows, (1, max(batch, 16))), number=200, repeat=5)) / 200 * 1e6
+    return per_row, pack
 
 
 def make_requests(batch: int, length: int, logprobs: int | None) -> list[Request]:
@@ -88,6 +100,12 @@ def main(argv: list[str] | None = None) -> None:
             us = time_packing(batch, context)
             packing.append(dict(batch=batch, context=context, us_per_step=us))
             print(f"{batch:5d} {context:7d} {us:8.0f}")
+    sampling = []
+    print(f"{'batch':>5} {'from_params us/row':>18} {'SamplingTensors.pack us':>23}")
+    for batch in map(int, args.batches.split(",")):
+        per_row, pack = time_sampling_rows(batch)
+        sampling.append(dict(batch=batch, from_params_us_per_row=per_row, pack_us=pack))
+        print(f"{batch:5d} {per_row:18.1f} {pack:23.0f}")
     print(f"{'batch':>5} {'output':>6} {'logprobs':>8} {'us/step':>9} {'us/request':>10}")
     rows = []
     for batch in map(int, args.batches.split(",")):
@@ -99,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{batch:5d} {length:6d} {lp:>8} {us:9.0f} {us / batch:10.1f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(commit=commit, packing=packing, outputs=rows), f, indent=1)
+            json.dump(dict(commit=commit, packing=packing, sampling=sampling, outputs=rows), f, indent=1)
 
 
 if __name__ == "__main__":

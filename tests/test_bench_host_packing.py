@@ -14,6 +14,8 @@ def test_small_run_reports_every_point(tmp_path):
     assert [(p["batch"], p["context"]) for p in report["packing"]] == [(1, 32), (9, 32)]  # the loop and the arrays
     assert [(r["batch"], r["logprobs"]) for r in report["outputs"]] == [(1, None), (1, 2), (9, None), (9, 2)]
     assert all(p["us_per_step"] > 0 for p in report["packing"] + report["outputs"])
+    assert [r["batch"] for r in report["sampling"]] == [1, 9]
+    assert all(r["from_params_us_per_row"] > 0 and r["pack_us"] > 0 for r in report["sampling"])
 
 
 def test_each_timed_step_emits_one_token_per_request():
