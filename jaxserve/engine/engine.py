@@ -25,7 +25,7 @@ from jaxserve.engine.compile import (CompileCounter, check_memory_mappings, enab
                                      release_compiled_code)
 from jaxserve.engine.runner import ModelRunner, PendingSamples, RowWork
 from jaxserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
-from jaxserve.engine.output_processor import OutputProcessor, Request
+from jaxserve.engine.output_processor import OutputProcessor, Request, stream_deltas
 from jaxserve.engine.sequence import Sequence, TokenView
 from jaxserve.engine.step_stats import StepComposition, is_prompt_chunk
 from jaxserve.errors import EngineClosedError, RequestError
@@ -747,19 +747,8 @@ class AsyncLLMEngine:
         outputs); aborts the request if the caller stops early."""
         request_id = request_id or f"req-{next(self._ids)}"
         ids, params = self.engine.prepare_request(prompt, sampling_params, prompt_token_ids)
-        queue: asyncio.Queue = asyncio.Queue()
-        await self.submit(request_id, ids, params, queue)
-        finished = False
-        try:
-            while not finished:
-                _, item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
+        async for delta in stream_deltas(self, request_id, ids, params):
+            yield delta
 
     def abort(self, request_id: str) -> None:
         """Abort between steps (queued behind the request's own admission, so it cannot overtake it);

@@ -9,10 +9,11 @@ same `find_stop_string` and `held_back`, so the server tests see the real engine
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
-from typing import Any, Sequence as SequenceOf
+from typing import Any, AsyncIterator, Sequence as SequenceOf
 
 from jaxserve.engine.sequence import Sequence
 from jaxserve.ragged import is_placeholder
@@ -107,10 +108,10 @@ class OutputProcessor:
 
     def advance_grammar(self, seq: Sequence, index: int, token: int) -> None:
         """Output `index` of a constrained sequence is `token`: its grammar takes it, once (async
-        scheduling hands it over before the token is otherwise processed, for the next step's mask)."""
-        if index < seq.grammar_tokens or token in self.eos_token_ids:
+        scheduling hands it over before the token is otherwise processed, for the next step's mask;
+        the grammar has taken every output token before the ones it counts)."""
+        if index < seq.grammar.num_tokens or token in self.eos_token_ids:
             return
-        seq.grammar_tokens = index + 1
         # The mask allowed it, so this cannot fail; if it did the matcher allows only EOS from now on.
         if not seq.grammar.advance(token):
             logger.warning("%s: the grammar refused token %d: %s", seq.seq_id, token, seq.grammar.error)
@@ -241,3 +242,22 @@ class OutputAccumulator:
 
     def pop(self, request_id: str) -> RequestOutput:
         return self.outputs.pop(request_id)
+
+
+async def stream_deltas(engine: Any, request_id: str, prompt_token_ids: list[int],
+                        params: SamplingParams | None) -> AsyncIterator[RequestOutput]:
+    """One request's deltas through `engine.submit` (AsyncLLMEngine or the mock engine), as an async
+    iterator that raises the request's error and aborts it if the caller stops early."""
+    queue: asyncio.Queue = asyncio.Queue()
+    await engine.submit(request_id, prompt_token_ids, params, queue)
+    finished = False
+    try:
+        while not finished:
+            _, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            finished = item.finished
+            yield item
+    finally:
+        if not finished:
+            engine.abort(request_id)

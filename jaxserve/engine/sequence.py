@@ -79,7 +79,6 @@ class Sequence:
     # Structured output: the GrammarMatcher (jaxserve.structured) holding the grammar's state after the
     # output so far. Preemption by recompute keeps it (the output is kept); n > 1 siblings get copies.
     grammar: Any = None
-    grammar_tokens: int = 0  # output tokens the grammar has taken
     row_sampling: Any = None  # its jaxserve.sampling.RowSampling, made on its first step (LLMEngine._row_sampling)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

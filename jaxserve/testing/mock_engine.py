@@ -29,7 +29,7 @@ import time
 from typing import Any, AsyncIterator
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine.output_processor import find_stop_string, held_back
+from jaxserve.engine.output_processor import find_stop_string, held_back, stream_deltas
 from jaxserve.errors import JaxServeError, RequestError
 from jaxserve.memory_plan import MemoryPlan
 from jaxserve.sampling_params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
@@ -285,24 +285,11 @@ class MockAsyncLLMEngine:
             if prompt is None:
                 raise RequestError("give a prompt or prompt_token_ids")
             prompt_token_ids = self.engine.tokenizer.encode(prompt)
-        queue: asyncio.Queue = asyncio.Queue()
-        await self.submit(request_id, prompt_token_ids, sampling_params, queue)
-        finished = False
-        try:
-            while not finished:
-                _, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self._abort_now(request_id, notify=False)
+        async for delta in stream_deltas(self, request_id, prompt_token_ids, sampling_params):
+            yield delta
 
     def abort(self, request_id: str) -> None:
-        self._abort_now(request_id, notify=True)
-
-    def _abort_now(self, request_id: str, notify: bool) -> None:
+        """Stop a request now; its queue gets a last delta with finish_reason 'abort'."""
         with self._lock:
             req = self._by_id.pop(request_id, None)
             if req is None or req.done:
@@ -316,8 +303,7 @@ class MockAsyncLLMEngine:
             for s in req.siblings:
                 if s.finish_reason is None:
                     s.finish_reason = "abort"
-            if notify:
-                self._deliver(req, self._output(req, finished=True))
+            self._deliver(req, self._output(req, finished=True))
 
     # ---- the step loop --------------------------------------------------------------------------
     def _loop(self) -> None:
