@@ -123,7 +123,6 @@ class Fanout:
         self.queue: asyncio.Queue = asyncio.Queue()  # (sub index, delta | exception), from the engine
         self.buffer: list[tuple[int, Any]] = []
         self.open = len(subs)
-        self.submitted: list[EngineRequest] = []
         self.awaiting_first = set(range(len(subs)))  # counted in state.pending_first until they answer
         state.pending_first += len(subs)
 
@@ -142,7 +141,6 @@ class Fanout:
             except Exception:
                 sub.done = True  # refused (a 400): not counted as an abort when the request closes
                 raise
-            self.submitted.append(sub)
         seen: set[int] = set()
         while len(seen) < len(self.subs):
             item = await self.queue.get()
@@ -170,14 +168,14 @@ class Fanout:
             yield i, item
 
     def close(self) -> None:
-        """Abort the engine requests still running; count them as finish_reason 'abort'."""
+        """Abort the engine requests still running (the engine ignores ids it never admitted); count
+        them as finish_reason 'abort'."""
         for i in list(self.awaiting_first):
             self._answered(i)
         for sub in self.subs:
             if not sub.done:
                 sub.done = True
-                if sub in self.submitted:
-                    self.state.engine.abort(sub.request_id)
+                self.state.engine.abort(sub.request_id)
                 self.state.metrics.finished.labels(finish_reason="abort").inc(sub.width)
 
 
