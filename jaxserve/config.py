@@ -593,6 +593,11 @@ class EngineConfig(Settings):
         if k > 0 and self.num_scheduler_steps > 1:
             raise ConfigError("num_scheduler_steps > 1 and speculative decoding both batch decode work per host "
                               "round-trip; use one of them (set num_scheduler_steps=1 or num_speculative_tokens=0)")
+        if self.speculation == "draft" and self.enable_prompt_logprobs:
+            # A step scoring prompt tokens runs the plain scoring variant, without the draft model, whose
+            # cache would then miss those tokens (n-gram speculation has no cache to keep up).
+            raise ConfigError("enable_prompt_logprobs is not supported with a draft model (speculative_method="
+                              "'draft'); use speculative_method='ngram' or turn one of them off")
         if self.speculative_model is not None and k == 0:
             raise ConfigError("speculative_model is set but num_speculative_tokens is 0: set how many tokens "
                               "the draft proposes per step (e.g. 4)")

@@ -44,21 +44,18 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxserve.engine.buckets import DRAFT
 from jaxserve.engine.runner import MULTI_STEP, SCORE
-from jaxserve.spec_decode.step import VERIFY
 from jaxserve.errors import ConfigError, JaxServeError
 
 logger = logging.getLogger(__name__)
 
 OP_STEP, OP_COPY_PAGES, OP_SHUTDOWN = 1, 2, 3
 # A step message's bucket kind, by its index: the key's trailing tag, after how many sizes. Ragged steps
-# (tokens, pages) and their variants; speculative (batch, pages, drafts) verify and (batch, tokens,
-# pages) draft-prefill steps.
-STEP_VARIANTS = ((), (SCORE,), (MULTI_STEP,), (VERIFY,), (DRAFT,))
-_STEP_SIZES = (2, 2, 2, 3, 3)
+# (tokens, pages; speculative ones in a speculative engine) and their variants.
+STEP_VARIANTS = ((), (SCORE,), (MULTI_STEP,))
+_STEP_SIZES = (2, 2, 2)
 # magic u32, version u16, op u16, seq u64, four int32 arguments (step: variant, sizes; copy: replica, n)
-_MAGIC, _VERSION = 0x4D53584A, 3  # b"JXSM" little-endian; version 3: speculative steps too
+_MAGIC, _VERSION = 0x4D53584A, 4  # b"JXSM" little-endian; version 4: speculative steps are ragged buckets
 _HEADER = struct.Struct("<IHHQ4i")
 # per input array: layout (_WHOLE or _ROWS), int32 sent as int16 (0/1), the fill value of trimmed rows
 _LEAF = struct.Struct("<BBd")

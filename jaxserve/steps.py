@@ -1,8 +1,8 @@
 """The jit-compiled steps: the public step-level API for research code.
 
 `ragged` is the engine's step: one flat batch of prompt chunks, decodes and verifications per
-replica (`RaggedBatch`). `prefill` / `decode` take the rectangle `StepBatch` ([R, B, T] tokens;
-the speculative decoder's steps still use it). All take `(params, cache, batch)` and return
+replica (`RaggedBatch`). `prefill` / `decode` take the rectangle `StepBatch` ([R, B, T] tokens:
+research code, benchmarks and the quality scripts use them; the engine does not). All take `(params, cache, batch)` and return
 `(logits, cache)`; the cache is donated (updated in place) unless you call a `*_nodonate` variant.
 The model config and step options are static, so one compilation serves every batch of a shape.
 """
@@ -17,10 +17,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxserve.config import ModelConfig
+from jaxserve import quant
 from jaxserve.errors import ConfigError
 from jaxserve.kv_cache import KVCache, RaggedBatch, StepBatch
 from jaxserve.model.layers import paged_attention_reference, ragged_attention_reference
-from jaxserve.model.llama import forward, forward_ragged
+from jaxserve.model.llama import forward, forward_ragged, lm_head
 from jaxserve.model.weights import Params
 from jaxserve.sharding import DATA, MODEL, ExpertParallel, _local_kv_heads, shard_attention
 
@@ -201,11 +202,13 @@ def _decode(params, cache, batch, cfg, options=StepOptions()):
 
 
 def ragged_step(
-    params: Params, cache: KVCache, batch: RaggedBatch, cfg: ModelConfig, options: StepOptions = StepOptions()
+    params: Params, cache: KVCache, batch: RaggedBatch, cfg: ModelConfig, options: StepOptions = StepOptions(),
+    hidden: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """One ragged step of every replica (`batch`: `RaggedBatch.stack` of one per replica): prompt
     chunks, decodes and verifications in one flat token axis. Returns logits f32[R, L, V] at each
-    replica's `logit_index`, and the updated cache (docs/ARCHITECTURE.md, "The ragged step").
+    replica's `logit_index`, and the updated cache (docs/ARCHITECTURE.md, "The ragged step"). With
+    `hidden`, the final-normed hidden states f[R, L, D] instead (`ragged_logits` finishes them).
 
     Every attention backend of `ATTENTION_IMPLS`: the Pallas ones get each replica's whole stacked
     cache and the layer index (no per-layer slice), per device under `shard_map` on a mesh of several
@@ -218,10 +221,17 @@ def ragged_step(
                          "of them); all_logits is for the rectangle steps")
     fwd = functools.partial(forward_ragged, cfg=cfg, scan_layers=options.scan_layers, matmul=options.matmul_backend,
                             attention=ragged_attention_impl(options.attention_backend, options.mesh),
-                            expert_parallel=expert_parallel_impl(cfg, options))
+                            expert_parallel=expert_parallel_impl(cfg, options), hidden=hidden)
     # A shard_map inside the vmap maps the replica axis onto `data` through spmd_axis_name.
     spmd = DATA if _per_shard(options.attention_backend, options.mesh) else None
     return jax.vmap(fwd, in_axes=(None, 0, 0), spmd_axis_name=spmd)(params, cache, batch)
+
+
+def ragged_logits(params: Params, hidden: jax.Array, cfg: ModelConfig, options: StepOptions = StepOptions()):
+    """Logits f32[..., V] of `ragged_step(..., hidden=True)`'s hidden states (any leading axes)."""
+    if options.matmul_backend != "reference":
+        params = quant.with_kernel(params, options.matmul_backend)
+    return lm_head(params, cfg, hidden)
 
 
 _STATIC = ("cfg", "options")

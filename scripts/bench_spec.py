@@ -187,7 +187,7 @@ def main() -> None:
     methods = ["off"] + [m for m in args.methods.split(",") if m and not (m.startswith("draft") and not args.draft)]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     workloads = args.workloads.split(",")
-    # Warmed up like a server: adaptive speculation picks (batch, pages, width) shapes as it goes, and
+    # Warmed up like a server: adaptive speculation picks (tokens, pages) buckets as it goes, and
     # a timed pass must never compile.
     common = dict(load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=max(batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens, warm_up=True,

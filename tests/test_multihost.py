@@ -64,11 +64,23 @@ def _packed(runner, shape, rng, dense):
     return tuple(jax.tree.unflatten(treedef, leaves))
 
 
-@pytest.mark.parametrize("shape", [(4, 8), (32, 8), (32, 8, "score"), (4, 8, "multi-step"), (4, 8, 3, "verify"),
-                                   (2, 16, 8, "draft")])
-def test_step_message_round_trip(llm, shape):
+@pytest.fixture(scope="module")
+def draft_llm(hf_model_dir):
+    """A speculative engine (the model as its own draft): its ragged steps are speculative ones."""
+    from jaxserve import LLM
+
+    path, _ = hf_model_dir("llama")
+    return LLM(path, dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+               warm_up=False, speculative_model=path, num_speculative_tokens=3)
+
+
+@pytest.mark.parametrize("engine, shape", [("llm", (4, 8)), ("llm", (32, 8)), ("llm", (32, 8, "score")),
+                                           ("llm", (4, 8, "multi-step")), ("draft_llm", (4, 8)),
+                                           ("draft_llm", (32, 8))])
+def test_step_message_round_trip(request, engine, shape):
     import jax
 
+    llm = request.getfixturevalue(engine)
     rng = np.random.default_rng(0)
     sizes = {}
     for dense in (True, False):

@@ -5,7 +5,8 @@ Every step shape comes from a small fixed table compiled at start-up. The engine
 side, so its executables are keyed by the token-budget bucket `N` (powers of two up to the budget)
 and, on a CPU only, by a page-count bucket `P` too (a CPU step's attention costs the keys it reads;
 accelerator kernels read only each row's own pages). The
-runner and the speculative decoder compile one executable per entry of the lists below, and
+runner compiles one executable per entry of the lists below (with speculative decoding the ragged
+steps are speculative ones: verifications ride in the same buckets), and
 `executable_counts` says, from the settings alone, how many that is, so the count can be checked,
 logged and budgeted without compiling anything.
 """
@@ -18,7 +19,6 @@ from typing import Any
 
 MULTI_STEP = "multi-step"  # the decode variant running num_scheduler_steps decode steps per call
 SCORE = "score"  # the prefill variant that also scores every prompt token (prompt_logprobs)
-DRAFT = "draft"  # the draft model's prefill (speculative decoding with a draft model)
 
 
 def powers_of_two(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
@@ -76,8 +76,10 @@ class BucketTable:
     def for_settings(cls, settings: Any, max_model_len: int) -> "BucketTable":
         """The engine's table: `settings` an EngineConfig, `max_model_len` the resolved one (the setting,
         or the model's max_position_embeddings when it is unset)."""
-        max_chunk = min(settings.max_num_batched_tokens, max_model_len)
-        return cls.build(settings.max_num_seqs, max_chunk, math.ceil(max_model_len / settings.page_size))
+        # The budget is the step's, over all its rows: it may exceed max_model_len (many rows, or
+        # decodes verifying drafts), though no single prompt chunk can.
+        return cls.build(settings.max_num_seqs, settings.max_num_batched_tokens,
+                         math.ceil(max_model_len / settings.page_size))
 
 
 def has_page_axis(platform: str) -> bool:
@@ -125,12 +127,12 @@ def score_shapes(buckets: BucketTable) -> list[tuple]:
 
 
 def draft_buckets(k: int, platform: str) -> tuple[int, ...]:
-    """Draft counts that get their own verify executable (verify width = count + 1).
+    """Draft counts the adaptive speculation policy prices apart (it times a step of rows verifying
+    each count, since a step's token bucket grows with its drafts).
 
     On a CPU a verify pass costs about proportionally more per position (measured: 2 positions 1.7x,
-    7 positions 2.9x a decode step), so a step verifies only as many positions as its longest proposal
-    needs: 1, 2, 4, ... below K, and K. On accelerators a wider verify costs about the same as one
-    position, so K alone (one executable per batch and page bucket)."""
+    7 positions 2.9x a decode step): 1, 2, 4, ... below K, and K. On accelerators a wider verify costs
+    about the same as one position, so K alone."""
     if platform != "cpu":
         return (k,)
     counts, c = {k}, 1
@@ -140,27 +142,13 @@ def draft_buckets(k: int, platform: str) -> tuple[int, ...]:
     return tuple(sorted(counts))
 
 
-def speculative_shapes(buckets: BucketTable, k: int, method: str, platform: str) -> list[tuple]:
-    """(batch, pages, drafts) of the speculative step, and (batch, tokens, pages, "draft") of the
-    draft's prefill (method "draft" only)."""
-    b, t, p = buckets.batch_sizes, buckets.chunk_sizes, buckets.page_counts
-    shapes: list[tuple] = [(bs, pc, d) for bs in b for pc in p for d in draft_buckets(k, platform)]
-    if method == "draft":
-        prefill = {(bs, ts, p[-1], DRAFT) for ts in t for bs in b if bs * ts <= max(t)}
-        prefill |= {(bs, t[0], p[-1], DRAFT) for bs in b}  # rows of a token or two
-        shapes += sorted(prefill)
-    return shapes
-
-
 @dataclasses.dataclass(frozen=True)
 class ExecutableCounts:
     """How many executables an engine compiles at start-up, by kind."""
 
-    steps: int  # ragged step buckets (tokens, pages)
+    steps: int  # ragged step buckets (tokens, pages); with speculative decoding, speculative steps
     multi_step: int = 0  # num_scheduler_steps > 1
     scoring: int = 0  # enable_prompt_logprobs
-    speculative: int = 0  # verify steps (every batch, pages and draft-count bucket)
-    draft_prefill: int = 0  # speculative_method "draft"
     page_copies: int = 0  # the forked pages' copy, per replica and KV cache (the draft's too)
 
     @property
@@ -184,13 +172,9 @@ def executable_counts(settings: Any, max_model_len: int | None = None, platform:
     buckets = BucketTable.for_settings(settings, max_model_len)
     replicas = num_replicas if num_replicas is not None else settings.mesh_shape[0]
     plain = step_shapes(buckets, settings.num_scheduler_steps, platform)
-    method = settings.speculation
-    spec = speculative_shapes(buckets, settings.num_speculative_tokens, method, platform) if method else []
     return ExecutableCounts(
         steps=sum(len(s) == 2 for s in plain),
         multi_step=sum(s[2:] == (MULTI_STEP,) for s in plain),
         scoring=len(score_shapes(buckets)) if settings.enable_prompt_logprobs else 0,
-        speculative=sum(len(s) == 3 for s in spec),
-        draft_prefill=sum(s[3:] == (DRAFT,) for s in spec),
-        page_copies=replicas * (2 if method == "draft" else 1),
+        page_copies=replicas * (2 if settings.speculation == "draft" else 1),
     )

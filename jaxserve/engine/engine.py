@@ -87,7 +87,6 @@ class LLMEngine:
                                           s.quantization)
         options = StepOptions(scan_layers=scan, attention_backend=attention, mesh=self.mesh, matmul_backend=matmul,
                               moe_parallelism=s.moe_parallelism)
-        max_chunk = min(s.max_num_batched_tokens, self.plan.max_model_len)
         self.buckets = BucketTable.for_settings(s, self.plan.max_model_len)
         cache = init_cache(loaded.cfg, self.plan.num_pages, s.page_size, loaded.dtype, self.num_replicas,
                            self.shardings.cache, s.kv_cache_dtype, self.shardings.cache_scale)
@@ -100,14 +99,14 @@ class LLMEngine:
         self.blocks = BlockManager(self.plan.num_pages, s.page_size, self.num_replicas,
                                    enable_prefix_caching=s.enable_prefix_caching,
                                    sliding_window=cfg.sliding_window if windowed else None)
-        self.scheduler = Scheduler(self.blocks, self.buckets, s.max_num_seqs, max_chunk, self.plan.max_model_len,
+        self.scheduler = Scheduler(self.blocks, self.buckets, s.max_num_seqs, s.max_num_batched_tokens, self.plan.max_model_len,
                                    scheduling=s.scheduling, preemption_mode=s.preemption_mode)
         self.spec = self._speculative_decoder(loaded) if s.speculation else None
         if s.num_scheduler_steps > 1:  # pages for the extra decode steps, where free ones exist
             self.scheduler.lookahead = self._multi_step_lookahead
-        # Speculative and multi-step decode rows run executables of their own: those engines keep
-        # prefill and decode steps apart; every other step is one mixed ragged step.
-        self.scheduler.mixed = self.scheduler.lookahead is None
+        # Multi-step decode rows run executables of their own: that engine keeps prefill and decode
+        # steps apart; every other step is one mixed ragged step (verifications among its rows).
+        self.scheduler.mixed = s.num_scheduler_steps == 1
         # Async scheduling: step N+1 dispatched before step N's samples are processed (self.step).
         # Speculation's acceptance and multi-step's run lengths decide the next inputs on the host.
         self.async_scheduling = s.async_scheduling and self.scheduler.lookahead is None
@@ -346,10 +345,10 @@ class LLMEngine:
         self._copy_forked_pages(plan)
         if plan.rows:
             self.composition.record(plan.rows)
+        # Speculative and multi-step engines run serially: nothing is ever in flight here.
+        if plan.rows and self.spec is not None:
+            return outputs + self._speculative_step(plan, start)
         if plan.rows and plan.kind == "decode" and any(r.num_lookahead for r in plan.rows):
-            # Speculative and multi-step engines run serially: nothing is ever in flight here.
-            if self.spec is not None:
-                return outputs + self._speculative_step(plan, start)
             return outputs + self._multi_step(plan, start)
         before_masks = None
         if self._in_flight is not None and self._in_flight.constrained:
@@ -377,8 +376,6 @@ class LLMEngine:
         rows = self._row_work(plan.rows)
         logprobs = any(r.seq.params.logprobs is not None for r in plan.rows)
         pending = self.runner.launch(rows, before_masks, logprobs=logprobs)
-        if self.spec is not None:
-            self.spec.after_step(plan.kind, plan.rows, rows)
         # What the step had to read: every weight once, plus each row's cached K/V.
         context = sum(r.start + r.num_tokens for r in plan.rows)
         self.last_step_bytes_read = self.plan.param_bytes + context * self.plan.kv_bytes_per_token
@@ -523,18 +520,36 @@ class LLMEngine:
         self.blocks.mark_computed(seq.seq_id, tokens, num_computed - lag)
 
     def _speculative_step(self, plan: SchedulerOutput, start: float) -> list[RequestOutput]:
-        """Decode with speculation: each row emits its accepted drafts and the target's next token;
-        EOS, stop strings and max_tokens cut the run where they occur."""
-        out = self.spec.run(plan.rows)
-        context = sum(r.start + 1 + r.num_lookahead for r in plan.rows)
+        """One speculative ragged step: prompt chunks advance as in a plain step; each decode row emits
+        its accepted drafts and the target's next token (EOS, stop strings and max_tokens cut the run
+        where they occur). A step scoring prompt tokens (prompt_logprobs) verifies nothing: it runs the
+        scoring variant, a plain step."""
+        rows = self._row_work(plan.rows)
+        if any(r.targets is not None for r in rows):
+            for row in plan.rows:
+                row.num_lookahead = 0
+            return self._process(self._launch(plan), start)
+        self.spec.prepare(plan.rows, rows)
+        out = self.runner.execute(rows)
+        self.spec.record(plan.rows, out.num_accepted)  # before marking: the draft's lag bounds what is computed
+        context = sum(r.start + r.num_tokens + r.num_lookahead for r in plan.rows)
         self.last_step_bytes_read = self.plan.param_bytes + context * self.plan.kv_bytes_per_token
         advanced: dict[str, Request] = {}
         for i, row in enumerate(plan.rows):
             seq = row.seq
-            # The accepted drafts, then the target's token.
-            self._emit_run(seq, out.tokens[i, : int(out.num_accepted[i]) + 1].tolist(),
-                           lambda j: self.outputs.record_logprobs(seq, SampleOutput(out.tokens[i], out.logprobs[i],
-                                                                              out.top_ids[i], out.top_logprobs[i]), j))
+            samples = SampleOutput(out.tokens[i], out.logprobs[i], out.top_ids[i], out.top_logprobs[i])
+            if is_prompt_chunk(row):
+                self.counters["prefill_tokens_computed"] += row.num_tokens
+                seq.num_computed += row.num_tokens
+                self._mark_computed(seq, seq.token_view, seq.num_computed)
+                if not row.samples:
+                    continue
+                if seq.params.logprobs is not None:
+                    self.outputs.record_logprobs(seq, samples, 0)
+                self._append_token(seq, int(out.tokens[i, 0]))
+            else:
+                self._emit_run(seq, out.tokens[i, : int(out.num_accepted[i]) + 1].tolist(),
+                               lambda j: self.outputs.record_logprobs(seq, samples, j))
             advanced[seq.request_id] = self.requests[seq.request_id]
         return self._finish_step(advanced, start)
 

@@ -3,10 +3,10 @@
 It is the only place where host state becomes device arrays, and the one owner of executables. A
 step is a flat axis of `N` tokens per replica (`jaxserve.ragged`): decodes, prompt chunks and their
 mix in one call. Each (tokens, pages) bucket of `buckets.step_shapes` is compiled once ahead of time;
-the cache is donated into every call and replaced by the result. With speculative decoding the
-runner also holds the draft's params and cache and the speculative executables (`spec_steps`: verify
-steps and the draft's prefill), lowered, compiled, warmed up, called and broadcast to the other
-processes of a multi-host job the same way; `jaxserve.spec_decode` packs their inputs.
+the cache is donated into every call and replaced by the result. With speculative decoding every
+bucket is compiled from the speculative step instead (`spec_steps`: verifications among the rows,
+the draft model inside), and the runner also holds the draft's params and cache; `jaxserve.spec_decode`
+decides each row's drafts.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from jaxserve.ragged import PAD_SLOT, RaggedRow, pack_ragged
 from jaxserve.sampling import MAX_LOGPROBS, RowSampling, SampleOutput, SamplingTensors, sample
 from jaxserve.steps import StepOptions, ragged_step
 from jaxserve.structured.apply import TokenMask, mask_logits
-from jaxserve.transfer import Layout, from_buffer
+from jaxserve.transfer import SPARSE_FIELDS, Layout, from_buffer, with_sparse
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,13 @@ class RowWork:
     # this row's sample; None: unconstrained.
     grammar: Any = None
     step: int | None = None  # the output index this row samples, in place of sampling.step
+    # Speculative decoding: the last `num_drafts` of `tokens` are drafts to verify (zeros where the
+    # draft model proposes them in the step), and the tokens the draft model's cache lacks, ending
+    # at this row's last token before the drafts, from position `draft_start` (None: the row's own).
+    num_drafts: int = 0
+    draft_tokens: Sequence[int] | None = None
+    draft_start: int = 0
+    want_logprobs: bool = False  # speculative steps: the row returns logprobs (computed only if one does)
 
 
 def _take_carried(batch: RaggedBatch, sampling: SamplingTensors, carried: jax.Array):
@@ -66,19 +73,6 @@ def _take_carried(batch: RaggedBatch, sampling: SamplingTensors, carried: jax.Ar
     in the penalty histories."""
     return (batch.replace(tokens=resolve(batch.tokens, carried)),
             sampling.replace(history=resolve(sampling.history, carried)))
-
-
-# The sampling inputs that are padding in most steps: each row's penalty history and logit-bias slots
-# (together 95% of a step's input words when no row uses them). They travel apart from the packed
-# buffer, as 2-D [R, L * width] operands, so that a step needing none of them reuses arrays already
-# on the device and copies nothing (`ModelRunner._put_sparse`).
-SPARSE_FIELDS = ("history", "bias_ids", "bias_values")
-
-
-def _with_sparse(sampling: SamplingTensors, sparse: tuple) -> SamplingTensors:
-    """The SamplingTensors with its sparse fields back from their [R, L * width] operands."""
-    R, L = sampling.temperature.shape
-    return sampling.replace(**{name: x.reshape(R, L, -1) for name, x in zip(SPARSE_FIELDS, sparse)})
 
 
 def _carry(tokens: jax.Array, carried: jax.Array, carry_sharding=None) -> jax.Array:
@@ -105,7 +99,7 @@ def _generate_step(params, cache, carried, sparse, batch, sampling, mask, cfg, o
     """One ragged step: the forward, then a sample per row that samples. `carried` i32[R, S]: the
     previous step's samples (what placeholders name); `sparse`: the SPARSE_FIELDS of `sampling`;
     returns (samples [R, L], cache, carried)."""
-    batch, sampling = _take_carried(batch, _with_sparse(sampling, sparse), carried)
+    batch, sampling = _take_carried(batch, with_sparse(sampling, sparse), carried)
     out, cache = _forward_and_sample(params, cache, batch, sampling, mask, cfg, options, cache_sharding)
     if out_sharding is not None:  # multi-host: every process reads its own full copy of the samples
         out = jax.lax.with_sharding_constraint(out, out_sharding)
@@ -142,7 +136,7 @@ def _multi_decode_step(params, cache, carried, sparse, batch, sampling, mask, st
     The grammar masks hold for the first step only: the engine gives constrained rows one step.
     Multi-step engines run serially (no step follows this one before its samples are on the host),
     so `carried` is passed through unchanged."""
-    batch, sampling = _take_carried(batch, _with_sparse(sampling, sparse), carried)
+    batch, sampling = _take_carried(batch, with_sparse(sampling, sparse), carried)
 
     def one(carry, k):
         cache, batch, sampling = carry
@@ -174,7 +168,7 @@ def _score_step(params, cache, carried, sparse, batch, sampling, mask, sample_in
                 cache_sharding=None, out_sharding=None, carry_sharding=None):
     """A step that also scores every token (prompt_logprobs): `batch.logit_index` lists all N tokens,
     `sample_index` i32[R, L] the ones that sample."""
-    batch, sampling = _take_carried(batch, _with_sparse(sampling, sparse), carried)
+    batch, sampling = _take_carried(batch, with_sparse(sampling, sparse), carried)
     logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, N, V]
     if cache_sharding is not None:
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
@@ -203,6 +197,14 @@ class PackedRows:
     logit_at: np.ndarray  # each row's flat index in [R * L] (its sample); -1 for rows that do not sample
     token_at: list[tuple[int, int, int]]  # each row's (replica, first token, tokens)
     score_inputs: tuple[np.ndarray, np.ndarray] | None = None  # scoring: (sample index [R, L], targets [R, N])
+    speculative: tuple | None = None  # a speculative step's (SpecRows, DraftInputs | None): spec_steps.pack
+
+    @property
+    def inputs(self) -> tuple:
+        """The step's host inputs, as `ModelRunner.run_step` takes them."""
+        if self.speculative is not None:
+            return (self.batch, self.sampling, *self.speculative)
+        return (self.batch, self.sampling, self.mask)
 
     def unpack(self, x: np.ndarray) -> np.ndarray:  # x: [R, L, ...] -> [rows, ...]
         return x.reshape((-1,) + x.shape[2:])[np.maximum(self.logit_at, 0)]
@@ -268,8 +270,8 @@ class ModelRunner:
         self.shardings = shardings  # jaxserve.sharding.Shardings or None
         self.num_replicas = cache.num_replicas
         self.num_scheduler_steps = num_scheduler_steps  # > 1: decode buckets get a multi-step variant
-        # Every executable: (tokens, pages) or (..., "score" | "multi-step"); speculative decoding's
-        # (batch, pages, drafts, "verify") and (batch, tokens, pages, "draft") (jaxserve.engine.spec_steps).
+        # Every executable: (tokens, pages) or (..., "score" | "multi-step"); with speculative decoding
+        # the (tokens, pages) ones are speculative steps (jaxserve.engine.spec_steps).
         self._executables: dict[tuple, Any] = {}
         self._layouts: dict[tuple, Layout] = {}  # how each bucket's inputs are packed
         self._idle: dict[int, tuple] = {}  # per L: the sparse sampling inputs of steps that use none
@@ -321,9 +323,9 @@ class ModelRunner:
         `buckets.step_shapes`."""
         return bucket_shapes.step_shapes(self.buckets, self.num_scheduler_steps, self.platform)
 
-    def spec_shapes(self) -> list[tuple]:
-        """Every speculative executable's key (none without speculation); see `spec_steps`."""
-        return spec_steps.spec_shapes(self.buckets, self.speculation, self.platform)
+    def is_speculative(self, shape: tuple) -> bool:
+        """Whether bucket `shape` is a speculative step (every plain bucket of a speculative engine)."""
+        return self.speculation is not None and len(shape) == 2
 
     def num_logits(self, num_tokens: int) -> int:
         """Logits a step of `num_tokens` tokens returns: one per row that samples, at most one per
@@ -335,11 +337,11 @@ class ModelRunner:
         (RaggedBatch, SamplingTensors, TokenMask), plus (sample index, targets) for a scoring variant or each
         row's step count for a multi-step one. (They travel packed: jaxserve.transfer gives the one
         packed array its sharding.) A speculative step's: see `spec_steps.step_inputs`."""
-        if spec_steps.is_speculative(shape):
-            return spec_steps.step_inputs(shape, self.num_replicas, self.history_len)
         N, P = shape[:2]
         R, S = self.num_replicas, self.buckets.max_rows
         L = self.num_logits(N)
+        if self.is_speculative(shape):
+            return spec_steps.step_inputs(self.speculation, N, P, L, S, R, self.history_len)
         score = shape[2:] == (SCORE,)
 
         def i32(*dims):
@@ -360,9 +362,12 @@ class ModelRunner:
         return bucket_shapes.score_shapes(self.buckets)
 
     def _lower(self, shape: tuple):
-        if spec_steps.is_speculative(shape):
-            layout = self._layouts[shape] = Layout.of(self.step_inputs(shape))
-            return spec_steps.lower(self, shape, layout)
+        packed, fields = split_sparse(self.step_inputs(shape))
+        layout = self._layouts[shape] = Layout.of(packed)
+        sparse = tuple(jax.ShapeDtypeStruct((f.shape[0], math.prod(f.shape[1:])), f.dtype, sharding=self.buffer_sharding)
+                       for f in fields)
+        if self.is_speculative(shape):
+            return spec_steps.lower(self, layout, sparse)
         cache_sharding = None if self.shardings is None else cache_shardings(
             self.shardings, "int8" if self.cache.quantized else "auto")
         static = dict(cfg=self.cfg, options=self.options, cache_sharding=cache_sharding,
@@ -374,11 +379,7 @@ class ModelRunner:
             step = _score_step_jit
         else:
             step = _generate_step_jit
-        packed, fields = split_sparse(self.step_inputs(shape))
-        layout = self._layouts[shape] = Layout.of(packed)
         carried = jax.ShapeDtypeStruct(self.carried.shape, jnp.int32, sharding=self.carry_sharding)
-        sparse = tuple(jax.ShapeDtypeStruct((f.shape[0], math.prod(f.shape[1:])), f.dtype, sharding=self.buffer_sharding)
-                       for f in fields)
         return step.trace(self.params, self.cache, carried, sparse, layout.spec(self.buffer_sharding), layout=layout,
                           **static).lower()
 
@@ -432,11 +433,7 @@ class ModelRunner:
             if shape in self._ran:
                 continue
             zeros = self._layouts[shape].zeros(self.buffer_sharding)
-            if spec_steps.is_speculative(shape):
-                spec_steps.call(self, self._executables[shape], shape, zeros)
-            else:
-                _, self.cache, self.carried = self._executables[shape](self.params, self.cache, self.carried,
-                                                                       self._idle_sparse(shape), zeros)
+            self._call(shape, self._executables[shape], self._idle_sparse(shape), zeros)
             self._ran.add(shape)
         jax.block_until_ready(self.cache)
 
@@ -452,25 +449,19 @@ class ModelRunner:
         if spec is not None and spec.draft_cache is not None:
             spec.draft_cache = copy_pages_padded(spec.draft_cache, replica, src, dst, width)
 
-    def decode_probe(self, batch_size: int):
-        """`probe` of the plain decode step of `batch_size` rows at the smallest page count, every row
-        padding: what speculation times its verify steps against."""
-        shape = pick_step_shape(self.buckets, batch_size, 1, self.platform)
-        R, L = self.num_replicas, self.num_logits(shape[0])
-        batch, _, mask = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), self.step_inputs(shape))
-        return self.probe(shape, (batch, SamplingTensors.pack([None] * (R * L), (R, L), self.history_len), mask))
+    def probe_rows(self, rows: Sequence[RowWork]):
+        """`probe` of the step these rows pack into (rows on the padding page, which no sequence
+        owns): what speculation times its steps with."""
+        packed = self._pack(rows, score=False)
+        return self.probe(packed.shape, packed.inputs)
 
     def probe(self, shape: tuple, inputs: tuple):
         """A callable that runs bucket `shape`'s executable on these host inputs (rows on the padding
         page, which no sequence owns) and returns its outputs, for timing: the inputs are copied to the
         device once, here. Multi-host: every call is handed to the other processes first, as a step."""
         executable = self.compile(shape)
-        speculative = spec_steps.is_speculative(shape)
-        if speculative:
-            buffer = self.put_inputs(shape, inputs)
-        else:
-            packed, fields = split_sparse(inputs)
-            sparse, buffer = self._put_sparse(shape, fields), self.put_inputs(shape, packed)
+        packed, fields = split_sparse(inputs)
+        sparse, buffer = self._put_sparse(shape, fields), self.put_inputs(shape, packed)
         if shape not in self._ran:
             self._ran.add(shape)
             self.first_runs += 1
@@ -478,10 +469,7 @@ class ModelRunner:
         def run():
             if self.broadcaster is not None:
                 self.broadcaster.step(shape, inputs)
-            if speculative:
-                return spec_steps.call(self, executable, shape, buffer)
-            out, self.cache, self.carried = executable(self.params, self.cache, self.carried, sparse, buffer)
-            return out
+            return self._call(shape, executable, sparse, buffer)
         return run
 
     # ---- execution -----------------------------------------------------------------------------
@@ -504,8 +492,7 @@ class ModelRunner:
         score = any(r.targets is not None for r in rows)
         packed = self._pack(rows, score=score, before_masks=before_masks)
         if not score:
-            return PendingSamples(self.run_step(packed.shape, (packed.batch, packed.sampling, packed.mask)), packed,
-                                  logprobs)
+            return PendingSamples(self.run_step(packed.shape, packed.inputs), packed, logprobs)
         sample_index, targets = packed.score_inputs
         out = self.run_step(packed.shape + (SCORE,), (packed.batch, packed.sampling, packed.mask, sample_index, targets))
         return PendingSamples(out, packed, logprobs)
@@ -530,7 +517,10 @@ class ModelRunner:
     def _pack(self, rows: Sequence[RowWork], score: bool, extra_tokens: Sequence[int] | None = None,
               before_masks: Callable[[], None] | None = None) -> PackedRows:
         """Lay rows out in the smallest ragged bucket: NumPy arrays with leading R. `extra_tokens`:
-        positions each row writes after its tokens within this call (multi-step), which its pages hold."""
+        positions each row writes after its tokens within this call (multi-step), which its pages hold.
+        A speculative engine's steps but scoring ones: `spec_steps.pack`."""
+        if self.speculation is not None and not score:
+            return spec_steps.pack(self, rows)
         R, S, ps = self.num_replicas, self.buckets.max_rows, self.cache.page_size
         extra = extra_tokens or [0] * len(rows)
         per_replica = [[i for i, r in enumerate(rows) if r.replica == rep] for rep in range(R)]
@@ -630,12 +620,16 @@ class ModelRunner:
         # Explicit transfers only (the step loop runs under jax.transfer_guard("disallow") in tests):
         # one host->device copy of the packed inputs here (and one of the sparse sampling inputs
         # when a row uses penalties or logit_bias); the samples' copy back is the caller's.
-        if spec_steps.is_speculative(shape):
-            return spec_steps.call(self, executable, shape, self.put_inputs(shape, inputs))
         packed, fields = split_sparse(inputs)
         self.last_sparse = self._put_sparse(shape, fields)
-        out, self.cache, self.carried = executable(self.params, self.cache, self.carried, self.last_sparse,
-                                                   self.put_inputs(shape, packed))
+        return self._call(shape, executable, self.last_sparse, self.put_inputs(shape, packed))
+
+    def _call(self, shape: tuple, executable: Any, sparse: tuple, buffer: jax.Array) -> Any:
+        """Call bucket `shape`'s executable on device inputs, replacing the donated caches and the
+        carried samples; returns its outputs (on the device)."""
+        if self.is_speculative(shape):
+            return spec_steps.call(self, executable, sparse, buffer)
+        out, self.cache, self.carried = executable(self.params, self.cache, self.carried, sparse, buffer)
         return out
 
     def put_inputs(self, shape: tuple, inputs: tuple) -> jax.Array:

@@ -1,10 +1,11 @@
 """Iteration-level scheduling (no jax): every step re-forms the batch from running and waiting sequences.
 
 One token budget per step (`max_num_batched_tokens`, per replica): running decodes first, one token
-each, then prompt chunks of the partially prefilled and newly admitted sequences in the tokens left,
-so a prompt never stalls running streams for a step of its own, and the runner executes the whole
-mix as one ragged step. (With speculation or multi-step decoding, whose decode rows run their own
-executables, prefill and decode steps still alternate: `mixed=False`.) When pages run out
+each (plus its drafts, with speculative decoding), then prompt chunks of the partially prefilled and
+newly admitted sequences in the tokens left, so a prompt never stalls running streams for a step of
+its own, and the runner executes the whole mix as one ragged step. (With multi-step decoding, whose
+decode rows run executables of their own, prefill and decode steps still alternate: `mixed=False`.)
+When pages run out
 mid-decode, the most recently admitted sequence is preempted: its pages are freed and it is
 re-queued at the front, to be recomputed (its output so far is kept).
 """
@@ -72,7 +73,7 @@ class Scheduler:
         # They get pages when free ones exist; a sequence short of pages decodes one token instead.
         self.lookahead: Callable[[Sequence, int], int] | None = None  # (sequence, rows in the batch) -> tokens
         # One mixed step per iteration (decodes, then prompt chunks in the budget left); False: prefill
-        # and decode steps alternate (speculation and multi-step decode run decode-only executables).
+        # and decode steps alternate (multi-step decode runs decode-only executables).
         self.mixed = True
 
     # ---- queue management ----------------------------------------------------------------------
@@ -121,7 +122,7 @@ class Scheduler:
         rows, preempted = self._schedule_decode(decoding)
         budget = [self.max_num_batched_tokens] * self.blocks.num_replicas
         for row in rows:
-            budget[row.seq.replica] -= row.num_tokens
+            budget[row.seq.replica] -= row.num_tokens + row.num_lookahead
         if self.waiting and not (self.scheduling == "static" and self.running):
             self._admit_waiting(sum(s.compute_target - s.num_computed for s in self.running
                                     if s.compute_target - s.num_computed > 1))
@@ -266,10 +267,15 @@ class Scheduler:
                 rows.append(ScheduledRow(seq, seq.num_computed, 1))
         rows = [r for r in rows if r.seq.status is Status.RUNNING]
         if self.lookahead is not None:  # after every row has its own page: speculation never preempts
+            # In a mixed step the lookahead is drafts to verify: they share the step's token budget (a
+            # replica's decode rows take one each). Multi-step's is later steps, not this one's tokens.
+            spare = [self.max_num_batched_tokens - sum(r.seq.replica == rep for r in rows) if self.mixed
+                     else self.max_model_len for rep in range(self.blocks.num_replicas)]
             for row in rows:
-                extra = self.lookahead(row.seq, len(rows))
-                if extra and self.blocks.ensure_capacity(row.seq.seq_id, row.seq.num_tokens + extra):
+                extra = min(self.lookahead(row.seq, len(rows)), spare[row.seq.replica])
+                if extra > 0 and self.blocks.ensure_capacity(row.seq.seq_id, row.seq.num_tokens + extra):
                     row.num_lookahead = extra
+                    spare[row.seq.replica] -= extra
         return rows, preempted
 
     def _preempt(self, seq: Sequence) -> None:

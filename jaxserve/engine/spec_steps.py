@@ -1,29 +1,32 @@
-"""The speculative executables, as the runner holds them: the verify step (`spec_decode.step`: propose
-with the draft or take the host's n-gram tokens, verify k + 1 positions, accept on device) and the
-draft's prefill. Their bucket keys, input specs, lowering and calls; `ModelRunner` owns them like its
-ragged steps (one executable table, compiled by its warm-up, run and broadcast to the other processes
-of a multi-host job by `run_step`). `jaxserve.spec_decode` decides what to run and packs it.
+"""The speculative executables, as the runner holds them: in an engine with speculative decoding
+every ragged step bucket (tokens, pages) is compiled from `spec_decode.step.speculative_step`
+(prompt chunks, plain decodes and verifications side by side, the draft model's proposals and
+catch-up inside), so speculation adds no executables. Their input specs, lowering and calls;
+`ModelRunner` owns them like every step (one executable table, compiled by its warm-up, run and
+broadcast to the other processes of a multi-host job by `run_step`); `jaxserve.spec_decode`
+decides what each row proposes.
 
-Keys: (batch, pages, drafts, "verify") and (batch, tokens, pages, "draft").
+A speculative step's host inputs: (RaggedBatch [R, N] with grouped logit_index [R, G * W],
+SamplingTensors [R, G], SpecRows [R, G], DraftInputs or None), G = min(N, max rows), W = K + 1.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine.buckets import DRAFT, BucketTable, speculative_shapes
-from jaxserve.kv_cache import KVCache, StepBatch, cache_shardings, init_cache
+from jaxserve.engine.buckets import pick_step_shape
+from jaxserve.kv_cache import KVCache, RaggedBatch, cache_shardings, init_cache
 from jaxserve.model.weights import Params
-from jaxserve.sampling import SamplingTensors
-from jaxserve.spec_decode.step import VERIFY, SpecInputs, SpecOptions, draft_prefill_jit, spec_step_jit
-from jaxserve.transfer import Layout
-
-SPECULATIVE = (VERIFY, DRAFT)
+from jaxserve.ragged import RaggedArrays, RaggedRow, pack_ragged
+from jaxserve.sampling import RowSampling, SamplingTensors
+from jaxserve.spec_decode.step import DraftInputs, SpecOptions, SpecRows, speculative_step
+from jaxserve.transfer import Layout, from_buffer, with_sparse
 
 
 @dataclasses.dataclass
@@ -48,60 +51,151 @@ class Speculation:
         cache = init_cache(draft.cfg, num_pages, page_size, draft.dtype, num_replicas, draft.shardings.cache)
         return cls(method, num_tokens, draft.cfg, draft.params, cache, cache_shardings(draft.shardings, "auto"))
 
-
-def is_speculative(shape: tuple) -> bool:
-    return shape[-1] in SPECULATIVE
-
-
-def spec_shapes(buckets: BucketTable, spec: Speculation | None, platform: str) -> list[tuple]:
-    """Every speculative executable's key (`buckets.speculative_shapes`, the verify steps tagged)."""
-    if spec is None:
-        return []
-    return [s if s[-1] == DRAFT else s + (VERIFY,)
-            for s in speculative_shapes(buckets, spec.num_tokens, spec.method, platform)]
+    @property
+    def width(self) -> int:
+        """Logits per sampling group: the pending token's and K drafts'."""
+        return self.num_tokens + 1
 
 
-def step_inputs(shape: tuple, num_replicas: int, history_len: int) -> tuple:
-    """ShapeDtypeStructs of a speculative step's host inputs, as `ModelRunner.run_packed` takes them:
-    (SpecInputs, SamplingTensors) of [R, B] rows for a verify step, (StepBatch,) for the draft's prefill."""
-    R = num_replicas
+def draft_tokens(num_tokens: int, max_rows: int) -> int:
+    """The draft batch's token axis for a step of `num_tokens`: every row's tokens, plus one more
+    per decode row (the token before its pending one, after a fully accepted run)."""
+    return num_tokens + min(num_tokens, max_rows)
 
+
+def step_inputs(spec: Speculation, N: int, P: int, G: int, S: int, R: int, history_len: int) -> tuple:
+    """ShapeDtypeStructs of a speculative step's host inputs (see the module docstring)."""
     def i32(*dims):
         return jax.ShapeDtypeStruct((R,) + dims, jnp.int32)
 
-    if shape[-1] == DRAFT:
-        B, T, P, _ = shape
-        return (StepBatch(tokens=i32(B, T), start_pos=i32(B), num_new=i32(B), page_table=i32(B, P)),)
-    B, P, d, _ = shape
-    inputs = SpecInputs(last_token=i32(B), pos=i32(B), num_new=i32(B), page_table=i32(B, P), drafts=i32(B, d),
-                        draft_tokens=i32(B, 2), draft_start=i32(B), draft_len=i32(B),
-                        want_logprobs=jax.ShapeDtypeStruct((R, B), jnp.bool_))
-    return inputs, SamplingTensors.spec((R, B), history_len)
+    def ragged(n, logits):
+        return RaggedBatch(tokens=i32(n), positions=i32(n), slots=i32(n), token_row=i32(n), query_start=i32(S + 1),
+                           context_lens=i32(S), page_table=i32(S, P), logit_index=i32(logits))
+
+    rows = SpecRows(num_draft=i32(G), want_logprobs=jax.ShapeDtypeStruct((R, G), jnp.bool_))
+    draft = None
+    if spec.method == "draft":
+        draft = DraftInputs(batch=ragged(draft_tokens(N, S), G), draft_index=i32(G, spec.num_tokens), group_row=i32(G))
+    return ragged(N, G * spec.width), SamplingTensors.spec((R, G), history_len), rows, draft
 
 
-def lower(runner: Any, shape: tuple, layout: Layout):
-    """Lower a speculative step for the runner's params, caches and shardings (inputs packed by `layout`)."""
+def _step(params, cache, draft_params, draft_cache, carried, sparse, batch, sampling, rows, draft, *, cfg, draft_cfg,
+          options, spec, cache_sharding=None, draft_cache_sharding=None, out_sharding=None):
+    """The executable's calling convention: `carried` (the plain steps' placeholder tokens) passes
+    through, since speculative engines run each step to completion; `sparse`: the sampling's
+    penalty histories and logit-bias slots, as the plain steps take them."""
+    out, cache, draft_cache = speculative_step(
+        params, cache, draft_params, draft_cache, batch, with_sparse(sampling, sparse), rows, draft, cfg=cfg,
+        draft_cfg=draft_cfg, options=options, spec=spec, cache_sharding=cache_sharding,
+        draft_cache_sharding=draft_cache_sharding)
+    if out_sharding is not None:  # multi-host: every process reads its own full copy of the outputs
+        out = jax.lax.with_sharding_constraint(out, out_sharding)
+    return out, cache, draft_cache, carried
+
+
+# Compiled as (params, cache, draft params, draft cache, carried, sparse, packed inputs): see jaxserve.transfer.
+_step_jit = jax.jit(from_buffer(_step, 6), static_argnames=(
+    "layout", "cfg", "draft_cfg", "options", "spec", "cache_sharding", "draft_cache_sharding", "out_sharding"),
+    donate_argnums=(1, 3))
+
+
+def lower(runner: Any, layout: Layout, sparse: tuple):
+    """Lower a speculative step for the runner's params, caches and shardings (inputs packed by
+    `layout`; `sparse`: the ShapeDtypeStructs of the sampling's sparse operands)."""
     spec = runner.speculation
-    buffer = layout.spec(runner.buffer_sharding)
-    if shape[-1] == DRAFT:
-        return draft_prefill_jit.trace(spec.draft_params, spec.draft_cache, buffer, layout=layout, cfg=spec.draft_cfg,
-                                       options=runner.options, cache_sharding=spec.draft_cache_sharding).lower()
     cache_sharding = None if runner.shardings is None else cache_shardings(
         runner.shardings, "int8" if runner.cache.quantized else "auto")
-    options = SpecOptions(method=spec.method, num_tokens=shape[2], accept_all=spec.accept_all)
-    return spec_step_jit.trace(
-        runner.params, runner.cache, spec.draft_params, spec.draft_cache, buffer, layout=layout, cfg=runner.cfg,
-        draft_cfg=spec.draft_cfg, options=runner.options, spec=options, cache_sharding=cache_sharding,
+    carried = jax.ShapeDtypeStruct(runner.carried.shape, jnp.int32, sharding=runner.carry_sharding)
+    options = SpecOptions(method=spec.method, num_tokens=spec.num_tokens, accept_all=spec.accept_all)
+    return _step_jit.trace(
+        runner.params, runner.cache, spec.draft_params, spec.draft_cache, carried, sparse,
+        layout.spec(runner.buffer_sharding), layout=layout, cfg=runner.cfg, draft_cfg=spec.draft_cfg,
+        options=runner.options, spec=options, cache_sharding=cache_sharding,
         draft_cache_sharding=spec.draft_cache_sharding, out_sharding=runner.out_sharding).lower()
 
 
-def call(runner: Any, executable: Any, shape: tuple, buffer: jax.Array) -> Any:
-    """Run a compiled speculative step on packed device inputs, replacing the donated caches. Returns
-    the VerifyOutput ([R, B] leading, on the device) of a verify step, the draft's cache of a prefill."""
+def call(runner: Any, executable: Any, sparse: tuple, buffer: jax.Array) -> Any:
+    """Run a compiled speculative step on packed device inputs, replacing the donated caches; returns
+    the VerifyOutput ([R, G] leading, on the device)."""
     spec = runner.speculation
-    if shape[-1] == DRAFT:
-        spec.draft_cache = executable(spec.draft_params, spec.draft_cache, buffer)
-        return spec.draft_cache
-    out, runner.cache, spec.draft_cache = executable(runner.params, runner.cache, spec.draft_params,
-                                                     spec.draft_cache, buffer)
+    out, runner.cache, spec.draft_cache, runner.carried = executable(
+        runner.params, runner.cache, spec.draft_params, spec.draft_cache, runner.carried, sparse, buffer)
     return out
+
+
+
+def pack(runner: Any, rows: Sequence[Any]):
+    """Lay `rows` (the runner's RowWork: prompt chunks, decodes, verifications) out in the smallest
+    bucket as a speculative step: a PackedRows whose `speculative` holds (SpecRows, DraftInputs)."""
+    from jaxserve.engine.runner import PackedRows
+
+    spec = runner.speculation
+    R, S, ps = runner.num_replicas, runner.buckets.max_rows, runner.cache.page_size
+    K, W = spec.num_tokens, spec.width
+    per_replica = [[i for i, r in enumerate(rows) if r.replica == rep] for rep in range(R)]
+    pages = [r.page_ids[: -(-(r.start_pos + len(r.tokens)) // ps)] for r in rows]
+    n_tokens = max(sum(len(rows[i].tokens) for i in idx) for idx in per_replica)
+    shape = pick_step_shape(runner.buckets, n_tokens, max(len(p) for p in pages), runner.platform)
+    N, P = shape
+    G = runner.num_logits(N)
+    draft = spec.method == "draft"
+    fields: dict[str, list] = {f.name: [] for f in dataclasses.fields(RaggedBatch)}
+    draft_fields: dict[str, list] = {f.name: [] for f in dataclasses.fields(RaggedBatch)}
+    flat_sampling: list[RowSampling | None] = [None] * (R * G)
+    flat_steps = [0] * (R * G)
+    num_draft = np.zeros((R, G), np.int32)
+    want_logprobs = np.zeros((R, G), bool)
+    draft_index = np.full((R, G, K), N, np.int32)
+    group_row = np.zeros((R, G), np.int32)
+    logit_at = np.full(len(rows), -1, np.int64)
+    token_at: list[tuple[int, int, int]] = [(0, 0, 1)] * len(rows)
+    for rep, indices in enumerate(per_replica):
+        arrays = pack_ragged([RaggedRow(rows[i].tokens, rows[i].start_pos, pages[i],
+                                        (1 + rows[i].num_drafts) if rows[i].samples else 0) for i in indices],
+                             page_size=ps, num_tokens=N, num_rows=S, max_pages=P, num_logits=G * W)
+        grouped = np.zeros(G * W, np.int32)
+        g = c = 0  # the next group, and its first entry in arrays.logit_index
+        for k, i in enumerate(indices):
+            row, first = rows[i], int(arrays.query_start[k])
+            token_at[i] = (rep, first, len(row.tokens))
+            if not row.samples:
+                continue
+            w = 1 + row.num_drafts
+            grouped[g * W: (g + 1) * W] = arrays.logit_index[c + np.minimum(np.arange(W), w - 1)]
+            flat_sampling[rep * G + g] = row.sampling
+            if row.sampling is not None:
+                flat_steps[rep * G + g] = row.sampling.step if row.step is None else row.step
+            num_draft[rep, g], want_logprobs[rep, g], group_row[rep, g] = row.num_drafts, row.want_logprobs, k
+            draft_index[rep, g, : row.num_drafts] = first + 1 + np.arange(row.num_drafts)
+            logit_at[i] = rep * G + g
+            g, c = g + 1, c + w
+        arrays = dataclasses.replace(arrays, logit_index=grouped)
+        for name in fields:
+            fields[name].append(getattr(arrays, name))
+        if draft:
+            _append(draft_fields, _draft_arrays([rows[i] for i in indices], [pages[i] for i in indices], ps,
+                                                draft_tokens(N, S), S, P, G))
+    batch = RaggedBatch(**{name: np.stack(v) for name, v in fields.items()})
+    st = SamplingTensors.pack(flat_sampling, (R, G), runner.history_len, steps=flat_steps)
+    draft_inputs = None
+    if draft:
+        draft_inputs = DraftInputs(batch=RaggedBatch(**{name: np.stack(v) for name, v in draft_fields.items()}),
+                                   draft_index=draft_index, group_row=group_row)
+    return PackedRows(shape, batch, st, None, logit_at, token_at,
+                      speculative=(SpecRows(num_draft=num_draft, want_logprobs=want_logprobs), draft_inputs))
+
+
+def _draft_arrays(rows: Sequence[Any], pages: Sequence[Any], page_size: int, num_tokens: int, num_rows: int,
+                  max_pages: int, num_groups: int) -> RaggedArrays:
+    """The draft model's batch of one replica: each row's tokens the draft's cache lacks (a row's own
+    tokens, drafts excluded, unless it names others) and a logit at the last of each sampling row's."""
+    return pack_ragged([RaggedRow(r.tokens[: len(r.tokens) - r.num_drafts] if r.draft_tokens is None else r.draft_tokens,
+                                  r.start_pos if r.draft_tokens is None else r.draft_start, p, int(r.samples))
+                        for r, p in zip(rows, pages)],
+                       page_size=page_size, num_tokens=num_tokens, num_rows=num_rows, max_pages=max_pages,
+                       num_logits=num_groups)
+
+
+def _append(fields: dict[str, list], arrays: RaggedArrays) -> None:
+    for name in fields:
+        fields[name].append(getattr(arrays, name))

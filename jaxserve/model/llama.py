@@ -274,9 +274,12 @@ def forward_ragged(
     attention: RaggedAttentionFn = ragged_attention_reference,
     matmul: str = "reference",
     expert_parallel: ExpertParallelFn | None = None,
+    hidden: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """One ragged step (prompt chunks, decodes, verifications in one flat token axis) for one
-    replica. Returns (logits f32[len(logit_index), V] at `batch.logit_index`, cache).
+    replica. Returns (logits f32[len(logit_index), V] at `batch.logit_index`, cache); with `hidden`,
+    the final-normed hidden states there instead (f[len(logit_index), D]: `lm_head` makes them
+    logits), so that a caller can decide on the device which of them are worth the vocabulary matmul.
 
     The same layers as `forward` on a [1, N, D] activation; K/V written by slot (padding dropped),
     attention over each row's pages. Layers scanned (stacked weights, `scan_layers`) or unrolled
@@ -308,11 +311,17 @@ def forward_ragged(
     else:
         for layer in range(cfg.num_layers):
             x, cache = run(jax.tree.map(lambda w: w[layer], params.layers), layer, x, cache)
-    return _logits(params, cfg, x[0][batch.logit_index]), cache
+    x = _norm(cfg, x[0][batch.logit_index], params.final_norm)
+    return (x if hidden else lm_head(params, cfg, x)), cache
 
 
 def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    x = _norm(cfg, x, params.final_norm)
+    return lm_head(params, cfg, _norm(cfg, x, params.final_norm))
+
+
+def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Logits f32[..., V] of final-normed hidden states x f[..., D] (softcapped where the model does).
+    int8 heads multiply by `params`' kernel (`quant.with_kernel`, as the forward applies it)."""
     if params.lm_head is None:  # tied: contract with embed [V, D] directly (a .T materialised a copy)
         logits = jnp.einsum("...d,vd->...v", x, params.embed, preferred_element_type=jnp.float32)
     else:

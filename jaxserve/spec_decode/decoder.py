@@ -1,10 +1,10 @@
 """SpeculativeDecoder: the host side of speculative decoding. It decides each sequence's proposals (with
 the scheduler, which gives them pages) and how many (the adaptive policy, from measured step times),
-packs a speculative step into bucketed arrays, has the runner run it, records what was accepted, and
-keeps the draft's cache in step with the target's (draft prefill alongside every target prefill;
-catch-up when it fell behind). The runner holds the draft's params and cache and every executable
-(`jaxserve.engine.spec_steps`): it lowers, compiles, warms up and calls them, and a multi-host job's
-other processes run them too.
+gives a step's decode rows their drafts and the draft model the tokens its cache lacks, and records
+what was accepted. Every step of a speculative engine is one speculative ragged step
+(`jaxserve.spec_decode.step`: prompt chunks, plain decodes and verifications together, the draft
+model's catch-up and proposals inside); the runner holds the draft's params and cache and every
+executable (`jaxserve.engine.spec_steps`), and a multi-host job's other processes run them too.
 """
 
 from __future__ import annotations
@@ -20,15 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine.buckets import DRAFT, BucketTable, draft_buckets, pick_bucket
+from jaxserve.engine.buckets import BucketTable, draft_buckets, pick_bucket
+from jaxserve.engine.step_stats import is_prompt_chunk
 from jaxserve.errors import ConfigError
-from jaxserve.kv_cache import PADDING_PAGE, StepBatch
+from jaxserve.kv_cache import PADDING_PAGE
 from jaxserve.model.weights import param_bytes
-from jaxserve.sampling import RowSampling, SamplingTensors
 from jaxserve.spec_decode.ngram import TokenBuffer, propose_ngram
 from jaxserve.spec_decode.policy import SpecPolicy, SpecState
-from jaxserve.spec_decode.rejection import VerifyOutput
-from jaxserve.spec_decode.step import VERIFY, SpecInputs
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +95,9 @@ class SpecCounters:
 
 
 class SpeculativeDecoder:
-    """Speculative decoding for one engine: `lookahead` (scheduler hook), `run` (a speculative step),
-    `after_step` (keeps the draft's cache in step after plain steps). Device state and executables are
-    the runner's (`runner.speculation`, `runner.run_step`)."""
+    """Speculative decoding for one engine: `lookahead` (scheduler hook), `prepare` (a step's drafts)
+    and `record` (its acceptance). Device state and executables are the runner's (`runner.speculation`,
+    `runner.run_step`)."""
 
     def __init__(self, settings: EngineConfig, runner: Any, blocks: Any, buckets: BucketTable, max_model_len: int,
                  draft: Any = None):
@@ -213,168 +211,77 @@ class SpeculativeDecoder:
         return pick_bucket(max(drafts, 1), self.draft_buckets)
 
     def _calibrate(self, B: int) -> None:
-        """Time the compiled plain decode step and the speculative step of every width (all rows on the
-        padding page, which no sequence owns). Device time only; the engine's step times replace these
-        as steps run."""
-        R, P = self.num_replicas, self.buckets.page_counts[0]
-        sampling = SamplingTensors.pack([None] * (R * B), (R, B), self.runner.history_len)
-        run_plain = self.runner.decode_probe(B)
-
-        def run_spec(d):
-            return self.runner.probe((B, P, d, VERIFY), (self._empty_inputs(R, B, P, d).replace(
-                num_new=np.full((R, B), d + 1, np.int32), draft_len=np.ones((R, B), np.int32)), sampling))
-
+        """Time the compiled step of B plain decode rows and of B rows verifying d drafts, for every
+        width d (all rows on the padding page, which no sequence owns). Device time only; the engine's
+        step times replace these as steps run. A width whose rows do not fit the token budget costs
+        infinity (the policy never picks it)."""
         self._untimed = True
-        self._device[("plain", B)] = _median_seconds(run_plain)
+        self._device[("plain", B)] = _median_seconds(self.runner.probe_rows(self._probe_rows(B, 0)))
         for d in self.draft_buckets:
-            self._device[("spec", B, d)] = _median_seconds(run_spec(d))
+            fits = B * (d + 1) <= self.buckets.token_counts[-1]
+            self._device[("spec", B, d)] = (_median_seconds(self.runner.probe_rows(self._probe_rows(B, d)))
+                                            if fits else float("inf"))
         logger.info("speculation at batch %d: plain decode step %.2f ms; speculative step %s", B,
                     self._device[("plain", B)] * 1e3, ", ".join(
                         f"{self._device[('spec', B, d)] * 1e3:.2f} ms with {d} drafts" for d in self.draft_buckets))
 
-    @staticmethod
-    def _empty_prefill(R: int, B: int, T: int, P: int) -> StepBatch:
-        return StepBatch(tokens=np.zeros((R, B, T), np.int32), start_pos=np.zeros((R, B), np.int32),
-                         num_new=np.zeros((R, B), np.int32), page_table=np.full((R, B, P), PADDING_PAGE, np.int32))
+    def _probe_rows(self, batch: int, drafts: int) -> list:
+        """`batch` rows of each replica on the padding page, each verifying `drafts` drafts."""
+        from jaxserve.engine.runner import RowWork
 
-    @staticmethod
-    def _empty_inputs(R: int, B: int, P: int, d: int) -> SpecInputs:
-        def zeros(*shape):
-            return np.zeros(shape, np.int32)
-        return SpecInputs(last_token=zeros(R, B), pos=zeros(R, B), num_new=zeros(R, B), page_table=zeros(R, B, P),
-                          drafts=zeros(R, B, d), draft_tokens=zeros(R, B, 2), draft_start=zeros(R, B),
-                          draft_len=zeros(R, B), want_logprobs=np.zeros((R, B), bool))
+        pages = [PADDING_PAGE] * -(-(drafts + 1) // self.blocks.page_size)
+        return [RowWork([0] * (drafts + 1), 0, pages, replica=rep, num_drafts=drafts, draft_tokens=[0])
+                for rep in range(self.num_replicas) for _ in range(batch)]
 
     # ---- warm-up -----------------------------------------------------------------------------------
-    def warm_up(self) -> list[tuple]:
-        """Have the runner compile and first-run every speculative executable (`runner.spec_shapes`),
-        then time them for the adaptive policy; returns the runner's (shape, seconds) per executable."""
-        timings = self.runner.warm_up(self.runner.spec_shapes())
+    def warm_up(self) -> None:
+        """Time the steps for the adaptive policy (the runner's warm-up compiled them: a speculative
+        engine's ragged steps are its speculative ones)."""
         if self.policy.adaptive:
             for batch in self.buckets.batch_sizes:
                 self.costs(batch)
-        return timings
-
-    # ---- keeping the draft's cache in step ---------------------------------------------------------
-    def after_step(self, kind: str, rows: Sequence[Any], works: Sequence[Any]) -> None:
-        """After a plain (non-speculative) step: the draft prefills what the target prefilled; a plain
-        decode step leaves the draft one more token behind (caught up before its next proposal)."""
-        if kind == "decode":  # priced by the per-replica batch bucket, as run() prices its steps
-            per_replica = collections.Counter(row.seq.replica for row in rows)
-            self._timing = ("plain", pick_bucket(max(per_replica.values()), self.buckets.batch_sizes))
-        else:
-            self._timing = None
-        if kind == "prefill":
-            for row in rows:
-                self.state(row.seq).lag = 0
-            if self.method == "draft":
-                self._draft_prefill([(w.tokens, w.start_pos, w.page_ids, w.replica) for w in works])
-        elif kind == "decode":
-            self.decode_steps += 1
-            if self.method == "draft":
-                for row in rows:
-                    self.state(row.seq).lag += 1
-
-    def _draft_prefill(self, works: list[tuple[Sequence[int], int, Sequence[int], int]]) -> None:
-        """Write (tokens, start, page ids, replica) chunks into the draft's cache, in compiled buckets."""
-        R = self.num_replicas
-        per_replica = [[w for w in works if w[3] == rep] for rep in range(R)]
-        B = pick_bucket(max(len(p) for p in per_replica), self.buckets.batch_sizes)
-        T = pick_bucket(max(max(len(w[0]) for w in works), self.buckets.chunk_sizes[0]), self.buckets.chunk_sizes)
-        P = self.buckets.page_counts[-1]
-        batch = self._empty_prefill(R, B, T, P)
-        for rep, rows in enumerate(per_replica):
-            for b, (toks, pos, pages, _) in enumerate(rows):
-                batch.tokens[rep, b, : len(toks)] = toks
-                batch.start_pos[rep, b], batch.num_new[rep, b] = pos, len(toks)
-                batch.page_table[rep, b, : len(pages)] = pages
-        self.runner.run_step((B, T, P, DRAFT), (batch,))
-
-    def _catch_up(self, rows: Sequence[Any]) -> None:
-        """Rows whose draft is 2+ tokens behind (plain decode steps ran without it) catch up to 1 behind:
-        every lagging row's next chunk in one draft prefill call per round (one round unless a lag
-        exceeds the largest chunk bucket)."""
-        limit = self.buckets.chunk_sizes[-1]
-        while True:
-            works = []
-            for row in rows:
-                seq, state = row.seq, self.state(row.seq)
-                if state.lag < 2:
-                    continue
-                pos = seq.num_computed
-                begin = pos - state.lag
-                chunk = seq.tokens[begin : min(pos - 1, begin + limit)]
-                works.append((chunk, begin, self.blocks.page_table(seq.seq_id), seq.replica))
-                state.lag -= len(chunk)
-            if not works:
-                return
-            rows_per_call = self._rows_per_prefill(works)
-            for at in range(0, len(works), rows_per_call):
-                self._draft_prefill(works[at : at + rows_per_call])
-
-    def _rows_per_prefill(self, works: list[tuple]) -> int:
-        """Rows of these chunks that one compiled draft-prefill bucket takes (see
-        `buckets.speculative_shapes`)."""
-        b, t = self.buckets.batch_sizes, self.buckets.chunk_sizes
-        T = pick_bucket(max(max(len(w[0]) for w in works), t[0]), t)
-        return b[-1] if T == t[0] else max([bs for bs in b if bs * T <= t[-1]] or [1])
 
     # ---- the speculative step ----------------------------------------------------------------------
-    def run(self, rows: Sequence[Any]) -> VerifyOutput:
-        """One speculative decode step for scheduled decode rows (`row.num_lookahead` drafts each).
+    def prepare(self, scheduled: Sequence[Any], works: Sequence[Any]) -> None:
+        """Give each decode row of a step its drafts (`row.num_lookahead`: the host's n-gram proposal,
+        or zeros the draft model fills in the step) and, for the draft model, the tokens its cache
+        lacks; every row says whether it returns logprobs. Notes what the step is, for its timing."""
+        verifying = False
+        for row, work in zip(scheduled, works):
+            seq, k = row.seq, row.num_lookahead
+            work.want_logprobs = seq.params.logprobs is not None
+            if is_prompt_chunk(row):
+                continue
+            if k:
+                drafts = self.state(seq).proposal[:k] if self.method == "ngram" else [0] * k
+                work.tokens, work.num_drafts, verifying = list(work.tokens) + list(drafts), k, True
+            if self.method == "draft":
+                lag, p = self.state(seq).lag, work.start_pos
+                work.draft_tokens, work.draft_start = seq.token_view[p - lag: p + 1], p - lag
+        decodes = [row for row in scheduled if not is_prompt_chunk(row)]
+        self._timing = None
+        if decodes and len(decodes) == len(scheduled):  # decode-only steps are priced per batch bucket
+            per_replica = collections.Counter(row.seq.replica for row in decodes)
+            B = pick_bucket(max(per_replica.values()), self.buckets.batch_sizes)
+            width = max(row.num_lookahead for row in decodes)
+            self._timing = ("spec", B, self._bucket(width)) if verifying else ("plain", B)
 
-        Returns, per row in order, tokens i32[n, d+1] (accepted drafts then the target's token),
-        num_accepted i32[n] and their logprobs; updates each sequence's draft lag and acceptance."""
-        if self.method == "draft":
-            self._catch_up(rows)
-        R = self.num_replicas
-        per_replica = [[i for i, r in enumerate(rows) if r.seq.replica == rep] for rep in range(R)]
-        B = pick_bucket(max(len(p) for p in per_replica), self.buckets.batch_sizes)
-        tables = [self.blocks.page_table(r.seq.seq_id) for r in rows]
-        P = pick_bucket(max(len(t) for t in tables), self.buckets.page_counts)
-        d = self._bucket(max(r.num_lookahead for r in rows))
-        inputs = self._empty_inputs(R, B, P, d)
-        last_token, pos, num_new, table, drafts = (inputs.last_token, inputs.pos, inputs.num_new, inputs.page_table,
-                                                   inputs.drafts)
-        draft_tokens, draft_start, draft_len = inputs.draft_tokens, inputs.draft_start, inputs.draft_len
-        flat_sampling: list[RowSampling | None] = [None] * (R * B)
-        where = np.empty(len(rows), np.int64)
-        for rep, indices in enumerate(per_replica):
-            for b, i in enumerate(indices):
-                row, seq = rows[i], rows[i].seq
-                state, k = self.state(seq), rows[i].num_lookahead
-                tokens = seq.tokens
-                p = seq.num_computed  # the pending token's position
-                last_token[rep, b], pos[rep, b], num_new[rep, b] = tokens[p], p, k + 1
-                table[rep, b, : len(tables[i])] = tables[i]
-                if self.method == "ngram":
-                    drafts[rep, b, :k] = state.proposal[:k]
-                else:
-                    lag = state.lag
-                    draft_tokens[rep, b, : lag + 1] = tokens[p - lag : p + 1]
-                    draft_start[rep, b], draft_len[rep, b] = p - lag, lag + 1
-                inputs.want_logprobs[rep, b] = seq.params.logprobs is not None
-                flat_sampling[rep * B + b] = RowSampling.from_params(
-                    seq.params, seed=seq.seed, step=len(seq.output_token_ids), prompt_ids=seq.prompt_token_ids,
-                    output_ids=seq.output_token_ids)
-                where[i] = rep * B + b
-        sampling = SamplingTensors.pack(flat_sampling, (R, B), self.runner.history_len)
-        self._timing = ("spec", B, d)
-        out = self.runner.run_step((B, P, d, VERIFY), (inputs, sampling))
-        out = jax.tree.map(lambda x: x.reshape((R * B,) + x.shape[2:])[where], jax.device_get(out))
-
+    def record(self, scheduled: Sequence[Any], num_accepted: np.ndarray) -> None:
+        """After a speculative step: each row's acceptance and the draft's lag (0 after a prompt chunk,
+        whose tokens the draft took too; 1 after a fully accepted run, whose last draft it never fed)."""
         self.decode_steps += 1
-        self.counters.steps += 1
-        for i, row in enumerate(rows):
-            state, k, n = self.state(row.seq), row.num_lookahead, int(out.num_accepted[i])
+        self.counters.steps += any(row.num_lookahead for row in scheduled)
+        for row, n in zip(scheduled, num_accepted):
+            state, k, n = self.state(row.seq), row.num_lookahead, int(n)
+            if is_prompt_chunk(row):
+                state.lag = 0
+                continue
             state.record(k, n)
             if k > 0:
                 self.counters.proposed += k
                 self.counters.accepted += n
                 self.counters.verified += 1
-            if self.method == "draft":
-                state.lag = 1 if 0 < k == n else 0  # a fully accepted run: the draft never fed its last draft
-        return out
+            state.lag = 1 if self.method == "draft" and 0 < k == n else 0
 
     def close(self) -> None:
         """Forget the measured step times. The executables and the draft's params and cache are the

@@ -1,23 +1,27 @@
-"""The draft model's proposals: k autoregressive draft steps in one jitted loop over its paged cache.
+"""The draft model's proposals inside the speculative ragged step: its catch-up over every row, then
+k autoregressive single-token steps of the verifying groups over its paged cache.
 
 The draft's cache uses the target's page ids and page tables (one block manager): only the arrays
-differ. Its first step takes what its cache lacks up to the pending token (one token, or two after a
-fully accepted run whose last draft it never consumed); each later step feeds the previous draft.
-Draft j is written at position pos + j only while j < the row's draft count, so a row never writes
-past the pages it was given.
+differ. Its first step takes what its cache lacks up to each row's last token (a prompt chunk's
+tokens; the pending token, or two tokens after a fully accepted run whose last draft it never
+consumed); each later step feeds the previous draft. Draft j is written at position pos + j only
+while j < the group's draft count, so a row never writes past the pages it was given.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, StepBatch
+from jaxserve.kv_cache import KVCache, RaggedBatch
+from jaxserve.ragged import PAD_SLOT
 from jaxserve.model.weights import Params
 from jaxserve.sampling import SAMPLING_EPS, SamplingTensors, apply_logit_bias, filter_logits
 from jaxserve.spec_decode.rejection import DRAFT, purpose_keys
-from jaxserve.steps import StepOptions, model_step
+from jaxserve.steps import StepOptions, ragged_step
 
 
 def _draw(logits: jax.Array, st: SamplingTensors, j: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -37,38 +41,57 @@ def _draw(logits: jax.Array, st: SamplingTensors, j: jax.Array) -> tuple[jax.Arr
     return jax.lax.cond(jnp.any(sampled), draw, lambda: (greedy, jnp.zeros_like(logits)))
 
 
-def propose(
+def propose_ragged(
     params: Params,
     cache: KVCache,
-    first: StepBatch,  # [R, B]: the tokens the draft lacks, ending at the pending token (num_new 1 or 2)
-    num_draft: jax.Array,  # i32[R, B]  drafts wanted per row (<= num_tokens)
-    st: SamplingTensors,  # [R * B] rows, step = output index of draft 1
+    draft: Any,  # spec_decode.step.DraftInputs
+    num_draft: jax.Array,  # i32[R, G]  drafts wanted per sampling group (<= num_tokens)
+    st: SamplingTensors,  # [R * G] groups, step = output index of draft 1
+    verifying: jax.Array,  # bool[]: some group wants drafts
     *,
     cfg: ModelConfig,
     options: StepOptions,
-    num_tokens: int,  # K, static: the compiled width's draft count
+    num_tokens: int,  # K, static
 ) -> tuple[jax.Array, jax.Array, KVCache]:
-    """Returns drafts i32[R, B, K], their distributions f32[R, B, K, V] and the draft cache.
+    """Returns drafts i32[R, G, K], their distributions f32[R * G, K, V] and the draft cache.
 
-    The K draft steps are unrolled (K is small and static per compiled width): under a `while` loop
-    XLA:CPU copied the loop-carried cache every iteration, which made each draft step ~3x dearer.
-    Rows wanting fewer drafts compute the later steps but write nothing."""
-    R, B = num_draft.shape
-    V = cfg.vocab_size
+    The draft first takes every row's tokens its cache lacks (`draft.batch`: prompt chunks too, so
+    the draft's cache keeps up with the target's in the same call) and returns each group's logits at
+    its last token: draft 1. Then, only when some group verifies, K - 1 single-token steps of the
+    groups (unrolled: K is small and static; under a `while` loop XLA:CPU copied the loop-carried
+    cache every iteration). A group wanting fewer drafts computes the later steps at its last
+    position again and writes nothing."""
+    R, G = num_draft.shape
+    logits, cache = ragged_step(params, cache, draft.batch, cfg, options)  # f32[R, G, V]
+    page_size = cache.k.shape[-2]
+    pages = jnp.take_along_axis(draft.batch.page_table, draft.group_row[..., None], axis=1)  # i32[R, G, P]
+    last = jnp.take_along_axis(draft.batch.positions, draft.batch.logit_index, axis=1)  # i32[R, G]
+    rows = jnp.broadcast_to(jnp.arange(G, dtype=jnp.int32), (R, G))
+    starts = jnp.broadcast_to(jnp.arange(G + 1, dtype=jnp.int32), (R, G + 1))
 
-    def draw(logits, j):  # logits f32[R, B, V]
-        token, q = _draw(logits.reshape(R * B, V), st, j)
-        return token.reshape(R, B), q.reshape(R, B, V)
+    def draw(logits, j):
+        token, q = _draw(logits.reshape(R * G, -1), st, j)
+        return token.reshape(R, G), q
 
-    logits, cache = model_step(params, cache, first, cfg, options)
-    token, q = draw(logits, 0)
-    tokens, probs = [token], [q]
-    pos = first.start_pos + first.num_new - 1  # i32[R, B]: the pending token's position
-    for j in range(1, num_tokens):
-        batch = StepBatch(tokens=tokens[-1][..., None], start_pos=pos + j,
-                          num_new=(j < num_draft).astype(jnp.int32), page_table=first.page_table)
-        logits, cache = model_step(params, cache, batch, cfg, options)
-        token, q = draw(logits, j)
-        tokens.append(token)
-        probs.append(q)
-    return jnp.stack(tokens, axis=-1), jnp.stack(probs, axis=2), cache
+    def propose(cache):
+        token, q = draw(logits, 0)
+        tokens, probs = [token], [q]
+        for j in range(1, num_tokens):
+            active = j < num_draft
+            pos = jnp.where(active, last + j, last)  # an idle group recomputes its last token, writing nothing
+            page = jnp.take_along_axis(pages, (pos // page_size)[..., None], axis=-1)[..., 0]
+            step = RaggedBatch(tokens=tokens[-1], positions=pos, slots=jnp.where(active, page * page_size + pos % page_size,
+                                                                                 PAD_SLOT),
+                               token_row=rows, query_start=starts, context_lens=pos + 1, page_table=pages,
+                               logit_index=rows)
+            step_logits, cache = ragged_step(params, cache, step, cfg, options)
+            token, q = draw(step_logits, j)
+            tokens.append(token)
+            probs.append(q)
+        return jnp.stack(tokens, axis=-1), jnp.stack(probs, axis=1), cache
+
+    def idle(cache):
+        V = logits.shape[-1]
+        return (jnp.zeros((R, G, num_tokens), jnp.int32), jnp.zeros((R * G, num_tokens, V), jnp.float32), cache)
+
+    return jax.lax.cond(verifying, propose, idle, cache)

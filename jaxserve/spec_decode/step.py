@@ -1,11 +1,22 @@
-"""The compiled speculative step: propose (draft loop, or the host's n-gram tokens), verify all k+1
-positions in one target pass over the paged cache, accept on device. One dispatch, one transfer back.
-The runner lowers, compiles and calls it (`jaxserve.engine.spec_steps`), as it does every step.
+"""The speculative ragged step: a speculative engine's every step, one executable per token bucket.
 
-Verification is the prefill computation: the target takes [pending token, d_1..d_k] at positions
-pos..pos+k (each layer writes their K/V, then attends causally over the pages) and returns the logits
-of every position. K/V written for drafts that end up rejected sit past the sequence's length and
-are overwritten by later steps.
+Its rows are those of the plain ragged step (prompt chunks, decodes) plus verifications: a decode
+row carrying `k` drafts has k + 1 tokens [pending, d_1..d_k] and k + 1 logits. Sampling rows come in
+groups of W = K + 1 logits (group g's position 0 is the logit of its first new token, positions 1..k
+its drafts'); a group with no drafts is a plain sample. In one call:
+
+1. the draft model (method "draft") takes every row's tokens its cache lacks (a prompt chunk, or
+   the pending token and the one before it after a fully accepted run) and proposes up to K tokens
+   per verifying group, scattered into the target's token axis (the host's n-gram proposals are
+   there already);
+2. the target runs the ragged forward over every row and keeps the final hidden states of the
+   grouped logit positions;
+3. if some group verifies, all G·W positions get logits and `rejection.verify` accepts on device;
+   otherwise only position 0 of each group does and `sampling.sample` draws (a plain step pays for
+   one vocabulary matmul per row, not W).
+
+K/V written for drafts that end up rejected sit past the sequence's length and are overwritten by
+later steps. The runner lowers, compiles and calls it (`jaxserve.engine.spec_steps`).
 """
 
 from __future__ import annotations
@@ -17,15 +28,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, StepBatch
+from jaxserve.kv_cache import KVCache, RaggedBatch
 from jaxserve.model.weights import Params
-from jaxserve.sampling import SamplingTensors
-from jaxserve.spec_decode.draft import propose
+from jaxserve.sampling import MAX_LOGPROBS, SamplingTensors, sample
+from jaxserve.spec_decode.draft import propose_ragged
 from jaxserve.spec_decode.rejection import VerifyOutput, verify
-from jaxserve.steps import StepOptions, model_step
-from jaxserve.transfer import from_buffer
-
-VERIFY = "verify"  # the tag of a verify step's executable key (batch, pages, drafts, VERIFY) in the runner
+from jaxserve.steps import StepOptions, ragged_logits, ragged_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,23 +41,28 @@ class SpecOptions:
     """Static choices of the speculative step (part of its compilation key)."""
 
     method: str  # "draft" | "ngram"
-    num_tokens: int  # draft positions per row in this executable; the target verifies num_tokens + 1
+    num_tokens: int  # K: the most drafts a group verifies; groups are K + 1 logits wide
     accept_all: bool = False  # a deliberately wrong verifier, only for the test that must catch it
 
 
 @flax.struct.dataclass
-class SpecInputs:
-    """One speculative step for B rows of each of R replicas."""
+class SpecRows:
+    """Per sampling group g of each replica: what it verifies."""
 
-    last_token: jax.Array  # i32[R, B]  the pending token (sampled last step; its K/V not yet cached)
-    pos: jax.Array  # i32[R, B]  its position = tokens already in the target's cache
-    num_new: jax.Array  # i32[R, B]  1 + drafts to verify; 0 = padding row
-    page_table: jax.Array  # i32[R, B, P]  shared by the target and the draft
-    drafts: jax.Array  # i32[R, B, K]  n-gram proposals (the draft method makes its own)
-    draft_tokens: jax.Array  # i32[R, B, 2]  draft method: the tokens its cache lacks, ending at the pending one
-    draft_start: jax.Array  # i32[R, B]  position of draft_tokens[0]
-    draft_len: jax.Array  # i32[R, B]  1 or 2 (0 = padding row)
-    want_logprobs: jax.Array  # bool[R, B]  rows that return logprobs (the top-N costs a vocabulary-wide top-k)
+    num_draft: jax.Array  # i32[R, G]  drafts to verify (0: a plain sample)
+    want_logprobs: jax.Array  # bool[R, G]  groups that return logprobs (the top-N costs a vocabulary-wide top-k)
+
+
+@flax.struct.dataclass
+class DraftInputs:
+    """The draft model's share of a step (method "draft"), per replica."""
+
+    # Every row's tokens the draft's cache lacks, on an axis of N + min(N, S): a prompt chunk's own
+    # tokens; a decode row's pending token, after the token before it when the last step accepted
+    # every draft (the draft never fed its last one). logit_index i32[G]: each group's last token.
+    batch: RaggedBatch
+    draft_index: jax.Array  # i32[R, G, K]  where draft j of group g goes on the target's token axis; N: nowhere
+    group_row: jax.Array  # i32[R, G]  the row of each group (its page table)
 
 
 def constrain(cache: KVCache | None, shardings: KVCache | None) -> KVCache | None:
@@ -59,13 +72,24 @@ def constrain(cache: KVCache | None, shardings: KVCache | None) -> KVCache | Non
     return jax.lax.with_sharding_constraint(cache, shardings)
 
 
-def spec_step(
+def _plain_output(out, width: int) -> VerifyOutput:
+    """A plain sample [N] as a VerifyOutput of no accepted drafts ([N, width] padded with zeros)."""
+    def pad(x):
+        return jnp.zeros((x.shape[0], width) + x.shape[1:], x.dtype).at[:, 0].set(x)
+
+    return VerifyOutput(tokens=pad(out.tokens), num_accepted=jnp.zeros_like(out.tokens), logprobs=pad(out.logprobs),
+                        top_ids=pad(out.top_ids), top_logprobs=pad(out.top_logprobs))
+
+
+def speculative_step(
     params: Params,
     cache: KVCache,
     draft_params: Params | None,
     draft_cache: KVCache | None,
-    inputs: SpecInputs,
-    sampling: SamplingTensors,  # [R, B]
+    batch: RaggedBatch,  # [R, N]; logit_index [R, G * W], grouped
+    sampling: SamplingTensors,  # [R, G]
+    rows: SpecRows,
+    draft: DraftInputs | None,
     *,
     cfg: ModelConfig,
     draft_cfg: ModelConfig | None,
@@ -73,47 +97,35 @@ def spec_step(
     spec: SpecOptions,
     cache_sharding: KVCache | None = None,
     draft_cache_sharding: KVCache | None = None,
-    out_sharding: jax.sharding.Sharding | None = None,
 ) -> tuple[VerifyOutput, KVCache, KVCache | None]:
-    """VerifyOutput with leading axes [R, B], and both caches. `out_sharding`: on a mesh spanning
-    processes, the outputs replicated, so that process 0 can read all of them."""
-    R, B = inputs.pos.shape
-    K = spec.num_tokens
-    num_draft = jnp.maximum(inputs.num_new - 1, 0)
-    st = jax.tree.map(lambda x: x.reshape((R * B,) + x.shape[2:]), sampling)
+    """VerifyOutput with leading axes [R, G] (tokens [R, G, W]: the accepted drafts, then the
+    target's token), and both caches."""
+    R, G = rows.num_draft.shape
+    K, W = spec.num_tokens, spec.num_tokens + 1
+    st = jax.tree.map(lambda x: x.reshape((R * G,) + x.shape[2:]), sampling)
+    num_draft = rows.num_draft.reshape(R * G)
+    verifying = jnp.any(num_draft > 0)
+    draft_probs = None
     if spec.method == "draft":
-        first = StepBatch(tokens=inputs.draft_tokens, start_pos=inputs.draft_start, num_new=inputs.draft_len,
-                          page_table=inputs.page_table)
-        drafts, draft_probs, draft_cache = propose(draft_params, draft_cache, first, num_draft, st, cfg=draft_cfg,
-                                                   options=options, num_tokens=K)
-        draft_probs = draft_probs.reshape(R * B, K, -1)
+        drafts, draft_probs, draft_cache = propose_ragged(draft_params, draft_cache, draft, rows.num_draft, st,
+                                                          verifying, cfg=draft_cfg, options=options, num_tokens=K)
         draft_cache = constrain(draft_cache, draft_cache_sharding)
-    else:
-        drafts, draft_probs = inputs.drafts, None
-    tokens = jnp.concatenate([inputs.last_token[..., None], drafts], axis=-1)  # i32[R, B, K + 1]
-    batch = StepBatch(tokens=tokens, start_pos=inputs.pos, num_new=inputs.num_new, page_table=inputs.page_table)
-    logits, cache = model_step(params, cache, batch, cfg, dataclasses.replace(options, all_logits=True))
+        tokens = jax.vmap(lambda t, at, d: t.at[at.reshape(-1)].set(d.reshape(-1), mode="drop"))(
+            batch.tokens, draft.draft_index, drafts)
+        batch = batch.replace(tokens=tokens)
+    hidden, cache = ragged_step(params, cache, batch, cfg, options, hidden=True)  # f[R, G * W, D]
     cache = constrain(cache, cache_sharding)
-    out = verify(logits.reshape(R * B, K + 1, -1), drafts.reshape(R * B, K), draft_probs,
-                 num_draft.reshape(R * B), st, inputs.want_logprobs.reshape(R * B), accept_all=spec.accept_all)
-    out = jax.tree.map(lambda x: x.reshape((R, B) + x.shape[1:]), out)
-    if out_sharding is not None:
-        out = jax.lax.with_sharding_constraint(out, out_sharding)
-    return out, cache, draft_cache
+    # Each group's tokens at its logit positions: [pending or last, d_1..d_K] (padding past its drafts).
+    drafts = jnp.take_along_axis(batch.tokens, batch.logit_index, axis=1).reshape(R * G, W)[:, 1:]
 
+    def verify_groups():
+        logits = ragged_logits(params, hidden, cfg, options).reshape(R * G, W, -1)
+        return verify(logits, drafts, draft_probs, num_draft, st, rows.want_logprobs.reshape(R * G),
+                      accept_all=spec.accept_all)
 
-# Compiled as (params, cache, draft params, draft cache, packed inputs): see jaxserve.transfer.
-spec_step_jit = jax.jit(from_buffer(spec_step, 4), static_argnames=(
-    "layout", "cfg", "draft_cfg", "options", "spec", "cache_sharding", "draft_cache_sharding", "out_sharding"),
-    donate_argnums=(1, 3))
+    def sample_groups():  # no group verifies: position 0 of each only
+        logits = ragged_logits(params, hidden[:, ::W], cfg, options).reshape(R * G, -1)
+        return _plain_output(sample(logits, st, want_logprobs=MAX_LOGPROBS), W)
 
-
-def draft_prefill(params: Params, cache: KVCache, batch: StepBatch, *, cfg: ModelConfig, options: StepOptions,
-                  cache_sharding: KVCache | None = None) -> KVCache:
-    """Write a chunk of tokens into the draft's cache (alongside the target's prefill, or to catch up)."""
-    _, cache = model_step(params, cache, batch, cfg, options)  # the logits are unused: XLA drops them
-    return constrain(cache, cache_sharding)
-
-
-draft_prefill_jit = jax.jit(from_buffer(draft_prefill, 2), static_argnames=(
-    "layout", "cfg", "options", "cache_sharding"), donate_argnums=(1,))
+    out = jax.lax.cond(verifying, verify_groups, sample_groups)
+    return jax.tree.map(lambda x: x.reshape((R, G) + x.shape[1:]), out), cache, draft_cache

@@ -50,8 +50,9 @@ def models(hf_model_dir, tmp_path_factory):
 
 def test_sampled_tokens_follow_the_target_and_a_wrong_verifier_is_caught(models):
     target_path, target, draft_path = models
-    llm = LLM(target_path, dtype="float32", page_size=8, max_model_len=16, max_num_seqs=32, max_num_batched_tokens=16,
-              warm_up=False, speculative_model=draft_path, num_speculative_tokens=2, speculative_adaptive=False)
+    # A budget of 32 rows x (1 + 2 drafts): verifications share the step's token budget.
+    llm = LLM(target_path, dtype="float32", page_size=8, max_model_len=16, max_num_seqs=32,
+              max_num_batched_tokens=96, warm_up=False, speculative_model=draft_path, num_speculative_tokens=2, speculative_adaptive=False)
     joint = exact_joint(target)
     counts = sample_counts(llm, REQUESTS)
     stats = llm.engine.stats()
@@ -62,7 +63,7 @@ def test_sampled_tokens_follow_the_target_and_a_wrong_verifier_is_caught(models)
 
     runner = llm.runner
     runner.speculation.accept_all = True
-    for shape in runner.spec_shapes():  # recompile the speculative steps with the wrong verifier
+    for shape in runner.step_shapes():  # recompile the speculative steps with the wrong verifier
         runner._executables.pop(shape, None)
     wrong = sample_counts(llm, REQUESTS // 4)
     assert chi_square_pvalue(wrong, joint) < 1e-6

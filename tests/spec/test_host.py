@@ -59,6 +59,8 @@ def test_speculative_settings_are_checked():
     assert ok.speculation == "draft"
     assert EngineConfig(model="m", speculative_method="ngram", num_speculative_tokens=3).speculation == "ngram"
     assert EngineConfig(model="m").speculation is None
+    # n-gram speculation and prompt logprobs: a scoring step verifies nothing, and there is no draft cache.
+    EngineConfig(model="m", speculative_method="ngram", num_speculative_tokens=3, enable_prompt_logprobs=True)
     cli = EngineConfig.from_cli(["--model", "m", "--speculative-model", "d", "--num-speculative-tokens", "4",
                                  "--speculative-adaptive", "false"])
     assert cli == ok.replace(speculative_adaptive=False)
@@ -68,7 +70,9 @@ def test_speculative_settings_are_checked():
                         "needs no speculative_model"),
                        (dict(speculative_method="ngram", num_speculative_tokens=2, prompt_lookup_min=3,
                              prompt_lookup_max=2), "prompt_lookup_min"),
-                       (dict(num_speculative_tokens=-1), ">= 0")]:
+                       (dict(num_speculative_tokens=-1), ">= 0"),
+                       (dict(speculative_model="d", num_speculative_tokens=2, enable_prompt_logprobs=True),
+                        "enable_prompt_logprobs is not supported with a draft model")]:
         with pytest.raises(ConfigError, match=match):
             EngineConfig(model="m", **bad)
 

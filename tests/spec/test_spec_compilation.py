@@ -6,6 +6,7 @@ import pytest
 from spec_testlib import perturbed_copy
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.engine.buckets import executable_counts
 from jaxserve.engine.compile import CompileCounter
 
 SETTINGS = dict(dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16)
@@ -35,8 +36,9 @@ def test_no_compilation_after_warm_up_with_speculation(hf_model_dir, tmp_path, m
     # with the machine's load. The draft speculates every third decode step (plain steps leave it
     # behind, so speculative steps run its catch-up too); n-gram on every step, where it finds a match.
     decoder.policy = SpeculateEvery(3 if method == "draft" else 1)
-    # One owner: the runner compiled the speculative executables with its own steps.
-    assert set(llm.runner.spec_shapes()) <= set(llm.runner._executables)
+    # One table: a speculative engine's ragged steps are its speculative steps, all compiled at warm-up.
+    assert set(llm.runner.step_shapes()) <= set(llm.runner._executables)
+    assert len(llm.runner._executables) == executable_counts(llm.settings, platform="cpu").steps
     before = CompileCounter.requests
     rng = np.random.RandomState(0)
     for batch in (1, 2, 2, 1):

@@ -2,13 +2,14 @@
 under preemption, prefix caching and penalties), stop conditions inside an accepted run, seeded
 sampling independent of the batch, per-request metrics, and the vocabulary check."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from spec_testlib import perturbed_copy
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.errors import ConfigError
-from jaxserve.spec_decode.step import VERIFY
 
 # Small buckets keep compilation short: batches 1-4, 4 or 8 pages of 8 tokens, chunks of 16 or 32.
 BASE = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
@@ -107,6 +108,21 @@ def test_ngram_speculation_is_greedy_exact_under_preemption(target, reference):
     assert_pool_whole(llm)
 
 
+def test_ngram_speculation_with_prompt_logprobs(target, reference):
+    """A step scoring prompt tokens (prompt_logprobs) runs the plain scoring variant beside the
+    speculative steps: greedy outputs as without speculation, every prompt token scored."""
+    llm = LLM(target[0], **BASE, speculative_method="ngram", num_speculative_tokens=K, speculative_adaptive=False,
+              enable_prompt_logprobs=True)
+    prompts, params = varied_requests(8)
+    params = [dataclasses.replace(p, prompt_logprobs=1) if i % 2 else p for i, p in enumerate(params)]
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert token_ids(outputs) == reference[1][:8]
+    for i, out in enumerate(outputs):
+        if i % 2:
+            assert len(out.prompt_logprobs) == len(prompts[i]) and out.prompt_logprobs[0] is None
+    assert_pool_whole(llm)
+
+
 def test_stop_conditions_cut_an_accepted_run(draft_llm, reference):
     """EOS-like stop tokens and max_tokens inside a run of accepted drafts end the output exactly there;
     logprobs match plain decoding."""
@@ -148,10 +164,9 @@ def test_speculative_steps_make_only_explicit_transfers(draft_llm):
     import jax
 
     engine = draft_llm.engine
-    # The guarded steps run 3 rows (batch bucket 4) over at most 4 pages, at any verify width: compile
-    # those first (a compilation inside the guard would write the compilation cache and trip it).
-    for drafts in engine.spec.draft_buckets:
-        engine.runner.compile((4, 4, drafts, VERIFY))
+    # Compile every step first (a compilation inside the guard would write the compilation cache and
+    # trip it): a speculative engine's steps are its ragged buckets.
+    engine.runner.warm_up(progress=False)
     rng = np.random.RandomState(9)
     for i in range(3):
         engine.add_request(f"g{i}", prompt_token_ids=rng.randint(0, 512, size=6).tolist(),
