@@ -6,7 +6,7 @@ catch-up inside), so speculation adds no executables. Their input specs, lowerin
 broadcast to the other processes of a multi-host job by `run_step`); `jaxserve.spec_decode`
 decides what each row proposes.
 
-A speculative step's host inputs: (RaggedBatch [R, N] with grouped logit_index [R, G * W],
+A speculative step's host inputs: (RaggedBatch [R, N] with logit_index [R, min(N, G * W)],
 SamplingTensors [R, G], SpecRows [R, G], DraftInputs or None), G = min(N, max rows), W = K + 1.
 """
 
@@ -57,12 +57,6 @@ class Speculation:
         return self.num_tokens + 1
 
 
-def draft_tokens(num_tokens: int, max_rows: int) -> int:
-    """The draft batch's token axis for a step of `num_tokens`: every row's tokens, plus one more
-    per decode row (the token before its pending one, after a fully accepted run)."""
-    return num_tokens + min(num_tokens, max_rows)
-
-
 def step_inputs(spec: Speculation, N: int, P: int, G: int, S: int, R: int, history_len: int) -> tuple:
     """ShapeDtypeStructs of a speculative step's host inputs (see the module docstring)."""
     def i32(*dims):
@@ -72,11 +66,18 @@ def step_inputs(spec: Speculation, N: int, P: int, G: int, S: int, R: int, histo
         return RaggedBatch(tokens=i32(n), positions=i32(n), slots=i32(n), token_row=i32(n), query_start=i32(S + 1),
                            context_lens=i32(S), page_table=i32(S, P), logit_index=i32(logits))
 
-    rows = SpecRows(num_draft=i32(G), want_logprobs=jax.ShapeDtypeStruct((R, G), jnp.bool_))
+    rows = SpecRows(num_draft=i32(G), want_logprobs=jax.ShapeDtypeStruct((R, G), jnp.bool_),
+                    group_logits=i32(G * spec.width))
     draft = None
     if spec.method == "draft":
-        draft = DraftInputs(batch=ragged(draft_tokens(N, S), G), draft_index=i32(G, spec.num_tokens), group_row=i32(G))
-    return ragged(N, G * spec.width), SamplingTensors.spec((R, G), history_len), rows, draft
+        draft = DraftInputs(batch=ragged(N, G), draft_index=i32(G, spec.num_tokens), group_row=i32(G))
+    return ragged(N, num_logits(N, G, spec)), SamplingTensors.spec((R, G), history_len), rows, draft
+
+
+def num_logits(N: int, G: int, spec: Speculation) -> int:
+    """Real logits a step of N tokens and G sampling groups may hold: one per token at most, and at
+    most W per group (the forward computes these only; the groups index them)."""
+    return min(N, G * spec.width)
 
 
 def _step(params, cache, draft_params, draft_cache, carried, sparse, batch, sampling, rows, draft, *, cfg, draft_cfg,
@@ -145,6 +146,8 @@ def pack(runner: Any, rows: Sequence[Any]):
     flat_steps = [0] * (R * G)
     num_draft = np.zeros((R, G), np.int32)
     want_logprobs = np.zeros((R, G), bool)
+    group_logits = np.zeros((R, G * W), np.int32)
+    L = num_logits(N, G, spec)
     draft_index = np.full((R, G, K), N, np.int32)
     group_row = np.zeros((R, G), np.int32)
     logit_at = np.full(len(rows), -1, np.int64)
@@ -152,8 +155,7 @@ def pack(runner: Any, rows: Sequence[Any]):
     for rep, indices in enumerate(per_replica):
         arrays = pack_ragged([RaggedRow(rows[i].tokens, rows[i].start_pos, pages[i],
                                         (1 + rows[i].num_drafts) if rows[i].samples else 0) for i in indices],
-                             page_size=ps, num_tokens=N, num_rows=S, max_pages=P, num_logits=G * W)
-        grouped = np.zeros(G * W, np.int32)
+                             page_size=ps, num_tokens=N, num_rows=S, max_pages=P, num_logits=L)
         g = c = 0  # the next group, and its first entry in arrays.logit_index
         for k, i in enumerate(indices):
             row, first = rows[i], int(arrays.query_start[k])
@@ -161,7 +163,7 @@ def pack(runner: Any, rows: Sequence[Any]):
             if not row.samples:
                 continue
             w = 1 + row.num_drafts
-            grouped[g * W: (g + 1) * W] = arrays.logit_index[c + np.minimum(np.arange(W), w - 1)]
+            group_logits[rep, g * W: (g + 1) * W] = c + np.minimum(np.arange(W), w - 1)
             flat_sampling[rep * G + g] = row.sampling
             if row.sampling is not None:
                 flat_steps[rep * G + g] = row.sampling.step if row.step is None else row.step
@@ -169,12 +171,11 @@ def pack(runner: Any, rows: Sequence[Any]):
             draft_index[rep, g, : row.num_drafts] = first + 1 + np.arange(row.num_drafts)
             logit_at[i] = rep * G + g
             g, c = g + 1, c + w
-        arrays = dataclasses.replace(arrays, logit_index=grouped)
         for name in fields:
             fields[name].append(getattr(arrays, name))
         if draft:
-            _append(draft_fields, _draft_arrays([rows[i] for i in indices], [pages[i] for i in indices], ps,
-                                                draft_tokens(N, S), S, P, G))
+            _append(draft_fields, _draft_arrays([rows[i] for i in indices], [pages[i] for i in indices], ps, N, S, P,
+                                                G))
     batch = RaggedBatch(**{name: np.stack(v) for name, v in fields.items()})
     st = SamplingTensors.pack(flat_sampling, (R, G), runner.history_len, steps=flat_steps)
     draft_inputs = None
@@ -182,7 +183,7 @@ def pack(runner: Any, rows: Sequence[Any]):
         draft_inputs = DraftInputs(batch=RaggedBatch(**{name: np.stack(v) for name, v in draft_fields.items()}),
                                    draft_index=draft_index, group_row=group_row)
     return PackedRows(shape, batch, st, None, logit_at, token_at,
-                      speculative=(SpecRows(num_draft=num_draft, want_logprobs=want_logprobs), draft_inputs))
+                      speculative=(SpecRows(num_draft, want_logprobs, group_logits), draft_inputs))
 
 
 def _draft_arrays(rows: Sequence[Any], pages: Sequence[Any], page_size: int, num_tokens: int, num_rows: int,

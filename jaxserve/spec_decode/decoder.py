@@ -255,9 +255,9 @@ class SpeculativeDecoder:
             if k:
                 drafts = self.state(seq).proposal[:k] if self.method == "ngram" else [0] * k
                 work.tokens, work.num_drafts, verifying = list(work.tokens) + list(drafts), k, True
-            if self.method == "draft":
+            if self.method == "draft":  # what its cache lacks, but never more tokens than the row has
                 lag, p = self.state(seq).lag, work.start_pos
-                work.draft_tokens, work.draft_start = seq.token_view[p - lag: p + 1], p - lag
+                work.draft_tokens, work.draft_start = seq.token_view[p - lag: p - lag + min(lag, k) + 1], p - lag
         decodes = [row for row in scheduled if not is_prompt_chunk(row)]
         self._timing = None
         if decodes and len(decodes) == len(scheduled):  # decode-only steps are priced per batch bucket
@@ -268,7 +268,8 @@ class SpeculativeDecoder:
 
     def record(self, scheduled: Sequence[Any], num_accepted: np.ndarray) -> None:
         """After a speculative step: each row's acceptance and the draft's lag (0 after a prompt chunk,
-        whose tokens the draft took too; 1 after a fully accepted run, whose last draft it never fed)."""
+        whose tokens the draft took too; 1 after a fully accepted run, whose last draft it never fed;
+        unchanged by a plain decode, which feeds the draft one token as the target takes one)."""
         self.decode_steps += 1
         self.counters.steps += any(row.num_lookahead for row in scheduled)
         for row, n in zip(scheduled, num_accepted):
@@ -281,7 +282,7 @@ class SpeculativeDecoder:
                 self.counters.proposed += k
                 self.counters.accepted += n
                 self.counters.verified += 1
-            state.lag = 1 if self.method == "draft" and 0 < k == n else 0
+                state.lag = 1 if self.method == "draft" and k == n else 0
 
     def close(self) -> None:
         """Forget the measured step times. The executables and the draft's params and cache are the

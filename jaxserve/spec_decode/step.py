@@ -1,9 +1,11 @@
 """The speculative ragged step: a speculative engine's every step, one executable per token bucket.
 
 Its rows are those of the plain ragged step (prompt chunks, decodes) plus verifications: a decode
-row carrying `k` drafts has k + 1 tokens [pending, d_1..d_k] and k + 1 logits. Sampling rows come in
-groups of W = K + 1 logits (group g's position 0 is the logit of its first new token, positions 1..k
-its drafts'); a group with no drafts is a plain sample. In one call:
+row carrying `k` drafts has k + 1 tokens [pending, d_1..d_k] and k + 1 logits. The forward returns
+hidden states at the step's real logit positions only (`logit_index`, at most N of them), and the
+sampling rows see them in groups of W = K + 1 (`SpecRows.group_logits`: group g's position 0 is the
+logit of its first new token, positions 1..k its drafts'); a group with no drafts is a plain
+sample. In one call:
 
 1. the draft model (method "draft") takes every row's tokens its cache lacks (a prompt chunk, or
    the pending token and the one before it after a fully accepted run) and proposes up to K tokens
@@ -11,9 +13,9 @@ its drafts'); a group with no drafts is a plain sample. In one call:
    there already);
 2. the target runs the ragged forward over every row and keeps the final hidden states of the
    grouped logit positions;
-3. if some group verifies, all G·W positions get logits and `rejection.verify` accepts on device;
-   otherwise only position 0 of each group does and `sampling.sample` draws (a plain step pays for
-   one vocabulary matmul per row, not W).
+3. if some group verifies, every real position gets logits and `rejection.verify` accepts on
+   device; otherwise only position 0 of each group does and `sampling.sample` draws (a plain step
+   pays for one vocabulary matmul per row, not W).
 
 K/V written for drafts that end up rejected sit past the sequence's length and are overwritten by
 later steps. The runner lowers, compiles and calls it (`jaxserve.engine.spec_steps`).
@@ -51,15 +53,19 @@ class SpecRows:
 
     num_draft: jax.Array  # i32[R, G]  drafts to verify (0: a plain sample)
     want_logprobs: jax.Array  # bool[R, G]  groups that return logprobs (the top-N costs a vocabulary-wide top-k)
+    # i32[R, G * W]  group g's W logits as indices into the step's logit_index (its last real one
+    # repeated past its drafts; padding groups 0)
+    group_logits: jax.Array
 
 
 @flax.struct.dataclass
 class DraftInputs:
     """The draft model's share of a step (method "draft"), per replica."""
 
-    # Every row's tokens the draft's cache lacks, on an axis of N + min(N, S): a prompt chunk's own
-    # tokens; a decode row's pending token, after the token before it when the last step accepted
-    # every draft (the draft never fed its last one). logit_index i32[G]: each group's last token.
+    # Every row's tokens the draft's cache lacks, on the step's axis of N (never more than the row's
+    # own): a prompt chunk's tokens; a decode row's pending token, after the token before it when the
+    # last step accepted every draft (the draft never fed its last one; a row verifying nothing then
+    # takes that one alone). logit_index i32[G]: each group's last token.
     batch: RaggedBatch
     draft_index: jax.Array  # i32[R, G, K]  where draft j of group g goes on the target's token axis; N: nowhere
     group_row: jax.Array  # i32[R, G]  the row of each group (its page table)
@@ -86,7 +92,7 @@ def speculative_step(
     cache: KVCache,
     draft_params: Params | None,
     draft_cache: KVCache | None,
-    batch: RaggedBatch,  # [R, N]; logit_index [R, G * W], grouped
+    batch: RaggedBatch,  # [R, N]; logit_index [R, min(N, G * W)]: the real logits, row by row
     sampling: SamplingTensors,  # [R, G]
     rows: SpecRows,
     draft: DraftInputs | None,
@@ -113,18 +119,21 @@ def speculative_step(
         tokens = jax.vmap(lambda t, at, d: t.at[at.reshape(-1)].set(d.reshape(-1), mode="drop"))(
             batch.tokens, draft.draft_index, drafts)
         batch = batch.replace(tokens=tokens)
-    hidden, cache = ragged_step(params, cache, batch, cfg, options, hidden=True)  # f[R, G * W, D]
+    hidden, cache = ragged_step(params, cache, batch, cfg, options, hidden=True)  # f[R, L, D]
     cache = constrain(cache, cache_sharding)
     # Each group's tokens at its logit positions: [pending or last, d_1..d_K] (padding past its drafts).
-    drafts = jnp.take_along_axis(batch.tokens, batch.logit_index, axis=1).reshape(R * G, W)[:, 1:]
+    at = jnp.take_along_axis(batch.logit_index, rows.group_logits, axis=1)  # i32[R, G * W]: token index
+    drafts = jnp.take_along_axis(batch.tokens, at, axis=1).reshape(R * G, W)[:, 1:]
 
     def verify_groups():
-        logits = ragged_logits(params, hidden, cfg, options).reshape(R * G, W, -1)
-        return verify(logits, drafts, draft_probs, num_draft, st, rows.want_logprobs.reshape(R * G),
-                      accept_all=spec.accept_all)
+        logits = ragged_logits(params, hidden, cfg, options)  # f32[R, L, V]
+        grouped = jnp.take_along_axis(logits, rows.group_logits[..., None], axis=1)
+        return verify(grouped.reshape(R * G, W, -1), drafts, draft_probs, num_draft, st,
+                      rows.want_logprobs.reshape(R * G), accept_all=spec.accept_all)
 
     def sample_groups():  # no group verifies: position 0 of each only
-        logits = ragged_logits(params, hidden[:, ::W], cfg, options).reshape(R * G, -1)
+        first = jnp.take_along_axis(hidden, rows.group_logits[:, ::W, None], axis=1)  # f[R, G, D]
+        logits = ragged_logits(params, first, cfg, options).reshape(R * G, -1)
         return _plain_output(sample(logits, st, want_logprobs=MAX_LOGPROBS), W)
 
     out = jax.lax.cond(verifying, verify_groups, sample_groups)
