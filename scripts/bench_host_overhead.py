@@ -11,10 +11,10 @@ For each model and each (batch, context) point it
    their instances (no engine code changes; the wrappers are removed afterwards):
 
    * schedule    `Scheduler.schedule`
-   * pack        building the step inputs: `LLMEngine._row_work`, `ModelRunner._pack` and the packing
-                 of them into one int32 buffer (`Layout.pack`, jaxserve/transfer.py)
-   * copy        the host->device copy of that buffer (`jax.device_put`; the wrapper of
-                 `ModelRunner.put_inputs` runs `Layout.put`'s two halves itself, to time them apart)
+   * pack        building the step inputs: `LLMEngine._row_work`, `ModelRunner._pack` (a plain step
+                 writes its bucket's buffer in place, `jaxserve/engine/step_writer.py`) and, for
+                 the steps packed from scratch, `Layout.pack` (jaxserve/transfer.py)
+   * copy        the host->device copy of that buffer (`ModelRunner.put_buffer`: `jax.device_put`)
    * dispatch    the call of the compiled step's executable (returns before the device is done)
    * wait        fetching the samples processed this step and unpacking them to rows
                  (`PendingSamples.result`: with async scheduling those of the step before, which
@@ -174,9 +174,9 @@ class StepTimer:
         self._patch(run, "_pack", timed("pack"))
 
         def run_packed(fn):
-            def wrapper(shape, inputs):
+            def wrapper(shape, inputs, *rest):
                 self.last["shape"] = shape
-                return fn(shape, inputs)
+                return fn(shape, inputs, *rest)
             return wrapper
 
         from jaxserve.engine.runner import PendingSamples
@@ -193,20 +193,26 @@ class StepTimer:
         PendingSamples.result = result
         self._restore.append(lambda: setattr(PendingSamples, "result", real_result))
 
-        def put_inputs(fn):  # Layout.put = device_put(pack(...)), timed as its two halves
+        def put_inputs(fn):  # Layout.pack (timed as pack), then put_buffer (timed as copy)
             def wrapper(shape, inputs):
-                t0 = pc()
+                t = pc()
                 host = run._layouts[shape].pack(inputs)
-                t1 = pc()
-                buffer = jax.device_put(host, run.buffer_sharding)
-                self._add("pack", t1 - t0)
-                self._add("copy", pc() - t1)
+                self._add("pack", pc() - t)
+                return run.put_buffer(host)
+            return wrapper
+
+        def put_buffer(fn):
+            def wrapper(host):
+                t = pc()
+                buffer = fn(host)
+                self._add("copy", pc() - t)
                 self.last["host_buffer"], self.last["buffer"] = host, buffer
                 return buffer
             return wrapper
 
         self._patch(run, "run_packed", run_packed)
         self._patch(run, "put_inputs", put_inputs)
+        self._patch(run, "put_buffer", put_buffer)
 
         def finish_step(fn):
             def wrapper(*a, **k):
