@@ -14,7 +14,9 @@ For each model and each (batch, context) point it
    * pack        building the step inputs: `LLMEngine._row_work`, `ModelRunner._pack` (a plain step
                  writes its bucket's buffer in place, `jaxserve/engine/step_writer.py`) and, for
                  the steps packed from scratch, `Layout.pack` (jaxserve/transfer.py)
-   * copy        the host->device copy of that buffer (`ModelRunner.put_buffer`: `jax.device_put`)
+   * copy        the host->device copy of that buffer where it is a `jax.device_put` of its own
+                 (`ModelRunner.put_buffer`); in one process a plain step hands the NumPy buffer to
+                 the executable's call, which copies it: there the copy is part of dispatch
    * dispatch    the call of the compiled step's executable (returns before the device is done)
    * wait        fetching the samples processed this step and unpacking them to rows
                  (`PendingSamples.result`: with async scheduling those of the step before, which
@@ -234,6 +236,8 @@ class StepTimer:
                 out = _exe(*a)
                 self._add("dispatch", pc() - t)
                 self.last["executable"] = _exe
+                if isinstance(a[-1], np.ndarray):  # the packed inputs, copied by the call itself
+                    self.last["host_buffer"] = self.last["buffer"] = a[-1]
                 self.last["fetched_bytes"] = sum(x.nbytes for x in jax.tree.leaves(out[0]))
                 return out
             run._executables[shape] = recorder
@@ -318,6 +322,8 @@ def measure_point(llm, batch: int, context: int, args, seed: int) -> dict:
             eng.flush()  # nothing in flight: the calls below replace the carried samples
             # device-only: the same executable, the last step's (device-resident) inputs, back to back
             exe, buffer = timer.last["executable"], timer.last["buffer"]
+            if isinstance(buffer, np.ndarray):  # device-resident, as the definition of device-only says
+                buffer = jax.device_put(buffer, runner.buffer_sharding)
             out = None
             t = time.perf_counter()
             for _ in range(args.steps):

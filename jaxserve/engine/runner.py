@@ -688,12 +688,23 @@ class ModelRunner:
         sampling = inputs[1]
         self.last_sparse = self._put_sparse(shape, tuple(getattr(sampling, name) for name in SPARSE_FIELDS))
         if buffer is None:
-            device_buffer = self.put_inputs(shape, split_sparse(inputs)[0])
+            buffer = self._layouts[shape].pack(split_sparse(inputs)[0])
         else:  # a copy: the writer rewrites its buffer for the next step, and a CPU device may alias it
-            device_buffer = self.put_buffer(buffer.copy())
-        out, self.cache, self.carried = executable(self.params, self.cache, self.carried, self.last_sparse,
-                                                   device_buffer)
+            buffer = buffer.copy()
+        out, self.cache, self.carried = self._call_step(executable, buffer)
         return out
+
+    def _call_step(self, executable: Any, buffer: np.ndarray) -> tuple:
+        """Call a plain step's executable on its packed host buffer. In one process the NumPy buffer is
+        the call's operand, and the executable's own argument handling copies it to the device: the
+        same one transfer as `put_buffer`, without jax.device_put's Python path, which here cost
+        ~100 us a step of the host's time beside a running step (`docs/BENCHMARKS.md`). Declared
+        where it happens: every other operand is already on the device. On a mesh spanning processes
+        each process puts its own shards (`put_buffer`)."""
+        if self.out_sharding is not None:
+            return executable(self.params, self.cache, self.carried, self.last_sparse, self.put_buffer(buffer))
+        with jax.transfer_guard_host_to_device("allow"):  # the packed inputs: this step's one copy in
+            return executable(self.params, self.cache, self.carried, self.last_sparse, buffer)
 
     def put_inputs(self, shape: tuple, inputs: tuple) -> jax.Array:
         """Bucket `shape`'s host inputs but the sparse ones (`split_sparse`) packed into one array and
