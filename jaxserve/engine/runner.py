@@ -235,17 +235,25 @@ class PendingSamples:
     costs the host ~15-30 us a step, as long as the rest of a batch-1 step's fetch."""
 
     def __init__(self, out: Any, packed: PackedRows, logprobs: bool = True):
+        self.packed = packed
+        # A plain step of which no row asked for logprobs: its tokens alone, one array and no pytree.
+        self._tokens_only = not logprobs and not isinstance(out, tuple)
+        if self._tokens_only:
+            self._out = out.tokens
+            self._out.copy_to_host_async()
+            return
         if not logprobs:
-            sampled = out[0] if isinstance(out, tuple) else out
-            sampled = sampled.replace(logprobs=None, top_ids=None, top_logprobs=None)
-            out = (sampled, out[1]) if isinstance(out, tuple) else sampled
-        self._out, self.packed = out, packed
+            out = (out[0].replace(logprobs=None, top_ids=None, top_logprobs=None), out[1])
+        self._out = out
         for leaf in jax.tree.leaves(out):
             leaf.copy_to_host_async()
 
     def result(self) -> SampleOutput | tuple[SampleOutput, "PromptScores"]:
         """Each row's sample in row order, as `ModelRunner.execute` returns them (waits for the step)."""
-        packed, out = self.packed, jax.device_get(self._out)
+        packed = self.packed
+        if self._tokens_only:
+            return SampleOutput(packed.unpack(jax.device_get(self._out)), None, None, None)
+        out = jax.device_get(self._out)
         if packed.score_inputs is None:
             return jax.tree.map(packed.unpack, out)
         sampled, scores = out
