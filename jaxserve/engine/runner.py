@@ -705,8 +705,8 @@ class ModelRunner:
     def _call_step(self, executable: Any, buffer: np.ndarray) -> tuple:
         """Call a plain step's executable on its packed host buffer. In one process the NumPy buffer is
         the call's operand, and the executable's own argument handling copies it to the device: the
-        same one transfer as `put_buffer`, without jax.device_put's Python path, which here cost
-        ~100 us a step of the host's time beside a running step (`docs/BENCHMARKS.md`). Declared
+        same one transfer as `put_buffer`, without jax.device_put's Python path (~20 us on an idle
+        CPU, 150-350 us of the host's time beside a running step on 2 shared cores: `docs/BENCHMARKS.md`). Declared
         where it happens: every other operand is already on the device. On a mesh spanning processes
         each process puts its own shards (`put_buffer`)."""
         if self.out_sharding is not None:
