@@ -159,3 +159,20 @@ def test_rows_are_rewritten_only_when_they_change():
     assert writer.idle_sampling.temperature[0, 0] == 0 and writer.idle_sampling.seed[0, 0] == 0
     with pytest.raises(ValueError):
         writer.write([RowWork([1] * 9, 0, array("i", [1, 2, 3]), rs)])
+
+
+def test_written_steps_with_pages_released_outside_the_window(hf_model_dir):
+    """The tiny Mistral (every layer windowed): release_outside_window replaces a table's leading
+    entries in place and bumps its version, so the writer must rewrite those rows."""
+    path, _ = hf_model_dir("mistral")
+    with LLM(path, dtype="float32", page_size=8, max_model_len=128, max_num_seqs=4, num_pages=16,
+             max_num_batched_tokens=32, warm_up=False) as llm:
+        assert llm.blocks.sliding_window is not None
+        counts = {"steps": 0, "rows": 0}
+        check_against_anew(llm.runner, counts)
+        rng = np.random.RandomState(2)
+        prompts = [rng.randint(0, 500, size=n).tolist() for n in (20, 9, 30)]
+        params = [SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True, n=1 + (i == 1)) for i in range(3)]
+        run(llm, prompts, params)
+        assert llm.blocks.num_window_released_pages > 0
+    assert counts["steps"] > 50
