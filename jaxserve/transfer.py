@@ -78,6 +78,22 @@ class Layout:
             words.append(flat.view(_WORD) if leaf.dtype in _BITCAST else flat.astype(_WORD))
         return np.concatenate(words, axis=1)
 
+    def views(self, buffer: np.ndarray) -> Any:
+        """Host side: the pytree as NumPy views into a packed int32 [R, width] buffer, so that writing
+        a leaf writes the buffer (`jaxserve.engine.step_writer` keeps one per bucket). float32 and
+        uint32 leaves are seen bit-cast; bool leaves as their int32 words (0/1)."""
+        if buffer.shape != (self.replicas, self.width) or buffer.dtype != _WORD:
+            raise ValueError(f"a buffer of int32[{self.replicas}, {self.width}] is needed, got {buffer.dtype}{list(buffer.shape)}")
+        leaves, at = [], 0
+        for (shape, _), dtype in zip(self.fields, self._dtypes):
+            size = math.prod(shape)
+            word = buffer[:, at : at + size].reshape((self.replicas,) + shape)
+            if not np.shares_memory(word, buffer):  # numpy copied: writes would be lost
+                raise AssertionError(f"leaf {shape} is not a view of the buffer")
+            at += size
+            leaves.append(word.view(dtype) if dtype in _BITCAST else word)
+        return jax.tree.unflatten(self.treedef, leaves)
+
     def put(self, tree: Any, sharding: Any = None) -> jax.Array:
         """`pack(tree)` copied to the device in one explicit transfer (`sharding`: over the replicas)."""
         return jax.device_put(self.pack(tree), sharding)

@@ -11,10 +11,12 @@ For each model and each (batch, context) point it
    their instances (no engine code changes; the wrappers are removed afterwards):
 
    * schedule    `Scheduler.schedule`
-   * pack        building the step inputs: `LLMEngine._row_work`, `ModelRunner._pack` and the packing
-                 of them into one int32 buffer (`Layout.pack`, jaxserve/transfer.py)
-   * copy        the host->device copy of that buffer (`jax.device_put`; the wrapper of
-                 `ModelRunner.put_inputs` runs `Layout.put`'s two halves itself, to time them apart)
+   * pack        building the step inputs: `LLMEngine._row_work`, `ModelRunner._pack` (a plain step
+                 writes its bucket's buffer in place, `jaxserve/engine/step_writer.py`) and, for
+                 the steps packed from scratch, `Layout.pack` (jaxserve/transfer.py)
+   * copy        the host->device copy of that buffer where it is a `jax.device_put` of its own
+                 (`ModelRunner.put_buffer`); in one process a plain step hands the NumPy buffer to
+                 the executable's call, which copies it: there the copy is part of dispatch
    * dispatch    the call of the compiled step's executable (returns before the device is done)
    * wait        fetching the samples processed this step and unpacking them to rows
                  (`PendingSamples.result`: with async scheduling those of the step before, which
@@ -174,9 +176,9 @@ class StepTimer:
         self._patch(run, "_pack", timed("pack"))
 
         def run_packed(fn):
-            def wrapper(shape, inputs):
+            def wrapper(shape, inputs, *rest):
                 self.last["shape"] = shape
-                return fn(shape, inputs)
+                return fn(shape, inputs, *rest)
             return wrapper
 
         from jaxserve.engine.runner import PendingSamples
@@ -193,20 +195,26 @@ class StepTimer:
         PendingSamples.result = result
         self._restore.append(lambda: setattr(PendingSamples, "result", real_result))
 
-        def put_inputs(fn):  # Layout.put = device_put(pack(...)), timed as its two halves
+        def put_inputs(fn):  # Layout.pack (timed as pack), then put_buffer (timed as copy)
             def wrapper(shape, inputs):
-                t0 = pc()
+                t = pc()
                 host = run._layouts[shape].pack(inputs)
-                t1 = pc()
-                buffer = jax.device_put(host, run.buffer_sharding)
-                self._add("pack", t1 - t0)
-                self._add("copy", pc() - t1)
+                self._add("pack", pc() - t)
+                return run.put_buffer(host)
+            return wrapper
+
+        def put_buffer(fn):
+            def wrapper(host):
+                t = pc()
+                buffer = fn(host)
+                self._add("copy", pc() - t)
                 self.last["host_buffer"], self.last["buffer"] = host, buffer
                 return buffer
             return wrapper
 
         self._patch(run, "run_packed", run_packed)
         self._patch(run, "put_inputs", put_inputs)
+        self._patch(run, "put_buffer", put_buffer)
 
         def finish_step(fn):
             def wrapper(*a, **k):
@@ -228,6 +236,8 @@ class StepTimer:
                 out = _exe(*a)
                 self._add("dispatch", pc() - t)
                 self.last["executable"] = _exe
+                if isinstance(a[-1], np.ndarray):  # the packed inputs, copied by the call itself
+                    self.last["host_buffer"] = self.last["buffer"] = a[-1]
                 self.last["fetched_bytes"] = sum(x.nbytes for x in jax.tree.leaves(out[0]))
                 return out
             run._executables[shape] = recorder
@@ -312,6 +322,8 @@ def measure_point(llm, batch: int, context: int, args, seed: int) -> dict:
             eng.flush()  # nothing in flight: the calls below replace the carried samples
             # device-only: the same executable, the last step's (device-resident) inputs, back to back
             exe, buffer = timer.last["executable"], timer.last["buffer"]
+            if isinstance(buffer, np.ndarray):  # device-resident, as the definition of device-only says
+                buffer = jax.device_put(buffer, runner.buffer_sharding)
             out = None
             t = time.perf_counter()
             for _ in range(args.steps):

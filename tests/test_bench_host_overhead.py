@@ -41,10 +41,11 @@ def test_quick_report_structure_and_numbers(report):
         assert len(p["raw_step_s"]) == s["rounds"] * s["steps"]
         phases = p["phases_us"]
         assert set(phases) == set(bho.PHASES)
-        # every wrapped phase ran in every step; `other` (the uncovered rest) is never negative, so
-        # the measured phases add up to at most the step
+        # every wrapped phase ran in every step (but copy: in one process a plain step's call copies
+        # its NumPy inputs itself, inside dispatch); `other` (the uncovered rest) is never negative,
+        # so the measured phases add up to at most the step
         for name in bho.PHASES:
-            assert phases[name] > 0 or name == "other", (where, name, phases[name])
+            assert phases[name] > 0 or name in ("other", "copy"), (where, name, phases[name])
         assert phases["other"] >= -1e-3, (where, phases)
         assert sum(v for k, v in phases.items() if k != "other") <= p["step_us"] * (1 + 1e-9), (where, phases)
         # the engine waits for the device inside its step: a step is at least its wait

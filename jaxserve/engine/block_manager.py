@@ -187,6 +187,15 @@ class BlockManager:
         in one block (numpy.asarray reads it without a copy) and a list converts id by id."""
         return self._seq(seq_id).pages[:]
 
+    def live_page_ids(self, seq_id: Hashable) -> tuple[array, int]:
+        """The sequence's page ids as held here (not a copy: read them before the table next changes)
+        and the table's version. Entries are only appended, except those `release_outside_window`
+        replaces, which bumps the version; a fork, a preemption or a new admission makes a new array.
+        So the same array at the same version holds the same leading entries: the runner rewrites a
+        row's page table only when one of the two changed (`engine.step_writer`)."""
+        seq = self._seq(seq_id)
+        return seq.pages, seq.num_released
+
     def num_held_pages(self, seq_id: Hashable) -> int:
         """Pages the sequence holds now (its table less the released placeholders)."""
         seq = self._seq(seq_id)

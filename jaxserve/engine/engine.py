@@ -442,12 +442,17 @@ class LLMEngine:
                 self.outputs.advance_grammar(seq, step.sample_at[i], int(sampled.tokens[i]))
 
     def _row_work(self, rows: list[ScheduledRow]) -> list[RowWork]:
-        return [
-            RowWork(r.seq.token_view[r.start : r.start + r.num_tokens], r.start, self.blocks.page_ids(r.seq.seq_id),
-                    self._row_sampling(r.seq), r.seq.replica, self.outputs.prompt_targets(r.seq, r.start, r.num_tokens),
-                    r.samples, r.seq.grammar if r.samples else None, step=len(r.seq.output_token_ids))
-            for r in rows
-        ]
+        """Each row's share of the step; its page ids are the block manager's live table (with its
+        version, so the runner rewrites a row's page table only when it changed)."""
+        work = []
+        for r in rows:
+            seq = r.seq
+            pages, version = self.blocks.live_page_ids(seq.seq_id)
+            work.append(RowWork(seq.token_view[r.start : r.start + r.num_tokens], r.start, pages, self._row_sampling(seq),
+                                seq.replica, self.outputs.prompt_targets(seq, r.start, r.num_tokens), r.samples,
+                                seq.grammar if r.samples else None, step=len(seq.output_token_ids),
+                                pages_version=version))
+        return work
 
     @staticmethod
     def _row_sampling(seq: Sequence) -> RowSampling:

@@ -28,6 +28,7 @@ from jaxserve.engine import buckets as bucket_shapes
 from jaxserve.engine.buckets import MULTI_STEP, SCORE, BucketTable, pick_step_shape
 from jaxserve.engine import spec_steps
 from jaxserve.engine.compile import CompileCounter, step_compiler_options
+from jaxserve.engine.step_writer import StepWriter
 from jaxserve.errors import EngineClosedError
 from jaxserve.kv_cache import KVCache, RaggedBatch, cache_shardings, copy_pages_padded
 from jaxserve.model.weights import Params
@@ -65,6 +66,10 @@ class RowWork:
     draft_tokens: Sequence[int] | None = None
     draft_start: int = 0
     want_logprobs: bool = False  # speculative steps: the row returns logprobs (computed only if one does)
+    # With `page_ids` the block manager's live table (`BlockManager.live_page_ids`): its version. The
+    # same table object at the same version holds the same leading entries, so a step whose row holds
+    # it again does not rewrite them (`StepWriter`); None: rewritten every step.
+    pages_version: int | None = None
 
 
 def _take_carried(batch: RaggedBatch, sampling: SamplingTensors, carried: jax.Array):
@@ -197,6 +202,9 @@ class PackedRows:
     logit_at: np.ndarray  # each row's flat index in [R * L] (its sample); -1 for rows that do not sample
     token_at: list[tuple[int, int, int]]  # each row's (replica, first token, tokens)
     score_inputs: tuple[np.ndarray, np.ndarray] | None = None  # scoring: (sample index [R, L], targets [R, N])
+    # A plain step written by its bucket's StepWriter: the packed buffer (what Layout.pack makes of
+    # batch, sampling and mask), which batch, sampling and mask are views of until the bucket's next step.
+    buffer: np.ndarray | None = None
     speculative: tuple | None = None  # a speculative step's (SpecRows, DraftInputs | None): spec_steps.pack
 
     @property
@@ -229,17 +237,25 @@ class PendingSamples:
     costs the host ~15-30 us a step, as long as the rest of a batch-1 step's fetch."""
 
     def __init__(self, out: Any, packed: PackedRows, logprobs: bool = True):
+        self.packed = packed
+        # A plain step of which no row asked for logprobs: its tokens alone, one array and no pytree.
+        self._tokens_only = not logprobs and not isinstance(out, tuple)
+        if self._tokens_only:
+            self._out = out.tokens
+            self._out.copy_to_host_async()
+            return
         if not logprobs:
-            sampled = out[0] if isinstance(out, tuple) else out
-            sampled = sampled.replace(logprobs=None, top_ids=None, top_logprobs=None)
-            out = (sampled, out[1]) if isinstance(out, tuple) else sampled
-        self._out, self.packed = out, packed
+            out = (out[0].replace(logprobs=None, top_ids=None, top_logprobs=None), out[1])
+        self._out = out
         for leaf in jax.tree.leaves(out):
             leaf.copy_to_host_async()
 
     def result(self) -> SampleOutput | tuple[SampleOutput, "PromptScores"]:
         """Each row's sample in row order, as `ModelRunner.execute` returns them (waits for the step)."""
-        packed, out = self.packed, jax.device_get(self._out)
+        packed = self.packed
+        if self._tokens_only:
+            return SampleOutput(packed.unpack(jax.device_get(self._out)), None, None, None)
+        out = jax.device_get(self._out)
         if packed.score_inputs is None:
             return jax.tree.map(packed.unpack, out)
         sampled, scores = out
@@ -275,6 +291,8 @@ class ModelRunner:
         self._executables: dict[tuple, Any] = {}
         self._layouts: dict[tuple, Layout] = {}  # how each bucket's inputs are packed
         self._idle: dict[int, tuple] = {}  # per L: the sparse sampling inputs of steps that use none
+        self._idle_host: dict[int, tuple] = {}  # the same on the host (what the step's inputs hold)
+        self._writers: dict[tuple, StepWriter] = {}  # per plain bucket: its inputs, kept and rewritten
         self.last_sparse: tuple | None = None  # the last step's sparse sampling inputs (benchmarks reuse them)
         self.unplanned_compiles = 0  # shapes that were not in the warmed table
         self.closed = False  # close(): executables dropped, params and cache deleted
@@ -492,7 +510,7 @@ class ModelRunner:
         score = any(r.targets is not None for r in rows)
         packed = self._pack(rows, score=score, before_masks=before_masks)
         if not score:
-            return PendingSamples(self.run_step(packed.shape, packed.inputs), packed, logprobs)
+            return PendingSamples(self.run_step(packed.shape, packed.inputs, packed.buffer), packed, logprobs)
         sample_index, targets = packed.score_inputs
         out = self.run_step(packed.shape + (SCORE,), (packed.batch, packed.sampling, packed.mask, sample_index, targets))
         return PendingSamples(out, packed, logprobs)
@@ -518,19 +536,60 @@ class ModelRunner:
               before_masks: Callable[[], None] | None = None) -> PackedRows:
         """Lay rows out in the smallest ragged bucket: NumPy arrays with leading R. `extra_tokens`:
         positions each row writes after its tokens within this call (multi-step), which its pages hold.
-        A speculative engine's steps but scoring ones: `spec_steps.pack`."""
+        A plain step is written into its bucket's StepWriter (only what changed since its last step);
+        scoring and multi-step calls are packed from scratch; a speculative engine's steps but scoring
+        ones by `spec_steps.pack`."""
         if self.speculation is not None and not score:
             return spec_steps.pack(self, rows)
-        R, S, ps = self.num_replicas, self.buckets.max_rows, self.cache.page_size
+        R, ps = self.num_replicas, self.cache.page_size
         extra = extra_tokens or [0] * len(rows)
-        per_replica = [[i for i, r in enumerate(rows) if r.replica == rep] for rep in range(R)]
         # Each row's pages up to its last position this call: pages reserved beyond it are not read.
-        pages = [r.page_ids[: -(-(r.start_pos + len(r.tokens) + e) // ps)] for r, e in zip(rows, extra)]
-        n_tokens = max(sum(len(rows[i].tokens) for i in idx) for idx in per_replica)
+        need = [min(len(r.page_ids), -(-(r.start_pos + len(r.tokens) + e) // ps)) for r, e in zip(rows, extra)]
+        if R == 1:
+            n_tokens = sum(len(r.tokens) for r in rows)
+        else:
+            n_tokens = max(sum(len(r.tokens) for r in rows if r.replica == rep) for rep in range(R))
         if score:
             shape = (bucket_shapes.pick_bucket(n_tokens, self.buckets.token_counts), self.buckets.page_counts[-1])
         else:
-            shape = pick_step_shape(self.buckets, n_tokens, max(len(p) for p in pages), self.platform)
+            shape = pick_step_shape(self.buckets, n_tokens, max(need), self.platform)
+        if not score and extra_tokens is None and shape in self._layouts:
+            return self._pack_written(rows, shape, before_masks)
+        return self._pack_anew(rows, shape, score, [r.page_ids[:n] for r, n in zip(rows, need)], before_masks)
+
+    def _pack_written(self, rows: Sequence[RowWork], shape: tuple,
+                      before_masks: Callable[[], None] | None) -> PackedRows:
+        """`_pack` of a plain step through its bucket's StepWriter (made on the bucket's first step)."""
+        writer = self._writers.get(shape)
+        if writer is None:
+            L = self.num_logits(shape[0])
+            writer = self._writers[shape] = StepWriter(self._layouts[shape], page_size=self.cache.page_size,
+                                                       idle_sparse=dict(zip(SPARSE_FIELDS, self._idle_host_sparse(L))))
+        logit_at, token_at, grammars = writer.write(rows)
+        R, L = self.num_replicas, writer.num_logits
+        if any(r.sampling is not None and r.samples and (r.sampling.uses_penalties or r.sampling.logit_bias)
+               for r in rows):  # the sparse inputs, built for the steps that need them
+            flat: list[RowSampling | None] = [None] * (R * L)
+            steps = [0] * (R * L)
+            for row, at in zip(rows, logit_at.tolist()):
+                if at >= 0 and row.sampling is not None:
+                    flat[at] = row.sampling
+                    steps[at] = row.sampling.step if row.step is None else row.step
+            full = SamplingTensors.pack(flat, (R, L), self.history_len, steps=steps)
+            sampling = writer.sampling_views.replace(**{name: getattr(full, name) for name in SPARSE_FIELDS})
+        else:
+            sampling = writer.idle_sampling
+        if grammars:
+            if before_masks is not None:
+                before_masks()
+            writer.write_masks(self._token_mask(R, L, grammars).bitmask)
+        return PackedRows(shape, writer.batch, sampling, writer.mask(), logit_at, token_at, buffer=writer.buffer)
+
+    def _pack_anew(self, rows: Sequence[RowWork], shape: tuple, score: bool, pages: list,
+                   before_masks: Callable[[], None] | None) -> PackedRows:
+        """`_pack` from scratch: pack_ragged per replica, SamplingTensors.pack, the TokenMask."""
+        R, S, ps = self.num_replicas, self.buckets.max_rows, self.cache.page_size
+        per_replica = [[i for i, r in enumerate(rows) if r.replica == rep] for rep in range(R)]
         N, P = shape
         L = self.num_logits(N)
         fields = {f.name: [] for f in dataclasses.fields(RaggedBatch)}
@@ -592,22 +651,24 @@ class ModelRunner:
             constrained[[at for _, at in grammars]] = True
         return TokenMask(bitmask.reshape(R, L, -1), constrained.reshape(R, L))
 
-    def run_step(self, shape: tuple, inputs: tuple) -> Any:
+    def run_step(self, shape: tuple, inputs: tuple, buffer: np.ndarray | None = None) -> Any:
         """`run_packed`, handed first to the other processes of a multi-host job (which make the same
-        call): how every step runs, the speculative ones too (`jaxserve.spec_decode` calls it)."""
+        call, packing the inputs themselves): how every step runs, the speculative ones too
+        (`jaxserve.spec_decode` calls it)."""
         if self.broadcaster is None:
-            return self.run_packed(shape, inputs)
+            return self.run_packed(shape, inputs, buffer)
         self.broadcaster.step(shape, inputs)  # multi-host: the other processes run the same call
         try:
-            return self.run_packed(shape, inputs)
+            return self.run_packed(shape, inputs, buffer)
         except Exception as err:  # noqa: BLE001 - the processes are out of step: fatal (it exits)
             self.broadcaster.step_failed(err)
             raise
 
-    def run_packed(self, shape: tuple, inputs: tuple) -> Any:
+    def run_packed(self, shape: tuple, inputs: tuple, buffer: np.ndarray | None = None) -> Any:
         """Dispatch the compiled step of bucket `shape` on packed host inputs ((RaggedBatch,
         SamplingTensors, ...) of NumPy arrays, leading axis R); returns the samples as device arrays,
         [R, L, ...] (not waited for). A speculative step's inputs and outputs: `spec_steps`.
+        `buffer`: the inputs but the sparse ones already packed (a StepWriter's), copied as they are.
         Multi-host followers call this with the inputs process 0 packed."""
         self.check_open()
         if shape not in self._executables:
@@ -620,29 +681,56 @@ class ModelRunner:
         # Explicit transfers only (the step loop runs under jax.transfer_guard("disallow") in tests):
         # one host->device copy of the packed inputs here (and one of the sparse sampling inputs
         # when a row uses penalties or logit_bias); the samples' copy back is the caller's.
-        packed, fields = split_sparse(inputs)
-        self.last_sparse = self._put_sparse(shape, fields)
-        return self._call(shape, executable, self.last_sparse, self.put_inputs(shape, packed))
+        if self.is_speculative(shape):
+            packed, fields = split_sparse(inputs)
+            self.last_sparse = self._put_sparse(shape, fields)
+            return spec_steps.call(self, executable, self.last_sparse, self.put_inputs(shape, packed))
+        sampling = inputs[1]
+        self.last_sparse = self._put_sparse(shape, tuple(getattr(sampling, name) for name in SPARSE_FIELDS))
+        if buffer is None:
+            buffer = self._layouts[shape].pack(split_sparse(inputs)[0])
+        else:  # a copy: the writer rewrites its buffer for the next step, and a CPU device may alias it
+            buffer = buffer.copy()
+        out, self.cache, self.carried = self._call_step(executable, buffer)
+        return out
 
     def _call(self, shape: tuple, executable: Any, sparse: tuple, buffer: jax.Array) -> Any:
-        """Call bucket `shape`'s executable on device inputs, replacing the donated caches and the
-        carried samples; returns its outputs (on the device)."""
+        """Call bucket `shape`'s executable on device inputs (warm-up, probes), replacing the donated
+        caches and the carried samples; returns its outputs (on the device)."""
         if self.is_speculative(shape):
             return spec_steps.call(self, executable, sparse, buffer)
         out, self.cache, self.carried = executable(self.params, self.cache, self.carried, sparse, buffer)
         return out
 
+    def _call_step(self, executable: Any, buffer: np.ndarray) -> tuple:
+        """Call a plain step's executable on its packed host buffer. In one process the NumPy buffer is
+        the call's operand, and the executable's own argument handling copies it to the device: the
+        same one transfer as `put_buffer`, without jax.device_put's Python path (~20 us on an idle
+        CPU, 150-350 us of the host's time beside a running step on 2 shared cores: `docs/BENCHMARKS.md`). Declared
+        where it happens: every other operand is already on the device. On a mesh spanning processes
+        each process puts its own shards (`put_buffer`)."""
+        if self.out_sharding is not None:
+            return executable(self.params, self.cache, self.carried, self.last_sparse, self.put_buffer(buffer))
+        with jax.transfer_guard_host_to_device("allow"):  # the packed inputs: this step's one copy in
+            return executable(self.params, self.cache, self.carried, self.last_sparse, buffer)
+
     def put_inputs(self, shape: tuple, inputs: tuple) -> jax.Array:
         """Bucket `shape`'s host inputs but the sparse ones (`split_sparse`) packed into one array and
         copied to the device (sharded over the replicas on a mesh) in one transfer; the bucket must
         have been compiled."""
-        return self._layouts[shape].put(inputs, self.buffer_sharding)
+        return self.put_buffer(self._layouts[shape].pack(inputs))
+
+    def put_buffer(self, host: np.ndarray) -> jax.Array:
+        """A packed int32 [R, width] host buffer copied to the device in one explicit transfer."""
+        return jax.device_put(host, self.buffer_sharding)
 
     def _put_sparse(self, shape: tuple, fields: tuple[np.ndarray, ...]) -> tuple[jax.Array, ...]:
         """The SPARSE_FIELDS on the device as [R, L * width]: copied (one transfer) when some row has
         a penalty history or logit_bias entries, else the idle arrays already there."""
         history, bias_ids = fields[0], fields[1]
-        if not ((history[..., 0] >= 0).any() or (bias_ids[..., 0] >= 0).any()):
+        idle = self._idle_host.get(history.shape[1])
+        if (idle is not None and history is idle[0] and bias_ids is idle[1]) or not (
+                (history[..., 0] >= 0).any() or (bias_ids[..., 0] >= 0).any()):
             return self._idle_sparse(shape)
         R = history.shape[0]
         return jax.device_put(tuple(np.ascontiguousarray(f).reshape(R, -1) for f in fields), self.buffer_sharding)
@@ -656,6 +744,14 @@ class ModelRunner:
             st = SamplingTensors.pack([], (self.num_replicas, L), self.history_len)
             fields = tuple(getattr(st, name).reshape(self.num_replicas, -1) for name in SPARSE_FIELDS)
             idle = self._idle[L] = jax.device_put(fields, self.buffer_sharding)
+        return idle
+
+    def _idle_host_sparse(self, L: int) -> tuple[np.ndarray, ...]:
+        """The SPARSE_FIELDS of a step of L logits where no row uses them, on the host (kept per L)."""
+        idle = self._idle_host.get(L)
+        if idle is None:
+            st = SamplingTensors.pack([], (self.num_replicas, L), self.history_len)
+            idle = self._idle_host[L] = tuple(getattr(st, name) for name in SPARSE_FIELDS)
         return idle
 
     @property
@@ -675,6 +771,8 @@ class ModelRunner:
         self._executables.clear()
         self._layouts.clear()
         self._idle.clear()
+        self._idle_host.clear()
+        self._writers.clear()
         self.last_sparse = None
         self._ran.clear()
         delete_buffers((self.params, self.cache, self.carried))

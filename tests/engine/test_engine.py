@@ -188,13 +188,29 @@ def test_decode_loop_makes_one_explicit_transfer_each_way_per_step(llm, monkeypa
             calls[_name] += 1
             return _real(*args, **kwargs)
         monkeypatch.setattr(jax, name, counted)
+    operands = count_step_operands(engine.runner, monkeypatch)
     with jax.transfer_guard("disallow"):
         for _ in range(5):
             engine.step()
-    assert calls == {"device_put": 5, "device_get": 5}  # the packed inputs in, the samples out
+    # The packed inputs in (a NumPy operand each step, which the executable's call copies: the
+    # guard would refuse any other transfer), the samples out.
+    assert calls == {"device_put": 0, "device_get": 5}
+    assert operands == [np.ndarray] * 5
     monkeypatch.undo()
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def count_step_operands(runner, monkeypatch) -> list:
+    """The type of the packed-inputs operand of each plain step's call, from now on."""
+    operands, real = [], runner._call_step
+
+    def call_step(executable, buffer):
+        operands.append(type(buffer))
+        return real(executable, buffer)
+
+    monkeypatch.setattr(runner, "_call_step", call_step)
+    return operands
 
 
 def test_sparse_sampling_inputs_are_copied_only_when_a_row_uses_them(llm, monkeypatch):
@@ -217,10 +233,12 @@ def test_sparse_sampling_inputs_are_copied_only_when_a_row_uses_them(llm, monkey
         return real(*args, **kwargs)
 
     monkeypatch.setattr(jax, "device_put", counted)
+    operands = count_step_operands(engine.runner, monkeypatch)
     with jax.transfer_guard("disallow"):
         for _ in range(5):
             engine.step()
-    assert calls == {"device_put": 10}  # the packed inputs and the sparse ones, each step
+    assert calls == {"device_put": 5}  # the sparse inputs, each step
+    assert operands == [np.ndarray] * 5  # and the packed ones, copied by the call
     monkeypatch.undo()
     while engine.has_unfinished_requests():
         engine.step()
