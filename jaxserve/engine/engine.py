@@ -99,7 +99,8 @@ class LLMEngine:
         self.blocks = BlockManager(self.plan.num_pages, s.page_size, self.num_replicas,
                                    enable_prefix_caching=s.enable_prefix_caching,
                                    sliding_window=cfg.sliding_window if windowed else None)
-        self.scheduler = Scheduler(self.blocks, self.buckets, s.max_num_seqs, s.max_num_batched_tokens, self.plan.max_model_len,
+        self.scheduler = Scheduler(self.blocks, self.buckets, s.max_num_seqs, s.max_num_batched_tokens,
+                                   self.plan.max_model_len,
                                    scheduling=s.scheduling, preemption_mode=s.preemption_mode)
         self.spec = self._speculative_decoder(loaded) if s.speculation else None
         if s.num_scheduler_steps > 1:  # pages for the extra decode steps, where free ones exist

@@ -124,7 +124,6 @@ def call(runner: Any, executable: Any, sparse: tuple, buffer: jax.Array) -> Any:
     return out
 
 
-
 def pack(runner: Any, rows: Sequence[Any]):
     """Lay `rows` (the runner's RowWork: prompt chunks, decodes, verifications) out in the smallest
     bucket as a speculative step: a PackedRows whose `speculative` holds (SpecRows, DraftInputs)."""
@@ -171,8 +170,7 @@ def pack(runner: Any, rows: Sequence[Any]):
             draft_index[rep, g, : row.num_drafts] = first + 1 + np.arange(row.num_drafts)
             logit_at[i] = rep * G + g
             g, c = g + 1, c + w
-        for name in fields:
-            fields[name].append(getattr(arrays, name))
+        _append(fields, arrays)
         if draft:
             _append(draft_fields, _draft_arrays([rows[i] for i in indices], [pages[i] for i in indices], ps, N, S, P,
                                                 G))
@@ -190,9 +188,12 @@ def _draft_arrays(rows: Sequence[Any], pages: Sequence[Any], page_size: int, num
                   max_pages: int, num_groups: int) -> RaggedArrays:
     """The draft model's batch of one replica: each row's tokens the draft's cache lacks (a row's own
     tokens, drafts excluded, unless it names others) and a logit at the last of each sampling row's."""
-    return pack_ragged([RaggedRow(r.tokens[: len(r.tokens) - r.num_drafts] if r.draft_tokens is None else r.draft_tokens,
-                                  r.start_pos if r.draft_tokens is None else r.draft_start, p, int(r.samples))
-                        for r, p in zip(rows, pages)],
+    def own(r):  # (tokens, start) the draft takes for row r
+        if r.draft_tokens is None:
+            return r.tokens[: len(r.tokens) - r.num_drafts], r.start_pos
+        return r.draft_tokens, r.draft_start
+
+    return pack_ragged([RaggedRow(*own(r), p, int(r.samples)) for r, p in zip(rows, pages)],
                        page_size=page_size, num_tokens=num_tokens, num_rows=num_rows, max_pages=max_pages,
                        num_logits=num_groups)
 

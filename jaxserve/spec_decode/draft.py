@@ -57,9 +57,9 @@ def propose_ragged(
 
     The draft first takes every row's tokens its cache lacks (`draft.batch`: prompt chunks too, so
     the draft's cache keeps up with the target's in the same call) and returns each group's logits at
-    its last token: draft 1 of a verifying group (whose last token there is its pending one). Then, only when some group verifies, K - 1 single-token steps of the
-    groups (unrolled: K is small and static; under a `while` loop XLA:CPU copied the loop-carried
-    cache every iteration). A group wanting fewer drafts computes the later steps at its last
+    its last token: draft 1 of a verifying group (whose last token there is its pending one). Then,
+    only when some group verifies, K - 1 single-token steps of the groups (unrolled: K is small and
+    static; under a `while` loop XLA:CPU copied the loop-carried cache every iteration). A group wanting fewer drafts computes the later steps at its last
     position again and writes nothing."""
     R, G = num_draft.shape
     logits, cache = ragged_step(params, cache, draft.batch, cfg, options)  # f32[R, G, V]
@@ -80,10 +80,9 @@ def propose_ragged(
             active = j < num_draft
             pos = jnp.where(active, last + j, last)  # an idle group recomputes its last token, writing nothing
             page = jnp.take_along_axis(pages, (pos // page_size)[..., None], axis=-1)[..., 0]
-            step = RaggedBatch(tokens=tokens[-1], positions=pos, slots=jnp.where(active, page * page_size + pos % page_size,
-                                                                                 PAD_SLOT),
-                               token_row=rows, query_start=starts, context_lens=pos + 1, page_table=pages,
-                               logit_index=rows)
+            slots = jnp.where(active, page * page_size + pos % page_size, PAD_SLOT)
+            step = RaggedBatch(tokens=tokens[-1], positions=pos, slots=slots, token_row=rows, query_start=starts,
+                               context_lens=pos + 1, page_table=pages, logit_index=rows)
             step_logits, cache = ragged_step(params, cache, step, cfg, options)
             token, q = draw(step_logits, j)
             tokens.append(token)

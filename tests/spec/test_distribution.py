@@ -52,7 +52,8 @@ def test_sampled_tokens_follow_the_target_and_a_wrong_verifier_is_caught(models)
     target_path, target, draft_path = models
     # A budget of 32 rows x (1 + 2 drafts): verifications share the step's token budget.
     llm = LLM(target_path, dtype="float32", page_size=8, max_model_len=16, max_num_seqs=32,
-              max_num_batched_tokens=96, warm_up=False, speculative_model=draft_path, num_speculative_tokens=2, speculative_adaptive=False)
+              max_num_batched_tokens=96, warm_up=False, speculative_model=draft_path, num_speculative_tokens=2,
+              speculative_adaptive=False)
     joint = exact_joint(target)
     counts = sample_counts(llm, REQUESTS)
     stats = llm.engine.stats()
