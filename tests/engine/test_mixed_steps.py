@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
+from engine_testlib import StepRecorder
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.output_processor import OutputAccumulator
 
 SETTINGS = dict(dtype="float32", page_size=8, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
                 enable_prefix_caching=False, warm_up=False)
@@ -23,21 +23,8 @@ def test_long_prompt_rides_along_with_running_decodes(llm):
     short = [rng.randint(0, 512, size=n).tolist() for n in (5, 9, 3)]
     long_prompt = rng.randint(0, 512, size=150).tolist()  # 150 tokens, a 32-token budget: 5+ steps
     engine = llm.engine
-    plans = []
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule():
-        plans.append(schedule())
-        return plans[-1]
-
-    engine.scheduler.schedule = recording_schedule
-    totals = OutputAccumulator()  # the engine emits deltas: every step's are summed
-
-    def step():
-        for delta in engine.step():
-            totals.add(delta)
-
-    try:
+    with StepRecorder(engine) as rec:
+        plans, step = rec.plans, rec.step
         for i, prompt in enumerate(short):
             engine.add_request(f"s{i}", None, SamplingParams(max_tokens=40, **GREEDY), prompt)
         while any(s.num_computed < len(s.prompt_token_ids) for r in engine.requests.values() for s in r.seqs):
@@ -59,9 +46,7 @@ def test_long_prompt_rides_along_with_running_decodes(llm):
         assert len(plans) >= 5  # the prompt took several chunks, each beside the decodes
         while engine.has_unfinished_requests():
             step()
-        outputs = {rid: out.outputs[0].token_ids for rid, out in totals.outputs.items()}
-    finally:
-        engine.scheduler.schedule = schedule
+        outputs = rec.token_ids()
     for request_id, prompt, max_tokens in [*((f"s{i}", p, 40) for i, p in enumerate(short)),
                                            ("long", long_prompt, 8)]:
         alone = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=max_tokens,

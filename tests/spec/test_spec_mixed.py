@@ -3,10 +3,10 @@ a long prompt is prefilled beside them, within one token budget, in the same exe
 
 import numpy as np
 import pytest
+from engine_testlib import StepRecorder
 from spec_testlib import perturbed_copy
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.output_processor import OutputAccumulator
 
 K = 3
 SETTINGS = dict(dtype="float32", page_size=8, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32,
@@ -30,21 +30,8 @@ def test_verifications_ride_along_with_a_long_prompt(llm):
     short = [(rng.randint(0, 512, size=4).tolist() * 3)[:n] for n in (7, 10, 5)]
     long_prompt = rng.randint(0, 512, size=150).tolist()  # 150 tokens under a 32-token budget
     engine = llm.engine
-    plans = []
-    schedule = engine.scheduler.schedule
-
-    def recording_schedule():
-        plans.append(schedule())
-        return plans[-1]
-
-    engine.scheduler.schedule = recording_schedule
-    totals = OutputAccumulator()
-
-    def step():
-        for delta in engine.step():
-            totals.add(delta)
-
-    try:
+    with StepRecorder(engine) as rec:
+        plans, step = rec.plans, rec.step
         for i, prompt in enumerate(short):
             engine.add_request(f"s{i}", None, SamplingParams(max_tokens=120, **GREEDY), prompt)
         running = [engine.requests[f"s{i}"].seqs[0] for i in range(3)]
@@ -70,9 +57,7 @@ def test_verifications_ride_along_with_a_long_prompt(llm):
         assert len(plans) >= 5 and verified >= (len(running) * len(plans) if engine.spec.method == "draft" else 1)
         while engine.has_unfinished_requests():
             step()
-        outputs = {rid: out.outputs[0].token_ids for rid, out in totals.outputs.items()}
-    finally:
-        engine.scheduler.schedule = schedule
+        outputs = rec.token_ids()
     assert engine.spec.counters.accepted > 0
     for request_id, prompt, max_tokens in [*((f"s{i}", p, 120) for i, p in enumerate(short)),
                                            ("long", long_prompt, 8)]:

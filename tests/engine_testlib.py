@@ -1,0 +1,31 @@
+"""Driving an engine step by step in tests: each step's scheduler plan recorded, its deltas summed."""
+
+from jaxserve.engine.output_processor import OutputAccumulator
+
+
+class StepRecorder:
+    """`with StepRecorder(engine) as rec:` wraps the scheduler's `schedule` so that `rec.plans` holds
+    every step's SchedulerOutput; `rec.step()` runs one engine step and adds its deltas to
+    `rec.totals` (the engine emits deltas); `rec.token_ids()` gives each request's output ids."""
+
+    def __init__(self, engine):
+        self.engine, self.plans, self.totals = engine, [], OutputAccumulator()
+        self._schedule = engine.scheduler.schedule
+
+    def __enter__(self):
+        def recording_schedule():
+            self.plans.append(self._schedule())
+            return self.plans[-1]
+
+        self.engine.scheduler.schedule = recording_schedule
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.scheduler.schedule = self._schedule
+
+    def step(self) -> None:
+        for delta in self.engine.step():
+            self.totals.add(delta)
+
+    def token_ids(self) -> dict:
+        return {rid: out.outputs[0].token_ids for rid, out in self.totals.outputs.items()}
