@@ -27,5 +27,16 @@ class StepRecorder:
         for delta in self.engine.step():
             self.totals.add(delta)
 
+    def mixed_step(self, running: list) -> tuple[dict, list[int]]:
+        """One step that must be mixed with every `running` sequence decoding in it (one token, plus
+        any drafts): its rows by sequence (id), and the tokens each running sequence gained."""
+        before = [len(s.output_token_ids) for s in running]
+        self.step()
+        plan = self.plans[-1]
+        assert plan.kind == "mixed"
+        by_seq = {id(r.seq): r for r in plan.rows}
+        assert all(by_seq[id(s)].num_tokens == 1 for s in running)  # every stream decodes this step
+        return by_seq, [len(s.output_token_ids) - b for s, b in zip(running, before)]
+
     def token_ids(self) -> dict:
         return {rid: out.outputs[0].token_ids for rid, out in self.totals.outputs.items()}

@@ -42,14 +42,8 @@ def test_verifications_ride_along_with_a_long_prompt(llm):
         plans.clear()
         verified = 0
         while long_seq.num_computed < len(long_prompt):
-            before = [len(s.output_token_ids) for s in running]
-            step()
-            plan = plans[-1]
-            assert plan.kind == "mixed"
-            by_seq = {id(r.seq): r for r in plan.rows}
-            assert all(by_seq[id(s)].num_tokens == 1 for s in running)  # every stream decodes this step
-            assert sum(r.num_tokens + r.num_lookahead for r in plan.rows) <= SETTINGS["max_num_batched_tokens"]
-            gained = [len(s.output_token_ids) - b for s, b in zip(running, before)]
+            by_seq, gained = rec.mixed_step(running)
+            assert sum(r.num_tokens + r.num_lookahead for r in by_seq.values()) <= SETTINGS["max_num_batched_tokens"]
             assert all(1 <= g <= 1 + by_seq[id(s)].num_lookahead for g, s in zip(gained, running))
             verified += sum(by_seq[id(s)].num_lookahead > 0 for s in running)
         # Drafts verified beside the prompt's chunks: the draft model proposes K for every stream in
