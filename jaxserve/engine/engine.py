@@ -370,11 +370,12 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, None
         return self._process(previous, time.perf_counter()) if previous is not None else []
 
-    def _launch(self, plan: SchedulerOutput, before_masks=None) -> "LaunchedStep":
+    def _launch(self, plan: SchedulerOutput, before_masks=None, rows: list[RowWork] | None = None) -> "LaunchedStep":
         """Pack and dispatch the plan's step (not waiting for it); each row that samples gets a
         placeholder for its token, and its tokens so far count as computed, so the next step can be
-        scheduled at once. `before_masks`: see ModelRunner.launch."""
-        rows = self._row_work(plan.rows)
+        scheduled at once. `before_masks`: see ModelRunner.launch; `rows`: the plan's RowWork when
+        the caller has built it."""
+        rows = self._row_work(plan.rows) if rows is None else rows
         logprobs = any(r.seq.params.logprobs is not None for r in plan.rows)
         pending = self.runner.launch(rows, before_masks, logprobs=logprobs)
         # What the step had to read: every weight once, plus each row's cached K/V.
@@ -534,7 +535,7 @@ class LLMEngine:
         if any(r.targets is not None for r in rows):
             for row in plan.rows:
                 row.num_lookahead = 0
-            return self._process(self._launch(plan), start)
+            return self._process(self._launch(plan, rows=rows), start)
         self.spec.prepare(plan.rows, rows)
         out = self.runner.execute(rows)
         self.spec.record(plan.rows, out.num_accepted)  # before marking: the draft's lag bounds what is computed
