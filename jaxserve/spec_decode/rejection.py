@@ -38,72 +38,88 @@ def purpose_keys(seed: jax.Array, step: jax.Array, purpose: int) -> jax.Array:
 
 @flax.struct.dataclass
 class VerifyOutput:
-    """Per row: the accepted drafts, then the target's own token at index num_accepted (then zeros)."""
+    """Per group: the accepted drafts, then the target's own token at index num_accepted (then zeros)."""
 
-    tokens: jax.Array  # i32[N, T]  T = K + 1
-    num_accepted: jax.Array  # i32[N]  emitted tokens = num_accepted + 1
-    logprobs: jax.Array  # f32[N, T]  raw log_softmax of the target at each emitted token
-    top_ids: jax.Array  # i32[N, T, MAX_LOGPROBS]
-    top_logprobs: jax.Array  # f32[N, T, MAX_LOGPROBS]
+    tokens: jax.Array  # i32[G, W]  W = K + 1
+    num_accepted: jax.Array  # i32[G]  emitted tokens = num_accepted + 1
+    logprobs: jax.Array  # f32[G, W]  raw log_softmax of the target at each emitted token
+    top_ids: jax.Array  # i32[G, W, MAX_LOGPROBS]
+    top_logprobs: jax.Array  # f32[G, W, MAX_LOGPROBS]
 
 
-def expand_per_position(st: SamplingTensors, drafts: jax.Array) -> SamplingTensors:
-    """The sampling rows of every verify position j = 0..K: output index step + j, and (for penalties)
-    the history extended by the drafts d_1..d_j that position j follows."""
-    N, K = drafts.shape
-    T = K + 1
-    rep = lambda x: jnp.repeat(x, T, axis=0)  # noqa: E731  [N, ...] -> [N * T, ...]
+def positions_of(group_logits: jax.Array, num_logits: int) -> tuple[jax.Array, jax.Array]:
+    """(group i32[L], offset i32[L]) of each logit position, inverting `group_logits` i32[G, W] (group
+    g's W positions, its last real one repeated past its drafts; a padding group repeats a position
+    of a real group before it, so the smallest (group, offset) that names a position owns it).
+    Positions no group names get group G - 1, offset 0: nothing reads their results."""
+    G, W = group_logits.shape
+    key = jnp.arange(G * W, dtype=jnp.int32)  # g * W + j, increasing in (g, j)
+    owner = jnp.full((num_logits,), G * W, jnp.int32).at[group_logits.reshape(-1)].min(key)
+    return jnp.minimum(owner // W, G - 1), jnp.where(owner < G * W, owner % W, 0)
+
+
+def expand_positions(st: SamplingTensors, drafts: jax.Array, group: jax.Array, offset: jax.Array) -> SamplingTensors:
+    """The sampling rows of every logit position: position j of group g samples output index step + j,
+    and (for penalties) sees the history extended by the drafts d_1..d_j it follows. st [G], drafts
+    i32[G, K], group / offset i32[L] -> [L]."""
+    K = drafts.shape[1]
+    at = jax.tree.map(lambda x: x[group], st)
     Lh = st.history.shape[-1]
-    length = jnp.sum(st.history >= 0, axis=-1)  # i32[N]: prompt + output tokens held
-    offset = jnp.arange(Lh, dtype=jnp.int32)[None, :] - length[:, None]  # i32[N, Lh]: index into drafts
-    gathered = jnp.take_along_axis(drafts, jnp.clip(offset, 0, K - 1), axis=1)  # i32[N, Lh]
-    j = jnp.arange(T, dtype=jnp.int32)[None, :, None]
-    use = (offset[:, None, :] >= 0) & (offset[:, None, :] < j)  # bool[N, T, Lh]
-    history = jnp.where(use, gathered[:, None, :], st.history[:, None, :]).reshape(N * T, Lh)
-    step = (st.step[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]).reshape(N * T)
-    return jax.tree.map(rep, st).replace(step=step, history=history)
+    length = jnp.sum(at.history >= 0, axis=-1)  # i32[L]: prompt + output tokens held
+    index = jnp.arange(Lh, dtype=jnp.int32)[None, :] - length[:, None]  # i32[L, Lh]: index into the drafts
+    gathered = jnp.take_along_axis(drafts[group], jnp.clip(index, 0, K - 1), axis=1)
+    use = (index >= 0) & (index < offset[:, None])
+    return at.replace(step=at.step + offset, history=jnp.where(use, gathered, at.history))
 
 
 def verify(
-    logits: jax.Array,  # f32[N, T, V]  the target at the pending token and each draft (T = K + 1)
-    drafts: jax.Array,  # i32[N, K]
-    draft_probs: jax.Array | None,  # f32[N, K, V] processed draft distributions; None = point masses (ngram)
-    num_draft: jax.Array,  # i32[N]  drafts to verify in each row (<= K; the rest is padding)
-    st: SamplingTensors,  # [N] rows; step = output index of the first token decided here
-    want_logprobs: jax.Array | None = None,  # bool[N]: rows that return logprobs (None: all)
+    logits: jax.Array,  # f32[L, V]  the target at each real logit position of the step
+    group_logits: jax.Array,  # i32[G, W]  group g's positions in `logits`: pending token, then each draft (W = K + 1)
+    drafts: jax.Array,  # i32[G, K]
+    draft_probs: jax.Array | None,  # f32[G, K, V] processed draft distributions; None = point masses (ngram)
+    num_draft: jax.Array,  # i32[G]  drafts to verify in each group (<= K; the rest is padding)
+    st: SamplingTensors,  # [G] groups; step = output index of the first token decided here
+    want_logprobs: jax.Array | None = None,  # bool[G]: groups that return logprobs (None: all)
     *,
     accept_all: bool = False,  # a deliberately wrong verifier (tests show the distribution test fails)
 ) -> VerifyOutput:
-    N, T, V = logits.shape
-    K = T - 1
+    """Vocabulary-wide work (penalties, argmax, filtering, softmax, top logprobs) runs once per real
+    logit position, L of them, never per group slot: a step's groups are ragged (a plain decode is
+    one position, a verification k + 1), so G * W slots would cost up to W times more. Only the
+    acceptance arithmetic and two [G, V] rows (residual, bonus) are per group."""
+    L, V = logits.shape
+    G, W = group_logits.shape
+    K = W - 1
     raw = logits.astype(jnp.float32)
-    st_t = expand_per_position(st, drafts)
-    processed = penalise(raw.reshape(N * T, V), st_t)  # f32[N * T, V]
-    sampled = st.temperature >= SAMPLING_EPS  # bool[N]
-    in_run = jnp.arange(K, dtype=jnp.int32)[None, :] < num_draft[:, None]  # bool[N, K]
+    group, offset = positions_of(group_logits, L)
+    st_l = expand_positions(st, drafts, group, offset)
+    processed = penalise(raw, st_l)  # f32[L, V]
+    sampled = st.temperature >= SAMPLING_EPS  # bool[G]
+    in_run = jnp.arange(K, dtype=jnp.int32)[None, :] < num_draft[:, None]  # bool[G, K]
+    at_run = lambda n: jnp.take_along_axis(group_logits, n[:, None], axis=1)[:, 0]  # noqa: E731  i32[G]
 
-    def leading(accepted):  # i32[N]: accepted drafts before the first rejection
+    def leading(accepted):  # i32[G]: accepted drafts before the first rejection
         return jnp.sum(jnp.cumprod(accepted & in_run, axis=1), axis=1).astype(jnp.int32)
 
-    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32).reshape(N, T)
+    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)[group_logits]  # i32[G, W]
     n_greedy = leading(jnp.ones_like(in_run) if accept_all else drafts == greedy[:, :K])
     final_greedy = jnp.take_along_axis(greedy, n_greedy[:, None], axis=1)[:, 0]
 
     def sampled_rows():
-        filtered = filter_logits(processed, st_t, jnp.repeat(sampled, T)).reshape(N, T, V)
-        p = jax.nn.softmax(filtered, axis=-1)  # f32[N, T, V]
-        p_d = jnp.take_along_axis(p[:, :K], drafts[..., None], axis=-1)[..., 0]  # f32[N, K]
+        filtered = filter_logits(processed, st_l, sampled[group])  # f32[L, V]
+        p = jax.nn.softmax(filtered, axis=-1)
+        follows = drafts[group, jnp.minimum(offset, K - 1)]  # i32[L]: the draft after each position
+        p_d = jnp.take_along_axis(p, follows[:, None], axis=1)[:, 0][group_logits[:, :K]]  # f32[G, K]
         if draft_probs is None:
             q_d = jnp.ones_like(p_d)
         else:
             q_d = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
         steps = st.step[:, None] + jnp.arange(K, dtype=jnp.int32)[None, :]
         keys = purpose_keys(jnp.repeat(st.seed, K), steps.reshape(-1), ACCEPT)
-        u = jax.vmap(jax.random.uniform)(keys).reshape(N, K)
+        u = jax.vmap(jax.random.uniform)(keys).reshape(G, K)
         # u < p/q, written without dividing; min(1, .) is implicit since u < 1.
         n = leading(jnp.ones_like(in_run) if accept_all else u * q_d < p_d)
-        at_n = lambda x: jnp.take_along_axis(x, n[:, None, None], axis=1)[:, 0]  # noqa: E731  [N, V]
-        p_n = at_n(p)
+        p_n = p[at_run(n)]  # f32[G, V]
         last = jnp.minimum(n, K - 1)[:, None]
         if draft_probs is None:
             q_n = jax.nn.one_hot(jnp.take_along_axis(drafts, last, axis=1)[:, 0], V, dtype=p.dtype)
@@ -114,29 +130,30 @@ def verify(
         residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_n)
         from_residual = jax.vmap(jax.random.categorical)(
             purpose_keys(st.seed, st.step + n, RESIDUAL), jnp.log(residual))
-        bonus = jax.vmap(jax.random.categorical)(step_keys(st.seed, st.step + n), at_n(filtered))
+        bonus = jax.vmap(jax.random.categorical)(step_keys(st.seed, st.step + n), filtered[at_run(n)])
         return n, jnp.where(n < num_draft, from_residual, bonus).astype(jnp.int32)
 
     n_sampled, final_sampled = jax.lax.cond(
-        jnp.any(sampled), sampled_rows, lambda: (jnp.zeros(N, jnp.int32), jnp.zeros(N, jnp.int32)))
+        jnp.any(sampled), sampled_rows, lambda: (jnp.zeros(G, jnp.int32), jnp.zeros(G, jnp.int32)))
     n = jnp.where(sampled, n_sampled, n_greedy)
     final = jnp.where(sampled, final_sampled, final_greedy)
 
-    j = jnp.arange(T, dtype=jnp.int32)[None, :]
-    padded = jnp.concatenate([drafts, jnp.zeros((N, 1), jnp.int32)], axis=1)
+    j = jnp.arange(W, dtype=jnp.int32)[None, :]
+    padded = jnp.concatenate([drafts, jnp.zeros((G, 1), jnp.int32)], axis=1)
     tokens = jnp.where(j < n[:, None], padded, jnp.where(j == n[:, None], final[:, None], 0))
     top = min(MAX_LOGPROBS, V)
 
     def logprobs():
-        lse = jax.nn.logsumexp(raw, axis=-1)  # f32[N, T]
-        chosen = jnp.take_along_axis(raw, tokens[..., None], axis=-1)[..., 0] - lse
-        top_vals, top_ids = jax.lax.top_k(raw, top)
-        return chosen, top_ids.astype(jnp.int32), top_vals - lse[..., None]
+        lse = jax.nn.logsumexp(raw, axis=-1)  # f32[L]
+        chosen = raw[group_logits, tokens] - lse[group_logits]  # f32[G, W]
+        top_vals, top_ids = jax.lax.top_k(raw, top)  # [L, top]
+        return (chosen, top_ids.astype(jnp.int32)[group_logits],
+                (top_vals - lse[:, None])[group_logits])
 
     def none():
-        return jnp.zeros((N, T), jnp.float32), jnp.zeros((N, T, top), jnp.int32), jnp.zeros((N, T, top), jnp.float32)
+        return jnp.zeros((G, W), jnp.float32), jnp.zeros((G, W, top), jnp.int32), jnp.zeros((G, W, top), jnp.float32)
 
-    # Skipped unless a row asks: a top-k over [rows, T, V] cost ~5 ms per step on the CPU at batch 8.
+    # Skipped unless a group asks: a top-k over every position's vocabulary is the dearest pass.
     chosen, top_ids, top_logprobs = logprobs() if want_logprobs is None else jax.lax.cond(
         jnp.any(want_logprobs), logprobs, none)
     return VerifyOutput(tokens=tokens, num_accepted=n, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)

@@ -14,7 +14,7 @@ sample. In one call:
 2. the target runs the ragged forward over every row and keeps the final hidden states of the
    grouped logit positions;
 3. if some group verifies, every real position gets logits and `rejection.verify` accepts on
-   device; otherwise only position 0 of each group does and `sampling.sample` draws (a plain step
+   device (its vocabulary-wide passes run per real position, not per group slot); otherwise only position 0 of each group does and `sampling.sample` draws (a plain step
    pays for one vocabulary matmul per row, not W).
 
 K/V written for drafts that end up rejected sit past the sequence's length and are overwritten by
@@ -125,10 +125,11 @@ def speculative_step(
     at = jnp.take_along_axis(batch.logit_index, rows.group_logits, axis=1)  # i32[R, G * W]: token index
     drafts = jnp.take_along_axis(batch.tokens, at, axis=1).reshape(R * G, W)[:, 1:]
 
-    def verify_groups():
+    def verify_groups():  # every real position gets logits; the groups index them (replica r's from r * L)
         logits = ragged_logits(params, hidden, cfg, options)  # f32[R, L, V]
-        grouped = jnp.take_along_axis(logits, rows.group_logits[..., None], axis=1)
-        return verify(grouped.reshape(R * G, W, -1), drafts, draft_probs, num_draft, st,
+        L = logits.shape[1]
+        positions = rows.group_logits.reshape(R, G, W) + L * jnp.arange(R, dtype=jnp.int32)[:, None, None]
+        return verify(logits.reshape(R * L, -1), positions.reshape(R * G, W), drafts, draft_probs, num_draft, st,
                       rows.want_logprobs.reshape(R * G), accept_all=spec.accept_all)
 
     def sample_groups():  # no group verifies: position 0 of each only

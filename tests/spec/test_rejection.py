@@ -1,6 +1,7 @@
 """The verification rule on synthetic distributions: emitted tokens follow the target's processed
-distribution exactly (draft distributions and n-gram point masses), a wrong verifier is caught, and
-greedy rows accept exactly the argmax matches."""
+distribution exactly (draft distributions and n-gram point masses), a wrong verifier is caught,
+greedy rows accept exactly the argmax matches, and ragged groups (one logit per real position, as a
+step lays them out) verify exactly as the same groups laid out W positions each."""
 
 import jax
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 from spec_testlib import SIGNIFICANCE, chi_square_pvalue, processed_probs
 
 from jaxserve.sampling import RowSampling, SamplingTensors
-from jaxserve.spec_decode.rejection import expand_per_position, verify
+from jaxserve.spec_decode.rejection import expand_positions, positions_of, verify
 
 V, K, N = 6, 2, 20000
 # Sampling parameters are arrays, so every setting reuses one compilation.
@@ -16,6 +17,17 @@ SETTINGS = [dict(temperature=0.8, top_k=4), dict(temperature=1.3), dict(temperat
             dict(temperature=1.0, min_p=0.15)]
 
 verify_jit = jax.jit(verify, static_argnames=("accept_all",))
+
+
+def dense_positions(groups: int, width: int) -> np.ndarray:
+    """group_logits of groups laid out `width` logits each, one after another."""
+    return np.arange(groups * width, dtype=np.int32).reshape(groups, width)
+
+
+def verify_dense(logits, drafts, draft_probs, num_draft, st, **kw):
+    """verify() on logits f32[G, W, V]: every group owns W positions."""
+    G, W, V = logits.shape
+    return verify_jit(logits.reshape(G * W, V), dense_positions(G, W), drafts, draft_probs, num_draft, st, **kw)
 
 
 def distributions():
@@ -40,8 +52,8 @@ def run(setting: dict, point_mass: bool, accept_all: bool):
         drafts = np.stack([rng.choice(V, size=N, p=q[j]) for j in range(K)], axis=1)
     logits = np.broadcast_to(target, (N, K + 1, V)).astype(np.float32)
     draft_probs = None if point_mass else np.broadcast_to(q, (N, K, V)).astype(np.float32)
-    out = jax.device_get(verify_jit(logits, drafts.astype(np.int32), draft_probs, np.full(N, K, np.int32), st,
-                                    accept_all=accept_all))
+    out = jax.device_get(verify_dense(logits, drafts.astype(np.int32), draft_probs, np.full(N, K, np.int32), st,
+                                      accept_all=accept_all))
     return p, q, drafts, out
 
 
@@ -82,8 +94,8 @@ def test_greedy_rows_accept_argmax_matches():
     logits = np.broadcast_to(target, (4, K + 1, V)).astype(np.float32)
     # A sampled row in the batch must not change the greedy rows.
     st = sampling([RowSampling(seed=i) for i in range(4)] + [RowSampling(temperature=1.0, seed=9)])
-    out = jax.device_get(verify_jit(np.concatenate([logits, logits[:1]]), np.concatenate([drafts, drafts[:1]]),
-                                    None, np.append(num_draft, K), st))
+    out = jax.device_get(verify_dense(np.concatenate([logits, logits[:1]]), np.concatenate([drafts, drafts[:1]]),
+                                      None, np.append(num_draft, K), st))
     assert out.num_accepted[:4].tolist() == [K, 0, 1, 1]
     assert out.tokens[0].tolist() == best.tolist()  # both drafts, then the bonus argmax
     assert out.tokens[1, 0] == best[0] and out.tokens[2, :2].tolist() == best[:2].tolist()
@@ -93,6 +105,50 @@ def test_greedy_rows_accept_argmax_matches():
 def test_penalty_history_grows_with_the_drafts():
     st = SamplingTensors.pack([RowSampling(repetition_penalty=1.5, prompt_ids=[5, 7], output_ids=[9])], 1,
                               history_len=6)
-    ext = jax.device_get(expand_per_position(st, np.array([[1, 2]], np.int32)))
+    group, offset = positions_of(dense_positions(1, K + 1), K + 1)
+    ext = jax.device_get(expand_positions(st, np.array([[1, 2]], np.int32), group, offset))
     assert ext.history.tolist() == [[5, 7, 9, -1, -1, -1], [5, 7, 9, 1, -1, -1], [5, 7, 9, 1, 2, -1]]
     assert ext.step.tolist() == [0, 1, 2] and ext.prompt_len.tolist() == [2, 2, 2]
+
+
+def test_positions_of_inverts_ragged_groups():
+    # Groups of widths 3, 1, 2 at positions 0..5, two padding groups (all 0), two unused positions.
+    group_logits = np.array([[0, 1, 2], [3, 3, 3], [4, 5, 5], [0, 0, 0], [0, 0, 0]], np.int32)
+    group, offset = jax.device_get(positions_of(group_logits, 8))
+    assert group[:6].tolist() == [0, 0, 0, 1, 2, 2] and offset[:6].tolist() == [0, 1, 2, 0, 0, 1]
+
+
+@pytest.mark.parametrize("point_mass", [False, True], ids=["draft", "ngram"])
+def test_ragged_groups_verify_as_dense_ones(point_mass):
+    """A step's groups hold 1..W real positions each, packed one after another (padding positions
+    and padding groups after them); verifying them must give what the same groups give laid out W
+    positions each: tokens, acceptances and logprobs, greedy, sampled and penalised rows alike."""
+    W = K + 1
+    widths = [3, 1, 2, 3, 1, 2, 3, 2]
+    G, padding_groups, L = len(widths), 2, sum(widths) + 3
+    rng = np.random.RandomState(2)
+    ragged = rng.normal(0, 1.5, size=(L, V)).astype(np.float32)
+    starts = np.cumsum([0] + widths[:-1])
+    group_logits = np.zeros((G + padding_groups, W), np.int32)
+    for g, (c, w) in enumerate(zip(starts, widths)):
+        group_logits[g] = c + np.minimum(np.arange(W), w - 1)
+    dense = ragged[group_logits[:G]]  # f32[G, W, V]: the same logits, W positions a group
+    best = dense.argmax(-1)
+    drafts = np.where(rng.rand(G, K) < 0.6, best[:, :K], rng.randint(0, V, size=(G, K))).astype(np.int32)
+    num_draft = np.array(widths, np.int32) - 1
+    rows = [RowSampling(seed=g, step=g, logprobs=3, **(SETTINGS[g % 4] if g % 2 else {})) for g in range(G)]
+    rows[3] = RowSampling(repetition_penalty=1.4, prompt_ids=[1, 2], output_ids=[3], seed=3, step=1)
+    draft_probs = None if point_mass else rng.dirichlet(np.ones(V), size=(G + padding_groups, K)).astype(np.float32)
+    pad = [RowSampling()] * padding_groups
+    a = jax.device_get(verify_jit(ragged, group_logits, np.concatenate([drafts, np.zeros((2, K), np.int32)]),
+                                  draft_probs, np.append(num_draft, [0, 0]),
+                                  SamplingTensors.pack(rows + pad, G + padding_groups, history_len=8)))
+    b = jax.device_get(verify_dense(dense, drafts, None if point_mass else draft_probs[:G], num_draft,
+                                    SamplingTensors.pack(rows, G, history_len=8)))
+    assert a.num_accepted[:G].tolist() == b.num_accepted.tolist()
+    assert 0 < b.num_accepted.sum() < num_draft.sum()  # some drafts accepted, some rejected
+    for g in range(G):
+        emitted = slice(0, b.num_accepted[g] + 1)
+        assert a.tokens[g, emitted].tolist() == b.tokens[g, emitted].tolist()
+        np.testing.assert_allclose(a.logprobs[g, emitted], b.logprobs[g, emitted], rtol=1e-6)
+        assert a.top_ids[g, emitted].tolist() == b.top_ids[g, emitted].tolist()
