@@ -14,8 +14,11 @@ sample. In one call:
 2. the target runs the ragged forward over every row and keeps the final hidden states of the
    grouped logit positions;
 3. if some group verifies, every real position gets logits and `rejection.verify` accepts on
-   device (its vocabulary-wide passes run per real position, not per group slot); otherwise only position 0 of each group does and `sampling.sample` draws (a plain step
-   pays for one vocabulary matmul per row, not W).
+   device (its vocabulary-wide passes run per real position, not per group slot); otherwise only
+   position 0 of each group does and `sampling.sample` draws (a plain step pays for one vocabulary
+   matmul per row, not W). Buckets of at most G real logits (N <= max rows) have the verifier
+   alone, since it samples a group without drafts exactly as the sampler does and one branch
+   compiles faster; the 1-token bucket, where nothing verifies, has the sampler alone.
 
 K/V written for drafts that end up rejected sit past the sequence's length and are overwritten by
 later steps. The runner lowers, compiles and calls it (`jaxserve.engine.spec_steps`).
@@ -137,5 +140,11 @@ def speculative_step(
         logits = ragged_logits(params, first, cfg, options).reshape(R * G, -1)
         return _plain_output(sample(logits, st, want_logprobs=MAX_LOGPROBS), W)
 
-    out = jax.lax.cond(verifying, verify_groups, sample_groups)
+    N, L = batch.tokens.shape[1], batch.logit_index.shape[1]
+    if N < 2:  # no row of one token holds a draft
+        out = sample_groups()
+    elif L <= G:  # as many real logits as groups: verifying costs the sampler's vocabulary matmul, one
+        out = verify_groups()  # branch compiles faster, and a group with no drafts samples as the sampler does
+    else:
+        out = jax.lax.cond(verifying, verify_groups, sample_groups)
     return jax.tree.map(lambda x: x.reshape((R, G) + x.shape[1:]), out), cache, draft_cache

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from spec_testlib import SIGNIFICANCE, chi_square_pvalue, processed_probs
 
-from jaxserve.sampling import RowSampling, SamplingTensors
+from jaxserve.sampling import RowSampling, SamplingTensors, sample
 from jaxserve.spec_decode.rejection import expand_positions, positions_of, verify
 
 V, K, N = 6, 2, 20000
@@ -152,3 +152,26 @@ def test_ragged_groups_verify_as_dense_ones(point_mass):
         assert a.tokens[g, emitted].tolist() == b.tokens[g, emitted].tolist()
         np.testing.assert_allclose(a.logprobs[g, emitted], b.logprobs[g, emitted], rtol=1e-6)
         assert a.top_ids[g, emitted].tolist() == b.top_ids[g, emitted].tolist()
+
+
+def test_a_group_without_drafts_samples_as_the_sampler_does():
+    """Small speculative buckets run the verifier alone (no plain-sampling branch): a group with no
+    drafts must draw the sampler's very token, logprob and top logprobs, greedy, sampled, biased
+    and penalised rows alike."""
+    G, W = 8, K + 1
+    rng = np.random.RandomState(3)
+    logits = rng.normal(0, 1.5, size=(G, V)).astype(np.float32)
+    rows = [RowSampling(seed=g, step=5 + g, logprobs=3, **SETTINGS[g % 4]) for g in range(G)]
+    rows[0] = RowSampling(seed=0, logprobs=3)
+    rows[1] = RowSampling(repetition_penalty=1.3, presence_penalty=0.5, prompt_ids=[1], output_ids=[2, 2], seed=1,
+                          logprobs=3)
+    rows[2] = RowSampling(temperature=1.0, logit_bias={4: 3.0}, seed=2, step=1, logprobs=3)
+    st = SamplingTensors.pack(rows, G, history_len=8)
+    plain = jax.device_get(jax.jit(sample, static_argnames="want_logprobs")(logits, st, want_logprobs=V))
+    group_logits = np.repeat(np.arange(G, dtype=np.int32)[:, None], W, axis=1)
+    out = jax.device_get(verify_jit(logits, group_logits, np.zeros((G, K), np.int32), None, np.zeros(G, np.int32),
+                                    st, np.ones(G, bool)))
+    assert out.num_accepted.tolist() == [0] * G
+    assert out.tokens[:, 0].tolist() == plain.tokens.tolist()
+    np.testing.assert_allclose(out.logprobs[:, 0], plain.logprobs, rtol=1e-6)
+    assert out.top_ids[:, 0].tolist() == plain.top_ids.tolist()
