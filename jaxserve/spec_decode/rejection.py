@@ -128,10 +128,15 @@ def verify(
         residual = jnp.maximum(p_n - q_n, 0.0)
         # A rejection implies p(d) < q(d), so the residual has mass; guard rounding all the same.
         residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_n)
-        from_residual = jax.vmap(jax.random.categorical)(
-            purpose_keys(st.seed, st.step + n, RESIDUAL), jnp.log(residual))
-        bonus = jax.vmap(jax.random.categorical)(step_keys(st.seed, st.step + n), filtered[at_run(n)])
-        return n, jnp.where(n < num_draft, from_residual, bonus).astype(jnp.int32)
+        # One draw per group: from the residual after a rejection (its own key), else the bonus token
+        # (the normal sampler's key and logits); selecting key and logits first draws what two
+        # separate draws would, with one Gumbel pass over [G, V] instead of two.
+        rejected = (n < num_draft)[:, None]
+        key = jax.random.wrap_key_data(jnp.where(
+            rejected, jax.random.key_data(purpose_keys(st.seed, st.step + n, RESIDUAL)),
+            jax.random.key_data(step_keys(st.seed, st.step + n))))
+        final = jax.vmap(jax.random.categorical)(key, jnp.where(rejected, jnp.log(residual), filtered[at_run(n)]))
+        return n, final.astype(jnp.int32)
 
     n_sampled, final_sampled = jax.lax.cond(
         jnp.any(sampled), sampled_rows, lambda: (jnp.zeros(G, jnp.int32), jnp.zeros(G, jnp.int32)))
