@@ -349,7 +349,9 @@ class LLMEngine:
         # Speculative and multi-step engines run serially: nothing is ever in flight here.
         if plan.rows and self.spec is not None:
             return outputs + self._speculative_step(plan, start)
-        if plan.rows and plan.kind == "decode" and any(r.num_lookahead for r in plan.rows):
+        # Lookahead is only ever given where the scheduler has a lookahead policy (multi-step).
+        if (plan.rows and plan.kind == "decode" and self.scheduler.lookahead is not None
+                and any(r.num_lookahead for r in plan.rows)):
             return outputs + self._multi_step(plan, start)
         before_masks = None
         if self._in_flight is not None and self._in_flight.constrained:
@@ -376,10 +378,12 @@ class LLMEngine:
         scheduled at once. `before_masks`: see ModelRunner.launch; `rows`: the plan's RowWork when
         the caller has built it."""
         rows = self._row_work(plan.rows) if rows is None else rows
-        logprobs = any(r.seq.params.logprobs is not None for r in plan.rows)
+        logprobs = False
+        context = 0  # what the step had to read: every weight once, plus each row's cached K/V
+        for r in plan.rows:
+            logprobs = logprobs or r.seq.params.logprobs is not None
+            context += r.start + r.num_tokens
         pending = self.runner.launch(rows, before_masks, logprobs=logprobs)
-        # What the step had to read: every weight once, plus each row's cached K/V.
-        context = sum(r.start + r.num_tokens for r in plan.rows)
         self.last_step_bytes_read = self.plan.param_bytes + context * self.plan.kv_bytes_per_token
         step = LaunchedStep(plan, rows, pending, constrained=any(r.grammar is not None for r in rows))
         computed, preemptions, sample_at = step.computed, step.preemptions, step.sample_at
