@@ -349,7 +349,9 @@ class LLMEngine:
         # Speculative and multi-step engines run serially: nothing is ever in flight here.
         if plan.rows and self.spec is not None:
             return outputs + self._speculative_step(plan, start)
-        if plan.rows and plan.kind == "decode" and any(r.num_lookahead for r in plan.rows):
+        # Lookahead is only ever given where the scheduler has a lookahead policy (multi-step).
+        if (plan.rows and plan.kind == "decode" and self.scheduler.lookahead is not None
+                and any(r.num_lookahead for r in plan.rows)):
             return outputs + self._multi_step(plan, start)
         before_masks = None
         if self._in_flight is not None and self._in_flight.constrained:
@@ -376,29 +378,34 @@ class LLMEngine:
         scheduled at once. `before_masks`: see ModelRunner.launch; `rows`: the plan's RowWork when
         the caller has built it."""
         rows = self._row_work(plan.rows) if rows is None else rows
-        logprobs = any(r.seq.params.logprobs is not None for r in plan.rows)
+        logprobs = False
+        context = 0  # what the step had to read: every weight once, plus each row's cached K/V
+        for r in plan.rows:
+            logprobs = logprobs or r.seq.params.logprobs is not None
+            context += r.start + r.num_tokens
         pending = self.runner.launch(rows, before_masks, logprobs=logprobs)
-        # What the step had to read: every weight once, plus each row's cached K/V.
-        context = sum(r.start + r.num_tokens for r in plan.rows)
         self.last_step_bytes_read = self.plan.param_bytes + context * self.plan.kv_bytes_per_token
         step = LaunchedStep(plan, rows, pending, constrained=any(r.grammar is not None for r in rows))
+        computed, preemptions, sample_at = step.computed, step.preemptions, step.sample_at
+        prefill = plan.kind == "prefill"
+        slots = pending.packed.sample_slots()
         for i, row in enumerate(plan.rows):
-            seq = row.seq
-            if plan.kind == "prefill" or is_prompt_chunk(row):
+            seq, work = row.seq, rows[i]
+            if prefill or is_prompt_chunk(row):
                 self.counters["prefill_tokens_computed"] += row.num_tokens
             seq.num_computed += row.num_tokens
-            if any(is_placeholder(t) for t in rows[i].tokens):
+            if work.tokens and is_placeholder(min(work.tokens)):  # any of them a placeholder
                 # Its K/V hashes need that token's id: told to the block manager once it is known.
-                step.computed.append(seq.num_computed)
+                computed.append(seq.num_computed)
             else:  # told now, so the next schedule sees it (a parent's fork copies these pages)
                 self._mark_computed(seq, seq.token_view, seq.num_computed)
-                step.computed.append(-1)
-            step.preemptions.append(seq.num_preemptions)
-            if rows[i].samples:
-                step.sample_at.append(len(seq.output_token_ids))
-                seq.output_token_ids.append(placeholder(pending.packed.sample_slot(i)))
+                computed.append(-1)
+            preemptions.append(seq.num_preemptions)
+            if work.samples:
+                sample_at.append(len(seq.output_token_ids))
+                seq.output_token_ids.append(placeholder(slots[i]))
             else:
-                step.sample_at.append(-1)
+                sample_at.append(-1)
         return step
 
     def _process(self, step: "LaunchedStep", start: float) -> list[RequestOutput]:
@@ -410,19 +417,21 @@ class LLMEngine:
         if isinstance(sampled, tuple):
             sampled, scores = sampled
         advanced: dict[str, Request] = {}
+        tokens = sampled.tokens.tolist()  # Python ints, one conversion for the step
+        computed, preemptions, sample_at = step.computed, step.preemptions, step.sample_at
         for i, row in enumerate(step.plan.rows):
             seq = row.seq
             if seq.is_finished:
                 continue
-            if step.computed[i] >= 0 and seq.num_preemptions == step.preemptions[i]:  # still has those pages
-                self._mark_computed(seq, seq.token_view, step.computed[i])
+            if computed[i] >= 0 and seq.num_preemptions == preemptions[i]:  # still has those pages
+                self._mark_computed(seq, seq.token_view, computed[i])
             targets = step.rows[i].targets
             if targets is not None:
                 self.outputs.record_prompt_logprobs(seq, row.start, targets, scores, i)
-            if step.sample_at[i] >= 0:
+            if sample_at[i] >= 0:
                 if seq.params.logprobs is not None:
                     self.outputs.record_logprobs(seq, sampled, i)
-                self._resolve_token(seq, step.sample_at[i], int(sampled.tokens[i]))
+                self._resolve_token(seq, sample_at[i], tokens[i])
                 advanced[seq.request_id] = self.requests[seq.request_id]
         return self._finish_step(advanced, start)
 
@@ -447,13 +456,20 @@ class LLMEngine:
         """Each row's share of the step; its page ids are the block manager's live table (with its
         version, so the runner rewrites a row's page table only when it changed)."""
         work = []
+        live_page_ids = self.blocks.live_page_ids
         for r in rows:
-            seq = r.seq
-            pages, version = self.blocks.live_page_ids(seq.seq_id)
-            work.append(RowWork(seq.token_view[r.start : r.start + r.num_tokens], r.start, pages, self._row_sampling(seq),
-                                seq.replica, self.outputs.prompt_targets(seq, r.start, r.num_tokens), r.samples,
-                                seq.grammar if r.samples else None, step=len(seq.output_token_ids),
-                                pages_version=version))
+            seq, start, n = r.seq, r.start, r.num_tokens
+            prompt, output = seq.prompt_token_ids, seq.output_token_ids
+            if n == 1:  # a decode row (most rows, every step): its one token, without a TokenView
+                tokens = [prompt[start] if start < len(prompt) else output[start - len(prompt)]]
+            else:
+                tokens = seq.token_view[start : start + n]
+            samples = start + n == len(prompt) + len(output)  # ScheduledRow.samples
+            pages, version = live_page_ids(seq.seq_id)
+            targets = None if seq.prompt_logprobs is None else self.outputs.prompt_targets(seq, start, n)
+            sampling = seq.row_sampling if seq.row_sampling is not None else self._row_sampling(seq)
+            work.append(RowWork(tokens, start, pages, sampling, seq.replica, targets, samples,
+                                seq.grammar if samples else None, step=len(output), pages_version=version))
         return work
 
     @staticmethod

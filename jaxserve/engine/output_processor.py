@@ -160,10 +160,15 @@ class OutputProcessor:
         whose ids reached the host, their logprob entries, the text released (a tail that may still
         become a stop string is held back while running) and the finish reason once. The cost is that
         of the new tokens, whatever the context length. The prompt's logprobs ride in the first delta."""
-        outputs = [o for o in (self._sample_delta(s) for s in request.seqs) if o is not None]
+        if len(request.seqs) == 1:
+            out = self._sample_delta(request.seqs[0])
+            outputs = [] if out is None else [out]
+        else:
+            outputs = [o for o in (self._sample_delta(s) for s in request.seqs) if o is not None]
         if not outputs:
             return None
         seqs = request.seqs
+        finished = request.finished
         prompt_logprobs = None
         if request.params.prompt_logprobs is not None and not request.prompt_logprobs_emitted:
             request.prompt_logprobs_emitted = True
@@ -173,15 +178,24 @@ class OutputProcessor:
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=outputs,
-            finished=request.finished,
+            finished=finished,
             prompt_logprobs=prompt_logprobs,
-            metrics=RequestMetrics(
-                arrival_time=request.arrival_time,
-                first_scheduled_time=min((t for t in (s.first_scheduled_time for s in seqs) if t), default=None),
-                first_token_time=min((t for t in (s.first_token_time for s in seqs) if t), default=None),
-                finished_time=max((s.finished_time or 0.0 for s in seqs), default=None) if request.finished else None,
-                **(spec_metrics or {}),
-            ),
+            metrics=self._metrics(request, finished, spec_metrics),
+        )
+
+    @staticmethod
+    def _metrics(request: Request, finished: bool, spec_metrics: dict | None) -> RequestMetrics:
+        seqs = request.seqs
+        if len(seqs) == 1:  # the usual request: its one sample's times, as the general case gives them
+            s = seqs[0]
+            return RequestMetrics(request.arrival_time, s.first_scheduled_time or None, s.first_token_time or None,
+                                  (s.finished_time or 0.0) if finished else None, **(spec_metrics or {}))
+        return RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=min((t for t in (s.first_scheduled_time for s in seqs) if t), default=None),
+            first_token_time=min((t for t in (s.first_token_time for s in seqs) if t), default=None),
+            finished_time=max((s.finished_time or 0.0 for s in seqs), default=None) if finished else None,
+            **(spec_metrics or {}),
         )
 
     @staticmethod

@@ -221,6 +221,11 @@ class PackedRows:
         """Row i's sample's index among its replica's samples (what a placeholder of it names)."""
         return int(self.logit_at[i]) % self.sampling.temperature.shape[1]
 
+    def sample_slots(self) -> list[int]:
+        """`sample_slot` of every row, as a list (meaningless for rows that do not sample)."""
+        L = self.sampling.temperature.shape[1]
+        return [at % L for at in self.logit_at.tolist()]
+
 
 def split_sparse(inputs: tuple) -> tuple[tuple, tuple]:
     """A step's host inputs (RaggedBatch, SamplingTensors, TokenMask, ...) as (the packed part: the
@@ -234,21 +239,25 @@ class PendingSamples:
     """A dispatched step's samples on their way to the host (the copy starts at dispatch): the
     engine schedules and dispatches the next step before it asks for them. Without `logprobs` only
     the tokens come back (the samples' logprobs and top-N stay on the device): each array fetched
-    costs the host ~15-30 us a step, as long as the rest of a batch-1 step's fetch."""
+    costs the host ~15-30 us a step, as long as the rest of a batch-1 step's fetch. `start_copy`
+    False (a CPU device, whose arrays NumPy reads in place, without a copy): no copy is started,
+    which only cost the host ~7 us an array there."""
 
-    def __init__(self, out: Any, packed: PackedRows, logprobs: bool = True):
+    def __init__(self, out: Any, packed: PackedRows, logprobs: bool = True, start_copy: bool = True):
         self.packed = packed
         # A plain step of which no row asked for logprobs: its tokens alone, one array and no pytree.
         self._tokens_only = not logprobs and not isinstance(out, tuple)
         if self._tokens_only:
             self._out = out.tokens
-            self._out.copy_to_host_async()
+            if start_copy:
+                self._out.copy_to_host_async()
             return
         if not logprobs:
             out = (out[0].replace(logprobs=None, top_ids=None, top_logprobs=None), out[1])
         self._out = out
-        for leaf in jax.tree.leaves(out):
-            leaf.copy_to_host_async()
+        if start_copy:
+            for leaf in jax.tree.leaves(out):
+                leaf.copy_to_host_async()
 
     def result(self) -> SampleOutput | tuple[SampleOutput, "PromptScores"]:
         """Each row's sample in row order, as `ModelRunner.execute` returns them (waits for the step)."""
@@ -293,6 +302,9 @@ class ModelRunner:
         self._idle: dict[int, tuple] = {}  # per L: the sparse sampling inputs of steps that use none
         self._idle_host: dict[int, tuple] = {}  # the same on the host (what the step's inputs hold)
         self._writers: dict[tuple, StepWriter] = {}  # per plain bucket: its inputs, kept and rewritten
+        # Per plain bucket: the copies of its writer's buffer handed to calls, each with an output of
+        # the step that read it (None: not yet called), reused once that output is ready (`_stage`).
+        self._staged: dict[tuple, list[list[Any]]] = {}
         self.last_sparse: tuple | None = None  # the last step's sparse sampling inputs (benchmarks reuse them)
         self.unplanned_compiles = 0  # shapes that were not in the warmed table
         self.closed = False  # close(): executables dropped, params and cache deleted
@@ -509,11 +521,13 @@ class ModelRunner:
         the samples' logprobs are not fetched (no row asked for them)."""
         score = any(r.targets is not None for r in rows)
         packed = self._pack(rows, score=score, before_masks=before_masks)
+        start_copy = self.platform != "cpu"
         if not score:
-            return PendingSamples(self.run_step(packed.shape, packed.inputs, packed.buffer), packed, logprobs)
+            return PendingSamples(self.run_step(packed.shape, packed.inputs, packed.buffer), packed, logprobs,
+                                  start_copy)
         sample_index, targets = packed.score_inputs
         out = self.run_step(packed.shape + (SCORE,), (packed.batch, packed.sampling, packed.mask, sample_index, targets))
-        return PendingSamples(out, packed, logprobs)
+        return PendingSamples(out, packed, logprobs, start_copy)
 
     def execute_multi(self, rows: Sequence[RowWork], steps: Sequence[int]) -> SampleOutput:
         """Run `num_scheduler_steps` decode steps for single-token `rows` in one call; row i takes part
@@ -687,12 +701,34 @@ class ModelRunner:
             return spec_steps.call(self, executable, self.last_sparse, self.put_inputs(shape, packed))
         sampling = inputs[1]
         self.last_sparse = self._put_sparse(shape, tuple(getattr(sampling, name) for name in SPARSE_FIELDS))
+        staged = None
         if buffer is None:
             buffer = self._layouts[shape].pack(split_sparse(inputs)[0])
         else:  # a copy: the writer rewrites its buffer for the next step, and a CPU device may alias it
-            buffer = buffer.copy()
+            staged, buffer = self._stage(shape, buffer)
         out, self.cache, self.carried = self._call_step(executable, buffer)
+        if staged is not None:
+            staged[1] = out.tokens  # ready once the step is done: then nothing reads that copy
         return out
+
+    _MAX_STAGED = 4
+
+    def _stage(self, shape: tuple, buffer: np.ndarray) -> tuple[list | None, np.ndarray]:
+        """The copy of a writer's buffer that this step's call reads: a kept one whose last step is
+        done (its output ready), rewritten in place, else a new one (kept while fewer than
+        _MAX_STAGED are). A fresh NumPy array every step cost ~25 us of host time beside a running
+        step here (its allocation; freeing the last one), rewriting a kept one ~0.5 us."""
+        kept = self._staged.setdefault(shape, [])
+        for entry in kept:
+            if entry[1] is None or entry[1].is_ready():
+                np.copyto(entry[0], buffer)
+                entry[1] = None
+                return entry, entry[0]
+        copy = buffer.copy()
+        if len(kept) >= self._MAX_STAGED:
+            return None, copy
+        kept.append([copy, None])
+        return kept[-1], copy
 
     def _call(self, shape: tuple, executable: Any, sparse: tuple, buffer: jax.Array) -> Any:
         """Call bucket `shape`'s executable on device inputs (warm-up, probes), replacing the donated
@@ -773,6 +809,7 @@ class ModelRunner:
         self._idle.clear()
         self._idle_host.clear()
         self._writers.clear()
+        self._staged.clear()
         self.last_sparse = None
         self._ran.clear()
         delete_buffers((self.params, self.cache, self.carried))

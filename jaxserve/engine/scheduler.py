@@ -130,8 +130,10 @@ class Scheduler:
         decodes = len(rows)
         scheduled = {id(r.seq) for r in rows}
         for seq in self.running:  # admission order: partially prefilled prompts first, then the new
+            if id(seq) in scheduled:
+                continue
             chunk = min(seq.compute_target - seq.num_computed, budget[seq.replica])
-            if id(seq) in scheduled or chunk < 1 or not self._can_run(seq):
+            if chunk < 1 or not self._can_run(seq):
                 continue
             rows.append(ScheduledRow(seq, seq.num_computed, chunk))
             budget[seq.replica] -= chunk

@@ -8,8 +8,12 @@ On the 2 cores the host shares with XLA, each of those small NumPy calls costs m
 
 The writer keeps that buffer per bucket and writes it in place:
 
-* the token-axis arrays (tokens, positions, slots, rows), the per-row lengths and the logit
-  indices: every step (a decode's token and position move on), one slice per array and replica;
+* the tokens, positions, slots, context lengths and output indices: every step (a decode's token
+  and position move on), one slice per array and replica; the rows of the tokens, the rows' first
+  tokens and the logit indices only when the rows' token counts changed; past the used prefix only
+  what the step before used and this one does not (the rest still holds the padding). A steady
+  decode step (the same rows as the step before, a token each) is five slice writes per replica,
+  its slots computed per row in Python instead of a gather over the page table;
 * a row's page-table entries: only when the row holds another table, or its table grew or released
   pages (`BlockManager.live_page_ids`: the table array itself and a version);
 * a logit slot's sampling scalars: only when the slot holds another `RowSampling` (the engine keeps
@@ -74,6 +78,15 @@ class StepWriter:
         self._counts = [0] * R
         self._samples = [0] * R
         self._any_constrained = False
+        self._mask: TokenMask | None = None  # mask(): kept while the constrained flags stay as they are
+        # Per replica: the last step's token count, per-token rows, rows' first tokens and logit
+        # indices as written. A decode step whose rows are those of the step before (the steady
+        # state) writes only what moves on: tokens, positions, slots, lengths, output indices.
+        self._tokens_written = [0] * R
+        self._layout_written: list[tuple[list[int], list[int], list[int]] | None] = [None] * R
+        b = self.batch
+        self._views = [(b.page_table[r], b.tokens[r], b.positions[r], b.token_row[r], b.slots[r], b.query_start[r],
+                        b.context_lens[r], b.logit_index[r], self._scalars["step"][r]) for r in range(R)]
 
     def write(self, rows: Sequence[Any]) -> tuple[np.ndarray, list[tuple[int, int, int]], list[tuple[Any, int]]]:
         """Lay out `rows` (`runner.RowWork`, any replicas, in row order) as `ModelRunner._pack` does;
@@ -96,6 +109,7 @@ class StepWriter:
             for _, at in grammars:
                 self._constrained[at // L, at % L] = 1
             self._any_constrained = bool(grammars)
+            self._mask = None
         return np.asarray(logit_at, np.int64), token_at, grammars
 
     def _write_replica(self, rep: int, rows: Sequence[Any], indices: Sequence[int], logit_at: list[int],
@@ -103,11 +117,13 @@ class StepWriter:
         S, N, P, L, ps = self.num_rows, self.num_tokens, self.max_pages, self.num_logits, self.page_size
         if len(indices) > S:
             raise ValueError(f"{len(indices)} rows do not fit a step of {S} rows")
-        b = self.batch
-        page_table, tables, slots = b.page_table[rep], self._tables[rep], self._slots[rep]
+        page_table, tok, pos, trow, slot, qs, ctx, li, st = self._views[rep]
+        tables, slots = self._tables[rep], self._slots[rep]
         tokens: list[int] = []
         positions: list[int] = []
         token_row: list[int] = []
+        token_slots: list[int] = []  # while every row so far has one token (else computed below)
+        single = True
         firsts: list[int] = []
         ends: list[int] = []
         logit_index: list[int] = []
@@ -129,8 +145,15 @@ class StepWriter:
                     page_table[r, need: held[2]] = PADDING_PAGE
                 tables[r] = (pages if version is not None else None, version, need)
             tokens.extend(row.tokens)
-            positions.extend(range(start, end))
-            token_row.extend([r] * n)
+            if n == 1:  # a decode row: its one slot here, from the page-table entry just written or kept
+                positions.append(start)
+                token_row.append(r)
+                if single:
+                    token_slots.append(int(page_table[r, start // ps]) * ps + start % ps)
+            else:
+                positions.extend(range(start, end))
+                token_row.extend([r] * n)
+                single = False
             firsts.append(t)
             ends.append(end)
             token_at[i] = (rep, t, n)
@@ -154,25 +177,45 @@ class StepWriter:
         for r in range(count, self._counts[rep]):  # rows no longer used: back to the padding page
             page_table[r, : tables[r][2]] = PADDING_PAGE
             tables[r] = None
-        self._counts[rep] = count
+        prev_count, self._counts[rep] = self._counts[rep], count
         for k in range(j, self._samples[rep]):  # logit slots no longer used: idle values
             if slots[k] is not None:
                 self._write_sampling(rep, k, None)
                 slots[k] = None
-        self._samples[rep] = j
+        prev_j, self._samples[rep] = self._samples[rep], j
+        prev_t, self._tokens_written[rep] = self._tokens_written[rep], t
 
-        tok, pos, trow, slot = b.tokens[rep], b.positions[rep], b.token_row[rep], b.slots[rep]
-        tok[:t], tok[t:] = tokens, 0
-        pos[:t], pos[t:] = positions, 0
-        trow[:t], trow[t:] = token_row, S
-        p = pos[:t]
-        slot[:t] = page_table[trow[:t], p // ps] * ps + p % ps
-        slot[t:] = PAD_SLOT
-        qs, ctx, li, st = b.query_start[rep], b.context_lens[rep], b.logit_index[rep], self._scalars["step"][rep]
-        qs[:count], qs[count:] = firsts, t
-        ctx[:count], ctx[count:] = ends, 0
-        li[:j], li[j:] = logit_index, 0
-        st[:j], st[j:] = steps, 0
+        # What moves every step; past the used prefix only what the last step used and this one does
+        # not (the rest still holds the padding values).
+        tok[:t] = tokens
+        pos[:t] = positions
+        if single:
+            slot[:t] = token_slots
+        else:
+            p = pos[:t]
+            slot[:t] = page_table[token_row, p // ps] * ps + p % ps
+        if t < prev_t:
+            tok[t:prev_t] = 0
+            pos[t:prev_t] = 0
+            trow[t:prev_t] = S
+            slot[t:prev_t] = PAD_SLOT
+        ctx[:count] = ends
+        if count < prev_count:
+            ctx[count:prev_count] = 0
+        st[:j] = steps
+        if j < prev_j:
+            li[j:prev_j] = 0
+            st[j:prev_j] = 0
+        # The step's shape (which row each token is, where rows start, where they sample): as written
+        # last step unless the rows' token counts changed.
+        layout = self._layout_written[rep]
+        if layout is None or layout[0] != token_row:
+            trow[:t] = token_row
+        if layout is None or layout[1] != firsts or t != prev_t:
+            qs[:count], qs[count:] = firsts, t
+        if layout is None or layout[2] != logit_index:
+            li[:j] = logit_index
+        self._layout_written[rep] = (token_row, firsts, logit_index)
 
     def _write_sampling(self, rep: int, j: int, rs: Any) -> None:
         """Logit slot j's scalars (all but `step`) from a RowSampling, or idle for None, as
@@ -194,5 +237,8 @@ class StepWriter:
         self._bitmask[...] = masks.reshape(self._bitmask.shape)
 
     def mask(self) -> TokenMask:
-        """This step's TokenMask as the step's inputs hold it (bitmask a view; flags as bools)."""
-        return TokenMask(self._bitmask, self._constrained != 0)
+        """This step's TokenMask as the step's inputs hold it (bitmask a view; flags as bools, made
+        again only after the flags changed)."""
+        if self._mask is None:
+            self._mask = TokenMask(self._bitmask, self._constrained != 0)
+        return self._mask

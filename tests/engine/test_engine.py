@@ -201,6 +201,39 @@ def test_decode_loop_makes_one_explicit_transfer_each_way_per_step(llm, monkeypa
         engine.step()
 
 
+def test_copies_of_the_packed_inputs_are_kept_and_reused(llm, monkeypatch):
+    """Each plain step's call reads a copy of its bucket's buffer (the writer rewrites the buffer for
+    the next step); the copies are kept and rewritten once their step is done (`ModelRunner._stage`),
+    not allocated every step, and each call reads the words the writer wrote for it."""
+    engine, runner = llm.engine, llm.runner
+    prompts, _ = make_requests(3, seed=12)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"k{i}", prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=25, temperature=0))
+    seen, real, real_pack, written = [], runner._call_step, runner._pack_written, {}
+
+    def call_step(executable, buffer):
+        if "words" in written:  # a step of a bucket's writer (a bucket's first step is packed anew)
+            seen.append((buffer, buffer.copy(), written.pop("words")))
+        return real(executable, buffer)
+
+    def pack_written(*args):
+        packed = real_pack(*args)
+        written["words"] = packed.buffer.copy()
+        return packed
+
+    monkeypatch.setattr(runner, "_call_step", call_step)
+    monkeypatch.setattr(runner, "_pack_written", pack_written)
+    while engine.has_unfinished_requests():
+        engine.step()
+    monkeypatch.undo()
+    assert len(seen) > 20
+    for _, read, words in seen:
+        np.testing.assert_array_equal(read, words)
+    kept = [entry[0] for entries in runner._staged.values() for entry in entries]
+    assert all(any(buffer is copy for copy in kept) for buffer, _, _ in seen)  # every call read a kept copy
+    assert all(len(entries) <= runner._MAX_STAGED for entries in runner._staged.values())
+
+
 def count_step_operands(runner, monkeypatch) -> list:
     """The type of the packed-inputs operand of each plain step's call, from now on."""
     operands, real = [], runner._call_step

@@ -176,3 +176,53 @@ def test_written_steps_with_pages_released_outside_the_window(hf_model_dir):
         run(llm, prompts, params)
         assert llm.blocks.num_window_released_pages > 0
     assert counts["steps"] > 50
+
+
+def test_a_writer_with_history_writes_what_a_fresh_writer_writes():
+    """The writer rewrites only what changed since its last step (a steady decode step writes five
+    slices); after any sequence of steps (rows coming and going, decode rows and chunks, fewer or more
+    tokens, samples and logit slots) its buffer equals that of a writer writing the same rows first."""
+    from array import array
+
+    layout, L = layout_of(R=1, N=16, S=6, P=4)
+    idle = SamplingTensors.pack([], (1, L), 8)
+    make = lambda: StepWriter(layout, page_size=4, idle_sparse={k: getattr(idle, k) for k in SPARSE_FIELDS})  # noqa: E731
+    kept = make()
+    rng = np.random.RandomState(0)
+    samplings = [RowSampling(temperature=0.1 * i, top_k=i, seed=i) for i in range(4)] + [None]
+    tables = [array("i", rng.randint(1, 30, size=4).tolist()) for _ in range(8)]
+    decodes = 0
+    for step in range(300):
+        if step % 3:  # mostly steady decode steps of the last rows, one position further
+            kind = "decode"
+        else:
+            kind = rng.choice(["decode", "new", "mixed", "empty"])
+        if kind == "empty":
+            rows = []
+        elif kind == "decode" and step % 3 and step > 0 and rows:
+            rows = [RowWork([int(rng.randint(-5, 50))], min(r.start_pos + len(r.tokens), 15), r.page_ids, r.sampling,
+                            step=(r.step or 0) + 1, pages_version=r.pages_version) for r in rows]
+            decodes += 1
+        else:
+            rows = []
+            t = 0
+            for _ in range(int(rng.randint(1, 7))):
+                n = 1 if kind != "mixed" or rng.rand() < 0.5 else int(rng.randint(2, 5))
+                if t + n > 16:
+                    break
+                start = int(rng.randint(0, 16 - n + 1))
+                samples = bool(rng.rand() < 0.8)
+                rows.append(RowWork(rng.randint(-3, 50, size=n).tolist(), start, tables[rng.randint(len(tables))],
+                                    samplings[rng.randint(len(samplings))], samples=samples,
+                                    step=int(rng.randint(0, 9)), pages_version=int(rng.randint(0, 2))))
+                t += n
+            rows = rows[:6]
+            if sum(r.samples for r in rows) > L:
+                rows = rows[:L]
+        ours = kept.write(rows)
+        fresh = make()
+        theirs = fresh.write(rows)
+        np.testing.assert_array_equal(ours[0], theirs[0])
+        assert ours[1] == theirs[1]
+        np.testing.assert_array_equal(kept.buffer, fresh.buffer, err_msg=f"step {step} ({kind})")
+    assert decodes > 100
