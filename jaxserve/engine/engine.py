@@ -459,17 +459,15 @@ class LLMEngine:
         live_page_ids = self.blocks.live_page_ids
         for r in rows:
             seq, start, n = r.seq, r.start, r.num_tokens
-            prompt, output = seq.prompt_token_ids, seq.output_token_ids
-            if n == 1:  # a decode row (most rows, every step): its one token, without a TokenView
-                tokens = [prompt[start] if start < len(prompt) else output[start - len(prompt)]]
-            else:
-                tokens = seq.token_view[start : start + n]
-            samples = start + n == len(prompt) + len(output)  # ScheduledRow.samples
+            view = seq.token_view
+            # A decode row (most rows, every step): its one token by index, no slice of the view.
+            tokens = [view[start]] if n == 1 else view[start : start + n]
+            samples = r.samples
             pages, version = live_page_ids(seq.seq_id)
-            targets = None if seq.prompt_logprobs is None else self.outputs.prompt_targets(seq, start, n)
-            sampling = seq.row_sampling if seq.row_sampling is not None else self._row_sampling(seq)
-            work.append(RowWork(tokens, start, pages, sampling, seq.replica, targets, samples,
-                                seq.grammar if samples else None, step=len(output), pages_version=version))
+            work.append(RowWork(tokens, start, pages, self._row_sampling(seq), seq.replica,
+                                self.outputs.prompt_targets(seq, start, n), samples,
+                                seq.grammar if samples else None, step=len(seq.output_token_ids),
+                                pages_version=version))
         return work
 
     @staticmethod
