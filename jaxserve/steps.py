@@ -3,7 +3,8 @@
 `ragged` is the engine's step: one flat batch of prompt chunks, decodes and verifications per
 replica (`RaggedBatch`). `prefill` / `decode` take the rectangle `StepBatch` ([R, B, T] tokens:
 research code, benchmarks and the quality scripts use them; the engine does not). All take
-`(params, cache, batch)` and return `(logits, cache)`; the cache is donated (updated in place) unless you call a `*_nodonate` variant.
+`(params, cache, batch)` and return `(logits, cache)`; the cache is donated (updated in place)
+unless you call a `*_nodonate` variant.
 The model config and step options are static, so one compilation serves every batch of a shape.
 """
 

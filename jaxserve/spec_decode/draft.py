@@ -59,8 +59,8 @@ def propose_ragged(
     the draft's cache keeps up with the target's in the same call) and returns each group's logits at
     its last token: draft 1 of a verifying group (whose last token there is its pending one). Then,
     only when some group verifies, K - 1 single-token steps of the groups (unrolled: K is small and
-    static; under a `while` loop XLA:CPU copied the loop-carried cache every iteration). A group wanting fewer drafts computes the later steps at its last
-    position again and writes nothing."""
+    static; under a `while` loop XLA:CPU copied the loop-carried cache every iteration). A group
+    wanting fewer drafts computes the later steps at its last position again and writes nothing."""
     R, G = num_draft.shape
     logits, cache = ragged_step(params, cache, draft.batch, cfg, options)  # f32[R, G, V]
     page_size = cache.k.shape[-2]
