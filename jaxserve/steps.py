@@ -21,7 +21,7 @@ from jaxserve.config import ModelConfig
 from jaxserve import quant
 from jaxserve.errors import ConfigError
 from jaxserve.kv_cache import KVCache, RaggedBatch, StepBatch
-from jaxserve.model.layers import paged_attention_reference, ragged_attention_reference
+from jaxserve.model.layers import paged_attention_reference, ragged_attention_blocked
 from jaxserve.model.llama import forward, forward_ragged, lm_head
 from jaxserve.model.weights import Params
 from jaxserve.sharding import DATA, MODEL, ExpertParallel, _local_kv_heads, shard_attention
@@ -103,8 +103,8 @@ def pallas_attention(q, k_pages, v_pages, page_table, positions, seq_lens, slidi
 def ragged_attention_impl(impl: str, mesh: Mesh | None = None):
     """The ragged step's attention function (`llama.RaggedAttentionFn`: the whole stacked cache and
     the layer index); under a mesh of several devices the kernels run per shard."""
-    if impl == "reference":
-        return ragged_attention_reference
+    if impl == "reference":  # plain JAX: the blocked form of the reference (the keys each row sees only)
+        return ragged_attention_blocked
     if impl in ("pallas_tpu", "pallas_gpu", "pallas_interpret"):
         # Interpret mode runs the GPU-style kernel on the CPU (slow; for testing).
         backend = "tpu" if impl == "pallas_tpu" else "gpu"

@@ -334,7 +334,7 @@ def shape_of(runner, rows) -> tuple[int, int]:
 
     ps = runner.cache.page_size
     pages = max(-(-(r.start_pos + len(r.tokens)) // ps) for r in rows)
-    return pick_step_shape(runner.buckets, sum(len(r.tokens) for r in rows), pages, runner.platform)
+    return pick_step_shape(runner.buckets, sum(len(r.tokens) for r in rows), pages)
 
 
 def time_point(runner, rows, args) -> dict:

@@ -2,9 +2,9 @@
 
 Every step shape comes from a small fixed table compiled at start-up. The engine's step is ragged
 (`jaxserve.ragged`): one flat axis of `N` tokens in which decodes and prompt chunks sit side by
-side, so its executables are keyed by the token-budget bucket `N` (powers of two up to the budget)
-and, on a CPU only, by a page-count bucket `P` too (a CPU step's attention costs the keys it reads;
-accelerator kernels read only each row's own pages). The
+side, so its executables are keyed by the token-budget bucket `N` alone (powers of two up to the
+budget): every step takes the largest page table, since every attention backend reads only the pages
+each row's queries see (the Pallas kernels, and on a CPU `layers.ragged_attention_blocked`). The
 runner compiles one executable per entry of the lists below (with speculative decoding the ragged
 steps are speculative ones: verifications ride in the same buckets), and
 `executable_counts` says, from the settings alone, how many that is, so the count can be checked,
@@ -44,17 +44,13 @@ def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
 class BucketTable:
     """The shapes compiled at start-up: rows per replica, tokens per row, pages per row."""
 
-    batch_sizes: tuple[int, ...]  # rows (the speculative steps' buckets; the ragged step has max rows)
+    batch_sizes: tuple[int, ...]  # rows (the speculative decoder's buckets; the ragged step has max rows)
     chunk_sizes: tuple[int, ...]  # tokens per row of the draft model's prefill
-    page_counts: tuple[int, ...]  # pages per row: decode-sized steps (and the speculative ones)
+    page_counts: tuple[int, ...]  # (pages per row,): the one page-table width of every step
     # The ragged step's token axis N: 1 (batch-1 decode), then powers of two from 4 up to the step's
     # token budget, never below the row count (a step of every row decoding fits). Two decode rows
     # take the 4-token bucket: on a CPU a small step costs its weight reads, whatever N.
     token_counts: tuple[int, ...] = ()
-    # Pages per row of the steps larger than the row count (prompt chunks ride there), 4x apart: on a
-    # CPU their attention costs queries x keys, so a short prompt must not attend over the longest
-    # context, but a finer axis would cost more executables than it saves.
-    chunk_page_counts: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int) -> "BucketTable":
@@ -62,9 +58,8 @@ class BucketTable:
         return cls(
             batch_sizes=powers_of_two(1, max_num_seqs),
             chunk_sizes=powers_of_two(min(16, max_num_batched_tokens), max_num_batched_tokens),
-            page_counts=powers_of_two(min(4, max_pages_per_seq), max_pages_per_seq),
+            page_counts=(max_pages_per_seq,),
             token_counts=tuple(sorted({1, *powers_of_two(min(4, most_tokens), most_tokens)})),
-            chunk_page_counts=powers_of_two(min(16, max_pages_per_seq), max_pages_per_seq, 4),
         )
 
     @property
@@ -82,42 +77,23 @@ class BucketTable:
                          math.ceil(max_model_len / settings.page_size))
 
 
-def has_page_axis(platform: str) -> bool:
-    """Whether ragged steps get page-count buckets: on a CPU the reference attention reads every
-    key of its page table, so a short decode or a short prompt must not pay for the longest context."""
-    return platform == "cpu"
-
-
-def page_buckets(buckets: BucketTable, num_tokens: int) -> tuple[int, ...]:
-    """The page-count buckets of a CPU step of `num_tokens` tokens (see `BucketTable`)."""
-    return buckets.page_counts if num_tokens <= buckets.max_rows else buckets.chunk_page_counts
-
-
-def step_shapes(buckets: BucketTable, num_scheduler_steps: int = 1, platform: str = "cpu") -> list[tuple]:
+def step_shapes(buckets: BucketTable, num_scheduler_steps: int = 1) -> list[tuple]:
     """Every (tokens, pages) ragged step the engine may run, plus a multi-step variant of each
-    decode-sized one (tokens <= rows) when num_scheduler_steps > 1.
-
-    On a CPU, decode-sized steps (N <= max rows) get every page-count bucket (2x apart: a decode
-    costs the keys it reads), larger ones the coarser `chunk_page_counts` (4x apart). On an
-    accelerator every step takes the largest page table (the kernels read each row's own pages
-    only): one executable per token bucket.
+    decode-sized one (tokens <= rows) when num_scheduler_steps > 1: one executable per token bucket,
+    at the largest page table, on every platform. (Until the CPU's attention read only the keys each
+    row sees, a CPU step had page-count buckets too: 28 steps for configs/default.yaml instead of 8.)
     """
-    n, p = buckets.token_counts, buckets.page_counts
-    if has_page_axis(platform):
-        plain = [(t, pc) for t in n for pc in page_buckets(buckets, t)]
-    else:
-        plain = [(t, p[-1]) for t in n]
+    plain = [(t, buckets.page_counts[-1]) for t in buckets.token_counts]
     multi = [s + (MULTI_STEP,) for s in plain if s[0] <= buckets.max_rows] if num_scheduler_steps > 1 else []
     return plain + multi
 
 
-def pick_step_shape(buckets: BucketTable, num_tokens: int, num_pages: int, platform: str = "cpu") -> tuple:
-    """The smallest compiled (tokens, pages) step holding `num_tokens` tokens whose longest row has
-    `num_pages` pages."""
-    n = pick_bucket(num_tokens, buckets.token_counts)
-    if has_page_axis(platform):
-        return n, pick_bucket(max(num_pages, 1), page_buckets(buckets, n))
-    return n, buckets.page_counts[-1]
+def pick_step_shape(buckets: BucketTable, num_tokens: int, num_pages: int) -> tuple:
+    """The compiled (tokens, pages) step holding `num_tokens` tokens whose longest row has `num_pages`
+    pages: the smallest token bucket, at the one page-table width."""
+    if num_pages > buckets.page_counts[-1]:
+        raise ValueError(f"a row of {num_pages} pages exceeds the step's page table ({buckets.page_counts[-1]})")
+    return pick_bucket(num_tokens, buckets.token_counts), buckets.page_counts[-1]
 
 
 def score_shapes(buckets: BucketTable) -> list[tuple]:
@@ -161,17 +137,18 @@ class ExecutableCounts:
         return f"{self.total} executables ({', '.join(parts)})"
 
 
-def executable_counts(settings: Any, max_model_len: int | None = None, platform: str = "cpu",
+def executable_counts(settings: Any, max_model_len: int | None = None,
                       num_replicas: int | None = None) -> ExecutableCounts:
-    """The executables an engine with `settings` (an EngineConfig) compiles at start-up on `platform`,
-    from the bucket table alone. `max_model_len`: the resolved one when the setting is unset (the
-    model's max_position_embeddings); `num_replicas`: the mesh's data axis (mesh_shape[0])."""
+    """The executables an engine with `settings` (an EngineConfig) compiles at start-up, on any
+    platform (the table is the same), from the bucket table alone. `max_model_len`: the resolved one
+    when the setting is unset (the model's max_position_embeddings); `num_replicas`: the mesh's data
+    axis (mesh_shape[0])."""
     max_model_len = settings.max_model_len or max_model_len
     if max_model_len is None:
         raise ValueError("max_model_len is unset in the settings: pass the model's (max_position_embeddings)")
     buckets = BucketTable.for_settings(settings, max_model_len)
     replicas = num_replicas if num_replicas is not None else settings.mesh_shape[0]
-    plain = step_shapes(buckets, settings.num_scheduler_steps, platform)
+    plain = step_shapes(buckets, settings.num_scheduler_steps)
     return ExecutableCounts(
         steps=sum(len(s) == 2 for s in plain),
         multi_step=sum(s[2:] == (MULTI_STEP,) for s in plain),

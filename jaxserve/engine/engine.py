@@ -141,7 +141,7 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.warm_up()
         self.compiles_at_warm_up = CompileCounter.requests
-        planned = executable_counts(self.settings, self.plan.max_model_len, jax.default_backend(), self.num_replicas)
+        planned = executable_counts(self.settings, self.plan.max_model_len, self.num_replicas)
         self.warm_up_compiles = self.compiles_at_warm_up - before  # executables asked for (persistent-cache hits too)
         logger.info("warm-up compiled %d executables; the bucket table plans %s", self.warm_up_compiles,
                     planned.describe())

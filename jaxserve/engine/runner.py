@@ -351,7 +351,7 @@ class ModelRunner:
     def step_shapes(self) -> list[tuple]:
         """Every (tokens, pages) ragged step the engine may run (and their multi-step variants); see
         `buckets.step_shapes`."""
-        return bucket_shapes.step_shapes(self.buckets, self.num_scheduler_steps, self.platform)
+        return bucket_shapes.step_shapes(self.buckets, self.num_scheduler_steps)
 
     def is_speculative(self, shape: tuple) -> bool:
         """Whether bucket `shape` is a speculative step (every plain bucket of a speculative engine)."""
@@ -566,7 +566,7 @@ class ModelRunner:
         if score:
             shape = (bucket_shapes.pick_bucket(n_tokens, self.buckets.token_counts), self.buckets.page_counts[-1])
         else:
-            shape = pick_step_shape(self.buckets, n_tokens, max(need), self.platform)
+            shape = pick_step_shape(self.buckets, n_tokens, max(need))
         if not score and extra_tokens is None and shape in self._layouts:
             return self._pack_written(rows, shape, before_masks)
         return self._pack_anew(rows, shape, score, [r.page_ids[:n] for r, n in zip(rows, need)], before_masks)

@@ -135,7 +135,7 @@ def pack(runner: Any, rows: Sequence[Any]):
     per_replica = [[i for i, r in enumerate(rows) if r.replica == rep] for rep in range(R)]
     pages = [r.page_ids[: -(-(r.start_pos + len(r.tokens)) // ps)] for r in rows]
     n_tokens = max(sum(len(rows[i].tokens) for i in idx) for idx in per_replica)
-    shape = pick_step_shape(runner.buckets, n_tokens, max(len(p) for p in pages), runner.platform)
+    shape = pick_step_shape(runner.buckets, n_tokens, max(len(p) for p in pages))
     N, P = shape
     G = runner.num_logits(N)
     draft = spec.method == "draft"

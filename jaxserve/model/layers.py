@@ -4,6 +4,7 @@ is the reference for the Pallas kernels."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -183,6 +184,46 @@ def _layer_pages(
     return pages.reshape(K, W, P * cache.shape[3], *cache.shape[4:])
 
 
+@dataclasses.dataclass(frozen=True)
+class _QueryItems:
+    """A ragged batch's tokens cut into work items: tiles of Q consecutive tokens of one row.
+
+    There are at most W = m + (N - m) // Q items with m = min(R, N) (as many rows as can be given
+    one partial tile each, the other tokens in whole tiles), a static count; items past the real
+    ones (and tokens past their row's end) are marked invalid."""
+
+    count: int  # W
+    row: jax.Array  # i32[W]  the item's row (clamped to R - 1 for items of no row)
+    real: jax.Array  # bool[W]
+    tok: jax.Array  # i32[W, Q]  token index of each query (0 where invalid)
+    tok_valid: jax.Array  # bool[W, Q]
+    pos: jax.Array  # i32[W, Q]
+
+    @classmethod
+    def tile(cls, query_start: jax.Array, positions: jax.Array, N: int, Q: int) -> "_QueryItems":
+        R = query_start.shape[0] - 1
+        m = min(R, N)
+        W = m + (N - m) // Q
+        q_len = query_start[1:] - query_start[:-1]  # i32[R]
+        n_items = (q_len + Q - 1) // Q  # i32[R]
+        item_end = jnp.cumsum(n_items)  # i32[R]
+        item = jnp.arange(W, dtype=jnp.int32)
+        row = jnp.searchsorted(item_end, item, side="right").astype(jnp.int32)  # i32[W]; R = no row
+        real = row < R
+        row = jnp.minimum(row, R - 1)
+        start = query_start[row] + (item - (item_end[row] - n_items[row])) * Q  # first token of each item
+        tok = start[:, None] + jnp.arange(Q, dtype=jnp.int32)
+        tok_valid = real[:, None] & (tok < query_start[row + 1][:, None])
+        tok = jnp.where(tok_valid, tok, 0)
+        return cls(W, row, real, tok, tok_valid, positions[tok])
+
+    def scatter(self, out: jax.Array, q: jax.Array) -> jax.Array:
+        """f[W*Q, heads, H] per item query -> f[N, heads, H] per token (zeros for padding tokens):
+        each real token is in exactly one item."""
+        dest = jnp.where(self.tok_valid, self.tok, q.shape[0]).reshape(-1)
+        return jnp.zeros_like(q).at[dest].set(out.astype(q.dtype), mode="drop")
+
+
 def ragged_attention_reference(
     q: jax.Array,  # f[N, heads, H]  one query per token of the flat ragged batch
     k_cache: jax.Array,  # f[L, K, NP, S, H]  one replica's whole cache (new K/V already written)
@@ -222,23 +263,10 @@ def ragged_attention_reference(
     R, P = page_table.shape
     G = NH // K
     Q = query_tile or max(1, -(-N // R))
-    m = min(R, N)  # most items: m rows of 1 + a multiple of Q tokens, the rest in whole tiles
-    W = m + (N - m) // Q
     window = NO_SLIDING_WINDOW if sliding_window is None else sliding_window
     sm_scale = H**-0.5 if sm_scale is None else sm_scale
-
-    q_len = query_start[1:] - query_start[:-1]  # i32[R]
-    n_items = (q_len + Q - 1) // Q  # i32[R]
-    item_end = jnp.cumsum(n_items)  # i32[R]
-    item = jnp.arange(W, dtype=jnp.int32)
-    row = jnp.searchsorted(item_end, item, side="right").astype(jnp.int32)  # i32[W]; R = no row
-    real = row < R
-    row = jnp.minimum(row, R - 1)
-    start = query_start[row] + (item - (item_end[row] - n_items[row])) * Q  # i32[W]  first token of each item
-    tok = start[:, None] + jnp.arange(Q, dtype=jnp.int32)  # i32[W, Q]
-    tok_valid = real[:, None] & (tok < query_start[row + 1][:, None])  # bool[W, Q]
-    tok = jnp.where(tok_valid, tok, 0)
-    pos = positions[tok]  # i32[W, Q]
+    items = _QueryItems.tile(query_start, positions, N, Q)
+    W, row, tok, tok_valid, pos = items.count, items.row, items.tok, items.tok_valid, items.pos
 
     table = page_table[row]  # i32[W, P]
     k = _layer_pages(k_cache, layer, table).astype(q.dtype)  # f[K, W, P*S, H]
@@ -259,8 +287,113 @@ def ragged_attention_reference(
         probs = probs * token_scales(v_scale)
     probs = jnp.where(mask[:, None, None], probs, 0.0).astype(v.dtype)
     out = jnp.einsum("wkgqs,kwsh->wqkgh", probs, v, preferred_element_type=jnp.float32)
-    dest = jnp.where(tok_valid, tok, N).reshape(W * Q)  # each real token is in exactly one item
-    return jnp.zeros_like(q).at[dest].set(out.reshape(W * Q, NH, H).astype(q.dtype), mode="drop")
+    return items.scatter(out.reshape(W * Q, NH, H), q)
+
+
+BLOCK_KEYS = 32  # keys per block of the blocked attention (whole pages: at least one)
+MAX_PAIRS_PER_ITERATION = 64  # (item, key block) pairs one loop iteration of it scores
+
+
+def ragged_attention_blocked(
+    q: jax.Array,  # f[N, heads, H]
+    k_cache: jax.Array,  # f[L, K, NP, S, H]  one replica's whole cache (new K/V already written)
+    v_cache: jax.Array,  # f[L, K, NP, S, H]
+    layer: jax.Array | int,  # i32[]
+    positions: jax.Array,  # i32[N]
+    query_start: jax.Array,  # i32[R+1]
+    context_lens: jax.Array,  # i32[R]
+    page_table: jax.Array,  # i32[R, P]
+    sliding_window: jax.Array | int | None = None,
+    sm_scale: jax.Array | float | None = None,
+    k_scale: jax.Array | None = None,  # f32[L, K, NP, S] with int8 pages
+    v_scale: jax.Array | None = None,
+    *,
+    query_tile: int | None = None,
+    block_keys: int = BLOCK_KEYS,
+    pairs_per_iteration: int | None = None,
+) -> jax.Array:  # f[N, heads, H]; zeros for padding tokens
+    """`ragged_attention_reference`'s result at the cost of the keys each item really sees: the
+    plain-JAX attention of the engine's ragged step (the CPU's; accelerators run the Pallas kernels).
+
+    The reference scores every item against its whole page table, so a step costs its items times
+    the table's width: a 150-token prompt beside decodes of 300 tokens of context attends over 1,024
+    keys per query when the table has 64 pages. Here each item (Q <= 8 consecutive tokens of one
+    row) lists the key blocks (`block_keys` keys, whole pages) it needs: from its first query's
+    sliding-window start to its last query's position, within the row's context. The (item, block)
+    pairs are numbered on the device, and a `while_loop` scores `pairs_per_iteration` of them per
+    iteration (one gather of their pages from the whole cache, [K, T, B, H]) with an online softmax
+    per item (running max, denominator, and output, combined by scatter: several pairs of one item
+    may share an iteration). The loop runs as many iterations as the step's pairs need, so the page
+    table's width costs nothing and a step costs about its causal work, rounded to blocks and tiles.
+
+    Agrees with the reference to rounding (the same masks, GQA grouping, f32 softmax, int8 scales on
+    scores and probabilities); keys past a row's context are zeroed in V, so NaN in unused pages
+    never reaches the output.
+    """
+    N, NH, H = q.shape
+    K, PS = k_cache.shape[1], k_cache.shape[3]
+    R, P = page_table.shape
+    G = NH // K
+    Q = query_tile or min(8, max(1, -(-N // R)))
+    C = max(1, min(block_keys // PS, P))  # pages per block
+    B = C * PS
+    window = NO_SLIDING_WINDOW if sliding_window is None else sliding_window
+    sm_scale = H**-0.5 if sm_scale is None else sm_scale
+    items = _QueryItems.tile(query_start, positions, N, Q)
+    W, row, tok_valid, pos = items.count, items.row, items.tok_valid, items.pos
+    T = pairs_per_iteration or min(max(2 * W, 4), MAX_PAIRS_PER_ITERATION)
+
+    # The key blocks [b_lo, b_lo + n_blocks) of each item, and the pairs numbered item by item.
+    ctx = context_lens[row]  # i32[W]
+    last = jnp.max(jnp.where(tok_valid, pos, -1), axis=1)
+    first = jnp.min(jnp.where(tok_valid, pos, jnp.iinfo(jnp.int32).max), axis=1)
+    key_end = jnp.minimum(last + 1, ctx)  # keys [key_start, key_end) are seen by some query
+    key_start = jnp.maximum(first - window + 1, 0)
+    b_lo = key_start // B
+    n_blocks = jnp.where(items.real & (key_end > 0), jnp.maximum((key_end + B - 1) // B - b_lo, 0), 0)
+    pair_end = jnp.cumsum(n_blocks).astype(jnp.int32)  # i32[W]
+    total = pair_end[-1]
+    q_items = q[items.tok].reshape(W, Q, K, G, H)
+
+    def scales(scale, pages):  # f32[L, K, NP, S] -> f32[T, K, 1, 1, B]
+        return _layer_pages(scale, layer, pages).transpose(1, 0, 2)[:, :, None, None, :]
+
+    def body(carry):
+        i, m, l, acc = carry
+        pair = i * T + jnp.arange(T, dtype=jnp.int32)
+        live = pair < total
+        it = jnp.minimum(jnp.searchsorted(pair_end, pair, side="right").astype(jnp.int32), W - 1)  # i32[T]
+        block = b_lo[it] + pair - (pair_end[it] - n_blocks[it])
+        page_idx = jnp.minimum(block[:, None] * C + jnp.arange(C, dtype=jnp.int32), P - 1)
+        pages = jnp.where(live[:, None], page_table[row[it][:, None], page_idx], 0)  # i32[T, C]
+        k = _layer_pages(k_cache, layer, pages).astype(q.dtype)  # f[K, T, B, H]
+        v = _layer_pages(v_cache, layer, pages).astype(q.dtype)
+        key_pos = block[:, None] * B + jnp.arange(B, dtype=jnp.int32)  # i32[T, B]
+        key_valid = live[:, None] & (key_pos < ctx[it][:, None])
+        v = jnp.where(key_valid[None, :, :, None], v, jnp.zeros((), v.dtype))
+        p = pos[it]  # i32[T, Q]
+        mask = (tok_valid[it][:, :, None] & key_valid[:, None, :] & (key_pos[:, None, :] <= p[:, :, None])
+                & (p[:, :, None] - key_pos[:, None, :] < window))  # bool[T, Q, B]
+        scores = jnp.einsum("tqkgh,ktbh->tkgqb", q_items[it], k, preferred_element_type=jnp.float32) * sm_scale
+        if k_scale is not None:
+            scores = scores * scales(k_scale, pages)
+        scores = jnp.where(mask[:, None, None], scores, -jnp.inf)  # f32[T, K, G, Q, B]
+        dest = jnp.where(live, it, W)  # dead pairs are dropped by the scatters
+        m_new = m.at[dest].max(scores.max(-1), mode="drop")
+        rescale = jnp.where(m_new > -jnp.inf, jnp.exp(m - m_new), 0.0)  # 0 where nothing was seen yet
+        probs = jnp.where(mask[:, None, None], jnp.exp(scores - m_new[it][..., None]), 0.0)
+        l = (l * rescale).at[dest].add(probs.sum(-1), mode="drop")
+        if v_scale is not None:  # masked after the scales: unused pages' scales may be NaN
+            probs = jnp.where(mask[:, None, None], probs * scales(v_scale, pages), 0.0)
+        pv = jnp.einsum("tkgqb,ktbh->tkgqh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        acc = (acc * rescale[..., None]).at[dest].add(pv, mode="drop")
+        return i + 1, m_new, l, acc
+
+    init = (jnp.int32(0), jnp.full((W, K, G, Q), -jnp.inf, jnp.float32), jnp.zeros((W, K, G, Q), jnp.float32),
+            jnp.zeros((W, K, G, Q, H), jnp.float32))
+    _, _, l, acc = jax.lax.while_loop(lambda c: c[0] * T < total, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # items of no key (padding) stay zero
+    return items.scatter(out.transpose(0, 3, 1, 2, 4).reshape(W * Q, NH, H), q)
 
 
 def causal_attention(

@@ -303,3 +303,79 @@ def test_reference_attention_any_tile_equals_paged_reference(query_tile, spec):
         ref = paged_attention_reference(q[None, t0: t0 + n] / 0.25 * 0.3, kp, vp, b.page_table[r: r + 1],
                                         b.positions[None, t0: t0 + n], b.context_lens[r: r + 1], sliding_window=6)
         np.testing.assert_allclose(out[t0: t0 + n], np.asarray(ref[0]), atol=1e-5, rtol=0, err_msg=f"row {r}")
+
+
+def _random_step(rng, num_tokens, num_rows, max_pages, page, num_pages):
+    """Rows of random lengths and contexts (decodes and chunks) on distinct pages, packed."""
+    rows, left, nxt = [], num_tokens, 1
+    while left > 0 and len(rows) < num_rows:
+        n = min(int(rng.integers(1, left + 1)) if rng.random() < 0.5 else 1, max_pages * page - 1)
+        start = int(rng.integers(0, max_pages * page - n))
+        need = -(-(start + n) // page)
+        if nxt + need > num_pages:
+            break
+        rows.append(RaggedRow(list(range(n)), start, list(range(nxt, nxt + need))))
+        nxt, left = nxt + need, left - n
+    return pack_ragged(rows, page_size=page, num_tokens=num_tokens, num_rows=num_rows, max_pages=max_pages,
+                       num_logits=num_rows)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("loop", [{}, dict(query_tile=1, block_keys=4, pairs_per_iteration=3),
+                                  dict(query_tile=3, block_keys=8, pairs_per_iteration=64)],
+                         ids=["default", "many-iterations", "one-iteration"])
+def test_blocked_attention_equals_reference(quantized, loop):
+    """The engine's plain-JAX attention (key blocks per item, an online softmax over a while loop)
+    gives what the reference gives: random ragged steps of 1..64 tokens, sliding windows, traced
+    layer/window/scale, int8 pages with their scales, NaN in every page and scale no row owns (layer
+    0 all NaN); loop shapes that split one item's blocks over iterations and put several in one."""
+    from jaxserve.model.layers import ragged_attention_blocked
+
+    rng = np.random.default_rng(5)
+    kv, num_pages, page, h, heads = 2, 48, 4, 16, 4
+    shape = (2, kv, num_pages, page, h)
+    if quantized:
+        k = rng.integers(-127, 128, shape).astype(np.int8)
+        v = rng.integers(-127, 128, shape).astype(np.int8)
+        ks, vs = (rng.uniform(0.001, 0.02, shape[:-1]).astype(np.float32) for _ in range(2))
+        ks[0], vs[0], ks[:, :, 0], vs[:, :, 0] = np.nan, np.nan, np.nan, np.nan
+        scales = dict(k_scale=jnp.asarray(ks), v_scale=jnp.asarray(vs))
+    else:
+        k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+        k[0], v[0], k[:, :, 0], v[:, :, 0] = np.nan, np.nan, np.nan, np.nan
+        scales = {}
+    blocked = jax.jit(lambda *a: ragged_attention_blocked(*a, **scales, **loop))
+    reference = jax.jit(lambda *a: ragged_attention_reference(*a, **scales))
+    for trial in range(12):
+        n = int(rng.choice([1, 4, 8, 16, 32, 64]))
+        b = _random_step(rng, n, 6, 10, page, num_pages)
+        q = jnp.asarray(rng.standard_normal((n, heads, h)), jnp.float32)
+        window = jnp.int32(int(rng.integers(1, 30)) if trial % 2 else np.iinfo(np.int32).max)
+        args = (q, k, v, jnp.int32(1), b.positions, b.query_start, b.context_lens, b.page_table, window,
+                jnp.float32(0.3))
+        got, want = np.asarray(blocked(*args)), np.asarray(reference(*args))
+        real = b.query_start[-1]
+        assert np.isfinite(got).all() and np.all(got[real:] == 0), trial
+        np.testing.assert_allclose(got[:real], want[:real], atol=2e-6, rtol=1e-5, err_msg=f"trial {trial}")
+
+
+def test_blocked_attention_cost_does_not_grow_with_the_page_table():
+    """The page table's width costs nothing: the loop body's arrays are the same for 8 and 64 pages
+    per row, while the reference's largest array (every item scored against the whole table) grows
+    with it."""
+    from jaxserve.model.layers import ragged_attention_blocked
+
+    rng = np.random.default_rng(0)
+    kv, page, h, heads, n, rows = 2, 4, 16, 4, 32, 4
+    sizes = {}
+    for width in (8, 64):
+        k = jnp.asarray(rng.standard_normal((1, kv, 80, page, h)), jnp.float32)
+        b = pack_ragged([RaggedRow([1] * 20, 0, list(range(1, 6))), RaggedRow([2], 9, [6, 7, 8])],
+                        page_size=page, num_tokens=n, num_rows=rows, max_pages=width, num_logits=rows)
+        q = jnp.asarray(rng.standard_normal((n, heads, h)), jnp.float32)
+        args = (q, k, k, 0, b.positions, b.query_start, b.context_lens, b.page_table)
+        blocked = _largest_intermediate(lambda *a: ragged_attention_blocked(*a), *args)
+        reference = _largest_intermediate(lambda *a: ragged_attention_reference(*a), *args)
+        sizes[width] = blocked, reference
+    assert sizes[8][0] == sizes[64][0], sizes
+    assert sizes[64][1] >= 4 * sizes[8][1], sizes  # the check has teeth: the reference's grows
