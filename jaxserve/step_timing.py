@@ -55,18 +55,26 @@ def time_step(runner, step: CapturedStep, steps: int, sync: bool = True) -> list
     last is waited for (the device-time floor); the list holds the mean, once per call."""
     import jax
 
-    out = None
+    args = list(step.inputs)
+
+    def call():
+        # A plain step returns (samples, cache, carried samples): the carried ones feed the next call,
+        # as the runner's next step would take them (donated buffers are never reused).
+        out, runner.cache, *carried = step.executable(runner.params, runner.cache, *args)
+        if carried:
+            args[0] = runner.carried = carried[0]
+        return out
+
     if sync:
         times = []
         for _ in range(steps):
             t = time.perf_counter()
-            out, runner.cache = step.executable(runner.params, runner.cache, *step.inputs)
-            jax.device_get(out)
+            jax.device_get(call())
             times.append(time.perf_counter() - t)
         return times
     t = time.perf_counter()
     for _ in range(steps):
-        out, runner.cache = step.executable(runner.params, runner.cache, *step.inputs)
+        out = call()
     jax.block_until_ready(out)
     return [(time.perf_counter() - t) / steps] * steps
 
