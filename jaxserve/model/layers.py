@@ -1,6 +1,6 @@
 """Building blocks of the decoder: RMSNorm (Gemma's (1 + weight) form too), rotary embeddings (with
-linear, Llama-3.1 and YaRN scaling, and Gemma 3's local base), SwiGLU and GeGLU, and the plain-JAX paged attention that
-is the reference for the Pallas kernels."""
+linear, Llama-3.1 and YaRN scaling, and Gemma 3's local base), SwiGLU and GeGLU, the plain-JAX paged attention that
+is the reference for the Pallas kernels, and its blocked ragged form, which the engine runs on a CPU."""
 
 from __future__ import annotations
 
