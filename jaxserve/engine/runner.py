@@ -563,10 +563,7 @@ class ModelRunner:
             n_tokens = sum(len(r.tokens) for r in rows)
         else:
             n_tokens = max(sum(len(r.tokens) for r in rows if r.replica == rep) for rep in range(R))
-        if score:
-            shape = (bucket_shapes.pick_bucket(n_tokens, self.buckets.token_counts), self.buckets.page_counts[-1])
-        else:
-            shape = pick_step_shape(self.buckets, n_tokens, max(need))
+        shape = pick_step_shape(self.buckets, n_tokens, max(need))  # a scored step's too: the same buckets
         if not score and extra_tokens is None and shape in self._layouts:
             return self._pack_written(rows, shape, before_masks)
         return self._pack_anew(rows, shape, score, [r.page_ids[:n] for r, n in zip(rows, need)], before_masks)

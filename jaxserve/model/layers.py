@@ -184,6 +184,12 @@ def _layer_pages(
     return pages.reshape(K, W, P * cache.shape[3], *cache.shape[4:])
 
 
+
+def _layer_page_scales(scale: jax.Array, layer: jax.Array | int, table: jax.Array) -> jax.Array:
+    """int8 pages' per-slot scales f32[L, K, NP, S] of `layer` at pages `table` i32[W, P] ->
+    f32[W, K, 1, 1, P*S], broadcasting over the scores' (group, query) axes."""
+    return _layer_pages(scale, layer, table).transpose(1, 0, 2)[:, :, None, None, :]
+
 @dataclasses.dataclass(frozen=True)
 class _QueryItems:
     """A ragged batch's tokens cut into work items: tiles of Q consecutive tokens of one row.
@@ -278,13 +284,12 @@ def ragged_attention_reference(
             & (pos[:, :, None] - key_pos[None, None, :] < window))  # bool[W, Q, P*S]
     qg = q[tok].reshape(W, Q, K, G, H)
     scores = jnp.einsum("wqkgh,kwsh->wkgqs", qg, k, preferred_element_type=jnp.float32) * sm_scale
-    token_scales = lambda s: _layer_pages(s, layer, table).transpose(1, 0, 2)[:, :, None, None, :]  # noqa: E731
     if k_scale is not None:
-        scores = scores * token_scales(k_scale)  # f32[W, K, 1, 1, P*S]
+        scores = scores * _layer_page_scales(k_scale, layer, table)  # f32[W, K, 1, 1, P*S]
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)  # a query of no row has no key: NaN here, zeroed next
     if v_scale is not None:
-        probs = probs * token_scales(v_scale)
+        probs = probs * _layer_page_scales(v_scale, layer, table)
     probs = jnp.where(mask[:, None, None], probs, 0.0).astype(v.dtype)
     out = jnp.einsum("wkgqs,kwsh->wqkgh", probs, v, preferred_element_type=jnp.float32)
     return items.scatter(out.reshape(W * Q, NH, H), q)
@@ -355,9 +360,6 @@ def ragged_attention_blocked(
     total = pair_end[-1]
     q_items = q[items.tok].reshape(W, Q, K, G, H)
 
-    def scales(scale, pages):  # f32[L, K, NP, S] -> f32[T, K, 1, 1, B]
-        return _layer_pages(scale, layer, pages).transpose(1, 0, 2)[:, :, None, None, :]
-
     def body(carry):
         i, m, l, acc = carry
         pair = i * T + jnp.arange(T, dtype=jnp.int32)
@@ -376,7 +378,7 @@ def ragged_attention_blocked(
                 & (p[:, :, None] - key_pos[:, None, :] < window))  # bool[T, Q, B]
         scores = jnp.einsum("tqkgh,ktbh->tkgqb", q_items[it], k, preferred_element_type=jnp.float32) * sm_scale
         if k_scale is not None:
-            scores = scores * scales(k_scale, pages)
+            scores = scores * _layer_page_scales(k_scale, layer, pages)
         scores = jnp.where(mask[:, None, None], scores, -jnp.inf)  # f32[T, K, G, Q, B]
         dest = jnp.where(live, it, W)  # dead pairs are dropped by the scatters
         m_new = m.at[dest].max(scores.max(-1), mode="drop")
@@ -384,7 +386,7 @@ def ragged_attention_blocked(
         probs = jnp.where(mask[:, None, None], jnp.exp(scores - m_new[it][..., None]), 0.0)
         l = (l * rescale).at[dest].add(probs.sum(-1), mode="drop")
         if v_scale is not None:  # masked after the scales: unused pages' scales may be NaN
-            probs = jnp.where(mask[:, None, None], probs * scales(v_scale, pages), 0.0)
+            probs = jnp.where(mask[:, None, None], probs * _layer_page_scales(v_scale, layer, pages), 0.0)
         pv = jnp.einsum("tkgqb,ktbh->tkgqh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
         acc = (acc * rescale[..., None]).at[dest].add(pv, mode="drop")
         return i + 1, m_new, l, acc
