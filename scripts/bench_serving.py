@@ -283,8 +283,9 @@ async def step_metrics(client: httpx.AsyncClient) -> dict | None:
 
 def step_composition(before: dict | None, after: dict | None) -> dict:
     """Steps by kind during a run, and the share of token slots that were real tokens: a step's token
-    axis is padded to the next power of two, which is the iteration_tokens bucket it lands in (one
-    replica), so the slots are the sum of each bucket's new steps times its bound."""
+    axis is padded to its token bucket, which is the iteration_tokens bucket it lands in (jaxserve's
+    histogram bounds are its step buckets; one replica), so the slots are the sum of each bucket's new
+    steps times its bound."""
     if before is None or after is None:
         return {}
     steps = {k: after["steps"].get(k, 0) - before["steps"].get(k, 0) for k in after["steps"]}

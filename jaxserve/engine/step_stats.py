@@ -19,20 +19,13 @@ def is_prompt_chunk(row: ScheduledRow) -> bool:
     return row.start < row.seq.num_tokens - 1
 
 
-def token_buckets(max_tokens: int) -> tuple[int, ...]:
-    """Histogram bounds: powers of two up to the step's token budget (and one past it, for lookahead)."""
-    out, n = [], 1
-    while n < max_tokens:
-        out.append(n)
-        n *= 2
-    return (*out, n)
-
-
 class StepComposition:
-    """Cumulative counts: steps by kind, and a histogram of real tokens per step (Prometheus-shaped)."""
+    """Cumulative counts: steps by kind, and a histogram of real tokens per step (Prometheus-shaped)
+    whose bounds are the step's token buckets, so each bucket's count is the steps that ran in it (one
+    replica) and the padded slots follow from the histogram alone."""
 
-    def __init__(self, max_tokens: int):
-        self.bounds = token_buckets(max_tokens)
+    def __init__(self, bounds: tuple[int, ...]):
+        self.bounds = tuple(bounds)
         self.bucket_counts = [0] * (len(self.bounds) + 1)  # the last one: above every bound (+Inf)
         self.token_sum = 0
         self.steps = dict.fromkeys(STEP_KINDS, 0)

@@ -2,7 +2,7 @@
 
 from jaxserve.engine.scheduler import ScheduledRow
 from jaxserve.engine.sequence import Sequence
-from jaxserve.engine.step_stats import StepComposition, token_buckets
+from jaxserve.engine.step_stats import StepComposition
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.metrics import ServerMetrics
 
@@ -16,8 +16,7 @@ def seq(prompt_len: int, computed: int, outputs: int = 0) -> Sequence:
 
 
 def test_kinds_and_token_histogram():
-    c = StepComposition(max_tokens=64)
-    assert c.bounds == token_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    c = StepComposition((1, 2, 4, 8, 16, 32, 64))
     decoding = seq(10, 10, outputs=1)  # computes only its newest token
     prompt = seq(40, 0)
     assert c.record([ScheduledRow(decoding, 10, 1)]) == "decode"
@@ -32,7 +31,7 @@ def test_kinds_and_token_histogram():
 
 
 def test_rendered_as_prometheus_families():
-    c = StepComposition(max_tokens=16)
+    c = StepComposition((1, 4, 8, 16))
     c.record([ScheduledRow(seq(4, 4, outputs=1), 4, 1)])
     c.record([ScheduledRow(seq(4, 4, outputs=1), 4, 1), ScheduledRow(seq(20, 0), 0, 12)])
     text = ServerMetrics(lambda: c.as_stats()).render().decode()
