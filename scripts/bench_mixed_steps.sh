@@ -6,6 +6,7 @@
 #
 #   scripts/bench_mixed_steps.sh [CHECKOUT] [LABEL] [extra bench_serving.py flags...]
 #   git worktree add /tmp/before 01842d1 && scripts/bench_mixed_steps.sh /tmp/before before
+#   SERVER_ARGS="--num-scheduler-steps 4" scripts/bench_mixed_steps.sh . multi4 --request-rate 1
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 TREE=$(cd "${1:-$HERE}" && pwd)
@@ -15,7 +16,7 @@ PORT=${PORT:-8141}
 OUT="$HERE/out/mixed-steps-$LABEL"
 mkdir -p "$HERE/out"
 (cd "$TREE" && PYTHONPATH="$TREE" exec python -m jaxserve.serve --config configs/smollm2-135m-dummy.yaml \
-  --port "$PORT" --no-access-log) > "$OUT.log" 2>&1 &
+  --port "$PORT" --no-access-log ${SERVER_ARGS:-}) > "$OUT.log" 2>&1 &
 PID=$!
 trap 'kill $PID 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 for _ in $(seq 1 1800); do

@@ -104,10 +104,10 @@ class LLMEngine:
                                    scheduling=s.scheduling, preemption_mode=s.preemption_mode)
         self.spec = self._speculative_decoder(loaded) if s.speculation else None
         if s.num_scheduler_steps > 1:  # pages for the extra decode steps, where free ones exist
+            # A step of decodes alone runs them num_scheduler_steps in one call; a step holding a
+            # prompt chunk is one plain mixed ragged step, as in every engine.
             self.scheduler.lookahead = self._multi_step_lookahead
-        # Multi-step decode rows run executables of their own: that engine keeps prefill and decode
-        # steps apart; every other step is one mixed ragged step (verifications among its rows).
-        self.scheduler.mixed = s.num_scheduler_steps == 1
+            self.scheduler.lookahead_steps = True
         # Async scheduling: step N+1 dispatched before step N's samples are processed (self.step).
         # Speculation's acceptance and multi-step's run lengths decide the next inputs on the host.
         self.async_scheduling = s.async_scheduling and self.scheduler.lookahead is None

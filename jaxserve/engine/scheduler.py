@@ -3,11 +3,11 @@
 One token budget per step (`max_num_batched_tokens`, per replica): running decodes first, one token
 each (plus its drafts, with speculative decoding), then prompt chunks of the partially prefilled and
 newly admitted sequences in the tokens left, so a prompt never stalls running streams for a step of
-its own, and the runner executes the whole mix as one ragged step. (With multi-step decoding, whose
-decode rows run executables of their own, prefill and decode steps still alternate: `mixed=False`.)
-When pages run out
-mid-decode, the most recently admitted sequence is preempted: its pages are freed and it is
-re-queued at the front, to be recomputed (its output so far is kept).
+its own, and the runner executes the whole mix as one ragged step. (With multi-step decoding a step of
+decodes alone runs them several steps in one call; a step holding a prompt chunk is a plain mixed
+step, so the prompt rides along there too.) When pages run out mid-decode, the most recently
+admitted sequence is preempted: its pages are freed and it is re-queued at the front, to be
+recomputed (its output so far is kept).
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ class ScheduledRow:
     seq: Sequence
     start: int  # first token computed this step (= seq.num_computed when scheduled)
     num_tokens: int
-    num_lookahead: int = 0  # speculative decoding: draft tokens to verify after it (their pages are allocated)
+    # Tokens after it whose pages are allocated: speculative decoding's drafts to verify (in this
+    # step), or multi-step's later decode steps (in the same call).
+    num_lookahead: int = 0
 
     @property
     def samples(self) -> bool:
@@ -66,15 +68,14 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # admission order: the last is preempted first
         self.num_preemptions = 0
-        self._last_kind = "decode"
         self._pending_siblings: dict[str, list[Sequence]] = {}  # parent seq_id -> siblings not yet forked
-        self._new: list[Sequence] = []  # admitted this step (a 1-token prompt has nothing to prefill yet)
-        # Speculative decoding: how many draft tokens a decoding sequence wants to verify this step.
-        # They get pages when free ones exist; a sequence short of pages decodes one token instead.
+        # How many tokens after its next one a decoding sequence wants: they get pages when free ones
+        # exist; a sequence short of pages decodes one token instead. Speculative decoding: drafts to
+        # verify, sharing this step's token budget. Multi-step (`lookahead_steps`): later decode steps
+        # of one call, outside the budget, and only in a step of decodes alone (the call runs no
+        # prompt chunk).
         self.lookahead: Callable[[Sequence, int], int] | None = None  # (sequence, rows in the batch) -> tokens
-        # One mixed step per iteration (decodes, then prompt chunks in the budget left); False: prefill
-        # and decode steps alternate (multi-step decode runs decode-only executables).
-        self.mixed = True
+        self.lookahead_steps = False
 
     # ---- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -96,37 +97,20 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        if self.mixed:
-            return self._schedule_mixed()
-        copies = self._fork_ready_parents()
-        prefilling = [s for s in self.running if s.compute_target - s.num_computed > 1]
-        decoding = [s for s in self.running if s.compute_target - s.num_computed == 1]
-        may_admit = bool(self.waiting) and not (self.scheduling == "static" and self.running)
-        want_prefill = bool(prefilling) or may_admit
-        if want_prefill and (not decoding or self._last_kind == "decode"):
-            rows = self._schedule_prefill(prefilling, may_admit)
-            if rows:
-                self._last_kind = "prefill"
-                return SchedulerOutput("prefill", rows, copies, [])
-        if decoding:
-            rows, preempted = self._schedule_decode(decoding)
-            self._last_kind = "decode"
-            return SchedulerOutput("decode", rows, copies, preempted)
-        return SchedulerOutput("idle", [], copies, [])
-
-    def _schedule_mixed(self) -> SchedulerOutput:
         """Decodes first (one token each; preempting when pages run out), then prompt chunks, each
         replica within its own token budget."""
         copies = self._fork_ready_parents()
         decoding = [s for s in self.running if s.compute_target - s.num_computed == 1 and self._can_run(s)]
         rows, preempted = self._schedule_decode(decoding)
+        if self.lookahead is not None and not self.lookahead_steps:  # drafts: in the budget
+            self._give_lookahead(rows, [self.max_num_batched_tokens - sum(r.seq.replica == rep for r in rows)
+                                        for rep in range(self.blocks.num_replicas)])
         budget = [self.max_num_batched_tokens] * self.blocks.num_replicas
         for row in rows:
             budget[row.seq.replica] -= row.num_tokens + row.num_lookahead
         if self.waiting and not (self.scheduling == "static" and self.running):
             self._admit_waiting(sum(s.compute_target - s.num_computed for s in self.running
                                     if s.compute_target - s.num_computed > 1))
-        self._new = []
         decodes = len(rows)
         scheduled = {id(r.seq) for r in rows}
         for seq in self.running:  # admission order: partially prefilled prompts first, then the new
@@ -139,6 +123,8 @@ class Scheduler:
             budget[seq.replica] -= chunk
         if not rows:
             return SchedulerOutput("idle", [], copies, preempted)
+        if self.lookahead is not None and self.lookahead_steps and len(rows) == decodes:
+            self._give_lookahead(rows, [self.max_model_len] * self.blocks.num_replicas)  # later steps
         kind = "decode" if len(rows) == decodes else "prefill" if not decodes else "mixed"
         return SchedulerOutput(kind, rows, copies, preempted)
 
@@ -184,22 +170,6 @@ class Scheduler:
     def drop_siblings(self, parent: Sequence) -> list[Sequence]:
         return self._pending_siblings.pop(parent.seq_id, [])
 
-    def _schedule_prefill(self, prefilling: list[Sequence], may_admit: bool) -> list[ScheduledRow]:
-        if may_admit:
-            self._admit_waiting(sum(s.compute_target - s.num_computed for s in prefilling))
-        budget = self.max_num_batched_tokens
-        rows: list[ScheduledRow] = []
-        for seq in [s for s in self.running if s.compute_target - s.num_computed > 1 or s in self._new]:
-            chunk = min(seq.compute_target - seq.num_computed, budget)
-            if chunk < 1:
-                continue
-            rows.append(ScheduledRow(seq, seq.num_computed, chunk))
-            budget -= chunk
-            if budget <= 0:
-                break
-        self._new = []
-        return rows
-
     def _admit_waiting(self, pending_tokens: int) -> None:
         """Admit from the head of the queue, first come first served (nobody overtakes the head).
 
@@ -212,7 +182,6 @@ class Scheduler:
             if self._admit(seq) is None:
                 break
             self.waiting.popleft()
-            self._new.append(seq)
             pending_tokens += seq.compute_target - seq.num_computed
 
     def _admit(self, seq: Sequence) -> int | None:
@@ -267,18 +236,16 @@ class Scheduler:
                     break
             else:
                 rows.append(ScheduledRow(seq, seq.num_computed, 1))
-        rows = [r for r in rows if r.seq.status is Status.RUNNING]
-        if self.lookahead is not None:  # after every row has its own page: speculation never preempts
-            # In a mixed step the lookahead is drafts to verify: they share the step's token budget (a
-            # replica's decode rows take one each). Multi-step's is later steps, not this one's tokens.
-            spare = [self.max_num_batched_tokens - sum(r.seq.replica == rep for r in rows) if self.mixed
-                     else self.max_model_len for rep in range(self.blocks.num_replicas)]
-            for row in rows:
-                extra = min(self.lookahead(row.seq, len(rows)), spare[row.seq.replica])
-                if extra > 0 and self.blocks.ensure_capacity(row.seq.seq_id, row.seq.num_tokens + extra):
-                    row.num_lookahead = extra
-                    spare[row.seq.replica] -= extra
-        return rows, preempted
+        return [r for r in rows if r.seq.status is Status.RUNNING], preempted
+
+    def _give_lookahead(self, rows: list[ScheduledRow], spare: list[int]) -> None:
+        """Lookahead tokens for decode rows, within each replica's `spare` tokens, where pages for them
+        are free: after every row has its own page, so lookahead never preempts."""
+        for row in rows:
+            extra = min(self.lookahead(row.seq, len(rows)), spare[row.seq.replica])
+            if extra > 0 and self.blocks.ensure_capacity(row.seq.seq_id, row.seq.num_tokens + extra):
+                row.num_lookahead = extra
+                spare[row.seq.replica] -= extra
 
     def _preempt(self, seq: Sequence) -> None:
         """Free all of a sequence's pages and queue it first; it is recomputed from its tokens later."""

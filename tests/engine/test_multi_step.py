@@ -4,6 +4,7 @@ finish reasons of single steps, under page pressure too, and compile nothing aft
 import jax
 import numpy as np
 import pytest
+from engine_testlib import StepRecorder
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
@@ -91,6 +92,47 @@ def test_multi_step_under_page_pressure(model_path, single_step_outputs):
     assert_same(summary(llm.generate(prompt_token_ids=prompts, sampling_params=params)), single_step_outputs)
     assert llm.engine.scheduler.num_preemptions > 0
     assert_pool_whole(llm)
+
+
+def test_a_prompt_rides_along_with_multi_step_decodes(model_path):
+    """No prefill step of its own for a prompt arriving while streams decode: every step until it is
+    prefilled is one mixed step (each stream gains exactly one token), and multi-step calls resume
+    after; outputs equal each request run alone."""
+    greedy = dict(temperature=0, ignore_eos=True)
+    rng = np.random.RandomState(7)
+    short = [rng.randint(0, 512, size=n).tolist() for n in (4, 11, 6)]
+    long_prompt = rng.randint(0, 512, size=100).tolist()  # 100 tokens, a 32-token budget: 4 steps
+    with LLM(model_path, **{**BASE, "max_num_batched_tokens": 32}, num_scheduler_steps=STEPS) as llm:
+        engine = llm.engine
+        with StepRecorder(engine) as rec:
+            for i, prompt in enumerate(short):
+                engine.add_request(f"s{i}", None, SamplingParams(max_tokens=40, **greedy), prompt)
+            while any(s.num_computed < len(s.prompt_token_ids) for r in engine.requests.values() for s in r.seqs):
+                rec.step()
+            running = [engine.requests[f"s{i}"].seqs[0] for i in range(3)]
+            rec.step()
+            assert rec.plans[-1].kind == "decode" and any(r.num_lookahead for r in rec.plans[-1].rows)
+            engine.add_request("long", None, SamplingParams(max_tokens=8, **greedy), long_prompt)
+            long_seq = engine.requests["long"].seqs[0]
+            mixed = 0
+            while long_seq.num_computed < len(long_prompt):
+                by_seq, gained = rec.mixed_step(running)
+                assert by_seq[id(long_seq)].num_tokens > 1 or long_seq.num_computed == len(long_prompt)
+                assert gained == [1] * len(running) and not any(r.num_lookahead for r in by_seq.values())
+                mixed += 1
+            assert mixed >= 4
+            rec.step()  # decodes alone again: one multi-step call, the long prompt's stream in it
+            assert rec.plans[-1].kind == "decode" and sum(r.num_lookahead > 0 for r in rec.plans[-1].rows) == 4
+            while engine.has_unfinished_requests():
+                rec.step()
+            outputs = rec.token_ids()
+        assert "prefill" not in [p.kind for p in rec.plans[4:]]
+        for request_id, prompt, max_tokens in [*((f"s{i}", p, 40) for i, p in enumerate(short)),
+                                               ("long", long_prompt, 8)]:
+            alone = llm.generate(prompt_token_ids=[prompt], use_tqdm=False,
+                                 sampling_params=SamplingParams(max_tokens=max_tokens, **greedy))
+            assert outputs[request_id] == alone[0].outputs[0].token_ids, request_id
+        assert_pool_whole(llm)
 
 
 def test_multi_step_compiles_nothing_after_warm_up_and_moves_only_the_samples(model_path):
