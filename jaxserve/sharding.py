@@ -127,6 +127,23 @@ def make_shardings(cfg: ModelConfig, mesh: Mesh, stacked: bool = True, quantizat
     )
 
 
+def per_replica(fn: Callable[..., Any], mesh: Mesh | None) -> Callable[..., Any]:
+    """`fn` over arrays whose leading axis is the replica axis, run once per `data` shard under
+    `jax.shard_map` (each device on its own replicas' rows) when the mesh has several replicas; `fn`
+    itself otherwise.
+
+    For the samplers and the verifier: their `lax.cond`s (penalties, sampled rows, top logprobs)
+    made GSPMD replicate their operands, so every device all-gathered every replica's logits
+    ([R * L, V] f32) and sampled all of them; per shard each samples its own, and a cond's predicate
+    is its own rows'. The vocabulary axis is whole inside (the samplers reduce over it).
+    """
+    if mesh is None or mesh.shape[DATA] == 1:
+        return fn
+    spec = PartitionSpec(DATA)
+    # check_vma=False: the random draws' keys are built inside from the rows' own seeds.
+    return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+
+
 def shard_attention(attention: Callable[..., jax.Array], mesh: Mesh) -> Callable[..., jax.Array]:
     """`attention` (the per-replica call the model makes) run once per device under `jax.shard_map`.
 

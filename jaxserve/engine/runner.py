@@ -35,6 +35,7 @@ from jaxserve.model.weights import Params
 from jaxserve.placeholders import carry_tokens, resolve
 from jaxserve.ragged import PAD_SLOT, RaggedRow, pack_ragged
 from jaxserve.sampling import MAX_LOGPROBS, RowSampling, SampleOutput, SamplingTensors, sample
+from jaxserve.sharding import per_replica
 from jaxserve.steps import StepOptions, ragged_step
 from jaxserve.structured.apply import TokenMask, mask_logits
 from jaxserve.transfer import SPARSE_FIELDS, Layout, from_buffer, with_sparse
@@ -92,11 +93,16 @@ def _forward_and_sample(params, cache, batch, sampling, mask, cfg, options, cach
     logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, L, V]
     if cache_sharding is not None:  # keep the donated cache's layout stable from step to step
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
-    # Grammar masks first, so every sampler transform (and the logprobs) sees only allowed tokens.
-    logits = mask_logits(logits, mask)
-    # Top logprobs under a cond inside `sample` (only steps where a row asks pay for the top-k): one
-    # executable, where a second compiled variant per bucket would double start-up time.
-    return sample(logits, sampling, want_logprobs=MAX_LOGPROBS), cache
+    return sample_per_replica(logits, mask, sampling, options.mesh), cache
+
+
+def sample_per_replica(logits, mask, sampling, mesh):
+    """`sample` of logits [R, L, V] under their grammar masks, each replica's rows on its own devices
+    (`sharding.per_replica`). Masks first, so every sampler transform (and the logprobs) sees only
+    allowed tokens. Top logprobs under a cond inside `sample` (only steps where a row asks pay for
+    the top-k): one executable, where a second compiled variant per bucket would double start-up."""
+    return per_replica(lambda x, m, st: sample(mask_logits(x, m), st, want_logprobs=MAX_LOGPROBS), mesh)(
+        logits, mask, sampling)
 
 
 def _generate_step(params, cache, carried, sparse, batch, sampling, mask, cfg, options, cache_sharding=None,
@@ -177,8 +183,8 @@ def _score_step(params, cache, carried, sparse, batch, sampling, mask, sample_in
     logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, N, V]
     if cache_sharding is not None:
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
-    sampled = sample(mask_logits(jnp.take_along_axis(logits, sample_index[..., None], axis=1), mask), sampling,
-                     want_logprobs=MAX_LOGPROBS)
+    sampled = sample_per_replica(jnp.take_along_axis(logits, sample_index[..., None], axis=1), mask, sampling,
+                                 options.mesh)
     logp = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
     target = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]

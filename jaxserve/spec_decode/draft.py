@@ -10,6 +10,7 @@ while j < the group's draft count, so a row never writes past the pages it was g
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -20,6 +21,7 @@ from jaxserve.kv_cache import KVCache, RaggedBatch
 from jaxserve.ragged import PAD_SLOT
 from jaxserve.model.weights import Params
 from jaxserve.sampling import SAMPLING_EPS, SamplingTensors, apply_logit_bias, filter_logits
+from jaxserve.sharding import per_replica
 from jaxserve.spec_decode.rejection import DRAFT, purpose_keys
 from jaxserve.steps import StepOptions, ragged_step
 
@@ -69,9 +71,16 @@ def propose_ragged(
     rows = jnp.broadcast_to(jnp.arange(G, dtype=jnp.int32), (R, G))
     starts = jnp.broadcast_to(jnp.arange(G + 1, dtype=jnp.int32), (R, G + 1))
 
-    def draw(logits, j):
-        token, q = _draw(logits.reshape(R * G, -1), st, j)
-        return token.reshape(R, G), q
+    by_replica = jax.tree.map(lambda x: x.reshape((R, G) + x.shape[1:]), st)
+
+    def draw_replicas(logits, st, *, j):  # [R', G, V] of all replicas or one data shard's
+        n = logits.shape[0] * G
+        token, q = _draw(logits.reshape(n, -1), jax.tree.map(lambda x: x.reshape((n,) + x.shape[2:]), st), j)
+        return token.reshape(logits.shape[:2]), q.reshape(logits.shape)
+
+    def draw(logits, j):  # each replica's groups on its own devices (sharding.per_replica)
+        token, q = per_replica(functools.partial(draw_replicas, j=j), options.mesh)(logits, by_replica)
+        return token, q.reshape(R * G, -1)
 
     def propose(cache):
         token, q = draw(logits, 0)

@@ -27,6 +27,7 @@ later steps. The runner lowers, compiles and calls it (`jaxserve.engine.spec_ste
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.struct
 import jax
@@ -36,6 +37,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.kv_cache import KVCache, RaggedBatch
 from jaxserve.model.weights import Params
 from jaxserve.sampling import MAX_LOGPROBS, SamplingTensors, sample
+from jaxserve.sharding import per_replica
 from jaxserve.spec_decode.draft import propose_ragged
 from jaxserve.spec_decode.rejection import VerifyOutput, verify
 from jaxserve.steps import StepOptions, ragged_logits, ragged_step
@@ -128,17 +130,18 @@ def speculative_step(
     at = jnp.take_along_axis(batch.logit_index, rows.group_logits, axis=1)  # i32[R, G * W]: token index
     drafts = jnp.take_along_axis(batch.tokens, at, axis=1).reshape(R * G, W)[:, 1:]
 
-    def verify_groups():  # every real position gets logits; the groups index them (replica r's from r * L)
+    def verify_groups():  # every real position gets logits; each replica's groups index its own
         logits = ragged_logits(params, hidden, cfg, options)  # f32[R, L, V]
-        L = logits.shape[1]
-        positions = rows.group_logits.reshape(R, G, W) + L * jnp.arange(R, dtype=jnp.int32)[:, None, None]
-        return verify(logits.reshape(R * L, -1), positions.reshape(R * G, W), drafts, draft_probs, num_draft, st,
-                      rows.want_logprobs.reshape(R * G), accept_all=spec.accept_all)
+        probs = None if draft_probs is None else draft_probs.reshape((R, G) + draft_probs.shape[1:])
+        return per_replica(functools.partial(_verify_replicas, accept_all=spec.accept_all), options.mesh)(
+            logits, rows.group_logits, drafts.reshape(R, G, K), probs, rows.num_draft, sampling, rows.want_logprobs)
 
     def sample_groups():  # no group verifies: position 0 of each only
         first = jnp.take_along_axis(hidden, rows.group_logits[:, ::W, None], axis=1)  # f[R, G, D]
-        logits = ragged_logits(params, first, cfg, options).reshape(R * G, -1)
-        return _plain_output(sample(logits, st, want_logprobs=MAX_LOGPROBS), W)
+        logits = ragged_logits(params, first, cfg, options)  # f32[R, G, V]
+        out = per_replica(lambda x, at: sample(x, at, want_logprobs=MAX_LOGPROBS), options.mesh)(logits, sampling)
+        out = _plain_output(jax.tree.map(lambda x: x.reshape((R * G,) + x.shape[2:]), out), W)
+        return jax.tree.map(lambda x: x.reshape((R, G) + x.shape[1:]), out)
 
     N, L = batch.tokens.shape[1], batch.logit_index.shape[1]
     if N < 2:  # no row of one token holds a draft
@@ -147,4 +150,22 @@ def speculative_step(
         out = verify_groups()  # branch compiles faster, and a group with no drafts samples as the sampler does
     else:
         out = jax.lax.cond(verifying, verify_groups, sample_groups)
-    return jax.tree.map(lambda x: x.reshape((R, G) + x.shape[1:]), out), cache, draft_cache
+    return out, cache, draft_cache
+
+
+def _verify_replicas(logits, group_logits, drafts, draft_probs, num_draft, sampling, want_logprobs, *, accept_all):
+    """`verify` of the groups of replicas [R', ...] (all of them, or one data shard's): logits
+    f32[R', L, V], group_logits i32[R', G * W] (positions in the replica's own logits), the rest
+    [R', G, ...]; returns a VerifyOutput [R', G, ...]."""
+    R, L = logits.shape[:2]
+    G = num_draft.shape[1]
+    W = group_logits.shape[1] // G
+    positions = group_logits.reshape(R, G, W) + L * jnp.arange(R, dtype=jnp.int32)[:, None, None]
+
+    def flat(x):
+        return x.reshape((R * G,) + x.shape[2:])
+
+    out = verify(logits.reshape(R * L, -1), positions.reshape(R * G, W), flat(drafts),
+                 None if draft_probs is None else flat(draft_probs), flat(num_draft), jax.tree.map(flat, sampling),
+                 flat(want_logprobs), accept_all=accept_all)
+    return jax.tree.map(lambda x: x.reshape((R, G) + x.shape[1:]), out)
