@@ -184,11 +184,11 @@ def _layer_pages(
     return pages.reshape(K, W, P * cache.shape[3], *cache.shape[4:])
 
 
-
 def _layer_page_scales(scale: jax.Array, layer: jax.Array | int, table: jax.Array) -> jax.Array:
     """int8 pages' per-slot scales f32[L, K, NP, S] of `layer` at pages `table` i32[W, P] ->
     f32[W, K, 1, 1, P*S], broadcasting over the scores' (group, query) axes."""
     return _layer_pages(scale, layer, table).transpose(1, 0, 2)[:, :, None, None, :]
+
 
 @dataclasses.dataclass(frozen=True)
 class _QueryItems:

@@ -48,7 +48,7 @@ def propose_ragged(
     cache: KVCache,
     draft: Any,  # spec_decode.step.DraftInputs
     num_draft: jax.Array,  # i32[R, G]  drafts wanted per sampling group (<= num_tokens)
-    st: SamplingTensors,  # [R * G] groups, step = output index of draft 1
+    sampling: SamplingTensors,  # [R, G] groups, step = output index of draft 1
     verifying: jax.Array,  # bool[]: some group wants drafts
     *,
     cfg: ModelConfig,
@@ -71,15 +71,13 @@ def propose_ragged(
     rows = jnp.broadcast_to(jnp.arange(G, dtype=jnp.int32), (R, G))
     starts = jnp.broadcast_to(jnp.arange(G + 1, dtype=jnp.int32), (R, G + 1))
 
-    by_replica = jax.tree.map(lambda x: x.reshape((R, G) + x.shape[1:]), st)
-
     def draw_replicas(logits, st, *, j):  # [R', G, V] of all replicas or one data shard's
         n = logits.shape[0] * G
         token, q = _draw(logits.reshape(n, -1), jax.tree.map(lambda x: x.reshape((n,) + x.shape[2:]), st), j)
         return token.reshape(logits.shape[:2]), q.reshape(logits.shape)
 
     def draw(logits, j):  # each replica's groups on its own devices (sharding.per_replica)
-        token, q = per_replica(functools.partial(draw_replicas, j=j), options.mesh)(logits, by_replica)
+        token, q = per_replica(functools.partial(draw_replicas, j=j), options.mesh)(logits, sampling)
         return token, q.reshape(R * G, -1)
 
     def propose(cache):

@@ -113,12 +113,10 @@ def speculative_step(
     target's token), and both caches."""
     R, G = rows.num_draft.shape
     K, W = spec.num_tokens, spec.num_tokens + 1
-    st = jax.tree.map(lambda x: x.reshape((R * G,) + x.shape[2:]), sampling)
-    num_draft = rows.num_draft.reshape(R * G)
-    verifying = jnp.any(num_draft > 0)
+    verifying = jnp.any(rows.num_draft > 0)
     draft_probs = None
     if spec.method == "draft":
-        drafts, draft_probs, draft_cache = propose_ragged(draft_params, draft_cache, draft, rows.num_draft, st,
+        drafts, draft_probs, draft_cache = propose_ragged(draft_params, draft_cache, draft, rows.num_draft, sampling,
                                                           verifying, cfg=draft_cfg, options=options, num_tokens=K)
         draft_cache = constrain(draft_cache, draft_cache_sharding)
         tokens = jax.vmap(lambda t, at, d: t.at[at.reshape(-1)].set(d.reshape(-1), mode="drop"))(

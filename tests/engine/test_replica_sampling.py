@@ -24,7 +24,7 @@ def speculation(kind: str, path: str) -> dict:
 
 def collectives(llm: LLM, shape: tuple) -> list[tuple[str, str]]:
     """(result type, collective) of every collective in the optimised program of bucket `shape`."""
-    return [(t, op) for t, op in COLLECTIVE.findall(llm.runner.compile(shape).as_text())]
+    return COLLECTIVE.findall(llm.runner.compile(shape).as_text())
 
 
 def dims(hlo_type: str) -> list[int]:
