@@ -267,7 +267,7 @@ async def step_metrics(client: httpx.AsyncClient) -> dict | None:
         r.raise_for_status()
     except httpx.HTTPError:
         return None
-    kinds, buckets, total, cpu = {}, {}, None, None
+    kinds, buckets, total, cpu, joined = {}, {}, None, None, None
     for line in r.text.splitlines():
         if line.startswith("jaxserve:steps_total{"):
             kinds[line.split('kind="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
@@ -276,9 +276,12 @@ async def step_metrics(client: httpx.AsyncClient) -> dict | None:
             buckets[float(le)] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("jaxserve:iteration_tokens_sum "):
             total = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("jaxserve:arrivals_joined_total "):
+            joined = float(line.rsplit(" ", 1)[1])
         elif line.startswith("process_cpu_seconds_total "):  # the server process: host and XLA threads
             cpu = float(line.rsplit(" ", 1)[1])
-    return {"steps": kinds, "buckets": buckets, "tokens": total, "cpu_seconds": cpu} if kinds else None
+    return {"steps": kinds, "buckets": buckets, "tokens": total, "cpu_seconds": cpu, "arrivals_joined": joined} \
+        if kinds else None
 
 
 def step_composition(before: dict | None, after: dict | None) -> dict:
@@ -300,8 +303,12 @@ def step_composition(before: dict | None, after: dict | None) -> dict:
     cpu = None
     if before.get("cpu_seconds") is not None and after.get("cpu_seconds") is not None:
         cpu = after["cpu_seconds"] - before["cpu_seconds"]
+    joined = None  # requests that joined a step held back for them (async scheduling)
+    if before.get("arrivals_joined") is not None and after.get("arrivals_joined") is not None:
+        joined = after["arrivals_joined"] - before["arrivals_joined"]
     return {"steps_by_kind": steps, "step_tokens": tokens, "step_token_slots": slots,
-            "token_slot_fill": tokens / slots if slots else None, "server_cpu_seconds": cpu}
+            "token_slot_fill": tokens / slots if slots else None, "server_cpu_seconds": cpu,
+            "arrivals_joined": joined}
 
 
 async def run_rate(base_url: str, args: argparse.Namespace, rate: float, workload: list[Request]) -> dict:
@@ -365,7 +372,8 @@ def print_summary(label: str, s: dict) -> None:
     if s.get("steps_by_kind"):
         fill = s["token_slot_fill"]
         print(f"  steps {s['steps_by_kind']}  real tokens in "
-              f"{'n/a' if fill is None else f'{100 * fill:.0f}%'} of the token slots")
+              f"{'n/a' if fill is None else f'{100 * fill:.0f}%'} of the token slots"
+              + ("" if s.get("arrivals_joined") is None else f"; {s['arrivals_joined']:.0f} arrivals joined a held step"))
     if s.get("server_cpu_seconds_per_output_token") is not None:
         print(f"  server CPU {1e3 * s['server_cpu_seconds_per_output_token']:.2f} ms per output token "
               f"({s['server_cpu_seconds']:.1f} s, all threads)")

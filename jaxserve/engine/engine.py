@@ -9,15 +9,17 @@ import dataclasses
 import functools
 import itertools
 import logging
+import queue
 import threading
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve import multihost
+from jaxserve.engine.arrival_window import ArrivalWindow
 from jaxserve.engine.backends import default_scan_layers, resolve_attention, resolve_quantized_matmul
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.buckets import BucketTable, executable_counts
@@ -53,6 +55,7 @@ class LaunchedStep:
     rows: list[RowWork]
     pending: PendingSamples
     constrained: bool = False  # a row samples under a grammar
+    dispatched_at: float = 0.0  # time.perf_counter() when its dispatch returned
     samples: Any = None  # what `pending` returned, once fetched
     sample_at: list[int] = dataclasses.field(default_factory=list)
     computed: list[int] = dataclasses.field(default_factory=list)  # -1: told to the block manager at dispatch
@@ -115,11 +118,18 @@ class LLMEngine:
             logger.info("async scheduling off: %s engines run each step to completion first",
                         "speculative" if self.spec is not None else "multi-step")
         self._in_flight: LaunchedStep | None = None
+        # Async scheduling: requests that arrive while step N runs may still join step N+1, which is
+        # held back until just before N should end (engine/arrival_window.py). `arrivals(pending,
+        # until)` waits for them until `until` (time.perf_counter) or until step N is done (its
+        # PendingSamples), adds those that came and returns how many: AsyncLLMEngine sets it;
+        # offline, every request is added before the steps run and nothing is held back.
+        self.arrivals: Callable[[PendingSamples, float], int] | None = None
+        self.arrival_window = ArrivalWindow()
         self.requests: dict[str, Request] = {}
         self._grammar_compiler = None  # structured output: made on the first constrained request
         self._grammar_lock = threading.Lock()
         self._seed_stream = np.random.default_rng(s.seed)
-        self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens_computed=0, steps=0)
+        self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens_computed=0, steps=0, arrivals_joined=0)
         self.composition = StepComposition(self.buckets.token_counts)
         self.last_step_seconds = 0.0
         self.last_step_bytes_read = 0
@@ -336,7 +346,9 @@ class LLMEngine:
 
         With async scheduling the step whose samples are processed is the previous one: step N+1 is
         scheduled and dispatched before step N's samples are fetched (its inputs take them on the
-        device, as placeholders), so the host's work on step N overlaps the device's on step N+1."""
+        device, as placeholders), so the host's work on step N overlaps the device's on step N+1.
+        Under AsyncLLMEngine step N+1 is held back until just before step N should end, so that a
+        request arriving meanwhile joins it (`_join_arrivals`)."""
         self._check_open()
         start = time.perf_counter()
         outputs = []
@@ -344,14 +356,13 @@ class LLMEngine:
             outputs = self.flush()  # a step left in flight when async scheduling was switched off
         plan = self.scheduler.schedule()
         self._copy_forked_pages(plan)
-        if plan.rows:
-            self.composition.record(plan.rows)
         # Speculative and multi-step engines run serially: nothing is ever in flight here.
         if plan.rows and self.spec is not None:
             return outputs + self._speculative_step(plan, start)
         # Lookahead is only ever given where the scheduler has a lookahead policy (multi-step).
         if (plan.rows and plan.kind == "decode" and self.scheduler.lookahead is not None
                 and any(r.num_lookahead for r in plan.rows)):
+            self.composition.record(plan.rows)
             return outputs + self._multi_step(plan, start)
         before_masks = None
         if self._in_flight is not None and self._in_flight.constrained:
@@ -359,7 +370,8 @@ class LLMEngine:
             # once the rest of the next step is packed (the device idles only while the masks are
             # filled); the rest of this step's processing overlaps the next step, as for free rows.
             before_masks = functools.partial(self._advance_grammars, self._in_flight)
-        launched = self._launch(plan, before_masks) if plan.rows else None
+        hold_for = self._in_flight if self.async_scheduling else None
+        launched = self._launch(plan, before_masks, hold_for=hold_for) if plan.rows else None
         if not self.async_scheduling:
             return outputs + (self._process(launched, start) if launched is not None else [])
         previous, self._in_flight = self._in_flight, launched
@@ -372,20 +384,33 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, None
         return self._process(previous, time.perf_counter()) if previous is not None else []
 
-    def _launch(self, plan: SchedulerOutput, before_masks=None, rows: list[RowWork] | None = None) -> "LaunchedStep":
+    def _launch(self, plan: SchedulerOutput, before_masks=None, rows: list[RowWork] | None = None,
+                hold_for: LaunchedStep | None = None) -> "LaunchedStep":
         """Pack and dispatch the plan's step (not waiting for it); each row that samples gets a
         placeholder for its token, and its tokens so far count as computed, so the next step can be
-        scheduled at once. `before_masks`: see ModelRunner.launch; `rows`: the plan's RowWork when
-        the caller has built it."""
+        scheduled at once. `before_masks`: see ModelRunner.pack; `rows`: the plan's RowWork when
+        the caller has built it; `hold_for`: the step in flight, for which the dispatch may be held
+        back while requests arrive (`_join_arrivals`)."""
         rows = self._row_work(plan.rows) if rows is None else rows
+        packed = self.runner.pack(rows, before_masks)
+        joined = self._join_arrivals(plan, hold_for) if hold_for is not None else []
+        if joined:
+            self.counters["arrivals_joined"] += len(joined)
+            rows = rows + self._row_work(joined)
+            packed = self.runner.pack(rows)
+        self.composition.record(plan.rows)  # with the rows that joined; before the rows take placeholders
         logprobs = False
         context = 0  # what the step had to read: every weight once, plus each row's cached K/V
         for r in plan.rows:
             logprobs = logprobs or r.seq.params.logprobs is not None
             context += r.start + r.num_tokens
-        pending = self.runner.launch(rows, before_masks, logprobs=logprobs)
+        sent = time.perf_counter()
+        pending = self.runner.dispatch(packed, logprobs=logprobs)
+        dispatched_at = time.perf_counter()
+        self.arrival_window.dispatched(dispatched_at - sent)
         self.last_step_bytes_read = self.plan.param_bytes + context * self.plan.kv_bytes_per_token
-        step = LaunchedStep(plan, rows, pending, constrained=any(r.grammar is not None for r in rows))
+        step = LaunchedStep(plan, rows, pending, constrained=any(r.grammar is not None for r in rows),
+                            dispatched_at=dispatched_at)
         computed, preemptions, sample_at = step.computed, step.preemptions, step.sample_at
         prefill = plan.kind == "prefill"
         slots = pending.packed.sample_slots()
@@ -407,6 +432,19 @@ class LLMEngine:
             else:
                 sample_at.append(-1)
         return step
+
+    def _join_arrivals(self, plan: SchedulerOutput, in_flight: LaunchedStep) -> list[ScheduledRow]:
+        """Hold `plan`'s dispatch back until just before the step in flight should end, for requests
+        that arrive meanwhile (`arrivals`): their first prompt chunks join `plan` in the tokens it
+        left, instead of waiting a step more. Returns the rows that joined. Not when nobody could
+        join, the step's end is not known yet, or the step in flight has grammar rows (`plan`'s
+        masks needed its tokens: it is done already)."""
+        if self.arrivals is None or in_flight.constrained or not self.scheduler.takes_arrivals(plan):
+            return []
+        closes_at = self.arrival_window.closes_at(in_flight.pending.packed.shape[0], in_flight.dispatched_at)
+        if closes_at is None or not self.arrivals(in_flight.pending, closes_at):
+            return []
+        return self.scheduler.top_up(plan)
 
     def _process(self, step: "LaunchedStep", start: float) -> list[RequestOutput]:
         """Take a dispatched step's samples (waiting for them if need be): each sampled token replaces
@@ -435,10 +473,10 @@ class LLMEngine:
                 advanced[seq.request_id] = self.requests[seq.request_id]
         return self._finish_step(advanced, start)
 
-    @staticmethod
-    def _samples(step: "LaunchedStep"):
+    def _samples(self, step: "LaunchedStep"):
         if step.samples is None:
             step.samples = step.pending.result()
+            self.arrival_window.done(step.pending.packed.shape[0], step.dispatched_at, time.perf_counter())
         return step.samples
 
     def _advance_grammars(self, step: "LaunchedStep") -> None:
@@ -550,6 +588,7 @@ class LLMEngine:
             for row in plan.rows:
                 row.num_lookahead = 0
             return self._process(self._launch(plan, rows=rows), start)
+        self.composition.record(plan.rows)
         self.spec.prepare(plan.rows, rows)
         out = self.runner.execute(rows)
         self.spec.record(plan.rows, out.num_accepted)  # before marking: the draft's lag bounds what is computed
@@ -622,6 +661,7 @@ class LLMEngine:
             prompt_tokens_total=self.counters["prompt_tokens"],
             generation_tokens_total=self.counters["generation_tokens"],
             prefill_tokens_computed=self.counters["prefill_tokens_computed"],
+            arrivals_joined_total=self.counters["arrivals_joined"],
             last_step_seconds=self.last_step_seconds,
             last_step_bytes_read=self.last_step_bytes_read,
             # structured output: host time computing grammar masks, and the constrained rows masked
@@ -657,6 +697,10 @@ class AsyncLLMEngine:
         # request id -> where its deltas go: (the caller's event loop, its queue, the caller's tag)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Any]] = {}
         self._ids = itertools.count()
+        engine.arrivals = self._admit_arrivals
+        # Steps in flight whose end wakes the step thread (held back for arrivals, it waits on _wake).
+        self._watched: queue.SimpleQueue = queue.SimpleQueue()
+        self._watcher: threading.Thread | None = None
 
     @classmethod
     def from_settings(cls, settings: EngineConfig) -> "AsyncLLMEngine":
@@ -686,6 +730,7 @@ class AsyncLLMEngine:
         if the thread is still in a step after `timeout`, the engine is left open."""
         self._stop.set()
         self._wake.set()
+        self._watched.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -703,15 +748,56 @@ class AsyncLLMEngine:
                 last = self.engine.abort_request(request_id)
                 if last is not None:
                     self._deliver(request_id, last)
-                continue
-            ids, params, grammar = rest
+            else:
+                self._add(request_id, *rest)
+
+    def _admit_arrivals(self, in_flight: PendingSamples, until: float) -> int:
+        """LLMEngine.arrivals (step thread, under the lock): wait for new requests until `until`
+        (time.perf_counter) or until the step `in_flight` is done, and add those at the head of the
+        intake; returns how many were added. An abort stops the taking, and waits for the next
+        drain: a row of the step being held back may be the aborted request's, and its pages must
+        stay its own until then."""
+        self._watch(in_flight)
+        while True:
+            self._wake.clear()  # before looking: whatever arrives later sets it and ends the wait below
+            added = 0
+            while self._intake and self._intake[0][0] == "add":
+                _, request_id, *rest = self._intake.popleft()
+                added += self._add(request_id, *rest)
+            if added or self._stop.is_set() or in_flight.is_ready():
+                return added
+            left = until - time.perf_counter()
+            if left <= 0:
+                return 0
+            self._wake.wait(left)  # set by an arrival, by the watcher when the step ends, or by shutdown
+
+    def _watch(self, pending: PendingSamples) -> None:
+        """Have the watcher thread set _wake once `pending`'s step is done (no polling: a wake-up a
+        millisecond would take CPU from the step's own threads on a small host)."""
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch_steps, name="jaxserve-step-watcher", daemon=True)
+            self._watcher.start()
+        self._watched.put(pending)
+
+    def _watch_steps(self) -> None:
+        while (pending := self._watched.get()) is not None:
             try:
-                if grammar is None:
-                    self.engine.add_request(request_id, None, params, ids)
-                else:
-                    self.engine.add_request(request_id, None, params, ids, grammar=grammar)
-            except Exception as err:  # noqa: BLE001 - checked at intake; a late refusal fails this request only
-                self._deliver(request_id, err if isinstance(err, RequestError) else RequestError(str(err)))
+                pending.wait()
+            except Exception:  # noqa: BLE001 - a failed step fails in the step thread; here it only wakes it
+                pass
+            self._wake.set()
+
+    def _add(self, request_id: str, ids: list[int], params: SamplingParams, grammar: Any) -> bool:
+        """Add one request from the intake; a late refusal fails that request only."""
+        try:
+            if grammar is None:
+                self.engine.add_request(request_id, None, params, ids)
+            else:
+                self.engine.add_request(request_id, None, params, ids, grammar=grammar)
+            return True
+        except Exception as err:  # noqa: BLE001 - checked at intake; a late refusal fails this request only
+            self._deliver(request_id, err if isinstance(err, RequestError) else RequestError(str(err)))
+            return False
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -265,6 +265,14 @@ class PendingSamples:
             for leaf in jax.tree.leaves(out):
                 leaf.copy_to_host_async()
 
+    def is_ready(self) -> bool:
+        """Whether the step is done (its samples computed), without waiting for it."""
+        return all(leaf.is_ready() for leaf in jax.tree.leaves(self._out))
+
+    def wait(self) -> None:
+        """Wait until the step is done, fetching nothing."""
+        jax.block_until_ready(self._out)
+
     def result(self) -> SampleOutput | tuple[SampleOutput, "PromptScores"]:
         """Each row's sample in row order, as `ModelRunner.execute` returns them (waits for the step)."""
         packed = self.packed
@@ -520,15 +528,22 @@ class ModelRunner:
 
     def launch(self, rows: Sequence[RowWork], before_masks: Callable[[], None] | None = None,
                logprobs: bool = True) -> PendingSamples:
-        """`execute` without the wait: dispatches the step and starts its samples' copy to the host.
-        A row's tokens may hold placeholders of the previous step's samples (jaxserve.placeholders).
-        `before_masks` runs once the inputs are packed, before the grammar rows' masks are filled
-        (async scheduling: it hands those grammars the previous step's tokens). `logprobs=False`:
-        the samples' logprobs are not fetched (no row asked for them)."""
-        score = any(r.targets is not None for r in rows)
-        packed = self._pack(rows, score=score, before_masks=before_masks)
+        """`execute` without the wait: `pack`, then `dispatch`."""
+        return self.dispatch(self.pack(rows, before_masks), logprobs)
+
+    def pack(self, rows: Sequence[RowWork], before_masks: Callable[[], None] | None = None) -> PackedRows:
+        """Lay a step's rows out on the host (nothing is sent yet). A row's tokens may hold
+        placeholders of the previous step's samples (jaxserve.placeholders). `before_masks` runs once
+        the inputs are packed, before the grammar rows' masks are filled (async scheduling: it hands
+        those grammars the previous step's tokens)."""
+        return self._pack(rows, score=any(r.targets is not None for r in rows), before_masks=before_masks)
+
+    def dispatch(self, packed: PackedRows, logprobs: bool = True) -> PendingSamples:
+        """Send a packed step to the device and run it (not waiting for it); its samples' copy to
+        the host starts at once. `logprobs=False`: the samples' logprobs are not fetched (no row
+        asked for them)."""
         start_copy = self.platform != "cpu"
-        if not score:
+        if packed.score_inputs is None:
             return PendingSamples(self.run_step(packed.shape, packed.inputs, packed.buffer), packed, logprobs,
                                   start_copy)
         sample_index, targets = packed.score_inputs

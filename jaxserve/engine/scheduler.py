@@ -105,28 +105,70 @@ class Scheduler:
         if self.lookahead is not None and not self.lookahead_steps:  # drafts: in the budget
             self._give_lookahead(rows, [self.max_num_batched_tokens - sum(r.seq.replica == rep for r in rows)
                                         for rep in range(self.blocks.num_replicas)])
-        budget = [self.max_num_batched_tokens] * self.blocks.num_replicas
-        for row in rows:
-            budget[row.seq.replica] -= row.num_tokens + row.num_lookahead
-        if self.waiting and not (self.scheduling == "static" and self.running):
-            self._admit_waiting(sum(s.compute_target - s.num_computed for s in self.running
-                                    if s.compute_target - s.num_computed > 1))
         decodes = len(rows)
-        scheduled = {id(r.seq) for r in rows}
-        for seq in self.running:  # admission order: partially prefilled prompts first, then the new
-            if id(seq) in scheduled:
-                continue
-            chunk = min(seq.compute_target - seq.num_computed, budget[seq.replica])
-            if chunk < 1 or not self._can_run(seq):
-                continue
-            rows.append(ScheduledRow(seq, seq.num_computed, chunk))
-            budget[seq.replica] -= chunk
+        rows += self._prompt_chunks(rows)
         if not rows:
             return SchedulerOutput("idle", [], copies, preempted)
         if self.lookahead is not None and self.lookahead_steps and len(rows) == decodes:
             self._give_lookahead(rows, [self.max_model_len] * self.blocks.num_replicas)  # later steps
         kind = "decode" if len(rows) == decodes else "prefill" if not decodes else "mixed"
         return SchedulerOutput(kind, rows, copies, preempted)
+
+    def takes_arrivals(self, plan: SchedulerOutput) -> bool:
+        """Whether a request arriving now could still join `plan` (`top_up`): nobody waits ahead of
+        it, and some replica has a free seat and tokens left in the plan's budget."""
+        if (not plan.rows or self.waiting or self.lookahead is not None
+                or (self.scheduling == "static" and self.running)
+                or self._prompt_work_in_flight() >= self.max_num_batched_tokens):
+            return False
+        budget, seats = self._budget_left(plan.rows), self._seats_left()
+        return any(b > 0 and n > 0 for b, n in zip(budget, seats))
+
+    def top_up(self, plan: SchedulerOutput) -> list[ScheduledRow]:
+        """Admit requests added since `plan` was made and append their first prompt chunks to it, in
+        the budget it left; returns the rows added. Async scheduling holds a plan back for requests
+        that arrive while the step before it runs (LLMEngine.step); a plan with lookahead is never
+        topped up (only plain steps are held back)."""
+        new = self._prompt_chunks(plan.rows)
+        if new:
+            plan.rows.extend(new)
+            plan.kind = "prefill" if plan.kind == "prefill" else "mixed"
+        return new
+
+    def _prompt_chunks(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
+        """Admit from the queue, then a chunk of each running prompt not in `rows`, in the tokens
+        `rows` leave of each replica's budget (admission order: partially prefilled prompts first)."""
+        budget = self._budget_left(rows)
+        if self.waiting and not (self.scheduling == "static" and self.running):
+            self._admit_waiting(self._prompt_work_in_flight())
+        scheduled = {id(r.seq) for r in rows}
+        chunks = []
+        for seq in self.running:
+            if id(seq) in scheduled:
+                continue
+            chunk = min(seq.compute_target - seq.num_computed, budget[seq.replica])
+            if chunk < 1 or not self._can_run(seq):
+                continue
+            chunks.append(ScheduledRow(seq, seq.num_computed, chunk))
+            budget[seq.replica] -= chunk
+        return chunks
+
+    def _budget_left(self, rows: list[ScheduledRow]) -> list[int]:
+        budget = [self.max_num_batched_tokens] * self.blocks.num_replicas
+        for row in rows:
+            budget[row.seq.replica] -= row.num_tokens + row.num_lookahead
+        return budget
+
+    def _prompt_work_in_flight(self) -> int:
+        """Prompt tokens the running sequences have still to compute."""
+        return sum(s.compute_target - s.num_computed for s in self.running if s.compute_target - s.num_computed > 1)
+
+    def _seats_left(self) -> list[int]:
+        """Free sequence slots per replica (siblings still to fork hold theirs)."""
+        seats = [self.max_num_seqs] * self.blocks.num_replicas
+        for s in self.running:
+            seats[s.replica] -= 1 + s.num_siblings_to_fork
+        return seats
 
     def _can_run(self, seq: Sequence) -> bool:
         """Whether `seq` may join a step scheduled while its last token is still in flight (async
@@ -189,12 +231,10 @@ class Scheduler:
         tokens = seq.tokens
         reuse = seq.params.prompt_logprobs is None  # prompt logprobs need every position computed
         width = 1 + seq.num_siblings_to_fork
-        counts = [0] * self.blocks.num_replicas
-        for s in self.running:  # siblings still to fork will run on their parent's replica
-            counts[s.replica] += 1 + s.num_siblings_to_fork
+        seats = self._seats_left()  # siblings still to fork will run on their parent's replica
         best, best_key = None, None
         for r in range(self.blocks.num_replicas):
-            if counts[r] + width > self.max_num_seqs:
+            if seats[r] < width:
                 continue
             if self.preemption_mode == "reserve":
                 need = width * self.blocks.pages_for(self._reserved_tokens(seq))
@@ -203,7 +243,7 @@ class Scheduler:
             elif not self.blocks.can_admit(r, len(tokens), tokens if reuse else None):
                 continue
             # Prefer the replica holding this prefix, then the emptiest (most free pages, fewest sequences).
-            key = (self.blocks.lookup_prefix(r, tokens) if reuse else 0, self.blocks.num_free_pages(r), -counts[r])
+            key = (self.blocks.lookup_prefix(r, tokens) if reuse else 0, self.blocks.num_free_pages(r), seats[r])
             if best_key is None or key > best_key:
                 best, best_key = r, key
         if best is None:

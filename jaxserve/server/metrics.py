@@ -117,6 +117,8 @@ class _EngineCollector:
                            "multihost_message_bytes_total")
         yield from counter("jaxserve:multihost_send_seconds", "Seconds process 0 spent sending step messages.",
                            "multihost_send_seconds_total")
+        yield from counter("jaxserve:arrivals_joined", "Requests that arrived while a step ran and joined the "
+                           "next step, held back for them (async scheduling).", "arrivals_joined_total")
         yield from counter("jaxserve:num_preemptions", "Sequences preempted (pages reclaimed, recomputed later).",
                            "num_preemptions")
         yield from counter("jaxserve:prompt_tokens", "Prompt tokens processed.", "prompt_tokens_total")

@@ -92,13 +92,13 @@ def test_next_step_is_dispatched_before_the_last_is_fetched(monkeypatch):
     monkeypatch.setattr(PendingSamples, "result", result)
     with LLM("checkpoints/default", **SETTINGS) as llm:
         engine = llm.engine
-        launch = engine.runner.launch
+        dispatch = engine.runner.dispatch
 
-        def recording_launch(rows, before_masks=None, logprobs=True):
+        def recording_dispatch(packed, logprobs=True):
             events.append("dispatch")
-            return launch(rows, before_masks, logprobs)
+            return dispatch(packed, logprobs)
 
-        engine.runner.launch = recording_launch
+        engine.runner.dispatch = recording_dispatch
         for i in range(3):
             engine.add_request(f"r{i}", None, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                                list(range(5 + i, 20 + i)))

@@ -52,3 +52,6 @@ def test_step_composition_counts_slots_from_the_histogram():
     got = bench.step_composition(before, after)
     assert got["steps_by_kind"] == {"decode": 1, "prefill": 1, "mixed": 1}
     assert (got["step_tokens"], got["step_token_slots"]) == (8, 9) and got["token_slot_fill"] == 8 / 9
+    assert got["arrivals_joined"] is None  # a server without the counter
+    joined = bench.step_composition(dict(before, arrivals_joined=1.0), dict(after, arrivals_joined=3.0))
+    assert joined["arrivals_joined"] == 2
