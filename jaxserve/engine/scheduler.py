@@ -164,9 +164,14 @@ class Scheduler:
         return sum(s.compute_target - s.num_computed for s in self.running if s.compute_target - s.num_computed > 1)
 
     def _seats_left(self) -> list[int]:
-        """Free sequence slots per replica (siblings still to fork hold theirs)."""
+        """Free sequence slots per replica for the step being scheduled (siblings still to fork hold
+        theirs). A sequence that ends when its token in flight lands (`_can_run`: its length ends
+        it) takes no row in this step, so its seat is free already: async scheduling would otherwise
+        keep a queued request out for one step more than a serial engine does."""
         seats = [self.max_num_seqs] * self.blocks.num_replicas
         for s in self.running:
+            if s.in_flight and not self._can_run(s):
+                continue
             seats[s.replica] -= 1 + s.num_siblings_to_fork
         return seats
 

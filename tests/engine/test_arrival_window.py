@@ -16,6 +16,7 @@ from jaxserve.engine.compile import BucketTable
 from jaxserve.engine.engine import AsyncLLMEngine
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence
+from jaxserve.ragged import placeholder
 
 from engine_testlib import StepRecorder
 
@@ -90,6 +91,22 @@ def test_no_window_when_an_arrival_could_not_join():
     static = _scheduler(scheduling="static")
     _decoding(static, ["a"])
     assert not static.takes_arrivals(static.schedule())  # static batching admits only into an empty batch
+
+
+def test_a_seat_freed_by_a_token_in_flight_is_given_in_the_step_scheduled_beside_it():
+    """A sequence whose token in flight is its last (max_tokens) takes no row in the next step, so a
+    queued request takes its seat there instead of a step later."""
+    s = _scheduler(max_num_seqs=2)
+    a, b = _decoding(s, ["a", "b"])
+    a.params = SamplingParams(max_tokens=2)
+    a.output_token_ids[-1] = placeholder(0)  # its 2nd token: in flight, and then it ends
+    a.output_token_ids.insert(0, 4)
+    b.output_token_ids[-1] = placeholder(1)  # b goes on
+    queued = _seq("queued", 6)
+    s.add(queued)
+    plan = s.schedule()
+    assert {r.seq.seq_id: r.num_tokens for r in plan.rows} == {"b": 1, "queued": 6}
+    assert len(plan.rows) <= 2  # still at most max_num_seqs rows
 
 
 # ---------------------------------------------------------------- the intake
