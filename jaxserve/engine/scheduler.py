@@ -226,7 +226,10 @@ class Scheduler:
         static = self.scheduling == "static"
         while self.waiting and (static or pending_tokens < self.max_num_batched_tokens):
             seq = self.waiting[0]
-            if self._admit(seq) is None:
+            # Preempted with its token in flight (async scheduling): it waits until that token is on
+            # the host. Its placeholder names a sample of its old replica's step, which another
+            # replica's step would resolve from its own samples: a wrong id, and wrong K/V after it.
+            if seq.in_flight or self._admit(seq) is None:
                 break
             self.waiting.popleft()
             pending_tokens += seq.compute_target - seq.num_computed
