@@ -65,7 +65,9 @@ def check_ragged_row_matches_forward(cfg, params, scan: bool, page_size: int) ->
                               num_rows=2, max_pages=4, num_logits=8)
     logits, got_cache = jax.jit(forward_ragged, static_argnames=("cfg", "scan_layers"))(
         params, base, batch, cfg=cfg, scan_layers=scan)
-    np.testing.assert_allclose(np.asarray(logits[: len(new)]), np.asarray(ref[0]), atol=1e-5, rtol=0)
+    # The two paths sum in different orders: float32 logits agree to ~1e-5 on an AMD EPYC and to
+    # 1.6e-5 (Mixtral) on an Intel Xeon with AVX-512 fp16, where XLA:CPU fuses otherwise.
+    np.testing.assert_allclose(np.asarray(logits[: len(new)]), np.asarray(ref[0]), atol=5e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(got_cache.k), np.asarray(ref_cache.k), atol=1e-5, rtol=0, equal_nan=True)
 
 
