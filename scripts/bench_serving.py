@@ -373,7 +373,8 @@ def print_summary(label: str, s: dict) -> None:
         fill = s["token_slot_fill"]
         print(f"  steps {s['steps_by_kind']}  real tokens in "
               f"{'n/a' if fill is None else f'{100 * fill:.0f}%'} of the token slots"
-              + ("" if s.get("arrivals_joined") is None else f"; {s['arrivals_joined']:.0f} arrivals joined a held step"))
+              + ("" if s.get("arrivals_joined") is None
+                 else f"; {s['arrivals_joined']:.0f} arrivals joined a held step"))
     if s.get("server_cpu_seconds_per_output_token") is not None:
         print(f"  server CPU {1e3 * s['server_cpu_seconds_per_output_token']:.2f} ms per output token "
               f"({s['server_cpu_seconds']:.1f} s, all threads)")

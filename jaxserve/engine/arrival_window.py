@@ -10,8 +10,8 @@ The expected end comes from recent steps: when the previous step's samples were 
 or at its dispatch if later), plus the shortest recent device time of N's token bucket (a step that
 ends sooner than its estimate leaves the device idle until the next one is dispatched, so the
 estimate errs short). The window closes early enough for a dispatch to land first (a few times the
-median dispatch time). If N ends sooner still, the engine is woken and dispatches then. Until a bucket has run
-`MIN_SAMPLES` times, the window stays shut and the next step is dispatched at once.
+median dispatch time). If N ends sooner still, the engine is woken and dispatches then. Until a
+bucket has run `MIN_SAMPLES` times, the window stays shut and the next step is dispatched at once.
 """
 
 from __future__ import annotations

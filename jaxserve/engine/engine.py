@@ -129,7 +129,8 @@ class LLMEngine:
         self._grammar_compiler = None  # structured output: made on the first constrained request
         self._grammar_lock = threading.Lock()
         self._seed_stream = np.random.default_rng(s.seed)
-        self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens_computed=0, steps=0, arrivals_joined=0)
+        self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens_computed=0, steps=0,
+                             arrivals_joined=0)
         self.composition = StepComposition(self.buckets.token_counts)
         self.last_step_seconds = 0.0
         self.last_step_bytes_read = 0

@@ -630,7 +630,8 @@ def test_bad_construction(kwargs):
         BlockManager(**kwargs)
 
 
-@pytest.mark.parametrize("module", ["block_manager", "scheduler", "buckets", "sequence", "step_stats", "arrival_window"])
+@pytest.mark.parametrize("module", ["block_manager", "scheduler", "buckets", "sequence", "step_stats",
+                                    "arrival_window"])
 def test_module_does_not_import_jax(module):
     """The host side (pages, scheduling, the bucket table) is plain Python: importing it loads no jax."""
     import subprocess
