@@ -300,15 +300,14 @@ def step_composition(before: dict | None, after: dict | None) -> dict:
             slots += (cumulative - below) * bound
         below = cumulative
     tokens = after["tokens"] - before["tokens"]
-    cpu = None
-    if before.get("cpu_seconds") is not None and after.get("cpu_seconds") is not None:
-        cpu = after["cpu_seconds"] - before["cpu_seconds"]
-    joined = None  # requests that joined a step held back for them (async scheduling)
-    if before.get("arrivals_joined") is not None and after.get("arrivals_joined") is not None:
-        joined = after["arrivals_joined"] - before["arrivals_joined"]
+
+    def change(key):  # a counter's increase over the run; None where the server lacks it
+        return None if before.get(key) is None or after.get(key) is None else after[key] - before[key]
+
     return {"steps_by_kind": steps, "step_tokens": tokens, "step_token_slots": slots,
-            "token_slot_fill": tokens / slots if slots else None, "server_cpu_seconds": cpu,
-            "arrivals_joined": joined}
+            "token_slot_fill": tokens / slots if slots else None, "server_cpu_seconds": change("cpu_seconds"),
+            # requests that joined a step held back for them (async scheduling)
+            "arrivals_joined": change("arrivals_joined")}
 
 
 async def run_rate(base_url: str, args: argparse.Namespace, rate: float, workload: list[Request]) -> dict:

@@ -41,8 +41,8 @@ class ArrivalWindow:
     def done(self, bucket: int, dispatched_at: float, seen_at: float) -> None:
         """A step of `bucket` tokens, dispatched at `dispatched_at`, had its samples seen at `seen_at`.
         The device ran it from the later of its dispatch and the previous step's end."""
-        start = dispatched_at if self._last_done is None else max(dispatched_at, self._last_done)
-        self._durations.setdefault(bucket, collections.deque(maxlen=HISTORY)).append(seen_at - start)
+        durations = self._durations.setdefault(bucket, collections.deque(maxlen=HISTORY))
+        durations.append(seen_at - self._start(dispatched_at))
         self._last_done = seen_at
 
     def closes_at(self, bucket: int, dispatched_at: float) -> float | None:
@@ -51,6 +51,9 @@ class ArrivalWindow:
         durations = self._durations.get(bucket)
         if durations is None or len(durations) < MIN_SAMPLES or not self._dispatch_seconds:
             return None
-        start = dispatched_at if self._last_done is None else max(dispatched_at, self._last_done)
         margin = max(MIN_MARGIN_S, DISPATCH_MARGIN * statistics.median(self._dispatch_seconds))
-        return start + min(durations) - margin
+        return self._start(dispatched_at) + min(durations) - margin
+
+    def _start(self, dispatched_at: float) -> float:
+        """When the device began a step dispatched at `dispatched_at`: then, or when the one before ended."""
+        return dispatched_at if self._last_done is None else max(dispatched_at, self._last_done)
