@@ -32,6 +32,24 @@ def powers_of_two(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
 
 
 
+TOKEN_LADDERS = ("powers-of-two", "fine")
+
+
+def token_ladder(most: int, ladder: str) -> tuple[int, ...]:
+    """The ragged step's token buckets up to `most` (the step's budget, never below its rows).
+
+    powers-of-two: 1 (batch-1 decode), then 4, 8, 16, ... (two rows take the 4-token bucket).
+    fine: powers of two and the midpoints between them, 1, 2, 3, 4, 6, 8, 12, 16, 24, ...: a step pads
+    at most a third of its slots instead of half, for twice the executables."""
+    coarse = {1, *powers_of_two(min(4, most), most)}
+    if ladder == "powers-of-two":
+        return tuple(sorted(coarse))
+    if ladder != "fine":
+        raise ValueError(f"unknown token ladder {ladder!r}; one of {TOKEN_LADDERS}")
+    midpoints = {3 * n // 2 for n in powers_of_two(2, most) if 3 * n // 2 < most}
+    return tuple(sorted(coarse | {n for n in (2, 3) if n < most} | midpoints))
+
+
 def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
     """Smallest bucket >= n; a value above the table is a bug of the caller (checked at admission)."""
     for b in buckets:
@@ -47,19 +65,18 @@ class BucketTable:
     batch_sizes: tuple[int, ...]  # rows (the speculative decoder's buckets; the ragged step has max rows)
     chunk_sizes: tuple[int, ...]  # tokens per row of the draft model's prefill
     page_counts: tuple[int, ...]  # (pages per row,): the one page-table width of every step
-    # The ragged step's token axis N: 1 (batch-1 decode), then powers of two from 4 up to the step's
-    # token budget, never below the row count (a step of every row decoding fits). Two decode rows
-    # take the 4-token bucket: on a CPU a small step costs its weight reads, whatever N.
+    # The ragged step's token axis N (`token_ladder`) up to the step's token budget, never below the
+    # row count (a step of every row decoding fits).
     token_counts: tuple[int, ...] = ()
 
     @classmethod
-    def build(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int) -> "BucketTable":
-        most_tokens = max(max_num_batched_tokens, max_num_seqs)
+    def build(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int,
+              ladder: str = "powers-of-two") -> "BucketTable":
         return cls(
             batch_sizes=powers_of_two(1, max_num_seqs),
             chunk_sizes=powers_of_two(min(16, max_num_batched_tokens), max_num_batched_tokens),
             page_counts=(max_pages_per_seq,),
-            token_counts=tuple(sorted({1, *powers_of_two(min(4, most_tokens), most_tokens)})),
+            token_counts=token_ladder(max(max_num_batched_tokens, max_num_seqs), ladder),
         )
 
     @property
@@ -74,7 +91,8 @@ class BucketTable:
         # The budget is the step's, over all its rows: it may exceed max_model_len (many rows, or
         # decodes verifying drafts), though no single prompt chunk can.
         return cls.build(settings.max_num_seqs, settings.max_num_batched_tokens,
-                         math.ceil(max_model_len / settings.page_size))
+                         math.ceil(max_model_len / settings.page_size),
+                         settings.token_buckets)
 
 
 def step_shapes(buckets: BucketTable, num_scheduler_steps: int = 1) -> list[tuple]:

@@ -35,6 +35,25 @@ def test_default_config_executable_counts(overrides, expected):
         assert expected.total <= 10
 
 
+def test_fine_token_ladder():
+    """`token_buckets: fine` adds the midpoints: 16 token buckets for configs/default.yaml (within the
+    30 issue 21 allows on a CPU), and no step padded by more than a third of its slots."""
+    from jaxserve.engine.buckets import token_ladder
+
+    assert token_ladder(256, "powers-of-two") == (1, 4, 8, 16, 32, 64, 128, 256)
+    assert token_ladder(256, "fine") == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    assert token_ladder(20, "fine") == (1, 2, 3, 4, 6, 8, 12, 16, 20)  # the budget itself always
+    assert token_ladder(2, "fine") == (1, 2) and token_ladder(1, "powers-of-two") == (1,)
+    fine = token_ladder(4096, "fine")
+    assert all(b / a <= 1.5 for a, b in zip(fine[1:], fine[2:]))
+    settings = EngineConfig.from_yaml(DEFAULT, dict(token_buckets="fine"))
+    assert executable_counts(settings) == ExecutableCounts(steps=16, page_copies=1)
+    assert executable_counts(settings.replace(num_scheduler_steps=4)) == ExecutableCounts(
+        steps=16, multi_step=8, page_copies=1)  # 1, 2, 3, 4, 6, 8, 12, 16 tokens <= 16 rows
+    with pytest.raises(ValueError, match="token ladder"):
+        token_ladder(256, "coarse")
+
+
 def test_counts_follow_the_table():
     settings = EngineConfig.from_yaml(DEFAULT, dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32,
                                                     mesh_shape=[2, 1]))
@@ -58,7 +77,8 @@ SMALL = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=2, max
     dict(speculative_method="ngram", num_speculative_tokens=3),
     dict(num_scheduler_steps=2),
     "draft",
-], ids=["prompt-logprobs", "ngram", "multi-step", "draft"])
+    dict(token_buckets="fine"),
+], ids=["prompt-logprobs", "ngram", "multi-step", "draft", "fine-ladder"])
 def test_warm_up_compiles_what_the_table_counts(hf_model_dir, extra):
     """A warm-up compiles exactly the executables counted from the table, and /metrics' executables
     gauge (stats()["executables"]) reports them."""
@@ -80,3 +100,18 @@ def test_executables_gauge_in_metrics():
 
     text = ServerMetrics(lambda: {"executables": 41}).render().decode()
     assert "jaxserve:executables 41.0" in text
+
+
+def test_fine_ladder_greedy_tokens_match(hf_model_dir):
+    """The fine ladder's buckets (2, 3, 6, 12, 24 tokens) change padding, never tokens: greedy outputs
+    of prompts of mixed lengths equal those of the powers-of-two ladder."""
+    from jaxserve import SamplingParams
+
+    path, _ = hf_model_dir("llama")
+    prompts = [list(range(3, 3 + n)) for n in (5, 11, 2, 23)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for ladder in ("powers-of-two", "fine"):
+        with LLM(path, **dict(SMALL, max_num_seqs=4), token_buckets=ladder) as llm:
+            outs[ladder] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert outs["fine"] == outs["powers-of-two"]
