@@ -46,8 +46,9 @@ def token_ladder(most: int, ladder: str) -> tuple[int, ...]:
         return tuple(sorted(coarse))
     if ladder != "fine":
         raise ValueError(f"unknown token ladder {ladder!r}; one of {TOKEN_LADDERS}")
+    # 2 is the power of two that `coarse` skips; 3 is its midpoint.
     midpoints = {3 * n // 2 for n in powers_of_two(2, most) if 3 * n // 2 < most}
-    return tuple(sorted(coarse | {n for n in (2, 3) if n < most} | midpoints))
+    return tuple(sorted(coarse | ({2} if most > 2 else set()) | midpoints))
 
 
 def pick_bucket(n: int, buckets: tuple[int, ...]) -> int:
