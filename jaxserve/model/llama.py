@@ -264,6 +264,11 @@ def _ragged_layer(
     return _output_and_mlp(cfg, lp, x, attn[None], expert_parallel), cache
 
 
+# Unrolled layers call one layer's function as a nested jit: JAX traces and lowers it once per step
+# shape, not once per layer, and XLA inlines the calls, so the compiled step is the same.
+_ragged_layer_traced_once = jax.jit(_ragged_layer, static_argnums=(0, 1, 11))
+
+
 def forward_ragged(
     params: Params,
     cache: KVCache,  # one replica: k, v f[L, K, NP, S, H], or i8 with k_scale, v_scale f32[L, K, NP, S]
@@ -292,8 +297,8 @@ def forward_ragged(
 
     def run(lp, layer, x, cache):
         kind = None if kinds is None else int(kinds[layer])
-        return _ragged_layer(cfg, attention, lp, layer, windows[layer], sm_scales[layer], x, cache,
-                             *_layer_rope(cos, sin, kind), batch, expert_parallel)
+        return _ragged_layer_traced_once(cfg, attention, lp, layer, windows[layer], sm_scales[layer], x, cache,
+                                         *_layer_rope(cos, sin, kind), batch, expert_parallel)
 
     if isinstance(params.layers, tuple):
         for layer, lp in enumerate(params.layers):
