@@ -90,7 +90,9 @@ class LLMEngine:
                                           s.quantization)
         options = StepOptions(scan_layers=scan, attention_backend=attention, mesh=self.mesh, matmul_backend=matmul,
                               moe_parallelism=s.moe_parallelism)
-        self.buckets = BucketTable.for_settings(s, self.plan.max_model_len)
+        self.buckets = BucketTable.for_settings(s, self.plan.max_model_len, jax.default_backend())
+        logger.info("token buckets (token_buckets=%s on %s): %s", s.token_buckets, jax.default_backend(),
+                    ", ".join(map(str, self.buckets.token_counts)))
         cache = init_cache(loaded.cfg, self.plan.num_pages, s.page_size, loaded.dtype, self.num_replicas,
                            self.shardings.cache, s.kv_cache_dtype, self.shardings.cache_scale)
         self.runner = ModelRunner(loaded.cfg, loaded.params, cache, self.buckets, options, self.shardings,
@@ -152,7 +154,7 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.warm_up()
         self.compiles_at_warm_up = CompileCounter.requests
-        planned = executable_counts(self.settings, self.plan.max_model_len, self.num_replicas)
+        planned = executable_counts(self.settings, self.plan.max_model_len, self.num_replicas, jax.default_backend())
         self.warm_up_compiles = self.compiles_at_warm_up - before  # executables asked for (persistent-cache hits too)
         logger.info("warm-up compiled %d executables; the bucket table plans %s", self.warm_up_compiles,
                     planned.describe())
