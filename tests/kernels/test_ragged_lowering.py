@@ -100,27 +100,34 @@ class Module:
             if ret:
                 self.returns[func] = _operands(ret.group(1))
 
-    def origins(self, func: str, value: str, path=()) -> list[tuple[str, ...]]:
-        """Every path (the ops passed, newest last) from `value` back to an argument of main."""
+    def origins(self, func: str, value: str, path=(), stack=()) -> list[tuple[str, ...]]:
+        """Every path (the ops passed, newest last) from `value` back to an argument of main.
+
+        `stack` holds the call sites entered through their results: an argument of a function entered
+        that way comes from that call's operand only, not from every caller (a layer function called once
+        per unrolled layer takes the previous call's result, so fanning out there would loop)."""
         name, _, index = value.partition("#")
         if name in self.carry[func]:
-            return self.origins(func, self.carry[func][name], path + ("while carry",))
+            return self.origins(func, self.carry[func][name], path + ("while carry",), stack)
         if name in self.manual[func]:
-            return self.origins(func, self.manual[func][name], path + ("shard_map",))
+            return self.origins(func, self.manual[func][name], path + ("shard_map",), stack)
         if name in self.args[func]:
             if func == "main":
                 return [path + ("main argument",)]
             pos = self.args[func].index(name)
+            if stack:
+                caller, ops = stack[-1]
+                return self.origins(caller, ops[pos], path + ("call",), stack[:-1])
             return [p for caller, ops in self.calls[func] for p in self.origins(caller, ops[pos], path + ("call",))]
         line = self.defs[func][name]
-        call = re.match(r"(?:func\.)?call @([\w$.]+)\(", line)
+        call = re.match(r"(?:func\.)?call @([\w$.]+)\(([^)]*)\)", line)
         if call:
-            callee = call.group(1)
-            return self.origins(callee, self.returns[callee][int(index or 0)], path + ("return",))
+            callee, site = call.group(1), (func, _operands(call.group(2)))
+            return self.origins(callee, self.returns[callee][int(index or 0)], path + ("return",), stack + (site,))
         op = re.match(r'"?([\w.]+)"?', line).group(1)
         if op in ("stablehlo.reshape", "stablehlo.scatter"):  # a view, or the in-place K/V write: follow the cache
             first = re.search(r"(%[\w#]+)", line[len(op):]).group(1)
-            return self.origins(func, first, path + (op,))
+            return self.origins(func, first, path + (op,), stack)
         return [path + (op,)]  # anything else (a slice, a copy, ...) ends the path and fails the test
 
 
