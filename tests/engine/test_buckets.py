@@ -14,34 +14,27 @@ NGRAM = dict(speculative_method="ngram")
 DRAFT = dict(speculative_method="draft", speculative_model="checkpoints/default-draft")
 
 
-ACCELERATOR_COUNTS = [
-    # configs/default.yaml on an accelerator (token_buckets: auto -> powers of two): 16 rows, 256
-    # batched tokens, 64 pages of 16 tokens -> 8 token buckets (1, 4, 8, ... 256), each at the one page
-    # table (64). With speculative decoding those are speculative steps (verifications are rows): no
-    # executable more, but the draft's page copy.
-    ({}, ExecutableCounts(steps=8, page_copies=1)),
-    (dict(NGRAM, num_speculative_tokens=4), ExecutableCounts(steps=8, page_copies=1)),
-    (dict(NGRAM, num_speculative_tokens=8), ExecutableCounts(steps=8, page_copies=1)),
-    (dict(DRAFT, num_speculative_tokens=4), ExecutableCounts(steps=8, page_copies=2)),
-    (dict(enable_prompt_logprobs=True), ExecutableCounts(steps=8, scoring=8, page_copies=1)),
-    # multi-step: a variant of each decode-sized bucket (1, 4, 8, 16 tokens <= 16 rows)
-    (dict(num_scheduler_steps=4), ExecutableCounts(steps=8, multi_step=4, page_copies=1)),
-]
-CPU_COUNTS = [
-    # On a CPU auto is the fine ladder: 16 buckets (1, 2, 3, 4, 6, 8, 12, ... 192, 256) ...
-    ({}, ExecutableCounts(steps=16, page_copies=1)),
-    (dict(NGRAM, num_speculative_tokens=4), ExecutableCounts(steps=16, page_copies=1)),
-    (dict(NGRAM, num_speculative_tokens=8), ExecutableCounts(steps=16, page_copies=1)),
-    (dict(DRAFT, num_speculative_tokens=4), ExecutableCounts(steps=16, page_copies=2)),
-    # ... but powers of two with prompt logprobs, whose scoring variants would make 16 + 16 + 1
-    (dict(enable_prompt_logprobs=True), ExecutableCounts(steps=8, scoring=8, page_copies=1)),
-    (dict(num_scheduler_steps=4), ExecutableCounts(steps=16, multi_step=8, page_copies=1)),
+E = ExecutableCounts
+DEFAULT_COUNTS = [
+    # configs/default.yaml (16 rows, 256 batched tokens, 64 pages of 16 tokens; token_buckets: auto),
+    # (overrides, on an accelerator, on a CPU). An accelerator's auto is the powers of two: 8 token
+    # buckets (1, 4, 8, ... 256), each at the one page table (64). A CPU's is the fine ladder: 16
+    # buckets (1, 2, 3, 4, 6, 8, 12, ... 192, 256). With speculative decoding those are speculative
+    # steps (verifications are rows): no executable more, but the draft's page copy.
+    ({}, E(steps=8, page_copies=1), E(steps=16, page_copies=1)),
+    (dict(NGRAM, num_speculative_tokens=4), E(steps=8, page_copies=1), E(steps=16, page_copies=1)),
+    (dict(NGRAM, num_speculative_tokens=8), E(steps=8, page_copies=1), E(steps=16, page_copies=1)),
+    (dict(DRAFT, num_speculative_tokens=4), E(steps=8, page_copies=2), E(steps=16, page_copies=2)),
+    # powers of two on a CPU too with prompt logprobs, whose scoring variants would make 16 + 16 + 1
+    (dict(enable_prompt_logprobs=True), E(steps=8, scoring=8, page_copies=1), E(steps=8, scoring=8, page_copies=1)),
+    # multi-step: a variant of each decode-sized bucket (the buckets of at most 16 tokens)
+    (dict(num_scheduler_steps=4), E(steps=8, multi_step=4, page_copies=1), E(steps=16, multi_step=8, page_copies=1)),
 ]
 
 
 @pytest.mark.parametrize("platform, overrides, expected",
-                         [("gpu", o, e) for o, e in ACCELERATOR_COUNTS] + [("tpu", o, e) for o, e in ACCELERATOR_COUNTS]
-                         + [("cpu", o, e) for o, e in CPU_COUNTS])
+                         [(p, o, cpu if p == "cpu" else accelerator)
+                          for p in ("gpu", "tpu", "cpu") for o, accelerator, cpu in DEFAULT_COUNTS])
 def test_default_config_executable_counts(platform, overrides, expected):
     """The counts docs/ARCHITECTURE.md states for configs/default.yaml: issue 21 asks at most 10 on
     an accelerator and 30 on a CPU, every variant compiled at start-up counted."""
