@@ -20,6 +20,9 @@ Examples:
 Prompts are token ids on /v1/completions by default (exact lengths, no tokenizer needed; ids drawn
 from [--token-id-low, --token-id-high)); `--prompt-format text` sends words instead, and
 /v1/chat/completions always sends text. Output lengths are exact unless --no-ignore-eos.
+Each rate of a sweep (and each warm-up) gets its own prompts of the same lengths: a rate run after
+another on one server would otherwise find every prompt in its prefix cache, and measure a cached
+prompt's TTFT. Only --shared-prefix-len is shared, on purpose.
 """
 
 from __future__ import annotations
@@ -64,22 +67,26 @@ def _lengths(rng: random.Random, mean: int, range_ratio: float, n: int) -> list[
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
-def make_workload(args: argparse.Namespace) -> list[Request]:
+def make_workload(args: argparse.Namespace, run: int | str = 0) -> list[Request]:
+    """The seeded requests of one run. Every run has the same lengths and shared prefix; each `run`
+    (a sweep's rate index, a warm-up) draws its own prompt bodies, so that a run after the first does
+    not hit the prefix cache on the prompts sent before it. Run 0 is the workload of earlier versions."""
     rng = random.Random(args.seed)
     inputs = _lengths(rng, args.input_len, args.input_len_range, args.num_prompts)
     outputs = _lengths(rng, args.output_len, args.output_len_range, args.num_prompts)
     text = args.prompt_format == "text" or args.endpoint.endswith("chat/completions")
     lo, hi = args.token_id_low, args.token_id_high
 
-    def make(n: int):
+    def make(n: int, rng: random.Random):
         if text:
             return " ".join(rng.choice(WORDS) for _ in range(n))
         return [rng.randrange(lo, hi) for _ in range(n)]
 
-    prefix = make(args.shared_prefix_len) if args.shared_prefix_len else ([] if not text else "")
+    prefix = make(args.shared_prefix_len, rng) if args.shared_prefix_len else ([] if not text else "")
+    bodies = rng if run == 0 else random.Random(f"{args.seed}/{run}")
     requests = []
     for i, (n_in, n_out) in enumerate(zip(inputs, outputs)):
-        body = make(n_in)
+        body = make(n_in, bodies)
         if text:
             prompt = (prefix + " " + body).strip() if prefix else body
         else:
@@ -321,7 +328,7 @@ async def run_rate(base_url: str, args: argparse.Namespace, rate: float, workloa
             r = await client.get("/v1/models")
             r.raise_for_status()
             model = r.json()["data"][0]["id"]
-        for req in workload[: args.warmup]:
+        for req in make_workload(args, run=f"warm-up at {rate}")[: args.warmup]:  # not the measured prompts
             await send(client, args, model, req)
         rng = random.Random(args.seed + 1)
         sem = asyncio.Semaphore(limit)
@@ -460,11 +467,11 @@ async def amain(args: argparse.Namespace) -> dict:
     labels = args.label or ([] if len(urls) > 1 else ["server"])
     if len(labels) < len(urls):
         labels = labels + [f"server{i}" for i in range(len(labels), len(urls))]
-    workload = make_workload(args)
+    workloads = [make_workload(args, run=i) for i in range(len(args.request_rate))]  # the same for every server
     runs: dict[str, list[dict]] = {}
     for url, label in zip(urls, labels):
         runs[label] = []
-        for rate in args.request_rate:
+        for rate, workload in zip(args.request_rate, workloads):
             summary = await run_rate(url.rstrip("/"), args, rate, workload)
             summary["label"] = label
             print_summary(label, summary)

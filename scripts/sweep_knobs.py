@@ -268,9 +268,9 @@ def wait_for_quiet(max_busy: float, max_wait: float) -> float:
 async def measure(url: str, bench_args: argparse.Namespace, interval: float, max_busy: float = float("inf"),
                   max_wait: float = 0.0) -> list[dict]:
     """bench_serving's workload at each of its rates against `url`, with /metrics scraped meanwhile."""
-    workload = bench_serving.make_workload(bench_args)
     rows = []
-    for rate in bench_args.request_rate:
+    for i, rate in enumerate(bench_args.request_rate):
+        workload = bench_serving.make_workload(bench_args, run=i)
         busy = await asyncio.to_thread(wait_for_quiet, max_busy, max_wait)
         before = await scrape(url)
         samples: list[dict[str, float]] = []

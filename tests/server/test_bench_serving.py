@@ -19,6 +19,20 @@ def test_workload_is_seeded_and_shaped():
     assert len({tuple(r.prompt[:8]) for r in a}) == 1  # the shared prefix
 
 
+def test_each_run_of_a_sweep_gets_its_own_prompts():
+    """A later rate on the same server must not find its prompts in the prefix cache: same lengths and
+    shared prefix, other bodies; run 0 is the workload as it was drawn before runs existed."""
+    args = bench.build_parser().parse_args(["--num-prompts", "20", "--input-len", "40", "--input-len-range", "0.5",
+                                            "--shared-prefix-len", "8", "--seed", "3"])
+    first, second = bench.make_workload(args, run=0), bench.make_workload(args, run=1)
+    assert [len(r.prompt) for r in first] == [len(r.prompt) for r in second]
+    assert [r.output_len for r in first] == [r.output_len for r in second]
+    assert {tuple(r.prompt[:8]) for r in first} == {tuple(r.prompt[:8]) for r in second}  # one shared prefix
+    assert all(a.prompt[8:] != b.prompt[8:] for a, b in zip(first, second))
+    assert [r.prompt for r in bench.make_workload(args)] == [r.prompt for r in first]
+    assert [r.prompt for r in bench.make_workload(args, run=1)] == [r.prompt for r in second]  # seeded
+
+
 def test_sweep_writes_json_and_plot(shared_server, tmp_path):
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "r.json", tmp_path / "r.png"
