@@ -437,7 +437,10 @@ class ModelRunner:
     def warm_up(self, shapes: list[tuple] | None = None, progress: bool = True) -> list[tuple]:
         """Compile every bucket ahead of time; returns (shape, seconds) per bucket.
 
-        Tracing holds the GIL, so buckets are lowered one by one; XLA compiles them on all cores.
+        Tracing holds the GIL, so buckets are lowered one by one, each compiled meanwhile on a pool.
+        XLA:CPU already spreads one compile over every core (its codegen is split), so on a CPU the
+        pool has one thread: two compiles at once on 2 cores started ~7 s slower (docs/BENCHMARKS.md,
+        "One compile at a time on a CPU"). Elsewhere it has one thread per core.
         """
         from concurrent.futures import ThreadPoolExecutor
 
@@ -451,7 +454,8 @@ class ModelRunner:
             executable = lowered.compile(self.compiler_options)
             return shape, executable, time.perf_counter() - start
 
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool, \
+        workers = 1 if self.platform == "cpu" else os.cpu_count() or 1
+        with ThreadPoolExecutor(max_workers=workers) as pool, \
                 tqdm(total=len(shapes), desc="compiling step buckets", disable=not progress, unit="bucket") as bar:
             futures = []
             for shape in shapes:
