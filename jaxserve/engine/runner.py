@@ -439,7 +439,7 @@ class ModelRunner:
 
         Tracing holds the GIL, so buckets are lowered one by one, each compiled meanwhile on a pool.
         XLA:CPU already spreads one compile over every core (its codegen is split), so on a CPU the
-        pool has one thread: two compiles at once on 2 cores started ~7 s slower (docs/BENCHMARKS.md,
+        pool has one thread: two compiles at once on 2 cores started ~6 s slower (docs/BENCHMARKS.md,
         "One compile at a time on a CPU"). Elsewhere it has one thread per core.
         """
         from concurrent.futures import ThreadPoolExecutor
@@ -454,7 +454,7 @@ class ModelRunner:
             executable = lowered.compile(self.compiler_options)
             return shape, executable, time.perf_counter() - start
 
-        workers = 1 if self.platform == "cpu" else os.cpu_count() or 1
+        workers = 1 if self.platform == "cpu" else (os.cpu_count() or 1)
         with ThreadPoolExecutor(max_workers=workers) as pool, \
                 tqdm(total=len(shapes), desc="compiling step buckets", disable=not progress, unit="bucket") as bar:
             futures = []
