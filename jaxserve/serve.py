@@ -8,8 +8,8 @@
 Engine flags are every `EngineConfig` setting as `--kebab-case` (`--model`, `--dtype`, `--mesh-shape`, ...);
 boolean ones also as `--flag` / `--no-flag`. `--config` reads the same settings from YAML (a path, or
 a shipped config's name such as `default`) and flags override it. With no `--model` and no `--config`
-the server serves the shipped default model (`checkpoints/default`, installed with the package) with
-the shipped `configs/default.yaml`; without that checkpoint, SmolLM2-135M's shape with dummy (random)
+the server serves the shipped default model (`checkpoints/small`, installed with the package) with
+the shipped `configs/small.yaml`; without that checkpoint, SmolLM2-135M's shape with dummy (random)
 weights, and says so loudly. The server listens at once; `/health` is 503 until the engine is loaded and warm, then
 200. SIGTERM / SIGINT: stop accepting connections, let in-flight requests finish for up to
 `--grace-seconds`, shut the engine down, exit 0.
@@ -39,7 +39,7 @@ from jaxserve.settings import parse_size
 
 logger = logging.getLogger("jaxserve.serve")
 
-DEFAULT_CHECKPOINT = resources.default_checkpoint()
+DEFAULT_CHECKPOINT = resources.small_checkpoint()
 DEFAULT_CONFIG = resources.shipped_config("default")
 DUMMY_DEFAULT_MODEL = resources.shipped_model_shape("smollm2-135m")
 DUMMY_DEFAULT_NAME = "smollm2-135m-dummy-weights"
@@ -54,7 +54,7 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
     )
     parser.add_argument("--config", default=None,
                         help="YAML file of engine settings, or a shipped config's name (default, llama3-8b-tp8, "
-                             "...); flags override it. Default: configs/default.yaml when no --model is given")
+                             "...); flags override it. Default: configs/small.yaml when no --model is given")
     EngineConfig.add_cli_arguments(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -112,7 +112,7 @@ def preload_tcmalloc(argv: list[str]) -> None:
 
 def default_config_path(ns: argparse.Namespace) -> str | None:
     """The YAML the settings start from: `--config` (a path or a shipped name); with neither `--config`
-    nor `--model`, the shipped default model's own serving config (configs/default.yaml)."""
+    nor `--model`, the shipped default model's own serving config (configs/small.yaml)."""
     if ns.config:
         return resources.resolve_config(ns.config)
     if getattr(ns, "model", None) is None and not ns.mock_engine and DEFAULT_CONFIG.is_file():

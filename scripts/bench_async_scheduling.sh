@@ -20,7 +20,7 @@ declare -A FLAGS=([off]="--no-async-scheduling" [on]="--async-scheduling"
 for round in $(seq 1 "$ROUNDS"); do
   for mode in off on ms4; do
     # shellcheck disable=SC2086
-    (cd "$HERE" && exec python -m jaxserve.serve --config configs/default.yaml --max-num-seqs 32 \
+    (cd "$HERE" && exec python -m jaxserve.serve --config configs/small.yaml --max-num-seqs 32 \
       --port "$PORT" --no-access-log ${FLAGS[$mode]}) > "$OUT/$mode-$round.log" 2>&1 &
     PID=$!
     for _ in $(seq 1 900); do

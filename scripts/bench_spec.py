@@ -13,7 +13,7 @@ Every configuration gets an untimed pass first (it compiles the shapes the timed
 timed passes alternate between configurations, and each figure is the median. Greedy decoding with
 EOS ignored, so every configuration produces the same tokens (checked and reported).
 
-    python scripts/bench_spec.py --model checkpoints/default --draft checkpoints/default-draft \\
+    python scripts/bench_spec.py --model checkpoints/small --draft checkpoints/small-draft \\
         --batch-sizes 1,8 --workloads copy,natural,random --out out/bench_spec.json
 """
 
@@ -157,8 +157,8 @@ def machine() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="checkpoints/default")
-    ap.add_argument("--draft", default="checkpoints/default-draft", help="draft model directory ('' to skip)")
+    ap.add_argument("--model", default="checkpoints/small")
+    ap.add_argument("--draft", default="checkpoints/small-draft", help="draft model directory ('' to skip)")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--methods", default="ngram,draft",

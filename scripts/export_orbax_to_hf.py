@@ -1,6 +1,6 @@
 """Export a jaxserve orbax checkpoint to a Hugging Face directory (config.json + model.safetensors + tokenizer).
 
-    python scripts/export_orbax_to_hf.py checkpoints/default /tmp/default-hf [--dtype float32]
+    python scripts/export_orbax_to_hf.py checkpoints/small /tmp/default-hf [--dtype float32]
 
 `transformers.AutoModelForCausalLM.from_pretrained(out)` loads the result.
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Perplexity of a model with float weights, int8 weights, an int8 KV cache, and both, on held-out text.
 
-    python scripts/quant_quality.py --model checkpoints/default [--dtype float32] [--windows 64 --window-len 512]
+    python scripts/quant_quality.py --model checkpoints/small [--dtype float32] [--windows 64 --window-len 512]
 
 Every window is prefilled in one chunk through the paged KV cache (`steps.model_step` with all
 logits), so the int8 cache is exercised exactly as in serving: each layer writes (quantizes) its
@@ -82,7 +82,7 @@ def heldout_windows(model_dir: str, num_windows: int, window_len: int) -> np.nda
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="checkpoints/default")
+    ap.add_argument("--model", default="checkpoints/small")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--windows", type=int, default=64)
     ap.add_argument("--window-len", type=int, default=512)

@@ -45,8 +45,8 @@ import httpx  # noqa: E402
 
 import bench_serving  # noqa: E402
 
-DEFAULT_CONFIG = "configs/default.yaml"
-DRAFT_MODEL = "checkpoints/default-draft"
+DEFAULT_CONFIG = "configs/small.yaml"
+DRAFT_MODEL = "checkpoints/small-draft"
 # A short, fixed workload: 48 streamed requests, a 64-token prefix shared by all (so prefix caching
 # has something to find), 48-144 + 64 prompt tokens, 24-72 output tokens (EOS ignored), two rates.
 DEFAULT_WORKLOAD = ("--num-prompts", "48", "--input-len", "96", "--input-len-range", "0.5",

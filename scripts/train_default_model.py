@@ -15,7 +15,7 @@ Steps (each resumable: rerunning the same command continues where it stopped):
 3c. optionally (`--copy-every N`, off in the shipped recipe) the same copy batches mixed into the
    main run, one step in N, some of their rows (`--copy-repeats R`) a random segment repeated
    instead (repeat_row); tried, not shipped either (same place);
-4. `checkpoints/default` and `checkpoints/default-draft` written: orbax params in bfloat16, HF
+4. `checkpoints/small` and `checkpoints/small-draft` written: orbax params in bfloat16, HF
    config.json, tokenizer, generation_config.json, README.md; plus the loss curves (PNG, JSON).
 """
 

@@ -8,7 +8,7 @@ import bench_arrival_window
 
 def test_both_arms_run_and_the_window_opens(tmp_path):
     out = tmp_path / "window.json"
-    assert bench_arrival_window.main(["--config", "configs/default.yaml", "--model", "checkpoints/default",
+    assert bench_arrival_window.main(["--config", "configs/small.yaml", "--model", "checkpoints/small",
                                       "--streams", "2", "--tokens", "24", "--rounds", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     (held,), (free,) = report["results"]["window"], report["results"]["none"]

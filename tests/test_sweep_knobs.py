@@ -32,11 +32,11 @@ def test_every_knob_maps_to_a_server_flag(sweep):
             flags = sweep.server_flags(knob, value)
             assert flags[0] == "--" + name.replace("_", "-")
             if name in supported:  # the server's own parser reads them as this setting
-                ns = parser.parse_args(["--config", "configs/default.yaml", *flags])
+                ns = parser.parse_args(["--config", "configs/small.yaml", *flags])
                 assert getattr(ns, name) == sweep.format_value(value)
     assert sweep.server_flags(sweep.KNOBS["enable_prefix_caching"], False) == ["--enable-prefix-caching", "false"]
     assert sweep.server_flags(sweep.KNOBS["num_speculative_tokens"], 4) == [
-        "--num-speculative-tokens", "4", "--speculative-model", "checkpoints/default-draft"]
+        "--num-speculative-tokens", "4", "--speculative-model", "checkpoints/small-draft"]
     assert sweep.server_flags(sweep.KNOBS["num_speculative_tokens"], 0) == ["--num-speculative-tokens", "0"]
     assert (REPO / sweep.DRAFT_MODEL / "config.json").is_file()
 

@@ -115,7 +115,7 @@ def step_shapes(buckets: BucketTable, num_scheduler_steps: int = 1) -> list[tupl
     """Every (tokens, pages) ragged step the engine may run, plus a multi-step variant of each
     decode-sized one (tokens <= rows) when num_scheduler_steps > 1: one executable per token bucket,
     at the largest page table, on every platform. (Until the CPU's attention read only the keys each
-    row sees, a CPU step had page-count buckets too: 28 steps for configs/default.yaml instead of 8.)
+    row sees, a CPU step had page-count buckets too: 28 steps for configs/small.yaml instead of 8.)
     """
     plain = [(t, buckets.page_counts[-1]) for t in buckets.token_counts]
     multi = [s + (MULTI_STEP,) for s in plain if s[0] <= buckets.max_rows] if num_scheduler_steps > 1 else []

@@ -489,7 +489,7 @@ def make_plan(cfg: ModelConfig, target: Target, *, dtype: str = "bfloat16", quan
 
 # ---- settings -> plan ---------------------------------------------------------------------------------
 def default_model_dir() -> str:
-    """What `python -m jaxserve.serve` serves without --model: checkpoints/default, else the SmolLM2-135M shape."""
+    """What `python -m jaxserve.serve` serves without --model: checkpoints/small, else the SmolLM2-135M shape."""
     from jaxserve.serve import DEFAULT_CHECKPOINT, DUMMY_DEFAULT_MODEL
 
     return str(DEFAULT_CHECKPOINT if (DEFAULT_CHECKPOINT / "config.json").is_file() else DUMMY_DEFAULT_MODEL)

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from jaxserve.resources import default_checkpoint
+from jaxserve.resources import small_checkpoint
 from jaxserve.structured.bitmask import allocate_bitmask, allowed_tokens
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.structured.matcher import fill_bitmasks
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         for vocab, rows in ((8192, 16), (49152, 16), (128256, 16), (128256, 256)):
             print(json.dumps(time_step_inputs(vocab, rows)), flush=True)
         return 0
-    for path in [str(default_checkpoint()), *args.hf_tokenizer]:
+    for path in [str(small_checkpoint()), *args.hf_tokenizer]:
         tok = load_tokenizer(path)
         t0 = time.perf_counter()
         compiler = GrammarCompiler(tok)

@@ -190,7 +190,7 @@ def test_arrivals_are_taken_up_to_an_abort_and_the_wait_ends_when_one_comes_or_t
 def test_a_request_arriving_while_a_step_runs_joins_the_next_one():
     """Two streams decode; a request arrives while a step is held back: its first prompt chunk is in
     that very step, and every output equals its request run alone."""
-    with LLM("checkpoints/default", dtype="float32", page_size=8, max_model_len=128, max_num_seqs=4,
+    with LLM("checkpoints/small", dtype="float32", page_size=8, max_model_len=128, max_num_seqs=4,
              max_num_batched_tokens=32, warm_up=False) as llm:
         engine = llm.engine
         assert engine.async_scheduling

@@ -54,7 +54,7 @@ def outputs_both_ways():
     results = {}
     for asynchronous in (True, False):
         for pages in (None, 20):
-            with LLM("checkpoints/default", **SETTINGS, num_pages=pages, async_scheduling=asynchronous) as llm:
+            with LLM("checkpoints/small", **SETTINGS, num_pages=pages, async_scheduling=asynchronous) as llm:
                 prompts, params = workload(llm.tokenizer)
                 outs = llm.generate(prompts, params)
                 results[asynchronous, pages] = (outs, llm.engine.scheduler.num_preemptions)
@@ -90,7 +90,7 @@ def test_next_step_is_dispatched_before_the_last_is_fetched(monkeypatch):
         return real_result(self)
 
     monkeypatch.setattr(PendingSamples, "result", result)
-    with LLM("checkpoints/default", **SETTINGS) as llm:
+    with LLM("checkpoints/small", **SETTINGS) as llm:
         engine = llm.engine
         dispatch = engine.runner.dispatch
 
@@ -119,7 +119,7 @@ def test_aborts_while_a_step_is_in_flight_lose_no_page():
     """Random adds, aborts (often of rows in the dispatched step) and steps; afterwards every page is
     back in the pool and no output ever showed a placeholder."""
     rng = np.random.RandomState(7)
-    with LLM("checkpoints/default", **SETTINGS, num_pages=24) as llm:
+    with LLM("checkpoints/small", **SETTINGS, num_pages=24) as llm:
         engine, blocks = llm.engine, llm.blocks
         live, next_id = set(), 0
         for _ in range(120):
@@ -151,7 +151,7 @@ def test_aborts_while_a_step_is_in_flight_lose_no_page():
 
 def test_switching_async_scheduling_off_mid_run_loses_nothing():
     """A step left in flight when the setting is switched off is processed by the next step."""
-    with LLM("checkpoints/default", **SETTINGS) as llm:
+    with LLM("checkpoints/small", **SETTINGS) as llm:
         engine = llm.engine
         params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
         engine.add_request("a", None, params, list(range(5, 25)))

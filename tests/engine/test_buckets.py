@@ -9,14 +9,14 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.buckets import BucketTable, ExecutableCounts, executable_counts, token_ladder
 from jaxserve.kv_cache import copy_pages_jit
 
-DEFAULT = "configs/default.yaml"
+DEFAULT = "configs/small.yaml"
 NGRAM = dict(speculative_method="ngram")
-DRAFT = dict(speculative_method="draft", speculative_model="checkpoints/default-draft")
+DRAFT = dict(speculative_method="draft", speculative_model="checkpoints/small-draft")
 
 
 E = ExecutableCounts
 DEFAULT_COUNTS = [
-    # configs/default.yaml (16 rows, 256 batched tokens, 64 pages of 16 tokens; token_buckets: auto),
+    # configs/small.yaml (16 rows, 256 batched tokens, 64 pages of 16 tokens; token_buckets: auto),
     # (overrides, on an accelerator, on a CPU). An accelerator's auto is the powers of two: 8 token
     # buckets (1, 4, 8, ... 256), each at the one page table (64). A CPU's is the fine ladder: 16
     # buckets (1, 2, 3, 4, 6, 8, 12, ... 192, 256). With speculative decoding those are speculative
@@ -36,7 +36,7 @@ DEFAULT_COUNTS = [
                          [(p, o, cpu if p == "cpu" else accelerator)
                           for p in ("gpu", "tpu", "cpu") for o, accelerator, cpu in DEFAULT_COUNTS])
 def test_default_config_executable_counts(platform, overrides, expected):
-    """The counts docs/ARCHITECTURE.md states for configs/default.yaml: issue 21 asks at most 10 on
+    """The counts docs/ARCHITECTURE.md states for configs/small.yaml: issue 21 asks at most 10 on
     an accelerator and 30 on a CPU, every variant compiled at start-up counted."""
     settings = EngineConfig.from_yaml(DEFAULT, overrides)
     assert settings.token_buckets == "auto"
@@ -55,7 +55,7 @@ def test_auto_ladder_needs_the_platform():
 
 
 def test_fine_token_ladder():
-    """`token_buckets: fine` adds the midpoints: 16 token buckets for configs/default.yaml (within the
+    """`token_buckets: fine` adds the midpoints: 16 token buckets for configs/small.yaml (within the
     30 issue 21 allows on a CPU), and no step padded by more than a third of its slots."""
     assert token_ladder(256, "powers-of-two") == (1, 4, 8, 16, 32, 64, 128, 256)
     assert token_ladder(256, "fine") == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)

@@ -12,7 +12,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(str(resources.default_checkpoint()), dtype="float32", max_model_len=128, max_num_seqs=4,
+    with LLM(str(resources.small_checkpoint()), dtype="float32", max_model_len=128, max_num_seqs=4,
              max_num_batched_tokens=64, page_size=8, warm_up=False) as llm:
         yield llm
 

@@ -23,7 +23,7 @@ PROMPTS = ["the cat sat on the mat", "a dog ran off to see", "then it was very h
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM("checkpoints/default", **SETTINGS) as llm:
+    with LLM("checkpoints/small", **SETTINGS) as llm:
         yield llm
 
 

@@ -93,7 +93,7 @@ def run(llm, prompts, params, abort_every=0):
 @pytest.mark.parametrize("pages", [None, 24])
 def test_written_steps_equal_the_from_scratch_pack(pages):
     prompts, params = workload()
-    with LLM("checkpoints/default", **SETTINGS, num_pages=pages) as llm:
+    with LLM("checkpoints/small", **SETTINGS, num_pages=pages) as llm:
         counts = {"steps": 0, "rows": 0}
         check_against_anew(llm.runner, counts)
         written = run(llm, prompts, params, abort_every=5)
@@ -101,7 +101,7 @@ def test_written_steps_equal_the_from_scratch_pack(pages):
             assert llm.engine.scheduler.num_preemptions > 0  # the table of a re-admitted sequence is new
         assert llm.blocks.num_free_pages(0) == llm.blocks.num_usable_pages
     assert counts["steps"] > 20
-    with LLM("checkpoints/default", **SETTINGS, num_pages=pages) as llm:
+    with LLM("checkpoints/small", **SETTINGS, num_pages=pages) as llm:
         runner = llm.runner
         # Every step packed from scratch: the outputs the written steps must reproduce exactly.
         runner._pack_written = lambda rows, shape, before_masks: runner._pack_anew(
@@ -113,7 +113,7 @@ def test_written_steps_equal_the_from_scratch_pack(pages):
 
 def test_written_steps_on_two_replicas():
     prompts, params = workload(seed=1, n=16)
-    with LLM("checkpoints/default", **SETTINGS, mesh_shape=(2, 1), num_pages=40) as llm:
+    with LLM("checkpoints/small", **SETTINGS, mesh_shape=(2, 1), num_pages=40) as llm:
         counts = {"steps": 0, "rows": 0}
         check_against_anew(llm.runner, counts)
         run(llm, prompts, params, abort_every=4)

@@ -49,7 +49,7 @@ def check_schema(doc) -> None:
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(str(resources.default_checkpoint()), **SETTINGS) as llm:
+    with LLM(str(resources.small_checkpoint()), **SETTINGS) as llm:
         yield llm
 
 
@@ -153,7 +153,7 @@ def test_multi_step_and_preemption_keep_the_grammar(llm):
     params = [free, SamplingParams(max_tokens=60, temperature=1.0, seed=5, structured=spec), free,
               SamplingParams(max_tokens=60, temperature=1.0, seed=6, structured=spec)]
     prompts = PROMPTS
-    with LLM(str(resources.default_checkpoint()), **SETTINGS, num_scheduler_steps=4, num_pages=16,
+    with LLM(str(resources.small_checkpoint()), **SETTINGS, num_scheduler_steps=4, num_pages=16,
              warm_up=False) as small:
         outs = generate(small, prompts, params)
         preempted = small.engine.scheduler.num_preemptions
@@ -168,7 +168,7 @@ def test_multi_step_and_preemption_keep_the_grammar(llm):
 
 def test_prompt_logprobs_steps_apply_the_mask_too():
     """With prompt logprobs the step is the scoring variant; its sampler sees the mask as well."""
-    with LLM(str(resources.default_checkpoint()), **SETTINGS, enable_prompt_logprobs=True, warm_up=False) as scoring:
+    with LLM(str(resources.small_checkpoint()), **SETTINGS, enable_prompt_logprobs=True, warm_up=False) as scoring:
         params = [SamplingParams(max_tokens=20, temperature=1.0, seed=s, prompt_logprobs=1,
                                  structured=StructuredSpec.choice(CHOICES)) for s in range(4)]
         outs = scoring.generate(PROMPTS, params, use_tqdm=False)
@@ -182,7 +182,7 @@ def test_two_replicas(llm):
     params = [free, SamplingParams(max_tokens=20, temperature=1.0, seed=1, structured=StructuredSpec.regex(REGEX)),
               free, SamplingParams(max_tokens=20, temperature=1.0, seed=2, structured=StructuredSpec.choice(CHOICES))]
     want = generate(llm, PROMPTS, params)
-    with LLM(str(resources.default_checkpoint()), **SETTINGS, mesh_shape=(2, 1), warm_up=False) as dp:
+    with LLM(str(resources.small_checkpoint()), **SETTINGS, mesh_shape=(2, 1), warm_up=False) as dp:
         assert dp.engine.num_replicas == 2
         got = generate(dp, PROMPTS, params)
     assert re.fullmatch(REGEX, got[1][0].text) and got[3][0].text in CHOICES

@@ -1,4 +1,4 @@
-"""The shipped default model (checkpoints/default): it loads through the public API, scores its
+"""The shipped default model (checkpoints/small): it loads through the public API, scores its
 held-out file as its README says, matches transformers after export, and restores onto a mesh."""
 
 import re

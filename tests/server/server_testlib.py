@@ -62,7 +62,7 @@ def default_model_client(max_model_len: int, max_num_batched_tokens: int):
     from jaxserve.engine.engine import AsyncLLMEngine, LLMEngine
     from jaxserve.server.api import ServerOptions, create_app
 
-    settings = EngineConfig(model=str(resources.default_checkpoint()), dtype="float32", max_model_len=max_model_len,
+    settings = EngineConfig(model=str(resources.small_checkpoint()), dtype="float32", max_model_len=max_model_len,
                             max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens, page_size=8)
     engine = AsyncLLMEngine(LLMEngine(settings, warm_up=False))
     engine.start()

@@ -1,7 +1,7 @@
 """The model's own sampling defaults (generation_config.json) for requests that leave them unset.
 
 Unit checks of jaxserve.generation_config, the server's plumbing over the mock engine (which values
-reach SamplingParams), then the shipped model (checkpoints/default, `do_sample: false`) through the
+reach SamplingParams), then the shipped model (checkpoints/small, `do_sample: false`) through the
 offline API and the HTTP app: greedy by default, sampling when a request (or the settings) ask for it.
 """
 

@@ -13,7 +13,7 @@ from jaxserve.server.chat import ChatRenderer
 from jaxserve.testing.mock_engine import MockTokenizer
 from server_testlib import ScriptedEngine, sse_chunks
 
-TEMPLATE = (resources.default_checkpoint() / "chat_template.jinja").read_text()
+TEMPLATE = (resources.small_checkpoint() / "chat_template.jinja").read_text()
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

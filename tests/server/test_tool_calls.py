@@ -13,7 +13,7 @@ from jaxserve.server.chat import ChatRenderer
 from jaxserve.testing.mock_engine import MockTokenizer
 from server_testlib import ScriptedEngine, default_model_client, sse_chunks
 
-TEMPLATE = (resources.default_checkpoint() / "chat_template.jinja").read_text()
+TEMPLATE = (resources.small_checkpoint() / "chat_template.jinja").read_text()
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {

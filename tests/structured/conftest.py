@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxserve.resources import default_checkpoint, shipped_dir
+from jaxserve.resources import small_checkpoint, shipped_dir
 from jaxserve.structured import GrammarCompiler
 from jaxserve.tokenizer import load_tokenizer
 
@@ -10,7 +10,7 @@ from jaxserve.tokenizer import load_tokenizer
 @pytest.fixture(scope="session")
 def sp_tokenizer():
     """The shipped default model's sentencepiece tokenizer (8192 ids, byte fallback)."""
-    return load_tokenizer(default_checkpoint())
+    return load_tokenizer(small_checkpoint())
 
 
 @pytest.fixture(scope="session")
