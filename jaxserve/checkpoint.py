@@ -85,6 +85,19 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
                                   offset=base + start).reshape(info["shape"])
 
 
+def iter_checkpoint_tensors(model_dir: str) -> Iterator[tuple[str, str, np.ndarray]]:
+    """(file, transformers name, array) for every tensor of a model directory: its safetensors files,
+    or the GGUF file a GGUF-backed directory stands for (loading/gguf_model.py), dequantized there."""
+    from jaxserve.loading.gguf_model import gguf_source, iter_gguf_tensors
+
+    if gguf_source(model_dir) is not None:
+        yield from iter_gguf_tensors(model_dir)
+        return
+    for path in safetensors_files(model_dir):
+        for name, tensor in iter_safetensors(path):
+            yield path, name, tensor
+
+
 # HF name (after "model.layers.{i}.") -> (our LayerParams field, transpose?)
 _LAYER_NAMES = {
     "input_layernorm.weight": ("attn_norm", False),
@@ -191,33 +204,32 @@ def load_hf_params(
 
     layer_names = _layer_names(cfg)
     layer_specs = {f: getattr(specs.layers, f) for f in LayerParams.__dataclass_fields__}
-    for path in safetensors_files(model_dir):
-        for stored_name, tensor in iter_safetensors(path):
-            name = _text_tower_name(stored_name, cfg)
-            if name is None or name.endswith(_IGNORED_SUFFIXES):
+    for path, stored_name, tensor in iter_checkpoint_tensors(model_dir):
+        name = _text_tower_name(stored_name, cfg)
+        if name is None or name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name.startswith("model.layers."):
+            index_str, _, rest = name[len("model.layers."):].partition(".")
+            parts = _expert_parts(rest, tensor) if cfg.is_moe else None
+            if parts is not None:
+                _copy_experts(target, layer_specs, int(index_str), parts, filled, cfg, stored_name)
                 continue
-            if name.startswith("model.layers."):
-                index_str, _, rest = name[len("model.layers."):].partition(".")
-                parts = _expert_parts(rest, tensor) if cfg.is_moe else None
-                if parts is not None:
-                    _copy_experts(target, layer_specs, int(index_str), parts, filled, cfg, stored_name)
-                    continue
-                field, transpose = layer_names.get(rest, (None, False))
-                spec = layer_specs.get(field) if field else None
-                layer = int(index_str)
-                if spec is None or layer >= cfg.num_layers:
-                    raise ModelLoadError(f"{path}: unexpected tensor {stored_name} for this config")
-                _copy_into(target(field, spec.shape), layer, tensor, transpose, name)
-                filled[field].add(layer)
-            elif name in _TOP_NAMES:
-                field, transpose = _TOP_NAMES[name]
-                spec = getattr(specs, field)
-                if spec is None:  # lm_head saved alongside tied embeddings: identical, ignore
-                    continue
-                _copy_into(target(field, spec.shape), None, tensor, transpose, name)
-                filled[field].add(0)
-            else:
-                raise ModelLoadError(f"{path}: unexpected tensor {stored_name!r} (not a {cfg.architecture} weight)")
+            field, transpose = layer_names.get(rest, (None, False))
+            spec = layer_specs.get(field) if field else None
+            layer = int(index_str)
+            if spec is None or layer >= cfg.num_layers:
+                raise ModelLoadError(f"{path}: unexpected tensor {stored_name} for this config")
+            _copy_into(target(field, spec.shape), layer, tensor, transpose, name)
+            filled[field].add(layer)
+        elif name in _TOP_NAMES:
+            field, transpose = _TOP_NAMES[name]
+            spec = getattr(specs, field)
+            if spec is None:  # lm_head saved alongside tied embeddings: identical, ignore
+                continue
+            _copy_into(target(field, spec.shape), None, tensor, transpose, name)
+            filled[field].add(0)
+        else:
+            raise ModelLoadError(f"{path}: unexpected tensor {stored_name!r} (not a {cfg.architecture} weight)")
 
     def expected(field: str) -> int:  # expert fields count (layer, expert) pairs
         return cfg.num_layers * (cfg.num_experts if field.startswith("expert_") else 1)

@@ -14,17 +14,23 @@ from jaxserve.engine.engine import LLMEngine
 from jaxserve.engine.output_processor import OutputAccumulator
 from jaxserve.errors import ConfigError, RequestError
 from jaxserve.generation_config import load_generation_defaults
+from jaxserve.loading.model_source import resolve_model_settings
 from jaxserve.sampling_params import RequestOutput, SamplingParams
 
 
 class LLM:
-    """Load a model once, then generate for batches of prompts through the continuous-batching engine."""
+    """Load a model once, then generate for batches of prompts through the continuous-batching engine.
+
+    `model`: a model directory, a GGUF file, a Hugging Face model ID, or None for the default model
+    (SmolLM2-135M-Instruct, also named "SmolLM2-135M-Instruct")."""
 
     def __init__(self, model: str | None = None, *, warm_up: bool = True, **settings: Any):
         try:
             config = EngineConfig.from_dict({"model": model, **settings})
         except TypeError as err:
             raise ConfigError(str(err)) from None
+        # A GGUF file, a hub ID or no model (the default) becomes a local directory, before anything compiles.
+        config = resolve_model_settings(config)
         # Before the engine compiles: a generation_config that cannot be used fails at once.
         self.generation_defaults = load_generation_defaults(config)
         self.engine = LLMEngine(config, warm_up=warm_up)

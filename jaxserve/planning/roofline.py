@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 from jaxserve.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelConfig
@@ -489,10 +490,24 @@ def make_plan(cfg: ModelConfig, target: Target, *, dtype: str = "bfloat16", quan
 
 # ---- settings -> plan ---------------------------------------------------------------------------------
 def default_model_dir() -> str:
-    """What `python -m jaxserve.serve` serves without --model: checkpoints/small, else the SmolLM2-135M shape."""
-    from jaxserve.serve import DEFAULT_CHECKPOINT, DUMMY_DEFAULT_MODEL
+    """The shape of what `jaxserve serve` serves without --model (SmolLM2-135M-Instruct), shipped as a
+    config.json so the planner needs neither the model's package nor its weights."""
+    from jaxserve import resources
 
-    return str(DEFAULT_CHECKPOINT if (DEFAULT_CHECKPOINT / "config.json").is_file() else DUMMY_DEFAULT_MODEL)
+    return str(resources.shipped_model_shape("smollm2-135m"))
+
+
+def planned_model_dir(settings: EngineConfig) -> str:
+    """The directory whose config.json describes the model to plan: a model directory as given, a GGUF
+    file's or a Hugging Face ID's as the engine resolves them (loading/model_source.py)."""
+    model = settings.model
+    if model is None:
+        return default_model_dir()
+    if os.path.isfile(os.path.join(model, "config.json")):
+        return model
+    from jaxserve.loading.model_source import resolve_model_path
+
+    return resolve_model_path(model, getattr(settings, "revision", None), getattr(settings, "download_dir", None))
 
 
 def resolve_dtype(settings: EngineConfig, model_dir: str, spec: DeviceSpec) -> str:
@@ -522,7 +537,7 @@ def plan_from_settings(settings: EngineConfig, target: Target, *, context: int |
     context defaults to max_model_len (else the model's limit); batch to max_num_seqs, which only
     notes (not refuses) when it does not fit, since the engine then preempts. Architectures jaxserve
     plans but cannot serve yet (config.PLAN_ONLY_ARCHITECTURES) are planned, with a note."""
-    model_dir = settings.model or default_model_dir()
+    model_dir = planned_model_dir(settings)
     cfg = ModelConfig.from_dir(model_dir, plan_only=True)
     dtype = resolve_dtype(settings, model_dir, target.spec)
     context = context or settings.max_model_len or cfg.max_position_embeddings
@@ -548,7 +563,7 @@ def suggest_mesh(settings: EngineConfig, spec: DeviceSpec, num_devices: int, *, 
     For a mixture of experts on a model axis of more than one device it also chooses how the experts
     split (`choose_expert_parallel`); the returned plan's `expert_parallel` and `mesh_reason` say which
     and why."""
-    model_dir = settings.model or default_model_dir()
+    model_dir = planned_model_dir(settings)
     cfg = ModelConfig.from_dir(model_dir, plan_only=True)
     sizes = [m for m in range(1, num_devices + 1) if num_devices % m == 0 and cfg.num_heads % m == 0]
     sizes.sort(key=lambda m: (cfg.num_kv_heads % m != 0, m))

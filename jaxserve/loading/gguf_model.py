@@ -1,0 +1,114 @@
+"""A GGUF file served as a model directory: its metadata written once as Hugging Face's small files.
+
+Every other part of jaxserve (ModelConfig, the tokenizer loader, generation defaults, chat templates,
+the planner) reads a Hugging Face directory. Rather than teach each of them GGUF, the file's metadata
+is translated once into such a directory, a few small text files kept in jaxserve's cache and keyed
+by the file's path, size and modification time:
+- `config.json` (loading/gguf_config.py), `tokenizer.json` + `tokenizer_config.json`
+  (loading/gguf_tokenizer.py: llama.cpp's tokenization, bos/eos, the chat template);
+- `generation_config.json` when one lies beside the GGUF file (a GGUF file carries no sampling
+  defaults; the default model ships its model card's);
+- `gguf_source.json`, naming the GGUF file, from which the weights are read at load
+  (checkpoint.iter_checkpoint_tensors -> loading/gguf_weights.py), never copied.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from jaxserve.loading.gguf_config import gguf_architecture, hf_config
+from jaxserve.loading.gguf_file import open_gguf, read_metadata
+
+SOURCE_FILE = "gguf_source.json"
+_FORMAT = 1  # bump when the files written here change meaning, so stale cache entries are rebuilt
+_SIDECARS = ("generation_config.json",)
+
+
+def cache_root() -> Path:
+    base = os.environ.get("JAXSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve")
+    return Path(base) / "gguf"
+
+
+def gguf_source(model_dir: str | os.PathLike) -> Path | None:
+    """The GGUF file a directory made by `model_dir_for` stands for (None for any other directory)."""
+    marker = Path(model_dir) / SOURCE_FILE
+    if not marker.is_file():
+        return None
+    return Path(json.loads(marker.read_text(encoding="utf-8"))["file"])
+
+
+def model_dir_for(gguf_path: str | os.PathLike, sidecar_dir: str | os.PathLike | None = None) -> str:
+    """The model directory standing for `gguf_path`, written on first use. `sidecar_dir` holds files
+    (generation_config.json) to serve with the model; by default the GGUF file's own folder."""
+    path = Path(gguf_path).resolve()
+    sidecars = Path(sidecar_dir) if sidecar_dir is not None else path.parent
+    stat = path.stat()
+    key = hashlib.sha256(f"{_FORMAT}|{path}|{stat.st_size}|{stat.st_mtime_ns}|{sidecars.resolve()}".encode())
+    target = cache_root() / f"{path.stem}-{key.hexdigest()[:16]}"
+    if (target / SOURCE_FILE).is_file():
+        return str(target)
+    files = describe(path)
+    for name in _SIDECARS:
+        if (sidecars / name).is_file():
+            files[name] = (sidecars / name).read_text(encoding="utf-8")
+    return str(_write_atomically(target, files))
+
+
+def describe(path: Path) -> dict[str, str]:
+    """File name -> text of the directory standing for the GGUF file at `path`."""
+    from jaxserve.loading.gguf_tokenizer import tokenizer_files
+
+    reader = open_gguf(path)
+    metadata = read_metadata(reader)
+    gguf_architecture(metadata)  # an unsupported architecture fails here, before the tokenizer is built
+    tensors = {t.name: t for t in reader.tensors}
+    config = hf_config(metadata, set(tensors))
+    if "rope_freqs.weight" in tensors and config["model_type"] in ("llama", "mistral", "mixtral"):
+        from jaxserve.loading.gguf_weights import dequantize, llama3_rope_scaling
+
+        config["rope_scaling"] = llama3_rope_scaling(dequantize(tensors["rope_freqs.weight"]),
+                                                     config["head_dim"], config["rope_theta"])
+    files = dict(tokenizer_files(metadata))
+    files["config.json"] = json.dumps(config, indent=2)
+    files[SOURCE_FILE] = json.dumps({"file": str(path)})
+    return files
+
+
+def iter_gguf_tensors(model_dir: str) -> Iterator[tuple[str, str, np.ndarray]]:
+    """(file, transformers name, float32 array) for each weight of the GGUF file behind `model_dir`."""
+    from jaxserve.loading.gguf_weights import iter_hf_tensors
+
+    path = gguf_source(model_dir)
+    with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
+        config: dict[str, Any] = json.load(f)
+    reader = open_gguf(path)
+    for name, values in iter_hf_tensors(reader, config):
+        yield str(path), name, values
+
+
+def _write_atomically(target: Path, files: dict[str, str]) -> Path:
+    """Write the files into a fresh folder and rename it into place, so a concurrent start (several
+    hosts of a multi-host job, two servers) never reads a half-written directory. Where the cache is
+    not writable, a private temporary directory serves this process instead."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    except OSError:
+        staging = target = Path(tempfile.mkdtemp(prefix="jaxserve-gguf-"))
+    for name, text in files.items():
+        (staging / name).write_text(text, encoding="utf-8")
+    if staging == target:
+        return target
+    try:
+        os.rename(staging, target)
+    except OSError:  # another process got there first: theirs is the same
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
