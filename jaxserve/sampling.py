@@ -165,7 +165,10 @@ class SampleOutput:
     tokens: jax.Array  # i32[B]
     logprobs: jax.Array  # f32[B]  log_softmax(raw logits) at the chosen token
     top_ids: jax.Array  # i32[B, N]  N = want_logprobs; the N most likely tokens of the raw distribution
-    top_logprobs: jax.Array  # f32[B, N]  their logprobs, descending
+    # f32[B, N]  their logprobs, descending. -inf where a grammar mask (applied before `sample`) allows
+    # fewer than N tokens: those entries name arbitrary masked ids, and the host drops them
+    # (`output_processor.top_entry`), so no caller sees a -inf alternative.
+    top_logprobs: jax.Array
 
 
 def apply_penalties(logits: jax.Array, st: SamplingTensors) -> jax.Array:

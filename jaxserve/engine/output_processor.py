@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from typing import Any, AsyncIterator, Sequence as SequenceOf
 
@@ -37,6 +38,13 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+def top_entry(ids: Any, logprobs: Any) -> dict[int, float]:
+    """{token id: logprob} of a top-N on the host, without the alternatives whose logprob is not
+    finite (-inf: a token the grammar masked; NaN: nothing to report), so every consumer of the
+    engine's logprob entries (the server's JSON, `LLM.generate`'s outputs) sees real numbers only."""
+    return {int(t): v for t, lp in zip(ids, logprobs) if math.isfinite(v := float(lp))}
 
 
 def find_stop_string(text: str, stops: SequenceOf[str]) -> tuple[int, str] | None:
@@ -129,9 +137,12 @@ class OutputProcessor:
 
     @staticmethod
     def record_logprobs(seq: Sequence, sampled: Any, i: int) -> None:
-        """The logprob entry of row i's sample (`sampled`: a SampleOutput on the host)."""
+        """The logprob entry of row i's sample (`sampled`: a SampleOutput on the host). Alternatives
+        whose logprob is not finite are left out: the tokens a grammar masked (-inf, which the top-N
+        returns when the grammar allows fewer than N tokens). The sampled token's own is kept (it was
+        allowed, so it is finite)."""
         top = seq.params.logprobs
-        entry = {int(t): float(lp) for t, lp in zip(sampled.top_ids[i, :top], sampled.top_logprobs[i, :top])}
+        entry = top_entry(sampled.top_ids[i, :top], sampled.top_logprobs[i, :top])
         entry[int(sampled.tokens[i])] = float(sampled.logprobs[i])
         seq.logprobs.append(entry)
         seq.cumulative_logprob += float(sampled.logprobs[i])
@@ -151,8 +162,8 @@ class OutputProcessor:
             position = start + j + 1  # the prompt token that position start + j predicts
             if position >= len(seq.prompt_token_ids):
                 break
-            entry = {int(t): float(lp) for t, lp in zip(scores.top_ids[i, j, :top], scores.top_logprobs[i, j, :top])}
-            entry[targets[j]] = float(scores.target_logprobs[i, j])
+            entry = top_entry(scores.top_ids[i, j, :top], scores.top_logprobs[i, j, :top])
+            entry[targets[j]] = float(scores.target_logprobs[i, j])  # the prompt token's own, whatever it is
             seq.prompt_logprobs[position] = entry  # a recompute after preemption rewrites the same values
 
     def delta(self, request: Request, spec_metrics: dict | None = None) -> RequestOutput | None:

@@ -28,8 +28,10 @@ class APIError(Exception):
 
 
 def dumps(obj: Any) -> str:
-    """Compact JSON, non-ASCII kept (error bodies and SSE events)."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    """Compact JSON, non-ASCII kept (error bodies and SSE events). Strict, as JSONResponse is: a float
+    that is not finite raises ValueError (no `Infinity`/`NaN`, which JSON has not) rather than sending
+    what a client's parser refuses; the responses' numbers are made finite where they are produced."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 def error_body(status: int, message: str, type: str | None = None, param: str | None = None,

@@ -2,10 +2,16 @@
 chat (`content`: one object per token with its bytes and top alternatives), and vLLM's `prompt_logprobs`.
 
 The engine gives, per token, `{token id: logprob}` holding the chosen token and the top-N (or None where
-nothing predicts the token, the prompt's first); this module turns ids into token strings."""
+nothing predicts the token, the prompt's first); this module turns ids into token strings.
+
+Every number it returns is finite, so the responses are strict JSON (no -Infinity/NaN): an alternative
+whose logprob is not finite (a token a grammar masked) is left out of the top lists (the engine already
+drops them; this holds for any ServingEngine), and a token's own logprob that is not finite is given as
+LOGPROB_FLOOR, as vLLM does."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from jaxserve.server.engine_protocol import ServerTokenizer
@@ -14,8 +20,19 @@ from jaxserve.server.engine_protocol import ServerTokenizer
 Entry = dict | None
 
 
+# What a token's own logprob that is not finite (-inf, NaN) is reported as (vLLM's floor, and what chat
+# reports for a token without an entry).
+LOGPROB_FLOOR = -9999.0
+
+
 def _lp_value(v: Any) -> float:
     return float(v if isinstance(v, (int, float)) else getattr(v, "logprob"))
+
+
+def _own_value(v: Any) -> float:
+    """A token's own logprob as a JSON number: finite, else LOGPROB_FLOOR."""
+    lp = _lp_value(v)
+    return lp if math.isfinite(lp) else LOGPROB_FLOOR
 
 
 class LogprobFormatter:
@@ -35,8 +52,8 @@ class LogprobFormatter:
     def top(self, entry: Entry, n: int) -> list[tuple[int, float]]:
         if not entry:
             return []
-        items = sorted(((int(t), _lp_value(v)) for t, v in entry.items()), key=lambda kv: -kv[1])
-        return items[:n]
+        items = ((int(t), _lp_value(v)) for t, v in entry.items())
+        return sorted(((t, lp) for t, lp in items if math.isfinite(lp)), key=lambda kv: -kv[1])[:n]
 
     def completion_logprobs(self, ids: list[int], entries: list[Entry], n: int, offset: int) -> tuple[dict, int]:
         """The completions shape for `ids`, whose text starts at character `offset` of the choice's text;
@@ -50,7 +67,7 @@ class LogprobFormatter:
                 out["top_logprobs"].append(None)
             else:
                 chosen = entry.get(tid, entry.get(str(tid)))
-                out["token_logprobs"].append(_lp_value(chosen) if chosen is not None else None)
+                out["token_logprobs"].append(_own_value(chosen) if chosen is not None else None)
                 top: dict[str, float] = {}
                 for t, lp in self.top(entry, n):
                     top.setdefault(self.token(t), lp)
@@ -59,10 +76,25 @@ class LogprobFormatter:
             offset += len(s)
         return out, offset
 
-    def prompt_logprobs(self, entries: list[Entry]) -> list:
-        """vLLM's shape: per prompt token None (the first) or {token id: {"logprob", "decoded_token"}}."""
-        return [None if e is None else {str(int(t)): {"logprob": _lp_value(v), "decoded_token": self.token(int(t))}
-                                        for t, v in e.items()} for e in entries]
+    def prompt_logprobs(self, entries: list[Entry], ids: list[int] | None = None) -> list:
+        """vLLM's shape: per prompt token None (the first) or {token id: {"logprob", "decoded_token"}}.
+        `ids`: the prompt's token ids, whose own entries are kept whatever their value (as LOGPROB_FLOOR
+        when not finite); the alternatives that are not finite are left out."""
+        out: list = []
+        for k, e in enumerate(entries):
+            if e is None:
+                out.append(None)
+                continue
+            own = ids[k] if ids is not None and k < len(ids) else None
+            item = {}
+            for t, v in e.items():
+                t, lp = int(t), _lp_value(v)
+                if t == own:
+                    item[str(t)] = {"logprob": _own_value(lp), "decoded_token": self.token(t)}
+                elif math.isfinite(lp):
+                    item[str(t)] = {"logprob": lp, "decoded_token": self.token(t)}
+            out.append(item)
+        return out
 
     def chat_logprobs(self, ids: list[int], entries: list[Entry], n: int) -> list[dict]:
         content = []
@@ -71,7 +103,7 @@ class LogprobFormatter:
             chosen = (entry or {}).get(tid)
             content.append({
                 "token": s,
-                "logprob": _lp_value(chosen) if chosen is not None else -9999.0,
+                "logprob": _own_value(chosen) if chosen is not None else LOGPROB_FLOOR,
                 "bytes": list(s.encode("utf-8")),
                 "top_logprobs": [
                     {"token": self.token(t), "logprob": lp, "bytes": list(self.token(t).encode("utf-8"))}

@@ -307,6 +307,10 @@ class ResponseAssembler:
             entries = [None] * len(ids)
         return ids, entries
 
+    def _prompt_logprobs(self, choice: Choice) -> list:
+        ids, entries = self._echo_logprobs(choice)
+        return self.fmt.prompt_logprobs(entries, ids)
+
     # ---- non-streaming ---------------------------------------------------------------------------
     async def collect(self, fan: Fanout) -> None:
         async for i, out in fan.events():
@@ -345,7 +349,7 @@ class ResponseAssembler:
                 choice = {"index": idx, "text": c.echo_text + c.text, "logprobs": lps,
                           "finish_reason": c.finish_reason}
             if self.want_prompt_logprobs:
-                choice["prompt_logprobs"] = self.fmt.prompt_logprobs(self._echo_logprobs(c)[1])
+                choice["prompt_logprobs"] = self._prompt_logprobs(c)
             choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices,
@@ -441,5 +445,5 @@ class ResponseAssembler:
             piece = {"index": c.index, "text": echo_part + delta, "logprobs": lps, "finish_reason": reason}
         if self.want_prompt_logprobs and not c.prompt_lps_sent:
             c.prompt_lps_sent = True
-            piece["prompt_logprobs"] = self.fmt.prompt_logprobs(self._echo_logprobs(c)[1])
+            piece["prompt_logprobs"] = self._prompt_logprobs(c)
         return piece

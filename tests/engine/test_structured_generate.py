@@ -5,7 +5,9 @@ compiles after warm-up; n > 1, multi-step decode and preemption keep each sequen
 from __future__ import annotations
 
 import json
+import math
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -216,3 +218,56 @@ def test_async_scheduling_steps_constrained_rows_every_step(llm):
     check_schema(json.loads(on[0].outputs[0].text))
     # a token per step (plus the prefill's and the pipeline's last): not one every other step
     assert steps <= len(on[0].outputs[0].token_ids) + 3, steps
+
+
+def _allowed_next(text: str, token: str, choices) -> bool:
+    return any(c.startswith(text + token) for c in choices)
+
+
+def test_logprobs_under_a_grammar_hold_only_allowed_tokens(llm):
+    """A grammar that allows fewer tokens than the top-N asked for: the masked ones (logprob -inf) are
+    left out of each entry, never given as -inf; every number is finite; the sampled token is in its
+    entry; the alternatives are tokens the grammar allowed there."""
+    tok = llm.engine.tokenizer
+    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=s, logprobs=20,
+                             structured=StructuredSpec.choice(CHOICES)) for s in range(4)]
+    outs = generate(llm, PROMPTS, params)
+    short = 0
+    for (c,) in outs:
+        assert c.text in CHOICES and len(c.logprobs) == len(c.token_ids)
+        text = ""
+        for tid, entry in zip(c.token_ids, c.logprobs):
+            assert all(math.isfinite(lp) and lp <= 0 for lp in entry.values()), entry
+            assert tid in entry and len(entry) <= 21
+            short += len(entry) < 20
+            for t in entry:
+                assert _allowed_next(text, tok.decode([t]), CHOICES), (text, tok.decode([t]), entry)
+            text += tok.decode([tid])
+        assert math.isfinite(c.cumulative_logprob)
+    assert short  # the grammar allowed fewer than 20 tokens somewhere: some were left out
+
+
+def test_logprob_entries_leave_out_values_that_are_not_finite():
+    """The host side of the top-N (no model): -inf (masked) and NaN alternatives are dropped, the
+    sampled token's own value is kept; prompt entries likewise keep the prompt token's own."""
+    import numpy as np
+
+    from jaxserve.engine.output_processor import OutputProcessor, top_entry
+    from jaxserve.sampling import SampleOutput
+
+    assert top_entry(np.array([5, 7, 0, 9]), np.array([-0.1, -2.0, -np.inf, np.nan], np.float32)) == {
+        5: pytest.approx(-0.1), 7: -2.0}
+    seq = SimpleNamespace(params=SamplingParams(logprobs=4), logprobs=[], cumulative_logprob=0.0)
+    sampled = SampleOutput(tokens=np.array([7]), logprobs=np.array([-2.0], np.float32),
+                           top_ids=np.array([[5, 7, 0, 1]]),
+                           top_logprobs=np.array([[-0.1, -2.0, -np.inf, -np.inf]], np.float32))
+    OutputProcessor.record_logprobs(seq, sampled, 0)
+    assert seq.logprobs == [{5: pytest.approx(-0.1), 7: -2.0}] and seq.cumulative_logprob == -2.0
+
+    seq.params = SamplingParams(prompt_logprobs=2)
+    seq.prompt_token_ids, seq.prompt_logprobs = [3, 4, 6], [None, None, None]
+    scores = SimpleNamespace(target_logprobs=np.array([[-1.0, -3.0]], np.float32),
+                             top_ids=np.array([[[4, 0], [2, 0]]]),
+                             top_logprobs=np.array([[[-1.0, -np.inf], [-0.5, np.nan]]], np.float32))
+    OutputProcessor.record_prompt_logprobs(seq, 0, [4, 6], scores, 0)
+    assert seq.prompt_logprobs == [None, {4: -1.0}, {2: -0.5, 6: -3.0}]

@@ -11,7 +11,7 @@ import pytest
 from server_testlib import parse_metrics, record_submits, sse_events, wait_until
 
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.testing.mock_engine import VOCAB_SIZE
+from jaxserve.testing.mock_engine import NUM_SPECIAL, VOCAB_SIZE, MockAsyncLLMEngine
 
 PROMPT = "The quick brown fox"
 
@@ -158,6 +158,73 @@ def test_chat_basic_and_logprobs(client):
     # without max_tokens a chat request may use what is left of max_model_len
     out = chat(client, temperature=0).json()
     assert out["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+class NonFiniteLogprobsEngine(MockAsyncLLMEngine):
+    """The mock engine with logprob entries as a grammar leaves them unfiltered: two alternatives at
+    -inf and NaN ("~" and "^", which no prompt here holds), and each prompt token's own logprob -inf."""
+
+    @staticmethod
+    def _logprob_entry(digest, k, token, top):
+        entry = MockAsyncLLMEngine._logprob_entry(digest, k, token, top)
+        entry.update({NUM_SPECIAL + ord("~"): float("-inf"), NUM_SPECIAL + ord("^"): float("nan")})
+        if digest.endswith(b"p"):
+            entry[token] = float("-inf")
+        return entry
+
+
+def _no_constant(name):
+    raise ValueError(f"not JSON: {name}")
+
+
+def strict_json(text: str):
+    """json.loads refusing Infinity, -Infinity and NaN."""
+    return json.loads(text, parse_constant=_no_constant)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_that_are_not_finite_never_reach_the_json(make_client, stream):
+    """Whatever the engine hands over: alternatives that are not finite are left out of the top lists
+    (completions, chat, prompt_logprobs), a token's own -inf is -9999.0; every body is strict JSON."""
+    client = make_client(engine_cls=NonFiniteLogprobsEngine)
+    bodies = [("/v1/completions", dict(prompt="abc", max_tokens=4, logprobs=5, prompt_logprobs=3, ignore_eos=True)),
+              ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                            logprobs=True, top_logprobs=5, prompt_logprobs=3, ignore_eos=True))]
+    for path, body in bodies:
+        r = client.post(path, json={**body, "stream": stream})
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            choices = [c for e in events[:-1] for c in strict_json(e)["choices"]]
+        else:
+            choices = strict_json(r.text)["choices"]
+        assert not any("error" in c for c in choices)
+        plp = next(c["prompt_logprobs"] for c in choices if "prompt_logprobs" in c)
+        assert plp[0] is None and len(plp) > 1
+        for e in plp[1:]:
+            assert not {str(NUM_SPECIAL + ord("~")), str(NUM_SPECIAL + ord("^"))} & set(e)
+            assert -9999.0 in [v["logprob"] for v in e.values()]
+        for c in choices:
+            if not c.get("logprobs"):
+                continue
+            if path == "/v1/completions":
+                assert all("~" not in top and "^" not in top for top in c["logprobs"]["top_logprobs"])
+                assert all(len(top) == 5 for top in c["logprobs"]["top_logprobs"])
+            else:
+                for entry in c["logprobs"]["content"]:
+                    alts = [a["token"] for a in entry["top_logprobs"]]
+                    assert len(alts) == 5 and "~" not in alts and "^" not in alts
+                    assert entry["logprob"] > -9999.0
+
+
+
+def test_the_servers_json_is_strict():
+    from jaxserve.server.errors import dumps
+
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        with pytest.raises(ValueError):
+            dumps({"logprob": bad})
 
 
 # ---- streaming -----------------------------------------------------------------------------------

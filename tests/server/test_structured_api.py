@@ -170,3 +170,82 @@ def test_gated_grammar_on_the_engine_after_the_models_own_marker(client):
     assert not head.strip() and out.token_ids[:3] == free.token_ids[:3]
     doc = json.loads(answer)
     assert set(doc) == {"answer", "score"}
+
+
+# ---- logprobs under a grammar: strict JSON, only allowed tokens -----------------------------------
+
+def _reject_constant(name):
+    raise ValueError(f"not JSON: {name}")
+
+
+def strict_json(text: str):
+    """json.loads that refuses Infinity, -Infinity and NaN (which JSON has not, and Python writes)."""
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def strict_chunks(r) -> list[dict]:
+    assert r.status_code == 200, r.text
+    lines = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [strict_json(line) for line in lines[:-1]]
+    assert not any("error" in c for c in chunks), chunks
+    return chunks
+
+
+def _allowed(before: str, token: str, docs) -> bool:
+    return any(d.startswith(before + token) for d in docs)
+
+
+YES_NO = ["yes", "no"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_under_a_grammar_are_strict_json(client, stream):
+    """guided_choice allows fewer tokens than asked for: the masked ones are left out of top_logprobs
+    (once -Infinity in a stream, a 500 otherwise)."""
+    r = client.post("/v1/completions", json={"prompt": "Answer:", "max_tokens": 4, "guided_choice": YES_NO,
+                                             "logprobs": 5, "temperature": 1.0, "seed": 1, "stream": stream})
+    if stream:
+        pieces = [c["choices"][0] for c in strict_chunks(r) if c["choices"]]
+        text = "".join(p["text"] for p in pieces)
+        tokens, token_lps, tops = [], [], []
+        for p in pieces:
+            if p["logprobs"]:
+                tokens += p["logprobs"]["tokens"]
+                token_lps += p["logprobs"]["token_logprobs"]
+                tops += p["logprobs"]["top_logprobs"]
+    else:
+        assert r.status_code == 200, r.text
+        choice = strict_json(r.text)["choices"][0]
+        text, lps = choice["text"], choice["logprobs"]
+        tokens, token_lps, tops = lps["tokens"], lps["token_logprobs"], lps["top_logprobs"]
+    assert text in YES_NO and "".join(tokens) == text
+    before, short = "", 0
+    for token, lp, top in zip(tokens, token_lps, tops, strict=True):
+        assert lp <= 0 and 1 <= len(top) <= 5 and all(v <= 0 for v in top.values())
+        short += len(top) < 5
+        assert all(_allowed(before, t, YES_NO) for t in top), (before, top)
+        before += token
+    assert short  # the grammar allowed fewer than 5 tokens somewhere
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_top_logprobs_under_response_format_are_strict_json(client, stream):
+    docs = ['"yes"', '"no"']
+    rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"enum": YES_NO}}}
+    r = chat(client, response_format=rf, logprobs=True, top_logprobs=20, temperature=1.0, seed=3, max_tokens=8,
+             stream=stream)
+    if stream:
+        pieces = [c["choices"][0] for c in strict_chunks(r) if c["choices"]]
+        content = "".join(p["delta"].get("content") or "" for p in pieces)
+        entries = [e for p in pieces if p["logprobs"] for e in p["logprobs"]["content"]]
+    else:
+        assert r.status_code == 200, r.text
+        choice = strict_json(r.text)["choices"][0]
+        content, entries = choice["message"]["content"], choice["logprobs"]["content"]
+    assert content in docs and "".join(e["token"] for e in entries) == content
+    before = ""
+    for e in entries:
+        assert -9999.0 < e["logprob"] <= 0 and 1 <= len(e["top_logprobs"]) < 20, e
+        assert all(_allowed(before, alt["token"], docs) for alt in e["top_logprobs"]), (before, e)
+        before += e["token"]
