@@ -7,12 +7,13 @@ GET /health (200 only once the engine is warm and while not draining), GET /metr
 POST /tokenize and POST /detokenize (vLLM's; like /health and /metrics, outside the /v1 API-key gate).
 
 Errors are OpenAI-style objects, `{"error": {"message", "type", "param", "code"}}`:
-  400  body not JSON; a parameter jaxserve does not support (named); a request the engine rejects
-       (prompt too long, bad token ids, ...)
+  400  body not JSON (code invalid_json); a field of the wrong type or out of its documented range, a
+       missing required field, a body that is not an object (validation_error: never FastAPI's 422,
+       as in OpenAI and vLLM); a parameter jaxserve does not support (named); a request the engine
+       rejects (prompt too long, bad token ids, ...). Type "invalid_request_error" throughout.
   401  /v1/* without `Authorization: Bearer <--api-key>` (when an API key is set)
   404  unknown model name; unknown route
   413  body over --max-body-bytes
-  422  a field of the wrong type or out of its documented range, a missing required field
   503  engine not warm yet, server draining, or more than --max-waiting requests already waiting
   500  an unexpected failure while processing this one request (the server keeps serving)
 A streamed request that fails after its first chunk ends with an SSE `data: {"error": ...}` event
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import json
 import logging
 import secrets
 import time
@@ -206,7 +209,7 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
             where = ".".join(loc) or "body"
             first_param = first_param or (loc[0] if loc else None)
             parts.append(f"{where}: {e.get('msg')}")
-        return error_response(422, "invalid request: " + "; ".join(parts), param=first_param, code="validation_error")
+        return error_response(400, "invalid request: " + "; ".join(parts), param=first_param, code="validation_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):
@@ -219,7 +222,7 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
         return error_response(500, f"internal error: {type(err).__name__}", code="internal_error")
 
     # ---- simple routes ---------------------------------------------------------------------------
-    err_responses = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 422, 500, 503)}
+    err_responses = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503)}
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health():
@@ -299,7 +302,25 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
         state.check_model(body.model)
         return detokenize(state, body)
 
+    app.openapi = functools.partial(_openapi_without_422, app.openapi)
     return app
+
+
+def _openapi_without_422(build: Callable[[], dict]) -> dict:
+    """The app's OpenAPI schema (`build`: FastAPI's app.openapi, which caches it) without the 422 that
+    FastAPI adds to every route taking a body (its validation errors are 400s here, documented as
+    ErrorResponse), nor that 422's schemas."""
+    schema = build()
+    for path in schema.get("paths", {}).values():
+        for operation in path.values():
+            if isinstance(operation, dict):
+                operation.get("responses", {}).pop("422", None)
+    paths = json.dumps(schema.get("paths", {}))
+    components = schema.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        if f'"#/components/schemas/{name}"' not in paths:
+            components.pop(name, None)
+    return schema
 
 
 async def _generate(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest,

@@ -10,7 +10,8 @@ Conventions:
 - Structured output (`response_format`, vLLM's `structured_outputs` and `guided_*`) is typed loosely
   here and checked by `jaxserve.structured.spec_from_request` in `requests.translate`, whose
   GrammarError names the problem (a 400); the grammar library's own refusals come from the engine.
-- Types and ranges that the schema states (e.g. `temperature` in [0, 2]) fail with 422. Those of the
+- Types and ranges that the schema states (e.g. `temperature` in [0, 2]) fail with 400 (as OpenAI and
+  vLLM answer them, not FastAPI's 422; code "validation_error"). Those of the
   plain sampling fields (temperature, top_p, n, seed, ...) come from `jaxserve.sampling_fields`.
 """
 
@@ -94,7 +95,7 @@ class ResponseFormat(OpenAIBase):
 
 def _request_field(field: SamplingField) -> tuple[Any, Any]:
     """A table field as a pydantic field: absent (None) by default, its bounds (the API's upper bound
-    where it has a stricter one) stated in the schema, so a value outside them is a 422."""
+    where it has a stricter one) stated in the schema, so a value outside them is a 400."""
     le = field.api_le if field.api_le is not None else field.le
     return (Optional[field.type],
             Field(None, ge=field.ge, gt=field.gt, le=le, lt=field.lt, description=field.api_description()))

@@ -322,9 +322,10 @@ def test_response_format_text_is_accepted(client):
     ({"prompt": [-1, 2]}, "prompt"),
     ({}, "prompt"),
 ])
-def test_out_of_range_is_422(client, body, param):
-    err = assert_error(client.post("/v1/completions", json=body), 422)
+def test_out_of_range_is_400(client, body, param):
+    err = assert_error(client.post("/v1/completions", json=body), 400)
     assert err["param"] == param
+    assert err["type"] == "invalid_request_error" and err["code"] == "validation_error"
 
 
 @pytest.mark.parametrize("body", [
@@ -333,8 +334,9 @@ def test_out_of_range_is_422(client, body, param):
     {"messages": [{"role": "user", "content": 3}]},
     {"messages": "hi"},
 ])
-def test_bad_chat_is_422(client, body):
-    assert_error(client.post("/v1/chat/completions", json=body), 422)
+def test_bad_chat_is_400(client, body):
+    err = assert_error(client.post("/v1/chat/completions", json=body), 400)
+    assert err["type"] == "invalid_request_error" and err["code"] == "validation_error"
 
 
 def test_semantic_conflicts_are_400(client):
@@ -348,7 +350,40 @@ def test_invalid_json_and_non_object(client):
     r = client.post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"})
     assert_error(r, 400, "JSON")
     r = client.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
-    assert r.status_code == 422 and "error" in r.json()
+    assert assert_error(r, 400)["code"] == "validation_error"
+
+
+ROUTES = [("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
+          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+          ("/tokenize", {"prompt": 5}, "prompt"),
+          ("/detokenize", {"tokens": ["a"]}, "tokens")]
+
+
+@pytest.mark.parametrize("path,body,param", ROUTES)
+def test_validation_errors_are_400_on_every_route(client, path, body, param):
+    """As OpenAI and vLLM answer them (FastAPI's default is a 422), with OpenAI's error object, the
+    type the other 400s have; a malformed or non-object body likewise."""
+    err = assert_error(client.post(path, json=body), 400, param)
+    assert err == {"message": err["message"], "type": "invalid_request_error", "param": param,
+                   "code": "validation_error"}
+    for content, code in ((b'{"x": ', "invalid_json"), (b"[1]", "validation_error"), (b'"text"', "validation_error"),
+                          (b"", None), (b"null", None)):
+        r = client.post(path, content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (path, content, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and (code is None or err["code"] == code), err
+    r = client.post(path, content=b"prompt=x", headers={"content-type": "text/plain"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_openapi_documents_400_not_422(client):
+    schema = client.get("/openapi.json").json()
+    for path, _, _ in ROUTES:
+        responses = schema["paths"][path]["post"]["responses"]
+        assert "422" not in responses and responses["400"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorResponse"}, responses
+    assert not any("422" in op.get("responses", {}) for ops in schema["paths"].values() for op in ops.values())
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
 
 
 def test_engine_rejections_are_400(client):

@@ -101,8 +101,8 @@ def test_logprobs(oai, model):
 
 def test_errors_then_next_request_succeeds(oai, model, shared_server):
     cases = [
-        (openai.UnprocessableEntityError, dict(prompt="x", temperature=-1)),
-        (openai.UnprocessableEntityError, dict(prompt="x", top_p=1.5)),
+        (openai.BadRequestError, dict(prompt="x", temperature=-1)),  # a validation error: 400 (OpenAI, vLLM)
+        (openai.BadRequestError, dict(prompt="x", top_p=1.5)),
         (openai.BadRequestError, dict(prompt="x", extra_body={"logit_bias_x": 1})),
         (openai.BadRequestError, dict(prompt="x", logit_bias={"5": 101.0})),  # out of [-100, 100]
         (openai.BadRequestError, dict(prompt="x" * 3000)),  # over max_model_len

@@ -55,7 +55,7 @@ def test_capabilities_list_the_endpoints(client):
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "exactly one"),
     ("/tokenize", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
-    ("/detokenize", {"tokens": "abc"}, 422, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
 ])
 def test_bad_tokenize_input_is_a_named_error(client, path, body, status, needle):
     assert_error(client.post(path, json=body), status, needle)
