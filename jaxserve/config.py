@@ -1,464 +1,34 @@
-"""Frozen configs: ModelConfig (read from a Hugging Face config.json) and EngineConfig (every engine setting).
-
-Both are hashable so they can be static arguments of `jax.jit`; everything that varies per request is an array.
-"""
+"""EngineConfig: every engine setting, frozen and hashable (a static argument of `jax.jit`); one field is
+a Python keyword, a YAML key and a `--kebab-case` flag. ModelConfig (a Hugging Face config.json) lives in
+jaxserve.model_config and is re-exported here, where most modules import it from."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
-from typing import Any, Mapping
 
-from jaxserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from jaxserve.errors import ConfigError
 from jaxserve.generation_config import parse_override
+from jaxserve.model_config import (  # noqa: F401  (re-exported: `from jaxserve.config import ModelConfig`)
+    PLAN_ONLY_ARCHITECTURES,
+    PLANNABLE_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    RopeScaling,
+)
 from jaxserve.settings import (
     Settings,
     choice,
     format_int_tuple,
     optional,
     parse_bool,
+    parse_float,
     parse_int,
     parse_int_tuple,
+    parse_positive_int,
     parse_size,
     parse_str,
     setting,
 )
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",  # Gemma 3: its text tower
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
-# Architectures whose config jaxserve reads and plans (`jaxserve plan`) but cannot serve yet (none today).
-PLAN_ONLY_ARCHITECTURES: tuple[str, ...] = ()
-PLANNABLE_ARCHITECTURES = SUPPORTED_ARCHITECTURES + PLAN_ONLY_ARCHITECTURES
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """Rotary-embedding frequency scaling; `kind` is "linear", "llama3" (Llama-3.1) or "yarn" (Qwen3's
-    long-context checkpoints: frequencies interpolated by `factor` outside the band of dimensions
-    between beta_fast and beta_slow rotations, and cos/sin times `attention_factor`)."""
-
-    kind: str
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0
-    attention_factor: float = 1.0  # yarn: resolved from factor / mscale / mscale_all_dim as transformers does
-    truncate: bool = True  # yarn: the correction band's bounds rounded to whole dimensions
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Shape and options of a decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, Mixtral); hashable,
-    so it is a static jit argument. The fields after `eos_token_ids` default to what the Llama family
-    has, so its configs are unchanged by them."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2, and Llama with attention_bias
-    o_bias: bool = False  # Llama with attention_bias
-    sliding_window: int | None = None  # Mistral: a query sees only the last `sliding_window` keys
-    architecture: str = "LlamaForCausalLM"
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm (weight of head_dim) over each head's q and k before RoPE
-    hidden_act: str = "silu"  # the gated MLP's activation: silu (SwiGLU) | gelu_pytorch_tanh (Gemma's GeGLU)
-    # Gemma 3: per layer "sliding_attention" (local, `sliding_window` keys) or "full_attention" (global);
-    # () = every layer alike (all windowed when sliding_window is set, as Mistral).
-    layer_types: tuple[str, ...] = ()
-    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3); None = rope_theta
-    query_pre_attn_scalar: float | None = None  # Gemma 3: scores scaled by its ** -0.5, not head_dim's
-    scale_embeddings: bool = False  # Gemma: the input embedding times sqrt(hidden_size)
-    sandwich_norms: bool = False  # Gemma 3: RMSNorms after attention and after the MLP too (4 per layer)
-    norm_weight_offset: float = 0.0  # Gemma: RMSNorm multiplies by (offset + weight), offset 1
-    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 3 if configured)
-    # Mixture of experts (Qwen3-MoE, Mixtral): num_experts > 0 replaces the MLP of every layer not in
-    # `dense_layers` by `num_experts` SwiGLU experts of `moe_intermediate_size` and a router [D, E];
-    # each token runs its top `num_experts_per_tok`, weighted by the softmax renormalised over them
-    # when norm_topk_prob (Mixtral always), else by the softmax over all experts.
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False
-    dense_layers: tuple[int, ...] = ()  # Qwen3-MoE mlp_only_layers / decoder_sparse_step: dense MLP here
-
-    def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise UnsupportedModelError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
-            )
-        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise UnsupportedModelError(
-                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})")
-
-    @property
-    def servable(self) -> bool:
-        """Whether jaxserve has a forward for this architecture and config (else it can only plan it)."""
-        return self.architecture in SUPPORTED_ARCHITECTURES and not (self.is_moe and self.dense_layers)
-
-    def check_servable(self) -> None:
-        """Raise UnsupportedModelError for an architecture (or a config) jaxserve can plan but not run."""
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"architecture {self.architecture!r} is not supported for serving yet: jaxserve can plan it "
-                f"(`jaxserve plan --model DIR`) but not run it; served today: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        if not self.servable:
-            # The layers are one stack (scanned): a dense MLP in some and experts in others would need two
-            # stacks or both MLPs' weights in every layer. No released Qwen3-MoE has dense layers.
-            raise UnsupportedModelError(
-                f"{self.architecture} with dense MLP layers among the expert layers (mlp_only_layers / "
-                f"decoder_sparse_step: dense layers {list(self.dense_layers)}) is not supported for serving; "
-                "jaxserve can plan it (`jaxserve plan --model DIR`)")
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    @property
-    def num_moe_layers(self) -> int:
-        """Layers whose MLP is a mixture of experts (0 for a dense model)."""
-        return self.num_layers - len(self.dense_layers) if self.is_moe else 0
-
-    @property
-    def num_sliding_layers(self) -> int:
-        """Layers that attend to only the last `sliding_window` keys."""
-        if not self.sliding_window:
-            return 0
-        if not self.layer_types:
-            return self.num_layers
-        return sum(t == "sliding_attention" for t in self.layer_types)
-
-    def expert_params(self) -> int:
-        """Elements of one expert of one layer: gate, up [D, F_e] and down [F_e, D]."""
-        return 3 * self.hidden_size * self.moe_intermediate_size
-
-    def expected_experts_read(self, batch: float) -> float:
-        """Distinct experts per MoE layer that a step of `batch` token rows reads: E · (1 − (1 − k/E)^B).
-
-        This assumes uniform, independent routing (each row picks k of E experts with equal odds); real
-        routers are skewed, which touches fewer distinct experts. Batch 1 reads exactly k; large batches
-        read nearly all E. 0 for a dense model."""
-        if not self.is_moe:
-            return 0.0
-        e, k = self.num_experts, self.num_experts_per_tok
-        return float(k) if batch <= 1 else e * (1.0 - (1.0 - k / e) ** batch)
-
-    def _attn_weights(self) -> int:
-        return self.hidden_size * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
-
-    def _dense_mlp_layers(self) -> int:
-        return len(self.dense_layers) if self.is_moe else self.num_layers
-
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    def num_params(self) -> int:
-        """Every parameter, all experts included (the text tower only for Gemma3ForConditionalGeneration)."""
-        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
-        per_layer = self._attn_weights() + (4 if self.sandwich_norms else 2) * d
-        if self.qkv_bias:
-            per_layer += h * (self.num_heads + 2 * self.num_kv_heads)
-        if self.o_bias:
-            per_layer += d
-        if self.qk_norm:
-            per_layer += 2 * h
-        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        moe = self.num_moe_layers * (self.num_experts * self.expert_params() + d * self.num_experts)  # + router
-        return self.num_layers * per_layer + self._dense_mlp_layers() * 3 * d * f + moe + embed + d
-
-    def active_params(self) -> int:
-        """Parameters one token reads: all but the experts it is not routed to (top-k of E per MoE layer).
-
-        Counted as the published "active" figures count them: the embedding table whole (a token reads
-        one row of it) and the router. Equals num_params() for a dense model."""
-        unused = self.num_experts - self.num_experts_per_tok
-        return self.num_params() - self.num_moe_layers * unused * self.expert_params()
-
-    def kv_bytes_per_token(self, bytes_per_element: int, kv_cache_dtype: str = "auto") -> int:
-        """2 (K and V) * b * head_dim * kv_heads * layers (see DESIGN.md).
-
-        kv_cache_dtype="int8": one byte per element plus one f32 scale per (token, kv head, K or V)."""
-        if kv_cache_dtype == "int8":
-            return 2 * (self.head_dim + 4) * self.num_kv_heads * self.num_layers
-        return 2 * bytes_per_element * self.head_dim * self.num_kv_heads * self.num_layers
-
-    def linear_params(self) -> int:
-        """Elements of the weights int8 quantization replaces (q/k/v/o, gate/up/down of the dense MLPs and
-        of every expert; not lm_head, not the routers)."""
-        d, f = self.hidden_size, self.intermediate_size
-        return (self.num_layers * self._attn_weights() + self._dense_mlp_layers() * 3 * d * f
-                + self.num_moe_layers * self.num_experts * self.expert_params())
-
-    def linear_out_channels(self) -> int:
-        """Output channels of those weights: one f32 scale each when quantized."""
-        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
-        return (self.num_layers * (h * (self.num_heads + 2 * self.num_kv_heads) + d)
-                + self._dense_mlp_layers() * (2 * f + d)
-                + self.num_moe_layers * self.num_experts * (2 * self.moe_intermediate_size + d))
-
-    def expert_bytes(self, bytes_per_element: int, quantization: str = "none") -> int:
-        """Bytes of one expert of one layer (int8: 1 byte per element + an f32 scale per output channel)."""
-        if quantization == "int8":
-            return self.expert_params() + (2 * self.moe_intermediate_size + self.hidden_size) * 4
-        return self.expert_params() * bytes_per_element
-
-    def expert_bytes_read(self, batch: float, bytes_per_element: int, quantization: str = "none") -> float:
-        """Expert weight bytes a decode step of `batch` rows reads, all MoE layers together:
-        layers · E·(1 − (1 − k/E)^B) · bytes per expert, under uniform routing (`expected_experts_read`)."""
-        return self.num_moe_layers * self.expected_experts_read(batch) * self.expert_bytes(
-            bytes_per_element, quantization)
-
-    def param_bytes_read(self, batch: float, bytes_per_element: int, quantization: str = "none",
-                         quantize_lm_head: bool = False) -> float:
-        """Parameter bytes a decode step of `batch` rows reads: param_bytes less the experts no row is
-        routed to (expected, uniform routing). Equals param_bytes for a dense model."""
-        all_experts = self.num_moe_layers * self.num_experts * self.expert_bytes(bytes_per_element, quantization)
-        return (self.param_bytes(bytes_per_element, quantization, quantize_lm_head) - all_experts
-                + self.expert_bytes_read(batch, bytes_per_element, quantization))
-
-    def kv_bytes_per_sequence(self, context: int, bytes_per_element: int, kv_cache_dtype: str = "auto") -> int:
-        """KV bytes one sequence of `context` tokens needs when each sliding layer keeps only its window
-        (what a per-layer-group pool would hold; today's pool gives every layer `context` tokens)."""
-        per_layer = self.kv_bytes_per_token(bytes_per_element, kv_cache_dtype) // self.num_layers
-        window = min(context, self.sliding_window or context)
-        return per_layer * (self.num_sliding_layers * window + (self.num_layers - self.num_sliding_layers) * context)
-
-    def param_bytes(self, bytes_per_element: int, quantization: str = "none", quantize_lm_head: bool = False) -> int:
-        """Bytes of all parameters; with quantization="int8" the linear layers take 1 byte + f32 scales."""
-        total = self.num_params() * bytes_per_element
-        if quantization == "int8":
-            total -= self.linear_params() * (bytes_per_element - 1)
-            total += self.linear_out_channels() * 4
-            if quantize_lm_head and not self.tie_word_embeddings:
-                total -= self.vocab_size * self.hidden_size * (bytes_per_element - 1) - self.vocab_size * 4
-        return total
-
-    @classmethod
-    def from_hf_dict(cls, hf: Mapping[str, Any], plan_only: bool = False) -> "ModelConfig":
-        """Translate a Hugging Face config.json; refuse what we do not implement rather than run it wrongly.
-
-        plan_only=True (the planner) also accepts PLAN_ONLY_ARCHITECTURES and configs `check_servable`
-        refuses (a Qwen3-MoE with dense layers); without it they raise UnsupportedModelError."""
-        archs = hf.get("architectures") or [_arch_from_model_type(hf.get("model_type"))]
-        arch = archs[0]
-        if arch not in PLANNABLE_ARCHITECTURES:
-            planned = f" (planned only, not served yet: {', '.join(PLAN_ONLY_ARCHITECTURES)})" if (
-                PLAN_ONLY_ARCHITECTURES) else ""
-            raise UnsupportedModelError(
-                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}{planned}")
-        outer = hf
-        if arch.startswith("Gemma3"):  # the text tower; the checkpoints leave Gemma3TextConfig's defaults out
-            hf = {**_GEMMA3_TEXT_DEFAULTS, **(hf["text_config"] if "text_config" in hf else hf)}
-        extra = _family_fields(arch, hf)
-        act = extra.get("hidden_act", hf.get("hidden_act", "silu"))
-        if act not in ("silu", "gelu_pytorch_tanh") and arch in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu' / SwiGLU and "
-                                        "'gelu_pytorch_tanh' / GeGLU)")
-        if hf.get("mlp_bias"):
-            raise UnsupportedModelError("mlp_bias=True is not supported")
-        num_heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        head_dim = hf.get("head_dim") or hidden // num_heads
-        rope = dict(hf.get("rope_parameters") or {})  # transformers >= 5 keeps theta and scaling here
-        rope_theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if isinstance(rope.get("full_attention"), Mapping):  # transformers >= 5, per layer type (Gemma 3)
-            rope = dict(rope["full_attention"])
-            rope_theta = float(rope.get("rope_theta", rope_theta))
-            scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        is_qwen = arch == "Qwen2ForCausalLM"
-        sliding_window = hf.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-            sliding_window, layer_types = _qwen_sliding_window(hf)
-            if layer_types:
-                extra = {**extra, "layer_types": layer_types}
-        eos = outer.get("eos_token_id", hf.get("eos_token_id"))
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        cfg = cls(
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if is_qwen or arch.startswith("Qwen3") else 1e-5)),
-            rope_theta=rope_theta,
-            rope_scaling=_rope_scaling(scaling, hf),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=is_qwen or bool(hf.get("attention_bias", False)),
-            o_bias=(not is_qwen) and bool(hf.get("attention_bias", False)),
-            sliding_window=int(sliding_window) if sliding_window else None,
-            architecture=arch,
-            bos_token_id=outer.get("bos_token_id", hf.get("bos_token_id")),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
-            **extra,
-        )
-        if not plan_only:
-            cfg.check_servable()
-        return cfg
-
-    @classmethod
-    def from_dir(cls, path: str, plan_only: bool = False) -> "ModelConfig":
-        config_path = os.path.join(path, "config.json")
-        if not os.path.isdir(path):
-            raise ModelLoadError(f"model directory {path!r} does not exist")
-        if not os.path.isfile(config_path):
-            raise ModelLoadError(f"{path!r} has no config.json; a Hugging Face model directory needs one")
-        with open(config_path, encoding="utf-8") as f:
-            try:
-                return cls.from_hf_dict(json.load(f), plan_only=plan_only)
-            except (KeyError, TypeError, ValueError) as err:
-                if isinstance(err, UnsupportedModelError):
-                    raise
-                raise ModelLoadError(f"{config_path}: cannot read the model config ({err!r})") from None
-
-
-def _arch_from_model_type(model_type: str | None) -> str:
-    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-            "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}.get(
-        model_type or "", f"unknown model_type {model_type!r}"
-    )
-
-
-# Gemma3TextConfig's defaults (transformers 4.50, which the Gemma 3 checkpoints were written for: their
-# config.json gives only what differs, e.g. Gemma-3-12B's text_config names 7 keys).
-_GEMMA3_TEXT_DEFAULTS: Mapping[str, Any] = {
-    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "bos_token_id": 2, "eos_token_id": 1,
-    "tie_word_embeddings": True, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
-    "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6, "attention_bias": False,
-}
-
-
-def _family_fields(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
-    """The ModelConfig fields past the Llama family's: q/k norms, Gemma 3's layers, experts."""
-    if arch == "Qwen3ForCausalLM":
-        return {"qk_norm": True}
-    if arch.startswith("Gemma3"):
-        if hf.get("attn_logit_softcapping"):  # Gemma 2's; HF's Gemma 3 attention does not apply it either
-            raise UnsupportedModelError("Gemma with attention logit soft-capping (Gemma 2) is not supported")
-        if hf.get("use_bidirectional_attention"):  # EmbeddingGemma: an encoder, not a causal decoder
-            raise UnsupportedModelError("Gemma 3 with use_bidirectional_attention=True (an embedding model) is "
-                                        "not supported")
-        num_layers = int(hf["num_hidden_layers"])
-        layer_types = hf.get("layer_types")
-        if not layer_types:
-            pattern = int(hf.get("sliding_window_pattern") or 6)  # every pattern-th layer is global
-            layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                           for i in range(num_layers)]
-        if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
-            raise UnsupportedModelError(f"layer_types must name {num_layers} layers 'sliding_attention' or "
-                                        f"'full_attention', got {layer_types!r}")
-        rope = hf.get("rope_parameters") or {}
-        local = rope.get("sliding_attention") if isinstance(rope.get("sliding_attention"), Mapping) else {}
-        local_theta = local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
-        if local.get("rope_type", "default") != "default":
-            raise UnsupportedModelError(f"Gemma 3 local layers with rope_type {local['rope_type']!r} are not "
-                                        "supported (only the default RoPE there)")
-        cap = hf.get("final_logit_softcapping")
-        return {"qk_norm": True, "hidden_act": hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh"),
-                "layer_types": tuple(layer_types), "rope_local_theta": float(local_theta),
-                "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or hf["head_dim"]),
-                "scale_embeddings": True, "sandwich_norms": True, "norm_weight_offset": 1.0,
-                "final_logit_softcapping": float(cap) if cap else None}
-    if arch == "Qwen3MoeForCausalLM":
-        num_layers, step = int(hf["num_hidden_layers"]), int(hf.get("decoder_sparse_step") or 1)
-        only = {int(i) for i in hf.get("mlp_only_layers") or ()}
-        dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step != 0)
-        # transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts; the published configs num_experts
-        experts = hf.get("num_experts") or hf["num_local_experts"]
-        return {"qk_norm": True, "num_experts": int(experts),
-                "num_experts_per_tok": int(hf["num_experts_per_tok"]),
-                "moe_intermediate_size": int(hf["moe_intermediate_size"]),
-                "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "dense_layers": dense}
-    # Every layer's MLP is experts of intermediate_size, top-k renormalised; router_jitter_noise acts in
-    # training only (HF's router adds it only when training).
-    if arch == "MixtralForCausalLM":
-        return {"num_experts": int(hf["num_local_experts"]), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
-                "moe_intermediate_size": int(hf["intermediate_size"]), "norm_topk_prob": True}
-    return {}
-
-
-def _qwen_sliding_window(hf: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:
-    """Qwen2 / Qwen3's `use_sliding_window`: the layers from `max_window_layers` on attend to only
-    the last `sliding_window` keys (transformers' `layer_types`). Returns (window, layer types):
-    (None, ()) when no layer is windowed, (window, ()) when every layer is."""
-    window = hf.get("sliding_window")
-    if not hf.get("use_sliding_window") or not window:
-        return None, ()
-    num_layers = int(hf["num_hidden_layers"])
-    first = int(hf.get("max_window_layers") if hf.get("max_window_layers") is not None else num_layers)
-    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
-                                      for i in range(num_layers)]
-    if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
-        raise UnsupportedModelError(f"layer_types must name {num_layers} layers 'sliding_attention' or "
-                                    f"'full_attention', got {types!r}")
-    if "sliding_attention" not in types:
-        return None, ()
-    return int(window), (() if "full_attention" not in types else tuple(types))
-
-
-def _rope_scaling(scaling: Mapping[str, Any] | None, hf: Mapping[str, Any] | None = None) -> RopeScaling | None:
-    if not scaling:
-        return None
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind == "linear":
-        return RopeScaling("linear", factor=float(scaling["factor"]))
-    if kind == "llama3":
-        return RopeScaling(
-            "llama3",
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        )
-    if kind == "yarn":
-        return _yarn_scaling(scaling, hf or {})
-    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3, yarn)")
-
-
-def _yarn_scaling(scaling: Mapping[str, Any], hf: Mapping[str, Any]) -> RopeScaling:
-    """transformers' defaults: the pretraining length from the config's top level or else
-    max_position_embeddings; factor = max_position_embeddings / that length when unset; beta_fast 32
-    and beta_slow 1 when unset (or 0); attention_factor from mscale / mscale_all_dim, else
-    0.1 ln(factor) + 1."""
-    max_pos = int(hf.get("max_position_embeddings", 2048))
-    original = int(hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
-                   or max_pos)
-    factor = float(scaling.get("factor") or max_pos / original)
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention = scaling.get("attention_factor")
-    if attention is None:
-        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    return RopeScaling("yarn", factor=factor, original_max_position_embeddings=original,
-                       beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
-                       attention_factor=float(attention), truncate=bool(scaling.get("truncate", True)))
-
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -467,8 +37,17 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 class EngineConfig(Settings):
     """Every engine setting. The same name is a Python keyword, a YAML key and a `--kebab-case` flag."""
 
-    model: str | None = setting(None, "model directory (Hugging Face layout); default: the shipped model",
-                                optional(parse_str), group="model")
+    model: str | None = setting(
+        None, "the model: a model directory (Hugging Face layout), a GGUF file (or a directory holding one), or "
+        "a Hugging Face model ID (ORG/NAME, downloaded once into the huggingface_hub cache); default: the "
+        "shipped default model (SmolLM2-135M-Instruct)", optional(parse_str), group="model")
+    revision: str | None = setting(
+        None, "the Hugging Face model ID's revision: a branch, tag or commit hash; default: main",
+        optional(parse_str), group="model")
+    download_dir: str | None = setting(
+        None, "where Hugging Face model IDs are downloaded (a huggingface_hub cache directory); default: "
+        "huggingface_hub's ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)",
+        optional(parse_str), group="model")
     tokenizer: str | None = setting(None, "tokenizer directory or file; default: the model directory",
                                     optional(parse_str), group="model")
     dtype: str = setting("auto", "parameter and activation dtype; auto = float32 on CPU, else the checkpoint's dtype, else bfloat16",
@@ -491,6 +70,12 @@ class EngineConfig(Settings):
     num_pages: int | None = setting(None, "KV-cache pages per data-parallel replica", optional(parse_int), group="cache")
     kv_cache_memory: int | None = setting(None, "bytes for the KV cache per replica (e.g. 4GiB), if num_pages unset",
                                           optional(parse_size), group="cache")
+    gpu_memory_utilization: float = setting(
+        0.9, "the fraction of each accelerator's memory (GPU or TPU) for the weights, the KV cache and the "
+        "activations, in (0, 1]: the KV cache gets what is left of it after the weights and a reserve for "
+        "activations, unless num_pages or kv_cache_memory is set; the server also sets JAX's GPU allocator "
+        "to it (XLA_PYTHON_CLIENT_MEM_FRACTION) unless that is set already. Ignored on a CPU (a fixed 2 GiB pool)",
+        parse_float, group="cache")
     max_model_len: int | None = setting(None, "longest sequence (prompt + output); default: the model's limit",
                                         optional(parse_int), group="scheduling")
     max_num_seqs: int = setting(16, "most sequences in one decode step", parse_int, group="scheduling")
@@ -505,6 +90,14 @@ class EngineConfig(Settings):
         "Speculative and multi-step engines always run serially", parse_bool, group="scheduling")
     mesh_shape: tuple[int, ...] = setting((1, 1), "device mesh (data, model), e.g. 1,4", parse_int_tuple,
                                           cli_format=format_int_tuple, group="parallelism")
+    tensor_parallel_size: int | None = setting(
+        None, "vLLM's spelling of mesh_shape's model axis: devices each replica's weights and KV heads are "
+        "split over (mesh_shape=(data, N)); reads None once folded into mesh_shape", optional(parse_positive_int),
+        group="parallelism", short="-tp", alias_of=("mesh_shape", 1))
+    data_parallel_size: int | None = setting(
+        None, "vLLM's spelling of mesh_shape's data axis: replicas of the model, each with its own KV cache "
+        "and batch (mesh_shape=(N, model)); reads None once folded into mesh_shape", optional(parse_positive_int),
+        group="parallelism", short="-dp", alias_of=("mesh_shape", 0))
     moe_parallelism: str = setting(
         "tensor", "how a mixture of experts uses the model axis: tensor (every expert split on its hidden "
         "dimension) or expert (whole experts per device, each device computing its own experts' tokens)",
@@ -567,6 +160,8 @@ class EngineConfig(Settings):
             raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
         if len(self.mesh_shape) != 2 or min(self.mesh_shape) < 1:
             raise ConfigError(f"mesh_shape must be two positive sizes (data, model), got {self.mesh_shape}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "num_pages", "max_model_len"):
             value = getattr(self, name)
             if value is not None and value < 1:

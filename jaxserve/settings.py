@@ -57,6 +57,13 @@ def parse_int(value: Any) -> int:
         raise ConfigError(f"expected an integer, got {value!r}") from None
 
 
+def parse_positive_int(value: Any) -> int:
+    number = parse_int(value)
+    if number < 1:
+        raise ConfigError(f"must be at least 1, got {number}")
+    return number
+
+
 def parse_float(value: Any) -> float:
     try:
         return float(value)
@@ -108,12 +115,16 @@ def choice(*options: str) -> Callable[[Any], str]:
 
 
 def setting(default: Any, help: str, parse: Callable[[Any], Any], cli_format: Callable[[Any], str] | None = None,
-            group: str = "other"):
+            group: str = "other", short: str | None = None, alias_of: tuple[str, int] | None = None):
     """A dataclass field that knows how to parse itself from YAML/CLI and print itself back for the CLI.
 
-    `group` titles the section of `--help` the flag is listed in (model, cache, scheduling, ...)."""
+    `group` titles the section of `--help` the flag is listed in (model, cache, scheduling, ...); `short`
+    is an extra spelling of the flag (vLLM's `-tp`). `alias_of=(target, index)` makes the setting another
+    spelling of element `index` of the tuple setting `target` (tensor_parallel_size is mesh_shape[1]):
+    it defaults to None, is folded into the target when the object is built and reads None afterwards,
+    so the target is the one source of truth (`fold_aliases`)."""
     return dataclasses.field(default=default, metadata={"help": help, "parse": parse, "cli_format": cli_format,
-                                                        "group": group})
+                                                        "group": group, "short": short, "alias_of": alias_of})
 
 
 def flag_name(name: str) -> str:
@@ -154,7 +165,26 @@ class Settings:
                 object.__setattr__(self, field.name, parse(getattr(self, field.name)))
             except ConfigError as err:
                 raise ConfigError(f"setting {field.name!r}: {err}") from None
+        self.fold_aliases()
         self.validate()
+
+    def fold_aliases(self) -> None:
+        """Write each alias given (not None) into its element of the target setting, then set it to None.
+
+        A target still at its default takes the alias's value; a target set to something else must
+        agree with it, or the error names both (tensor_parallel_size=4 against mesh_shape=(2, 2))."""
+        given = {target: tuple(getattr(self, target)) for target, _ in self.aliases().values()}
+        for alias, (target, index) in self.aliases().items():
+            value = getattr(self, alias)
+            if value is None:
+                continue
+            current = tuple(getattr(self, target))
+            if given[target] != _field(type(self), target).default and given[target][index] != value:
+                raise ConfigError(
+                    f"{alias}={value} conflicts with {target}={given[target]} ({target}[{index}] is "
+                    f"{given[target][index]}): give one of them, or make them agree")
+            object.__setattr__(self, target, current[:index] + (value,) + current[index + 1:])
+            object.__setattr__(self, alias, None)
 
     def validate(self) -> None:
         """Checks between fields; subclasses override."""
@@ -162,6 +192,30 @@ class Settings:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+
+    @classmethod
+    def aliases(cls) -> dict[str, tuple[str, int]]:
+        """alias name -> (target setting, element index)."""
+        return {f.name: f.metadata["alias_of"] for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                if f.metadata.get("alias_of")}
+
+    @classmethod
+    def merge(cls, base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+        """`overrides` over `base` (flags over YAML), alias-aware: an alias in the overrides rewrites its
+        element of a target the base sets (YAML mesh_shape [2, 4] with -tp 8 gives [2, 8]), and a target
+        in the overrides drops the base's aliases of it (YAML tensor_parallel_size 8 with --mesh-shape 1,4)."""
+        merged = {**base, **overrides}
+        for alias, (target, index) in cls.aliases().items():
+            if alias in overrides and target in base and target not in overrides:
+                value, current = (_parsed(cls, alias, overrides[alias]), _parsed(cls, target, base[target]))
+                if value is not None:
+                    current = list(current)
+                    if index < len(current):
+                        current[index] = value
+                        merged[target] = current
+            if target in overrides and alias in base and alias not in overrides:
+                merged.pop(alias)
+        return merged
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]):
@@ -187,21 +241,28 @@ class Settings:
             raise ConfigError(f"config file {path!r} is not valid YAML: {err}") from None
         if not isinstance(values, dict):
             raise ConfigError(f"config file {path!r} must hold a mapping of setting: value")
-        values.update(overrides or {})
         try:
-            return cls.from_dict(values)
+            return cls.from_dict(cls.merge(values, overrides or {}))
         except ConfigError as err:
             raise ConfigError(f"{path}: {err}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        """YAML-ready values (tuples become lists)."""
+        """YAML-ready values (tuples become lists); aliases are left out, their targets hold their values."""
         out = {}
+        aliases = self.aliases()
         for name in self.field_names():
+            if name in aliases:
+                continue
             value = getattr(self, name)
             out[name] = list(value) if isinstance(value, tuple) else value
         return out
 
     def replace(self, **changes: Any):
+        """A copy with `changes`; an alias among them rewrites its element of this object's target
+        (cfg.replace(tensor_parallel_size=8) keeps mesh_shape[0])."""
+        for alias, (target, _) in self.aliases().items():
+            if changes.get(alias) is not None and target not in changes:
+                changes = self.merge({target: getattr(self, target)}, changes)
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
 
     # ---- command line -------------------------------------------------------------------------
@@ -220,13 +281,14 @@ class Settings:
             options = getattr(parse, "options", None)
             help_text = field.metadata["help"] + f" (default: {field.default!r})"
             flag = flag_name(field.name)
+            flags = [flag] + ([field.metadata["short"]] if field.metadata.get("short") else [])
             if is_bool_parser(parse):
                 group.add_argument(flag, dest=field.name, default=argparse.SUPPRESS, nargs="?", const="true",
                                    metavar="BOOL", help=help_text + f"; {flag} alone means true")
                 group.add_argument("--no-" + flag[2:], dest=field.name, default=argparse.SUPPRESS,
                                    action="store_const", const="false", help=f"same as {flag} false")
                 continue
-            group.add_argument(flag, dest=field.name, default=argparse.SUPPRESS, choices=options, help=help_text)
+            group.add_argument(*flags, dest=field.name, default=argparse.SUPPRESS, choices=options, help=help_text)
 
     @classmethod
     def cli_values(cls, namespace: argparse.Namespace) -> dict[str, Any]:
@@ -246,7 +308,7 @@ class Settings:
     def from_namespace(cls, namespace: argparse.Namespace, config: str | None = None,
                        defaults: Mapping[str, Any] | None = None):
         """From parsed flags over `config` (YAML) over `defaults`; a ConfigError spells settings as flags."""
-        values = {**(defaults or {}), **cls.cli_values(namespace)}
+        values = cls.merge(defaults or {}, cls.cli_values(namespace))
         try:
             if config:
                 return cls.from_yaml(config, overrides=values)
@@ -264,8 +326,19 @@ class Settings:
         args = []
         for field in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, field.name)
-            if value == field.default:
+            if value == field.default or field.metadata.get("alias_of"):
                 continue
             fmt = field.metadata.get("cli_format") or (lambda v: "none" if v is None else str(v))
             args += [flag_name(field.name), fmt(value)]
         return args
+
+
+def _field(cls: type, name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(cls) if f.name == name)
+
+
+def _parsed(cls: type, name: str, value: Any) -> Any:
+    try:
+        return _field(cls, name).metadata["parse"](value)
+    except ConfigError as err:
+        raise ConfigError(f"setting {name!r}: {err}") from None

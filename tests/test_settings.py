@@ -106,3 +106,56 @@ def test_help_is_grouped():
     for title in ("model", "cache", "scheduling", "parallelism", "speculative decoding"):
         assert title in titles
     assert "other" not in titles  # every setting names its group
+
+
+# ---- vLLM's spellings: tensor_parallel_size / data_parallel_size fold into mesh_shape ---------------------
+def test_parallel_sizes_are_mesh_shape():
+    cfg = EngineConfig(tensor_parallel_size=4)
+    assert cfg.mesh_shape == (1, 4) and cfg == EngineConfig(mesh_shape=(1, 4)) and hash(cfg) == hash(
+        EngineConfig(mesh_shape=(1, 4)))
+    assert cfg.tensor_parallel_size is None  # folded: mesh_shape is the one source of truth
+    assert EngineConfig(tensor_parallel_size=2, data_parallel_size=3).mesh_shape == (3, 2)
+    assert EngineConfig(mesh_shape=(2, 4), tensor_parallel_size=4).mesh_shape == (2, 4)  # agreeing is fine
+    for argv in (["-tp", "4", "-dp", "2"], ["--tensor-parallel-size", "4", "--data-parallel-size=2"], ["-tp=4", "-dp=2"]):
+        assert EngineConfig.from_cli(argv).mesh_shape == (2, 4)
+
+
+def test_parallel_size_conflicting_with_mesh_shape_names_both():
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 conflicts with mesh_shape=\(2, 2\)"):
+        EngineConfig(mesh_shape=(2, 2), tensor_parallel_size=4)
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_cli(["--mesh-shape", "1,2", "-dp", "2"])
+    assert "--data-parallel-size=2 conflicts with --mesh-shape=(1, 2)" in str(err.value)
+    with pytest.raises(ConfigError, match="--tensor-parallel-size: must be at least 1, got 0"):
+        EngineConfig.from_cli(["-tp", "0"])
+
+
+def test_parallel_sizes_in_yaml_and_flags_over_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("tensor_parallel_size: 8\n")
+    assert EngineConfig.from_yaml(str(path)).mesh_shape == (1, 8)
+    assert EngineConfig.from_cli(["--config", str(path), "--mesh-shape", "2,4"]).mesh_shape == (2, 4)  # flag wins
+    path.write_text("mesh_shape: [2, 8]\n")
+    assert EngineConfig.from_cli(["--config", str(path), "-tp", "4"]).mesh_shape == (2, 4)  # the flag's element
+
+
+def test_parallel_sizes_round_trip_as_mesh_shape(tmp_path):
+    cfg = EngineConfig(tensor_parallel_size=4, data_parallel_size=2)
+    assert "tensor_parallel_size" not in cfg.to_dict() and cfg.to_dict()["mesh_shape"] == [2, 4]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    assert EngineConfig.from_yaml(str(path)) == cfg and EngineConfig.from_cli(cfg.to_cli_args()) == cfg
+    assert cfg.to_cli_args() == ["--mesh-shape", "2,4"]
+    assert cfg.replace(tensor_parallel_size=8).mesh_shape == (2, 8)  # the other axis kept
+    assert cfg.replace(mesh_shape=(1, 1)).mesh_shape == (1, 1)
+
+
+def test_hub_and_memory_settings():
+    cfg = EngineConfig.from_cli(["--revision", "refs/pr/3", "--download-dir", "/cache", "--gpu-memory-utilization",
+                                 "0.8"])
+    assert (cfg.revision, cfg.download_dir, cfg.gpu_memory_utilization) == ("refs/pr/3", "/cache", 0.8)
+    assert EngineConfig().gpu_memory_utilization == 0.9 and EngineConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+            EngineConfig(gpu_memory_utilization=bad)
+    assert "Hugging Face model ID" in EngineConfig.__dataclass_fields__["model"].metadata["help"]
