@@ -78,6 +78,7 @@ class LLMEngine:
         self.plan = plan_memory(loaded.cfg, s, loaded.dtype,
                                 draft_kv_bytes_per_token=draft_kv_bytes_per_token(s, loaded.dtype))
         logger.info(self.plan.describe())
+        logger.info(self.plan.capacity_line())
         if param_bytes(loaded.params) != self.plan.param_bytes:
             logger.warning("loaded params take %d bytes; the config's arithmetic says %d",
                            param_bytes(loaded.params), self.plan.param_bytes)
