@@ -1,8 +1,9 @@
 """The `jaxserve` command: one entry point, a subcommand per tool.
 
-    jaxserve serve [flags]        the OpenAI-compatible server (= python -m jaxserve.serve)
-    jaxserve plan [flags]         will a model fit, how many sequences, how fast (= python -m jaxserve.plan)
-    jaxserve compare-hf [flags]   greedy tokens and logits against Hugging Face (= python -m jaxserve.compare_hf)
+    jaxserve serve [MODEL] [flags]  the OpenAI-compatible server (= python -m jaxserve.serve); MODEL a
+                                  directory, a GGUF file or a Hugging Face ID, as `vllm serve ORG/NAME`
+    jaxserve plan [flags]           will a model fit, how many sequences, how fast (= python -m jaxserve.plan)
+    jaxserve compare-hf [flags]     greedy tokens and logits against Hugging Face (= python -m jaxserve.compare_hf)
 
 Each subcommand takes exactly the flags of its module (`jaxserve serve --help`); the modules stay
 runnable with `python -m`, so scripts and docs written for either spelling keep working.
@@ -16,7 +17,7 @@ from typing import Sequence
 
 # subcommand -> (module with main(argv, prog=...), one-line description)
 SUBCOMMANDS = {
-    "serve": ("jaxserve.serve", "OpenAI-compatible HTTP server (the shipped default model when no --model)"),
+    "serve": ("jaxserve.serve", "OpenAI-compatible HTTP server: serve [MODEL], a directory, .gguf or ORG/NAME"),
     "plan": ("jaxserve.plan", "memory and roofline planner: fit, capacity, bounds, replicas for a rate"),
     "compare-hf": ("jaxserve.compare_hf", "parity check against Hugging Face transformers (needs jaxserve[hf])"),
 }

@@ -1,6 +1,6 @@
 """`python -m jaxserve.serve`: the OpenAI-compatible HTTP server.
 
-    jaxserve serve [--config FILE] [engine flags] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    jaxserve serve [MODEL] [--config FILE] [engine flags] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
                    [--max-waiting N] [--served-model-name NAME ...] [--max-body-bytes N]
                    [--grace-seconds S] [--mock-engine]
     (or python -m jaxserve.serve ...)
@@ -44,11 +44,30 @@ DEFAULT_CONFIG = resources.shipped_config("default")
 MOCK_DEFAULTS = dict(max_num_seqs=16, num_pages=512, page_size=16, max_model_len=512)
 
 
+class ServeArgumentParser(argparse.ArgumentParser):
+    """The server's flags plus vLLM's positional model (`jaxserve serve ORG/NAME`), which fills `model`:
+    given with a different `--model` it is an error (exit 2)."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns, extras = super().parse_known_args(args, namespace)
+        tag = getattr(ns, "model_tag", None)
+        if tag is not None:
+            if getattr(ns, "model", tag) != tag:
+                self.error(f"the model is given twice, differently: {tag!r} (positional) and --model {ns.model!r}; "
+                           "give one of them")
+            ns.model = tag
+        return ns, extras
+
+
 def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ServeArgumentParser(
         prog=prog, description="OpenAI-compatible LLM server over jaxserve's JAX engine.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    parser.add_argument("model_tag", nargs="?", default=argparse.SUPPRESS, metavar="MODEL",
+                        help="the model to serve, as `vllm serve MODEL`: a model directory, a GGUF file (or a "
+                             "directory holding one) or a Hugging Face model ID (ORG/NAME); same as --model. "
+                             "Give it before the flags. Default: the default model (SmolLM2-135M-Instruct)")
     parser.add_argument("--config", default=None,
                         help="YAML file of engine settings, or a shipped config's name (default, llama3-8b-tp8, "
                              "...); flags override it. Default: configs/small.yaml when no --model is given")
@@ -208,6 +227,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serv
     if ns.max_waiting is not None and ns.max_waiting < 0:
         print("error: --max-waiting must be >= 0", file=sys.stderr)
         return 2
+    if not ns.mock_engine:  # before JAX's backend starts: its GPU allocator takes gpu_memory_utilization
+        from jaxserve.memory_plan import apply_memory_utilization
+
+        logger.info("device memory: %s", apply_memory_utilization(settings.gpu_memory_utilization))
     if settings.num_processes > 1:
         if ns.mock_engine:
             print("error: --mock-engine runs in one process; drop --num-processes", file=sys.stderr)

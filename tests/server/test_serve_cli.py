@@ -107,3 +107,34 @@ def test_reasoning_parser_flag():
     assert parser.parse_args(["--reasoning-parser", "deepseek_r1"]).reasoning_parser == "deepseek_r1"
     with pytest.raises(SystemExit):
         parser.parse_args(["--reasoning-parser", "nope"])
+
+
+def test_positional_model_as_vllm_serve(capsys):
+    parser = serve.build_parser()
+    assert parser.parse_args(["Qwen/Qwen3-0.6B", "--port", "9000"]).model == "Qwen/Qwen3-0.6B"
+    assert parser.parse_args(["--port", "9000", "./my-model"]).model == "./my-model"
+    assert parser.parse_args(["org/name", "--model", "org/name"]).model == "org/name"  # the same twice: fine
+    assert not hasattr(parser.parse_args([]), "model")  # no model: the default model, as before
+    with pytest.raises(SystemExit) as done:
+        parser.parse_args(["org/name", "--model", "org/other"])
+    assert done.value.code == 2
+    assert "'org/name' (positional) and --model 'org/other'" in capsys.readouterr().err
+
+
+def test_vllm_parallel_flags_on_the_server_command_line():
+    settings = EngineConfig.from_namespace(serve.build_parser().parse_args(["-tp", "2", "-dp", "2"]))
+    assert settings.mesh_shape == (2, 2)
+
+
+def test_serving_an_uncached_hub_model_offline_exits_2(monkeypatch, tmp_path, capsys):
+    """`jaxserve serve ORG/NAME` with HF_HUB_OFFLINE=1 and an empty cache: the hub's error, before any compile."""
+    from huggingface_hub import constants
+
+    from jaxserve import cli
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["serve", "nobody/no-such-model", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "HF_HUB_OFFLINE is set and nobody/no-such-model is not in the local cache" in err
