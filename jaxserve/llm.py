@@ -15,6 +15,7 @@ from jaxserve.engine.output_processor import OutputAccumulator
 from jaxserve.errors import ConfigError, RequestError
 from jaxserve.generation_config import load_generation_defaults
 from jaxserve.loading.model_source import resolve_model_settings
+from jaxserve.memory_plan import apply_memory_utilization
 from jaxserve.sampling_params import RequestOutput, SamplingParams
 
 
@@ -31,6 +32,7 @@ class LLM:
             raise ConfigError(str(err)) from None
         # A GGUF file, a hub ID or no model (the default) becomes a local directory, before anything compiles.
         config = resolve_model_settings(config)
+        apply_memory_utilization(config.gpu_memory_utilization)  # before JAX's backend starts, if it has not
         # Before the engine compiles: a generation_config that cannot be used fails at once.
         self.generation_defaults = load_generation_defaults(config)
         self.engine = LLMEngine(config, warm_up=warm_up)

@@ -57,10 +57,10 @@ def resolve_model_path(model: str | None, revision: str | None = None, download_
 
 def resolve_model_settings(settings: EngineConfig) -> EngineConfig:
     """`settings` with `model` (and a draft `speculative_model`) as local directories."""
-    download_dir = getattr(settings, "download_dir", None)
+    download_dir = settings.download_dir
     changes = {}
     if settings.load_format != "dummy" or settings.model is None:
-        changes["model"] = resolve_model_path(settings.model, getattr(settings, "revision", None), download_dir)
+        changes["model"] = resolve_model_path(settings.model, settings.revision, download_dir)
     if settings.speculative_model is not None:
         changes["speculative_model"] = resolve_model_path(settings.speculative_model, download_dir=download_dir)
     return settings.replace(**changes)

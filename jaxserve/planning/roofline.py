@@ -507,7 +507,7 @@ def planned_model_dir(settings: EngineConfig) -> str:
         return model
     from jaxserve.loading.model_source import resolve_model_path
 
-    return resolve_model_path(model, getattr(settings, "revision", None), getattr(settings, "download_dir", None))
+    return resolve_model_path(model, settings.revision, settings.download_dir)
 
 
 def resolve_dtype(settings: EngineConfig, model_dir: str, spec: DeviceSpec) -> str:
