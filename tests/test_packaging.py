@@ -45,8 +45,9 @@ def test_wheel_carries_the_default_model_and_configs(wheel):
     shipped = {f"jaxserve/_checkpoints/{p.relative_to(ROOT / 'checkpoints')}"
                for p in (ROOT / "checkpoints").rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     assert shipped <= names, sorted(shipped - names)[:5]
-    for need in ("jaxserve/_configs/small.yaml", "jaxserve/_configs/models/smollm2-135m/config.json",
-                 "jaxserve/_checkpoints/small/generation_config.json", "jaxserve/cli.py"):
+    for need in ("jaxserve/_configs/default.yaml", "jaxserve/_configs/small.yaml",
+                 "jaxserve/_configs/models/smollm2-135m/config.json", "jaxserve/_checkpoints/small/generation_config.json",
+                 "jaxserve/_checkpoints/default/generation_config.json", "jaxserve/cli.py"):
         assert need in names
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
     entry_points = wheel.read([n for n in names if n.endswith("entry_points.txt")][0]).decode()
@@ -54,14 +55,14 @@ def test_wheel_carries_the_default_model_and_configs(wheel):
 
 
 def test_resources_prefer_the_installed_copy(tmp_path, monkeypatch):
-    assert resources.small_checkpoint() == ROOT / "checkpoints" / "default"  # this checkout (editable)
-    (tmp_path / "_checkpoints" / "default").mkdir(parents=True)
+    assert resources.small_checkpoint() == ROOT / "checkpoints" / "small"  # this checkout (editable)
+    (tmp_path / "_checkpoints" / "small").mkdir(parents=True)
     (tmp_path / "_configs").mkdir()
-    (tmp_path / "_configs" / "default.yaml").write_text("page_size: 16\n")
+    (tmp_path / "_configs" / "small.yaml").write_text("page_size: 16\n")
     monkeypatch.setattr(resources, "PACKAGE_DIR", tmp_path)
     monkeypatch.chdir(tmp_path / "_configs")  # where no configs/ folder is
-    assert resources.small_checkpoint() == tmp_path / "_checkpoints" / "default"
-    assert resources.resolve_config("default") == str(tmp_path / "_configs" / "default.yaml")
-    assert resources.resolve_config("configs/small.yaml") == str(tmp_path / "_configs" / "default.yaml")
+    assert resources.small_checkpoint() == tmp_path / "_checkpoints" / "small"
+    assert resources.resolve_config("small") == str(tmp_path / "_configs" / "small.yaml")
+    assert resources.resolve_config("configs/small.yaml") == str(tmp_path / "_configs" / "small.yaml")
     assert resources.resolve_config("nowhere.yaml") == "nowhere.yaml"  # the loader's error names it
-    assert resources.resolve_shipped_path("checkpoints/small") == str(tmp_path / "_checkpoints" / "default")
+    assert resources.resolve_shipped_path("checkpoints/small") == str(tmp_path / "_checkpoints" / "small")

@@ -15,6 +15,7 @@ import make_tokenizer
 import pytest
 from tokenizer_training import BYTELEVEL_SPECIALS, SENTENCEPIECE_SPECIALS, train_tokenizer
 
+from jaxserve import resources
 from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,13 +164,12 @@ def test_incremental_out_of_range_ids(toks, kind):
     assert tok.id_to_token(tok.vocab_size + 1) is None
 
 
-def test_shipped_dummy_default_tokenizer():
-    # The tokenizer serve.py gives the dummy-weights default (SmolLM2-135M's shape, 49152 ids): a
-    # byte-level BPE of 8192 ids, loaded as a model directory's would be; all 49152 ids decode.
-    from jaxserve.serve import DUMMY_DEFAULT_MODEL, dummy_default_tokenizer
-
-    model_vocab = json.loads((DUMMY_DEFAULT_MODEL / "config.json").read_text())["vocab_size"]
-    tok = load_tokenizer(dummy_default_tokenizer())
+def test_shipped_smollm2_shape_tokenizer():
+    # The tokenizer shipped with SmolLM2-135M's shape for dummy weights (configs/smollm2-135m-dummy.yaml;
+    # 49152 ids): a byte-level BPE of 8192 ids, loaded as a model directory's would be; all 49152 ids decode.
+    shape = resources.shipped_model_shape("smollm2-135m")
+    model_vocab = json.loads((shape / "config.json").read_text())["vocab_size"]
+    tok = load_tokenizer(shape / "tokenizer")
     assert tok.vocab_size == 8192 < model_vocab
     assert tok.eos_token_ids == (0,) and tok.bos_token_id == 0 and not tok.add_bos_token  # config.json's ids
     text = "def f(x):\n    return x  # héllo 🎉\n"

@@ -59,7 +59,9 @@ def resolve_model_settings(settings: EngineConfig) -> EngineConfig:
     """`settings` with `model` (and a draft `speculative_model`) as local directories."""
     download_dir = settings.download_dir
     changes = {}
-    if settings.load_format != "dummy" or settings.model is None:
+    if settings.load_format == "dummy" and settings.model is not None:  # a shape: config.json alone
+        changes["model"] = resources.resolve_shipped_path(settings.model)
+    else:
         changes["model"] = resolve_model_path(settings.model, settings.revision, download_dir)
     if settings.speculative_model is not None:
         changes["speculative_model"] = resolve_model_path(settings.speculative_model, download_dir=download_dir)

@@ -21,7 +21,7 @@ from jaxserve.server.chat import ChatRenderer, ChatTemplateError, build_chat_ren
 from jaxserve.testing.mock_engine import MockTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT = ROOT / "checkpoints" / "default"
+DEFAULT = ROOT / "checkpoints" / "small"
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
 

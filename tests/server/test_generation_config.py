@@ -18,7 +18,7 @@ from jaxserve.errors import ConfigError
 from jaxserve.generation_config import load_generation_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT = str(ROOT / "checkpoints" / "default")
+DEFAULT = str(ROOT / "checkpoints" / "small")
 QWEN_LIKE = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
              "max_new_tokens": 64, "bos_token_id": 1, "eos_token_id": [2, 3]}
 

