@@ -4,10 +4,11 @@ Every other part of jaxserve (ModelConfig, the tokenizer loader, generation defa
 the planner) reads a Hugging Face directory. Rather than teach each of them GGUF, the file's metadata
 is translated once into such a directory, a few small text files kept in jaxserve's cache and keyed
 by the file's path, size and modification time:
-- `config.json` (loading/gguf_config.py), `tokenizer.json` + `tokenizer_config.json`
-  (loading/gguf_tokenizer.py: llama.cpp's tokenization, bos/eos, the chat template);
-- `generation_config.json` when one lies beside the GGUF file (a GGUF file carries no sampling
-  defaults; the default model ships its model card's);
+- `config.json` (loading/gguf_config.py), `tokenizer.json`, `tokenizer_config.json` and
+  `generation_config.json` (loading/gguf_tokenizer.py: llama.cpp's tokenization, bos/eos, the ids
+  llama.cpp stops on, the chat template);
+- the values of a `generation_config.json` lying beside the GGUF file merged over that one (a GGUF
+  file carries no sampling defaults; the default model ships its model card's);
 - `gguf_source.json`, naming the GGUF file, from which the weights are read at load
   (checkpoint.iter_checkpoint_tensors -> loading/gguf_weights.py), never copied.
 """
@@ -28,7 +29,7 @@ from jaxserve.loading.gguf_config import gguf_architecture, hf_config
 from jaxserve.loading.gguf_file import open_gguf, read_metadata
 
 SOURCE_FILE = "gguf_source.json"
-_FORMAT = 1  # bump when the files written here change meaning, so stale cache entries are rebuilt
+_FORMAT = 2  # bump when the files written here change meaning, so stale cache entries are rebuilt
 _SIDECARS = ("generation_config.json",)
 
 
@@ -57,8 +58,9 @@ def model_dir_for(gguf_path: str | os.PathLike, sidecar_dir: str | os.PathLike |
         return str(target)
     files = describe(path)
     for name in _SIDECARS:
-        if (sidecars / name).is_file():
-            files[name] = (sidecars / name).read_text(encoding="utf-8")
+        if (sidecars / name).is_file():  # its values over the file's (the stop ids llama.cpp would use)
+            merged = {**json.loads(files.get(name, "{}")), **json.loads((sidecars / name).read_text(encoding="utf-8"))}
+            files[name] = json.dumps(merged, indent=2)
     return str(_write_atomically(target, files))
 
 
