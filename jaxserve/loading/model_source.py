@@ -66,3 +66,16 @@ def resolve_model_settings(settings: EngineConfig) -> EngineConfig:
     if settings.speculative_model is not None:
         changes["speculative_model"] = resolve_model_path(settings.speculative_model, download_dir=download_dir)
     return settings.replace(**changes)
+
+
+def planned_model_dir(settings: EngineConfig) -> str:
+    """The directory whose config.json describes the model the planner plans: a model directory as
+    given, a GGUF file's or a Hugging Face ID's as the engine resolves them, and for no model the
+    default model's shape (shipped as configs/models/smollm2-135m, so planning needs neither its
+    package nor its weights)."""
+    model = settings.model
+    if model is None or model == resources.DEFAULT_MODEL_NAME:
+        return str(resources.shipped_model_shape("smollm2-135m"))
+    if os.path.isfile(os.path.join(model, "config.json")):
+        return model
+    return resolve_model_path(model, settings.revision, settings.download_dir)

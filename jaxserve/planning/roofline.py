@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any
 
 from jaxserve.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelConfig
 from jaxserve.devices import DeviceSpec
 from jaxserve.errors import ConfigError
+from jaxserve.loading.model_source import planned_model_dir
 
 GiB, MiB, KiB = 2**30, 2**20, 2**10
 RESERVED_PAGES = 1  # page 0 of each replica is the padding page (memory_plan.RESERVED_PAGES)
@@ -489,27 +489,6 @@ def make_plan(cfg: ModelConfig, target: Target, *, dtype: str = "bfloat16", quan
 
 
 # ---- settings -> plan ---------------------------------------------------------------------------------
-def default_model_dir() -> str:
-    """The shape of what `jaxserve serve` serves without --model (SmolLM2-135M-Instruct), shipped as a
-    config.json so the planner needs neither the model's package nor its weights."""
-    from jaxserve import resources
-
-    return str(resources.shipped_model_shape("smollm2-135m"))
-
-
-def planned_model_dir(settings: EngineConfig) -> str:
-    """The directory whose config.json describes the model to plan: a model directory as given, a GGUF
-    file's or a Hugging Face ID's as the engine resolves them (loading/model_source.py)."""
-    model = settings.model
-    if model is None:
-        return default_model_dir()
-    if os.path.isfile(os.path.join(model, "config.json")):
-        return model
-    from jaxserve.loading.model_source import resolve_model_path
-
-    return resolve_model_path(model, settings.revision, settings.download_dir)
-
-
 def resolve_dtype(settings: EngineConfig, model_dir: str, spec: DeviceSpec) -> str:
     """The engine's rule (model_loader.resolve_dtype) applied to the *target* device, not the local one:
     auto = float32 on CPU, else the checkpoint's dtype, else bfloat16."""
