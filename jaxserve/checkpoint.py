@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jaxserve import quant
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.model.weights import LayerParams, Params, param_specs
@@ -183,22 +184,60 @@ def _text_tower_name(name: str, cfg: ModelConfig) -> str | None:
     return name
 
 
+class _QuantizedHost:
+    """A stacked weight quantized as it is read: int8 values and f32 scales on the host, each tensor
+    quantized alone (by quant.quantize, on the host's CPU device) as it arrives, so that loading an
+    int8 model never holds a float copy of it: the host holds the int8 model plus one float tensor."""
+
+    def __init__(self, values: np.ndarray, scales: np.ndarray, dtype: np.dtype):
+        self.values, self.scales, self.dtype = values, scales, dtype  # i8[..., in, out], f32[..., out]
+
+    shape = property(lambda self: self.values.shape)
+
+    def __getitem__(self, index: int) -> "_QuantizedHost":
+        return _QuantizedHost(self.values[index], self.scales[index], self.dtype)
+
+    def assign(self, src: np.ndarray) -> None:
+        with jax.default_device(jax.devices("cpu")[0]):
+            # first in the serving dtype, as quantizing the loaded float weight would see it
+            q = _quantize_jit(jnp.asarray(np.asarray(src, self.dtype)))
+        self.values[...] = np.asarray(q.values)
+        self.scales[...] = np.asarray(q.scales)
+
+    def place(self, sharding: Any) -> quant.QuantArray:
+        if sharding is None:
+            return quant.QuantArray(values=jnp.asarray(self.values), scales=jnp.asarray(self.scales))
+        return quant.QuantArray(values=jax.device_put(self.values, sharding.values),
+                                scales=jax.device_put(self.scales, sharding.scales))
+
+
+_quantize_jit = jax.jit(quant.quantize)
+
+
 def load_hf_params(
-    model_dir: str, cfg: ModelConfig, dtype: Any, shardings: Params | None = None, stacked: bool = True
+    model_dir: str, cfg: ModelConfig, dtype: Any, shardings: Params | None = None, stacked: bool = True,
+    quantization: str = "none", quantize_lm_head: bool = False,
 ) -> Params:
     """Read every tensor once, check it against the expected shape, stack layers, place on devices.
 
     With stacked=False the layers come back as a tuple of per-layer arrays (weights.unstack_layers),
     each placed straight from its slice of the host array; `shardings` must then be of that form.
+    quantization="int8" quantizes the linear weights (and the lm_head with `quantize_lm_head`) tensor by
+    tensor as they are read (`_QuantizedHost`); `shardings` must then be of the int8 layout.
     """
     specs = param_specs(cfg)
     np_dtype = np.dtype(jnp.dtype(dtype))
-    host: dict[str, np.ndarray] = {}  # flat field name -> stacked host array
+    host: dict[str, np.ndarray | _QuantizedHost] = {}  # flat field name -> stacked host array
     filled: dict[str, set[int]] = {}
+    quantized = set(quant.LINEAR_FIELDS) | ({"lm_head"} if quantize_lm_head else set()) if quantization == "int8" else set()
 
-    def target(field: str, shape: tuple[int, ...]) -> np.ndarray:
+    def target(field: str, shape: tuple[int, ...]) -> np.ndarray | _QuantizedHost:
         if field not in host:
-            host[field] = np.empty(shape, np_dtype)
+            if field in quantized:
+                host[field] = _QuantizedHost(np.empty(shape, np.int8), np.empty(shape[:-2] + shape[-1:], np.float32),
+                                             np_dtype)
+            else:
+                host[field] = np.empty(shape, np_dtype)
             filled[field] = set()
         return host[field]
 
@@ -240,8 +279,7 @@ def load_hf_params(
         raise ModelLoadError(f"{model_dir}: checkpoint lacks weights for {', '.join(missing)}")
 
     def place(field: str, sharding: Any) -> jax.Array:
-        array = host.pop(field)  # drop our host copy as soon as it is on the device
-        return jax.device_put(array, sharding) if sharding is not None else jnp.asarray(array)
+        return _put(host.pop(field), sharding)  # our host copy dropped as soon as it is on the device
 
     if stacked:
         layer_shardings = shardings.layers if shardings is not None else None
@@ -254,14 +292,19 @@ def load_hf_params(
         per_layer = {f: host.pop(f) for f, spec in layer_specs.items() if spec is not None}
 
         def put(f: str, i: int):
-            sharding = getattr(shardings.layers[i], f) if shardings is not None else None
-            return jax.device_put(per_layer[f][i], sharding) if sharding is not None else jnp.asarray(per_layer[f][i])
+            return _put(per_layer[f][i], getattr(shardings.layers[i], f) if shardings is not None else None)
 
         layers = tuple(LayerParams(**{f: put(f, i) if f in per_layer else None for f in layer_specs})
                        for i in range(cfg.num_layers))
     top = {f: place(f, getattr(shardings, f) if shardings is not None else None)
            for f in ("embed", "final_norm", "lm_head") if getattr(specs, f) is not None}
     return Params(embed=top["embed"], layers=layers, final_norm=top["final_norm"], lm_head=top.get("lm_head"))
+
+
+def _put(value: np.ndarray | _QuantizedHost, sharding: Any) -> Any:
+    if isinstance(value, _QuantizedHost):
+        return value.place(sharding)
+    return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
 
 
 def _copy_experts(target, layer_specs, layer: int, parts, filled: dict[str, set], cfg: ModelConfig,
@@ -281,7 +324,10 @@ def _copy_into(dest: np.ndarray, layer: int | None, tensor: np.ndarray, transpos
     slot = dest if layer is None else dest[layer]
     if src.shape != slot.shape:
         raise ModelLoadError(f"tensor {name} has shape {tensor.shape}, config implies {slot.shape[::-1] if transpose else slot.shape}")
-    slot[...] = src  # casts to the target dtype
+    if isinstance(slot, _QuantizedHost):
+        slot.assign(src)
+    else:
+        slot[...] = src  # casts to the target dtype
 
 
 _DTYPE_NAMES = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}

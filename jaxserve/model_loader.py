@@ -50,8 +50,9 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
     """Read the config, derive the shardings on `mesh`, and put each weight straight onto its shards.
 
     stacked=False returns per-layer weight arrays, for the unrolled forward. quantization="int8"
-    quantizes the float weights as they arrive, one weight at a time (quant.quantize_params_placed),
-    unless the checkpoint is an int8 orbax one (scripts/quantize.py): that restores as it was saved.
+    quantizes a safetensors or GGUF checkpoint tensor by tensor as it is read (never a float copy of
+    the model on the host); a float orbax checkpoint after it is placed, one weight at a time
+    (quant.quantize_params_placed); an int8 orbax one (scripts/quantize.py) restores as it was saved.
     """
     model_dir = resolve_model_dir(settings)
     cfg = ModelConfig.from_dir(model_dir)
@@ -75,8 +76,10 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
         params = load_orbax_params(model_dir, cfg, dtype, mesh, shardings if stored != "none" else float_shardings,
                                    stacked, settings.quantization, settings.quantize_lm_head, moe)
         quantized &= stored == "none"  # an int8 checkpoint is restored as int8: nothing left to quantize
-    else:
-        params = load_hf_params(model_dir, cfg, dtype, float_shardings.params, stacked)
+    else:  # safetensors, or a GGUF file behind the directory: int8 quantized tensor by tensor as read
+        params = load_hf_params(model_dir, cfg, dtype, shardings.params, stacked, settings.quantization,
+                                settings.quantize_lm_head)
+        quantized = False
     if quantized:
         params = quant.quantize_params_placed(params, shardings.params, settings.quantize_lm_head)
     return LoadedModel(cfg=cfg, params=params, dtype=dtype, model_dir=model_dir, shardings=shardings)
