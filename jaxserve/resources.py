@@ -20,7 +20,7 @@ def shipped_dir(name: str) -> Path:
 
 
 def small_checkpoint() -> Path:
-    """The tests' small model (5M parameters, trained by scripts/train_default_model.py): quick to
+    """The tests' small model (5M parameters, trained by scripts/train_small_model.py): quick to
     compile and real enough to write Python-shaped text; not a model to serve to users."""
     return shipped_dir("checkpoints") / "small"
 

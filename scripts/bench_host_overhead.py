@@ -44,7 +44,7 @@ requests (prefix cache seeded, every row decoding) and wraps the step loop itsel
 roofline's tiny model for --quick.
 
     flock /tmp/jaxserve-bench.lock python scripts/bench_host_overhead.py --out out/host_overhead.json
-    python scripts/bench_host_overhead.py --models default --batches 1,16 --contexts 128
+    python scripts/bench_host_overhead.py --models small --batches 1,16 --contexts 128
     python scripts/bench_host_overhead.py --quick                    # tiny model, seconds (the test)
 """
 
@@ -72,7 +72,7 @@ if ROOT not in sys.path:  # jaxserve from this checkout when not installed
 
 # name -> (settings YAML, overrides): the shipped 5M model, and the SmolLM2-135M shape (dummy weights).
 MODELS = {
-    "default": (os.path.join(ROOT, "configs", "default.yaml"), {"model": os.path.join(ROOT, "checkpoints", "default")}),
+    "small": (os.path.join(ROOT, "configs", "small.yaml"), {"model": os.path.join(ROOT, "checkpoints", "small")}),
     "smollm2-135m": (os.path.join(ROOT, "configs", "smollm2-135m-dummy.yaml"), {"dtype": "float32"}),
 }
 PHASES = ("schedule", "pack", "copy", "dispatch", "wait", "postprocess", "emit", "other")
@@ -496,7 +496,7 @@ def print_report(report: dict) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="default,smollm2-135m", help=f"comma list of {', '.join(MODELS)}")
+    ap.add_argument("--models", default="small,smollm2-135m", help=f"comma list of {', '.join(MODELS)}")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--contexts", default="128,1024", help="tokens attended by the last measured step")
     ap.add_argument("--steps", type=int, default=16, help="engine steps (and device-only calls) per round")

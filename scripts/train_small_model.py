@@ -1,6 +1,6 @@
 """Train the shipped default model and its draft on the Python standard library, with jaxserve's own model code.
 
-    python scripts/train_default_model.py --work-dir ~/.cache/jaxserve/train --out checkpoints
+    python scripts/train_small_model.py --work-dir ~/.cache/jaxserve/train --out checkpoints
 
 Steps (each resumable: rerunning the same command continues where it stopped):
 1. a sentencepiece BPE tokenizer (byte fallback) on the training split of the stdlib sources;
@@ -88,8 +88,8 @@ class ModelShape:
 # ~80, whose greedy completions do not parse as Python. At these budgets a 4-layer model reaches a
 # lower held-out loss than a deeper one. The draft is ~4x cheaper per token.
 SHAPES = {
-    "default": ModelShape("default", layers=4, hidden=256, heads=4, kv_heads=2, ffn=768, steps=2000, peak_lr=3e-3),
-    "default-draft": ModelShape("default-draft", layers=1, hidden=128, heads=2, kv_heads=1, ffn=384, steps=2000,
+    "small": ModelShape("small", layers=4, hidden=256, heads=4, kv_heads=2, ffn=768, steps=2000, peak_lr=3e-3),
+    "small-draft": ModelShape("small-draft", layers=1, hidden=128, heads=2, kv_heads=1, ffn=384, steps=2000,
                                 peak_lr=3e-3),
 }
 
@@ -391,7 +391,7 @@ see `scripts/corpus.py`), with jaxserve's own model code.
 | held-out loss | {final['heldout_loss']:.4f} nats/token (perplexity {math.exp(final['heldout_loss']):.2f}) on {args.eval_windows} fixed windows of {args.seq} tokens |
 | weights | bfloat16, orbax (`params/`), layout version in `jaxserve_checkpoint.json` |
 {extra_readme}
-Made by: `python scripts/train_default_model.py {' '.join(args.argv)}`
+Made by: `python scripts/train_small_model.py {' '.join(args.argv)}`
 """)
 
 
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work-dir", default="~/.cache/jaxserve/train", help="tokens, training state, logs")
-    ap.add_argument("--out", default="checkpoints", help="writes OUT/default and OUT/default-draft")
+    ap.add_argument("--out", default="checkpoints", help="writes OUT/small and OUT/small-draft")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
@@ -469,8 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         if 500 <= len(ids := [BOS] + sp.encode(t) + [EOS]) <= 1500)
     windows = eval_windows(heldout, args.eval_windows, args.seq)
     agreement = None
-    if {"default", "default-draft"} <= set(results):
-        (cfg_t, p_t, _), (cfg_d, p_d, _) = results["default"], results["default-draft"]
+    if {"small", "small-draft"} <= set(results):
+        (cfg_t, p_t, _), (cfg_d, p_d, _) = results["small"], results["small-draft"]
         agreement = greedy_agreement(cfg_t, as_shipped(p_t), cfg_d, as_shipped(p_d), windows, args.batch)
     for shape in shapes:
         cfg, params, log = results[shape.name]
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             extra += (f"| greedy agreement of the draft with the target | {100 * agreement:.1f}% of next-token "
                       f"argmaxes on the held-out windows (the draft's expected greedy acceptance rate) |\n")
         export(shape, cfg, params, log, tokenizer_dir, out / shape.name, args, extra)
-        if shape.name == "default":  # one copy, shipped with the target; the draft's README points at it
+        if shape.name == "small":  # one copy, shipped with the target; the draft's README points at it
             (out / shape.name / SCORE_FILE).write_text(score_text)
         print(f"{shape.name}: wrote {out / shape.name} (held-out loss {shipped_heldout:.4f} as stored, "
               f"{SCORE_FILE} loss {score:.4f})")

@@ -1,8 +1,8 @@
-"""The copy-stage data of the default model's training (scripts/train_default_model.py) and the function
+"""The copy-stage data of the small model's training (scripts/train_small_model.py) and the function
 extraction it and the speculation benchmark's copy workload share (scripts/corpus.py, functions_in)."""
 
 import numpy as np
-import train_default_model as train
+import train_small_model as train
 from corpus import functions_in
 
 SOURCE = '''import os

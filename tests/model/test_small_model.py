@@ -1,4 +1,4 @@
-"""The shipped default model (checkpoints/small): it loads through the public API, scores its
+"""The tests' small model (checkpoints/small): it loads through the public API, scores its
 held-out file as its README says, matches transformers after export, and restores onto a mesh."""
 
 import re
@@ -21,8 +21,8 @@ from corpus import iter_texts
 from hf_models import assert_same_greedy, hf_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT = ROOT / "checkpoints" / "default"
-DRAFT = ROOT / "checkpoints" / "default-draft"
+DEFAULT = ROOT / "checkpoints" / "small"
+DRAFT = ROOT / "checkpoints" / "small-draft"
 COMMON = dict(dtype="float32", page_size=16, max_num_seqs=8, max_num_batched_tokens=256, warm_up=False)
 
 

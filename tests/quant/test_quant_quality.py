@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 from quant_quality import VARIANTS, heldout_windows, mean_nll  # noqa: E402
 
-DEFAULT = str(ROOT / "checkpoints" / "default")
+DEFAULT = str(ROOT / "checkpoints" / "small")
 MAX_INCREASE = 0.001  # relative perplexity increase over float32
 
 
