@@ -51,7 +51,7 @@ def resolve_model_path(model: str | None, revision: str | None = None, download_
 
     if hub.looks_like_repo_id(model):
         return resolve_model_path(hub.download_model(model, revision=revision, download_dir=download_dir))
-    raise ModelLoadError(f"model {model!r} is neither a local path (no such file or directory) nor a Hugging Face "
+    raise ModelLoadError(f"model {model!r} does not exist: no such file or directory, and not a Hugging Face "
                          "model ID (ORG/NAME)")
 
 

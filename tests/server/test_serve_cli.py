@@ -108,7 +108,7 @@ def test_engine_failure_exits_1_and_a_missing_model_2(tmp_path):
     assert "has no config.json" in proc.stderr
     proc = serve_exit("/nonexistent/model/dir")
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "neither a local path" in proc.stderr
+    assert "does not exist: no such file or directory" in proc.stderr
 
 
 def test_reasoning_parser_flag():
