@@ -22,13 +22,36 @@ __all__ = ["check_parameters_schema", "tool_call_schema", "tool_call_spec"]
 MAX_PARALLEL_CALLS = 8
 
 
+def closed_objects(schema: Any) -> Any:
+    """`schema` with every object that lists its properties and says nothing of others closed to them
+    (`additionalProperties: false`, as OpenAI's strict function calling requires). JSON Schema lets an
+    object without the keyword hold any other property, and a small model forced to call a function
+    then invents one (a `description`) and writes it until max_tokens; a function takes its declared
+    parameters only. An explicit `additionalProperties` is kept as written."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {key: closed_objects(value) if key in _SUBSCHEMA_KEYS else value for key, value in schema.items()}
+    for key in _NAMED_SUBSCHEMA_KEYS:
+        if isinstance(schema.get(key), Mapping):
+            out[key] = {name: closed_objects(sub) for name, sub in schema[key].items()}
+    if isinstance(schema.get("properties"), Mapping):
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+_SUBSCHEMA_KEYS = ("items", "anyOf", "oneOf", "allOf", "prefixItems")
+_NAMED_SUBSCHEMA_KEYS = ("properties", "$defs", "definitions")
+
+
 def tool_call_schema(functions: Sequence[Mapping[str, Any]], parallel: bool = True) -> dict[str, Any]:
-    """The JSON schema of a call array: `functions` are OpenAI function objects ({"name", "parameters"})."""
+    """The JSON schema of a call array: `functions` are OpenAI function objects ({"name", "parameters"});
+    each function's parameters closed to undeclared properties (`closed_objects`)."""
     items = []
     for fn in functions:
         params = fn.get("parameters")
-        if params is None:
-            params = {"type": "object"}
+        params = {"type": "object"} if params is None else closed_objects(params)
         items.append({
             "type": "object",
             "properties": {"name": {"const": fn["name"]}, "arguments": params},
