@@ -3,7 +3,7 @@
 Every other part of jaxserve (ModelConfig, the tokenizer loader, generation defaults, chat templates,
 the planner) reads a Hugging Face directory. Rather than teach each of them GGUF, the file's metadata
 is translated once into such a directory, a few small text files kept in jaxserve's cache and keyed
-by the file's path, size and modification time:
+by the file's path, size and modification time and the sidecar files' contents:
 - `config.json` (loading/gguf_config.py), `tokenizer.json`, `tokenizer_config.json` and
   `generation_config.json` (loading/gguf_tokenizer.py: llama.cpp's tokenization, bos/eos, the ids
   llama.cpp stops on, the chat template);
@@ -52,15 +52,14 @@ def model_dir_for(gguf_path: str | os.PathLike, sidecar_dir: str | os.PathLike |
     path = Path(gguf_path).resolve()
     sidecars = Path(sidecar_dir) if sidecar_dir is not None else path.parent
     stat = path.stat()
-    key = hashlib.sha256(f"{_FORMAT}|{path}|{stat.st_size}|{stat.st_mtime_ns}|{sidecars.resolve()}".encode())
+    extra = {name: (sidecars / name).read_text(encoding="utf-8") for name in _SIDECARS if (sidecars / name).is_file()}
+    key = hashlib.sha256(f"{_FORMAT}|{path}|{stat.st_size}|{stat.st_mtime_ns}|{json.dumps(extra)}".encode())
     target = cache_root() / f"{path.stem}-{key.hexdigest()[:16]}"
     if (target / SOURCE_FILE).is_file():
         return str(target)
     files = describe(path)
-    for name in _SIDECARS:
-        if (sidecars / name).is_file():  # its values over the file's (the stop ids llama.cpp would use)
-            merged = {**json.loads(files.get(name, "{}")), **json.loads((sidecars / name).read_text(encoding="utf-8"))}
-            files[name] = json.dumps(merged, indent=2)
+    for name, text in extra.items():  # its values over the file's (the stop ids llama.cpp would use)
+        files[name] = json.dumps({**json.loads(files.get(name, "{}")), **json.loads(text)}, indent=2)
     return str(_write_atomically(target, files))
 
 

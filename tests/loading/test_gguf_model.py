@@ -2,6 +2,9 @@
 writes them, loaded back through the engine's loader, give the original model's logits; every
 quantization type reads back as the `gguf` library dequantizes it."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -125,3 +128,18 @@ def test_quantized_file_greedy_equals_transformers_gguf_loading(tmp_path, arch, 
         out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=8, temperature=0,
                                                                                     ignore_eos=True))
     assert_same_greedy(out[0].outputs[0].token_ids, ref, gaps, f"{arch} Q8_0")
+
+
+def test_a_sidecar_generation_config_is_merged_and_its_edits_are_seen(tmp_path):
+    """Values of a generation_config.json beside the file go over the file's own (its stop ids stay), and
+    editing it gives a new directory, not the cached one."""
+    path, _, _ = gguf_from_hf(tmp_path, "llama")
+    sidecar = tmp_path / "generation_config.json"
+    sidecar.write_text('{"temperature": 0.5}')
+    first = resolve_model_path(path)
+    assert json.loads((Path(first) / "generation_config.json").read_text())["temperature"] == 0.5
+    assert json.loads((Path(first) / "generation_config.json").read_text())["eos_token_id"] == [2]
+    sidecar.write_text('{"temperature": 0.7}')
+    second = resolve_model_path(path)
+    assert second != first and json.loads((Path(second) / "generation_config.json").read_text())["temperature"] == 0.7
+    assert resolve_model_path(path) == second  # unchanged: the cached directory
