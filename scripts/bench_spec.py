@@ -8,6 +8,9 @@ Workloads (prompts from held-out standard-library files, so the default model ne
 * natural  - the first lines of a file; the model continues it (the draft model's case).
 * random   - uniformly random token ids: nothing to copy, nothing predictable (low acceptance: the
              adaptive policy must keep speculation from slowing decoding down).
+* edit     - an instruct model's chat (its chat template): "Rewrite this function with one change:
+             rename it to NAME_v2", then the function; the answer re-types the code with one edit
+             (the real case n-gram speculation is for: code assistants editing a file).
 
 Every configuration gets an untimed pass first (it compiles the shapes the timed passes use); the
 timed passes alternate between configurations, and each figure is the median. Greedy decoding with
@@ -15,6 +18,9 @@ EOS ignored, so every configuration produces the same tokens (checked and report
 
     python scripts/bench_spec.py --model checkpoints/small --draft checkpoints/small-draft \\
         --batch-sizes 1,8 --workloads copy,natural,random --out out/bench_spec.json
+    # the default model (SmolLM2-135M-Instruct) editing code, n-gram proposals only
+    python scripts/bench_spec.py --model SmolLM2-135M-Instruct --draft '' --methods ngram \\
+        --workloads edit --batch-sizes 1 --out out/bench_spec_edit.json
 """
 
 from __future__ import annotations
@@ -48,6 +54,21 @@ def make_prompts(workload: str, tokenizer, vocab_size: int, count: int, seed: in
         held_out = top_level_functions("heldout", 12, 40)
         chosen = [held_out[i] for i in rng.choice(len(held_out), size=count, replace=False)]
         return [tokenizer.encode(f + COPY_HEADER + f.splitlines()[0] + "\n") for f in chosen]
+    if workload == "edit":
+        from corpus import top_level_functions
+
+        from jaxserve.server.chat import build_chat_renderer
+
+        renderer = build_chat_renderer(tokenizer)
+        held_out = top_level_functions("heldout", 12, 40)
+        chosen = [held_out[i] for i in rng.choice(len(held_out), size=count, replace=False)]
+        prompts = []
+        for f in chosen:
+            name = f.split("def ", 1)[1].split("(", 1)[0]
+            ask = f"Rewrite this Python function with one change: rename it to {name}_v2.\n\n```python\n{f}\n```"
+            text = renderer.render([{"role": "user", "content": ask}])
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        return prompts
     if workload == "natural":
         from corpus import iter_texts
 
