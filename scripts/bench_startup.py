@@ -72,7 +72,7 @@ def start_once(server_args: list[str], cache_dir: str, port: int, timeout_s: flo
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/small.yaml")
+    parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--label", default="default")
     parser.add_argument("--port", type=int, default=8190)
     parser.add_argument("--timeout", type=float, default=1800)
