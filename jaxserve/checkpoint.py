@@ -214,6 +214,28 @@ class _QuantizedHost:
 _quantize_jit = jax.jit(quant.quantize)
 
 
+class _PerLayer:
+    """stacked=False: one host buffer per layer of a weight, placed on its devices as soon as the
+    layer's tensors are all in (experts arrive one by one), so the host holds one layer of a weight
+    at a time; on a CPU, where the devices are the host, the model is then held once, not twice."""
+
+    def __init__(self, make: Any, place: Any, parts: int):
+        self.make, self.place, self.parts = make, place, parts  # a fresh one-layer buffer; (layer, buffer) -> array
+        self.open: dict[int, Any] = {}
+        self.count: dict[int, int] = {}
+        self.placed: dict[int, Any] = {}
+
+    def __getitem__(self, layer: int) -> Any:
+        if layer not in self.open:
+            self.open[layer] = self.make()
+        return self.open[layer]
+
+    def done(self, layer: int, parts: int = 1) -> None:
+        self.count[layer] = self.count.get(layer, 0) + parts
+        if self.count[layer] >= self.parts:
+            self.placed[layer] = self.place(layer, self.open.pop(layer))
+
+
 def load_hf_params(
     model_dir: str, cfg: ModelConfig, dtype: Any, shardings: Params | None = None, stacked: bool = True,
     quantization: str = "none", quantize_lm_head: bool = False,
@@ -221,7 +243,7 @@ def load_hf_params(
     """Read every tensor once, check it against the expected shape, stack layers, place on devices.
 
     With stacked=False the layers come back as a tuple of per-layer arrays (weights.unstack_layers),
-    each placed straight from its slice of the host array; `shardings` must then be of that form.
+    each placed as soon as its tensors are read (`_PerLayer`); `shardings` must then be of that form.
     quantization="int8" quantizes the linear weights (and the lm_head with `quantize_lm_head`) tensor by
     tensor as they are read (`_QuantizedHost`); `shardings` must then be of the int8 layout.
     """
@@ -233,18 +255,27 @@ def load_hf_params(
     if quantization == "int8":
         quantized = set(quant.LINEAR_FIELDS) | ({"lm_head"} if quantize_lm_head else set())
 
-    def target(field: str, shape: tuple[int, ...]) -> np.ndarray | _QuantizedHost:
+    def buffer(field: str, shape: tuple[int, ...]) -> np.ndarray | _QuantizedHost:
+        if field in quantized:
+            return _QuantizedHost(np.empty(shape, np.int8), np.empty(shape[:-2] + shape[-1:], np.float32), np_dtype)
+        return np.empty(shape, np_dtype)
+
+    def target(field: str, shape: tuple[int, ...]) -> np.ndarray | _QuantizedHost | _PerLayer:
         if field not in host:
-            if field in quantized:
-                host[field] = _QuantizedHost(np.empty(shape, np.int8), np.empty(shape[:-2] + shape[-1:], np.float32),
-                                             np_dtype)
+            if stacked or field not in layer_specs:
+                host[field] = buffer(field, shape)
             else:
-                host[field] = np.empty(shape, np_dtype)
+                def place_layer(i: int, value: Any, field: str = field) -> Any:
+                    return _put(value, getattr(shardings.layers[i], field) if shardings is not None else None)
+
+                parts = cfg.num_experts if field.startswith("expert_") else 1
+                host[field] = _PerLayer(lambda: buffer(field, shape[1:]), place_layer, parts)
             filled[field] = set()
         return host[field]
 
     layer_names = _layer_names(cfg)
     layer_specs = {f: getattr(specs.layers, f) for f in LayerParams.__dataclass_fields__}
+    top: dict[str, Any] = {}  # embed, final_norm, lm_head: one tensor each, placed as read
     for path, stored_name, tensor in iter_checkpoint_tensors(model_dir):
         name = _text_tower_name(stored_name, cfg)
         if name is None or name.endswith(_IGNORED_SUFFIXES):
@@ -262,6 +293,8 @@ def load_hf_params(
                 raise ModelLoadError(f"{path}: unexpected tensor {stored_name} for this config")
             _copy_into(target(field, spec.shape), layer, tensor, transpose, name)
             filled[field].add(layer)
+            if isinstance(host[field], _PerLayer):
+                host[field].done(layer)
         elif name in _TOP_NAMES:
             field, transpose = _TOP_NAMES[name]
             spec = getattr(specs, field)
@@ -269,6 +302,7 @@ def load_hf_params(
                 continue
             _copy_into(target(field, spec.shape), None, tensor, transpose, name)
             filled[field].add(0)
+            top[field] = _put(host.pop(field), getattr(shardings, field) if shardings is not None else None)
         else:
             raise ModelLoadError(f"{path}: unexpected tensor {stored_name!r} (not a {cfg.architecture} weight)")
 
@@ -276,7 +310,7 @@ def load_hf_params(
         return cfg.num_layers * (cfg.num_experts if field.startswith("expert_") else 1)
 
     missing = [f for f in layer_specs if layer_specs[f] is not None and len(filled.get(f, ())) != expected(f)]
-    missing += [f for f in ("embed", "final_norm", "lm_head") if getattr(specs, f) is not None and f not in host]
+    missing += [f for f in ("embed", "final_norm", "lm_head") if getattr(specs, f) is not None and f not in top]
     if missing:
         raise ModelLoadError(f"{model_dir}: checkpoint lacks weights for {', '.join(missing)}")
 
@@ -290,16 +324,10 @@ def load_hf_params(
             if spec is not None else None
             for f, spec in layer_specs.items()
         })
-    else:
-        per_layer = {f: host.pop(f) for f, spec in layer_specs.items() if spec is not None}
-
-        def put(f: str, i: int):
-            return _put(per_layer[f][i], getattr(shardings.layers[i], f) if shardings is not None else None)
-
-        layers = tuple(LayerParams(**{f: put(f, i) if f in per_layer else None for f in layer_specs})
+    else:  # every layer was placed as it completed
+        per_layer = {f: host.pop(f).placed for f, spec in layer_specs.items() if spec is not None}
+        layers = tuple(LayerParams(**{f: per_layer[f][i] if f in per_layer else None for f in layer_specs})
                        for i in range(cfg.num_layers))
-    top = {f: place(f, getattr(shardings, f) if shardings is not None else None)
-           for f in ("embed", "final_norm", "lm_head") if getattr(specs, f) is not None}
     return Params(embed=top["embed"], layers=layers, final_norm=top["final_norm"], lm_head=top.get("lm_head"))
 
 
@@ -317,8 +345,11 @@ def _copy_experts(target, layer_specs, layer: int, parts, filled: dict[str, set]
         if layer >= cfg.num_layers or (expert is not None and expert >= cfg.num_experts):
             raise ModelLoadError(f"unexpected tensor {name} for this config ({cfg.num_layers} layers, "
                                  f"{cfg.num_experts} experts)")
-        _copy_into(target(field, spec.shape)[layer], expert, array, False, name)
+        dest = target(field, spec.shape)
+        _copy_into(dest[layer], expert, array, False, name)
         filled[field].update((layer, e) for e in (range(cfg.num_experts) if expert is None else (expert,)))
+        if isinstance(dest, _PerLayer):
+            dest.done(layer, cfg.num_experts if expert is None else 1)
 
 
 def _copy_into(dest: np.ndarray, layer: int | None, tensor: np.ndarray, transpose: bool, name: str) -> None:
