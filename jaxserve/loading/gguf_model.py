@@ -9,8 +9,8 @@ by the file's path, size and modification time and the sidecar files' contents:
   llama.cpp stops on, the chat template);
 - the values of a `generation_config.json` lying beside the GGUF file merged over that one (a GGUF
   file carries no sampling defaults; the default model ships its model card's);
-- `gguf_source.json`, naming the GGUF file, from which the weights are read at load
-  (checkpoint.iter_checkpoint_tensors -> loading/gguf_weights.py), never copied.
+- `gguf_source.json`, naming the GGUF file and where each tensor lies in it, from which the weights
+  are read at load (checkpoint.iter_checkpoint_tensors -> loading/gguf_weights.py), never copied.
 """
 
 from __future__ import annotations
@@ -21,15 +21,16 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
+from jaxserve.errors import ModelLoadError
 from jaxserve.loading.gguf_config import gguf_architecture, hf_config
 from jaxserve.loading.gguf_file import open_gguf, read_metadata
 
 SOURCE_FILE = "gguf_source.json"
-_FORMAT = 2  # bump when the files written here change meaning, so stale cache entries are rebuilt
+_FORMAT = 3  # bump when the files written here change meaning, so stale cache entries are rebuilt
 _SIDECARS = ("generation_config.json",)
 
 
@@ -79,19 +80,39 @@ def describe(path: Path) -> dict[str, str]:
                                                      config["head_dim"], config["rope_theta"])
     files = dict(tokenizer_files(metadata))
     files["config.json"] = json.dumps(config, indent=2)
-    files[SOURCE_FILE] = json.dumps({"file": str(path)})
+    # Where each tensor's bytes are: loading then maps the file without parsing its header again
+    # (the reader spends seconds on a large vocabulary's token list, which loading does not need).
+    index = [[t.name, int(t.tensor_type), t.data.dtype.str, list(t.data.shape), int(t.data_offset)]
+             for t in reader.tensors]
+    files[SOURCE_FILE] = json.dumps({"file": str(path), "architecture": metadata["general.architecture"],
+                                     "size": path.stat().st_size, "tensors": index})
     return files
+
+
+class _IndexedTensor(NamedTuple):
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    data: np.ndarray  # a read-only view of the mapped file, as gguf.GGUFReader gives it
 
 
 def iter_gguf_tensors(model_dir: str) -> Iterator[tuple[str, str, np.ndarray]]:
     """(file, transformers name, float32 array) for each weight of the GGUF file behind `model_dir`."""
+    from gguf import GGMLQuantizationType
+
     from jaxserve.loading.gguf_weights import iter_hf_tensors
 
-    path = gguf_source(model_dir)
+    with open(Path(model_dir) / SOURCE_FILE, encoding="utf-8") as f:
+        source = json.load(f)
     with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
         config: dict[str, Any] = json.load(f)
-    reader = open_gguf(path)
-    for name, values in iter_hf_tensors(reader, config):
+    path = Path(source["file"])
+    if path.stat().st_size != source["size"]:
+        raise ModelLoadError(f"{path} changed since {model_dir} was made from it; start again to re-read it")
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = [_IndexedTensor(name, GGMLQuantizationType(kind),
+                              np.ndarray(tuple(shape), np.dtype(dtype), buffer=mapped, offset=offset))
+               for name, kind, dtype, shape, offset in source["tensors"]]
+    for name, values in iter_hf_tensors(source["architecture"], tensors, config):
         yield str(path), name, values
 
 

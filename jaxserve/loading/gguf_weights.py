@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -70,14 +70,14 @@ def unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def iter_hf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
-    """(transformers name, float32 array) for every weight of the file, in file order."""
-    arch = reader.fields["general.architecture"].contents()
+def iter_hf_tensors(arch: str, tensors: Iterable[Any], config: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
+    """(transformers name, float32 array) for every weight of a file of architecture `arch`, in file
+    order; `tensors` have the reader's `name`, `tensor_type` and `data`."""
     model_type = config["model_type"]
     names = {"gemma3_text": _GEMMA3_NAMES, "mixtral": _MIXTRAL_NAMES}.get(model_type, _BLOCK_NAMES)
     permuted = arch == "llama"
     gemma = model_type == "gemma3_text"
-    for tensor in reader.tensors:
+    for tensor in tensors:
         name = tensor.name
         if name in _IGNORED:
             continue
