@@ -21,8 +21,8 @@ from jaxserve.loading.gguf_file import find_gguf
 
 
 def default_model_dir() -> str:
-    """The default model's directory: its GGUF file's metadata next to the shipped sidecar files
-    (checkpoints/default: the model card's generation defaults)."""
+    """The default model's directory: its GGUF file's metadata with the shipped sidecar files
+    (checkpoints/default: its generation defaults)."""
     path = resources.default_model_file()
     if path is None:
         raise ModelLoadError(
@@ -39,11 +39,13 @@ def resolve_model_path(model: str | None, revision: str | None = None, download_
     path = Path(os.path.expanduser(resources.resolve_shipped_path(model)))
     if path.exists() and path.resolve() == resources.default_model_sidecars().resolve():
         return default_model_dir()
+    if path.is_dir() and (path / "config.json").is_file():  # Hugging Face's layout (even beside .gguf files)
+        return str(path)
     if path.exists():
         gguf = find_gguf(path)
-        if gguf is not None and not (path.is_dir() and (path / "config.json").is_file()):
+        if gguf is not None:
             return gguf_model.model_dir_for(gguf)
-        if path.is_dir():
+        if path.is_dir():  # no config.json: the loader says what is missing
             return str(path)
         raise ModelLoadError(f"{model} is a file but not a GGUF file; pass a model directory, a .gguf file "
                              "or a Hugging Face model ID")
