@@ -5,7 +5,7 @@ what it means (the OpenAPI description), whether the HTTP API takes it as it is,
 generation_config.json, and whether it becomes a per-row array of `jaxserve.sampling.SamplingTensors`
 (dtype, and the idle value that padding rows carry). Derived from `FIELDS`:
 
-- `jaxserve.server.protocol`: the pydantic request fields (types, bounds, descriptions; 422 outside them);
+- `jaxserve.server.protocol`: the pydantic request fields (types, bounds, descriptions; 400 outside them);
 - `jaxserve.server.requests`: which request fields are handed to SamplingParams as they are;
 - `jaxserve.sampling_params.SamplingParams.__post_init__`: the type and range checks and their messages;
 - `jaxserve.generation_config`: which keys of generation_config.json are read, and their range checks;

@@ -100,8 +100,8 @@ def test_request_schema_states_the_table(model):
         assert props[field.name]["description"] == field.api_description()
 
 
-def test_api_bounds_are_422_and_params_bounds_are_400():
-    with pytest.raises(Exception) as err:  # pydantic's ValidationError: the server's 422
+def test_api_bounds_are_validation_errors_and_params_bounds_are_request_errors():
+    with pytest.raises(Exception) as err:  # pydantic's ValidationError: the server answers 400
         protocol.CompletionRequest(prompt="x", temperature=2.5)
     assert "temperature" in str(err.value)
     SamplingParams(temperature=2.5)  # the offline API takes what only the HTTP API limits
