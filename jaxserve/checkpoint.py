@@ -198,7 +198,7 @@ class _QuantizedHost:
         return _QuantizedHost(self.values[index], self.scales[index], self.dtype)
 
     def assign(self, src: np.ndarray) -> None:
-        with jax.default_device(jax.devices("cpu")[0]):
+        with jax.default_device(_host_device()):
             # first in the serving dtype, as quantizing the loaded float weight would see it
             q = _quantize_jit(jnp.asarray(np.asarray(src, self.dtype)))
         self.values[...] = np.asarray(q.values)
@@ -212,6 +212,14 @@ class _QuantizedHost:
 
 
 _quantize_jit = jax.jit(quant.quantize)
+
+
+def _host_device() -> Any:
+    """The host's CPU device where JAX has one (it does unless JAX_PLATFORMS leaves it out), else the default."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return jax.devices()[0]
 
 
 class _PerLayer:
@@ -249,7 +257,7 @@ def load_hf_params(
     """
     specs = param_specs(cfg)
     np_dtype = np.dtype(jnp.dtype(dtype))
-    host: dict[str, np.ndarray | _QuantizedHost] = {}  # flat field name -> stacked host array
+    host: dict[str, np.ndarray | _QuantizedHost | _PerLayer] = {}  # field -> its host array(s) until placed
     filled: dict[str, set[int]] = {}
     quantized: set[str] = set()
     if quantization == "int8":
