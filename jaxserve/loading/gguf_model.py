@@ -60,7 +60,11 @@ def model_dir_for(gguf_path: str | os.PathLike, sidecar_dir: str | os.PathLike |
         return str(target)
     files = describe(path)
     for name, text in extra.items():  # its values over the file's (the stop ids llama.cpp would use)
-        files[name] = json.dumps({**json.loads(files.get(name, "{}")), **json.loads(text)}, indent=2)
+        try:
+            values = json.loads(text)
+        except ValueError as err:
+            raise ModelLoadError(f"{sidecars / name} is not valid JSON ({err})") from None
+        files[name] = json.dumps({**json.loads(files.get(name, "{}")), **values}, indent=2)
     return str(_write_atomically(target, files))
 
 

@@ -143,3 +143,12 @@ def test_a_sidecar_generation_config_is_merged_and_its_edits_are_seen(tmp_path):
     second = resolve_model_path(path)
     assert second != first and json.loads((Path(second) / "generation_config.json").read_text())["temperature"] == 0.7
     assert resolve_model_path(path) == second  # unchanged: the cached directory
+
+
+def test_a_broken_sidecar_is_a_clear_error(tmp_path):
+    from jaxserve.errors import ModelLoadError
+
+    path, _, _ = gguf_from_hf(tmp_path, "llama")
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="generation_config.json is not valid JSON"):
+        resolve_model_path(path)
