@@ -71,7 +71,7 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
                              "Give it before the flags. Default: the default model (SmolLM2-135M-Instruct)")
     parser.add_argument("--config", default=None,
                         help="YAML file of engine settings, or a shipped config's name (default, llama3-8b-tp8, "
-                             "...); flags override it. Default: configs/small.yaml when no --model is given")
+                             "...); flags override it. Default: configs/default.yaml when no --model is given")
     EngineConfig.add_cli_arguments(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -129,7 +129,7 @@ def preload_tcmalloc(argv: list[str]) -> None:
 
 def default_config_path(ns: argparse.Namespace) -> str | None:
     """The YAML the settings start from: `--config` (a path or a shipped name); with neither `--config`
-    nor `--model`, the shipped default model's own serving config (configs/small.yaml)."""
+    nor `--model`, the default model's own serving config (configs/default.yaml)."""
     if ns.config:
         return resources.resolve_config(ns.config)
     if getattr(ns, "model", None) is None and not ns.mock_engine and DEFAULT_CONFIG.is_file():
