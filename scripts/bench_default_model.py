@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -79,16 +78,6 @@ def jaxserve_decode(new_tokens: int, repeats: int, quantization: str) -> float:
         return best
 
 
-def cpu_name() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -98,6 +87,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from bench_kv_admission import cpu_name  # scripts/: the CPU's model name from /proc/cpuinfo
+
     from jaxserve import resources
 
     path = resources.default_model_file()
