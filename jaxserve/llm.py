@@ -13,10 +13,10 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine
 from jaxserve.engine.output_processor import OutputAccumulator
 from jaxserve.errors import ConfigError, RequestError
-from jaxserve.generation_config import load_generation_defaults
+from jaxserve.config.generation_config import load_generation_defaults
 from jaxserve.loading.model_source import resolve_model_settings
-from jaxserve.memory_plan import apply_memory_utilization
-from jaxserve.sampling_params import RequestOutput, SamplingParams
+from jaxserve.planning.memory import apply_memory_utilization
+from jaxserve.sampling.params import RequestOutput, SamplingParams
 
 
 class LLM:

@@ -1,6 +1,6 @@
 """`python -m jaxserve.plan`: will a model fit on these devices, how many sequences, and how fast at best?
 
-From a settings YAML (or flags) and one entry of the device table (`jaxserve.devices`) it prints:
+From a settings YAML (or flags) and one entry of the device table (`jaxserve.planning.devices`) it prints:
 parameter bytes per device, KV bytes per token, the tokens and concurrent sequences that fit, lower
 bounds on the decode step and on prefill, and the cost per million output tokens at that bound. A
 plan that does not fit is refused (exit status 2) with the shortfall in bytes.
@@ -31,9 +31,9 @@ import json
 import sys
 from typing import Sequence
 
-from jaxserve import resources
+from jaxserve.loading import resources
 from jaxserve.config import EngineConfig
-from jaxserve.devices import DEVICES, DeviceSpec, cpu_spec, get_device, local_device
+from jaxserve.planning.devices import DEVICES, DeviceSpec, cpu_spec, get_device, local_device
 from jaxserve.errors import ConfigError, JaxServeError
 from jaxserve.planning.capacity import capacity_plan, replica_capacity
 from jaxserve.planning.roofline import (
@@ -44,7 +44,7 @@ from jaxserve.planning.roofline import (
     plan_from_settings,
     suggest_mesh,
 )
-from jaxserve.settings import parse_size
+from jaxserve.config.settings import parse_size
 
 DEFAULT_DEVICE = "h100"
 EXIT_DOES_NOT_FIT = 2
@@ -318,7 +318,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.plan
         return 0
     try:
         if args.measure_bandwidth:
-            from jaxserve.devices import measure_copy_bandwidth, measure_matmul_flops
+            from jaxserve.planning.devices import measure_copy_bandwidth, measure_matmul_flops
 
             bw, flops = measure_copy_bandwidth(), measure_matmul_flops()
             print(f"this host: numpy copy {bw / 1e9:.1f} GB/s (read + write), f32 matmul {flops / 1e9:.0f} GFLOP/s")

@@ -33,10 +33,10 @@ import threading
 import time
 from typing import Any, Sequence
 
-from jaxserve import resources
+from jaxserve.loading import resources
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError, JaxServeError
-from jaxserve.settings import parse_size
+from jaxserve.config.settings import parse_size
 
 logger = logging.getLogger("jaxserve.serve")
 
@@ -158,7 +158,7 @@ def build_engine(ns: argparse.Namespace, settings: EngineConfig) -> Any:
 
         tokenizer = None
         if settings.tokenizer:
-            from jaxserve.tokenizer import load_tokenizer
+            from jaxserve.loading.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(settings.tokenizer)
         return MockAsyncLLMEngine.from_settings(settings, token_delay=ns.mock_token_delay, tokenizer=tokenizer)
@@ -170,7 +170,7 @@ def build_engine(ns: argparse.Namespace, settings: EngineConfig) -> Any:
 def run_follower(settings: EngineConfig) -> int:
     """A multi-host process other than 0: no HTTP server. Load the model and compile the steps as
     process 0 does, then run every step it hands over until it shuts down (exit 0)."""
-    from jaxserve import multihost
+    from jaxserve.runner import multihost
     from jaxserve.engine.engine import LLMEngine  # lazy: pulls in JAX
 
     logger.info("process %d of %d: following process 0 (coordinator %s); no HTTP server here",
@@ -218,7 +218,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serv
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:  # before anything compiles: the chat template and generation_config.json must be usable
-        from jaxserve.generation_config import load_generation_defaults
+        from jaxserve.config.generation_config import load_generation_defaults
         from jaxserve.server.chat import load_chat_renderer
 
         chat_renderer, generation_defaults = load_chat_renderer(settings), load_generation_defaults(settings)
@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serv
         print("error: --max-waiting must be >= 0", file=sys.stderr)
         return 2
     if not ns.mock_engine:  # before JAX's backend starts: its GPU allocator takes gpu_memory_utilization
-        from jaxserve.memory_plan import apply_memory_utilization
+        from jaxserve.planning.memory import apply_memory_utilization
 
         logger.info("device memory: %s", apply_memory_utilization(settings.gpu_memory_utilization))
     if settings.num_processes > 1:

@@ -18,13 +18,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxserve.config import ModelConfig
-from jaxserve import quant
+from jaxserve.model import quant
 from jaxserve.errors import ConfigError
-from jaxserve.kv_cache import KVCache, RaggedBatch, StepBatch
+from jaxserve.model.kv_cache import KVCache, RaggedBatch, StepBatch
 from jaxserve.model.layers import paged_attention_reference, ragged_attention_blocked
 from jaxserve.model.llama import forward, forward_ragged, lm_head
 from jaxserve.model.weights import Params
-from jaxserve.sharding import DATA, MODEL, ExpertParallel, _local_kv_heads, shard_attention
+from jaxserve.model.sharding import DATA, MODEL, ExpertParallel, _local_kv_heads, shard_attention
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import yaml
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import AsyncLLMEngine, LLMEngine
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling.params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:

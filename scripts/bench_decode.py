@@ -186,7 +186,7 @@ def bench_jaxserve(args, dtype: str, prompt: list[int]) -> tuple[dict, object, l
         # "TTFT" would skip the prefill it is meant to measure.
         enable_prefix_caching=False,
     ))
-    logging.getLogger("jaxserve.engine.runner").setLevel(logging.ERROR)  # "compiling unplanned shape"
+    logging.getLogger("jaxserve.runner.runner").setLevel(logging.ERROR)  # "compiling unplanned shape"
     runner = llm.runner
     sp1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     spn = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -230,8 +230,8 @@ def bench_steps(args, llm, token: int, start: int, max_len: int) -> dict:
     """Decode below LLM.generate: `ModelRunner.execute` on a prepared row (host packing + compiled step
     + token fetch), and the compiled executable alone on device-resident inputs, synced every step
     (as decode must be, to feed the token back) and pipelined (no sync: the device-time floor)."""
-    from jaxserve.engine.runner import RowWork
-    from jaxserve.step_timing import capture_step, time_step
+    from jaxserve.runner.runner import RowWork
+    from jaxserve.runner.step_timing import capture_step, time_step
 
     runner = llm.runner
     page_ids = list(range(1, math.ceil(max_len / llm.plan.page_size) + 1))  # page 0 is the padding page
@@ -244,7 +244,7 @@ def bench_steps(args, llm, token: int, start: int, max_len: int) -> dict:
             tok = first_token(runner.execute([row(tok, start + i)]))
         return (time.perf_counter() - t) / steps
 
-    # The exact executable and arguments the runner hands XLA for this row (jaxserve.step_timing).
+    # The exact executable and arguments the runner hands XLA for this row (jaxserve.runner.step_timing).
     step = capture_step(runner, [row(token, start)])
     shape = step.shape
 
@@ -272,7 +272,7 @@ def prompt_logits(llm, prompt: list[int], dtype) -> np.ndarray:
     """Last-position logits of the prompt, for the numerical check against HF. Scanned layers: the same
     math as the unrolled step at a fraction of the compile time."""
     from jaxserve import steps
-    from jaxserve.kv_cache import StepBatch, init_cache
+    from jaxserve.model.kv_cache import StepBatch, init_cache
 
     need = math.ceil(len(prompt) / llm.plan.page_size)
     batch = StepBatch(tokens=np.array([[prompt]], np.int32), start_pos=np.zeros((1, 1), np.int32),

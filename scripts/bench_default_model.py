@@ -89,7 +89,7 @@ def main() -> int:
     args = ap.parse_args()
     from bench_kv_admission import cpu_name  # scripts/: the CPU's model name from /proc/cpuinfo
 
-    from jaxserve import resources
+    from jaxserve.loading import resources
 
     path = resources.default_model_file()
     if path is None:

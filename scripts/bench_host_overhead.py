@@ -12,8 +12,8 @@ For each model and each (batch, context) point it
 
    * schedule    `Scheduler.schedule`
    * pack        building the step inputs: `LLMEngine._row_work`, `ModelRunner._pack` (a plain step
-                 writes its bucket's buffer in place, `jaxserve/engine/step_writer.py`) and, for
-                 the steps packed from scratch, `Layout.pack` (jaxserve/transfer.py)
+                 writes its bucket's buffer in place, `jaxserve/runner/input_batch.py`) and, for
+                 the steps packed from scratch, `Layout.pack` (jaxserve/model/transfer.py)
    * copy        the host->device copy of that buffer where it is a `jax.device_put` of its own
                  (`ModelRunner.put_buffer`); in one process a plain step hands the NumPy buffer to
                  the executable's call, which copies it: there the copy is part of dispatch
@@ -181,7 +181,7 @@ class StepTimer:
                 return fn(shape, inputs, *rest)
             return wrapper
 
-        from jaxserve.engine.runner import PendingSamples
+        from jaxserve.runner.runner import PendingSamples
 
         real_result = PendingSamples.result
 
@@ -382,7 +382,7 @@ def build_llm(config: str | None, overrides: dict, batch: int, contexts: Sequenc
         settings["compilation_cache_dir"] = "none"
     model = settings.pop("model")
     llm = LLM(model=model, warm_up=False, **settings)
-    logging.getLogger("jaxserve.engine.runner").setLevel(logging.ERROR)  # prefill shapes compile on demand
+    logging.getLogger("jaxserve.runner.runner").setLevel(logging.ERROR)  # prefill shapes compile on demand
     return llm
 
 

@@ -23,9 +23,9 @@ import timeit
 
 from jaxserve.engine.output_processor import OutputProcessor, Request
 from jaxserve.engine.sequence import Sequence, Status
-from jaxserve.ragged import RaggedRow, pack_ragged
-from jaxserve.sampling import RowSampling, SamplingTensors
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.model.ragged import RaggedRow, pack_ragged
+from jaxserve.model.sampler import RowSampling, SamplingTensors
+from jaxserve.sampling.params import SamplingParams
 
 PAGE_SIZE = 16
 

@@ -30,8 +30,8 @@ import time
 import numpy as np
 
 from jaxserve.engine.engine import LLMEngine
-from jaxserve.sampling import MAX_LOGPROBS, SampleOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.model.sampler import MAX_LOGPROBS, SampleOutput
+from jaxserve.sampling.params import SamplingParams
 
 
 def no_compute_execute(rows):

@@ -2,7 +2,7 @@
 
     python scripts/bench_multihost.py [--iters 1000] [--batch 16] [--pages 64] [--json OUT]
 
-Process 0 encodes a typical decode step's packed inputs (jaxserve.multihost.encode_step: `--batch`
+Process 0 encodes a typical decode step's packed inputs (jaxserve.runner.multihost.encode_step: `--batch`
 sampled rows, one token each, page tables in a `--pages` bucket, no penalties) and publishes it in the
 jax.distributed key-value store, as the Leader does every step; process 1 receives and decodes it, as a
 follower does, and acknowledges with a 1-byte key. Reported per message (mean, p50, p99 in µs):
@@ -51,8 +51,8 @@ class Layout:
         import jax.numpy as jnp
         from jax import ShapeDtypeStruct as S
 
-        from jaxserve.kv_cache import StepBatch
-        from jaxserve.sampling import SamplingTensors
+        from jaxserve.model.kv_cache import StepBatch
+        from jaxserve.model.sampler import SamplingTensors
 
         B, T, P = shape[:3]
         batch = StepBatch(tokens=S((1, B, T), jnp.int32), start_pos=S((1, B), jnp.int32),
@@ -62,8 +62,8 @@ class Layout:
 
 def decode_step_inputs(batch, pages, page_size, rng):
     """A decode step of `batch` sampled rows with 40-90% of the page table in use, packed as the runner does."""
-    from jaxserve.kv_cache import StepBatch
-    from jaxserve.sampling import RowSampling, SamplingTensors
+    from jaxserve.model.kv_cache import StepBatch
+    from jaxserve.model.sampler import RowSampling, SamplingTensors
 
     tokens = rng.integers(0, 32000, (1, batch, 1)).astype(np.int32)
     used = rng.integers(int(0.4 * pages), int(0.9 * pages), batch)
@@ -89,7 +89,7 @@ def worker(args) -> None:
     jax.distributed.initialize(f"127.0.0.1:{args.port}", 2, args.process_id, heartbeat_timeout_seconds=30)
     from jax.experimental import multihost_utils
 
-    from jaxserve import multihost
+    from jaxserve.runner import multihost
 
     client, leader = multihost._client(), args.process_id == 0
     channel = multihost.KVChannel(client)

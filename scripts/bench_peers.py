@@ -306,7 +306,7 @@ def find_llama_cpp(work: Path, given: str | None) -> Path | None:
 
 def export_hf(params, model_dir: str, tokenizer_dir: Path, out: Path) -> Path:
     """jaxserve params -> a float32 Hugging Face directory (with the tokenizer llama.cpp's converter needs)."""
-    from jaxserve.checkpoint import hf_tensors, write_safetensors
+    from jaxserve.loading.checkpoint import hf_tensors, write_safetensors
     from jaxserve.config import ModelConfig
 
     cfg = ModelConfig.from_dir(model_dir)
@@ -362,7 +362,7 @@ def jaxserve_llm(args, settings: dict, dtype: str, batch: int):
         s = dict(settings, dtype=dtype, seed=args.seed, load_format="dummy")
         s["max_num_seqs"] = max(int(s.get("max_num_seqs", batch)), batch)
         llm = LLM(warm_up=False, **s)
-    logging.getLogger("jaxserve.engine.runner").setLevel(logging.ERROR)  # "compiling unplanned shape"
+    logging.getLogger("jaxserve.runner.runner").setLevel(logging.ERROR)  # "compiling unplanned shape"
     return llm
 
 

@@ -62,7 +62,7 @@ def build(args, dtype: str, settings: dict, compiler_options: dict | None, promp
     llm = LLM(model=args.model, load_format="dummy", dtype=dtype, seed=args.seed, max_num_seqs=1,
               max_num_batched_tokens=len(prompt), max_model_len=len(prompt) + args.new_tokens, warm_up=False,
               **settings)
-    logging.getLogger("jaxserve.engine.runner").setLevel(logging.ERROR)  # "compiling unplanned shape"
+    logging.getLogger("jaxserve.runner.runner").setLevel(logging.ERROR)  # "compiling unplanned shape"
     if compiler_options is not None:
         llm.runner.compiler_options = compiler_options
     return llm
@@ -82,7 +82,7 @@ def capacity(cfg, dtype: str, kv_cache_dtype: str, budget: int, context: int, pa
     import jax.numpy as jnp
 
     from jaxserve.config import EngineConfig
-    from jaxserve.memory_plan import plan_memory
+    from jaxserve.planning.memory import plan_memory
 
     plan = plan_memory(cfg, EngineConfig(page_size=page_size, kv_cache_memory=budget, max_model_len=context,
                                          kv_cache_dtype=kv_cache_dtype), jnp.dtype(dtype))

@@ -119,7 +119,7 @@ def step_cost(llm, batch: int, pages: int) -> float:
     import jax
 
     from jaxserve import steps
-    from jaxserve.kv_cache import StepBatch
+    from jaxserve.model.kv_cache import StepBatch
 
     return _time_decode(steps, StepBatch, jax, llm.runner.params, llm.runner.cache, llm.model_config,
                         llm.runner.options, batch, pages)
@@ -129,7 +129,7 @@ def draft_step_cost(llm, batch: int, pages: int) -> float:
     import jax
 
     from jaxserve import steps
-    from jaxserve.kv_cache import StepBatch
+    from jaxserve.model.kv_cache import StepBatch
 
     spec = llm.engine.spec
     return _time_decode(steps, StepBatch, jax, spec.draft_params, spec.draft_cache, spec.draft_cfg,
@@ -141,7 +141,7 @@ def verify_step_cost(llm, batch: int, pages: int, k: int) -> float:
     import jax
 
     from jaxserve import steps
-    from jaxserve.kv_cache import StepBatch
+    from jaxserve.model.kv_cache import StepBatch
 
     return _time_decode(steps, StepBatch, jax, llm.runner.params, llm.runner.cache, llm.model_config,
                         llm.runner.options, batch, pages, tokens=k + 1)

@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import LLMEngine
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling.params import SamplingParams
 
 
 def workload(args) -> tuple[list[list[int]], list[int]]:

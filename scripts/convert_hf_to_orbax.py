@@ -22,9 +22,9 @@ COPIED = ("config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.
 def convert(src: str, out: str, dtype: str | None = None) -> Path:
     import jax.numpy as jnp
 
-    from jaxserve.checkpoint import checkpoint_dtype, load_hf_params
+    from jaxserve.loading.checkpoint import checkpoint_dtype, load_hf_params
     from jaxserve.config import ModelConfig
-    from jaxserve.orbax_checkpoint import save_params
+    from jaxserve.loading.orbax_checkpoint import save_params
 
     cfg = ModelConfig.from_dir(src)
     dtype = dtype or checkpoint_dtype(src) or "float32"

@@ -22,9 +22,9 @@ TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
 def export(src: str, out: str, dtype: str = "float32") -> Path:
     import jax.numpy as jnp
 
-    from jaxserve.checkpoint import hf_tensors, write_safetensors
+    from jaxserve.loading.checkpoint import hf_tensors, write_safetensors
     from jaxserve.config import ModelConfig
-    from jaxserve.orbax_checkpoint import abstract_params, restore_params
+    from jaxserve.loading.orbax_checkpoint import abstract_params, restore_params
 
     cfg = ModelConfig.from_dir(src)
     params = restore_params(src, abstract_params(cfg, jnp.dtype(dtype), None))

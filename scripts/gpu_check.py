@@ -574,7 +574,7 @@ def step_copies(dry_run: bool, model: str | None) -> dict:
 
     from jaxserve import steps
     from jaxserve.config import ModelConfig
-    from jaxserve.kv_cache import KVCache, RaggedBatch
+    from jaxserve.model.kv_cache import KVCache, RaggedBatch
     from jaxserve.model.weights import map_specs
 
     work = tempfile.mkdtemp(prefix="gpu_check_copies_")

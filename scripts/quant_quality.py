@@ -65,7 +65,7 @@ def score(params, cfg, windows: np.ndarray, dtype, kv_cache_dtype: str = "auto",
     fresh paged cache of `kv_cache_dtype` (in one chunk, or in chunks of `chunk` tokens as the engine
     prefills a prompt longer than max_num_batched_tokens), and the argmax next-token predictions
     i32[n, T-1]. A last batch of fewer than batch_size windows runs on its own (one more compile)."""
-    from jaxserve.kv_cache import StepBatch, init_cache
+    from jaxserve.model.kv_cache import StepBatch, init_cache
 
     n, T = windows.shape
     pages = math.ceil(T / page_size)
@@ -98,7 +98,7 @@ def mean_nll(params, cfg, windows: np.ndarray, dtype, kv_cache_dtype: str = "aut
 
 def heldout_windows(model_dir: str, num_windows: int, window_len: int) -> np.ndarray:
     from corpus import iter_texts
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.loading.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     ids: list[int] = []
@@ -114,7 +114,7 @@ def heldout_windows(model_dir: str, num_windows: int, window_len: int) -> np.nda
 def text_windows(model_dir: str, path: str, num_windows: int | None, window_len: int) -> tuple[np.ndarray, int]:
     """The file's tokens (no special tokens) cut into `num_windows` windows (all that fit when None),
     and the file's token count."""
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.loading.tokenizer import load_tokenizer
 
     ids = load_tokenizer(model_dir).encode(Path(path).read_text(encoding="utf-8"), add_special_tokens=False)
     n = len(ids) // window_len if num_windows is None else num_windows
@@ -140,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from jaxserve.config import EngineConfig
-    from jaxserve.engine.backends import resolve_quantized_matmul
+    from jaxserve.runner.backends import resolve_quantized_matmul
     from jaxserve.loading.model_source import resolve_model_path
-    from jaxserve.model_loader import load_model
-    from jaxserve.sharding import make_mesh
+    from jaxserve.loading.model_loader import load_model
+    from jaxserve.model.sharding import make_mesh
 
     model_dir = resolve_model_path(args.model)
     file_tokens = None

@@ -24,11 +24,11 @@ from convert_hf_to_orbax import COPIED  # noqa: E402  (the files a checkpoint di
 def quantize_checkpoint(src: str, out: str, dtype: str | None = None, quantize_lm_head: bool = False) -> Path:
     import shutil
 
-    from jaxserve.checkpoint import checkpoint_dtype
+    from jaxserve.loading.checkpoint import checkpoint_dtype
     from jaxserve.config import EngineConfig
-    from jaxserve.model_loader import load_model
-    from jaxserve.orbax_checkpoint import save_params
-    from jaxserve.sharding import make_mesh
+    from jaxserve.loading.model_loader import load_model
+    from jaxserve.loading.orbax_checkpoint import save_params
+    from jaxserve.model.sharding import make_mesh
 
     dtype = dtype or checkpoint_dtype(src) or "float32"
     settings = EngineConfig(model=src, dtype=dtype, quantization="int8", quantize_lm_head=quantize_lm_head)

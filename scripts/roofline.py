@@ -86,7 +86,7 @@ class Roof:
 
 
 def _target(roof: Roof):
-    from jaxserve.devices import DEVICES
+    from jaxserve.planning.devices import DEVICES
     from jaxserve.planning.roofline import Target
 
     spec = dataclasses.replace(DEVICES["cpu"], name="measured", description="measured here", shared_host=False)
@@ -242,7 +242,7 @@ class Machine:
             entry["numpy_threads_sum_gbps"] = nbytes / self._best(
                 lambda: sum(self._pool.map(np.sum, self._chunks))) / 1e9
             # the planner's own measurement (devices.measure_copy_bandwidth: read + write), for reference
-            from jaxserve.devices import measure_copy_bandwidth
+            from jaxserve.planning.devices import measure_copy_bandwidth
 
             entry["numpy_copy_gbps"] = measure_copy_bandwidth(256, self.repeats) / 1e9
         entry["gbps"] = max(v for k, v in entry.items() if k.endswith("_gbps") and k != "numpy_copy_gbps")
@@ -307,20 +307,20 @@ def build_llm(args, batches: Sequence[int], contexts: Sequence[int], prefill_poi
         settings["compilation_cache_dir"] = "none"
     model = settings.pop("model")
     llm = LLM(model=model, warm_up=False, **settings)
-    logging.getLogger("jaxserve.engine.runner").setLevel(logging.ERROR)
+    logging.getLogger("jaxserve.runner.runner").setLevel(logging.ERROR)
     return llm
 
 
 def decode_rows(batch: int, context: int, page_size: int, token: int = 1):
     """`batch` rows each decoding the token at position context - 1 (so it attends to `context` tokens)."""
-    from jaxserve.engine.runner import RowWork
+    from jaxserve.runner.runner import RowWork
 
     n = math.ceil(context / page_size)
     return [RowWork([token], context - 1, list(range(1 + b * n, 1 + (b + 1) * n))) for b in range(batch)]
 
 
 def prefill_rows(batch: int, prompt_len: int, page_size: int, vocab: int, seed: int = 0):
-    from jaxserve.engine.runner import RowWork
+    from jaxserve.runner.runner import RowWork
 
     n = math.ceil(prompt_len / page_size)
     rng = np.random.default_rng(seed)
@@ -338,8 +338,8 @@ def shape_of(runner, rows) -> tuple[int, int]:
 
 
 def time_point(runner, rows, args) -> dict:
-    """Median seconds of the compiled step for these rows, fetched every call (jaxserve.step_timing)."""
-    from jaxserve.step_timing import capture_step, time_step
+    """Median seconds of the compiled step for these rows, fetched every call (jaxserve.runner.step_timing)."""
+    from jaxserve.runner.step_timing import capture_step, time_step
 
     step = capture_step(runner, rows)  # its two untimed calls are the warm-up
     times: list[float] = []
@@ -357,9 +357,10 @@ def profile_decode(llm, context: int, args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxserve import quant, steps
+    from jaxserve import steps
+    from jaxserve.model import quant
     from jaxserve.model.weights import param_bytes
-    from jaxserve.step_timing import capture_step, time_calls, time_step
+    from jaxserve.runner.step_timing import capture_step, time_calls, time_step
 
     runner, cfg = llm.runner, llm.model_config
     rows = decode_rows(1, context, llm.plan.page_size)

@@ -513,7 +513,7 @@ def predict(device: str, num_devices: int, scenario: Scenario = Scenario()) -> l
     Knobs the roofline does not see (scheduler steps) get no figures."""
     from jaxserve.planning import roofline as P
     from jaxserve.config import ModelConfig
-    from jaxserve.devices import get_device
+    from jaxserve.planning.devices import get_device
 
     cfg = ModelConfig.from_dir(os.path.join(REPO, scenario.model))
     target = P.Target.build(get_device(device), (1, num_devices))

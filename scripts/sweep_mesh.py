@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from jaxserve.config import EngineConfig  # noqa: E402  (no jax import: safe before XLA_FLAGS)
 from jaxserve.errors import ConfigError  # noqa: E402
-from jaxserve.settings import (  # noqa: E402
+from jaxserve.config.settings import (  # noqa: E402
     Settings, choice, optional, parse_int, parse_int_tuple, parse_size, parse_str, setting,
 )
 
@@ -122,7 +122,7 @@ def run_one(sweep: Sweep, mesh: tuple[int, int], load: Workload, reference: dict
     from jaxserve.config import ModelConfig
     from jaxserve.llm import LLM
     from jaxserve.planning.roofline import kv_split
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.sampling.params import SamplingParams
 
     data, model = mesh
     row: dict[str, Any] = dict(workload=load.name, mesh=f"{data}x{model}", data=data, model=model,

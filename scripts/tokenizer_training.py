@@ -1,7 +1,7 @@
 """Train small deterministic BPE tokenizers (sentencepiece or byte-level) on the stdlib sources, for tests,
 dummy-weight models and the default model's training; `scripts/make_tokenizer.py` is its command line.
 
-A tool, not part of the jaxserve package (which only loads tokenizers, `jaxserve.tokenizer.load_tokenizer`):
+A tool, not part of the jaxserve package (which only loads tokenizers, `jaxserve.loading.tokenizer.load_tokenizer`):
 the scripts import it as a module from this directory, and the tests through pytest's `pythonpath`.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator
 
 from corpus import iter_texts
 
-from jaxserve.tokenizer import TOKENIZER_FILES
+from jaxserve.loading.tokenizer import TOKENIZER_FILES
 
 __all__ = ["train_tokenizer", "iter_stdlib_texts", "SENTENCEPIECE_SPECIALS", "BYTELEVEL_SPECIALS"]
 

@@ -359,7 +359,7 @@ def export(shape: ModelShape, cfg, params, log, tokenizer_dir: Path, out: Path, 
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.orbax_checkpoint import save_params
+    from jaxserve.loading.orbax_checkpoint import save_params
 
     if out.exists():
         shutil.rmtree(out)

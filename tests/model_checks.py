@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jaxserve.kv_cache import KVCache, RaggedBatch, StepBatch, cache_shape
+from jaxserve.model.kv_cache import KVCache, RaggedBatch, StepBatch, cache_shape
 from jaxserve.model.llama import forward, forward_ragged
 from jaxserve.model.weights import unstack_layers
-from jaxserve.ragged import RaggedRow
+from jaxserve.model.ragged import RaggedRow
 
 
 def hf_logits(model, ids):
@@ -29,7 +29,7 @@ def check_paged_and_dense_logits_match(cfg, params, full, prompt_len: int, ref, 
     """The prompt prefilled on `pages`, then each later token of `full` decoded, and the dense
     forward over all of `full`: each gives the HF logits `ref` f32[len(full), V] (atol 1e-4)."""
     from jaxserve import steps
-    from jaxserve.kv_cache import init_cache
+    from jaxserve.model.kv_cache import init_cache
     from jaxserve.model.llama import forward_dense
 
     prompt = full[:prompt_len]

@@ -76,7 +76,8 @@ def main() -> int:
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
-    from jaxserve import LLM, multihost
+    from jaxserve import LLM
+    from jaxserve.runner import multihost
 
     llm = LLM(args.model, mesh_shape=tuple(int(x) for x in args.mesh.split(",")),
               coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.num_processes,

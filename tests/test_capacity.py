@@ -12,7 +12,7 @@ import pytest
 from jaxserve import plan as planner
 from jaxserve.planning import capacity, roofline
 from jaxserve.config import ModelConfig
-from jaxserve.devices import get_device
+from jaxserve.planning.devices import get_device
 from jaxserve.errors import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

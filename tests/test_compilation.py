@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import LLM, SamplingParams, steps
-from jaxserve.engine.compile import CompileCounter
-from jaxserve.kv_cache import StepBatch
+from jaxserve.runner.compilation import CompileCounter
+from jaxserve.model.kv_cache import StepBatch
 
 SETTINGS = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
 
@@ -40,7 +40,7 @@ def test_no_compilation_after_warm_up(hf_model_dir):
 SECOND_START = textwrap.dedent("""
     import json, sys
     from jaxserve import LLM
-    from jaxserve.engine.compile import CompileCounter
+    from jaxserve.runner.compilation import CompileCounter
     llm = LLM(sys.argv[1], compilation_cache_dir=sys.argv[2], dtype="float32", page_size=8,
               max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16)
     print(json.dumps({"compiles": CompileCounter.compiles(), "requests": CompileCounter.requests}))
@@ -61,7 +61,7 @@ def test_second_start_compiles_nothing(hf_model_dir, tmp_path):
 
 
 def test_memory_mapping_use_is_reported_on_cpu(monkeypatch, caplog):
-    from jaxserve.engine import compile as compile_mod
+    from jaxserve.runner import compilation as compile_mod
 
     assert compile_mod.check_memory_mappings("gpu") is None
     fraction = compile_mod.check_memory_mappings("cpu")

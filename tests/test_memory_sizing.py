@@ -13,7 +13,7 @@ import pytest
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.errors import ConfigError
-from jaxserve.memory_plan import (
+from jaxserve.planning.memory import (
     CPU,
     DEFAULT_KV_CACHE_MEMORY,
     FIXED_RESERVE,
@@ -155,7 +155,7 @@ def test_the_reserve_covers_the_largest_step():
 
 
 def test_the_allocator_fraction_is_set_before_the_backend_starts(monkeypatch):
-    import jaxserve.memory_plan as memory_plan
+    import jaxserve.planning.memory as memory_plan
 
     monkeypatch.setattr(memory_plan, "backend_initialized", lambda: False)
     env: dict[str, str] = {}
@@ -172,7 +172,7 @@ def test_the_allocator_fraction_is_set_before_the_backend_starts(monkeypatch):
 
 def test_backend_initialized_is_a_cheap_check():
     """It neither imports jax nor starts a backend, and tells the two states apart."""
-    code = ("import sys; from jaxserve.memory_plan import backend_initialized as b; r = [b(), 'jax' in sys.modules]; "
+    code = ("import sys; from jaxserve.planning.memory import backend_initialized as b; r = [b(), 'jax' in sys.modules]; "
             "import jax; r.append(b()); jax.devices(); r.append(b()); print(r)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})

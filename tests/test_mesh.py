@@ -10,7 +10,7 @@ from jaxserve import LLM, SamplingParams, steps
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ConfigError
 from jaxserve.model.layers import paged_attention_reference
-from jaxserve.sharding import make_mesh, make_shardings, shard_attention
+from jaxserve.model.sharding import make_mesh, make_shardings, shard_attention
 
 SETTINGS = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                 warm_up=False)

@@ -10,13 +10,13 @@ import shutil
 import pytest
 
 from jaxserve import plan as planner
-from jaxserve.config import (
+from jaxserve.config.model_config import (
     PLAN_ONLY_ARCHITECTURES,
     PLANNABLE_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
 )
-from jaxserve.devices import get_device
+from jaxserve.planning.devices import get_device
 from jaxserve.errors import UnsupportedModelError
 from jaxserve.planning.roofline import (
     EXPERT_WEIGHTS,

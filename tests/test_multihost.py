@@ -1,4 +1,4 @@
-"""Multi-host serving (jaxserve.multihost): the step message codec, and a real 2-process job on CPU.
+"""Multi-host serving (jaxserve.runner.multihost): the step message codec, and a real 2-process job on CPU.
 
 The job: 2 local processes x 2 virtual CPU devices, jax.distributed over loopback, gloo collectives,
 a (1, 4) mesh (tensor parallel across the processes) and a (2, 2) mesh (one replica per process).
@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxserve import multihost
+from jaxserve.runner import multihost
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
 
@@ -100,8 +100,8 @@ def test_decode_step_message_is_small(llm):
     penalty history, all padding, is not sent)."""
     import jax
 
-    from jaxserve.engine.runner import RowWork
-    from jaxserve.sampling import RowSampling
+    from jaxserve.runner.runner import RowWork
+    from jaxserve.model.sampler import RowSampling
 
     sent = []
 

@@ -13,7 +13,7 @@ import zipfile
 
 import pytest
 
-from jaxserve import resources
+from jaxserve.loading import resources
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

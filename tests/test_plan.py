@@ -9,13 +9,13 @@ import pytest
 
 from jaxserve import plan as planner
 from jaxserve.config import ModelConfig
-from jaxserve.devices import DEVICES, cpu_spec, get_device, spec_for_device_kind
+from jaxserve.planning.devices import DEVICES, cpu_spec, get_device, spec_for_device_kind
 from jaxserve.errors import ConfigError
-from jaxserve.kv_cache import cache_shape
+from jaxserve.model.kv_cache import cache_shape
 from jaxserve.model.weights import init_dummy_params
 from jaxserve.planning import roofline
 from jaxserve.planning.roofline import Target, make_plan, param_bytes_per_device
-from jaxserve.sharding import make_mesh, make_shardings
+from jaxserve.model.sharding import make_mesh, make_shardings
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 GiB = 2**30
@@ -124,7 +124,7 @@ TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_la
 def test_bytes_per_device_match_the_engine_shardings(mesh_shape, quantization, quantize_lm_head):
     """What the planner says lands on a device is what the engine's shardings put there: shard shapes of
     the NamedShardings the engine allocates with, over the abstract (eval_shape) params; nothing compiles."""
-    from jaxserve import quant
+    from jaxserve.model import quant
 
     def abstract_params():
         params = init_dummy_params(TINY, 0, jnp.float32)

@@ -21,7 +21,7 @@ def test_readme_ragged_step_example_runs_and_matches_the_rectangle_steps(capsys)
     import numpy as np
 
     from jaxserve import steps
-    from jaxserve.kv_cache import StepBatch
+    from jaxserve.model.kv_cache import StepBatch
 
     readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, re.S)

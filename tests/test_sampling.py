@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxserve.sampling import (
+from jaxserve.model.sampler import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     SAMPLING_EPS,
@@ -15,7 +15,7 @@ from jaxserve.sampling import (
     apply_penalties,
     sample,
 )
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling.params import SamplingParams
 
 sample_jit = jax.jit(sample, static_argnames="want_logprobs")
 penalties_jit = jax.jit(apply_penalties)

@@ -1,4 +1,4 @@
-"""The sampling-field table (jaxserve.sampling_fields) is the one description: SamplingParams, the API
+"""The sampling-field table (jaxserve.sampling.fields) is the one description: SamplingParams, the API
 schema, the server's translation, generation_config and SamplingTensors all agree with it."""
 
 import dataclasses
@@ -8,11 +8,11 @@ import sys
 import numpy as np
 import pytest
 
-from jaxserve import generation_config
+from jaxserve.config import generation_config
 from jaxserve.errors import ConfigError, RequestError
-from jaxserve.sampling import ROW_SCALARS, RowSampling, SamplingTensors
-from jaxserve.sampling_fields import BESPOKE, BY_NAME, DEVICE_FIELDS, FIELDS
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.model.sampler import ROW_SCALARS, RowSampling, SamplingTensors
+from jaxserve.sampling.fields import BESPOKE, BY_NAME, DEVICE_FIELDS, FIELDS
+from jaxserve.sampling.params import SamplingParams
 from jaxserve.server import protocol, requests
 
 NUMERIC = [f for f in FIELDS if f.type is not bool]
@@ -152,7 +152,7 @@ def test_sampling_tensors_carry_the_table_device_fields():
 
 
 def test_server_path_imports_no_jax():
-    code = ("import sys, jaxserve.sampling_fields, jaxserve.sampling_params, jaxserve.server.protocol, "
-            "jaxserve.server.requests, jaxserve.generation_config; "
+    code = ("import sys, jaxserve.sampling.fields, jaxserve.sampling.params, jaxserve.server.protocol, "
+            "jaxserve.server.requests, jaxserve.config.generation_config; "
             "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m and 'jaxserve' not in m)")
     subprocess.run([sys.executable, "-c", code], check=True)

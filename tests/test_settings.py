@@ -88,7 +88,7 @@ def test_cli_errors_spell_settings_as_flags(argv, message):
 
 
 def test_cli_spelling_leaves_prose_alone():
-    from jaxserve.settings import cli_spelling
+    from jaxserve.config.settings import cli_spelling
 
     names = ["model", "max_model_len", "seed"]
     assert cli_spelling("the model directory 'x' has no config", names) == "the model directory 'x' has no config"

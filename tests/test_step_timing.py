@@ -1,4 +1,4 @@
-"""The benchmarks' timing of a captured compiled step (`jaxserve.step_timing`): it calls the
+"""The benchmarks' timing of a captured compiled step (`jaxserve.runner.step_timing`): it calls the
 runner's executable as the runner does, so scripts/bench_decode.py and scripts/roofline.py measure
 the step the engine runs."""
 
@@ -7,8 +7,8 @@ import numpy as np
 
 def test_time_step_calls_the_captured_step_and_leaves_the_runner_usable(hf_model_dir):
     from jaxserve import LLM
-    from jaxserve.engine.runner import RowWork
-    from jaxserve.step_timing import capture_step, time_step
+    from jaxserve.runner.runner import RowWork
+    from jaxserve.runner.step_timing import capture_step, time_step
 
     path, _ = hf_model_dir("llama")
     with LLM(path, dtype="float32", page_size=8, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,

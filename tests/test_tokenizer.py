@@ -1,4 +1,4 @@
-"""Tests for jaxserve.tokenizer (loading, round trips, special tokens, streaming detokenization) and for
+"""Tests for jaxserve.loading.tokenizer (loading, round trips, special tokens, streaming detokenization) and for
 scripts/tokenizer_training.py (training)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import make_tokenizer
 import pytest
 from tokenizer_training import BYTELEVEL_SPECIALS, SENTENCEPIECE_SPECIALS, train_tokenizer
 
-from jaxserve import resources
-from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
+from jaxserve.loading import resources
+from jaxserve.loading.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("sentencepiece", "bytelevel")

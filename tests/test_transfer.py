@@ -1,4 +1,4 @@
-"""Packed step inputs (jaxserve.transfer): every dtype comes back bit for bit, and inputs that do not
+"""Packed step inputs (jaxserve.model.transfer): every dtype comes back bit for bit, and inputs that do not
 match the compiled layout are refused rather than misread."""
 
 import jax
@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.kv_cache import StepBatch
-from jaxserve.sampling import RowSampling, SamplingTensors
-from jaxserve.transfer import Layout, from_buffer
+from jaxserve.model.kv_cache import StepBatch
+from jaxserve.model.sampler import RowSampling, SamplingTensors
+from jaxserve.model.transfer import Layout, from_buffer
 
 
 def inputs(R=2, B=3, T=4, P=5):

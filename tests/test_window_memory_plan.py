@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.memory_plan import plan_memory
-from jaxserve.resources import shipped_model_shape
+from jaxserve.planning.memory import plan_memory
+from jaxserve.loading.resources import shipped_model_shape
 
 
 def test_gemma3_local_layers_leave_their_share_behind_the_window():

@@ -97,7 +97,7 @@ class _Pool:
 class BlockManager:
     """Page tables, free lists, ref counts and the prefix cache of every data-parallel replica.
 
-    Layout as in `jaxserve.kv_cache`: each replica owns `num_pages` pages of `page_size` token
+    Layout as in `jaxserve.model.kv_cache`: each replica owns `num_pages` pages of `page_size` token
     slots, page ids local to the replica; token p of a sequence lives in page
     `page_table[p // page_size]`, slot `p % page_size`. Page 0 (`RESERVED_PAGE`) is never handed
     out: it is the padding rows' scratch page.

@@ -1,7 +1,7 @@
 """The shape buckets of the compiled steps, and the executables they make (host code: no jax).
 
 Every step shape comes from a small fixed table compiled at start-up. The engine's step is ragged
-(`jaxserve.ragged`): one flat axis of `N` tokens in which decodes and prompt chunks sit side by
+(`jaxserve.model.ragged`): one flat axis of `N` tokens in which decodes and prompt chunks sit side by
 side, so its executables are keyed by the token-budget bucket `N` alone (powers of two up to the
 budget): every step takes the largest page table, since every attention backend reads only the pages
 each row's queries see (the Pallas kernels, and on a CPU `layers.ragged_attention_blocked`). The

@@ -18,27 +18,27 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve import multihost
+from jaxserve.runner import multihost
 from jaxserve.engine.arrival_window import ArrivalWindow
-from jaxserve.engine.backends import default_scan_layers, resolve_attention, resolve_quantized_matmul
+from jaxserve.runner.backends import default_scan_layers, resolve_attention, resolve_quantized_matmul
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.buckets import BucketTable, executable_counts
-from jaxserve.engine.compile import (CompileCounter, check_memory_mappings, enable_compilation_cache,
+from jaxserve.runner.compilation import (CompileCounter, check_memory_mappings, enable_compilation_cache,
                                      release_compiled_code)
-from jaxserve.engine.runner import ModelRunner, PendingSamples, RowWork
+from jaxserve.runner.runner import ModelRunner, PendingSamples, RowWork
 from jaxserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from jaxserve.engine.output_processor import OutputProcessor, Request, stream_deltas
 from jaxserve.engine.sequence import Sequence, TokenView
 from jaxserve.engine.step_stats import StepComposition, is_prompt_chunk
 from jaxserve.errors import EngineClosedError, RequestError
-from jaxserve.kv_cache import init_cache
-from jaxserve.memory_plan import plan_memory
+from jaxserve.model.kv_cache import init_cache
+from jaxserve.planning.memory import plan_memory
 from jaxserve.model.weights import param_bytes
-from jaxserve.model_loader import load_model
-from jaxserve.ragged import is_placeholder, placeholder
-from jaxserve.sampling import RowSampling, SampleOutput
-from jaxserve.sampling_params import RequestOutput, SamplingParams
-from jaxserve.sharding import make_mesh
+from jaxserve.loading.model_loader import load_model
+from jaxserve.model.ragged import is_placeholder, placeholder
+from jaxserve.model.sampler import RowSampling, SampleOutput
+from jaxserve.sampling.params import RequestOutput, SamplingParams
+from jaxserve.model.sharding import make_mesh
 from jaxserve.spec_decode.decoder import draft_kv_bytes_per_token
 from jaxserve.steps import StepOptions
 
@@ -208,7 +208,7 @@ class LLMEngine:
         return spec
 
     def _load_tokenizer(self, model_dir: str):
-        from jaxserve.tokenizer import load_tokenizer
+        from jaxserve.loading.tokenizer import load_tokenizer
 
         path = self.settings.tokenizer or model_dir
         try:

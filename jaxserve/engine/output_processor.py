@@ -17,8 +17,8 @@ import time
 from typing import Any, AsyncIterator, Sequence as SequenceOf
 
 from jaxserve.engine.sequence import Sequence
-from jaxserve.ragged import is_placeholder
-from jaxserve.sampling_params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from jaxserve.model.ragged import is_placeholder
+from jaxserve.sampling.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class OutputProcessor:
         """A sequence's incremental detokenizer (None without a tokenizer: outputs have ids only)."""
         if self.tokenizer is None:
             return None
-        from jaxserve.tokenizer import IncrementalDetokenizer
+        from jaxserve.loading.tokenizer import IncrementalDetokenizer
 
         return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                       prompt_ids=prompt_ids)

@@ -8,8 +8,8 @@ import enum
 import time
 from typing import Any
 
-from jaxserve.ragged import is_placeholder
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.model.ragged import is_placeholder
+from jaxserve.sampling.params import SamplingParams
 
 
 class Status(enum.Enum):
@@ -79,7 +79,7 @@ class Sequence:
     # Structured output: the GrammarMatcher (jaxserve.structured) holding the grammar's state after the
     # output so far. Preemption by recompute keeps it (the output is kept); n > 1 siblings get copies.
     grammar: Any = None
-    row_sampling: Any = None  # its jaxserve.sampling.RowSampling, made on its first step (LLMEngine._row_sampling)
+    row_sampling: Any = None  # its jaxserve.model.sampler.RowSampling, made on its first step (LLMEngine._row_sampling)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -103,7 +103,7 @@ class Sequence:
 
     @property
     def in_flight(self) -> bool:
-        """Its last token is a placeholder (jaxserve.ragged.placeholder): sampled by the step in
+        """Its last token is a placeholder (jaxserve.model.ragged.placeholder): sampled by the step in
         flight, its id not yet on the host."""
         return bool(self.output_token_ids) and is_placeholder(self.output_token_ids[-1])
 

@@ -277,7 +277,7 @@ def eog_token_ids(metadata: Mapping[str, Any]) -> list[int]:
 
 def tokenizer_files(metadata: Mapping[str, Any]) -> dict[str, str]:
     """File name -> text of a tokenizer directory equivalent to the GGUF file's tokenizer, for
-    `jaxserve.tokenizer.load_tokenizer`:
+    `jaxserve.loading.tokenizer.load_tokenizer`:
 
     * ``tokenizer.json``: `gguf_tokenizer(metadata)`.
     * ``tokenizer_config.json``: bos/eos/pad/unk token strings, add_bos_token/add_eos_token (llama.cpp's

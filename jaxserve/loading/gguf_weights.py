@@ -1,6 +1,6 @@
 """A GGUF file's tensors under Hugging Face names and layouts, one at a time, dequantized by `gguf`.
 
-The safetensors loader (jaxserve/checkpoint.py) stacks whatever (name, array) pairs it is given, so a
+The safetensors loader (jaxserve/loading/checkpoint.py) stacks whatever (name, array) pairs it is given, so a
 GGUF file only needs translating: llama.cpp's tensor names to transformers', its quantized blocks to
 floats, and the conventions of llama.cpp's converter (`convert_hf_to_gguf.py`) undone where they differ
 from transformers' layout. Those conventions are per architecture, not flags in the file:

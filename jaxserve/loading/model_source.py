@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from jaxserve import resources
+from jaxserve.loading import resources
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.loading import gguf_model

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.quant import QuantArray, matmul
+from jaxserve.model.quant import QuantArray, matmul
 
 Weight = jax.Array | QuantArray
 

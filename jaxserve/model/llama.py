@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import quant
+from jaxserve.model import quant
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, RaggedBatch, write_kv, write_kv_slots
+from jaxserve.model.kv_cache import KVCache, RaggedBatch, write_kv, write_kv_slots
 from jaxserve.model.layers import (
     apply_rope,
     NO_SLIDING_WINDOW,

@@ -32,7 +32,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxserve.quant import QuantArray
+from jaxserve.model.quant import QuantArray
 
 Weight = jax.Array | QuantArray
 

@@ -2,7 +2,7 @@
 and how fast at best.
 
 Small pure functions of numbers (`*_seconds`, `*_flops`, `cost_per_million_tokens`) that scripts reuse;
-`make_plan` applies them to a `ModelConfig` on a `Target` (a `jaxserve.devices` spec, a mesh, overrides),
+`make_plan` applies them to a `ModelConfig` on a `Target` (a `jaxserve.planning.devices` spec, a mesh, overrides),
 `plan_from_settings` / `suggest_mesh` to an `EngineConfig`. The byte counts come from
 `ModelConfig.param_bytes` / `kv_bytes_per_token`, and which arrays are split over the `model` axis from
 `sharding.logical_rules`, so the plan cannot drift from what the engine allocates.
@@ -18,8 +18,9 @@ import dataclasses
 import math
 from typing import Any
 
-from jaxserve.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelConfig
-from jaxserve.devices import DeviceSpec
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config.model_config import SUPPORTED_ARCHITECTURES
+from jaxserve.planning.devices import DeviceSpec
 from jaxserve.errors import ConfigError
 from jaxserve.loading.model_source import planned_model_dir
 
@@ -141,7 +142,7 @@ def sharding_rules(cfg: ModelConfig, model_size: int, expert_parallel: bool = Fa
     whole experts on each device ("experts"). Either way activations stay replicated, so the layer
     ends in one all-reduce of [T, D] as a dense MLP does. These are `sharding.logical_rules` with the
     engine's `moe_parallelism` setting ("expert" or "tensor")."""
-    from jaxserve.sharding import logical_rules
+    from jaxserve.model.sharding import logical_rules
 
     return dict(logical_rules(cfg, model_size, "expert" if expert_parallel else "tensor"))
 
@@ -156,7 +157,7 @@ def param_bytes_per_device(cfg: ModelConfig, bytes_per_element: int, quantizatio
     scale per output channel, split when the output axis is. With model_size=1 this equals
     `ModelConfig.param_bytes` (checked below). `only`: count just the arrays of these names (e.g.
     EXPERT_WEIGHTS); expert_parallel: see `sharding_rules`."""
-    from jaxserve.sharding import MODEL
+    from jaxserve.model.sharding import MODEL
 
     def count(size: int, names: tuple[str, ...] | None) -> int:
         rules = sharding_rules(cfg, size, expert_parallel)
@@ -220,7 +221,7 @@ def param_bytes_read_per_device(cfg: ModelConfig, batch: float, per_device: int,
 
 def kv_split(cfg: ModelConfig, model_size: int) -> int:
     """Devices the KV heads are split over: the model axis when it divides them, else 1 (replicated)."""
-    from jaxserve.sharding import MODEL
+    from jaxserve.model.sharding import MODEL
 
     return model_size if sharding_rules(cfg, model_size)["kv_heads"] == MODEL else 1
 
@@ -496,14 +497,14 @@ def resolve_dtype(settings: EngineConfig, model_dir: str, spec: DeviceSpec) -> s
         return settings.dtype
     if spec.name == "cpu":
         return "float32"
-    from jaxserve.checkpoint import checkpoint_dtype
+    from jaxserve.loading.checkpoint import checkpoint_dtype
 
     return checkpoint_dtype(model_dir) or "bfloat16"
 
 
 def configured_pages(cfg: ModelConfig, settings: EngineConfig, dtype: str, param_bytes: int) -> int:
     """Pages per replica the engine allocates for these settings (memory_plan.plan_memory)."""
-    from jaxserve.memory_plan import plan_memory
+    from jaxserve.planning.memory import plan_memory
 
     return plan_memory(cfg, settings, dtype, param_bytes).num_pages
 

@@ -37,7 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from jaxserve.sampling.params import MAX_LOGIT_BIAS, SamplingParams
 from jaxserve.server.engine_protocol import ServingEngine
 from jaxserve.server.errors import APIError, dumps, error_body, error_response
 from jaxserve.server.protocol import (

@@ -2,7 +2,7 @@
 
 The template is, in order of preference: the `chat_template` setting (`--chat-template FILE`, or the
 template text itself); the checkpoint's own (`chat_template` in `tokenizer_config.json`, or a
-`chat_template.jinja` beside it, as `jaxserve.tokenizer.load_tokenizer` reads it); ChatML, only for
+`chat_template.jinja` beside it, as `jaxserve.loading.tokenizer.load_tokenizer` reads it); ChatML, only for
 models that ship none (with a warning at start-up). It is rendered with Jinja2 in a sandbox, with what
 current Hugging Face templates expect: `messages`, `tools`, `documents`, `add_generation_prompt`, the
 special-token strings (`bos_token`, `eos_token`, `pad_token`, `unk_token`), the helpers
@@ -272,7 +272,7 @@ def load_chat_renderer(settings: Any) -> ChatRenderer | None:
 
     None when there is no model to take a tokenizer from and no chat_template setting (the mock
     engine brings its own tokenizer; the server then builds the renderer from it, as without this)."""
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.loading.tokenizer import load_tokenizer
 
     path = getattr(settings, "tokenizer", None) or getattr(settings, "model", None)
     template_setting = getattr(settings, "chat_template", None)

@@ -1,6 +1,6 @@
 """What the server needs from an engine: `ServingEngine`, met by `AsyncLLMEngine` and the mock engine.
 
-Every engine takes `jaxserve.sampling_params.SamplingParams` with all its fields (n, stop strings,
+Every engine takes `jaxserve.sampling.params.SamplingParams` with all its fields (n, stop strings,
 penalties, logprobs, ...), so the server builds one SamplingParams per prompt and never asks which
 fields an engine knows. Outputs are deltas: each `RequestOutput` carries what is new since the last
 (token ids, text, logprob entries, the finish reason once), put in the queue the server gave
@@ -15,7 +15,7 @@ import asyncio
 from typing import Any, Iterable, Protocol, runtime_checkable
 
 from jaxserve.config import EngineConfig
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling.params import SamplingParams
 
 
 @runtime_checkable

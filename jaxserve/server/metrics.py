@@ -5,7 +5,7 @@ process (tests) do not collide.
 
 Model bandwidth utilisation (MBU) = bytes the last engine step had to read (weights + KV) / the
 step's time / the device's peak memory bandwidth. The peak comes from `--device-bandwidth`, else from the
-device table (`jaxserve.devices`, by `jax.devices()[0].device_kind`); without it only the achieved bytes/s
+device table (`jaxserve.planning.devices`, by `jax.devices()[0].device_kind`); without it only the achieved bytes/s
 is exported.
 """
 
@@ -18,7 +18,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from jaxserve.devices import spec_for_device_kind
+from jaxserve.planning.devices import spec_for_device_kind
 
 logger = logging.getLogger(__name__)
 

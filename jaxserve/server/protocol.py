@@ -12,7 +12,7 @@ Conventions:
   GrammarError names the problem (a 400); the grammar library's own refusals come from the engine.
 - Types and ranges that the schema states (e.g. `temperature` in [0, 2]) fail with 400 (as OpenAI and
   vLLM answer them, not FastAPI's 422; code "validation_error"). Those of the
-  plain sampling fields (temperature, top_p, n, seed, ...) come from `jaxserve.sampling_fields`.
+  plain sampling fields (temperature, top_p, n, seed, ...) come from `jaxserve.sampling.fields`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from pydantic_core import PydanticCustomError
 
-from jaxserve import sampling_fields
-from jaxserve.sampling_fields import FIELDS, MAX_LOGPROBS, SamplingField
+from jaxserve.sampling import fields as sampling_fields
+from jaxserve.sampling.fields import FIELDS, MAX_LOGPROBS, SamplingField
 
 MAX_N = sampling_fields.MAX_N  # the table bounds n by it; GET /v1/capabilities reports it
 MAX_PROMPTS = 64

@@ -13,8 +13,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from jaxserve.errors import RequestError
-from jaxserve.sampling_fields import FIELDS
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling.fields import FIELDS
+from jaxserve.sampling.params import SamplingParams
 from jaxserve.server.chat import ChatTemplateError
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest

@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Sequence
 
-from jaxserve.generation_config import BUILT_IN, GenerationDefaults, load_generation_defaults
+from jaxserve.config.generation_config import BUILT_IN, GenerationDefaults, load_generation_defaults
 from jaxserve.server.chat import ChatRenderer, ChatTemplateError
 from jaxserve.server.engine_protocol import ServerTokenizer, ServingEngine
 from jaxserve.server.errors import APIError

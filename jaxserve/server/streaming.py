@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from jaxserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from jaxserve.sampling.params import CompletionOutput, RequestOutput, SamplingParams
 from jaxserve.server.errors import APIError, dumps, engine_error, error_body
 from jaxserve.server.logprobs import LogprobFormatter
 from jaxserve.server.requests import GenerationRequest

@@ -4,7 +4,7 @@ rejection-sampling rule that leaves the output distribution exactly the target's
 Modules, one job each: `ngram` (host-side prompt lookup), `policy` (per-request state and how many
 tokens to propose), `draft` (the draft's jitted proposal loop), `rejection` (on-device acceptance),
 `step` (the jitted propose + verify + accept step), `decoder` (host orchestration for the engine: what to
-propose, packing, acceptance). The runner lowers, compiles and calls the steps (`jaxserve.engine.spec_steps`).
+propose, packing, acceptance). The runner lowers, compiles and calls the steps (`jaxserve.runner.speculative`).
 """
 
 from jaxserve.spec_decode.decoder import SpeculativeDecoder, load_draft

@@ -4,7 +4,7 @@ gives a step's decode rows their drafts and the draft model the tokens its cache
 what was accepted. Every step of a speculative engine is one speculative ragged step
 (`jaxserve.spec_decode.step`: prompt chunks, plain decodes and verifications together, the draft
 model's catch-up and proposals inside); the runner holds the draft's params and cache and every
-executable (`jaxserve.engine.spec_steps`), and a multi-host job's other processes run them too.
+executable (`jaxserve.runner.speculative`), and a multi-host job's other processes run them too.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.buckets import BucketTable, draft_buckets, pick_bucket
 from jaxserve.engine.step_stats import is_prompt_chunk
 from jaxserve.errors import ConfigError
-from jaxserve.kv_cache import PADDING_PAGE
+from jaxserve.model.kv_cache import PADDING_PAGE
 from jaxserve.model.weights import param_bytes
 from jaxserve.spec_decode.ngram import TokenBuffer, propose_ngram
 from jaxserve.spec_decode.policy import SpecPolicy, SpecState
@@ -38,7 +38,7 @@ MIN_STEP_TIME_SAMPLES = 3  # fewer than this: the calibrated device time plus th
 def load_draft(settings: EngineConfig, mesh: Any, stacked: bool, target_cfg: ModelConfig, tokenizer: Any,
                dtype: Any):
     """Load speculative_model like the model (in its dtype, on its mesh); refuse a different vocabulary."""
-    from jaxserve.model_loader import load_model
+    from jaxserve.loading.model_loader import load_model
 
     path = settings.speculative_model
     draft_cfg = ModelConfig.from_dir(path)
@@ -54,7 +54,7 @@ def load_draft(settings: EngineConfig, mesh: Any, stacked: bool, target_cfg: Mod
 
 
 def _check_same_tokenizer(path: str, tokenizer: Any, why: str) -> None:
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.loading.tokenizer import load_tokenizer
 
     try:
         draft_tok = load_tokenizer(path)
@@ -227,7 +227,7 @@ class SpeculativeDecoder:
 
     def _probe_rows(self, batch: int, drafts: int) -> list:
         """`batch` rows of each replica on the padding page, each verifying `drafts` drafts."""
-        from jaxserve.engine.runner import RowWork
+        from jaxserve.runner.runner import RowWork
 
         pages = [PADDING_PAGE] * -(-(drafts + 1) // self.blocks.page_size)
         return [RowWork([0] * (drafts + 1), 0, pages, replica=rep, num_drafts=drafts, draft_tokens=[0])

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, RaggedBatch
-from jaxserve.ragged import PAD_SLOT
+from jaxserve.model.kv_cache import KVCache, RaggedBatch
+from jaxserve.model.ragged import PAD_SLOT
 from jaxserve.model.weights import Params
-from jaxserve.sampling import SAMPLING_EPS, SamplingTensors, apply_logit_bias, filter_logits
-from jaxserve.sharding import per_replica
+from jaxserve.model.sampler import SAMPLING_EPS, SamplingTensors, apply_logit_bias, filter_logits
+from jaxserve.model.sharding import per_replica
 from jaxserve.spec_decode.rejection import DRAFT, purpose_keys
 from jaxserve.steps import StepOptions, ragged_step
 

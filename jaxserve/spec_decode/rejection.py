@@ -3,7 +3,7 @@ the accepted tokens follow exactly the target's distribution.
 
 For draft token d_j, proposed from the draft's distribution q_j, with the target's distribution p_j
 at the same position (both *processed*: logit_bias, penalties, temperature, top-k, top-p, min-p, exactly as
-`jaxserve.sampling` draws a normal token):
+`jaxserve.model.sampler` draws a normal token):
 
   * accept d_j with probability min(1, p_j(d_j) / q_j(d_j)), in order, stopping at the first rejection;
   * on a rejection at j, draw the token from the residual max(0, p_j - q_j), renormalised;
@@ -25,7 +25,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxserve.sampling import MAX_LOGPROBS, SAMPLING_EPS, SamplingTensors, filter_logits, penalise, step_keys
+from jaxserve.model.sampler import MAX_LOGPROBS, SAMPLING_EPS, SamplingTensors, filter_logits, penalise, step_keys
 
 # Purposes folded into a row's (seed, output index) key; the bonus draw uses the key itself.
 DRAFT, ACCEPT, RESIDUAL = 1, 2, 3

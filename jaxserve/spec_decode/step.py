@@ -21,7 +21,7 @@ sample. In one call:
    compiles faster; the 1-token bucket, where nothing verifies, has the sampler alone.
 
 K/V written for drafts that end up rejected sit past the sequence's length and are overwritten by
-later steps. The runner lowers, compiles and calls it (`jaxserve.engine.spec_steps`).
+later steps. The runner lowers, compiles and calls it (`jaxserve.runner.speculative`).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, RaggedBatch
+from jaxserve.model.kv_cache import KVCache, RaggedBatch
 from jaxserve.model.weights import Params
-from jaxserve.sampling import MAX_LOGPROBS, SamplingTensors, sample
-from jaxserve.sharding import per_replica
+from jaxserve.model.sampler import MAX_LOGPROBS, SamplingTensors, sample
+from jaxserve.model.sharding import per_replica
 from jaxserve.spec_decode.draft import propose_ragged
 from jaxserve.spec_decode.rejection import VerifyOutput, verify
 from jaxserve.steps import StepOptions, ragged_logits, ragged_step

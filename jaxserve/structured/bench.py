@@ -16,12 +16,12 @@ import time
 
 import numpy as np
 
-from jaxserve.resources import small_checkpoint
+from jaxserve.loading.resources import small_checkpoint
 from jaxserve.structured.bitmask import allocate_bitmask, allowed_tokens
 from jaxserve.structured.compiler import GrammarCompiler
 from jaxserve.structured.matcher import fill_bitmasks
 from jaxserve.structured.spec import StructuredSpec
-from jaxserve.tokenizer import Tokenizer, load_tokenizer
+from jaxserve.loading.tokenizer import Tokenizer, load_tokenizer
 
 # The issue's acceptance schema: nested object, bounded array, enums, bounded integers, bounded
 # strings, optional fields.
@@ -191,11 +191,11 @@ def time_step_inputs(vocab_size: int, rows: int, iters: int = 2000) -> dict:
     int32 buffer and copied to the device, against the same inputs without it. Medians in us."""
     import jax
 
-    from jaxserve.engine.runner import ModelRunner
-    from jaxserve.kv_cache import RaggedBatch
-    from jaxserve.sampling import RowSampling, SamplingTensors
+    from jaxserve.runner.runner import ModelRunner
+    from jaxserve.model.kv_cache import RaggedBatch
+    from jaxserve.model.sampler import RowSampling, SamplingTensors
     from jaxserve.structured.apply import TokenMask
-    from jaxserve.transfer import Layout
+    from jaxserve.model.transfer import Layout
 
     R, S, P, history = 1, rows, 64, 64 * 16
     i32 = lambda *shape: np.zeros((R,) + shape, np.int32)  # noqa: E731

@@ -26,7 +26,7 @@ from jaxserve.structured.matcher import GrammarMatcher
 from jaxserve.structured.reasoning import ReasoningGate, ReasoningGatedMatcher, build_gate
 from jaxserve.structured.spec import StructuredSpec
 from jaxserve.structured.tokenizer_bridge import ll_tokenizer
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.loading.tokenizer import Tokenizer
 
 __all__ = ["CacheInfo", "CompiledGrammar", "GrammarCompiler", "ll_grammar"]
 

@@ -6,7 +6,7 @@ import re
 
 import llguidance
 
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.loading.tokenizer import Tokenizer
 
 __all__ = ["ll_tokenizer", "sentencepiece_token_bytes"]
 

@@ -31,8 +31,8 @@ from typing import Any, AsyncIterator
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.output_processor import find_stop_string, held_back, stream_deltas
 from jaxserve.errors import JaxServeError, RequestError
-from jaxserve.memory_plan import MemoryPlan
-from jaxserve.sampling_params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from jaxserve.planning.memory import MemoryPlan
+from jaxserve.sampling.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 
 # ----------------------------------------------------------------------------------------------
 # A byte-level tokenizer: ids 0..3 are specials (as in jaxserve's trained byte-level tokenizers),

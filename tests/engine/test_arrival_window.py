@@ -12,11 +12,11 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.arrival_window import MIN_MARGIN_S, MIN_SAMPLES, ArrivalWindow
 from jaxserve.engine.block_manager import BlockManager
-from jaxserve.engine.compile import BucketTable
+from jaxserve.runner.compilation import BucketTable
 from jaxserve.engine.engine import AsyncLLMEngine
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence, Status
-from jaxserve.ragged import placeholder
+from jaxserve.model.ragged import placeholder
 
 from engine_testlib import StepRecorder
 

@@ -18,7 +18,7 @@ import pytest
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import AsyncLLMEngine
 from jaxserve.errors import RequestError
-from jaxserve.sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from jaxserve.sampling.params import CompletionOutput, RequestOutput, SamplingParams
 from jaxserve.server.api import ServerOptions, create_app
 
 STEP_S = 1.5

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.runner import PendingSamples
-from jaxserve.ragged import is_placeholder
+from jaxserve.runner.runner import PendingSamples
+from jaxserve.model.ragged import is_placeholder
 from jaxserve.engine.output_processor import OutputAccumulator
 
 SETTINGS = dict(dtype="float32", page_size=8, max_model_len=192, max_num_seqs=8, max_num_batched_tokens=32,

@@ -7,7 +7,7 @@ import pytest
 from jaxserve import LLM
 from jaxserve.config import EngineConfig
 from jaxserve.engine.buckets import BucketTable, ExecutableCounts, executable_counts, token_ladder
-from jaxserve.kv_cache import copy_pages_jit
+from jaxserve.model.kv_cache import copy_pages_jit
 
 DEFAULT = "configs/small.yaml"
 NGRAM = dict(speculative_method="ngram")

@@ -25,7 +25,7 @@ import gc
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.compile import CompileCounter, count_memory_mappings
+from jaxserve.runner.compilation import CompileCounter, count_memory_mappings
 from jaxserve.engine.engine import AsyncLLMEngine
 from jaxserve.errors import EngineClosedError
 

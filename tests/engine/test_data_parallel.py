@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.block_manager import BlockManager
-from jaxserve.engine.compile import BucketTable
+from jaxserve.runner.compilation import BucketTable
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence, Status
 from jaxserve.server.metrics import ServerMetrics

@@ -288,7 +288,7 @@ def test_add_request_with_text_needs_a_tokenizer(llm):
 
 
 def test_forks_after_warm_up_compile_nothing(hf_model_dir):
-    from jaxserve.engine.compile import CompileCounter
+    from jaxserve.runner.compilation import CompileCounter
 
     path, _ = hf_model_dir("llama")
     llm = LLM(path, **{**BASE, "max_model_len": 32, "max_num_seqs": 2, "max_num_batched_tokens": 16,

@@ -2,7 +2,8 @@
 
 import pytest
 
-from jaxserve import LLM, SamplingParams, resources
+from jaxserve import LLM, SamplingParams
+from jaxserve.loading import resources
 from jaxserve.errors import RequestError
 from jaxserve.server.chat import build_chat_renderer
 

@@ -82,7 +82,7 @@ def test_logit_bias_outside_the_vocabulary_is_refused(llm):
 
 
 def test_logit_bias_compiles_nothing_after_warm_up(path):
-    from jaxserve.engine.compile import CompileCounter
+    from jaxserve.runner.compilation import CompileCounter
 
     with LLM(path, **{**BASE, "max_model_len": 32, "max_num_seqs": 2, "max_num_batched_tokens": 16,
                       "warm_up": True}) as warm:

@@ -6,7 +6,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.output_processor import OutputAccumulator
-from jaxserve.ragged import is_placeholder
+from jaxserve.model.ragged import is_placeholder
 
 SETTINGS = dict(dtype="float32", page_size=8, max_model_len=160, max_num_seqs=4, max_num_batched_tokens=32,
                 enable_prompt_logprobs=True, warm_up=False)

@@ -3,7 +3,7 @@
 from jaxserve.engine.scheduler import ScheduledRow
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.step_stats import StepComposition
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling.params import SamplingParams
 from jaxserve.server.metrics import ServerMetrics
 
 

@@ -1,4 +1,4 @@
-"""The StepWriter (jaxserve/engine/step_writer.py) keeps each plain bucket's packed inputs from step to
+"""The StepWriter (jaxserve/runner/input_batch.py) keeps each plain bucket's packed inputs from step to
 step and rewrites only what changed. Every step it writes must equal the from-scratch pack of the
 same rows (`ModelRunner._pack_anew`) word for word, through adds, finishes, preemptions, aborts,
 n > 1 forks, prefix-cache hits, chunked prompts, penalties and logit_bias, on one replica and on
@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.runner import SPARSE_FIELDS, RowWork, split_sparse
-from jaxserve.engine.step_writer import StepWriter
-from jaxserve.kv_cache import RaggedBatch
-from jaxserve.sampling import RowSampling, SamplingTensors
+from jaxserve.runner.runner import SPARSE_FIELDS, RowWork, split_sparse
+from jaxserve.runner.input_batch import StepWriter
+from jaxserve.model.kv_cache import RaggedBatch
+from jaxserve.model.sampler import RowSampling, SamplingTensors
 from jaxserve.structured.apply import TokenMask
-from jaxserve.transfer import Layout
+from jaxserve.model.transfer import Layout
 
 SETTINGS = dict(dtype="float32", page_size=8, max_model_len=192, max_num_seqs=8, max_num_batched_tokens=32,
                 warm_up=False)

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxserve import LLM, SamplingParams, resources
-from jaxserve.engine.compile import CompileCounter
+from jaxserve import LLM, SamplingParams
+from jaxserve.loading import resources
+from jaxserve.runner.compilation import CompileCounter
 from jaxserve.errors import RequestError
 from jaxserve.structured import GrammarError, StructuredSpec
 
@@ -253,7 +254,7 @@ def test_logprob_entries_leave_out_values_that_are_not_finite():
     import numpy as np
 
     from jaxserve.engine.output_processor import OutputProcessor, top_entry
-    from jaxserve.sampling import SampleOutput
+    from jaxserve.model.sampler import SampleOutput
 
     assert top_entry(np.array([5, 7, 0, 9]), np.array([-0.1, -2.0, -np.inf, np.nan], np.float32)) == {
         5: pytest.approx(-0.1), 7: -2.0}

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.backends import resolve_attention
+from jaxserve.runner.backends import resolve_attention
 from kernels_testlib import engine_attention_impl
 
 

@@ -26,9 +26,9 @@ import pytest
 
 from jaxserve import steps
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, RaggedBatch, cache_shape
+from jaxserve.model.kv_cache import KVCache, RaggedBatch, cache_shape
 from jaxserve.model.weights import init_dummy_params, unstack_layers
-from jaxserve.sharding import make_mesh
+from jaxserve.model.sharding import make_mesh
 
 # head_dim 64 and pages of 16 f32 rows (32 int8): both kernels' layout rules (TPU: 8-row tiles, head_dim % 64;
 # GPU: powers of two)

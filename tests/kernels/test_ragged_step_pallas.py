@@ -14,10 +14,10 @@ import pytest
 
 from jaxserve import steps
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, RaggedBatch, cache_shape
+from jaxserve.model.kv_cache import KVCache, RaggedBatch, cache_shape
 from jaxserve.model.weights import init_dummy_params, unstack_layers
-from jaxserve.ragged import RaggedRow
-from jaxserve.sharding import make_mesh
+from jaxserve.model.ragged import RaggedRow
+from jaxserve.model.sharding import make_mesh
 from kernels_testlib import FAST_COMPILE, engine_attention_impl
 
 PAGE, P, N, S, L = 4, 8, 32, 8, 8  # page size, pages per row, token bucket, rows, logits

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from jaxserve import LLM, SamplingParams, resources
+from jaxserve import LLM, SamplingParams
+from jaxserve.loading import resources
 
 from hf_models import NEAR_TIE
 

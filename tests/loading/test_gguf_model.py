@@ -12,7 +12,7 @@ import torch
 import jax
 import jax.numpy as jnp
 
-from jaxserve.checkpoint import load_hf_params
+from jaxserve.loading.checkpoint import load_hf_params
 from jaxserve.config import ModelConfig
 from jaxserve.loading import gguf_model
 from jaxserve.loading.gguf_weights import unpermute_rope_rows

@@ -13,10 +13,10 @@ import random
 
 import pytest
 
-from jaxserve import resources
+from jaxserve.loading import resources
 from jaxserve.loading.gguf_file import open_gguf, read_metadata
 from jaxserve.loading.gguf_tokenizer import SUPPORTED_PRE_TOKENIZERS, gguf_tokenizer, tokenizer_files
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.loading.tokenizer import load_tokenizer
 
 from gguf_testlib import CORPUS, GOLDEN, VARIANTS, variant_file, variant_metadata, write_sentencepiece_gguf
 

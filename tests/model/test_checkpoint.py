@@ -9,9 +9,9 @@ import pytest
 from tokenizer_training import train_tokenizer
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.checkpoint import load_hf_params, safetensors_files
+from jaxserve.loading.checkpoint import load_hf_params, safetensors_files
 from jaxserve.config import ModelConfig
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.loading.tokenizer import load_tokenizer
 
 
 def test_sharded_checkpoint_equals_single_file(hf_model_dir, tmp_path):

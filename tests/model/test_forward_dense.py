@@ -7,7 +7,7 @@ import torch
 import jax
 import jax.numpy as jnp
 
-from jaxserve.checkpoint import load_hf_params
+from jaxserve.loading.checkpoint import load_hf_params
 from jaxserve.config import ModelConfig
 from jaxserve.model.llama import forward_dense
 from jaxserve.model.weights import unstack_layers

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve import steps
-from jaxserve.checkpoint import hf_tensors, load_hf_params, write_safetensors
+from jaxserve.loading.checkpoint import hf_tensors, load_hf_params, write_safetensors
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import init_cache
+from jaxserve.model.kv_cache import init_cache
 from jaxserve.model.llama import forward_dense, layer_attention_params
 from jaxserve.model.layers import NO_SLIDING_WINDOW
 from jaxserve.model.weights import unstack_layers
@@ -110,11 +110,11 @@ def test_greedy_through_the_engine_matches_hf(gemma3, llm):
 
 def test_int8_and_orbax_loading(gemma3, tmp_path):
     """int8 quantizes the projections and leaves all six norms float; an orbax round trip restores them."""
-    from jaxserve import quant
+    from jaxserve.model import quant
     from jaxserve.config import EngineConfig
-    from jaxserve.model_loader import load_model
-    from jaxserve.orbax_checkpoint import save_params
-    from jaxserve.sharding import make_mesh
+    from jaxserve.loading.model_loader import load_model
+    from jaxserve.loading.orbax_checkpoint import save_params
+    from jaxserve.model.sharding import make_mesh
 
     path, _, cfg, params = gemma3
     tokens = jnp.asarray(np.random.RandomState(6).randint(0, cfg.vocab_size, size=(1, 13)), jnp.int32)

@@ -7,9 +7,9 @@ import torch
 import jax.numpy as jnp
 
 from jaxserve import steps
-from jaxserve.checkpoint import load_hf_params
+from jaxserve.loading.checkpoint import load_hf_params
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import StepBatch, init_cache
+from jaxserve.model.kv_cache import StepBatch, init_cache
 
 from hf_models import assert_same_greedy, hf_greedy
 

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve import steps
-from jaxserve.checkpoint import hf_tensors, load_hf_params, write_safetensors
+from jaxserve.loading.checkpoint import hf_tensors, load_hf_params, write_safetensors
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import init_cache
+from jaxserve.model.kv_cache import init_cache
 from jaxserve.model.llama import forward_dense
 from jaxserve.model.weights import unstack_layers
 
@@ -167,7 +167,7 @@ def test_fused_expert_checkpoint_loads(family, tmp_path):
     """transformers 5's module layout (mlp.experts.gate_up_proj / down_proj fused over the experts, what
     `state_dict()` holds) loads to the same params as the per-expert files transformers writes, and
     `hf_tensors` gives back exactly the per-expert file."""
-    from jaxserve.checkpoint import iter_safetensors, safetensors_files
+    from jaxserve.loading.checkpoint import iter_safetensors, safetensors_files
 
     _, (path, model, cfg, params) = family
     saved = dict(kv for f in safetensors_files(path) for kv in iter_safetensors(f))
@@ -188,10 +188,10 @@ def test_int8_experts_and_orbax(qwen3_moe, tmp_path):
     """int8 quantizes the experts (a scale per expert and output channel) and leaves the router float;
     the grouped (prefill) and gathered (decode-sized) paths both stay near the float model. An orbax
     round trip restores the experts onto a (1, 2) mesh, split on their hidden dimension."""
-    from jaxserve import quant
+    from jaxserve.model import quant
     from jaxserve.config import EngineConfig
-    from jaxserve.model_loader import load_model
-    from jaxserve.sharding import make_mesh
+    from jaxserve.loading.model_loader import load_model
+    from jaxserve.model.sharding import make_mesh
 
     path, _, cfg, params = qwen3_moe
     q8 = load_model(EngineConfig(model=path, dtype="float32", quantization="int8"), make_mesh((1, 1))).params
@@ -207,7 +207,7 @@ def test_int8_experts_and_orbax(qwen3_moe, tmp_path):
         # int8 rounding, not a wrong model (measured 0.12 and 0.11, logits up to 8)
         assert err < 0.25 * float(jnp.abs(ref).max()), (n, err)
 
-    from jaxserve.orbax_checkpoint import save_params
+    from jaxserve.loading.orbax_checkpoint import save_params
 
     out = tmp_path / "orbax"
     shutil.copytree(path, out)
@@ -225,7 +225,7 @@ def test_experts_tensor_parallel_on_a_mesh(qwen3_moe):
     weights together (the MLP ends in an all-reduce of activations, as a dense one does)."""
     import re
 
-    from jaxserve.sharding import make_mesh, make_shardings
+    from jaxserve.model.sharding import make_mesh, make_shardings
 
     _, _, cfg, params = qwen3_moe
     shardings = make_shardings(cfg, make_mesh((1, 4)))

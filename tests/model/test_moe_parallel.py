@@ -17,13 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve import quant, steps
-from jaxserve.checkpoint import load_hf_params
+from jaxserve import steps
+from jaxserve.model import quant
+from jaxserve.loading.checkpoint import load_hf_params
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ConfigError
-from jaxserve.kv_cache import init_cache
+from jaxserve.model.kv_cache import init_cache
 from jaxserve.model.llama import forward_dense
-from jaxserve.sharding import ExpertParallel, make_mesh, make_shardings
+from jaxserve.model.sharding import ExpertParallel, make_mesh, make_shardings
 
 from model_checks import step_batch
 
@@ -156,7 +157,7 @@ def test_int8_experts_expert_parallel(models, mesh):
 
 
 def test_expert_parallel_needs_the_model_axis_to_divide_the_experts(models):
-    from jaxserve.sharding import logical_rules
+    from jaxserve.model.sharding import logical_rules
 
     _, _, cfg, _ = models("mixtral")
     with pytest.raises(ConfigError, match="must divide the 4 experts"):

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.model.llama import forward_dense
-from jaxserve.model_loader import load_model
-from jaxserve.orbax_checkpoint import MANIFEST
-from jaxserve.sharding import make_mesh
+from jaxserve.loading.model_loader import load_model
+from jaxserve.loading.orbax_checkpoint import MANIFEST
+from jaxserve.model.sharding import make_mesh
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 from convert_hf_to_orbax import convert  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 
 import jax.numpy as jnp
 
-from jaxserve.checkpoint import load_hf_params
+from jaxserve.loading.checkpoint import load_hf_params
 from jaxserve.config import ModelConfig
 from jaxserve.model.llama import forward_dense
 
@@ -77,10 +77,10 @@ def test_greedy_through_the_engine_matches_hf(qwen3, llm):
 
 def test_int8_and_orbax_loading(qwen3, tmp_path):
     """int8 quantizes the projections and leaves the q/k norms float; an orbax round trip restores them."""
-    from jaxserve import quant
+    from jaxserve.model import quant
     from jaxserve.config import EngineConfig
-    from jaxserve.model_loader import load_model
-    from jaxserve.sharding import make_mesh
+    from jaxserve.loading.model_loader import load_model
+    from jaxserve.model.sharding import make_mesh
 
     path, _, cfg, params = qwen3
     tokens = jnp.asarray(np.random.RandomState(6).randint(0, cfg.vocab_size, size=(1, 9)), jnp.int32)
@@ -93,7 +93,7 @@ def test_int8_and_orbax_loading(qwen3, tmp_path):
 
     import shutil
 
-    from jaxserve.orbax_checkpoint import save_params
+    from jaxserve.loading.orbax_checkpoint import save_params
 
     out = tmp_path / "orbax"
     shutil.copytree(path, out)

@@ -17,12 +17,12 @@ import jax.extend.core
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.kv_cache import KVCache, RaggedBatch, cache_shape, write_kv_slots
+from jaxserve.model.kv_cache import KVCache, RaggedBatch, cache_shape, write_kv_slots
 from jaxserve.model.layers import ragged_attention_reference
 from jaxserve.model.llama import forward, forward_ragged
 from jaxserve.model.weights import init_dummy_params, unstack_layers
-from jaxserve import ragged
-from jaxserve.ragged import PAD_SLOT, RaggedRow, pack_ragged
+from jaxserve.model import ragged
+from jaxserve.model.ragged import PAD_SLOT, RaggedRow, pack_ragged
 
 PAGE = 4
 P = 8  # pages per row
@@ -186,7 +186,7 @@ def test_the_array_packer_agrees_with_the_row_loop():
 
 
 def test_host_packer_does_not_import_jax():
-    code = "import sys, jaxserve.ragged; assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
+    code = "import sys, jaxserve.model.ragged; assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

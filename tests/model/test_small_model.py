@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.model.llama import forward_dense
-from jaxserve.model_loader import load_model
-from jaxserve.sharding import make_mesh
+from jaxserve.loading.model_loader import load_model
+from jaxserve.model.sharding import make_mesh
 
 from corpus import iter_texts
 from hf_models import assert_same_greedy, hf_greedy

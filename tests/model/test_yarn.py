@@ -8,7 +8,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jaxserve.checkpoint import load_hf_params
+from jaxserve.loading.checkpoint import load_hf_params
 from jaxserve.config import ModelConfig
 from jaxserve.model.layers import rope_attention_factor, rope_inv_freq
 from jaxserve.model.llama import forward_dense

@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from jaxserve import quant, steps
-from jaxserve.checkpoint import load_hf_params
+from jaxserve import steps
+from jaxserve.model import quant
+from jaxserve.loading.checkpoint import load_hf_params
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine.compile import step_compiler_options
-from jaxserve.kv_cache import StepBatch, copy_pages_jit, init_cache, write_kv
-from jaxserve.memory_plan import plan_memory
+from jaxserve.runner.compilation import step_compiler_options
+from jaxserve.model.kv_cache import StepBatch, copy_pages_jit, init_cache, write_kv
+from jaxserve.planning.memory import plan_memory
 from jaxserve.model.weights import init_dummy_params, param_bytes, unstack_layers
-from jaxserve.sharding import make_mesh, make_shardings
+from jaxserve.model.sharding import make_mesh, make_shardings
 
 PAGE = 8
 PROMPT, NEW, NUM_PROMPTS = 8, 64, 8

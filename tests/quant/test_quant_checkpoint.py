@@ -8,12 +8,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve import quant
+from jaxserve.model import quant
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ModelLoadError
-from jaxserve.model_loader import load_model
-from jaxserve.orbax_checkpoint import MANIFEST
-from jaxserve.sharding import make_mesh
+from jaxserve.loading.model_loader import load_model
+from jaxserve.loading.orbax_checkpoint import MANIFEST
+from jaxserve.model.sharding import make_mesh
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 from quantize import quantize_checkpoint  # noqa: E402

@@ -6,10 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve import LLM, SamplingParams, quant, steps
-from jaxserve.engine.backends import resolve_quantized_matmul
+from jaxserve import LLM, SamplingParams, steps
+from jaxserve.model import quant
+from jaxserve.runner.backends import resolve_quantized_matmul
 from jaxserve.errors import ConfigError
-from jaxserve.kv_cache import StepBatch, init_cache
+from jaxserve.model.kv_cache import StepBatch, init_cache
 from jaxserve.model.weights import param_bytes
 
 

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.model_loader import load_model
-from jaxserve.sharding import make_mesh
+from jaxserve.loading.model_loader import load_model
+from jaxserve.model.sharding import make_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -8,8 +8,8 @@ import pytest
 
 import jax.numpy as jnp
 
-from jaxserve import quant
-from jaxserve.checkpoint import load_hf_params
+from jaxserve.model import quant
+from jaxserve.loading.checkpoint import load_hf_params
 from jaxserve.config import ModelConfig
 from jaxserve.model.weights import unstack_layers
 

@@ -57,7 +57,7 @@ def default_model_client(max_model_len: int, max_num_batched_tokens: int):
     sequences, pages of 8), served as "default"; the engine is shut down afterwards."""
     from starlette.testclient import TestClient
 
-    from jaxserve import resources
+    from jaxserve.loading import resources
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import AsyncLLMEngine, LLMEngine
     from jaxserve.server.api import ServerOptions, create_app

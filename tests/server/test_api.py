@@ -10,7 +10,7 @@ import pytest
 
 from server_testlib import parse_metrics, record_submits, sse_events, wait_until
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling.params import SamplingParams
 from jaxserve.testing.mock_engine import NUM_SPECIAL, VOCAB_SIZE, MockAsyncLLMEngine
 
 PROMPT = "The quick brown fox"
@@ -477,7 +477,7 @@ def test_mock_engine_delivers_what_it_produced_before_a_failure_to_a_slow_consum
     turned the in-band stream error above into a 500)."""
     import asyncio
 
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.sampling.params import SamplingParams
     from jaxserve.testing.mock_engine import MockAsyncLLMEngine
 
     engine = MockAsyncLLMEngine(token_delay=0.001)

@@ -73,7 +73,7 @@ def test_server_uses_the_checkpoint_template(make_client):
 
 def test_template_from_tokenizer_config(bytelevel_tokenizer_dir, tmp_path):
     """The template a checkpoint ships in tokenizer_config.json is the one used."""
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.loading.tokenizer import load_tokenizer
 
     tok_dir = tmp_path / "tok"
     shutil.copytree(bytelevel_tokenizer_dir, tok_dir)

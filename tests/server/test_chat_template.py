@@ -58,7 +58,7 @@ def test_tools_documents_and_kwargs_reach_the_template():
 
 
 def test_special_token_variables_of_the_shipped_tokenizer():
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.loading.tokenizer import load_tokenizer
 
     template = "{{ bos_token }}|{{ eos_token }}|{{ pad_token }}|{{ unk_token }}"
     r = ChatRenderer(load_tokenizer(DEFAULT), template=template)

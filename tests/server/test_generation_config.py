@@ -1,6 +1,6 @@
 """The model's own sampling defaults (generation_config.json) for requests that leave them unset.
 
-Unit checks of jaxserve.generation_config, the server's plumbing over the mock engine (which values
+Unit checks of jaxserve.config.generation_config, the server's plumbing over the mock engine (which values
 reach SamplingParams), then the shipped model (checkpoints/small, `do_sample: false`) through the
 offline API and the HTTP app: greedy by default, sampling when a request (or the settings) ask for it.
 """
@@ -15,7 +15,7 @@ from server_testlib import record_submits
 
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
-from jaxserve.generation_config import load_generation_defaults
+from jaxserve.config.generation_config import load_generation_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = str(ROOT / "checkpoints" / "small")

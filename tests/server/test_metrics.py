@@ -1,4 +1,4 @@
-"""The server's MBU peak comes from the one device table (jaxserve.devices), by jax's device kind."""
+"""The server's MBU peak comes from the one device table (jaxserve.planning.devices), by jax's device kind."""
 
 import sys
 import types

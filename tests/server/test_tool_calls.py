@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from jaxserve import resources
+from jaxserve.loading import resources
 from jaxserve.server.chat import ChatRenderer
 from jaxserve.testing.mock_engine import MockTokenizer
 from server_testlib import ScriptedEngine, default_model_client, sse_chunks

@@ -106,7 +106,7 @@ def test_a_memory_budget_buys_pages_for_both_caches():
     import jax.numpy as jnp
 
     from jaxserve.config import ModelConfig
-    from jaxserve.memory_plan import plan_memory
+    from jaxserve.planning.memory import plan_memory
 
     cfg = ModelConfig.from_dir("configs/models/smollm2-135m")
     per_token = cfg.kv_bytes_per_token(4)

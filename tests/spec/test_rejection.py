@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from spec_testlib import SIGNIFICANCE, chi_square_pvalue, processed_probs
 
-from jaxserve.sampling import RowSampling, SamplingTensors, sample
+from jaxserve.model.sampler import RowSampling, SamplingTensors, sample
 from jaxserve.spec_decode.rejection import expand_positions, positions_of, verify
 
 V, K, N = 6, 2, 20000

@@ -7,7 +7,7 @@ from spec_testlib import perturbed_copy
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.buckets import executable_counts
-from jaxserve.engine.compile import CompileCounter
+from jaxserve.runner.compilation import CompileCounter
 
 SETTINGS = dict(dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16)
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from jaxserve.resources import small_checkpoint, shipped_dir
+from jaxserve.loading.resources import small_checkpoint, shipped_dir
 from jaxserve.structured import GrammarCompiler
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.loading.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Sequence
 
 from jaxserve.errors import RequestError
-from jaxserve.sampling_fields import FIELDS
+from jaxserve.sampling.fields import FIELDS
 from jaxserve.structured.spec import StructuredSpec
 
 
@@ -14,7 +14,7 @@ from jaxserve.structured.spec import StructuredSpec
 class SamplingParams:
     """How to generate. temperature 0 is greedy; top_k 0 (or -1) and top_p 1 mean no limit.
 
-    The type, range and meaning of each field are in `jaxserve.sampling_fields.FIELDS`, which
+    The type, range and meaning of each field are in `jaxserve.sampling.fields.FIELDS`, which
     __post_init__ checks against; stop, stop_token_ids, logit_bias and structured have their own checks.
     """
 
@@ -76,7 +76,7 @@ class SamplingParams:
         return self.temperature == 0
 
 
-MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit; jaxserve.sampling carries this many per row)
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit; jaxserve.model.sampler carries this many per row)
 
 
 def _check_logit_bias(bias) -> dict[int, float] | None:

@@ -6,7 +6,7 @@ token list: a negative id naming the sample's slot in step N's output. The compi
 every placeholder in its inputs (tokens, penalty histories) for that slot of the previous step's
 carried tokens, so sampled ids go from one step to the next on the device, never through the host.
 The host writes the real id over the placeholder when it processes step N. The host side (the
-encoding: `ragged.placeholder`, `ragged.is_placeholder`) lives in `jaxserve.ragged`, which has no jax.
+encoding: `ragged.placeholder`, `ragged.is_placeholder`) lives in `jaxserve.model.ragged`, which has no jax.
 
 Ids -1 and up keep their meanings (-1 pads a penalty history); placeholders are -2 and below.
 """

@@ -24,7 +24,7 @@ PADDING_PAGE = 0  # page-table entries past a row's pages point at the padding p
 def placeholder(slot: int) -> int:
     """The token id standing for sample `slot` (its index among its replica's samples) of the step in
     flight, until the host has it: the compiled step takes the real id from the previous step's
-    samples on the device (jaxserve.placeholders). Real ids are >= 0 and -1 pads histories."""
+    samples on the device (jaxserve.model.placeholders). Real ids are >= 0 and -1 pads histories."""
     return -2 - slot
 
 

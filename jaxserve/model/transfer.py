@@ -80,7 +80,7 @@ class Layout:
 
     def views(self, buffer: np.ndarray) -> Any:
         """Host side: the pytree as NumPy views into a packed int32 [R, width] buffer, so that writing
-        a leaf writes the buffer (`jaxserve.engine.step_writer` keeps one per bucket). float32 and
+        a leaf writes the buffer (`jaxserve.runner.input_batch` keeps one per bucket). float32 and
         uint32 leaves are seen bit-cast; bool leaves as their int32 words (0/1)."""
         if buffer.shape != (self.replicas, self.width) or buffer.dtype != _WORD:
             raise ValueError(f"a buffer of int32[{self.replicas}, {self.width}] is needed, got {buffer.dtype}{list(buffer.shape)}")

@@ -21,12 +21,12 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine.buckets import pick_step_shape
-from jaxserve.kv_cache import KVCache, RaggedBatch, cache_shardings, init_cache
+from jaxserve.model.kv_cache import KVCache, RaggedBatch, cache_shardings, init_cache
 from jaxserve.model.weights import Params
-from jaxserve.ragged import RaggedArrays, RaggedRow, pack_ragged
-from jaxserve.sampling import RowSampling, SamplingTensors
+from jaxserve.model.ragged import RaggedArrays, RaggedRow, pack_ragged
+from jaxserve.model.sampler import RowSampling, SamplingTensors
 from jaxserve.spec_decode.step import DraftInputs, SpecOptions, SpecRows, speculative_step
-from jaxserve.transfer import Layout, from_buffer, with_sparse
+from jaxserve.model.transfer import Layout, from_buffer, with_sparse
 
 
 @dataclasses.dataclass
@@ -94,7 +94,7 @@ def _step(params, cache, draft_params, draft_cache, carried, sparse, batch, samp
     return out, cache, draft_cache, carried
 
 
-# Compiled as (params, cache, draft params, draft cache, carried, sparse, packed inputs): see jaxserve.transfer.
+# Compiled as (params, cache, draft params, draft cache, carried, sparse, packed inputs): see jaxserve.model.transfer.
 _step_jit = jax.jit(from_buffer(_step, 6), static_argnames=(
     "layout", "cfg", "draft_cfg", "options", "spec", "cache_sharding", "draft_cache_sharding", "out_sharding"),
     donate_argnums=(1, 3))
@@ -127,7 +127,7 @@ def call(runner: Any, executable: Any, sparse: tuple, buffer: jax.Array) -> Any:
 def pack(runner: Any, rows: Sequence[Any]):
     """Lay `rows` (the runner's RowWork: prompt chunks, decodes, verifications) out in the smallest
     bucket as a speculative step: a PackedRows whose `speculative` holds (SpecRows, DraftInputs)."""
-    from jaxserve.engine.runner import PackedRows
+    from jaxserve.runner.runner import PackedRows
 
     spec = runner.speculation
     R, S, ps = runner.num_replicas, runner.buckets.max_rows, runner.cache.page_size

@@ -2,7 +2,7 @@
 
 Every step used to rebuild its inputs from scratch: a `RaggedArrays` per replica, a `SamplingTensors`
 of every field, a `TokenMask`, then one concatenation of the ~20 arrays into the int32 buffer that
-is copied to the device (`jaxserve.transfer.Layout`). Most of it had not changed since the step
+is copied to the device (`jaxserve.model.transfer.Layout`). Most of it had not changed since the step
 before: a decode row's page table, its sampling parameters, the masks of a step without grammars.
 On the 2 cores the host shares with XLA, each of those small NumPy calls costs microseconds.
 
@@ -34,11 +34,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxserve.ragged import PAD_SLOT, PADDING_PAGE
-from jaxserve.sampling import ROW_SCALARS
-from jaxserve.sampling_fields import DEVICE_FIELDS
+from jaxserve.model.ragged import PAD_SLOT, PADDING_PAGE
+from jaxserve.model.sampler import ROW_SCALARS
+from jaxserve.sampling.fields import DEVICE_FIELDS
 from jaxserve.structured.apply import TokenMask
-from jaxserve.transfer import Layout
+from jaxserve.model.transfer import Layout
 
 _DEVICE_NAMES = tuple(f.name for f in DEVICE_FIELDS)
 _IDLE_SCALARS = tuple((name, idle) for name, (_, idle) in ROW_SCALARS.items() if name != "step")

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxserve import quant
+from jaxserve.model import quant
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.model.weights import LayerParams, Params, param_specs

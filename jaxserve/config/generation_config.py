@@ -11,7 +11,7 @@ Settings (spelled as vLLM spells them):
   override_generation_config  a JSON object merged over the loaded values, e.g. '{"temperature": 0.5}'.
 
 What is read: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens (-> max_tokens),
-the `config_key`s of `jaxserve.sampling_fields`, range-checked as SamplingParams checks them; and
+the `config_key`s of `jaxserve.sampling.fields`, range-checked as SamplingParams checks them; and
 `do_sample`. Where jaxserve goes beyond vLLM (which ignores `do_sample`): `do_sample: false` means
 greedy, as in transformers, so the defaults get temperature 0 (unless the override sets a temperature
 itself). The file's values are taken as written, not diffed against transformers' GenerationConfig defaults.
@@ -32,7 +32,7 @@ import os
 from typing import Any, Mapping
 
 from jaxserve.errors import ConfigError
-from jaxserve.sampling_fields import FIELDS, SamplingField
+from jaxserve.sampling.fields import FIELDS, SamplingField
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class GenerationDefaults:
 
     def sampling_params(self, **explicit: Any):
         """SamplingParams of these defaults, explicit keywords winning (the offline API's default)."""
-        from jaxserve.sampling_params import SamplingParams
+        from jaxserve.sampling.params import SamplingParams
 
         return SamplingParams(**{**self.values, **explicit})
 

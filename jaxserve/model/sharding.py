@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxserve import quant
+from jaxserve.model import quant
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ConfigError
 from jaxserve.model.weights import Params, logical_axes

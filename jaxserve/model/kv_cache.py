@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.quant import quantize_kv
+from jaxserve.model.quant import quantize_kv
 
 
 @flax.struct.dataclass
@@ -103,7 +103,7 @@ class StepBatch:
 @flax.struct.dataclass
 class RaggedBatch:
     """One replica's step as a flat ragged batch: N tokens of S rows (prompt chunks, decodes and
-    verifications mixed), each row's tokens contiguous and rows in order (`jaxserve.ragged`).
+    verifications mixed), each row's tokens contiguous and rows in order (`jaxserve.model.ragged`).
 
     N is a token-budget bucket (powers of two up to max_num_batched_tokens); S rows, P pages per
     row and L logits are fixed per engine. Padding tokens (after the last row) write nothing (slot
@@ -124,7 +124,7 @@ class RaggedBatch:
               num_logits: int) -> "RaggedBatch":
         """From `ragged.RaggedRow`s (or (tokens, start, pages[, num_logits]) tuples), via the host
         packer `ragged.pack_ragged` (numpy arrays; the step moves them to the device)."""
-        from jaxserve.ragged import RaggedRow, pack_ragged
+        from jaxserve.model.ragged import RaggedRow, pack_ragged
 
         rows = [r if isinstance(r, RaggedRow) else RaggedRow(*r) for r in rows]
         arrays = pack_ragged(rows, page_size=page_size, num_tokens=num_tokens, num_rows=num_rows,

@@ -1,21 +1,21 @@
 """EngineConfig: every engine setting, frozen and hashable (a static argument of `jax.jit`); one field is
 a Python keyword, a YAML key and a `--kebab-case` flag. ModelConfig (a Hugging Face config.json) lives in
-jaxserve.model_config and is re-exported here, where most modules import it from."""
+jaxserve.config.model_config and is re-exported here, where most modules import it from."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from jaxserve.errors import ConfigError
-from jaxserve.generation_config import parse_override
-from jaxserve.model_config import (  # noqa: F401  (re-exported: `from jaxserve.config import ModelConfig`)
+from jaxserve.config.generation_config import parse_override
+from jaxserve.config.model_config import (  # noqa: F401  (re-exported: `from jaxserve.config import ModelConfig`)
     PLAN_ONLY_ARCHITECTURES,
     PLANNABLE_ARCHITECTURES,
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
     RopeScaling,
 )
-from jaxserve.settings import (
+from jaxserve.config.settings import (
     Settings,
     choice,
     format_int_tuple,
@@ -143,7 +143,7 @@ class EngineConfig(Settings):
     compilation_cache_dir: str | None = setting(
         None, "persistent XLA compilation cache; default ~/.cache/jaxserve/xla, 'none' disables it", optional(parse_str)
     , group="compilation and kernels")
-    # Multi-host serving (jaxserve.multihost, docs/multihost.md): one process per host, all with the same settings
+    # Multi-host serving (jaxserve.runner.multihost, docs/multihost.md): one process per host, all with the same settings
     # but process_id; process 0 runs the scheduler (and the HTTP server) and hands every step to the others.
     coordinator_address: str | None = setting(
         None, "multi-host: HOST:PORT where process 0 hosts the jax.distributed coordinator (every process gives "

@@ -2,14 +2,14 @@
 
 Each `SamplingField` says once what a field is: its type, `SamplingParams`' default, its valid range,
 what it means (the OpenAPI description), whether the HTTP API takes it as it is, its key in a model's
-generation_config.json, and whether it becomes a per-row array of `jaxserve.sampling.SamplingTensors`
+generation_config.json, and whether it becomes a per-row array of `jaxserve.model.sampler.SamplingTensors`
 (dtype, and the idle value that padding rows carry). Derived from `FIELDS`:
 
 - `jaxserve.server.protocol`: the pydantic request fields (types, bounds, descriptions; 400 outside them);
 - `jaxserve.server.requests`: which request fields are handed to SamplingParams as they are;
-- `jaxserve.sampling_params.SamplingParams.__post_init__`: the type and range checks and their messages;
-- `jaxserve.generation_config`: which keys of generation_config.json are read, and their range checks;
-- `jaxserve.sampling`: `RowSampling.from_params` and `SamplingTensors.pack` / `.spec` (dtypes, idle values).
+- `jaxserve.sampling.params.SamplingParams.__post_init__`: the type and range checks and their messages;
+- `jaxserve.config.generation_config`: which keys of generation_config.json are read, and their range checks;
+- `jaxserve.model.sampler`: `RowSampling.from_params` and `SamplingTensors.pack` / `.spec` (dtypes, idle values).
 
 The dataclasses themselves (SamplingParams, RowSampling, SamplingTensors) stay written out, because
 readers and callers use them as typed constructors with a comment per field; tests/test_sampling_fields.py

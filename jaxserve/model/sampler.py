@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import sampling_fields
-from jaxserve.sampling_fields import DEVICE_FIELDS
+from jaxserve.sampling import fields as sampling_fields
+from jaxserve.sampling.fields import DEVICE_FIELDS
 
 # logit_bias entries a row may carry (OpenAI's 300, which SamplingParams enforces): the static width
 # of the bias arrays, so a biased request needs no new executable. Unbiased rows carry padding.
-from jaxserve.sampling_params import MAX_LOGIT_BIAS
+from jaxserve.sampling.params import MAX_LOGIT_BIAS
 
 # Temperatures below this are greedy (vLLM's threshold): dividing by a smaller one overflows the logits.
 SAMPLING_EPS = 1e-5

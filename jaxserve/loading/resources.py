@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # jaxserve/
 SOURCE_ROOT = PACKAGE_DIR.parent
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import serialization
 
-from jaxserve import quant
+from jaxserve.model import quant
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.model.weights import Params, param_specs

@@ -1,7 +1,7 @@
 """The model runner: packs scheduled rows into one ragged step, calls its executable, fetches samples.
 
 It is the only place where host state becomes device arrays, and the one owner of executables. A
-step is a flat axis of `N` tokens per replica (`jaxserve.ragged`): decodes, prompt chunks and their
+step is a flat axis of `N` tokens per replica (`jaxserve.model.ragged`): decodes, prompt chunks and their
 mix in one call. Each (tokens, pages) bucket of `buckets.step_shapes` is compiled once ahead of time;
 the cache is donated into every call and replaced by the result. With speculative decoding every
 bucket is compiled from the speculative step instead (`spec_steps`: verifications among the rows,
@@ -26,19 +26,19 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.engine import buckets as bucket_shapes
 from jaxserve.engine.buckets import MULTI_STEP, SCORE, BucketTable, pick_step_shape
-from jaxserve.engine import spec_steps
-from jaxserve.engine.compile import CompileCounter, step_compiler_options
-from jaxserve.engine.step_writer import StepWriter
+from jaxserve.runner import speculative as spec_steps
+from jaxserve.runner.compilation import CompileCounter, step_compiler_options
+from jaxserve.runner.input_batch import StepWriter
 from jaxserve.errors import EngineClosedError
-from jaxserve.kv_cache import KVCache, RaggedBatch, cache_shardings, copy_pages_padded
+from jaxserve.model.kv_cache import KVCache, RaggedBatch, cache_shardings, copy_pages_padded
 from jaxserve.model.weights import Params
-from jaxserve.placeholders import carry_tokens, resolve
-from jaxserve.ragged import PAD_SLOT, RaggedRow, pack_ragged
-from jaxserve.sampling import MAX_LOGPROBS, RowSampling, SampleOutput, SamplingTensors, sample
-from jaxserve.sharding import per_replica
+from jaxserve.model.placeholders import carry_tokens, resolve
+from jaxserve.model.ragged import PAD_SLOT, RaggedRow, pack_ragged
+from jaxserve.model.sampler import MAX_LOGPROBS, RowSampling, SampleOutput, SamplingTensors, sample
+from jaxserve.model.sharding import per_replica
 from jaxserve.steps import StepOptions, ragged_step
 from jaxserve.structured.apply import TokenMask, mask_logits
-from jaxserve.transfer import SPARSE_FIELDS, Layout, from_buffer, with_sparse
+from jaxserve.model.transfer import SPARSE_FIELDS, Layout, from_buffer, with_sparse
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class RowWork:
 
 
 def _take_carried(batch: RaggedBatch, sampling: SamplingTensors, carried: jax.Array):
-    """The step's inputs with every placeholder (`jaxserve.placeholders`: a token the previous step
+    """The step's inputs with every placeholder (`jaxserve.model.placeholders`: a token the previous step
     sampled, not yet on the host) replaced by that step's carried token: in the tokens computed and
     in the penalty histories."""
     return (batch.replace(tokens=resolve(batch.tokens, carried)),
@@ -117,7 +117,7 @@ def _generate_step(params, cache, carried, sparse, batch, sampling, mask, cfg, o
     return out, cache, _carry(out.tokens, carried, carry_sharding)
 
 
-# The compiled steps take (params, cache, carried tokens, packed inputs): see jaxserve.transfer.
+# The compiled steps take (params, cache, carried tokens, packed inputs): see jaxserve.model.transfer.
 _STATIC = ("layout", "cfg", "options", "cache_sharding", "out_sharding", "carry_sharding")
 _generate_step_jit = jax.jit(from_buffer(_generate_step, 4), static_argnames=_STATIC, donate_argnums=(1,))
 
@@ -306,11 +306,11 @@ class ModelRunner:
         self.cache = cache
         self.buckets = buckets
         self.options = options
-        self.shardings = shardings  # jaxserve.sharding.Shardings or None
+        self.shardings = shardings  # jaxserve.model.sharding.Shardings or None
         self.num_replicas = cache.num_replicas
         self.num_scheduler_steps = num_scheduler_steps  # > 1: decode buckets get a multi-step variant
         # Every executable: (tokens, pages) or (..., "score" | "multi-step"); with speculative decoding
-        # the (tokens, pages) ones are speculative steps (jaxserve.engine.spec_steps).
+        # the (tokens, pages) ones are speculative steps (jaxserve.runner.speculative).
         self._executables: dict[tuple, Any] = {}
         self._layouts: dict[tuple, Layout] = {}  # how each bucket's inputs are packed
         self._idle: dict[int, tuple] = {}  # per L: the sparse sampling inputs of steps that use none
@@ -338,7 +338,7 @@ class ModelRunner:
         self.platform = jax.default_backend()
         self.compiler_options = step_compiler_options(self.platform)
         # Multi-host, process 0 only: hands each step's packed inputs and each page copy to the other
-        # processes before running it (jaxserve.multihost.Leader); None in a single process.
+        # processes before running it (jaxserve.runner.multihost.Leader); None in a single process.
         self.broadcaster: Any = None
         # A mesh spanning processes: the samples are made replicated in the step, since a process can
         # only read the shards on its own devices.
@@ -347,7 +347,7 @@ class ModelRunner:
             self.out_sharding = jax.sharding.NamedSharding(shardings.mesh, jax.sharding.PartitionSpec())
         # The last step's samples, i32[R, max_rows], kept on the device: each step takes them in and
         # gives its own back, so a step's placeholders name tokens of the step before it
-        # (jaxserve.placeholders). Replicated on a mesh: small, and every process can read it.
+        # (jaxserve.model.placeholders). Replicated on a mesh: small, and every process can read it.
         self.carry_sharding = None if shardings is None else jax.sharding.NamedSharding(
             shardings.mesh, jax.sharding.PartitionSpec())
         self.carried = jax.device_put(np.zeros((self.num_replicas, buckets.max_rows), np.int32), self.carry_sharding)
@@ -379,7 +379,7 @@ class ModelRunner:
     def step_inputs(self, shape: tuple) -> tuple:
         """ShapeDtypeStructs of the host inputs of bucket `shape`, as `run_packed` takes them:
         (RaggedBatch, SamplingTensors, TokenMask), plus (sample index, targets) for a scoring variant or each
-        row's step count for a multi-step one. (They travel packed: jaxserve.transfer gives the one
+        row's step count for a multi-step one. (They travel packed: jaxserve.model.transfer gives the one
         packed array its sharding.) A speculative step's: see `spec_steps.step_inputs`."""
         N, P = shape[:2]
         R, S = self.num_replicas, self.buckets.max_rows
@@ -537,7 +537,7 @@ class ModelRunner:
 
     def pack(self, rows: Sequence[RowWork], before_masks: Callable[[], None] | None = None) -> PackedRows:
         """Lay a step's rows out on the host (nothing is sent yet). A row's tokens may hold
-        placeholders of the previous step's samples (jaxserve.placeholders). `before_masks` runs once
+        placeholders of the previous step's samples (jaxserve.model.placeholders). `before_masks` runs once
         the inputs are packed, before the grammar rows' masks are filled (async scheduling: it hands
         those grammars the previous step's tokens)."""
         return self._pack(rows, score=any(r.targets is not None for r in rows), before_masks=before_masks)

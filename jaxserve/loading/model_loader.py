@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxserve import quant
-from jaxserve.checkpoint import checkpoint_dtype, load_hf_params
+from jaxserve.model import quant
+from jaxserve.loading.checkpoint import checkpoint_dtype, load_hf_params
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.errors import ModelLoadError
 from jaxserve.model.weights import Params, init_dummy_params, unstack_layers
-from jaxserve.orbax_checkpoint import abstract_params, is_orbax_checkpoint, read_manifest, restore_params
-from jaxserve.sharding import Shardings, make_shardings
+from jaxserve.loading.orbax_checkpoint import abstract_params, is_orbax_checkpoint, read_manifest, restore_params
+from jaxserve.model.sharding import Shardings, make_shardings
 
 
 @dataclasses.dataclass

@@ -44,7 +44,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxserve.engine.runner import MULTI_STEP, SCORE
+from jaxserve.runner.runner import MULTI_STEP, SCORE
 from jaxserve.errors import ConfigError, JaxServeError
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ runner hands XLA for those rows, with the arguments made device-resident; `time_
 that executable directly, so a timing measures the compiled step (optionally plus the fetch of its
 samples, as a real decode loop must do to feed tokens back) without the runner's host packing.
 
-    from jaxserve.step_timing import capture_step, time_step
+    from jaxserve.runner.step_timing import capture_step, time_step
     step = capture_step(llm.runner, rows)
     seconds = time_step(llm.runner, step, steps=16, sync=True)      # per-step list
 """
