@@ -4,7 +4,8 @@ logprob entries and each advanced request's delta (a RequestOutput of what is ne
 
 The engine hands every sampled token here once its id is on the host (`resolve_token`); the
 scheduler decides nothing from text. The mock engine (jaxserve.testing) cuts stop strings with the
-same `find_stop_string` and `held_back`, so the server tests see the real engine's text rules.
+same `find_stop_string` and `held_back` (`structured.markers`, which the server's parsers share too),
+so the server tests see the real engine's text rules.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, AsyncIterator, Sequence as SequenceOf
 from jaxserve.engine.sequence import Sequence
 from jaxserve.model.ragged import is_placeholder
 from jaxserve.sampling.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from jaxserve.structured.markers import held_back  # also the mock engine's: one rule for cutting stop strings
 
 logger = logging.getLogger(__name__)
 
@@ -52,19 +54,6 @@ def find_stop_string(text: str, stops: SequenceOf[str]) -> tuple[int, str] | Non
     hits = [(text.find(s), s) for s in stops]
     hits = [(i, s) for i, s in hits if i >= 0]
     return min(hits) if hits else None
-
-
-def held_back(text: str, stops: SequenceOf[str]) -> int:
-    """Characters at the end of a running sequence's text withheld from its caller: the longest tail
-    that is a proper prefix of a stop string, so a stop string is cut exactly, never streamed and
-    then taken back."""
-    hold = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:n]):
-                hold = n
-                break
-    return hold
 
 
 class OutputProcessor:

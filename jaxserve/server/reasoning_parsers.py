@@ -21,17 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.structured.markers import held_back
+
 __all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningStream", "get_reasoning_parser"]
 
 _WS = " \t\r\n"
-
-
-def _held_back(tail: str, marker: str) -> int:
-    """How many characters at the end of `tail` could be the start of `marker`."""
-    for k in range(min(len(tail), len(marker) - 1), 0, -1):
-        if marker.startswith(tail[-k:]):
-            return k
-    return 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +54,7 @@ class ReasoningParser:
         if close < 0:
             part = text[body:]
             if not final:
-                part = part[: len(part) - _held_back(part, self.end)]
+                part = part[: len(part) - held_back(part, (self.end,))]
             return part.lstrip(_WS), ""
         return text[body:close].lstrip(_WS), text[close + len(self.end):].lstrip(_WS)
 

@@ -26,6 +26,8 @@ import json
 import secrets
 from typing import Callable, ClassVar
 
+from jaxserve.structured.markers import held_back
+
 __all__ = ["PARSERS", "ParsedCall", "Parsed", "ToolCallStream", "ToolParser", "get_parser", "new_call_id"]
 
 _WS = " \t\r\n"
@@ -172,14 +174,6 @@ class ToolParser:
         raise NotImplementedError
 
 
-def _held_back(tail: str, marker: str) -> int:
-    """How many characters at the end of `tail` could be the start of `marker`."""
-    for k in range(min(len(tail), len(marker) - 1), 0, -1):
-        if marker.startswith(tail[-k:]):
-            return k
-    return 0
-
-
 class HermesParser(ToolParser):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -193,7 +187,7 @@ class HermesParser(ToolParser):
             if j < 0:
                 tail = text[pos:]
                 if not final:
-                    tail = tail[: len(tail) - _held_back(tail, self.OPEN)]
+                    tail = tail[: len(tail) - held_back(tail, (self.OPEN,))]
                 content.append(tail)
                 break
             content.append(text[pos:j])

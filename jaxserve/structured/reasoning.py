@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from jaxserve.structured.bitmask import bitmask_words
+from jaxserve.structured.markers import held_back
 from jaxserve.structured.matcher import GrammarMatcher
 
 if TYPE_CHECKING:
@@ -64,14 +65,6 @@ def build_gate(ll_tokenizer: "llguidance.LLTokenizer", vocab_size: int, eos_toke
     if pad:
         packed = np.concatenate([packed, np.zeros((len(m), pad), np.uint8)], axis=1)
     return ReasoningGate(m, token_bytes, np.ascontiguousarray(packed).view(np.int32))
-
-
-def _pending(tail: bytes, marker: bytes) -> int:
-    """How many bytes at the end of `tail` are a proper prefix of `marker`."""
-    for k in range(min(len(tail), len(marker) - 1), 0, -1):
-        if marker.startswith(tail[-k:]):
-            return k
-    return 0
 
 
 class ReasoningGatedMatcher:
@@ -150,7 +143,7 @@ class ReasoningGatedMatcher:
         b = (marker[: self._tail] + self.gate.token_bytes[token]) if 0 <= token < len(self.gate.token_bytes) else b""
         p = b.find(marker)
         if p < 0:
-            self._tail = _pending(b, marker)
+            self._tail = held_back(b, (marker,))
             return True
         self._ended = True
         rest = b[p + len(marker):].lstrip(_BLANK)
