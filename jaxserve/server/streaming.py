@@ -1,10 +1,11 @@
 """Stream assembly: a translated request through the engine and back as one response or an SSE stream.
 
 `respond` submits one engine request per prompt (each yields its `n` choices), all delivering their
-deltas (new text, token ids, logprob entries) into one queue (`Fanout`); `Choice` sums one sample's
-deltas, and `ResponseAssembler` builds the OpenAI objects: the final response with usage,
-or the chunks of a stream. A client that disconnects gets its engine requests aborted (HTTP 499 when
-nothing was sent yet); a failure after the first chunk ends the stream with an in-band error event.
+deltas (new text, token ids, logprob entries) into one queue (`Fanout`). The engine's
+`OutputAccumulator` sums them, as it does for `LLM.generate`; `Choice` reads one sample's total, and
+`ResponseAssembler` builds the OpenAI objects: the final response with usage, or the chunks of a
+stream. A client that disconnects gets its engine requests aborted (HTTP 499 when nothing was sent
+yet); a failure after the first chunk ends the stream with an in-band error event.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from jaxserve.engine.output_processor import OutputAccumulator
 from jaxserve.sampling.params import CompletionOutput, RequestOutput, SamplingParams
 from jaxserve.server.errors import APIError, dumps, engine_error, error_body
 from jaxserve.server.logprobs import LogprobFormatter
@@ -220,7 +222,9 @@ class SSEResponse(StreamingResponse):
 
 
 class Choice:
-    """One choice of the response: one sample's output, summed from its deltas."""
+    """One choice of the response: one sample of one engine request. Its output so far is that sample's
+    total in the assembler's `OutputAccumulator`, where the deltas are summed; with `drop` (echo with
+    max_tokens 0) the generated tokens are counted but not returned."""
 
     def __init__(self, index: int, sub: EngineRequest, echo_text: str, drop_generated: bool):
         self.index = index
@@ -228,29 +232,40 @@ class Choice:
         self.echo_text = echo_text
         self.echo_sent = not echo_text
         self.drop = drop_generated
-        self.num_generated = 0  # tokens the engine produced for it (also when they are not returned)
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.all_logprobs: list = []
+        self.output: CompletionOutput | None = None  # the accumulator's total, from the sample's first delta
         self.prompt_lps_sent = False
         self.offset = len(echo_text)
         self.tools: ToolCallStream | None = None  # chat with tools: the output is parsed into tool calls
         self.reasoning: ReasoningStream | None = None  # --reasoning-parser: reasoning apart from content
 
-    def update(self, o: CompletionOutput) -> tuple[str, list[int], list, bool]:
-        """Take a delta of this sample; return (new text, new ids, new logprob entries, just finished)."""
-        self.num_generated += len(o.token_ids)
-        new_ids = [] if self.drop else list(o.token_ids)
-        delta = "" if self.drop else (o.text or "")
-        new_lps = [] if (self.drop or o.logprobs is None) else list(o.logprobs)
-        self.token_ids.extend(new_ids)
-        self.text += delta
-        self.all_logprobs.extend(new_lps)
-        just_finished = self.finish_reason is None and o.finish_reason is not None
-        if o.finish_reason is not None:
-            self.finish_reason = o.finish_reason
-        return delta, new_ids, new_lps, just_finished
+    @property
+    def num_generated(self) -> int:
+        """Tokens the engine produced for it (also when they are not returned)."""
+        return 0 if self.output is None else len(self.output.token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [] if self.drop or self.output is None else self.output.token_ids
+
+    @property
+    def text(self) -> str:
+        return "" if self.drop or self.output is None else self.output.text
+
+    @property
+    def all_logprobs(self) -> list:
+        return [] if self.drop or self.output is None else (self.output.logprobs or [])
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self.output is None else self.output.finish_reason
+
+    def update(self, o: CompletionOutput, total: CompletionOutput) -> tuple[str, list[int], list, bool]:
+        """Take a delta `o` of this sample, already summed into `total`; return (new text, new ids, new
+        logprob entries, just finished). Both engines report a sample's finish reason in one delta."""
+        self.output = total
+        if self.drop:
+            return "", [], [], o.finish_reason is not None
+        return o.text, list(o.token_ids), list(o.logprobs or []), o.finish_reason is not None
 
 
 class ResponseAssembler:
@@ -263,7 +278,7 @@ class ResponseAssembler:
         self.want_prompt_logprobs = body.prompt_logprobs is not None
         self.fmt = LogprobFormatter(state.tokenizer)
         self.created = int(time.time())
-        self.prompt_logprobs: dict[int, list] = {}
+        self.totals = OutputAccumulator()  # each engine request's output so far, by request id
 
     # ---- bookkeeping -----------------------------------------------------------------------------
     def _observe(self, i: int, out: RequestOutput) -> list[tuple[Choice, str, list[int], list, bool]]:
@@ -276,13 +291,12 @@ class ResponseAssembler:
             m = out.metrics
             if m is not None and m.first_scheduled_time and m.arrival_time:
                 self.state.metrics.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
-        if out.prompt_logprobs is not None and i not in self.prompt_logprobs:
-            self.prompt_logprobs[i] = list(out.prompt_logprobs)
+        total = {t.index: t for t in self.totals.add(out).outputs}
         for o in out.outputs:
             choice = self.choices.get(sub.base_choice + o.index)
             if choice is None:
                 continue
-            updates.append((choice, *choice.update(o)))
+            updates.append((choice, *choice.update(o, total[o.index])))
         if out.finished and not sub.done:
             sub.done = True
             self.state.metrics.e2e.observe(now - sub.arrival)
@@ -300,8 +314,8 @@ class ResponseAssembler:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _echo_logprobs(self, choice: Choice) -> tuple[list[int], list]:
-        i = self.subs.index(choice.sub)
-        entries = self.prompt_logprobs.get(i)
+        total = self.totals.outputs.get(choice.sub.request_id)
+        entries = None if total is None else total.prompt_logprobs
         ids = choice.sub.prompt_ids
         if entries is None:
             entries = [None] * len(ids)
