@@ -232,32 +232,27 @@ class Choice:
         self.echo_text = echo_text
         self.echo_sent = not echo_text
         self.drop = drop_generated
-        self.output: CompletionOutput | None = None  # the accumulator's total, from the sample's first delta
+        self.output = CompletionOutput(index - sub.base_choice, [], "", None)  # the total, once a delta came
         self.prompt_lps_sent = False
         self.offset = len(echo_text)
         self.tools: ToolCallStream | None = None  # chat with tools: the output is parsed into tool calls
         self.reasoning: ReasoningStream | None = None  # --reasoning-parser: reasoning apart from content
 
     @property
-    def num_generated(self) -> int:
-        """Tokens the engine produced for it (also when they are not returned)."""
-        return 0 if self.output is None else len(self.output.token_ids)
-
-    @property
     def token_ids(self) -> list[int]:
-        return [] if self.drop or self.output is None else self.output.token_ids
+        return [] if self.drop else self.output.token_ids
 
     @property
     def text(self) -> str:
-        return "" if self.drop or self.output is None else self.output.text
+        return "" if self.drop else self.output.text
 
     @property
     def all_logprobs(self) -> list:
-        return [] if self.drop or self.output is None else (self.output.logprobs or [])
+        return [] if self.drop else (self.output.logprobs or [])
 
     @property
     def finish_reason(self) -> str | None:
-        return None if self.output is None else self.output.finish_reason
+        return self.output.finish_reason
 
     def update(self, o: CompletionOutput, total: CompletionOutput) -> tuple[str, list[int], list, bool]:
         """Take a delta `o` of this sample, already summed into `total`; return (new text, new ids, new
@@ -301,7 +296,7 @@ class ResponseAssembler:
             sub.done = True
             self.state.metrics.e2e.observe(now - sub.arrival)
             mine = [c for c in self.choices.values() if c.sub is sub]
-            longest = max((c.num_generated for c in mine), default=0)
+            longest = max((len(c.output.token_ids) for c in mine), default=0)  # also tokens not returned
             if sub.first_time is not None and longest > 1:
                 self.state.metrics.tpot.observe((now - sub.first_time) / (longest - 1))
             for c in mine:
