@@ -1,6 +1,5 @@
 """EngineConfig: every engine setting, frozen and hashable (a static argument of `jax.jit`); one field is
-a Python keyword, a YAML key and a `--kebab-case` flag. ModelConfig (a Hugging Face config.json) lives in
-jaxserve.config.model_config and is re-exported here, where most modules import it from."""
+a Python keyword, a YAML key and a `--kebab-case` flag."""
 
 from __future__ import annotations
 
@@ -8,17 +7,9 @@ import dataclasses
 
 from jaxserve.errors import ConfigError
 from jaxserve.config.generation_config import parse_override
-from jaxserve.config.model_config import (  # noqa: F401  (re-exported: `from jaxserve.config import ModelConfig`)
-    PLAN_ONLY_ARCHITECTURES,
-    PLANNABLE_ARCHITECTURES,
-    SUPPORTED_ARCHITECTURES,
-    ModelConfig,
-    RopeScaling,
-)
 from jaxserve.config.settings import (
     Settings,
     choice,
-    format_int_tuple,
     optional,
     parse_bool,
     parse_float,
@@ -89,7 +80,7 @@ class EngineConfig(Settings):
         "reach the host (its inputs take them on the device); false runs every step to completion first. "
         "Speculative and multi-step engines always run serially", parse_bool, group="scheduling")
     mesh_shape: tuple[int, ...] = setting((1, 1), "device mesh (data, model), e.g. 1,4", parse_int_tuple,
-                                          cli_format=format_int_tuple, group="parallelism")
+                                          group="parallelism")
     tensor_parallel_size: int | None = setting(
         None, "vLLM's spelling of mesh_shape's model axis: devices each replica's weights and KV heads are "
         "split over (mesh_shape=(data, N)); reads None once folded into mesh_shape", optional(parse_positive_int),

