@@ -114,17 +114,17 @@ def choice(*options: str) -> Callable[[Any], str]:
     return parse_choice
 
 
-def setting(default: Any, help: str, parse: Callable[[Any], Any], cli_format: Callable[[Any], str] | None = None,
-            group: str = "other", short: str | None = None, alias_of: tuple[str, int] | None = None):
-    """A dataclass field that knows how to parse itself from YAML/CLI and print itself back for the CLI.
+def setting(default: Any, help: str, parse: Callable[[Any], Any], group: str = "other", short: str | None = None,
+            alias_of: tuple[str, int] | None = None):
+    """A dataclass field that knows how to parse itself from YAML and the CLI.
 
     `group` titles the section of `--help` the flag is listed in (model, cache, scheduling, ...); `short`
     is an extra spelling of the flag (vLLM's `-tp`). `alias_of=(target, index)` makes the setting another
     spelling of element `index` of the tuple setting `target` (tensor_parallel_size is mesh_shape[1]):
     it defaults to None, is folded into the target when the object is built and reads None afterwards,
     so the target is the one source of truth (`fold_aliases`)."""
-    return dataclasses.field(default=default, metadata={"help": help, "parse": parse, "cli_format": cli_format,
-                                                        "group": group, "short": short, "alias_of": alias_of})
+    return dataclasses.field(default=default, metadata={"help": help, "parse": parse, "group": group, "short": short,
+                                                        "alias_of": alias_of})
 
 
 def flag_name(name: str) -> str:
@@ -146,10 +146,6 @@ def cli_spelling(message: str, names: Sequence[str]) -> str:
         else:
             message = re.sub(rf"(?<![\w-]){name}=", f"{flag}=", message)
     return message
-
-
-def format_int_tuple(value: Sequence[int]) -> str:
-    return ",".join(str(v) for v in value)
 
 
 class Settings:
@@ -320,17 +316,6 @@ class Settings:
     def cli_message(cls, message: str) -> str:
         """`message` with this class's setting names spelled as flags."""
         return cli_spelling(message, cls.field_names())
-
-    def to_cli_args(self) -> list[str]:
-        """Flags that rebuild this object through `from_cli` (only non-default values)."""
-        args = []
-        for field in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, field.name)
-            if value == field.default or field.metadata.get("alias_of"):
-                continue
-            fmt = field.metadata.get("cli_format") or (lambda v: "none" if v is None else str(v))
-            args += [flag_name(field.name), fmt(value)]
-        return args
 
 
 def _field(cls: type, name: str) -> dataclasses.Field:
