@@ -14,7 +14,8 @@ from jaxserve.errors import ModelLoadError, UnsupportedModelError
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",  # Gemma 3: its text tower
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM")
-# Architectures whose config jaxserve reads and plans (`jaxserve plan`) but cannot serve yet (none today).
+# Architectures whose config jaxserve reads and plans (`jaxserve plan`) but cannot serve (empty: every one it
+# plans, it serves); the planner and its errors keep the distinction for a family read before its layers exist.
 PLAN_ONLY_ARCHITECTURES: tuple[str, ...] = ()
 PLANNABLE_ARCHITECTURES = SUPPORTED_ARCHITECTURES + PLAN_ONLY_ARCHITECTURES
 
@@ -100,7 +101,7 @@ class ModelConfig:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"architecture {self.architecture!r} is not supported for serving yet: jaxserve can plan it "
-                f"(`jaxserve plan --model DIR`) but not run it; served today: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"(`jaxserve plan --model DIR`) but not run it; served: {', '.join(SUPPORTED_ARCHITECTURES)}")
         if not self.servable:
             # The layers are one stack (scanned): a dense MLP in some and experts in others would need two
             # stacks or both MLPs' weights in every layer. No released Qwen3-MoE has dense layers.
@@ -214,7 +215,7 @@ class ModelConfig:
 
     def kv_bytes_per_sequence(self, context: int, bytes_per_element: int, kv_cache_dtype: str = "auto") -> int:
         """KV bytes one sequence of `context` tokens needs when each sliding layer keeps only its window
-        (what a per-layer-group pool would hold; today's pool gives every layer `context` tokens)."""
+        (what a per-layer-group pool would hold; the engine's one pool gives every layer `context` tokens)."""
         per_layer = self.kv_bytes_per_token(bytes_per_element, kv_cache_dtype) // self.num_layers
         window = min(context, self.sliding_window or context)
         return per_layer * (self.num_sliding_layers * window + (self.num_layers - self.num_sliding_layers) * context)

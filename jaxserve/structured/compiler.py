@@ -1,14 +1,14 @@
 """GrammarCompiler: StructuredSpec -> CompiledGrammar through llguidance, cached by spec, on a worker thread.
 
-Why llguidance (issue 23; `python -m jaxserve.structured.bench`, table in docs/ARCHITECTURE.md,
-"Structured output"): it is one wheel with no Python dependencies, where xgrammar 0.2.9 requires
-torch, transformers and triton at run time, and the issue forbids torch among jaxserve's runtime
-dependencies. xgrammar's masks are faster (mean 3 vs 12 us per token on the shipped 8192-id
-sentencepiece tokenizer, 18 vs 89 us on a 49152-id byte-level BPE, for a bounded JSON schema), but
-llguidance's fit a decode step's budget, compiling that schema takes under 2 ms, it accepts the
-integer -0 that JSON allows (xgrammar refused 3 of the 40 documents for it), and it rejects bad input with messages that name the problem
-(regex look-around and backreferences, an unknown $ref, unsatisfiable bounds, unimplemented
-keywords), which GrammarError passes on.
+Why llguidance (`python -m jaxserve.structured.bench`, table in docs/ARCHITECTURE.md, "Structured
+output"): it is one wheel with no Python dependencies, where xgrammar 0.2.9 requires torch,
+transformers and triton at run time, and torch is kept out of jaxserve's runtime dependencies.
+xgrammar's masks are faster (mean 3 vs 12 us per token on the shipped 8192-id sentencepiece
+tokenizer, 18 vs 89 us on a 49152-id byte-level BPE, for a bounded JSON schema), but llguidance's fit
+a decode step's budget, compiling that schema takes under 2 ms, it accepts the integer -0 that JSON
+allows (xgrammar refused 3 of the 40 documents for it), and it rejects bad input with messages that
+name the problem (regex look-around and backreferences, an unknown $ref, unsatisfiable bounds,
+unimplemented keywords), which GrammarError passes on.
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ def test_logprobs_and_echo(client):
 
 
 def test_echo_of_token_ids_outside_the_vocabulary_is_a_400_not_a_crash(client):
-    # Found by the fuzz test: echo decoded the prompt's ids before the engine had checked them.
+    # Echo decodes the prompt's ids only once the engine has checked them (the fuzz test's case).
     for stream in (False, True):
         r = complete(client, prompt=[VOCAB_SIZE], echo=True, max_tokens=2, stream=stream)
         assert_error(r, 400, "outside the vocabulary")

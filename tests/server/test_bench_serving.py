@@ -21,7 +21,7 @@ def test_workload_is_seeded_and_shaped():
 
 def test_each_run_of_a_sweep_gets_its_own_prompts():
     """A later rate on the same server must not find its prompts in the prefix cache: same lengths and
-    shared prefix, other bodies; run 0 is the workload as it was drawn before runs existed."""
+    shared prefix, other bodies; run 0 is the workload `make_workload(args)` draws without a run."""
     args = bench.build_parser().parse_args(["--num-prompts", "20", "--input-len", "40", "--input-len-range", "0.5",
                                             "--shared-prefix-len", "8", "--seed", "3"])
     first, second = bench.make_workload(args, run=0), bench.make_workload(args, run=1)

@@ -69,7 +69,7 @@ def test_shipped_model_template_is_chatml_plus_tools_and_a_bare_tokenizer_falls_
     r = load_chat_renderer(EngineConfig(model=str(DEFAULT)))
     assert r.source == "checkpoint" and "chat_template.jinja" in r.origin
     chatml = ChatRenderer(None)
-    for gen in (True, False):  # without tools exactly ChatML, which the model was served with before
+    for gen in (True, False):  # without tools exactly the built-in ChatML
         assert r.render(CONVERSATION, add_generation_prompt=gen) == chatml.render(CONVERSATION, add_generation_prompt=gen)
     assert "<tool_call>" in r.render(CONVERSATION, tools=[{"type": "function", "function": {"name": "f"}}])
     for name in ("tokenizer.model", "tokenizer_config.json"):

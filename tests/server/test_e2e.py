@@ -1,8 +1,8 @@
 """End-to-end: `python -m jaxserve.serve` as a subprocess on a free 127.0.0.1 port, driven by the official
 `openai` client (and raw httpx where the client hides what is checked).
 
-The engine behind the server is the `server_args` fixture (tests/server/conftest.py): the mock engine
-until the real AsyncLLMEngine lands, then a tiny random llama with a trained tokenizer.
+The engine behind the server is the `server_args` fixture (tests/server/conftest.py): a tiny random
+llama with a trained tokenizer where the real engine imports, else the mock engine.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def test_sigterm_drains_and_exits_0(start_server):
     """SIGTERM while a streamed response is in flight: it finishes (not cut), the process exits 0, the
     port closes. The signal is sent once the first chunk has arrived, while the client pauses before
     reading the rest: the connection is open then however fast the engine decodes (a tiny real model
-    decodes the whole request in ~0.1 s, faster than the poll of /metrics this test used to wait on),
+    decodes the whole request in ~0.1 s, too fast for a poll of /metrics to find it running),
     though the rest of a short response may already sit in the socket's buffers."""
     server = start_server("--grace-seconds", "60")
     model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
