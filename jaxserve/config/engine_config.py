@@ -70,7 +70,12 @@ class EngineConfig(Settings):
     max_model_len: int | None = setting(None, "longest sequence (prompt + output); default: the model's limit",
                                         optional(parse_int), group="scheduling")
     max_num_seqs: int = setting(16, "most sequences in one decode step", parse_int, group="scheduling")
-    max_num_batched_tokens: int = setting(512, "most prompt tokens prefilled in one step", parse_int, group="scheduling")
+    max_num_batched_tokens: int = setting(
+        512, "tokens in one step of each data-parallel replica, decodes included. It is the step's token budget "
+        "(decodes and their draft tokens first, prompt chunks in what is left, so also the longest prompt chunk); "
+        "the prompt tokens still to compute below which waiting requests are admitted; the largest token bucket "
+        "compiled (max_num_seqs if that is larger); and the rows the activation memory reserved beside the KV "
+        "cache is sized for", parse_int, group="scheduling")
     num_scheduler_steps: int = setting(
         1, "decode steps per host round-trip: > 1 runs that many decode steps in one compiled call (less host "
         "overhead per token, burstier streaming, prefills wait longer; compiles a multi-step variant of every "
