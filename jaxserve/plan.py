@@ -19,8 +19,8 @@ interconnect bandwidth with no latency. Real steps are slower; the gap is what t
 
 This module is the command line only: the memory and roofline model is `jaxserve.planning.roofline`
 (small pure functions scripts reuse, the byte counts taken from `ModelConfig` and `sharding.logical_rules`
-so the plan cannot drift from what the engine allocates), capacity from benchmark results
-`jaxserve.planning.capacity`.
+so the plan cannot drift from what the engine allocates), its application to settings and the mesh
+choice `jaxserve.planning.mesh`, capacity from benchmark results `jaxserve.planning.capacity`.
 """
 
 from __future__ import annotations
@@ -36,14 +36,9 @@ from jaxserve.config import EngineConfig
 from jaxserve.planning.devices import DEVICES, DeviceSpec, cpu_spec, get_device, local_device
 from jaxserve.errors import ConfigError, JaxServeError
 from jaxserve.planning.capacity import capacity_plan, replica_capacity
-from jaxserve.planning.roofline import (
-    RESERVED_PAGES,
-    Plan,
-    Target,
-    fmt_bytes,
-    plan_from_settings,
-    suggest_mesh,
-)
+from jaxserve.planning.memory import RESERVED_PAGES
+from jaxserve.planning.mesh import plan_from_settings, suggest_mesh
+from jaxserve.planning.roofline import Plan, Target, fmt_bytes
 from jaxserve.config.settings import parse_size
 
 DEFAULT_DEVICE = "h100"
