@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.engine import LLMEngine
+from jaxserve.llm_engine import LLMEngine
 from jaxserve.engine.output_processor import OutputAccumulator
 from jaxserve.errors import ConfigError, RequestError
 from jaxserve.config.generation_config import load_generation_defaults
@@ -40,10 +40,10 @@ class LLM:
         self._chat_renderer = None  # built on the first chat() call
 
     # The pieces tests and research code look at.
-    settings = property(lambda self: self.engine.settings)
+    config = property(lambda self: self.engine.config)
     model_config = property(lambda self: self.engine.model_config)
     tokenizer = property(lambda self: self.engine.tokenizer)
-    plan = property(lambda self: self.engine.plan)
+    memory = property(lambda self: self.engine.memory)
     runner = property(lambda self: self.engine.runner)
     blocks = property(lambda self: self.engine.blocks)
 
@@ -101,7 +101,7 @@ class LLM:
         order = []
         for text, ids, params in zip(texts, all_ids, sampling_params):
             request_id = f"llm-{next(self._ids)}"
-            self.engine.add_request(request_id, None, params, ids)
+            self.engine.admit(request_id, ids, params)  # checked above
             order.append(request_id)
         return self._run(order, texts, use_tqdm)
 
@@ -135,7 +135,7 @@ class LLM:
             renderer = build_chat_renderer(self.tokenizer, chat_template)
         else:
             if self._chat_renderer is None:
-                self._chat_renderer = build_chat_renderer(self.tokenizer, self.settings.chat_template)
+                self._chat_renderer = build_chat_renderer(self.tokenizer, self.config.chat_template)
             renderer = self._chat_renderer
         texts = []
         for conversation in conversations:

@@ -33,7 +33,7 @@ from typing import Sequence
 
 from jaxserve.loading import resources
 from jaxserve.config import EngineConfig
-from jaxserve.planning.devices import DEVICES, DeviceSpec, cpu_spec, get_device, local_device
+from jaxserve.planning.devices import DEVICES, DeviceSpec, cpu_spec, get_device, spec_for_device_kind
 from jaxserve.errors import ConfigError, JaxServeError
 from jaxserve.planning.capacity import capacity_plan, replica_capacity
 from jaxserve.planning.memory import RESERVED_PAGES
@@ -46,6 +46,16 @@ EXIT_DOES_NOT_FIT = 2
 
 
 # ---- capacity -------------------------------------------------------------------------------------------
+
+def local_device() -> tuple[DeviceSpec | None, int, str]:
+    """(spec, number of devices, device kind) of the accelerator jax sees here; spec None if not in the table."""
+    import jax
+
+    devices = jax.devices()
+    kind = devices[0].device_kind
+    spec = spec_for_device_kind("cpu" if devices[0].platform == "cpu" else kind)
+    return spec, len(devices), kind
+
 def build_capacity_parser(prog: str = "python -m jaxserve.plan capacity") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,

@@ -162,16 +162,16 @@ def build_engine(ns: argparse.Namespace, settings: EngineConfig) -> Any:
 
             tokenizer = load_tokenizer(settings.tokenizer)
         return MockAsyncLLMEngine.from_settings(settings, token_delay=ns.mock_token_delay, tokenizer=tokenizer)
-    from jaxserve.engine.engine import AsyncLLMEngine  # lazy: pulls in JAX
+    from jaxserve.llm_engine import start_async_engine  # lazy: pulls in JAX
 
-    return AsyncLLMEngine.from_settings(settings)
+    return start_async_engine(settings)
 
 
 def run_follower(settings: EngineConfig) -> int:
     """A multi-host process other than 0: no HTTP server. Load the model and compile the steps as
     process 0 does, then run every step it hands over until it shuts down (exit 0)."""
     from jaxserve.runner import multihost
-    from jaxserve.engine.engine import LLMEngine  # lazy: pulls in JAX
+    from jaxserve.llm_engine import LLMEngine  # lazy: pulls in JAX
 
     logger.info("process %d of %d: following process 0 (coordinator %s); no HTTP server here",
                 settings.process_id, settings.num_processes, settings.coordinator_address)

@@ -2,7 +2,7 @@
 the held step").
 
 An LLMEngine under AsyncLLMEngine, stepped in this process with no request arriving: each round runs
-B streams of T tokens with the window (`engine.arrivals` as AsyncLLMEngine sets it) and then
+B streams of T tokens with the window (the core's intake marked as fed, as AsyncLLMEngine marks it) and then
 without it (None), and prints the time per step of each, and how many windows closed only after the
 step in flight had ended (then the device waited for the dispatch).
 
@@ -20,7 +20,7 @@ import time
 import yaml
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.engine import AsyncLLMEngine, LLMEngine
+from jaxserve.llm_engine import LLMEngine
 from jaxserve.sampling.params import SamplingParams
 
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         settings["model"] = args.model
     engine = LLMEngine(EngineConfig(**settings))
-    hold = AsyncLLMEngine(engine)._admit_arrivals  # what the server's engine waits with
+    hold = engine._wait_for_arrivals  # what the server's engine waits with
     late = []  # per window: whether the step in flight had ended when it closed
 
     def counting_hold(pending, until):
@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {"window": [], "none": []}
     for rnd in range(args.rounds):
         for label in results:
-            engine.arrivals = counting_hold if label == "window" else None
+            engine.intake.takes_arrivals = label == "window"
+            engine._wait_for_arrivals = counting_hold
             late.clear()
             params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
             for i in range(args.streams):

@@ -173,7 +173,7 @@ class StepTimer:
 
         self._patch(eng.scheduler, "schedule", timed("schedule", keep="plan"))
         self._patch(eng, "_row_work", timed("pack"))
-        self._patch(run, "_pack", timed("pack"))
+        self._patch(run, "prepare_inputs", timed("pack"))
 
         def run_packed(fn):
             def wrapper(shape, inputs, *rest):
@@ -181,7 +181,7 @@ class StepTimer:
                 return fn(shape, inputs, *rest)
             return wrapper
 
-        from jaxserve.runner.runner import PendingSamples
+        from jaxserve.runner.step_io import PendingSamples
 
         real_result = PendingSamples.result
 
@@ -276,7 +276,7 @@ def measure_point(llm, batch: int, context: int, args, seed: int) -> dict:
     span = decode_steps(args)
     # Prompt tails are prefilled a few rows per step, alternating with decode steps of the rows
     # already in: the first rows run ahead by up to one token per admission step (the skew).
-    skew = admission_skew(batch, llm.settings.max_num_batched_tokens, runner.buckets.chunk_sizes[0])
+    skew = admission_skew(batch, llm.config.max_num_batched_tokens, runner.buckets.chunk_sizes[0])
     n_prompt = prompt_length(context, span + skew)
     rng = np.random.default_rng(seed)
     prompt = rng.integers(4, llm.model_config.vocab_size, n_prompt).tolist()
@@ -334,7 +334,7 @@ def measure_point(llm, batch: int, context: int, args, seed: int) -> dict:
     finally:
         timer.remove()
         eng.flush()
-        eng.async_scheduling = llm.settings.async_scheduling
+        eng.async_scheduling = llm.config.async_scheduling
         hi = max(q.num_tokens for q in seqs) - 1  # the last step attended all but the token it sampled
         for rid in ids:
             eng.abort_request(rid)
@@ -419,9 +419,9 @@ def bench_model(name: str, config: str | None, overrides: dict, batches: Sequenc
     t = time.perf_counter()
     llm = build_llm(config, overrides, max(b for b, _ in points), [c for _, c in points], span, args)
     runner = llm.runner
-    report.update(model=llm.settings.model, dtype=jax.numpy.dtype(runner.params.embed.dtype).name,
+    report.update(model=llm.config.model, dtype=jax.numpy.dtype(runner.params.embed.dtype).name,
                   param_bytes=param_bytes(runner.params), tokenizer=llm.tokenizer is not None,
-                  page_size=llm.plan.page_size, buckets={"batch": list(runner.buckets.batch_sizes),
+                  page_size=llm.memory.page_size, buckets={"batch": list(runner.buckets.batch_sizes),
                                                          "pages": list(runner.buckets.page_counts)})
     # The decode buckets of every point, compiled up front in parallel (prefill shapes compile on demand).
     shapes = sorted({pick_step_shape(runner.buckets, b, math.ceil(c / page)) for b, c in points})

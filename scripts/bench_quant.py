@@ -145,8 +145,8 @@ def main() -> None:
                                                         generate_fn(llm, prompt, args.new_tokens)())[1])
         llms[name] = llm
         results[name] = {"dtype": dtype, "settings": settings, "xla_default_scheduler": options == {},
-                         "plan": llm.plan.describe(), "param_bytes": param_bytes(llm.runner.params),
-                         "kv_bytes_per_token": llm.plan.kv_bytes_per_token, "build_s": t_build,
+                         "plan": llm.memory.describe(), "param_bytes": param_bytes(llm.runner.params),
+                         "kv_bytes_per_token": llm.memory.kv_bytes_per_token, "build_s": t_build,
                          "first_generate_s": t_compile, "tokens": tokens, "t1": [], "tn": [], "step": []}
         print(f"  {results[name]['plan']}", flush=True)
     one = argparse.Namespace(**{**vars(args), "repeats": 1})

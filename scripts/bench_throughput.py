@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.engine import LLMEngine
+from jaxserve.llm_engine import LLMEngine
 from jaxserve.sampling.params import SamplingParams
 
 

@@ -313,14 +313,14 @@ def build_llm(args, batches: Sequence[int], contexts: Sequence[int], prefill_poi
 
 def decode_rows(batch: int, context: int, page_size: int, token: int = 1):
     """`batch` rows each decoding the token at position context - 1 (so it attends to `context` tokens)."""
-    from jaxserve.runner.runner import RowWork
+    from jaxserve.engine.row_work import RowWork
 
     n = math.ceil(context / page_size)
     return [RowWork([token], context - 1, list(range(1 + b * n, 1 + (b + 1) * n))) for b in range(batch)]
 
 
 def prefill_rows(batch: int, prompt_len: int, page_size: int, vocab: int, seed: int = 0):
-    from jaxserve.runner.runner import RowWork
+    from jaxserve.engine.row_work import RowWork
 
     n = math.ceil(prompt_len / page_size)
     rng = np.random.default_rng(seed)
@@ -363,7 +363,7 @@ def profile_decode(llm, context: int, args) -> dict:
     from jaxserve.runner.step_timing import capture_step, time_calls, time_step
 
     runner, cfg = llm.runner, llm.model_config
-    rows = decode_rows(1, context, llm.plan.page_size)
+    rows = decode_rows(1, context, llm.memory.page_size)
     step = capture_step(runner, rows)
     batch = step.inputs[0]
     opts = runner.compiler_options
@@ -426,7 +426,7 @@ def profile_decode(llm, context: int, args) -> dict:
         "model": pipelined(run_model(model)),
         "step_pipelined": pipelined(run_model(lambda p, c, b: step.executable(p, c, *step.inputs))),
         "step_synced": lambda: statistics.mean(time_step(runner, step, iters)),
-        "engine_execute": lambda: statistics.mean(time_calls(lambda: runner.execute(rows), iters)),
+        "engine_execute": lambda: statistics.mean(time_calls(lambda: runner.execute_rows(rows), iters)),
         "weights_read": pipelined(lambda: read_weights(runner.params)),
     }
     for b, exe in matmuls_by_batch.items():
@@ -446,7 +446,7 @@ def profile_decode(llm, context: int, args) -> dict:
     if args.trace:
         with jax.profiler.trace(args.trace):
             for _ in range(4):
-                runner.execute(rows)
+                runner.execute_rows(rows)
     pbytes = param_bytes(runner.params)
     return {"batch": 1, "context": context, "times_s": times, "breakdown": breakdown(times),
             "weights_read_s": weights_read, "weights_read_gbps": pbytes / weights_read / 1e9,
@@ -601,7 +601,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     print(f"{date}: building the engine ...", flush=True)
     llm = build_llm(args, batches, contexts, prefill_points)
-    runner, cfg, settings = llm.runner, llm.model_config, llm.settings
+    runner, cfg, settings = llm.runner, llm.model_config, llm.config
     dtype = jax.numpy.dtype(runner.params.embed.dtype).name
     b = plan.DTYPE_BYTES[dtype]
     pbytes = plan.param_bytes_per_device(cfg, b, settings.quantization, settings.quantize_lm_head, 1)
@@ -618,7 +618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{machine.peak_samples[-1] / 1e9:.1f} GFLOP/s ({dtype}, n={machine.matmul_n})", flush=True)
 
     # Every bucket up front, in parallel (the engine's own warm-up), so nothing compiles while timed.
-    page = llm.plan.page_size
+    page = llm.memory.page_size
     dec = [(bt, c, decode_rows(bt, c, page)) for c in contexts for bt in batches]
     pre = [(bt, c, prefill_rows(bt, c, page, cfg.vocab_size)) for bt, c in prefill_points]
     shapes = sorted({shape_of(runner, rows) for _, _, rows in dec + pre})

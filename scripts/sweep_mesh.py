@@ -159,7 +159,7 @@ def run_one(sweep: Sweep, mesh: tuple[int, int], load: Workload, reference: dict
             tpot.append((m.finished_time - m.first_token_time) / (n - 1))
     tokens = [out.outputs[0].token_ids for out in outputs]
     stats = llm.engine.stats()
-    plan = llm.plan
+    plan = llm.memory
     row.update(
         status="ok",
         replicas=llm.engine.num_replicas,

@@ -9,8 +9,8 @@ import pytest
 from jaxserve import LLM, SamplingParams, steps
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ConfigError
-from jaxserve.model.layers import paged_attention_reference
-from jaxserve.model.sharding import make_mesh, make_shardings, shard_attention
+from jaxserve.model.layers import ragged_attention_reference
+from jaxserve.model.sharding import make_mesh, make_shardings
 
 SETTINGS = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
                 warm_up=False)
@@ -41,7 +41,7 @@ def test_mesh_matches_single_device(hf_model_dir, single_device_tokens, mesh_sha
     wq = llm.runner.params.layers[0].wq  # f[D, N*H] (per-layer arrays on CPU), column-parallel
     assert wq.addressable_shards[0].data.shape[1] == wq.shape[1] // model
     for r in range(data):  # requests were spread over the replicas
-        assert llm.blocks.num_free_pages(r) == llm.plan.num_pages - 1
+        assert llm.blocks.num_free_pages(r) == llm.memory.num_pages - 1
 
 
 def test_kv_heads_split_when_divisible(hf_model_dir):
@@ -89,11 +89,11 @@ def test_pallas_mesh_matches_reference(hf_model_dir, small_reference_tokens, mes
     assert _greedy(llm) == small_reference_tokens
 
 
-def _dequantizing_reference(q, k_pages, v_pages, page_table, positions, seq_lens, sliding_window=None, *,
-                            k_scale=None, v_scale=None):
-    # Stands in for a kernel taking int8-style scales [K, NP, S]: checks they follow their KV heads.
-    return paged_attention_reference(q, k_pages * k_scale[..., None], v_pages * v_scale[..., None], page_table,
-                                     positions, seq_lens, sliding_window)
+def _dequantizing_reference(q, k_cache, v_cache, layer, positions, query_start, context_lens, page_table,
+                            sliding_window=None, sm_scale=None, *, k_scale=None, v_scale=None):
+    # Stands in for a kernel taking int8-style scales [L, K, NP, S]: checks they follow their KV heads.
+    return ragged_attention_reference(q, k_cache * k_scale[..., None], v_cache * v_scale[..., None], layer,
+                                      positions, query_start, context_lens, page_table, sliding_window, sm_scale)
 
 
 # (query heads, KV heads) on a (1, 4) mesh: KV heads replicated; one KV head per device (4, 2), or a device's
@@ -101,29 +101,32 @@ def _dequantizing_reference(q, k_pages, v_pages, page_table, positions, seq_lens
 @pytest.mark.parametrize("num_heads,num_kv_heads,impl", [
     (4, 2, "pallas_interpret"), (4, 2, "scaled_reference"), (12, 3, "scaled_reference"),
 ])
-def test_shard_attention_with_replicated_kv_heads(num_heads, num_kv_heads, impl):
+def test_shard_ragged_attention_with_replicated_kv_heads(num_heads, num_kv_heads, impl):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    R, B, T, H, S, NP = 1, 2, 1, 16, 8, 6
+    R, N, H, S, NP, L = 1, 2, 16, 8, 6, 2  # two decode rows, layer 1 of 2 attended
     rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((R, B, T, num_heads, H)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((R, num_kv_heads, NP, S, H)), jnp.float32) for _ in range(2))
-    scales = {n: jnp.asarray(rng.uniform(0.5, 2.0, (R, num_kv_heads, NP, S)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((R, N, num_heads, H)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((R, L, num_kv_heads, NP, S, H)), jnp.float32) for _ in range(2))
+    scales = {n: jnp.asarray(rng.uniform(0.5, 2.0, (R, L, num_kv_heads, NP, S)), jnp.float32)
               for n in ("k_scale", "v_scale")}
     page_table = jnp.asarray([[[1, 4], [2, 5]]], jnp.int32)
-    seq_lens = jnp.asarray([[11, 6]], jnp.int32)
-    positions = seq_lens[..., None] - T
+    context_lens = jnp.asarray([[11, 6]], jnp.int32)
+    positions = context_lens - 1
+    query_start = jnp.asarray([[0, 1, 2]], jnp.int32)
     if impl == "pallas_interpret":
-        inner, extra = steps.attention_impl(impl), {}
+        inner, extra = steps.ragged_attention_impl(impl), {}
     else:
         inner, extra = _dequantizing_reference, scales
     mesh = make_mesh((1, 4))
 
     def run(fn, spmd):
-        per_replica = lambda q, k, v, pt, pos, sl, ex: fn(q, k, v, pt, pos, sl, None, **ex)  # noqa: E731
-        return jax.jit(jax.vmap(per_replica, spmd_axis_name=spmd))(q, k, v, page_table, positions, seq_lens, extra)
+        def per_replica(q, k, v, pos, qs, cl, pt, ex):
+            return fn(q, k, v, jnp.int32(1), pos, qs, cl, pt, jnp.int32(64), jnp.float32(H**-0.5), **ex)
+        return jax.jit(jax.vmap(per_replica, spmd_axis_name=spmd))(q, k, v, positions, query_start, context_lens,
+                                                                   page_table, extra)
 
     want = run(inner, None)
-    q = jax.device_put(q, NamedSharding(mesh, P("data", None, None, "model")))
-    got = run(shard_attention(inner, mesh), "data")
+    q = jax.device_put(q, NamedSharding(mesh, P("data", None, "model")))
+    got = run(steps.shard_ragged_attention(inner, mesh), "data")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

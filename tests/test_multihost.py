@@ -100,7 +100,7 @@ def test_decode_step_message_is_small(llm):
     penalty history, all padding, is not sent)."""
     import jax
 
-    from jaxserve.runner.runner import RowWork
+    from jaxserve.engine.row_work import RowWork
     from jaxserve.model.sampler import RowSampling
 
     sent = []
@@ -111,7 +111,7 @@ def test_decode_step_message_is_small(llm):
 
     llm.runner.broadcaster = Recorder()
     try:
-        llm.runner.execute([RowWork([7], 20 + i, [1 + 3 * i, 2 + 3 * i, 3 + 3 * i],
+        llm.runner.execute_rows([RowWork([7], 20 + i, [1 + 3 * i, 2 + 3 * i, 3 + 3 * i],
                                     RowSampling(temperature=0.7, seed=i)) for i in range(4)])
     finally:
         llm.runner.broadcaster = None

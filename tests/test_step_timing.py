@@ -7,7 +7,7 @@ import numpy as np
 
 def test_time_step_calls_the_captured_step_and_leaves_the_runner_usable(hf_model_dir):
     from jaxserve import LLM
-    from jaxserve.runner.runner import RowWork
+    from jaxserve.engine.row_work import RowWork
     from jaxserve.runner.step_timing import capture_step, time_step
 
     path, _ = hf_model_dir("llama")
@@ -15,11 +15,11 @@ def test_time_step_calls_the_captured_step_and_leaves_the_runner_usable(hf_model
              warm_up=False) as llm:
         runner = llm.runner
         rows = [RowWork([5], 9, [1, 2]), RowWork([6], 3, [3])]
-        want = np.asarray(runner.execute(rows).tokens)
+        want = np.asarray(runner.execute_rows(rows).tokens)
         step = capture_step(runner, rows)
         assert step.shape == (4, runner.buckets.page_counts[-1])
         synced, pipelined = time_step(runner, step, 3, sync=True), time_step(runner, step, 3, sync=False)
         assert len(synced) == len(pipelined) == 3 and min(synced + pipelined) > 0
         # The same rows again give the same greedy tokens: the cache and carried samples the timing
         # handed back are the runner's own, still valid (no donated buffer reused).
-        np.testing.assert_array_equal(np.asarray(runner.execute(rows).tokens), want)
+        np.testing.assert_array_equal(np.asarray(runner.execute_rows(rows).tokens), want)

@@ -18,7 +18,6 @@ import time
 from typing import Callable, Iterable
 
 from jaxserve.engine.block_manager import BlockManager, OutOfPagesError
-from jaxserve.engine.buckets import BucketTable
 from jaxserve.engine.sequence import Sequence, Status
 
 
@@ -51,7 +50,6 @@ class Scheduler:
     def __init__(
         self,
         blocks: BlockManager,
-        buckets: BucketTable,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
@@ -59,7 +57,6 @@ class Scheduler:
         preemption_mode: str = "recompute",
     ):
         self.blocks = blocks
-        self.buckets = buckets
         self.max_num_seqs = max_num_seqs  # per replica
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -80,9 +77,6 @@ class Scheduler:
     # ---- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence at once: it leaves the batch and its pages return to the pool."""

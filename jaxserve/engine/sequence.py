@@ -108,14 +108,6 @@ class Sequence:
         return bool(self.output_token_ids) and is_placeholder(self.output_token_ids[-1])
 
     @property
-    def resolved_output_ids(self) -> list[int]:
-        """The output tokens whose ids the host has (all but the trailing placeholders)."""
-        ids, end = self.output_token_ids, len(self.output_token_ids)
-        while end and is_placeholder(ids[end - 1]):
-            end -= 1
-        return ids[:end]
-
-    @property
     def num_pending(self) -> int:
         return self.num_tokens - self.num_computed
 

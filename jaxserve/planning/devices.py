@@ -130,13 +130,3 @@ def cpu_spec(bandwidth: float | None = None, peak_flops: float | None = None) ->
         peak_flops=peak_flops or measure_matmul_flops(),
         allreduce_bandwidth=bandwidth / 2,  # an all-reduce between virtual devices is memory copies
     )
-
-
-def local_device() -> tuple[DeviceSpec | None, int, str]:
-    """(spec, number of devices, device kind) of the accelerator jax sees here; spec None if not in the table."""
-    import jax
-
-    devices = jax.devices()
-    kind = devices[0].device_kind
-    spec = spec_for_device_kind("cpu" if devices[0].platform == "cpu" else kind)
-    return spec, len(devices), kind

@@ -1,12 +1,13 @@
-"""StepWriter: a plain step's packed inputs kept on the host from step to step, rewritten where they changed.
+"""InputBatch: the persistent host-side description of the running rows, one per plain bucket: the
+step's packed inputs kept from step to step and rewritten only where they changed.
 
-Every step used to rebuild its inputs from scratch: a `RaggedArrays` per replica, a `SamplingTensors`
-of every field, a `TokenMask`, then one concatenation of the ~20 arrays into the int32 buffer that
-is copied to the device (`jaxserve.model.transfer.Layout`). Most of it had not changed since the step
-before: a decode row's page table, its sampling parameters, the masks of a step without grammars.
-On the 2 cores the host shares with XLA, each of those small NumPy calls costs microseconds.
+Building a step's inputs from scratch (a `RaggedArrays` per replica, a `SamplingTensors` of every
+field, a `TokenMask`, then one concatenation of the ~20 arrays into the int32 buffer copied to the
+device, `jaxserve.model.transfer.Layout`) redoes what mostly did not change since the step before: a
+decode row's page table, its sampling parameters, the masks of a step without grammars. On the 2
+cores the host shares with XLA, each of those small NumPy calls costs microseconds.
 
-The writer keeps that buffer per bucket and writes it in place:
+So the input batch keeps that buffer per bucket and writes it in place:
 
 * the tokens, positions, slots, context lengths and output indices: every step (a decode's token
   and position move on), one slice per array and replica; the rows of the tokens, the rows' first
@@ -22,7 +23,7 @@ The writer keeps that buffer per bucket and writes it in place:
   themselves are copied from the runner's mask buffer by `write_masks` when a row is constrained.
 
 What it writes equals `Layout.pack` of the from-scratch inputs word for word
-(`tests/engine/test_step_writer.py`): multi-host followers, which receive the inputs as arrays and
+(`tests/engine/test_input_batch.py`): multi-host followers, which receive the inputs as arrays and
 pack them themselves, run the very same step. The buffer is reused, so the runner copies it before
 the host->device transfer (a NumPy array on a CPU device may be aliased, not copied).
 """
@@ -44,7 +45,7 @@ _DEVICE_NAMES = tuple(f.name for f in DEVICE_FIELDS)
 _IDLE_SCALARS = tuple((name, idle) for name, (_, idle) in ROW_SCALARS.items() if name != "step")
 
 
-class StepWriter:
+class InputBatch:
     """One plain (tokens, pages) bucket's packed host inputs: (RaggedBatch, SamplingTensors without
     its sparse fields, TokenMask) as views into one int32 [R, width] buffer, and what each row and
     logit slot holds, so that the next step rewrites only what changed."""

@@ -44,7 +44,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxserve.runner.runner import MULTI_STEP, SCORE
+from jaxserve.engine.buckets import MULTI_STEP, SCORE
 from jaxserve.errors import ConfigError, JaxServeError
 
 logger = logging.getLogger(__name__)
@@ -130,10 +130,10 @@ _LOCAL_SETTINGS = ("process_id", "coordinator_address", "model", "tokenizer", "s
 def fingerprint(engine: Any) -> dict:
     """What must be equal on every process for the steps to match: the settings (but _LOCAL_SETTINGS),
     the model config, the cache size and the buckets."""
-    settings = {k: v for k, v in engine.settings.to_dict().items() if k not in _LOCAL_SETTINGS}
+    settings = {k: v for k, v in engine.config.to_dict().items() if k not in _LOCAL_SETTINGS}
     b = engine.buckets
     spec = engine.runner.speculation
-    return dict(settings=settings, num_pages=engine.plan.num_pages, max_model_len=engine.plan.max_model_len,
+    return dict(settings=settings, num_pages=engine.memory.num_pages, max_model_len=engine.memory.max_model_len,
                 buckets=[list(b.batch_sizes), list(b.chunk_sizes), list(b.page_counts), list(b.token_counts)],
                 model=repr(engine.model_config), draft=repr(spec.draft_cfg) if spec is not None else None,
                 devices=jax.device_count())

@@ -1,4 +1,4 @@
-"""The model runner: packs scheduled rows into one ragged step, calls its executable, fetches samples.
+"""The model runner: lays a step's rows out, runs its executable, hands back its samples.
 
 It is the only place where host state becomes device arrays, and the one owner of executables. A
 step is a flat axis of `N` tokens per replica (`jaxserve.model.ragged`): decodes, prompt chunks and their
@@ -18,7 +18,6 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,265 +26,22 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine import buckets as bucket_shapes
 from jaxserve.engine.buckets import MULTI_STEP, SCORE, BucketTable, pick_step_shape
 from jaxserve.runner import speculative as spec_steps
-from jaxserve.runner.compilation import CompileCounter, step_compiler_options
-from jaxserve.runner.input_batch import StepWriter
+from jaxserve.runner.step_io import PackedRows, PendingSamples, StepSamples, split_sparse
+from jaxserve.engine.row_work import RowWork
+from jaxserve.runner.compilation import CompileCounter, release_compiled_code, step_compiler_options
+from jaxserve.runner.grammar_masks import GrammarMasks
+from jaxserve.runner.input_batch import InputBatch
 from jaxserve.errors import EngineClosedError
 from jaxserve.model.kv_cache import KVCache, RaggedBatch, cache_shardings, copy_pages_padded
+from jaxserve.runner.step_functions import generate_step, multi_decode_step, score_step
 from jaxserve.model.weights import Params
-from jaxserve.model.placeholders import carry_tokens, resolve
-from jaxserve.model.ragged import PAD_SLOT, RaggedRow, pack_ragged
-from jaxserve.model.sampler import MAX_LOGPROBS, RowSampling, SampleOutput, SamplingTensors, sample
-from jaxserve.model.sharding import per_replica
-from jaxserve.steps import StepOptions, ragged_step
-from jaxserve.structured.apply import TokenMask, mask_logits
-from jaxserve.model.transfer import SPARSE_FIELDS, Layout, from_buffer, with_sparse
+from jaxserve.model.ragged import RaggedRow, pack_ragged
+from jaxserve.model.sampler import RowSampling, SamplingTensors
+from jaxserve.steps import StepOptions
+from jaxserve.structured.apply import TokenMask
+from jaxserve.model.transfer import SPARSE_FIELDS, Layout
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class RowWork:
-    """One sequence's share of a step: compute `tokens` starting at `start_pos`; sample one token
-    after them unless `samples` is False (a prompt chunk that does not end its prompt)."""
-
-    tokens: Sequence[int]
-    start_pos: int
-    page_ids: Sequence[int]
-    sampling: RowSampling | None = None  # None: greedy
-    replica: int = 0
-    # With prompt logprobs: the token after each of `tokens` (what its logits are scored against).
-    targets: Sequence[int] | None = None
-    samples: bool = True
-    # Structured output: the sequence's GrammarMatcher (jaxserve.structured), whose mask constrains
-    # this row's sample; None: unconstrained.
-    grammar: Any = None
-    step: int | None = None  # the output index this row samples, in place of sampling.step
-    # Speculative decoding: the last `num_drafts` of `tokens` are drafts to verify (zeros where the
-    # draft model proposes them in the step), and the tokens the draft model's cache lacks, ending
-    # at this row's last token before the drafts, from position `draft_start` (None: the row's own).
-    num_drafts: int = 0
-    draft_tokens: Sequence[int] | None = None
-    draft_start: int = 0
-    want_logprobs: bool = False  # speculative steps: the row returns logprobs (computed only if one does)
-    # With `page_ids` the block manager's live table (`BlockManager.live_page_ids`): its version. The
-    # same table object at the same version holds the same leading entries, so a step whose row holds
-    # it again does not rewrite them (`StepWriter`); None: rewritten every step.
-    pages_version: int | None = None
-
-
-def _take_carried(batch: RaggedBatch, sampling: SamplingTensors, carried: jax.Array):
-    """The step's inputs with every placeholder (`jaxserve.model.placeholders`: a token the previous step
-    sampled, not yet on the host) replaced by that step's carried token: in the tokens computed and
-    in the penalty histories."""
-    return (batch.replace(tokens=resolve(batch.tokens, carried)),
-            sampling.replace(history=resolve(sampling.history, carried)))
-
-
-def _carry(tokens: jax.Array, carried: jax.Array, carry_sharding=None) -> jax.Array:
-    """The tokens the next step's placeholders name: this step's samples i32[R, L] at carried's width."""
-    out = carry_tokens(tokens, carried.shape[-1])
-    return out if carry_sharding is None else jax.lax.with_sharding_constraint(out, carry_sharding)
-
-
-def _forward_and_sample(params, cache, batch, sampling, mask, cfg, options, cache_sharding=None):
-    """The forward of a step whose inputs are whole (placeholders resolved), then a sample per row
-    that samples: (samples [R, L], cache)."""
-    logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, L, V]
-    if cache_sharding is not None:  # keep the donated cache's layout stable from step to step
-        cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
-    return sample_per_replica(logits, mask, sampling, options.mesh), cache
-
-
-def sample_per_replica(logits, mask, sampling, mesh):
-    """`sample` of logits [R, L, V] under their grammar masks, each replica's rows on its own devices
-    (`sharding.per_replica`). Masks first, so every sampler transform (and the logprobs) sees only
-    allowed tokens. Top logprobs under a cond inside `sample` (only steps where a row asks pay for
-    the top-k): one executable, where a second compiled variant per bucket would double start-up."""
-    return per_replica(lambda x, m, st: sample(mask_logits(x, m), st, want_logprobs=MAX_LOGPROBS), mesh)(
-        logits, mask, sampling)
-
-
-def _generate_step(params, cache, carried, sparse, batch, sampling, mask, cfg, options, cache_sharding=None,
-                   out_sharding=None, carry_sharding=None):
-    """One ragged step: the forward, then a sample per row that samples. `carried` i32[R, S]: the
-    previous step's samples (what placeholders name); `sparse`: the SPARSE_FIELDS of `sampling`;
-    returns (samples [R, L], cache, carried)."""
-    batch, sampling = _take_carried(batch, with_sparse(sampling, sparse), carried)
-    out, cache = _forward_and_sample(params, cache, batch, sampling, mask, cfg, options, cache_sharding)
-    if out_sharding is not None:  # multi-host: every process reads its own full copy of the samples
-        out = jax.lax.with_sharding_constraint(out, out_sharding)
-    return out, cache, _carry(out.tokens, carried, carry_sharding)
-
-
-# The compiled steps take (params, cache, carried tokens, packed inputs): see jaxserve.model.transfer.
-_STATIC = ("layout", "cfg", "options", "cache_sharding", "out_sharding", "carry_sharding")
-_generate_step_jit = jax.jit(from_buffer(_generate_step, 4), static_argnames=_STATIC, donate_argnums=(1,))
-
-
-def _next_decode_batch(batch: RaggedBatch, tokens: jax.Array, active: jax.Array, page_size: int) -> RaggedBatch:
-    """The next decode step of a pure-decode batch (row r's one token at index r, its logit r): each
-    active row feeds the token it sampled at the next position; inactive rows write nothing."""
-    S = batch.context_lens.shape[-1]
-    row = jnp.minimum(batch.token_row, S - 1)  # padding tokens: any row, masked below
-    take = jax.vmap(lambda x, i: x[i])
-    tok_active = take(active, row) & (batch.token_row < S)  # bool[R, N]
-    positions = batch.positions + tok_active
-    pages = take(batch.page_table, row)  # i32[R, N, P]: each token's row's page table
-    last = pages.shape[-1] - 1  # an inactive token's position may pass its table: clamped, then dropped
-    page = jnp.take_along_axis(pages, jnp.minimum(positions // page_size, last)[..., None], -1)[..., 0]
-    slots = jnp.where(tok_active, page * page_size + positions % page_size, PAD_SLOT)
-    next_tokens = jnp.where(tok_active, take(tokens, jnp.minimum(row, tokens.shape[-1] - 1)), batch.tokens)
-    return batch.replace(tokens=next_tokens.astype(jnp.int32), positions=positions, slots=slots,
-                         context_lens=batch.context_lens + active)
-
-
-def _multi_decode_step(params, cache, carried, sparse, batch, sampling, mask, steps, cfg, options, num_steps,
-                       page_size, cache_sharding=None, out_sharding=None, carry_sharding=None):
-    """`num_steps` decode steps in one call (num_scheduler_steps): each feeds the token it sampled to
-    the next, so the host is not needed in between. Row r takes part in its first steps[r] steps and
-    writes nothing after (its pages beyond those are not its own). Samples: [num_steps, R, L, ...].
-    The grammar masks hold for the first step only: the engine gives constrained rows one step.
-    Multi-step engines run serially (no step follows this one before its samples are on the host),
-    so `carried` is passed through unchanged."""
-    batch, sampling = _take_carried(batch, with_sparse(sampling, sparse), carried)
-
-    def one(carry, k):
-        cache, batch, sampling = carry
-        now = mask.replace(constrained=mask.constrained & (k == 0))
-        out, cache = _forward_and_sample(params, cache, batch, sampling, now, cfg, options, cache_sharding)
-        batch = _next_decode_batch(batch, out.tokens, k + 1 < steps, page_size)
-        return (cache, batch, sampling.advanced(out.tokens)), out
-
-    (cache, _, _), out = jax.lax.scan(one, (cache, batch, sampling), jnp.arange(num_steps, dtype=jnp.int32))
-    if out_sharding is not None:
-        out = jax.lax.with_sharding_constraint(out, out_sharding)
-    return out, cache, carried
-
-
-_multi_decode_step_jit = jax.jit(from_buffer(_multi_decode_step, 4),
-                                 static_argnames=_STATIC + ("num_steps", "page_size"), donate_argnums=(1,))
-
-
-@flax.struct.dataclass
-class PromptScores:
-    """Per chunk token t: the logprob of the token after it (`targets[t]`) and the top-N alternatives."""
-
-    target_logprobs: jax.Array  # f32[..., T]
-    top_ids: jax.Array  # i32[..., T, MAX_LOGPROBS]
-    top_logprobs: jax.Array  # f32[..., T, MAX_LOGPROBS]
-
-
-def _score_step(params, cache, carried, sparse, batch, sampling, mask, sample_index, targets, cfg, options,
-                cache_sharding=None, out_sharding=None, carry_sharding=None):
-    """A step that also scores every token (prompt_logprobs): `batch.logit_index` lists all N tokens,
-    `sample_index` i32[R, L] the ones that sample."""
-    batch, sampling = _take_carried(batch, with_sparse(sampling, sparse), carried)
-    logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, N, V]
-    if cache_sharding is not None:
-        cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
-    sampled = sample_per_replica(jnp.take_along_axis(logits, sample_index[..., None], axis=1), mask, sampling,
-                                 options.mesh)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    top_logprobs, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
-    target = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    out = (sampled, PromptScores(target, top_ids, top_logprobs))
-    if out_sharding is not None:
-        out = jax.lax.with_sharding_constraint(out, out_sharding)
-    return out, cache, _carry(sampled.tokens, carried, carry_sharding)
-
-
-_score_step_jit = jax.jit(from_buffer(_score_step, 4), static_argnames=_STATIC, donate_argnums=(1,))
-
-
-@dataclasses.dataclass
-class PackedRows:
-    """Rows laid out in one ragged step, and where each row's sample and tokens landed."""
-
-    shape: tuple  # (tokens, pages)
-    batch: RaggedBatch  # numpy, leading R
-    sampling: SamplingTensors  # [R, L]
-    mask: TokenMask  # numpy [R, L]: the constrained rows' grammar masks
-    logit_at: np.ndarray  # each row's flat index in [R * L] (its sample); -1 for rows that do not sample
-    token_at: list[tuple[int, int, int]]  # each row's (replica, first token, tokens)
-    score_inputs: tuple[np.ndarray, np.ndarray] | None = None  # scoring: (sample index [R, L], targets [R, N])
-    # A plain step written by its bucket's StepWriter: the packed buffer (what Layout.pack makes of
-    # batch, sampling and mask), which batch, sampling and mask are views of until the bucket's next step.
-    buffer: np.ndarray | None = None
-    speculative: tuple | None = None  # a speculative step's (SpecRows, DraftInputs | None): spec_steps.pack
-
-    @property
-    def inputs(self) -> tuple:
-        """The step's host inputs, as `ModelRunner.run_step` takes them."""
-        if self.speculative is not None:
-            return (self.batch, self.sampling, *self.speculative)
-        return (self.batch, self.sampling, self.mask)
-
-    def unpack(self, x: np.ndarray) -> np.ndarray:  # x: [R, L, ...] -> [rows, ...]
-        return x.reshape((-1,) + x.shape[2:])[np.maximum(self.logit_at, 0)]
-
-    def sample_slot(self, i: int) -> int:
-        """Row i's sample's index among its replica's samples (what a placeholder of it names)."""
-        return int(self.logit_at[i]) % self.sampling.temperature.shape[1]
-
-    def sample_slots(self) -> list[int]:
-        """`sample_slot` of every row, as a list (meaningless for rows that do not sample)."""
-        L = self.sampling.temperature.shape[1]
-        return [at % L for at in self.logit_at.tolist()]
-
-
-def split_sparse(inputs: tuple) -> tuple[tuple, tuple]:
-    """A step's host inputs (RaggedBatch, SamplingTensors, TokenMask, ...) as (the packed part: the
-    sampling's SPARSE_FIELDS taken out, those fields); arrays or ShapeDtypeStructs alike."""
-    batch, sampling, *rest = inputs
-    fields = tuple(getattr(sampling, name) for name in SPARSE_FIELDS)
-    return (batch, sampling.replace(**{name: None for name in SPARSE_FIELDS}), *rest), fields
-
-
-class PendingSamples:
-    """A dispatched step's samples on their way to the host (the copy starts at dispatch): the
-    engine schedules and dispatches the next step before it asks for them. Without `logprobs` only
-    the tokens come back (the samples' logprobs and top-N stay on the device): each array fetched
-    costs the host ~15-30 us a step, as long as the rest of a batch-1 step's fetch. `start_copy`
-    False (a CPU device, whose arrays NumPy reads in place, without a copy): no copy is started,
-    which only cost the host ~7 us an array there."""
-
-    def __init__(self, out: Any, packed: PackedRows, logprobs: bool = True, start_copy: bool = True):
-        self.packed = packed
-        # A plain step of which no row asked for logprobs: its tokens alone, one array and no pytree.
-        self._tokens_only = not logprobs and not isinstance(out, tuple)
-        if self._tokens_only:
-            self._out = out.tokens
-            if start_copy:
-                self._out.copy_to_host_async()
-            return
-        if not logprobs:
-            out = (out[0].replace(logprobs=None, top_ids=None, top_logprobs=None), out[1])
-        self._out = out
-        if start_copy:
-            for leaf in jax.tree.leaves(out):
-                leaf.copy_to_host_async()
-
-    def is_ready(self) -> bool:
-        """Whether the step is done (its samples computed), without waiting for it."""
-        return all(leaf.is_ready() for leaf in jax.tree.leaves(self._out))
-
-    def wait(self) -> None:
-        """Wait until the step is done, fetching nothing."""
-        jax.block_until_ready(self._out)
-
-    def result(self) -> SampleOutput | tuple[SampleOutput, "PromptScores"]:
-        """Each row's sample in row order, as `ModelRunner.execute` returns them (waits for the step)."""
-        packed = self.packed
-        if self._tokens_only:
-            return SampleOutput(packed.unpack(jax.device_get(self._out)), None, None, None)
-        out = jax.device_get(self._out)
-        if packed.score_inputs is None:
-            return jax.tree.map(packed.unpack, out)
-        sampled, scores = out
-        width = max(n for _, _, n in packed.token_at)
-        index = np.asarray([[min(t + j, t + n - 1) for j in range(width)] for _, t, n in packed.token_at])
-        replica = np.asarray([rep for rep, _, _ in packed.token_at])[:, None]
-        return jax.tree.map(packed.unpack, sampled), jax.tree.map(lambda x: x[replica, index], scores)
 
 
 class ModelRunner:
@@ -315,12 +71,13 @@ class ModelRunner:
         self._layouts: dict[tuple, Layout] = {}  # how each bucket's inputs are packed
         self._idle: dict[int, tuple] = {}  # per L: the sparse sampling inputs of steps that use none
         self._idle_host: dict[int, tuple] = {}  # the same on the host (what the step's inputs hold)
-        self._writers: dict[tuple, StepWriter] = {}  # per plain bucket: its inputs, kept and rewritten
+        self._input_batches: dict[tuple, InputBatch] = {}  # per plain bucket: its inputs, kept and rewritten
         # Per plain bucket: the copies of its writer's buffer handed to calls, each with an output of
         # the step that read it (None: not yet called), reused once that output is ready (`_stage`).
         self._staged: dict[tuple, list[list[Any]]] = {}
         self.last_sparse: tuple | None = None  # the last step's sparse sampling inputs (benchmarks reuse them)
         self.unplanned_compiles = 0  # shapes that were not in the warmed table
+        self.compiles_at_warm_up: int | None = None  # CompileCounter.requests once warmed up
         self.closed = False  # close(): executables dropped, params and cache deleted
         # Calls that ran a bucket's executable for the first time: on a CPU such a call takes ~15 ms
         # more than the next ones (measured), so timings of those steps are not representative.
@@ -331,10 +88,7 @@ class ModelRunner:
         self.history_len = buckets.page_counts[-1] * cache.page_size
         # Structured output: per L, the [R * L, ceil(V / 32)] host buffer the grammar masks are written
         # into, and the llguidance executor that fills it (made on the first constrained step).
-        self._masks: dict[int, np.ndarray] = {}
-        self._mask_executor: Any = None
-        self.mask_seconds = 0.0  # host time spent computing grammar masks, all steps together
-        self.masked_rows = 0  # constrained rows masked, all steps together
+        self.grammar_masks = GrammarMasks(self.num_replicas, cfg.vocab_size)
         self.platform = jax.default_backend()
         self.compiler_options = step_compiler_options(self.platform)
         # Multi-host, process 0 only: hands each step's packed inputs and each page copy to the other
@@ -417,12 +171,12 @@ class ModelRunner:
         static = dict(cfg=self.cfg, options=self.options, cache_sharding=cache_sharding,
                       out_sharding=self.out_sharding, carry_sharding=self.carry_sharding)
         if shape[2:] == (MULTI_STEP,):
-            step = _multi_decode_step_jit
+            step = multi_decode_step
             static.update(num_steps=self.num_scheduler_steps, page_size=self.cache.page_size)
         elif shape[2:] == (SCORE,):
-            step = _score_step_jit
+            step = score_step
         else:
-            step = _generate_step_jit
+            step = generate_step
         carried = jax.ShapeDtypeStruct(self.carried.shape, jnp.int32, sharding=self.carry_sharding)
         return step.trace(self.params, self.cache, carried, sparse, layout.spec(self.buffer_sharding), layout=layout,
                           **static).lower()
@@ -485,6 +239,30 @@ class ModelRunner:
             self._ran.add(shape)
         jax.block_until_ready(self.cache)
 
+    def warm_up_page_copies(self) -> None:
+        """Compile the page copy of forked (n > 1) sequences, one per replica."""
+        for replica in range(self.num_replicas):
+            self.copy_pages(replica, np.zeros(0, np.int32), np.zeros(0, np.int32))
+
+    def num_executables(self) -> int:
+        """Compiled executables this runner holds: its step buckets and their variants, the speculative
+        steps, and the page copy of forked sequences (one per replica and KV cache, once compiled)."""
+        if self.closed:
+            return 0
+        draft = self.speculation is not None and self.speculation.draft_cache is not None
+        copies = self.num_replicas * (2 if draft else 1)
+        return len(self._executables) + (copies if self.compiles_at_warm_up is not None else 0)
+
+    def stats(self) -> dict:
+        return dict(
+            compiles_after_warmup=(CompileCounter.requests - self.compiles_at_warm_up)
+            if self.compiles_at_warm_up is not None else None,
+            executables=self.num_executables(),
+            # structured output: host time computing grammar masks, and the constrained rows masked
+            grammar_mask_seconds_total=self.grammar_masks.seconds,
+            grammar_masked_rows_total=self.grammar_masks.rows,
+        )
+
     def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy pages src[i] -> dst[i] of one replica (forked sequences), in one compiled width; the
         draft's cache too."""
@@ -500,7 +278,7 @@ class ModelRunner:
     def probe_rows(self, rows: Sequence[RowWork]):
         """`probe` of the step these rows pack into (rows on the padding page, which no sequence
         owns): what speculation times its steps with."""
-        packed = self._pack(rows, score=False)
+        packed = self.prepare_inputs(rows)
         return self.probe(packed.shape, packed.inputs)
 
     def probe(self, shape: tuple, inputs: tuple):
@@ -521,85 +299,61 @@ class ModelRunner:
         return run
 
     # ---- execution -----------------------------------------------------------------------------
-    def execute(self, rows: Sequence[RowWork]) -> SampleOutput | tuple[SampleOutput, PromptScores]:
-        """Run one ragged step for `rows` (any mix of replicas, prompt chunks and decodes); returns
-        each row's sample, in row order (tokens i32[n], logprobs f32[n], top_ids i32[n, MAX_LOGPROBS],
-        top_logprobs f32[n, MAX_LOGPROBS]); a row that does not sample gets meaningless values.
-
-        If any row has `targets`, the step also scores every token (the scoring variant) and returns
-        (samples, PromptScores of shape [n, tokens of the longest row, ...])."""
-        return self.launch(rows).result()
-
-    def launch(self, rows: Sequence[RowWork], before_masks: Callable[[], None] | None = None,
-               logprobs: bool = True) -> PendingSamples:
-        """`execute` without the wait: `pack`, then `dispatch`."""
-        return self.dispatch(self.pack(rows, before_masks), logprobs)
-
-    def pack(self, rows: Sequence[RowWork], before_masks: Callable[[], None] | None = None) -> PackedRows:
-        """Lay a step's rows out on the host (nothing is sent yet). A row's tokens may hold
-        placeholders of the previous step's samples (jaxserve.model.placeholders). `before_masks` runs once
-        the inputs are packed, before the grammar rows' masks are filled (async scheduling: it hands
-        those grammars the previous step's tokens)."""
-        return self._pack(rows, score=any(r.targets is not None for r in rows), before_masks=before_masks)
-
-    def dispatch(self, packed: PackedRows, logprobs: bool = True) -> PendingSamples:
-        """Send a packed step to the device and run it (not waiting for it); its samples' copy to
-        the host starts at once. `logprobs=False`: the samples' logprobs are not fetched (no row
-        asked for them)."""
-        start_copy = self.platform != "cpu"
-        if packed.score_inputs is None:
-            return PendingSamples(self.run_step(packed.shape, packed.inputs, packed.buffer), packed, logprobs,
-                                  start_copy)
-        sample_index, targets = packed.score_inputs
-        out = self.run_step(packed.shape + (SCORE,), (packed.batch, packed.sampling, packed.mask, sample_index, targets))
-        return PendingSamples(out, packed, logprobs, start_copy)
-
-    def execute_multi(self, rows: Sequence[RowWork], steps: Sequence[int]) -> SampleOutput:
-        """Run `num_scheduler_steps` decode steps for single-token `rows` in one call; row i takes part
-        in its first steps[i] (its pages must hold start_pos + steps[i] tokens). Returns the samples
-        with a leading step axis: tokens i32[num_scheduler_steps, n], and so on; a row's samples past
-        its steps are meaningless."""
-        if not 1 <= max(steps) <= self.num_scheduler_steps:
-            raise ValueError(f"steps per row must be in [1, {self.num_scheduler_steps}], got {list(steps)}")
-        if any(len(r.tokens) != 1 or not r.samples for r in rows):
-            raise ValueError("multi-step runs decode rows only (one token each, sampling)")
-        packed = self._pack(rows, score=False, extra_tokens=[n - 1 for n in steps])
-        per_row = np.zeros((self.num_replicas, self.buckets.max_rows), np.int32)
-        for (rep, t, _), n in zip(packed.token_at, steps):
-            per_row[rep, t] = n  # a pure decode step: row k's token is token k
-        out = jax.device_get(self.run_step(packed.shape + (MULTI_STEP,),
-                                       (packed.batch, packed.sampling, packed.mask, per_row)))
-        return jax.tree.map(lambda x: x.reshape(x.shape[:1] + (-1,) + x.shape[3:])[:, packed.logit_at], out)
-
-    def _pack(self, rows: Sequence[RowWork], score: bool, extra_tokens: Sequence[int] | None = None,
-              before_masks: Callable[[], None] | None = None) -> PackedRows:
-        """Lay rows out in the smallest ragged bucket: NumPy arrays with leading R. `extra_tokens`:
-        positions each row writes after its tokens within this call (multi-step), which its pages hold.
-        A plain step is written into its bucket's StepWriter (only what changed since its last step);
-        scoring and multi-step calls are packed from scratch; a speculative engine's steps but scoring
-        ones by `spec_steps.pack`."""
+    def prepare_inputs(self, rows: Sequence[RowWork], before_masks: Callable[[], None] | None = None) -> PackedRows:
+        """Lay a step's rows out on the host (nothing is sent yet), in the variant they need: the
+        scoring step when a row has prompt-logprob `targets`; on a speculative engine its speculative
+        step (`speculative.pack`); a multi-step call when a row takes several decode steps; else the
+        plain step, written into its bucket's persistent InputBatch (only what changed since the
+        bucket's last step). A row's tokens may hold placeholders of the previous step's samples
+        (jaxserve.model.placeholders). `before_masks` runs once the inputs are packed, before the
+        grammar rows' masks are filled (async scheduling: it hands those grammars the previous
+        step's tokens)."""
+        score = any(r.targets is not None for r in rows)
         if self.speculation is not None and not score:
             return spec_steps.pack(self, rows)
+        steps = [r.num_steps for r in rows]
+        multi = max(steps) > 1
+        if multi and (max(steps) > self.num_scheduler_steps
+                      or any(len(r.tokens) != 1 or not r.samples for r in rows)):
+            raise ValueError(f"a multi-step call takes decode rows only (one token each, sampling), each of "
+                             f"1 to {self.num_scheduler_steps} steps; got {steps}")
         R, ps = self.num_replicas, self.cache.page_size
-        extra = extra_tokens or [0] * len(rows)
         # Each row's pages up to its last position this call: pages reserved beyond it are not read.
-        need = [min(len(r.page_ids), -(-(r.start_pos + len(r.tokens) + e) // ps)) for r, e in zip(rows, extra)]
+        need = [min(len(r.page_ids), -(-(r.start_pos + len(r.tokens) + n - 1) // ps)) for r, n in zip(rows, steps)]
         if R == 1:
             n_tokens = sum(len(r.tokens) for r in rows)
         else:
             n_tokens = max(sum(len(r.tokens) for r in rows if r.replica == rep) for rep in range(R))
         shape = pick_step_shape(self.buckets, n_tokens, max(need))  # a scored step's too: the same buckets
-        if not score and extra_tokens is None and shape in self._layouts:
+        if not score and not multi and shape in self._layouts:
             return self._pack_written(rows, shape, before_masks)
-        return self._pack_anew(rows, shape, score, [r.page_ids[:n] for r, n in zip(rows, need)], before_masks)
+        packed = self._pack_anew(rows, shape, score, [r.page_ids[:n] for r, n in zip(rows, need)], before_masks)
+        if multi:
+            packed.steps_per_row = np.zeros((R, self.buckets.max_rows), np.int32)
+            for (rep, t, _), n in zip(packed.token_at, steps):
+                packed.steps_per_row[rep, t] = n  # a pure decode step: row k's token is token k
+            packed.num_steps = steps
+        return packed
+
+    def execute(self, packed: PackedRows, logprobs: bool = True) -> PendingSamples:
+        """Run a prepared step on the device (not waiting for it); its samples' copy to the host
+        starts at once. `logprobs=False`: the samples' logprobs are not fetched (no row asked)."""
+        variant = (SCORE,) if packed.score_inputs is not None else (MULTI_STEP,) if packed.num_steps else ()
+        out = self.run_step(packed.shape + variant, packed.inputs, packed.buffer)
+        return PendingSamples(out, packed, logprobs, start_copy=self.platform != "cpu")
+
+    def execute_rows(self, rows: Sequence[RowWork]) -> StepSamples:
+        """`prepare_inputs`, `execute`, and wait for the samples: one step run to completion (tests,
+        benchmarks, speculation's calibration)."""
+        return self.execute(self.prepare_inputs(rows)).result()
 
     def _pack_written(self, rows: Sequence[RowWork], shape: tuple,
                       before_masks: Callable[[], None] | None) -> PackedRows:
-        """`_pack` of a plain step through its bucket's StepWriter (made on the bucket's first step)."""
-        writer = self._writers.get(shape)
+        """`_pack` of a plain step through its bucket's InputBatch (made on the bucket's first step)."""
+        writer = self._input_batches.get(shape)
         if writer is None:
             L = self.num_logits(shape[0])
-            writer = self._writers[shape] = StepWriter(self._layouts[shape], page_size=self.cache.page_size,
+            writer = self._input_batches[shape] = InputBatch(self._layouts[shape], page_size=self.cache.page_size,
                                                        idle_sparse=dict(zip(SPARSE_FIELDS, self._idle_host_sparse(L))))
         logit_at, token_at, grammars = writer.write(rows)
         R, L = self.num_replicas, writer.num_logits
@@ -618,7 +372,7 @@ class ModelRunner:
         if grammars:
             if before_masks is not None:
                 before_masks()
-            writer.write_masks(self._token_mask(R, L, grammars).bitmask)
+            writer.write_masks(self.grammar_masks.fill(L, grammars).bitmask)
         return PackedRows(shape, writer.batch, sampling, writer.mask(), logit_at, token_at, buffer=writer.buffer)
 
     def _pack_anew(self, rows: Sequence[RowWork], shape: tuple, score: bool, pages: list,
@@ -661,31 +415,8 @@ class ModelRunner:
                     if rows[i].grammar is not None and logit_at[i] >= 0]
         if grammars and before_masks is not None:
             before_masks()
-        return PackedRows(shape, batch, st, self._token_mask(R, L, grammars), logit_at, token_at,
+        return PackedRows(shape, batch, st, self.grammar_masks.fill(L, grammars), logit_at, token_at,
                           (sample_index, targets) if score else None)
-
-    def _token_mask(self, R: int, L: int, grammars: list[tuple[Any, int]]) -> TokenMask:
-        """The step's TokenMask [R, L]: each constrained row's next-token mask, filled on the host by
-        llguidance (its threads, GIL released). One buffer per L is kept and reused: the rows of free
-        rows are never read on the device (their flag is off), so a step without a constrained row
-        costs no mask work here, only the copy of the buffer into the step's inputs."""
-        bitmask = self._masks.get(L)
-        if bitmask is None:
-            bitmask = self._masks[L] = np.full((R * L, -(-self.cfg.vocab_size // 32)), -1, np.int32)
-        constrained = np.zeros(R * L, bool)
-        if grammars:
-            from jaxserve.structured import fill_bitmasks
-
-            if self._mask_executor is None:
-                import llguidance
-
-                self._mask_executor = llguidance.LLExecutor()
-            start = time.perf_counter()
-            fill_bitmasks(grammars, bitmask, self._mask_executor)
-            self.mask_seconds += time.perf_counter() - start
-            self.masked_rows += len(grammars)
-            constrained[[at for _, at in grammars]] = True
-        return TokenMask(bitmask.reshape(R, L, -1), constrained.reshape(R, L))
 
     def run_step(self, shape: tuple, inputs: tuple, buffer: np.ndarray | None = None) -> Any:
         """`run_packed`, handed first to the other processes of a multi-host job (which make the same
@@ -704,7 +435,7 @@ class ModelRunner:
         """Dispatch the compiled step of bucket `shape` on packed host inputs ((RaggedBatch,
         SamplingTensors, ...) of NumPy arrays, leading axis R); returns the samples as device arrays,
         [R, L, ...] (not waited for). A speculative step's inputs and outputs: `spec_steps`.
-        `buffer`: the inputs but the sparse ones already packed (a StepWriter's), copied as they are.
+        `buffer`: the inputs but the sparse ones already packed (a InputBatch's), copied as they are.
         Multi-host followers call this with the inputs process 0 packed."""
         self.check_open()
         if shape not in self._executables:
@@ -820,9 +551,8 @@ class ModelRunner:
     # ---- release -------------------------------------------------------------------------------
     def close(self) -> None:
         """Drop every compiled executable and delete the params' and the KV caches' device buffers (the
-        draft's too); afterwards every call raises EngineClosedError. The executables' code is unmapped once JAX's
-        in-memory compilation cache lets go of them too (`compile.release_compiled_code`, which
-        `LLMEngine.close` calls after this)."""
+        draft's too); afterwards every call raises EngineClosedError. The executables' code is unmapped
+        once JAX's in-memory compilation cache lets go of them too (`compilation.release_compiled_code`)."""
         if self.closed:
             return
         self.closed = True
@@ -830,7 +560,7 @@ class ModelRunner:
         self._layouts.clear()
         self._idle.clear()
         self._idle_host.clear()
-        self._writers.clear()
+        self._input_batches.clear()
         self._staged.clear()
         self.last_sparse = None
         self._ran.clear()
@@ -840,6 +570,7 @@ class ModelRunner:
             spec = self.speculation
             delete_buffers((spec.draft_params, spec.draft_cache))
             spec.draft_params = spec.draft_cache = None
+        release_compiled_code()
 
     def check_open(self) -> None:
         if self.closed:

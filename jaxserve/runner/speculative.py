@@ -27,6 +27,7 @@ from jaxserve.model.ragged import RaggedArrays, RaggedRow, pack_ragged
 from jaxserve.model.sampler import RowSampling, SamplingTensors
 from jaxserve.spec_decode.step import DraftInputs, SpecOptions, SpecRows, speculative_step
 from jaxserve.model.transfer import Layout, from_buffer, with_sparse
+from jaxserve.runner.step_io import PackedRows
 
 
 @dataclasses.dataclass
@@ -127,8 +128,6 @@ def call(runner: Any, executable: Any, sparse: tuple, buffer: jax.Array) -> Any:
 def pack(runner: Any, rows: Sequence[Any]):
     """Lay `rows` (the runner's RowWork: prompt chunks, decodes, verifications) out in the smallest
     bucket as a speculative step: a PackedRows whose `speculative` holds (SpecRows, DraftInputs)."""
-    from jaxserve.runner.runner import PackedRows
-
     spec = runner.speculation
     R, S, ps = runner.num_replicas, runner.buckets.max_rows, runner.cache.page_size
     K, W = spec.num_tokens, spec.width

@@ -27,11 +27,11 @@ class CapturedStep:
 
 
 def capture_step(runner, rows: Sequence) -> CapturedStep:
-    """Run `runner.execute(rows)` twice (the first compiles the bucket if needed) and capture what the
+    """Run `runner.execute_rows(rows)` twice (the first compiles the bucket if needed) and capture what the
     second hands its executable."""
     import jax
 
-    runner.execute(rows)
+    runner.execute_rows(rows)
     captured: dict[str, Any] = {}
     originals = dict(runner._executables)
     for shape, exe in originals.items():
@@ -40,7 +40,7 @@ def capture_step(runner, rows: Sequence) -> CapturedStep:
             return _exe(*a)
         runner._executables[shape] = recorder
     try:
-        runner.execute(rows)
+        runner.execute_rows(rows)
     finally:
         runner._executables.update(originals)
     shape = captured["shape"]

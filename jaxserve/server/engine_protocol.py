@@ -40,8 +40,8 @@ class ServingEngine(Protocol):
         """Prompt + generated tokens per sequence (the server answers 400 past it); None: no stated limit."""
 
     @property
-    def settings(self) -> EngineConfig | None:
-        """The engine's settings; the server reads the model's generation defaults from them."""
+    def config(self) -> EngineConfig | None:
+        """The engine's configuration; the server reads the model's generation defaults from them."""
 
     def start(self) -> None:
         """Start the step thread (idempotent)."""

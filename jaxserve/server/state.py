@@ -65,8 +65,8 @@ class ServerState:
                 logger.warning("%s; chat requests will use the ChatML fallback", err)
                 self.chat = ChatRenderer(None)
         if self.options.generation_defaults is None:
-            settings = engine.settings
-            self.generation_defaults = load_generation_defaults(settings) if settings is not None else BUILT_IN
+            config = engine.config
+            self.generation_defaults = load_generation_defaults(config) if config is not None else BUILT_IN
         self.ready = True
 
     def _stats(self) -> dict | None:

@@ -227,7 +227,7 @@ class SpeculativeDecoder:
 
     def _probe_rows(self, batch: int, drafts: int) -> list:
         """`batch` rows of each replica on the padding page, each verifying `drafts` drafts."""
-        from jaxserve.runner.runner import RowWork
+        from jaxserve.engine.row_work import RowWork
 
         pages = [PADDING_PAGE] * -(-(drafts + 1) // self.blocks.page_size)
         return [RowWork([0] * (drafts + 1), 0, pages, replica=rep, num_drafts=drafts, draft_tokens=[0])

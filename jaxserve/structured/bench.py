@@ -191,7 +191,7 @@ def time_step_inputs(vocab_size: int, rows: int, iters: int = 2000) -> dict:
     int32 buffer and copied to the device, against the same inputs without it. Medians in us."""
     import jax
 
-    from jaxserve.runner.runner import ModelRunner
+    from jaxserve.runner.grammar_masks import GrammarMasks
     from jaxserve.model.kv_cache import RaggedBatch
     from jaxserve.model.sampler import RowSampling, SamplingTensors
     from jaxserve.structured.apply import TokenMask
@@ -202,13 +202,12 @@ def time_step_inputs(vocab_size: int, rows: int, iters: int = 2000) -> dict:
     batch = RaggedBatch(tokens=i32(rows), positions=i32(rows), slots=i32(rows), token_row=i32(rows),
                         query_start=i32(S + 1), context_lens=i32(S), page_table=i32(S, P), logit_index=i32(rows))
     st = SamplingTensors.pack([RowSampling(temperature=0.7, seed=i) for i in range(rows)], (R, rows), history)
-    runner = ModelRunner.__new__(ModelRunner)  # only what _token_mask reads
-    runner.cfg, runner._masks, runner._mask_executor = type("C", (), {"vocab_size": vocab_size}), {}, None
+    masks = GrammarMasks(R, vocab_size)
     plain, masked = Layout.of((batch, st)), Layout.of((batch, st, TokenMask.spec((R, rows), vocab_size)))
 
     def once(layout, with_mask):
         t0 = time.perf_counter()
-        inputs = (batch, st, runner._token_mask(R, rows, [])) if with_mask else (batch, st)
+        inputs = (batch, st, masks.fill(rows, [])) if with_mask else (batch, st)
         jax.block_until_ready(layout.put(inputs))
         return (time.perf_counter() - t0) * 1e6
 

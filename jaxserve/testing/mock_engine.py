@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Any, AsyncIterator
 
+from jaxserve.engine.admission import Limits, check_request
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.output_processor import find_stop_string, held_back, stream_deltas
 from jaxserve.errors import JaxServeError, RequestError
@@ -159,7 +160,7 @@ class MockLLMEngine:
 
 
 class MockAsyncLLMEngine:
-    """Deterministic fake of `jaxserve.engine.engine.AsyncLLMEngine` (see the module docstring)."""
+    """Deterministic fake of `jaxserve.engine.async_engine.AsyncLLMEngine` (see the module docstring)."""
 
     is_mock = True
 
@@ -210,7 +211,14 @@ class MockAsyncLLMEngine:
         return self.engine.plan.max_model_len
 
     @property
-    def settings(self) -> EngineConfig:
+    def limits(self) -> Limits:
+        return Limits(vocab_size=VOCAB_SIZE, max_model_len=self.engine.plan.max_model_len,
+                      page_size=self.engine.plan.page_size, usable_pages=self.engine.plan.num_pages - 1,
+                      max_num_seqs=self.engine.settings.max_num_seqs,
+                      structured_refusal="the mock engine does not implement structured output; serve a model")
+
+    @property
+    def config(self) -> EngineConfig:
         return self.engine.settings
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -234,22 +242,11 @@ class MockAsyncLLMEngine:
                      queue: asyncio.Queue, tag: Any = None) -> None:
         params = sampling_params if sampling_params is not None else SamplingParams()
         ids = [int(t) for t in prompt_token_ids]
-        if not ids:
-            raise RequestError("a prompt must have at least one token")
-        bad = [t for t in ids if not 0 <= t < VOCAB_SIZE]
-        if bad:
-            raise RequestError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {VOCAB_SIZE})")
-        bad = [t for t in (params.logit_bias or ()) if not 0 <= t < VOCAB_SIZE]
-        if bad:
-            raise RequestError(f"logit_bias token id(s) {bad[:5]} are outside the vocabulary [0, {VOCAB_SIZE})")
-        if params.structured is not None:  # its fake tokens could never follow a grammar
-            raise RequestError("the mock engine does not implement structured output; serve a model")
+        check_request(ids, params, self.limits)
         limit = self.engine.plan.max_model_len
-        if len(ids) >= limit:
-            raise RequestError(f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len={limit}")
         total = min(len(ids) + params.max_tokens, limit)
         pages = math.ceil(total / self.engine.plan.page_size) * params.n
-        if pages > self.engine.plan.num_pages - 1:
+        if pages > self.engine.plan.num_pages - 1:  # the simulation reserves every sample's pages at once
             raise RequestError(
                 f"prompt + max_tokens needs {pages} KV pages; the cache has {self.engine.plan.num_pages - 1}")
         text = self.engine.tokenizer.decode(ids, skip_special_tokens=False) if self.fail_marker else ""

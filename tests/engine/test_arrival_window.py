@@ -12,8 +12,9 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.arrival_window import MIN_MARGIN_S, MIN_SAMPLES, ArrivalWindow
 from jaxserve.engine.block_manager import BlockManager
-from jaxserve.runner.compilation import BucketTable
-from jaxserve.engine.engine import AsyncLLMEngine
+from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.engine.core import EngineCore
+from jaxserve.engine.intake import Intake
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence, Status
 from jaxserve.model.ragged import placeholder
@@ -42,7 +43,7 @@ def test_the_window_closes_a_margin_before_the_step_in_flight_should_end():
 # ---------------------------------------------------------------- the scheduler's top-up
 def _scheduler(max_num_seqs=4, budget=16, scheduling="continuous"):
     blocks = BlockManager(40, 4, 1)
-    return Scheduler(blocks, BucketTable.build(max_num_seqs, budget, 8), max_num_seqs, budget, 64,
+    return Scheduler(blocks, max_num_seqs, budget, 64,
                      scheduling=scheduling)
 
 
@@ -110,22 +111,6 @@ def test_a_seat_freed_by_a_token_in_flight_is_given_in_the_step_scheduled_beside
 
 
 # ---------------------------------------------------------------- the intake
-class RecordingEngine:
-    """What AsyncLLMEngine's intake calls on the engine."""
-
-    def __init__(self):
-        self.added, self.aborted = [], []
-
-    def add_request(self, request_id, prompt, params, ids, grammar=None):
-        self.added.append(request_id)
-
-    def abort_request(self, request_id):
-        self.aborted.append(request_id)
-
-    def close(self):
-        pass
-
-
 class FakeStep:
     """A step in flight (PendingSamples' is_ready and wait) that ends when `done` is set."""
 
@@ -141,24 +126,31 @@ class FakeStep:
         self.done.wait()
 
 
+def _recording_core():
+    """An EngineCore with only its intake: records what `_wait_for_arrivals` admits."""
+    core = EngineCore.__new__(EngineCore)
+    core.intake, core.added = Intake(), []
+    core._admit_queued = lambda request_id, ids, params, grammar: core.added.append(request_id) or True
+    return core
+
+
 def test_arrivals_are_taken_up_to_an_abort_and_the_wait_ends_when_one_comes_or_the_step_ends():
-    engine = RecordingEngine()
-    front = AsyncLLMEngine(engine)
-    assert engine.arrivals == front._admit_arrivals
+    core = _recording_core()
+    intake = core.intake
     params = SamplingParams()
-    front._intake.extend([("add", "a", [1], params, None), ("abort", "x"), ("add", "b", [2], params, None)])
+    for item in [("add", "a", [1], params, None), ("abort", "x"), ("add", "b", [2], params, None)]:
+        intake.put(item)
     first = FakeStep()
-    assert front._admit_arrivals(first, time.perf_counter() + 5) == 1
-    assert engine.added == ["a"] and list(front._intake)[0] == ("abort", "x")  # left for the next drain
+    assert core._wait_for_arrivals(first, time.perf_counter() + 5) == 1
+    assert core.added == ["a"] and intake.take_all()[0] == ("abort", "x")  # left for the next take_all
     first.done.set()  # the watcher waits for each step in turn, as they end on the device
-    front._intake.clear()
     steps = [FakeStep() for _ in range(3)]
     start = time.perf_counter()
-    assert front._admit_arrivals(steps[0], start + 0.05) == 0  # nothing came: until `until`
+    assert core._wait_for_arrivals(steps[0], start + 0.05) == 0  # nothing came: until `until`
     assert 0.045 < time.perf_counter() - start < 1
     steps[0].done.set()
     start = time.perf_counter()
-    assert front._admit_arrivals(FakeStep(done=True), start + 5) == 0  # the step in flight is done: no wait
+    assert core._wait_for_arrivals(FakeStep(done=True), start + 5) == 0  # the step in flight is done: no wait
     assert time.perf_counter() - start < 0.5
 
     def later(action):
@@ -169,21 +161,26 @@ def test_arrivals_are_taken_up_to_an_abort_and_the_wait_ends_when_one_comes_or_t
 
     later(steps[1].done.set)  # the step ends: the watcher wakes the wait
     start = time.perf_counter()
-    assert front._admit_arrivals(steps[1], start + 5) == 0
+    assert core._wait_for_arrivals(steps[1], start + 5) == 0
     assert time.perf_counter() - start < 1
 
-    def arrive():
-        front._intake.append(("add", "c", [3], params, None))
-        front._wake.set()
-
-    later(arrive)
+    later(lambda: intake.put(("add", "c", [3], params, None)))
     start = time.perf_counter()
-    assert front._admit_arrivals(steps[2], start + 5) == 1
-    assert engine.added == ["a", "c"] and time.perf_counter() - start < 1
+    assert core._wait_for_arrivals(steps[2], start + 5) == 1
+    assert core.added == ["a", "c"] and time.perf_counter() - start < 1
     steps[2].done.set()
-    front.shutdown(timeout=1)
-    front._watcher.join(1)
-    assert not front._watcher.is_alive()
+    intake.close()
+    intake._watcher.join(1)
+    assert not intake._watcher.is_alive()
+
+
+def test_an_offline_engine_never_holds_a_step_back():
+    """Only an intake another thread feeds (AsyncLLMEngine's) is waited on: offline, nobody arrives."""
+    core = _recording_core()
+    assert not core.intake.takes_arrivals
+    core_front = types.SimpleNamespace(intake=core.intake)
+    AsyncLLMEngine.__init__(core_front, core_front)  # the front marks the intake as fed
+    assert core.intake.takes_arrivals
 
 
 # ---------------------------------------------------------------- the engine
@@ -210,7 +207,8 @@ def test_a_request_arriving_while_a_step_runs_joins_the_next_one():
                 engine.add_request(name, None, SamplingParams(max_tokens=30, **GREEDY), prompt)
             for _ in range(MIN_SAMPLES + 3):  # decodes in one bucket, times for its estimate
                 rec.step()
-            engine.arrivals = arrivals
+            engine.intake.takes_arrivals = True
+            engine._wait_for_arrivals = arrivals
             rec.step()
             assert len(calls) == 1  # held back (how long is the host's timing, not asserted)
             held = rec.plans[-1]

@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.engine import AsyncLLMEngine
+from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.engine.intake import Intake
 from jaxserve.errors import RequestError
 from jaxserve.sampling.params import CompletionOutput, RequestOutput, SamplingParams
 from jaxserve.server.api import ServerOptions, create_app
@@ -26,13 +27,14 @@ VOCAB = 100
 
 
 class SlowEngine:
-    """The LLMEngine interface AsyncLLMEngine uses; each step takes STEP_S and gives every request a token."""
+    """The EngineCore interface AsyncLLMEngine uses; each step takes STEP_S and gives every request a token."""
 
     tokenizer = None
-    plan = types.SimpleNamespace(max_model_len=64)  # what AsyncLLMEngine.max_model_len reads
-    settings = EngineConfig()
+    memory = types.SimpleNamespace(max_model_len=64)  # what AsyncLLMEngine.max_model_len reads
+    config = EngineConfig()
 
     def __init__(self, tokens_per_request: int = 2):
+        self.intake = Intake()
         self.requests: dict[str, list[int]] = {}
         self.tokens_per_request = tokens_per_request
         self.in_step = threading.Event()
@@ -46,9 +48,14 @@ class SlowEngine:
             raise RequestError(f"prompt token id(s) outside the vocabulary [0, {VOCAB})")
         return list(ids), params or SamplingParams()
 
-    def add_request(self, request_id, prompt, params, ids) -> None:
-        self.requests[request_id] = []
-        self.admitted.append((time.monotonic(), request_id))
+    def take_intake(self) -> list:
+        for kind, request_id, *_ in self.intake.take_all():
+            if kind == "add":
+                self.requests[request_id] = []
+                self.admitted.append((time.monotonic(), request_id))
+            else:
+                self.abort_request(request_id)
+        return []
 
     def abort_request(self, request_id: str):
         if self.requests.pop(request_id, None) is not None:

@@ -92,13 +92,13 @@ def test_next_step_is_dispatched_before_the_last_is_fetched(monkeypatch):
     monkeypatch.setattr(PendingSamples, "result", result)
     with LLM("checkpoints/small", **SETTINGS) as llm:
         engine = llm.engine
-        dispatch = engine.runner.dispatch
+        execute = engine.runner.execute
 
-        def recording_dispatch(packed, logprobs=True):
+        def recording_execute(packed, logprobs=True):
             events.append("dispatch")
-            return dispatch(packed, logprobs)
+            return execute(packed, logprobs)
 
-        engine.runner.dispatch = recording_dispatch
+        engine.runner.execute = recording_execute
         for i in range(3):
             engine.add_request(f"r{i}", None, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                                list(range(5 + i, 20 + i)))
@@ -131,8 +131,8 @@ def test_aborts_while_a_step_is_in_flight_lose_no_page():
                 live.add(f"q{next_id}")
                 next_id += 1
             elif action == 1:
-                in_flight = engine._in_flight
-                ids = sorted({r.seq.request_id for r in in_flight.plan.rows} & live) if in_flight else []
+                in_flight = engine.in_flight[-1] if engine.in_flight else None
+                ids = sorted({r.seq.request_id for r in in_flight.batch.rows} & live) if in_flight else []
                 victim = ids[rng.randint(len(ids))] if ids else sorted(live)[rng.randint(len(live))]
                 out = engine.abort_request(victim)
                 live.discard(victim)
@@ -158,11 +158,11 @@ def test_switching_async_scheduling_off_mid_run_loses_nothing():
         deltas = []
         for _ in range(3):
             deltas += engine.step()
-        assert engine._in_flight is not None
+        assert engine.in_flight
         engine.async_scheduling = False
         while engine.has_unfinished_requests():
             deltas += engine.step()
-        assert engine._in_flight is None
+        assert not engine.in_flight
         assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
         totals = OutputAccumulator()
         final = [totals.add(d) for d in deltas][-1]

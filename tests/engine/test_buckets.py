@@ -104,8 +104,8 @@ def test_warm_up_compiles_what_the_table_counts(hf_model_dir, extra):
         extra = dict(speculative_method="draft", speculative_model=path, num_speculative_tokens=2)
     copies_before = copy_pages_jit._cache_size()
     with LLM(path, **SMALL, **extra) as llm:
-        planned = executable_counts(llm.settings, platform=jax.default_backend())
-        if llm.settings.token_buckets == "auto":
+        planned = executable_counts(llm.config, platform=jax.default_backend())
+        if llm.config.token_buckets == "auto":
             assert planned.steps == len(token_ladder(32, "fine")) == 10
         # The page copy is one module-level jitted function: an engine whose cache layout an earlier
         # engine of this process had reuses that executable instead of compiling its own.

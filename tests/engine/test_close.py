@@ -26,7 +26,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.runner.compilation import CompileCounter, count_memory_mappings
-from jaxserve.engine.engine import AsyncLLMEngine
+from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.errors import EngineClosedError
 
 SETTINGS = dict(dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16,

@@ -9,7 +9,6 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.block_manager import BlockManager
-from jaxserve.runner.compilation import BucketTable
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence, Status
 from jaxserve.server.metrics import ServerMetrics
@@ -21,7 +20,7 @@ from hf_models import assert_same_greedy
 # ---------------------------------------------------------------- routing, host only
 def _scheduler(num_replicas=2, num_pages=20, max_num_seqs=4, prefix_caching=True):
     blocks = BlockManager(num_pages, 4, num_replicas, enable_prefix_caching=prefix_caching)
-    return Scheduler(blocks, BucketTable.build(max_num_seqs, 64, 8), max_num_seqs, 64, 32)
+    return Scheduler(blocks, max_num_seqs, 64, 32)
 
 
 def _seq(name, prompt, n=1):

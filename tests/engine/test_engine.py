@@ -6,7 +6,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
-from jaxserve.engine.engine import LLMEngine
+from jaxserve.llm_engine import LLMEngine
 from jaxserve.errors import RequestError
 
 BASE = dict(dtype="float32", page_size=8, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
@@ -298,7 +298,7 @@ def test_forks_after_warm_up_compile_nothing(hf_model_dir):
                        sampling_params=SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1))[0]
     assert len(out.outputs) == 2 and out.metrics.first_token_time >= out.metrics.arrival_time
     assert CompileCounter.requests == before
-    assert llm.engine.stats()["last_step_bytes_read"] > llm.plan.param_bytes
+    assert llm.engine.stats()["last_step_bytes_read"] > llm.memory.param_bytes
 
 
 def test_step_composition_counts_every_step(llm):

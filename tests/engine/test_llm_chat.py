@@ -19,7 +19,7 @@ def llm():
 
 
 def test_chat_equals_generate_on_the_rendered_prompt(llm):
-    text = build_chat_renderer(llm.tokenizer, llm.settings.chat_template).render(CONVERSATION)
+    text = build_chat_renderer(llm.tokenizer, llm.config.chat_template).render(CONVERSATION)
     ids = llm.tokenizer.encode(text, add_special_tokens=False)
     want = llm.generate(prompt_token_ids=[ids], sampling_params=GREEDY, use_tqdm=False)[0]
     got = llm.chat(CONVERSATION, GREEDY, use_tqdm=False)

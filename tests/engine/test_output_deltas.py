@@ -99,7 +99,7 @@ def test_a_step_fetches_logprobs_only_when_a_row_asks(llm):
                         ("lp", SamplingParams(max_tokens=3, temperature=0, logprobs=2))]:
         engine.add_request(rid, None, params, engine.encode("the cat sat"))
         engine.step()
-        fetched.append(len(jax.tree.leaves(engine._in_flight.pending._out)))
+        fetched.append(len(jax.tree.leaves(engine.in_flight[-1].pending._out)))
         while engine.has_unfinished_requests():
             engine.step()
     assert fetched == [1, 4]  # tokens; tokens, logprobs, top ids, top logprobs

@@ -55,7 +55,7 @@ def run(llm, requests, released: bool, on_step=None):
         step += 1
         if on_step is not None:
             pending += on_step(step)
-    assert eng.blocks.num_free_pages(0) == llm.plan.num_pages - 1  # every page came back
+    assert eng.blocks.num_free_pages(0) == llm.memory.num_pages - 1  # every page came back
     eng.blocks.sliding_window = served
     return done, most
 

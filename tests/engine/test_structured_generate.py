@@ -138,8 +138,8 @@ def test_refusals(llm):
 def test_speculative_decoding_with_structured_output_is_refused(llm, monkeypatch):
     import dataclasses
 
-    speculative = dataclasses.replace(llm.engine.settings, num_speculative_tokens=3, speculative_method="ngram")
-    monkeypatch.setattr(llm.engine, "settings", speculative)
+    speculative = dataclasses.replace(llm.engine.config, num_speculative_tokens=3, speculative_method="ngram")
+    monkeypatch.setattr(llm.engine, "config", speculative)
     with pytest.raises(RequestError, match="speculative decoding"):
         llm.engine.check_request([1, 2, 3], SamplingParams(structured=StructuredSpec.json_object()))
 

@@ -21,9 +21,9 @@ def test_engine_serves_int8_weights_and_cache(hf_model_dir):
     params, cache, cfg = llm.runner.params, llm.runner.cache, llm.model_config
     assert isinstance(params.layers[0].wq, quant.QuantArray) and params.embed.dtype == jnp.float32
     assert cache.k.dtype == jnp.int8 and cache.k_scale.dtype == jnp.float32
-    assert llm.plan.param_bytes == param_bytes(params) == cfg.param_bytes(4, "int8")
-    assert llm.plan.kv_bytes_per_token == cfg.kv_bytes_per_token(4, "int8")
-    assert "more tokens fit than in float32" in llm.plan.describe()
+    assert llm.memory.param_bytes == param_bytes(params) == cfg.param_bytes(4, "int8")
+    assert llm.memory.kv_bytes_per_token == cfg.kv_bytes_per_token(4, "int8")
+    assert "more tokens fit than in float32" in llm.memory.describe()
 
     prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, size=11).tolist()
     greedy = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(

@@ -1,7 +1,7 @@
 """Fixtures for the server tests: the mock engine in-process, and real `python -m jaxserve.serve` subprocesses.
 
 Which engine the subprocess tests serve is one fixture, `server_args`: the mock engine
-(`--mock-engine`) until `jaxserve.engine.engine.AsyncLLMEngine` exists, then a tiny random llama
+(`--mock-engine`) until `jaxserve.engine.async_engine.AsyncLLMEngine` exists, then a tiny random llama
 with a trained byte-level tokenizer. `JAXSERVE_TEST_SERVER=mock|real` forces one.
 """
 

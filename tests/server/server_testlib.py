@@ -59,7 +59,8 @@ def default_model_client(max_model_len: int, max_num_batched_tokens: int):
 
     from jaxserve.loading import resources
     from jaxserve.config import EngineConfig
-    from jaxserve.engine.engine import AsyncLLMEngine, LLMEngine
+    from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.llm_engine import LLMEngine
     from jaxserve.server.api import ServerOptions, create_app
 
     settings = EngineConfig(model=str(resources.small_checkpoint()), dtype="float32", max_model_len=max_model_len,
@@ -76,7 +77,7 @@ def default_model_client(max_model_len: int, max_num_batched_tokens: int):
 
 def real_engine_available() -> bool:
     try:
-        if importlib.util.find_spec("jaxserve.engine.engine") is None:
+        if importlib.util.find_spec("jaxserve.llm_engine") is None:
             return False
     except ImportError:
         return False

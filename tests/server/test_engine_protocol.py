@@ -26,7 +26,7 @@ class StubLLMEngine:
 
 
 def real_engine():
-    from jaxserve.engine.engine import AsyncLLMEngine
+    from jaxserve.engine.async_engine import AsyncLLMEngine
 
     return AsyncLLMEngine(StubLLMEngine())
 
@@ -39,7 +39,7 @@ def test_protocol_names_what_the_server_uses():
 def test_real_engine_satisfies_the_protocol():
     engine = real_engine()
     assert isinstance(engine, ServingEngine)
-    assert engine.max_model_len == 96 and engine.settings.max_model_len == 96
+    assert engine.max_model_len == 96 and engine.config.max_model_len == 96
     assert isinstance(engine.tokenizer, ServerTokenizer)
     assert inspect.iscoroutinefunction(type(engine).submit) and not inspect.iscoroutinefunction(type(engine).abort)
     assert inspect.isasyncgenfunction(type(engine).generate)  # for research code: the deltas of one request
@@ -50,7 +50,7 @@ def test_real_engine_satisfies_the_protocol():
 def test_mock_engine_satisfies_the_protocol():
     engine = MockAsyncLLMEngine(mock_settings(max_model_len=80))
     assert isinstance(engine, ServingEngine)
-    assert engine.max_model_len == 80 and engine.settings.max_model_len == 80
+    assert engine.max_model_len == 80 and engine.config.max_model_len == 80
     assert isinstance(engine.tokenizer, ServerTokenizer)
     assert inspect.iscoroutinefunction(type(engine).submit) and not inspect.iscoroutinefunction(type(engine).abort)
     assert inspect.isasyncgenfunction(type(engine).generate)

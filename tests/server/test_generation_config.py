@@ -147,7 +147,7 @@ def served(default_llm):
     """Factory: a TestClient over the shipped model's engine with the given generation-config settings."""
     from starlette.testclient import TestClient
 
-    from jaxserve.engine.engine import AsyncLLMEngine
+    from jaxserve.engine.async_engine import AsyncLLMEngine
     from jaxserve.server.api import ServerOptions, create_app
 
     engine = AsyncLLMEngine(default_llm.engine)
@@ -155,7 +155,7 @@ def served(default_llm):
     clients = []
 
     def make(**settings):
-        gen = load_generation_defaults(default_llm.settings.replace(**settings))
+        gen = load_generation_defaults(default_llm.config.replace(**settings))
         client = TestClient(create_app(ServerOptions(generation_defaults=gen), engine), raise_server_exceptions=False)
         clients.append(client)
         return client

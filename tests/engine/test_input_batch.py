@@ -1,4 +1,4 @@
-"""The StepWriter (jaxserve/runner/input_batch.py) keeps each plain bucket's packed inputs from step to
+"""The InputBatch (jaxserve/runner/input_batch.py) keeps each plain bucket's packed inputs from step to
 step and rewrites only what changed. Every step it writes must equal the from-scratch pack of the
 same rows (`ModelRunner._pack_anew`) word for word, through adds, finishes, preemptions, aborts,
 n > 1 forks, prefix-cache hits, chunked prompts, penalties and logit_bias, on one replica and on
@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.runner.runner import SPARSE_FIELDS, RowWork, split_sparse
-from jaxserve.runner.input_batch import StepWriter
+from jaxserve.engine.row_work import RowWork
+from jaxserve.model.transfer import SPARSE_FIELDS
+from jaxserve.runner.step_io import split_sparse
+from jaxserve.runner.input_batch import InputBatch
 from jaxserve.model.kv_cache import RaggedBatch
 from jaxserve.model.sampler import RowSampling, SamplingTensors
 from jaxserve.structured.apply import TokenMask
@@ -135,7 +137,7 @@ def layout_of(R=1, N=8, S=4, P=3, V=64):
 def test_rows_are_rewritten_only_when_they_change():
     layout, L = layout_of()
     idle = SamplingTensors.pack([], (1, L), 8)
-    writer = StepWriter(layout, page_size=4, idle_sparse={k: getattr(idle, k) for k in SPARSE_FIELDS})
+    writer = InputBatch(layout, page_size=4, idle_sparse={k: getattr(idle, k) for k in SPARSE_FIELDS})
     from array import array
 
     table = array("i", [5, 6])
@@ -186,7 +188,7 @@ def test_a_writer_with_history_writes_what_a_fresh_writer_writes():
 
     layout, L = layout_of(R=1, N=16, S=6, P=4)
     idle = SamplingTensors.pack([], (1, L), 8)
-    make = lambda: StepWriter(layout, page_size=4, idle_sparse={k: getattr(idle, k) for k in SPARSE_FIELDS})  # noqa: E731
+    make = lambda: InputBatch(layout, page_size=4, idle_sparse={k: getattr(idle, k) for k in SPARSE_FIELDS})  # noqa: E731
     kept = make()
     rng = np.random.RandomState(0)
     samplings = [RowSampling(temperature=0.1 * i, top_k=i, seed=i) for i in range(4)] + [None]

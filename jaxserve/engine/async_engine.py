@@ -1,0 +1,158 @@
+"""AsyncLLMEngine: the engine core's steps on a background thread, each request's progress streamed
+to its caller's asyncio queue.
+
+The event loop never waits for a step: `submit` checks a request synchronously (so a bad one still
+raises RequestError, the server's 400) and puts it in the core's intake, which the step thread
+takes between steps (and while it holds a step back for arrivals), as it does aborts. Each step's
+deltas go straight into the queue the caller gave (the server gives one per HTTP request, shared by
+its prompts). Only the step thread touches the core; `stats()` takes the step lock and is for a
+worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from typing import Any, AsyncIterator
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.core import EngineCore, RequestFailure
+from jaxserve.engine.output_processor import stream_deltas
+from jaxserve.errors import RequestError
+from jaxserve.sampling.params import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: EngineCore):
+        self.engine = engine
+        engine.intake.takes_arrivals = True
+        self._lock = threading.Lock()  # held by the step thread for a step and its intake; by stats()/shutdown()
+        # Set while a stats() caller waits for the lock: the step thread, which would take it straight
+        # back after each step, gives it up for a moment (Python's lock is not fair).
+        self._stats_waiting = threading.Event()
+        self._thread: threading.Thread | None = None
+        # request id -> where its deltas go: (the caller's event loop, its queue, the caller's tag)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Any]] = {}
+        self._ids = itertools.count()
+
+    # ---- what the server reads (jaxserve.server.engine_protocol.ServingEngine) ----------------
+    @property
+    def tokenizer(self):
+        """The model's `Tokenizer`, or None (prompts as token ids only)."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.memory.max_model_len
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the step thread, then close the engine (its executables, weights and cache released);
+        if the thread is still in a step after `timeout`, the engine is left open."""
+        self.engine.intake.close()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("the engine thread did not stop within %s s; the engine is left open", timeout)
+                return
+            self._thread = None
+        with self._lock:
+            self.engine.close()
+
+    def _run(self) -> None:
+        intake = self.engine.intake
+        while not intake.closed.is_set():
+            intake.wake.clear()  # before taking: whatever arrives later sets it again and ends the wait below
+            with self._lock:
+                outputs = self.engine.take_intake()
+                busy = self.engine.has_unfinished_requests()
+                if busy:
+                    try:
+                        outputs += self.engine.step()
+                    except Exception as err:  # a failed step fails its requests, never the loop
+                        logger.exception("engine step failed")
+                        self._fail_all(err)
+                        continue
+            for out in outputs:
+                if isinstance(out, RequestFailure):
+                    self._deliver(out.request_id, out.error)
+                else:
+                    self._deliver(out.request_id, out)
+            if not busy:
+                intake.wake.wait(0.05)
+            elif self._stats_waiting.is_set():
+                time.sleep(0.0005)  # let the stats() caller blocked on the lock take it
+
+    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
+        """Put `(tag, item)` in the request's queue; its last item (finished, or an error) ends its stream."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            self._streams.pop(request_id, None)
+        loop, queue, tag = stream
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (tag, item))
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            pass
+
+    def _fail_all(self, err: Exception) -> None:
+        self.engine.in_flight.clear()
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+            self._deliver(request_id, err)
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
+                     queue: asyncio.Queue, tag: Any = None) -> None:
+        """Check the request and queue it for the step thread. A bad request raises RequestError here
+        (GrammarError for a schema the grammar library rejects), before it enters the engine. From
+        then on `queue` receives `(tag, delta)` each step the request advances (a RequestOutput of
+        what is new; the last one has `finished`), or `(tag, exception)` if the request fails.
+        Several requests may share a queue; `abort` stops one."""
+        ids, params = self.engine.prepare_request(None, sampling_params, prompt_token_ids)  # no step state
+        grammar = None
+        if params.structured is not None:  # compiled on the compiler's thread; GrammarError is the 400
+            # Shielded: a caller that goes away must not cancel a compilation other requests share.
+            compiling = self.engine.grammar_compiler.submit(params.structured)
+            grammar = await asyncio.shield(asyncio.wrap_future(compiling))
+        if request_id in self._streams:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self._streams[request_id] = (asyncio.get_running_loop(), queue, tag)
+        self.engine.intake.put(("add", request_id, ids, params, grammar))
+        self.start()
+
+    async def generate(self, request_id: str | None = None, prompt: str | None = None,
+                       sampling_params: SamplingParams | None = None,
+                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields the request's delta each time it advances (sum them with OutputAccumulator for whole
+        outputs); aborts the request if the caller stops early."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        if (prompt is None) == (prompt_token_ids is None):
+            raise RequestError("give exactly one of prompt or prompt_token_ids")
+        ids = self.engine.encode(prompt) if prompt is not None else list(prompt_token_ids)
+        async for delta in stream_deltas(self, request_id, ids, sampling_params):  # checked by submit
+            yield delta
+
+    def abort(self, request_id: str) -> None:
+        """Abort between steps (queued behind the request's own admission, so it cannot overtake it);
+        any thread may call it. Its queue gets a last delta with finish_reason 'abort'."""
+        self.engine.intake.put(("abort", request_id))
+
+    def stats(self) -> dict:
+        self._stats_waiting.set()
+        with self._lock:
+            self._stats_waiting.clear()
+            return self.engine.stats()

@@ -1,0 +1,586 @@
+"""EngineCore: continuous batching over the paged KV cache, host only (no jax in its imports).
+
+One step is three calls:
+
+    batch = self.scheduler.schedule()        # which rows run, and how many tokens each
+    step = self.execute(batch)               # the runner prepares and dispatches it (not waited for)
+    return self.update_from_output(step)     # the samples: tokens appended, stops checked, deltas out
+
+Async scheduling is a queue of in-flight steps around the same calls: step N+1 is scheduled and
+dispatched before step N's samples are processed (its inputs name N's samples as placeholders,
+resolved on the device), so the host's work on step N overlaps the device's on step N+1.
+Multi-step decoding and speculation are variants of `execute` (the rows carry their extra decode
+steps or their drafts) and of `update_from_output` (a row emits a run of tokens, not one).
+
+The central invariant: a sequence's `num_computed` tokens have their K/V in its pages, and every
+token it holds past them is either a placeholder of a step in flight or the one it feeds next.
+
+`LLMEngine` (jaxserve.llm_engine) builds the device half (the runner: params, KV cache,
+executables) and this core over it; `AsyncLLMEngine` runs the core's steps on a thread of its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.admission import Limits, check_request
+from jaxserve.engine.arrival_window import ArrivalWindow
+from jaxserve.engine.block_manager import BlockManager
+from jaxserve.engine.intake import Intake
+from jaxserve.engine.output_processor import OutputProcessor, Request
+from jaxserve.engine.row_work import RowWork
+from jaxserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
+from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.step_stats import StepComposition, is_prompt_chunk
+from jaxserve.errors import EngineClosedError, RequestError
+from jaxserve.model.ragged import is_placeholder, placeholder
+from jaxserve.sampling.params import RequestOutput, SamplingParams
+from jaxserve.sampling.row import RowSampling
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RequestFailure:
+    """A request refused after it was queued (a late check), as a step's output: its stream ends with
+    `error`."""
+
+    request_id: str
+    error: Exception
+
+
+@dataclasses.dataclass(eq=False)
+class InFlightStep:
+    """A dispatched step whose samples the host has not processed yet. Per row: the output index its
+    placeholder fills (-1: none; a serial step's rows emit their runs at update), the computed tokens
+    to tell the block manager once the placeholders are resolved (-1: told at dispatch), and the
+    sequence's preemption count at dispatch (a preempted one lost those pages)."""
+
+    batch: SchedulerOutput
+    rows: list[RowWork]
+    pending: Any  # the runner's PendingSamples
+    serial: bool  # multi-step or speculative: processed before the next step is scheduled
+    verifies: bool = False  # a speculative step: its acceptance goes to the decoder
+    constrained: bool = False  # a row samples under a grammar
+    dispatched_at: float = 0.0  # time.perf_counter() when its dispatch returned
+    samples: Any = None  # the runner's StepSamples, once fetched
+    sample_at: list[int] = dataclasses.field(default_factory=list)
+    computed: list[int] = dataclasses.field(default_factory=list)
+    preemptions: list[int] = dataclasses.field(default_factory=list)
+
+
+class EngineCore:
+    """Requests in, deltas out; not thread-safe (AsyncLLMEngine serialises calls). `runner` is the
+    device half (`jaxserve.runner.runner.ModelRunner`); `memory` the KV cache's MemoryPlan."""
+
+    def __init__(self, config: EngineConfig, runner: Any, *, model_config: ModelConfig, memory: Any,
+                 tokenizer: Any = None):
+        self.config = s = config
+        self.runner = runner
+        self.model_config = cfg = model_config
+        self.memory = memory
+        self.tokenizer = tokenizer
+        self.buckets = runner.buckets
+        self.num_replicas = runner.num_replicas
+        eos = (tokenizer.eos_token_ids if tokenizer is not None and tokenizer.eos_token_ids else cfg.eos_token_ids)
+        self.outputs = OutputProcessor(tokenizer, eos, memory.max_model_len)
+        # Every layer windowed (Mistral): pages wholly behind the window go back to the pool. Not with a
+        # draft model, whose cache shares the page ids and need not be windowed.
+        windowed = cfg.sliding_window and cfg.num_sliding_layers == cfg.num_layers and s.speculation != "draft"
+        self.blocks = BlockManager(memory.num_pages, s.page_size, self.num_replicas,
+                                   enable_prefix_caching=s.enable_prefix_caching,
+                                   sliding_window=cfg.sliding_window if windowed else None)
+        self.scheduler = Scheduler(self.blocks, s.max_num_seqs, s.max_num_batched_tokens,
+                                   memory.max_model_len, scheduling=s.scheduling, preemption_mode=s.preemption_mode)
+        self.spec: Any = None  # the SpeculativeDecoder, once enable_speculation
+        if s.num_scheduler_steps > 1:  # pages for the extra decode steps, where free ones exist
+            # A step of decodes alone runs them num_scheduler_steps in one call; a step holding a
+            # prompt chunk is one plain mixed ragged step, as in every engine.
+            self.scheduler.lookahead = self._multi_step_lookahead
+            self.scheduler.lookahead_steps = True
+        # Speculation's acceptance and multi-step's run lengths decide the next inputs on the host.
+        self.async_scheduling = s.async_scheduling and self.scheduler.lookahead is None
+        if s.async_scheduling and not self.async_scheduling:
+            logger.info("async scheduling off: multi-step engines run each step to completion first")
+        self.in_flight: collections.deque[InFlightStep] = collections.deque()
+        self.intake = Intake()
+        self.arrival_window = ArrivalWindow()
+        self.requests: dict[str, Request] = {}
+        self._outbox: list = []  # aborted requests' last deltas and late refusals, out with the next outputs
+        self._grammar_compiler = None  # structured output: made on the first constrained request
+        self._grammar_lock = threading.Lock()
+        self._seed_stream = np.random.default_rng(s.seed)
+        self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens_computed=0, steps=0,
+                             arrivals_joined=0)
+        self.composition = StepComposition(self.buckets.token_counts)
+        self.last_step_seconds = 0.0
+        self.last_step_bytes_read = 0
+        self.multihost: Any = None  # multi-host process 0: the broadcaster to the other processes
+        self.closed = False
+
+    def enable_speculation(self, spec: Any) -> None:
+        """Speculative decoding (`jaxserve.spec_decode.SpeculativeDecoder`): the decoder gives rows
+        their drafts through the scheduler's lookahead; every step runs to completion first."""
+        self.spec = spec
+        self.scheduler.lookahead = spec.lookahead
+        if self.async_scheduling:
+            logger.info("async scheduling off: speculative engines run each step to completion first")
+        self.async_scheduling = False
+
+    @property
+    def limits(self) -> Limits:
+        refusal = None
+        if self.config.speculation:
+            # Verification would need the grammar's masks at every drafted position (and a rollback
+            # of rejected drafts); until the speculative step takes them, the two are exclusive.
+            refusal = ("structured output is not supported with speculative decoding "
+                       f"(speculation={self.config.speculation!r}); start the engine without it")
+        elif self.tokenizer is None:
+            refusal = "structured output needs the model's tokenizer (start with tokenizer=PATH)"
+        return Limits(vocab_size=self.model_config.vocab_size, max_model_len=self.memory.max_model_len,
+                      page_size=self.blocks.page_size,
+                      usable_pages=self.memory.num_pages - 1 - self.blocks.watermark_pages,
+                      max_num_seqs=self.config.max_num_seqs, sliding_window=self.blocks.sliding_window,
+                      structured_refusal=refusal, prompt_logprobs=self.config.enable_prompt_logprobs)
+
+    # ---- release -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release this engine's executables, weights and KV cache now (idempotent). On a CPU every
+        executable's code is mapped into the process, and Linux caps a process's mappings
+        (vm.max_map_count): close an engine before building the next (`with LLM(...) as llm:`).
+        Afterwards every call raises EngineClosedError."""
+        if self.closed:
+            return
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
+        self.in_flight.clear()
+        self.closed = True
+        self.intake.close()
+        if self.multihost is not None:  # process 0: the other processes stop their follower loops
+            self.multihost.shutdown()
+        if self.spec is not None:
+            self.spec.close()
+        self.runner.close()
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineClosedError("this engine is closed (its executables, weights and KV cache are released); "
+                                    "build a new one")
+
+    # ---- requests ------------------------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer: pass prompt_token_ids, or start with tokenizer=PATH")
+        return self.tokenizer.encode(prompt)
+
+    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Refuse at once what could never be served (`admission.check_request`)."""
+        self._check_open()
+        check_request(ids, params, self.limits)
+
+    def prepare_request(self, prompt: str | None, sampling_params: SamplingParams | None,
+                        prompt_token_ids: list[int] | None) -> tuple[list[int], SamplingParams]:
+        """A request's prompt ids and params, checked (RequestError for what could never be served).
+        Reads only the settings, the tokenizer and the cache's size, so any thread may call it."""
+        if (prompt is None) == (prompt_token_ids is None):
+            raise RequestError("give exactly one of prompt or prompt_token_ids")
+        params = sampling_params or SamplingParams()
+        ids = self.encode(prompt) if prompt is not None else [int(t) for t in prompt_token_ids]
+        self.check_request(ids, params)
+        return ids, params
+
+    @property
+    def grammar_compiler(self):
+        """The structured-output GrammarCompiler (jaxserve.structured) for this model's tokenizer and
+        logits width: compiles on its own thread, caches by spec. Any thread may use it."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                if self.tokenizer is None:
+                    raise RequestError("structured output needs the model's tokenizer (start with tokenizer=PATH)")
+                from jaxserve.structured.compiler import GrammarCompiler
+
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab_size=self.model_config.vocab_size)
+            return self._grammar_compiler
+
+    def add_request(self, request_id: str, prompt: str | None = None, sampling_params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None, grammar=None) -> None:
+        """Check and queue a request. `grammar`: its CompiledGrammar when the caller compiled
+        `structured` already; otherwise it is compiled here (cached by spec), and a spec the grammar
+        library rejects raises GrammarError (a RequestError)."""
+        ids, params = self.prepare_request(prompt, sampling_params, prompt_token_ids)
+        self.admit(request_id, ids, params, grammar, prompt)
+
+    def admit(self, request_id: str, ids: list[int], params: SamplingParams, grammar=None,
+              prompt: str | None = None) -> None:
+        """Queue a request already checked (`check_request`)."""
+        self._check_open()
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if params.structured is not None and grammar is None:
+            grammar = self.grammar_compiler.compile(params.structured)
+        base_seed = params.seed if params.seed is not None else int(self._seed_stream.integers(2**32))
+        seqs = [Sequence(seq_id=f"{request_id}#{i}", request_id=request_id, index=i, prompt_token_ids=list(ids),
+                         params=params, seed=(base_seed + 0x9E3779B9 * i) % 2**32,
+                         detokenizer=self.outputs.detokenizer(ids, params))
+                for i in range(params.n)]
+        seqs[0].num_siblings_to_fork = params.n - 1
+        if params.structured is not None:
+            seqs[0].grammar = grammar.matcher()
+            for seq in seqs[1:]:  # the samples fork before their first token: each from the start state
+                seq.grammar = seqs[0].grammar.copy()
+        if params.prompt_logprobs is not None:
+            seqs[0].prompt_logprobs = [None] * len(ids)
+        self.requests[request_id] = Request(request_id, prompt, list(ids), params, seqs, time.monotonic())
+        self.scheduler.add(seqs[0])
+        if params.n > 1:
+            self.scheduler.add_siblings(seqs[0], seqs[1:])
+        self.counters["prompt_tokens"] += len(ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its pages; returns its last delta (finish_reason 'abort')."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                if seq.index == 0:
+                    self.scheduler.drop_siblings(seq)
+                self.scheduler.finish(seq, "abort")
+        return self._output(request)
+
+    def take_intake(self) -> list[RequestOutput | RequestFailure]:
+        """Admit the requests and carry out the aborts queued by other threads (`intake`); returns
+        the aborted requests' last deltas and the late refusals."""
+        for kind, request_id, *rest in self.intake.take_all():
+            if kind == "abort":
+                last = self.abort_request(request_id)
+                if last is not None:
+                    self._outbox.append(last)
+            else:
+                self._admit_queued(request_id, *rest)
+        out, self._outbox = self._outbox, []
+        return out
+
+    def _admit_queued(self, request_id: str, ids: list[int], params: SamplingParams, grammar: Any) -> bool:
+        try:
+            self.admit(request_id, ids, params, grammar)
+            return True
+        except Exception as err:  # noqa: BLE001 - checked at intake; a late refusal fails this request only
+            self._outbox.append(RequestFailure(request_id, err if isinstance(err, RequestError)
+                                                 else RequestError(str(err))))
+            return False
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests not finished, or a step in flight still to process."""
+        return bool(self.requests) or bool(self.in_flight)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, and return a delta for each request that advanced: a RequestOutput
+        holding only what is new (token ids, text, logprob entries, finish reason; sum them with
+        output_processor.OutputAccumulator, as LLM.generate does). With async scheduling the step
+        processed is the one before the step just dispatched."""
+        self._check_open()
+        start = time.perf_counter()
+        depth = 2 if self.async_scheduling else 1
+        outputs: list = []
+        while len(self.in_flight) >= depth:  # a step left in flight when async scheduling was switched off
+            outputs += self.update_from_output(self.in_flight.popleft(), start)
+        batch = self.scheduler.schedule()
+        step = self.execute(batch)
+        if step is not None:
+            self.in_flight.append(step)
+        if self.in_flight and (step is None or len(self.in_flight) >= depth):
+            outputs += self.update_from_output(self.in_flight.popleft(), start)
+        if self._outbox:
+            outputs, self._outbox = outputs + self._outbox, []
+        return outputs
+
+    def flush(self) -> list[RequestOutput]:
+        """Process every step in flight now, so that every sampled token is on the host."""
+        self._check_open()
+        outputs = []
+        while self.in_flight:
+            outputs += self.update_from_output(self.in_flight.popleft(), time.perf_counter())
+        return outputs
+
+    def execute(self, batch: SchedulerOutput) -> InFlightStep | None:
+        """Hand the batch to the runner (page copies of forked sequences first) and dispatch it, not
+        waiting for it; None if it has no rows. A plain step's sampling rows get a placeholder for
+        their token and their tokens count as computed, so the next step can be scheduled at once;
+        with async scheduling the dispatch may be held back for arrivals (`_join_arrivals`)."""
+        self._copy_forked_pages(batch)
+        if not batch.rows:
+            return None
+        rows = self._row_work(batch.rows)
+        previous = self.in_flight[-1] if self.in_flight else None
+        verifies = False
+        if self.spec is not None:
+            if any(r.targets is not None for r in rows):  # a step scoring prompt tokens verifies nothing
+                for row in batch.rows:
+                    row.num_lookahead = 0
+            else:
+                self.spec.prepare(batch.rows, rows)
+                verifies = True
+        elif self.scheduler.lookahead_steps and batch.kind == "decode":
+            for row, work in zip(batch.rows, rows):
+                work.num_steps = 1 + row.num_lookahead
+        serial = verifies or any(w.num_steps > 1 for w in rows)
+        before_masks = None
+        if previous is not None and previous.constrained:
+            # Rows under a grammar: this step's masks need the previous step's tokens. Their grammars
+            # take them once the rest of this step is packed (the device idles only while the masks
+            # are filled); the rest of its processing overlaps this step, as for free rows.
+            before_masks = functools.partial(self._advance_grammars, previous)
+        packed = self.runner.prepare_inputs(rows, before_masks)
+        joined = self._join_arrivals(batch, previous) if previous is not None and not serial else []
+        if joined:
+            self.counters["arrivals_joined"] += len(joined)
+            rows = rows + self._row_work(joined)
+            packed = self.runner.prepare_inputs(rows)
+        self.composition.record(batch.rows)  # with the rows that joined; before the rows take placeholders
+        logprobs = any(r.seq.params.logprobs is not None for r in batch.rows)
+        sent = time.perf_counter()
+        pending = self.runner.execute(packed, logprobs=logprobs)
+        dispatched_at = time.perf_counter()
+        self.arrival_window.dispatched(dispatched_at - sent)
+        # What the step had to read: every weight once per decode step of the call, plus each row's K/V.
+        calls = max(w.num_steps for w in rows)
+        context = sum(r.start + r.num_tokens + r.num_lookahead for r in batch.rows)
+        self.last_step_bytes_read = calls * self.memory.param_bytes + context * self.memory.kv_bytes_per_token
+        step = InFlightStep(batch, rows, pending, serial, verifies, any(r.grammar is not None for r in rows),
+                            dispatched_at)
+        if not serial:
+            self._dispatched(step)
+        return step
+
+    def _dispatched(self, step: InFlightStep) -> None:
+        """A plain step's bookkeeping at dispatch: each row's tokens count as computed, and each row
+        that samples holds a placeholder of its token until the step is processed."""
+        slots = step.pending.packed.sample_slots()
+        prefill = step.batch.kind == "prefill"
+        for i, row in enumerate(step.batch.rows):
+            seq, work = row.seq, step.rows[i]
+            if prefill or is_prompt_chunk(row):
+                self.counters["prefill_tokens_computed"] += row.num_tokens
+            seq.num_computed += row.num_tokens
+            if work.tokens and is_placeholder(min(work.tokens)):  # any of them a placeholder
+                # Its K/V hashes need that token's id: told to the block manager once it is known.
+                step.computed.append(seq.num_computed)
+            else:  # told now, so the next schedule sees it (a parent's fork copies these pages)
+                self._mark_computed(seq, seq.token_view, seq.num_computed)
+                step.computed.append(-1)
+            step.preemptions.append(seq.num_preemptions)
+            if work.samples:
+                step.sample_at.append(len(seq.output_token_ids))
+                seq.output_token_ids.append(placeholder(slots[i]))
+            else:
+                step.sample_at.append(-1)
+
+    def _join_arrivals(self, batch: SchedulerOutput, in_flight: InFlightStep) -> list[ScheduledRow]:
+        """Hold `batch`'s dispatch back until just before the step in flight should end, for requests
+        that arrive meanwhile (the intake): their first prompt chunks join `batch` in the tokens it
+        left, instead of waiting a step more. Returns the rows that joined. Not when nobody could
+        join, the step's end is not known yet, or the step in flight has grammar rows (`batch`'s
+        masks needed its tokens: it is done already)."""
+        if not self.intake.takes_arrivals or in_flight.constrained or not self.scheduler.takes_arrivals(batch):
+            return []
+        closes_at = self.arrival_window.closes_at(in_flight.pending.shape[0], in_flight.dispatched_at)
+        if closes_at is None or not self._wait_for_arrivals(in_flight.pending, closes_at):
+            return []
+        return self.scheduler.top_up(batch)
+
+    def _wait_for_arrivals(self, pending: Any, until: float) -> int:
+        """Admit requests as they arrive until one is admitted, `until` (time.perf_counter) passes,
+        or the step `pending` is done; returns how many were admitted."""
+        intake = self.intake
+        intake.watch(pending)
+        while True:
+            intake.wake.clear()  # before looking: whatever arrives later sets it and ends the wait below
+            added = sum(self._admit_queued(*item[1:]) for item in intake.take_arrivals())
+            if added or intake.closed.is_set() or pending.is_ready():
+                return added
+            left = until - time.perf_counter()
+            if left <= 0:
+                return 0
+            intake.wake.wait(left)  # set by an arrival, by the watcher when the step ends, or by close
+
+    def update_from_output(self, step: InFlightStep, start: float) -> list[RequestOutput]:
+        """Take a dispatched step's samples (waiting for them if need be): each row's run of tokens
+        is appended (a plain step's one token replaces its placeholder), detokenized and checked for
+        stops, which cut a run where they occur. Rows of sequences that finished or were aborted
+        since the dispatch are dropped (a token computed past EOS is discarded)."""
+        samples = self._samples(step)
+        if step.verifies:  # before marking: the draft's lag bounds what is computed
+            self.spec.record(step.batch.rows, np.maximum(samples.num_emitted - 1, 0))
+        advanced: dict[str, Request] = {}
+        tokens = samples.tokens.tolist()  # Python ints, one conversion for the step
+        for i, row in enumerate(step.batch.rows):
+            seq = row.seq
+            if seq.is_finished:
+                continue
+            targets = step.rows[i].targets
+            if targets is not None:
+                self.outputs.record_prompt_logprobs(seq, row.start, targets, samples.scores, i)
+            run = tokens[i][: samples.num_emitted[i]]
+            if step.serial:
+                self._emit_run(seq, row, run, samples, i)
+            else:
+                if step.computed[i] >= 0 and seq.num_preemptions == step.preemptions[i]:  # still has those pages
+                    self._mark_computed(seq, seq.token_view, step.computed[i])
+                if step.sample_at[i] >= 0:
+                    if seq.params.logprobs is not None:
+                        self.outputs.record_logprobs(seq, samples.row(i), 0)
+                    self._resolve_token(seq, step.sample_at[i], run[0])
+            if run:
+                advanced[seq.request_id] = self.requests[seq.request_id]
+        return self._finish_step(advanced, start)
+
+    def _emit_run(self, seq: Sequence, row: ScheduledRow, run: list[int], samples: Any, i: int) -> None:
+        """A serial step's row: its input tokens and every emitted token but the last were the call's
+        inputs, so their K/V is written; then the run is appended up to where it stops."""
+        if is_prompt_chunk(row):
+            self.counters["prefill_tokens_computed"] += row.num_tokens
+        seq.num_computed += row.num_tokens + max(len(run) - 1, 0)
+        self._mark_computed(seq, seq.token_view if len(run) <= 1 else seq.tokens + run[:-1], seq.num_computed)
+        for j, token in enumerate(run):
+            if seq.params.logprobs is not None:
+                self.outputs.record_logprobs(seq, samples.row(i), j)
+            seq.output_token_ids.append(token)
+            self._resolve_token(seq, len(seq.output_token_ids) - 1, token)
+            if seq.is_finished:
+                break
+
+    def _samples(self, step: InFlightStep):
+        if step.samples is None:
+            step.samples = step.pending.result()
+            self.arrival_window.done(step.pending.shape[0], step.dispatched_at, time.perf_counter())
+        return step.samples
+
+    def _advance_grammars(self, step: InFlightStep) -> None:
+        """Give each constrained row of a dispatched step its sampled token (waiting for the step), so
+        that the next step's masks follow it; detokenizing and stop checks wait for its update."""
+        tokens = self._samples(step).tokens
+        for i, row in enumerate(step.batch.rows):
+            seq = row.seq
+            if seq.grammar is not None and step.sample_at[i] >= 0 and not seq.is_finished:
+                self.outputs.advance_grammar(seq, step.sample_at[i], int(tokens[i, 0]))
+
+    def _row_work(self, rows: list[ScheduledRow]) -> list[RowWork]:
+        """Each row's share of the step; its page ids are the block manager's live table (with its
+        version, so the runner rewrites a row's page table only when it changed)."""
+        work = []
+        live_page_ids = self.blocks.live_page_ids
+        for r in rows:
+            seq, start, n = r.seq, r.start, r.num_tokens
+            view = seq.token_view
+            # A decode row (most rows, every step): its one token by index, no slice of the view.
+            tokens = [view[start]] if n == 1 else view[start: start + n]
+            samples = r.samples
+            pages, version = live_page_ids(seq.seq_id)
+            work.append(RowWork(tokens, start, pages, self._row_sampling(seq), seq.replica,
+                                self.outputs.prompt_targets(seq, start, n), samples,
+                                seq.grammar if samples else None, step=len(seq.output_token_ids),
+                                pages_version=version))
+        return work
+
+    @staticmethod
+    def _row_sampling(seq: Sequence) -> RowSampling:
+        """The sequence's sampling row, built once: its params and seed are fixed, and its prompt and
+        output lists are read where they stand when a step is packed (the step index goes apart)."""
+        if seq.row_sampling is None:
+            seq.row_sampling = RowSampling.from_params(seq.params, seed=seq.seed, step=0,
+                                                       prompt_ids=seq.prompt_token_ids, output_ids=seq.output_token_ids)
+        return seq.row_sampling
+
+    def _multi_step_lookahead(self, seq: Sequence, batch_size: int) -> int:
+        """num_scheduler_steps: the decode steps after this one that `seq` may still take (the scheduler
+        gives them pages); none past max_tokens or max_model_len, and none for a constrained row, whose
+        next mask needs the token it samples now (it runs its one step inside the multi-step call)."""
+        if seq.grammar is not None:
+            return 0
+        return max(0, min(self.config.num_scheduler_steps - 1,
+                          seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                          self.memory.max_model_len - seq.num_tokens - 1))
+
+    def _finish_step(self, advanced: dict[str, Request], start: float) -> list[RequestOutput]:
+        outputs = []
+        for request in advanced.values():
+            delta = self._output(request)
+            if delta is not None:
+                outputs.append(delta)
+            if request.finished:
+                del self.requests[request.request_id]
+        self.counters["steps"] += 1
+        self.last_step_seconds = time.perf_counter() - start
+        if self.spec is not None:  # measured step times steer how much to speculate
+            self.spec.record_step_time(self.last_step_seconds)
+        return outputs
+
+    def _mark_computed(self, seq: Sequence, tokens: Any, num_computed: int) -> None:
+        """Tell the block manager that the first `num_computed` tokens are computed. With a draft
+        model, only tokens whose draft K/V is written too (the draft may lag by a token or more), so
+        a prefix-cache hit serves both caches."""
+        lag = seq.spec.lag if seq.spec is not None else 0
+        self.blocks.mark_computed(seq.seq_id, tokens, num_computed - lag)
+
+    def _copy_forked_pages(self, batch: SchedulerOutput) -> None:
+        for replica in {c[0] for c in batch.page_copies}:
+            pairs = np.asarray([(s, d) for r, s, d in batch.page_copies if r == replica], np.int32)
+            self.runner.copy_pages(replica, pairs[:, 0], pairs[:, 1])  # the draft's cache too
+
+    def _resolve_token(self, seq: Sequence, index: int, token: int) -> None:
+        """`token` is output `index` of `seq`: the output processor takes it; a sequence that stops
+        here leaves the batch and frees its pages at once."""
+        self.counters["generation_tokens"] += 1
+        reason = self.outputs.resolve_token(seq, index, token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _output(self, request: Request) -> RequestOutput | None:
+        return self.outputs.delta(request, self._spec_metrics(request.seqs))
+
+    def _spec_metrics(self, seqs: list[Sequence]) -> dict:
+        if self.spec is None:
+            return {}
+        states = [s.spec for s in seqs if s.spec is not None]
+        return dict(spec_draft_tokens=sum(st.proposed for st in states),
+                    spec_accepted_tokens=sum(st.accepted for st in states),
+                    spec_verify_steps=sum(st.verify_steps for st in states))
+
+    # ---- observability -------------------------------------------------------------------------
+    def stats(self) -> dict:
+        s, b = self.scheduler, self.blocks
+        replicas = range(self.num_replicas)
+        queried = b.num_prefix_queried_tokens
+        return dict(
+            num_running=len(s.running),
+            num_running_per_replica=[sum(q.replica == r for q in s.running) for r in replicas],
+            num_waiting=len(s.waiting),
+            num_preemptions=s.num_preemptions,
+            pages_used=[b.num_used_pages(r) for r in replicas],
+            pages_free=[b.num_free_pages(r) for r in replicas],
+            kv_cache_utilization=[b.kv_utilization(r) for r in replicas],
+            prefix_cache_hit_rate=(b.num_prefix_hit_tokens / queried) if queried else 0.0,
+            prompt_tokens_total=self.counters["prompt_tokens"],
+            generation_tokens_total=self.counters["generation_tokens"],
+            prefill_tokens_computed=self.counters["prefill_tokens_computed"],
+            arrivals_joined_total=self.counters["arrivals_joined"],
+            last_step_seconds=self.last_step_seconds,
+            last_step_bytes_read=self.last_step_bytes_read,
+            **self.runner.stats(),
+            **self.composition.as_stats(),
+            **(self.spec.stats() if self.spec is not None else {}),
+            **(self.multihost.stats() if self.multihost is not None else {}),
+        )

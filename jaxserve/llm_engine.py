@@ -1,0 +1,121 @@
+"""LLMEngine: the engine core over this machine's devices. It builds the device half (mesh, weights,
+KV cache, the runner and its executables, speculation's draft) from an EngineConfig, then hands the
+host-only `EngineCore` (jaxserve.engine.core) the runner; everything after start-up is the core's.
+
+    engine = LLMEngine(EngineConfig(model="checkpoints/small"))
+    engine.add_request("a", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for delta in engine.step(): ...
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.engine.buckets import BucketTable, executable_counts
+from jaxserve.engine.core import EngineCore
+from jaxserve.loading.model_loader import load_model
+from jaxserve.model.kv_cache import init_cache
+from jaxserve.model.sharding import make_mesh
+from jaxserve.model.weights import param_bytes
+from jaxserve.planning.memory import plan_memory
+from jaxserve.runner import multihost
+from jaxserve.runner.backends import default_scan_layers, resolve_attention, resolve_quantized_matmul
+from jaxserve.runner.compilation import CompileCounter, check_memory_mappings, enable_compilation_cache
+from jaxserve.runner.runner import ModelRunner
+from jaxserve.spec_decode.decoder import draft_kv_bytes_per_token
+from jaxserve.steps import StepOptions
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine(EngineCore):
+    def __init__(self, config: EngineConfig, warm_up: bool = True):
+        s = config
+        multihost.initialize(s)  # num_processes > 1: jax.distributed, before any device is touched
+        cache_path = enable_compilation_cache(s.compilation_cache_dir)
+        logger.info("persistent compilation cache: %s", cache_path or "off")
+        platform = jax.default_backend()
+        self.mesh = make_mesh(s.mesh_shape)
+        scan = s.scan_layers if s.scan_layers is not None else default_scan_layers(platform)
+        loaded = load_model(s, self.mesh, stacked=scan)
+        self.dtype, self.shardings = loaded.dtype, loaded.shardings
+        memory = plan_memory(loaded.cfg, s, loaded.dtype,
+                             draft_kv_bytes_per_token=draft_kv_bytes_per_token(s, loaded.dtype))
+        logger.info(memory.describe())
+        logger.info(memory.capacity_line())
+        if param_bytes(loaded.params) != memory.param_bytes:
+            logger.warning("loaded params take %d bytes; the config's arithmetic says %d",
+                           param_bytes(loaded.params), memory.param_bytes)
+        options = StepOptions(scan_layers=scan, mesh=self.mesh, moe_parallelism=s.moe_parallelism,
+                              attention_backend=resolve_attention(s.attention_backend, platform, s.mesh_shape),
+                              matmul_backend=resolve_quantized_matmul(s.quantized_matmul_backend, platform,
+                                                                      s.mesh_shape, s.quantization))
+        buckets = BucketTable.for_settings(s, memory.max_model_len, platform)
+        logger.info("token buckets (token_buckets=%s on %s): %s", s.token_buckets, platform,
+                    ", ".join(map(str, buckets.token_counts)))
+        cache = init_cache(loaded.cfg, memory.num_pages, s.page_size, loaded.dtype, self.shardings.num_replicas,
+                           self.shardings.cache, s.kv_cache_dtype, self.shardings.cache_scale)
+        runner = ModelRunner(loaded.cfg, loaded.params, cache, buckets, options, self.shardings,
+                             num_scheduler_steps=s.num_scheduler_steps)
+        super().__init__(s, runner, model_config=loaded.cfg, memory=memory,
+                         tokenizer=self._load_tokenizer(s, loaded.model_dir))
+        if s.speculation:
+            self.enable_speculation(self._speculative_decoder())
+        self.warm_up_compiles = None
+        if warm_up:
+            self.warm_up()
+        # Multi-host: process 0 hands every later device call to the other processes, which run
+        # multihost.run_follower(engine) instead of serving (None in a single process and on followers).
+        self.multihost = multihost.attach(self)
+
+    def _speculative_decoder(self):
+        """Speculative decoding (jaxserve.spec_decode): the draft shares the pages and page tables."""
+        from jaxserve.spec_decode import SpeculativeDecoder, load_draft
+
+        s, draft = self.config, None
+        if s.speculation == "draft":
+            draft = load_draft(s, self.mesh, self.runner.options.scan_layers, self.model_config, self.tokenizer,
+                               self.dtype)
+        return SpeculativeDecoder(s, self.runner, self.blocks, self.buckets, self.memory.max_model_len, draft)
+
+    @staticmethod
+    def _load_tokenizer(config: EngineConfig, model_dir: str):
+        from jaxserve.loading.tokenizer import load_tokenizer
+
+        path = config.tokenizer or model_dir
+        try:
+            return load_tokenizer(path)
+        except FileNotFoundError:
+            if config.tokenizer is not None:
+                raise
+            logger.warning("no tokenizer in %s: only prompt_token_ids can be given, and outputs have no text", path)
+            return None
+
+    def warm_up(self) -> None:
+        """Compile every executable the bucket table plans (and time speculation's steps)."""
+        before = CompileCounter.requests
+        self.runner.warm_up()
+        if self.config.enable_prompt_logprobs:
+            self.runner.warm_up(self.runner.score_shapes())
+        self.runner.warm_up_page_copies()
+        if self.spec is not None:
+            self.spec.warm_up()
+        self.runner.compiles_at_warm_up = CompileCounter.requests
+        planned = executable_counts(self.config, self.memory.max_model_len, self.num_replicas, jax.default_backend())
+        self.warm_up_compiles = self.runner.compiles_at_warm_up - before  # persistent-cache hits too
+        logger.info("warm-up compiled %d executables; the bucket table plans %s", self.warm_up_compiles,
+                    planned.describe())
+        check_memory_mappings(jax.default_backend())
+
+    def num_executables(self) -> int:
+        return self.runner.num_executables()
+
+
+def start_async_engine(config: EngineConfig) -> AsyncLLMEngine:
+    """The server's engine: an LLMEngine whose steps run on a thread of their own."""
+    return AsyncLLMEngine(LLMEngine(config))

@@ -1,0 +1,166 @@
+"""What goes into one executed step and what comes out of it, host side.
+
+`RowWork` (`jaxserve.engine.row_work`) is one sequence's share of a step as the engine hands it to
+the runner; `PackedRows` is the
+rows laid out in a bucket (the inputs the compiled step reads); `PendingSamples` is a dispatched
+step on its way back; `StepSamples` is what it produced, one run of tokens per row. Plain steps,
+multi-step calls and speculative steps all end in a `StepSamples`, so the engine updates its
+sequences from every kind of step with one loop (`EngineCore.update_from_output`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import numpy as np
+
+from jaxserve.model.kv_cache import RaggedBatch
+from jaxserve.model.sampler import SampleOutput, SamplingTensors
+from jaxserve.model.transfer import SPARSE_FIELDS
+from jaxserve.structured.apply import TokenMask
+
+
+@flax.struct.dataclass
+class PromptScores:
+    """Per chunk token t: the logprob of the token after it (`targets[t]`) and the top-N alternatives."""
+
+    target_logprobs: jax.Array  # f32[..., T]
+    top_ids: jax.Array  # i32[..., T, MAX_LOGPROBS]
+    top_logprobs: jax.Array  # f32[..., T, MAX_LOGPROBS]
+
+
+@dataclasses.dataclass
+class StepSamples:
+    """A step's samples in row order: row i emitted `tokens[i, :num_emitted[i]]` (one token for a
+    plain step's sampling row, none for a prompt chunk that does not end its prompt, up to the
+    decode steps of a multi-step call, the accepted drafts plus one of a verification). Logprobs
+    are None when no row asked for them (they stayed on the device)."""
+
+    tokens: np.ndarray  # i32[n, W]
+    num_emitted: np.ndarray  # i32[n]
+    logprobs: np.ndarray | None = None  # f32[n, W]
+    top_ids: np.ndarray | None = None  # i32[n, W, MAX_LOGPROBS]
+    top_logprobs: np.ndarray | None = None  # f32[n, W, MAX_LOGPROBS]
+    scores: PromptScores | None = None  # prompt logprobs: [n, tokens of the longest row, ...]
+
+    def row(self, i: int) -> SampleOutput:
+        """Row i's run as a SampleOutput of [W] (what `OutputProcessor.record_logprobs` reads)."""
+        pick = (lambda x: None if x is None else x[i])
+        return SampleOutput(self.tokens[i], pick(self.logprobs), pick(self.top_ids), pick(self.top_logprobs))
+
+
+@dataclasses.dataclass
+class PackedRows:
+    """Rows laid out in one ragged step, and where each row's sample and tokens landed."""
+
+    shape: tuple  # (tokens, pages)
+    batch: RaggedBatch  # numpy, leading R
+    sampling: SamplingTensors  # [R, L]
+    mask: TokenMask | None  # numpy [R, L]: the constrained rows' grammar masks
+    logit_at: np.ndarray  # each row's flat index in [R * L] (its sample); -1 for rows that do not sample
+    token_at: list[tuple[int, int, int]]  # each row's (replica, first token, tokens)
+    score_inputs: tuple[np.ndarray, np.ndarray] | None = None  # scoring: (sample index [R, L], targets [R, N])
+    # A plain step written by its bucket's InputBatch: the packed buffer (what Layout.pack makes of
+    # batch, sampling and mask), which batch, sampling and mask are views of until the bucket's next step.
+    buffer: np.ndarray | None = None
+    speculative: tuple | None = None  # a speculative step's (SpecRows, DraftInputs | None): speculative.pack
+    steps_per_row: np.ndarray | None = None  # a multi-step call's i32[R, S]: decode steps of each row
+    num_steps: list[int] | None = None  # a multi-step call's decode steps per row, in row order
+
+    @property
+    def inputs(self) -> tuple:
+        """The step's host inputs, as `ModelRunner.run_step` takes them."""
+        if self.speculative is not None:
+            return (self.batch, self.sampling, *self.speculative)
+        if self.score_inputs is not None:
+            return (self.batch, self.sampling, self.mask, *self.score_inputs)
+        if self.steps_per_row is not None:
+            return (self.batch, self.sampling, self.mask, self.steps_per_row)
+        return (self.batch, self.sampling, self.mask)
+
+    def unpack(self, x: np.ndarray) -> np.ndarray:  # x: [R, L, ...] -> [rows, ...]
+        return x.reshape((-1,) + x.shape[2:])[np.maximum(self.logit_at, 0)]
+
+    def sample_slots(self) -> list[int]:
+        """Each row's sample's index among its replica's samples (what a placeholder of it names;
+        meaningless for rows that do not sample)."""
+        L = self.sampling.temperature.shape[1]
+        return [at % L for at in self.logit_at.tolist()]
+
+
+def split_sparse(inputs: tuple) -> tuple[tuple, tuple]:
+    """A step's host inputs (RaggedBatch, SamplingTensors, TokenMask, ...) as (the packed part: the
+    sampling's SPARSE_FIELDS taken out, those fields); arrays or ShapeDtypeStructs alike."""
+    batch, sampling, *rest = inputs
+    fields = tuple(getattr(sampling, name) for name in SPARSE_FIELDS)
+    return (batch, sampling.replace(**{name: None for name in SPARSE_FIELDS}), *rest), fields
+
+
+class PendingSamples:
+    """A dispatched step's samples on their way to the host (the copy starts at dispatch): the
+    engine schedules and dispatches the next step before it asks for them. Without `logprobs` only
+    the tokens come back (the samples' logprobs and top-N stay on the device): each array fetched
+    costs the host ~15-30 us a step, as long as the rest of a batch-1 step's fetch. `start_copy`
+    False (a CPU device, whose arrays NumPy reads in place, without a copy): no copy is started,
+    which only cost the host ~7 us an array there."""
+
+    def __init__(self, out: Any, packed: PackedRows, logprobs: bool = True, start_copy: bool = True):
+        self.packed = packed
+        # A plain step of which no row asked for logprobs: its tokens alone, one array and no pytree.
+        plain = packed.speculative is None and packed.steps_per_row is None
+        self._tokens_only = plain and not logprobs and not isinstance(out, tuple)
+        logprobs = logprobs or not plain
+        if self._tokens_only:
+            out = out.tokens
+        elif not logprobs:
+            first = out[0] if isinstance(out, tuple) else out
+            first = first.replace(logprobs=None, top_ids=None, top_logprobs=None)
+            out = (first, out[1]) if isinstance(out, tuple) else first
+        self._out = out
+        if start_copy:
+            for leaf in jax.tree.leaves(out):
+                leaf.copy_to_host_async()
+
+    @property
+    def shape(self) -> tuple:
+        """The bucket the step ran in."""
+        return self.packed.shape
+
+    def is_ready(self) -> bool:
+        """Whether the step is done (its samples computed), without waiting for it."""
+        return all(leaf.is_ready() for leaf in jax.tree.leaves(self._out))
+
+    def wait(self) -> None:
+        """Wait until the step is done, fetching nothing."""
+        jax.block_until_ready(self._out)
+
+    def result(self) -> StepSamples:
+        """Each row's run of samples, in row order (waits for the step)."""
+        packed = self.packed
+        samples = packed.logit_at >= 0
+        if self._tokens_only:
+            tokens = packed.unpack(jax.device_get(self._out))
+            return StepSamples(tokens[:, None], samples.astype(np.int32))
+        out = jax.device_get(self._out)
+        scores = None
+        if isinstance(out, tuple):
+            out, scores = out
+            width = max(n for _, _, n in packed.token_at)
+            index = np.asarray([[min(t + j, t + n - 1) for j in range(width)] for _, t, n in packed.token_at])
+            replica = np.asarray([rep for rep, _, _ in packed.token_at])[:, None]
+            scores = jax.tree.map(lambda x: x[replica, index], scores)
+        if packed.steps_per_row is not None:  # [steps, R, L, ...] -> [rows, steps, ...]
+            fields = {f: getattr(out, f) for f in ("tokens", "logprobs", "top_ids", "top_logprobs")}
+            runs = {f: None if x is None else np.moveaxis(x.reshape(x.shape[:1] + (-1,) + x.shape[3:])[
+                :, np.maximum(packed.logit_at, 0)], 0, 1) for f, x in fields.items()}
+            return StepSamples(num_emitted=np.asarray(packed.num_steps, np.int32), scores=scores, **runs)
+        rows = jax.tree.map(packed.unpack, out)
+        if packed.speculative is not None:  # [rows, K + 1]: the accepted drafts, then the target's token
+            emitted = np.where(samples, rows.num_accepted + 1, 0).astype(np.int32)
+            return StepSamples(rows.tokens, emitted, rows.logprobs, rows.top_ids, rows.top_logprobs, scores)
+        widen = (lambda x: None if x is None else x[:, None])
+        return StepSamples(rows.tokens[:, None], samples.astype(np.int32), widen(rows.logprobs),
+                           widen(rows.top_ids), widen(rows.top_logprobs), scores)
