@@ -175,7 +175,7 @@ class StepTimer:
         self._patch(eng, "_row_work", timed("pack"))
         self._patch(run, "prepare_inputs", timed("pack"))
 
-        def run_packed(fn):
+        def run_step(fn):
             def wrapper(shape, inputs, *rest):
                 self.last["shape"] = shape
                 return fn(shape, inputs, *rest)
@@ -212,7 +212,7 @@ class StepTimer:
                 return buffer
             return wrapper
 
-        self._patch(run, "run_packed", run_packed)
+        self._patch(run, "run_step", run_step)
         self._patch(run, "put_inputs", put_inputs)
         self._patch(run, "put_buffer", put_buffer)
 

@@ -238,7 +238,7 @@ def encode_shutdown(seq: int) -> bytes:
 class Message:
     op: int
     seq: int
-    shape: tuple | None = None  # OP_STEP: the bucket; inputs as runner.run_packed takes them
+    shape: tuple | None = None  # OP_STEP: the bucket; inputs as runner.run_step takes them
     inputs: tuple | None = None
     replica: int = 0  # OP_COPY_PAGES
     src: np.ndarray | None = None
@@ -402,7 +402,7 @@ def follower_loop(runner: Any, channel: Any = None, should_stop: Callable[[], bo
         else:
             try:
                 # Waited for here, so that a failed collective fails this step's message.
-                jax.block_until_ready(runner.run_packed(message.shape, message.inputs))
+                jax.block_until_ready(runner.run_step(message.shape, message.inputs))
             except Exception as err:  # noqa: BLE001 - a collective with a dead peer, most likely
                 raise PeerFailureError(f"step {seq} failed: {type(err).__name__}: {str(err).strip()[:500]}") from err
             steps += 1

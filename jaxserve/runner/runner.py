@@ -4,7 +4,7 @@ It is the only place where host state becomes device arrays, and the one owner o
 step is a flat axis of `N` tokens per replica (`jaxserve.model.ragged`): decodes, prompt chunks and their
 mix in one call. Each (tokens, pages) bucket of `buckets.step_shapes` is compiled once ahead of time;
 the cache is donated into every call and replaced by the result. With speculative decoding every
-bucket is compiled from the speculative step instead (`spec_steps`: verifications among the rows,
+bucket is compiled from the speculative step instead (`speculative.py`: verifications among the rows,
 the draft model inside), and the runner also holds the draft's params and cache; `jaxserve.spec_decode`
 decides each row's drafts.
 """
@@ -25,7 +25,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.engine import buckets as bucket_shapes
 from jaxserve.engine.buckets import MULTI_STEP, SCORE, BucketTable, pick_step_shape
-from jaxserve.runner import speculative as spec_steps
+from jaxserve.runner.speculative import Speculation
 from jaxserve.runner.step_io import PackedRows, PendingSamples, StepSamples, split_sparse
 from jaxserve.engine.row_work import RowWork
 from jaxserve.runner.compilation import CompileCounter, release_compiled_code, step_compiler_options
@@ -105,15 +105,20 @@ class ModelRunner:
         self.carry_sharding = None if shardings is None else jax.sharding.NamedSharding(
             shardings.mesh, jax.sharding.PartitionSpec())
         self.carried = jax.device_put(np.zeros((self.num_replicas, buckets.max_rows), np.int32), self.carry_sharding)
-        self.speculation: spec_steps.Speculation | None = None  # enable_speculation
+        self.speculation: Speculation | None = None  # enable_speculation
         CompileCounter.install()
 
-    def enable_speculation(self, method: str, num_tokens: int, draft: Any = None) -> spec_steps.Speculation:
-        """Hold speculative decoding's executables too (and, for the draft method, the loaded `draft`
-        model's params and a cache of its own over the same page ids)."""
-        self.speculation = spec_steps.Speculation.load(method, num_tokens, draft, self.cache.num_pages,
-                                                       self.cache.page_size, self.num_replicas)
+    def enable_speculation(self, method: str, num_tokens: int, draft: Any = None) -> Speculation:
+        """Compile every ragged bucket as a speculative step (and hold, for the draft method, the
+        loaded `draft` model's params and a cache of its own over the same page ids)."""
+        self.speculation = Speculation.load(self, method, num_tokens, draft)
         return self.speculation
+
+    def _steps(self, shape: tuple) -> Any:
+        """Whose step bucket `shape` is: a speculative engine's ragged buckets are its Speculation's;
+        every other bucket (and every bucket of a plain engine) is the runner's own. Both give
+        `input_specs`, `lower` and `call`."""
+        return self.speculation if self.speculation is not None and len(shape) == 2 else self
 
     # ---- compilation ---------------------------------------------------------------------------
     def step_shapes(self) -> list[tuple]:
@@ -121,25 +126,22 @@ class ModelRunner:
         `buckets.step_shapes`."""
         return bucket_shapes.step_shapes(self.buckets, self.num_scheduler_steps)
 
-    def is_speculative(self, shape: tuple) -> bool:
-        """Whether bucket `shape` is a speculative step (every plain bucket of a speculative engine)."""
-        return self.speculation is not None and len(shape) == 2
-
     def num_logits(self, num_tokens: int) -> int:
         """Logits a step of `num_tokens` tokens returns: one per row that samples, at most one per
         token and one per row."""
         return min(num_tokens, self.buckets.max_rows)
 
     def step_inputs(self, shape: tuple) -> tuple:
-        """ShapeDtypeStructs of the host inputs of bucket `shape`, as `run_packed` takes them:
-        (RaggedBatch, SamplingTensors, TokenMask), plus (sample index, targets) for a scoring variant or each
-        row's step count for a multi-step one. (They travel packed: jaxserve.model.transfer gives the one
-        packed array its sharding.) A speculative step's: see `spec_steps.step_inputs`."""
+        """ShapeDtypeStructs of the host inputs of bucket `shape`, as `run_step` takes them (they
+        travel packed: jaxserve.model.transfer gives the one packed array its sharding)."""
+        return self._steps(shape).input_specs(shape)
+
+    def input_specs(self, shape: tuple) -> tuple:
+        """The runner's own steps' inputs: (RaggedBatch, SamplingTensors, TokenMask), plus (sample
+        index, targets) for a scoring variant or each row's step count for a multi-step one."""
         N, P = shape[:2]
         R, S = self.num_replicas, self.buckets.max_rows
         L = self.num_logits(N)
-        if self.is_speculative(shape):
-            return spec_steps.step_inputs(self.speculation, N, P, L, S, R, self.history_len)
         score = shape[2:] == (SCORE,)
 
         def i32(*dims):
@@ -164,8 +166,10 @@ class ModelRunner:
         layout = self._layouts[shape] = Layout.of(packed)
         sparse = tuple(jax.ShapeDtypeStruct((f.shape[0], math.prod(f.shape[1:])), f.dtype, sharding=self.buffer_sharding)
                        for f in fields)
-        if self.is_speculative(shape):
-            return spec_steps.lower(self, layout, sparse)
+        return self._steps(shape).lower(shape, layout, sparse)
+
+    def lower(self, shape: tuple, layout: Layout, sparse: tuple):
+        """Lower the runner's own step of bucket `shape` (plain, scoring or multi-step)."""
         cache_sharding = None if self.shardings is None else cache_shardings(
             self.shardings, "int8" if self.cache.quantized else "auto")
         static = dict(cfg=self.cfg, options=self.options, cache_sharding=cache_sharding,
@@ -310,7 +314,7 @@ class ModelRunner:
         step's tokens)."""
         score = any(r.targets is not None for r in rows)
         if self.speculation is not None and not score:
-            return spec_steps.pack(self, rows)
+            return self.speculation.pack(rows)
         steps = [r.num_steps for r in rows]
         multi = max(steps) > 1
         if multi and (max(steps) > self.num_scheduler_steps
@@ -419,24 +423,21 @@ class ModelRunner:
                           (sample_index, targets) if score else None)
 
     def run_step(self, shape: tuple, inputs: tuple, buffer: np.ndarray | None = None) -> Any:
-        """`run_packed`, handed first to the other processes of a multi-host job (which make the same
-        call, packing the inputs themselves): how every step runs, the speculative ones too
-        (`jaxserve.spec_decode` calls it)."""
+        """Dispatch the compiled step of bucket `shape` on host inputs ((RaggedBatch, SamplingTensors,
+        ...) of NumPy arrays, leading axis R); returns its outputs as device arrays, [R, L, ...] (not
+        waited for). `buffer`: the inputs but the sparse ones already packed (an InputBatch's),
+        copied as they are. On process 0 of a multi-host job the inputs go first to the other
+        processes, which make the same call with them (`multihost.follower_loop`)."""
         if self.broadcaster is None:
-            return self.run_packed(shape, inputs, buffer)
-        self.broadcaster.step(shape, inputs)  # multi-host: the other processes run the same call
+            return self._dispatch(shape, inputs, buffer)
+        self.broadcaster.step(shape, inputs)
         try:
-            return self.run_packed(shape, inputs, buffer)
+            return self._dispatch(shape, inputs, buffer)
         except Exception as err:  # noqa: BLE001 - the processes are out of step: fatal (it exits)
             self.broadcaster.step_failed(err)
             raise
 
-    def run_packed(self, shape: tuple, inputs: tuple, buffer: np.ndarray | None = None) -> Any:
-        """Dispatch the compiled step of bucket `shape` on packed host inputs ((RaggedBatch,
-        SamplingTensors, ...) of NumPy arrays, leading axis R); returns the samples as device arrays,
-        [R, L, ...] (not waited for). A speculative step's inputs and outputs: `spec_steps`.
-        `buffer`: the inputs but the sparse ones already packed (a InputBatch's), copied as they are.
-        Multi-host followers call this with the inputs process 0 packed."""
+    def _dispatch(self, shape: tuple, inputs: tuple, buffer: np.ndarray | None) -> Any:
         self.check_open()
         if shape not in self._executables:
             self.unplanned_compiles += 1
@@ -446,20 +447,16 @@ class ModelRunner:
             self._ran.add(shape)
             self.first_runs += 1
         # Explicit transfers only (the step loop runs under jax.transfer_guard("disallow") in tests):
-        # one host->device copy of the packed inputs here (and one of the sparse sampling inputs
-        # when a row uses penalties or logit_bias); the samples' copy back is the caller's.
-        if self.is_speculative(shape):
-            packed, fields = split_sparse(inputs)
-            self.last_sparse = self._put_sparse(shape, fields)
-            return spec_steps.call(self, executable, self.last_sparse, self.put_inputs(shape, packed))
-        sampling = inputs[1]
-        self.last_sparse = self._put_sparse(shape, tuple(getattr(sampling, name) for name in SPARSE_FIELDS))
+        # one host->device copy of the packed inputs (and one of the sparse sampling inputs when a
+        # row uses penalties or logit_bias); the samples' copy back is the caller's.
+        packed, fields = split_sparse(inputs)
+        self.last_sparse = self._put_sparse(shape, fields)
         staged = None
         if buffer is None:
-            buffer = self._layouts[shape].pack(split_sparse(inputs)[0])
-        else:  # a copy: the writer rewrites its buffer for the next step, and a CPU device may alias it
+            buffer = self._layouts[shape].pack(packed)
+        else:  # a copy: the input batch rewrites its buffer for the next step, and a CPU device may alias it
             staged, buffer = self._stage(shape, buffer)
-        out, self.cache, self.carried = self._call_step(executable, buffer)
+        out = self._call(shape, executable, self.last_sparse, buffer)
         if staged is not None:
             staged[1] = out.tokens  # ready once the step is done: then nothing reads that copy
         return out
@@ -483,25 +480,24 @@ class ModelRunner:
         kept.append([copy, None])
         return kept[-1], copy
 
-    def _call(self, shape: tuple, executable: Any, sparse: tuple, buffer: jax.Array) -> Any:
-        """Call bucket `shape`'s executable on device inputs (warm-up, probes), replacing the donated
-        caches and the carried samples; returns its outputs (on the device)."""
-        if self.is_speculative(shape):
-            return spec_steps.call(self, executable, sparse, buffer)
+    def _call(self, shape: tuple, executable: Any, sparse: tuple, buffer: Any) -> Any:
+        """Call bucket `shape`'s executable, replacing the donated caches and the carried samples;
+        returns its outputs (on the device). `buffer`: the packed inputs, on the device or a NumPy
+        array. In one process a NumPy buffer is the call's operand, and the executable's own
+        argument handling copies it to the device: the same one transfer as `put_buffer`, without
+        jax.device_put's Python path (~20 us on an idle CPU, 150-350 us of the host's time beside a
+        running step on 2 shared cores: `docs/BENCHMARKS.md`). Declared where it happens: every
+        other operand is already on the device. On a mesh spanning processes each process puts its
+        own shards (`put_buffer`)."""
+        if isinstance(buffer, np.ndarray) and self.out_sharding is not None:
+            buffer = self.put_buffer(buffer)
+        with jax.transfer_guard_host_to_device("allow"):  # the packed inputs: this step's one copy in
+            return self._steps(shape).call(executable, sparse, buffer)
+
+    def call(self, executable: Any, sparse: tuple, buffer: Any) -> Any:
+        """Call one of the runner's own steps' executables."""
         out, self.cache, self.carried = executable(self.params, self.cache, self.carried, sparse, buffer)
         return out
-
-    def _call_step(self, executable: Any, buffer: np.ndarray) -> tuple:
-        """Call a plain step's executable on its packed host buffer. In one process the NumPy buffer is
-        the call's operand, and the executable's own argument handling copies it to the device: the
-        same one transfer as `put_buffer`, without jax.device_put's Python path (~20 us on an idle
-        CPU, 150-350 us of the host's time beside a running step on 2 shared cores: `docs/BENCHMARKS.md`). Declared
-        where it happens: every other operand is already on the device. On a mesh spanning processes
-        each process puts its own shards (`put_buffer`)."""
-        if self.out_sharding is not None:
-            return executable(self.params, self.cache, self.carried, self.last_sparse, self.put_buffer(buffer))
-        with jax.transfer_guard_host_to_device("allow"):  # the packed inputs: this step's one copy in
-            return executable(self.params, self.cache, self.carried, self.last_sparse, buffer)
 
     def put_inputs(self, shape: tuple, inputs: tuple) -> jax.Array:
         """Bucket `shape`'s host inputs but the sparse ones (`split_sparse`) packed into one array and

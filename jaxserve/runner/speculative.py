@@ -1,10 +1,11 @@
 """The speculative executables, as the runner holds them: in an engine with speculative decoding
 every ragged step bucket (tokens, pages) is compiled from `spec_decode.step.speculative_step`
 (prompt chunks, plain decodes and verifications side by side, the draft model's proposals and
-catch-up inside), so speculation adds no executables. Their input specs, lowering and calls;
-`ModelRunner` owns them like every step (one executable table, compiled by its warm-up, run and
-broadcast to the other processes of a multi-host job by `run_step`); `jaxserve.spec_decode`
-decides what each row proposes.
+catch-up inside), so speculation adds no executables. `Speculation` gives those buckets the
+interface the runner's own steps have (input specs, lowering, calls, packing): `ModelRunner` owns
+them like every step (one executable table, compiled by its warm-up, run and broadcast to the
+other processes of a multi-host job by `run_step`); `jaxserve.spec_decode` decides what each row
+proposes.
 
 A speculative step's host inputs: (RaggedBatch [R, N] with logit_index [R, min(N, G * W)],
 SamplingTensors [R, G], SpecRows [R, G], DraftInputs or None), G = min(N, max rows), W = K + 1.
@@ -42,23 +43,41 @@ class Speculation:
     draft_cache: KVCache | None = None
     draft_cache_sharding: KVCache | None = None
     accept_all: bool = False  # a deliberately wrong verifier: only the test that must catch it sets this
+    runner: Any = None  # the ModelRunner holding the target's params and cache, and these executables
 
     @classmethod
-    def load(cls, method: str, num_tokens: int, draft: Any, num_pages: int, page_size: int,
-             num_replicas: int) -> Speculation:
-        """`draft`: the loaded draft model (method "draft"; its cache is allocated here) or None."""
+    def load(cls, runner: Any, method: str, num_tokens: int, draft: Any) -> Speculation:
+        """`draft`: the loaded draft model (method "draft"; its cache is allocated here, over the same
+        page ids as the runner's) or None."""
         if draft is None:
-            return cls(method, num_tokens)
-        cache = init_cache(draft.cfg, num_pages, page_size, draft.dtype, num_replicas, draft.shardings.cache)
-        return cls(method, num_tokens, draft.cfg, draft.params, cache, cache_shardings(draft.shardings, "auto"))
+            return cls(method, num_tokens, runner=runner)
+        c = runner.cache
+        cache = init_cache(draft.cfg, c.num_pages, c.page_size, draft.dtype, c.num_replicas, draft.shardings.cache)
+        return cls(method, num_tokens, draft.cfg, draft.params, cache, cache_shardings(draft.shardings, "auto"),
+                   runner=runner)
 
     @property
     def width(self) -> int:
         """Logits per sampling group: the pending token's and K drafts'."""
         return self.num_tokens + 1
 
+    # The runner's step interface (`ModelRunner.input_specs`, `lower`, `call`), for its ragged buckets.
+    def input_specs(self, shape: tuple) -> tuple:
+        r = self.runner
+        N, P = shape
+        return _step_inputs(self, N, P, r.num_logits(N), r.buckets.max_rows, r.num_replicas, r.history_len)
 
-def step_inputs(spec: Speculation, N: int, P: int, G: int, S: int, R: int, history_len: int) -> tuple:
+    def lower(self, shape: tuple, layout: Layout, sparse: tuple):
+        return _lower(self.runner, layout, sparse)
+
+    def call(self, executable: Any, sparse: tuple, buffer: Any) -> Any:
+        return _call(self.runner, executable, sparse, buffer)
+
+    def pack(self, rows: Sequence[Any]) -> PackedRows:
+        return _pack(self.runner, rows)
+
+
+def _step_inputs(spec: Speculation, N: int, P: int, G: int, S: int, R: int, history_len: int) -> tuple:
     """ShapeDtypeStructs of a speculative step's host inputs (see the module docstring)."""
     def i32(*dims):
         return jax.ShapeDtypeStruct((R,) + dims, jnp.int32)
@@ -101,7 +120,7 @@ _step_jit = jax.jit(from_buffer(_step, 6), static_argnames=(
     donate_argnums=(1, 3))
 
 
-def lower(runner: Any, layout: Layout, sparse: tuple):
+def _lower(runner: Any, layout: Layout, sparse: tuple):
     """Lower a speculative step for the runner's params, caches and shardings (inputs packed by
     `layout`; `sparse`: the ShapeDtypeStructs of the sampling's sparse operands)."""
     spec = runner.speculation
@@ -116,7 +135,7 @@ def lower(runner: Any, layout: Layout, sparse: tuple):
         draft_cache_sharding=spec.draft_cache_sharding, out_sharding=runner.out_sharding).lower()
 
 
-def call(runner: Any, executable: Any, sparse: tuple, buffer: jax.Array) -> Any:
+def _call(runner: Any, executable: Any, sparse: tuple, buffer: jax.Array) -> Any:
     """Run a compiled speculative step on packed device inputs, replacing the donated caches; returns
     the VerifyOutput ([R, G] leading, on the device)."""
     spec = runner.speculation
@@ -125,7 +144,7 @@ def call(runner: Any, executable: Any, sparse: tuple, buffer: jax.Array) -> Any:
     return out
 
 
-def pack(runner: Any, rows: Sequence[Any]):
+def _pack(runner: Any, rows: Sequence[Any]):
     """Lay `rows` (the runner's RowWork: prompt chunks, decodes, verifications) out in the smallest
     bucket as a speculative step: a PackedRows whose `speculative` holds (SpecRows, DraftInputs)."""
     spec = runner.speculation

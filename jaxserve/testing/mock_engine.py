@@ -1,7 +1,7 @@
 """A deterministic stand-in for `AsyncLLMEngine`, for testing and fuzzing the HTTP layer without a model.
 
 Same interface as the real engine (`jaxserve.server.engine_protocol.ServingEngine`: `tokenizer`,
-`max_model_len`, `settings`, `start`, `submit`, `abort`, `stats`, `shutdown`; also `generate`,
+`max_model_len`, `config`, `start`, `submit`, `abort`, `stats`, `shutdown`; also `generate`,
 `from_settings` and `.engine`), the same SamplingParams (every field), same threading model (a
 background step loop that puts deltas into the caller's queue), and the same output contract (deltas:
 new `token_ids`/`text`/logprobs per step, `finish_reason` "stop" | "length" | "abort" once).
@@ -146,15 +146,15 @@ class _Request:
 
 
 class MockLLMEngine:
-    """What `AsyncLLMEngine.engine` exposes: tokenizer, model_config, settings, plan."""
+    """What `AsyncLLMEngine.engine` exposes: tokenizer, model_config, config, memory."""
 
-    def __init__(self, settings: EngineConfig, tokenizer: Any, plan: MemoryPlan):
-        self.settings = settings
+    def __init__(self, config: EngineConfig, tokenizer: Any, memory: MemoryPlan):
+        self.config = config
         self.tokenizer = tokenizer
-        self.plan = plan
+        self.memory = memory
         self.model_config = ModelConfig(
             vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-            num_kv_heads=2, head_dim=16, max_position_embeddings=plan.max_model_len,
+            num_kv_heads=2, head_dim=16, max_position_embeddings=memory.max_model_len,
             bos_token_id=EOS_ID, eos_token_ids=(EOS_ID,),
         )
 
@@ -175,12 +175,12 @@ class MockAsyncLLMEngine:
         settings = settings or EngineConfig(max_num_seqs=16, num_pages=512, page_size=16, max_model_len=512)
         max_model_len = settings.max_model_len or 512
         num_pages = settings.num_pages or 512
-        plan = MemoryPlan(
+        memory = MemoryPlan(
             param_bytes=10_000_000, kv_bytes_per_token=2 * 2 * 16 * 2 * 2, page_size=settings.page_size,
             num_pages=num_pages, max_model_len=max_model_len,
             max_pages_per_seq=math.ceil(max_model_len / settings.page_size),
         )
-        self.engine = MockLLMEngine(settings, tokenizer if tokenizer is not None else MockTokenizer(), plan)
+        self.engine = MockLLMEngine(settings, tokenizer if tokenizer is not None else MockTokenizer(), memory)
         self.token_delay = float(token_delay)
         # A prompt containing this string makes the engine fail that one request in its first step (tests
         # the 500 path); with "-later" appended, after its first token (tests the in-band stream error).
@@ -208,18 +208,18 @@ class MockAsyncLLMEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.plan.max_model_len
+        return self.engine.memory.max_model_len
 
     @property
     def limits(self) -> Limits:
-        return Limits(vocab_size=VOCAB_SIZE, max_model_len=self.engine.plan.max_model_len,
-                      page_size=self.engine.plan.page_size, usable_pages=self.engine.plan.num_pages - 1,
-                      max_num_seqs=self.engine.settings.max_num_seqs,
+        return Limits(vocab_size=VOCAB_SIZE, max_model_len=self.engine.memory.max_model_len,
+                      page_size=self.engine.memory.page_size, usable_pages=self.engine.memory.num_pages - 1,
+                      max_num_seqs=self.engine.config.max_num_seqs,
                       structured_refusal="the mock engine does not implement structured output; serve a model")
 
     @property
     def config(self) -> EngineConfig:
-        return self.engine.settings
+        return self.engine.config
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -243,12 +243,12 @@ class MockAsyncLLMEngine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         ids = [int(t) for t in prompt_token_ids]
         check_request(ids, params, self.limits)
-        limit = self.engine.plan.max_model_len
+        limit = self.engine.memory.max_model_len
         total = min(len(ids) + params.max_tokens, limit)
-        pages = math.ceil(total / self.engine.plan.page_size) * params.n
-        if pages > self.engine.plan.num_pages - 1:  # the simulation reserves every sample's pages at once
+        pages = math.ceil(total / self.engine.memory.page_size) * params.n
+        if pages > self.engine.memory.num_pages - 1:  # the simulation reserves every sample's pages at once
             raise RequestError(
-                f"prompt + max_tokens needs {pages} KV pages; the cache has {self.engine.plan.num_pages - 1}")
+                f"prompt + max_tokens needs {pages} KV pages; the cache has {self.engine.memory.num_pages - 1}")
         text = self.engine.tokenizer.decode(ids, skip_special_tokens=False) if self.fail_marker else ""
         fail = 0
         if self.fail_marker and self.fail_marker[:-2] + "-later" + self.fail_marker[-2:] in text:
@@ -311,7 +311,7 @@ class MockAsyncLLMEngine:
                 if self._stopping and not self._waiting and not self._running:
                     return
                 now = time.monotonic()
-                while self._waiting and len(self._running) < self.engine.settings.max_num_seqs:
+                while self._waiting and len(self._running) < self.engine.config.max_num_seqs:
                     req = self._waiting[0]
                     if req.pages > self._pages_free:
                         break
@@ -332,7 +332,7 @@ class MockAsyncLLMEngine:
                     self._advance(req)
                     tokens_read += len(req.prompt_ids) + max(len(s.token_ids) for s in req.siblings)
                 self._last_step_seconds = time.perf_counter() - start
-                self._last_step_bytes = self.engine.plan.param_bytes + tokens_read * self.engine.plan.kv_bytes_per_token
+                self._last_step_bytes = self.engine.memory.param_bytes + tokens_read * self.engine.memory.kv_bytes_per_token
 
     def _advance(self, req: _Request) -> None:
         params = req.params
@@ -370,7 +370,7 @@ class MockAsyncLLMEngine:
             if (token == EOS_ID and not params.ignore_eos) or token in params.stop_token_ids:
                 s.finish_reason = "stop"
             elif (len(s.token_ids) >= params.max_tokens
-                  or len(req.prompt_ids) + len(s.token_ids) >= self.engine.plan.max_model_len):
+                  or len(req.prompt_ids) + len(s.token_ids) >= self.engine.memory.max_model_len):
                 s.finish_reason = "length"
             # While running, hold back a tail that could still become a stop string.
             s.text = full if s.finish_reason else full[: len(full) - held_back(full, params.stop)]
@@ -453,9 +453,9 @@ class MockAsyncLLMEngine:
     # ---- observability --------------------------------------------------------------------------
     def stats(self) -> dict:
         with self._lock:
-            total = self.engine.plan.num_pages - 1
+            total = self.engine.memory.num_pages - 1
             used = total - self._pages_free
-            slots = sum(r.pages for r in self._running) * self.engine.plan.page_size
+            slots = sum(r.pages for r in self._running) * self.engine.memory.page_size
             stored = sum(
                 (len(r.prompt_ids) + len(s.token_ids)) for r in self._running for s in r.siblings
             )

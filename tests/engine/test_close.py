@@ -65,7 +65,7 @@ def test_three_engines_of_different_settings_one_after_another(hf_model_dir):
     with pytest.raises(EngineClosedError, match="closed"):
         llm.engine.step()
     with pytest.raises(EngineClosedError, match="closed"):
-        llm.runner.run_packed((1, 4), ())
+        llm.runner.run_step((1, 4), ())
     llm.close()  # idempotent
 
 

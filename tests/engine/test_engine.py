@@ -209,19 +209,19 @@ def test_copies_of_the_packed_inputs_are_kept_and_reused(llm, monkeypatch):
     prompts, _ = make_requests(3, seed=12)
     for i, p in enumerate(prompts):
         engine.add_request(f"k{i}", prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=25, temperature=0))
-    seen, real, real_pack, written = [], runner._call_step, runner._pack_written, {}
+    seen, real, real_pack, written = [], runner.call, runner._pack_written, {}
 
-    def call_step(executable, buffer):
-        if "words" in written:  # a step of a bucket's writer (a bucket's first step is packed anew)
+    def call_step(executable, sparse, buffer):
+        if "words" in written:  # a step of a bucket's input batch (a bucket's first step is packed anew)
             seen.append((buffer, buffer.copy(), written.pop("words")))
-        return real(executable, buffer)
+        return real(executable, sparse, buffer)
 
     def pack_written(*args):
         packed = real_pack(*args)
         written["words"] = packed.buffer.copy()
         return packed
 
-    monkeypatch.setattr(runner, "_call_step", call_step)
+    monkeypatch.setattr(runner, "call", call_step)
     monkeypatch.setattr(runner, "_pack_written", pack_written)
     while engine.has_unfinished_requests():
         engine.step()
@@ -236,13 +236,13 @@ def test_copies_of_the_packed_inputs_are_kept_and_reused(llm, monkeypatch):
 
 def count_step_operands(runner, monkeypatch) -> list:
     """The type of the packed-inputs operand of each plain step's call, from now on."""
-    operands, real = [], runner._call_step
+    operands, real = [], runner.call
 
-    def call_step(executable, buffer):
+    def call_step(executable, sparse, buffer):
         operands.append(type(buffer))
-        return real(executable, buffer)
+        return real(executable, sparse, buffer)
 
-    monkeypatch.setattr(runner, "_call_step", call_step)
+    monkeypatch.setattr(runner, "call", call_step)
     return operands
 
 

@@ -60,7 +60,7 @@ def default_model_client(max_model_len: int, max_num_batched_tokens: int):
     from jaxserve.loading import resources
     from jaxserve.config import EngineConfig
     from jaxserve.engine.async_engine import AsyncLLMEngine
-from jaxserve.llm_engine import LLMEngine
+    from jaxserve.llm_engine import LLMEngine
     from jaxserve.server.api import ServerOptions, create_app
 
     settings = EngineConfig(model=str(resources.small_checkpoint()), dtype="float32", max_model_len=max_model_len,

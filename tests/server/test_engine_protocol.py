@@ -8,18 +8,20 @@ import types
 
 from jaxserve.config import EngineConfig
 from jaxserve.server.engine_protocol import ServerTokenizer, ServingEngine
+from jaxserve.engine.intake import Intake
 from jaxserve.testing.mock_engine import MockAsyncLLMEngine, MockTokenizer, mock_settings
 
-MEMBERS = ("tokenizer", "max_model_len", "settings", "start", "shutdown", "submit", "abort", "stats")
+MEMBERS = ("tokenizer", "max_model_len", "config", "start", "shutdown", "submit", "abort", "stats")
 
 
 class StubLLMEngine:
-    """What AsyncLLMEngine's server-facing members read from an LLMEngine."""
+    """What AsyncLLMEngine's server-facing members read from the engine core."""
 
     def __init__(self):
         self.tokenizer = MockTokenizer()
-        self.plan = types.SimpleNamespace(max_model_len=96)
-        self.settings = EngineConfig(max_model_len=96)
+        self.memory = types.SimpleNamespace(max_model_len=96)
+        self.config = EngineConfig(max_model_len=96)
+        self.intake = Intake()
 
     def close(self) -> None:
         pass
@@ -61,7 +63,7 @@ def test_an_object_lacking_a_member_does_not():
     class NoAbort:
         tokenizer = None
         max_model_len = 8
-        settings = None
+        config = None
 
         def start(self): ...
         def shutdown(self): ...

@@ -198,7 +198,7 @@ def test_first_runs_of_an_executable_are_not_step_time_samples(draft_llm):
     key = ("plain", 1)
     before = len(spec._wall.get(key, ()))
     spec._timing = key
-    runner.first_runs += 1  # as run_packed counts a bucket's first call
+    runner.first_runs += 1  # as run_step counts a bucket's first call
     spec.record_step_time(1.0)
     assert len(spec._wall.get(key, ())) == before
     spec._timing = key
