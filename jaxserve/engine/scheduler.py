@@ -108,25 +108,25 @@ class Scheduler:
         kind = "decode" if len(rows) == decodes else "prefill" if not decodes else "mixed"
         return SchedulerOutput(kind, rows, copies, preempted)
 
-    def takes_arrivals(self, plan: SchedulerOutput) -> bool:
-        """Whether a request arriving now could still join `plan` (`top_up`): nobody waits ahead of
-        it, and some replica has a free seat and tokens left in the plan's budget."""
-        if (not plan.rows or self.waiting or self.lookahead is not None
+    def takes_arrivals(self, batch: SchedulerOutput) -> bool:
+        """Whether a request arriving now could still join `batch` (`top_up`): nobody waits ahead of
+        it, and some replica has a free seat and tokens left in the batch's budget."""
+        if (not batch.rows or self.waiting or self.lookahead is not None
                 or (self.scheduling == "static" and self.running)
                 or self._prompt_work_in_flight() >= self.max_num_batched_tokens):
             return False
-        budget, seats = self._budget_left(plan.rows), self._seats_left()
+        budget, seats = self._budget_left(batch.rows), self._seats_left()
         return any(b > 0 and n > 0 for b, n in zip(budget, seats))
 
-    def top_up(self, plan: SchedulerOutput) -> list[ScheduledRow]:
-        """Admit requests added since `plan` was made and append their first prompt chunks to it, in
-        the budget it left; returns the rows added. Async scheduling holds a plan back for requests
-        that arrive while the step before it runs (LLMEngine.step); a plan with lookahead is never
+    def top_up(self, batch: SchedulerOutput) -> list[ScheduledRow]:
+        """Admit requests added since `batch` was made and append their first prompt chunks to it, in
+        the budget it left; returns the rows added. Async scheduling holds a batch back for requests
+        that arrive while the step before it runs (EngineCore.execute); a batch with lookahead is never
         topped up (only plain steps are held back)."""
-        new = self._prompt_chunks(plan.rows)
+        new = self._prompt_chunks(batch.rows)
         if new:
-            plan.rows.extend(new)
-            plan.kind = "prefill" if plan.kind == "prefill" else "mixed"
+            batch.rows.extend(new)
+            batch.kind = "prefill" if batch.kind == "prefill" else "mixed"
         return new
 
     def _prompt_chunks(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:

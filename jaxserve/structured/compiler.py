@@ -1,6 +1,6 @@
 """GrammarCompiler: StructuredSpec -> CompiledGrammar through llguidance, cached by spec, on a worker thread.
 
-Why llguidance (`python -m jaxserve.structured.bench`, table in docs/ARCHITECTURE.md, "Structured
+Why llguidance (`python scripts/bench_grammar_masks.py`, table in docs/ARCHITECTURE.md, "Structured
 output"): it is one wheel with no Python dependencies, where xgrammar 0.2.9 requires torch,
 transformers and triton at run time, and torch is kept out of jaxserve's runtime dependencies.
 xgrammar's masks are faster (mean 3 vs 12 us per token on the shipped 8192-id sentencepiece

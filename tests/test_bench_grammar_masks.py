@@ -1,8 +1,8 @@
-"""python -m jaxserve.structured.bench runs and reports mask times (a smoke test; numbers are in docs/ARCHITECTURE.md)."""
+"""python scripts/bench_grammar_masks.py runs and reports mask times (a smoke test; numbers are in docs/ARCHITECTURE.md)."""
 
 import json
 
-from jaxserve.structured import bench
+import bench_grammar_masks as bench
 
 
 def test_bench_smoke(capsys):

@@ -1,6 +1,6 @@
 """Mask time per token for a bounded JSON schema: llguidance (and xgrammar, when importable) on jaxserve tokenizers.
 
-    python -m jaxserve.structured.bench [--hf-tokenizer DIR] [--xgrammar] [--apply] [--step-inputs]
+    python scripts/bench_grammar_masks.py [--hf-tokenizer DIR] [--xgrammar] [--apply] [--step-inputs]
 
 Each document is a valid instance of SCHEMA (drawn by a seeded random walk under the grammar),
 tokenized as the bridge tokenizes text (no sentencepiece dummy prefix); the time is that of computing the mask before each of
@@ -191,7 +191,6 @@ def time_step_inputs(vocab_size: int, rows: int, iters: int = 2000) -> dict:
     int32 buffer and copied to the device, against the same inputs without it. Medians in us."""
     import jax
 
-    from jaxserve.runner.grammar_masks import GrammarMasks
     from jaxserve.model.kv_cache import RaggedBatch
     from jaxserve.model.sampler import RowSampling, SamplingTensors
     from jaxserve.structured.apply import TokenMask
@@ -202,12 +201,12 @@ def time_step_inputs(vocab_size: int, rows: int, iters: int = 2000) -> dict:
     batch = RaggedBatch(tokens=i32(rows), positions=i32(rows), slots=i32(rows), token_row=i32(rows),
                         query_start=i32(S + 1), context_lens=i32(S), page_table=i32(S, P), logit_index=i32(rows))
     st = SamplingTensors.pack([RowSampling(temperature=0.7, seed=i) for i in range(rows)], (R, rows), history)
-    masks = GrammarMasks(R, vocab_size)
+    no_grammar = TokenMask(np.full((R, rows, -(-vocab_size // 32)), -1, np.int32), np.zeros((R, rows), bool))
     plain, masked = Layout.of((batch, st)), Layout.of((batch, st, TokenMask.spec((R, rows), vocab_size)))
 
     def once(layout, with_mask):
         t0 = time.perf_counter()
-        inputs = (batch, st, masks.fill(rows, [])) if with_mask else (batch, st)
+        inputs = (batch, st, no_grammar) if with_mask else (batch, st)
         jax.block_until_ready(layout.put(inputs))
         return (time.perf_counter() - t0) * 1e6
 
