@@ -6,15 +6,23 @@ from jaxserve.sampling.params import CompletionOutput, RequestOutput, SamplingPa
 
 
 def __getattr__(name):
-    # LLM pulls in the engine; import it lazily so `import jaxserve` stays cheap.
+    # These pull in JAX and the engine; imported lazily so `import jaxserve` stays cheap.
     if name == "LLM":
         from jaxserve.llm import LLM
 
         return LLM
+    if name == "LLMEngine":
+        from jaxserve.llm_engine import LLMEngine
+
+        return LLMEngine
+    if name == "AsyncLLMEngine":
+        from jaxserve.engine.async_engine import AsyncLLMEngine
+
+        return AsyncLLMEngine
     raise AttributeError(name)
 
 
 __all__ = [
-    "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "ModelConfig",
+    "LLM", "LLMEngine", "AsyncLLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "ModelConfig",
     "JaxServeError", "ConfigError", "ModelLoadError", "RequestError", "UnsupportedModelError",
 ]

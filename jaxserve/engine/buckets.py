@@ -39,7 +39,7 @@ def resolve_token_ladder(settings: Any, platform: str | None) -> str:
     """The ladder `settings.token_buckets` names; `auto` is fine on a CPU, where a step costs its
     padded tokens (a probe: 4 decodes + a 150-token chunk take 440 ms in a 160-token bucket, 555 ms
     in 256), and powers of two on accelerators, where a step of up to hundreds of tokens costs about
-    its weight reads and issue 21 allows 10 executables. Also powers of two with prompt logprobs:
+    its weight reads and start-up wants few executables (about 10). Also powers of two with prompt logprobs:
     their scoring variant of every bucket would make fine's 17 executables 33, over the CPU's 30.
     `platform` is jax's backend name, needed only for `auto`."""
     if settings.token_buckets != "auto":
@@ -114,8 +114,8 @@ class BucketTable:
 def step_shapes(buckets: BucketTable, num_scheduler_steps: int = 1) -> list[tuple]:
     """Every (tokens, pages) ragged step the engine may run, plus a multi-step variant of each
     decode-sized one (tokens <= rows) when num_scheduler_steps > 1: one executable per token bucket,
-    at the largest page table, on every platform. (Until the CPU's attention read only the keys each
-    row sees, a CPU step had page-count buckets too: 28 steps for configs/small.yaml instead of 8.)
+    at the largest page table, on every platform: attention reads only the keys each row sees, so a
+    wider page table costs nothing and page-count buckets would only multiply executables.
     """
     plain = [(t, buckets.page_counts[-1]) for t in buckets.token_counts]
     multi = [s + (MULTI_STEP,) for s in plain if s[0] <= buckets.max_rows] if num_scheduler_steps > 1 else []
