@@ -159,6 +159,9 @@ def compare(
 ) -> Report:
     """Run every prompt through jaxserve and HF (CPU) and compare their logits position by position.
 
+    jaxserve's side is `steps.prefill` / `steps.decode`: the engine's ragged step, forward and
+    attention (`attention`: one of `steps.ATTENTION_IMPLS`), on rows laid out by the step itself.
+
     HF loads `reference_dir` (default: `model_dir`), so a converted or edited checkpoint can be checked
     against the original.
     """
@@ -176,7 +179,7 @@ def compare(
     if page_size < 1 or max_new_tokens < 0:
         raise ConfigError("page_size must be >= 1 and max_new_tokens >= 0")
     try:
-        steps.attention_impl(attention)
+        steps.ragged_attention_impl(attention)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     base = DEFAULT_TOLERANCES[dtype]

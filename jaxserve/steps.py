@@ -1,8 +1,9 @@
 """The jit-compiled steps: the public step-level API for research code.
 
 `ragged` is the engine's step: one flat batch of prompt chunks, decodes and verifications per
-replica (`RaggedBatch`). `prefill` / `decode` take the rectangle `StepBatch` ([R, B, T] tokens:
-research code, benchmarks and the quality scripts use them; the engine does not). All take
+replica (`RaggedBatch`). `prefill` / `decode` take rows as a rectangle (`StepBatch`, [R, B, T]
+tokens), the easier form to build by hand; they lay the rows out as a `RaggedBatch` on the device
+and run the same step, so research code measures the forward and the attention that serve. All take
 `(params, cache, batch)` and return `(logits, cache)`; the cache is donated (updated in place)
 unless you call a `*_nodonate` variant.
 The model config and step options are static, so one compilation serves every batch of a shape.
@@ -21,10 +22,11 @@ from jaxserve.config import ModelConfig
 from jaxserve.model import quant
 from jaxserve.errors import ConfigError
 from jaxserve.model.kv_cache import KVCache, RaggedBatch, StepBatch
-from jaxserve.model.layers import paged_attention_reference, ragged_attention_blocked
-from jaxserve.model.llama import forward, forward_ragged, lm_head
+from jaxserve.model.layers import ragged_attention_blocked
+from jaxserve.model.llama import forward_ragged, lm_head
+from jaxserve.model.ragged import PAD_SLOT
 from jaxserve.model.weights import Params
-from jaxserve.model.sharding import DATA, MODEL, ExpertParallel, _local_kv_heads, shard_attention
+from jaxserve.model.sharding import DATA, MODEL, ExpertParallel, _local_kv_heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +34,7 @@ class StepOptions:
     """Static choices of how a step is computed (hashable: part of the compilation key)."""
 
     scan_layers: bool = False
+    # prefill / decode: logits at every token of every row (f32[R, B, T, V]), not only at its last.
     all_logits: bool = False
     attention_backend: str = "reference"
     # The (data, model) mesh the step runs on. Needed only by the Pallas backends on more than one
@@ -50,18 +53,6 @@ class StepOptions:
 ATTENTION_IMPLS = ("reference", "pallas_tpu", "pallas_gpu", "pallas_interpret")
 
 
-def attention_impl(impl: str, mesh: Mesh | None = None):
-    """The model's attention function; under a mesh of several devices the kernels run per shard."""
-    if impl == "reference":
-        return paged_attention_reference
-    if impl in ("pallas_tpu", "pallas_gpu", "pallas_interpret"):
-        # Interpret mode runs the GPU-style kernels on the CPU (slow; for testing).
-        backend = "tpu" if impl == "pallas_tpu" else "gpu"
-        fn = functools.partial(pallas_attention, backend=backend, interpret=impl == "pallas_interpret")
-        return shard_attention(fn, mesh) if _per_shard(impl, mesh) else fn
-    raise ValueError(f"unknown attention implementation {impl!r}; expected one of {ATTENTION_IMPLS}")
-
-
 def expert_parallel_impl(cfg: ModelConfig, options: StepOptions) -> ExpertParallel | None:
     """The forward's `expert_parallel` argument: None unless a mixture of experts is expert-parallel on
     a model axis of several devices."""
@@ -73,31 +64,6 @@ def expert_parallel_impl(cfg: ModelConfig, options: StepOptions) -> ExpertParall
 
 def _per_shard(impl: str, mesh: Mesh | None) -> bool:
     return impl != "reference" and mesh is not None and mesh.size > 1
-
-
-def pallas_attention(q, k_pages, v_pages, page_table, positions, seq_lens, sliding_window=None, *,
-                     backend: str, interpret: bool, k_scale=None, v_scale=None):
-    """The model's attention call on the Pallas kernels: the decode kernel for one token per row,
-    the ragged kernel otherwise (valid tokens packed to the front, outputs scattered back).
-    k_scale, v_scale f32[K, NP, S]: the scales of an int8 cache, dequantized inside the kernels."""
-    from pallas_kernels import paged_attention, ragged_paged_attention
-
-    B, T, N, H = q.shape
-    scales = dict(k_scale=k_scale, v_scale=v_scale)
-    if T == 1 and sliding_window is None:
-        out = paged_attention(q[:, 0], k_pages, v_pages, seq_lens, page_table, backend=backend, interpret=interpret,
-                              **scales)
-        return out[:, None]
-    num_new = seq_lens - positions[:, 0]  # i32[B]
-    valid = (jnp.arange(T, dtype=jnp.int32)[None, :] < num_new[:, None]).reshape(B * T)
-    order = jnp.argsort(~valid, stable=True)  # valid tokens first, in row order
-    query_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(num_new, dtype=jnp.int32)])
-    flat = ragged_paged_attention(
-        q.reshape(B * T, N, H)[order], k_pages, v_pages, page_table, seq_lens, query_start, B,
-        sliding_window=sliding_window, backend=backend, interpret=interpret, **scales,
-    )
-    out = jnp.zeros_like(flat).at[order].set(flat)
-    return out.reshape(B, T, N, H)
 
 
 def ragged_attention_impl(impl: str, mesh: Mesh | None = None):
@@ -131,8 +97,8 @@ def pallas_ragged_attention(q, k_cache, v_cache, layer, positions, query_start, 
 
 
 def shard_ragged_attention(attention, mesh: Mesh):
-    """`attention` (the ragged step's per-replica call) once per device under `jax.shard_map`, as
-    `sharding.shard_attention` does for the rectangle steps: query heads split on `model`; the
+    """`attention` (the ragged step's per-replica call) once per device under `jax.shard_map`:
+    query heads split on `model`; the
     stacked cache's KV-head axis (axis 1, scales too) on `model` when it divides them, else
     replicated; the batch arrays, layer, window and scale whole. The replica axis comes from the
     caller's `jax.vmap(..., spmd_axis_name="data")`. With replicated KV heads each device takes its
@@ -171,37 +137,6 @@ def shard_ragged_attention(attention, mesh: Mesh):
     return wrapped
 
 
-def model_step(
-    params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig, options: StepOptions = StepOptions()
-) -> tuple[jax.Array, KVCache]:
-    """logits f32[R, B, V] (or f32[R, B, T, V] with all_logits) and the updated cache."""
-    fwd = functools.partial(
-        forward,
-        cfg=cfg,
-        scan_layers=options.scan_layers,
-        all_logits=options.all_logits,
-        attention=attention_impl(options.attention_backend, options.mesh),
-        matmul=options.matmul_backend,
-        expert_parallel=expert_parallel_impl(cfg, options),
-    )
-    # A shard_map inside the vmap maps the replica axis onto `data` through spmd_axis_name.
-    spmd = DATA if _per_shard(options.attention_backend, options.mesh) else None
-    # The cache pytree (scales too, when int8) is mapped over its leading replica axis.
-    return jax.vmap(fwd, in_axes=(None, 0, 0, 0, 0, 0), spmd_axis_name=spmd)(
-        params, cache, batch.tokens, batch.start_pos, batch.num_new, batch.page_table
-    )
-
-
-def _check_decode(batch: StepBatch) -> None:
-    if batch.tokens.shape[-1] != 1:
-        raise ValueError(f"decode takes one token per sequence; got tokens of shape {batch.tokens.shape}")
-
-
-def _decode(params, cache, batch, cfg, options=StepOptions()):
-    _check_decode(batch)
-    return model_step(params, cache, batch, cfg, options)
-
-
 def ragged_step(
     params: Params, cache: KVCache, batch: RaggedBatch, cfg: ModelConfig, options: StepOptions = StepOptions(),
     hidden: bool = False,
@@ -233,6 +168,57 @@ def ragged_logits(params: Params, hidden: jax.Array, cfg: ModelConfig, options: 
     if options.matmul_backend != "reference":
         params = quant.with_kernel(params, options.matmul_backend)
     return lm_head(params, cfg, hidden)
+
+
+def rows_as_ragged(batch: StepBatch, page_size: int, all_logits: bool) -> RaggedBatch:
+    """One replica's rectangle rows (tokens i32[B, T], the rest i32[B] / i32[B, P]) in the ragged
+    step's layout, on the device: each row's num_new tokens packed in row order (N = B * T, padding
+    tokens after the last row), one row slot per row (S = B) and the logits at each row's last
+    token (L = B), or at every token of every row with `all_logits` (L = B * T; tokens past a row's
+    num_new repeat its last). Rows with num_new == 0 run as padding rows: no tokens, context 0.
+    Pure array arithmetic on static shapes, so the rectangle steps stay one compilation per shape."""
+    B, T = batch.tokens.shape
+    num_new = jnp.clip(batch.num_new, 0, T)  # i32[B]
+    query_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(num_new, dtype=jnp.int32)])  # i32[B+1]
+    flat = jnp.arange(B * T, dtype=jnp.int32)
+    real = flat < query_start[-1]  # bool[N]
+    token_row = jnp.searchsorted(query_start[1:], flat, side="right").astype(jnp.int32)  # i32[N]; B past the rows
+    row = jnp.minimum(token_row, B - 1)
+    offset = flat - query_start[row]  # i32[N]  index of each token within its row
+    positions = jnp.where(real, batch.start_pos[row] + offset, 0)
+    page = batch.page_table.at[row, positions // page_size].get(mode="clip")
+    last = query_start[:-1] + jnp.maximum(num_new - 1, 0)  # i32[B]
+    if all_logits:
+        last = jnp.minimum(query_start[:-1, None] + jnp.arange(T, dtype=jnp.int32), last[:, None])
+    return RaggedBatch(
+        tokens=jnp.where(real, batch.tokens.at[row, offset].get(mode="clip"), 0),
+        positions=positions,
+        slots=jnp.where(real, page * page_size + positions % page_size, PAD_SLOT),
+        token_row=jnp.where(real, token_row, B),
+        query_start=query_start,
+        context_lens=jnp.where(num_new > 0, batch.start_pos + num_new, 0),
+        page_table=batch.page_table,
+        logit_index=jnp.minimum(last.reshape(-1), B * T - 1),
+    )
+
+
+def model_step(
+    params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig, options: StepOptions = StepOptions()
+) -> tuple[jax.Array, KVCache]:
+    """The rectangle steps' body: `batch`'s rows laid out by `rows_as_ragged`, then `ragged_step`.
+    Returns logits f32[R, B, V] at each row's last token (f32[R, B, T, V] with all_logits) and the
+    updated cache. Padding rows (num_new == 0) write nothing and their logits are meaningless."""
+    R, B, T = batch.tokens.shape
+    ragged_batch = jax.vmap(functools.partial(rows_as_ragged, page_size=cache.page_size,
+                                              all_logits=options.all_logits))(batch)
+    logits, cache = ragged_step(params, cache, ragged_batch, cfg, dataclasses.replace(options, all_logits=False))
+    return (logits.reshape(R, B, T, -1) if options.all_logits else logits), cache
+
+
+def _decode(params, cache, batch, cfg, options=StepOptions()):
+    if batch.tokens.shape[-1] != 1:
+        raise ValueError(f"decode takes one token per sequence; got tokens of shape {batch.tokens.shape}")
+    return model_step(params, cache, batch, cfg, options)
 
 
 _STATIC = ("cfg", "options")

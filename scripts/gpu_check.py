@@ -4,8 +4,9 @@ against their references and the bandwidth bound, and a server smoke test; one J
 
 Sections (`--sections`, in this order by default):
 
-* bench   times each Pallas kernel (paged decode attention, ragged prefill attention, int8 matmul) on
-          Llama-3-8B-shaped inputs against its plain-JAX reference (and the engine's reference attention),
+* bench   times each Pallas kernel the engine runs (ragged paged attention on decode rows and on prefill
+          rows, as the engine calls it: the stacked cache and a layer index; int8 matmul) on
+          Llama-3-8B-shaped inputs against its plain-JAX reference (and the engine's plain-JAX attention),
           and against the bandwidth bound: bytes of K/V (or weights) read / the device copy bandwidth,
           measured here with a large on-device copy. Each kernel's output is also checked against a
           reference (max abs error).
@@ -246,9 +247,9 @@ def bench(dry_run: bool) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxserve.model.layers import paged_attention_reference
-    from pallas_kernels import (int8_matmul, paged_attention, ragged_paged_attention, reference_int8_matmul,
-                                reference_paged_attention)
+    from jaxserve.model.layers import ragged_attention_blocked
+    from pallas_kernels import (int8_matmul, ragged_paged_attention, reference_int8_matmul,
+                                reference_ragged_paged_attention)
 
     scale = TINY if dry_run else FULL
     platform_name = jax.default_backend()
@@ -275,17 +276,27 @@ def bench(dry_run: bool) -> dict:
     N, K, H, S = scale["num_heads"], scale["num_kv_heads"], scale["head_dim"], scale["page_size"]
     itemsize = jnp.dtype(dtype).itemsize
 
-    # -- paged decode attention: one query token per sequence over its whole context
+    # The engine's attention call: the whole stacked cache (one layer here) and the layer index.
+    def kernel_call(q, k, v, t, c, s, n):
+        return ragged_paged_attention(q, k, v, t, c, s, jnp.int32(n), layer=jnp.int32(0), backend=backend,
+                                      interpret=interpret)
+
+    def engine_reference(q, k, v, t, c, s, positions):  # the plain-JAX attention the engine runs without kernels
+        return ragged_attention_blocked(q, k, v, jnp.int32(0), positions, s, c, t)
+
+    # -- ragged paged attention, decode rows: one query token per sequence over its whole context
     B, C = scale["decode_batch"], scale["decode_context"]
     k, v, table = random_paged_cache(rng, num_kv_heads=K, head_dim=H, page_size=S, lens=[C] * B, dtype=dtype)
+    k, v = k[None], v[None]  # a one-layer stack
     q = jnp.asarray(rng.standard_normal((B, N, H), np.float32), dtype)
-    lens = jnp.full((B,), C, jnp.int32)
-    kernel = jax.jit(lambda q, k, v, l, t: paged_attention(q, k, v, l, t, backend=backend, interpret=interpret))
-    ref = jax.jit(reference_paged_attention)
-    engine_ref = jax.jit(lambda q, k, v, l, t: paged_attention_reference(
-        q[:, None], k, v, t, (l - 1)[:, None], l)[:, 0])
-    name = "paged_attention (decode)"
-    m = Measurements((q, k, v, lens, table), rep, errors)
+    ctx = jnp.full((B,), C, jnp.int32)
+    qsl = jnp.arange(B + 1, dtype=jnp.int32)
+    kernel = jax.jit(lambda q, k, v, t, c, s: kernel_call(q, k, v, t, c, s, B))
+    ref = jax.jit(lambda q, k, v, t, c, s: reference_ragged_paged_attention(q, k, v, t, c, s, jnp.int32(B),
+                                                                           layer=jnp.int32(0)))
+    engine_ref = jax.jit(lambda q, k, v, t, c, s: engine_reference(q, k, v, t, c, s, c - 1))
+    name = "ragged_paged_attention (decode)"
+    m = Measurements((q, k, v, table, ctx, qsl), rep, errors)
     for label, fn in (("kernel", kernel), ("kernel_reference", ref), ("engine_reference", engine_ref)):
         m.run(name, label, fn)
     rows.append(kernel_row(
@@ -295,16 +306,16 @@ def bench(dry_run: bool) -> dict:
     print(f"   {name}: {m.times}, bound {rows[-1]['bound_seconds']:.3g} s", flush=True)
     del k, v, m
 
-    # -- ragged prefill attention: fresh prompts, every token attends causally to its prompt
+    # -- ragged paged attention, prefill rows: fresh prompts, every token attends causally to its prompt
     P, T = scale["prefill_seqs"], scale["prefill_tokens"]
     k, v, table = random_paged_cache(rng, num_kv_heads=K, head_dim=H, page_size=S, lens=[T] * P, dtype=dtype)
-    q = jnp.asarray(rng.standard_normal((P, T, N, H), np.float32), dtype)
+    k, v = k[None], v[None]
+    q = jnp.asarray(rng.standard_normal((P * T, N, H), np.float32), dtype)
     ctx = jnp.full((P,), T, jnp.int32)
     qsl = jnp.arange(P + 1, dtype=jnp.int32) * T
-    kernel = jax.jit(lambda q, k, v, t, c, s: ragged_paged_attention(
-        q.reshape(P * T, N, H), k, v, t, c, s, jnp.int32(P), backend=backend, interpret=interpret).reshape(q.shape))
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (P, T))
-    engine_ref = jax.jit(lambda q, k, v, t, c, s: paged_attention_reference(q, k, v, t, positions, c))
+    positions = jnp.tile(jnp.arange(T, dtype=jnp.int32), P)
+    kernel = jax.jit(lambda q, k, v, t, c, s: kernel_call(q, k, v, t, c, s, P))
+    engine_ref = jax.jit(lambda q, k, v, t, c, s: engine_reference(q, k, v, t, c, s, positions))
     name = "ragged_paged_attention (prefill)"
     m = Measurements((q, k, v, table, ctx, qsl), rep, errors)
     for label, fn in (("kernel", kernel), ("engine_reference", engine_ref)):

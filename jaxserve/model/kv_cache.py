@@ -19,13 +19,14 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.quant import quantize_kv
+from jaxserve.model.ragged import PAD_SLOT
 
 
 @flax.struct.dataclass
 class KVCache:
     """K and V pages of every layer, preallocated once and donated into every step.
 
-    Inside a step (`model.llama.forward`) the same pytree holds one replica: the leading R axis gone.
+    Inside a step (`model.llama.forward_ragged`) the same pytree holds one replica: the leading R axis gone.
     """
 
     k: jax.Array  # f[R, L, K, num_pages, page_size, H], or i8 with scales
@@ -52,7 +53,9 @@ class KVCache:
 
 @flax.struct.dataclass
 class StepBatch:
-    """What one step computes: a chunk of T tokens for each of B sequences in each of R replicas.
+    """Rows of a research step as a rectangle: a chunk of T tokens for each of B sequences in each
+    of R replicas (`steps.prefill` / `steps.decode`, which lay them out as a `RaggedBatch` on the
+    device: the form to build by hand, when every row is a prompt or every row a decode).
 
     Decode is T == 1. Rows with num_new == 0 are padding: they write nothing and their logits are
     ignored. Static values live in shapes; everything that varies per request is an array, so one
@@ -91,14 +94,6 @@ class StepBatch:
             page_table=table,
         )
 
-    @property
-    def positions(self) -> jax.Array:  # i32[R, B, T]
-        return self.start_pos[..., None] + jnp.arange(self.tokens.shape[-1], dtype=jnp.int32)
-
-    @property
-    def seq_lens(self) -> jax.Array:  # i32[R, B]  length after this chunk is written
-        return self.start_pos + self.num_new
-
 
 @flax.struct.dataclass
 class RaggedBatch:
@@ -134,7 +129,7 @@ class RaggedBatch:
     @classmethod
     def stack(cls, batches: "list[RaggedBatch]") -> "RaggedBatch":
         """One batch per data-parallel replica (same shapes), stacked on a leading R axis: the layout
-        of `steps.ragged`, as `StepBatch` has R leading for the other steps."""
+        of `steps.ragged`."""
         return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *batches)
 
 
@@ -181,29 +176,14 @@ def write_kv(
     positions: jax.Array,  # i32[B, T]
     valid: jax.Array,  # bool[B, T]
 ) -> KVCache:
-    """Scatter this chunk's K/V into its pages. Invalid (padding) tokens are dropped, not written.
-
-    The cache is viewed as rows of head_dim so one scatter handles every head: flattening a donated
-    buffer is free, and the scatter updates it in place. An int8 cache quantizes each (token, head)
-    vector on the way in (absmax / 127) and scatters its scale to the same row of the scales.
-    """
-    L, K, NP, S, H = cache.k.shape
+    """`write_kv_slots` for tokens given as rows of a rectangle: each valid token's slot from its
+    row's page table; invalid (padding) tokens are dropped, not written."""
+    B, T = positions.shape
+    S = cache.k.shape[3]
     page = jnp.take_along_axis(page_table, positions // S, axis=1, mode="clip")  # i32[B, T]
-    slot = page * S + positions % S  # i32[B, T]  within one head's pages
-    head = jnp.arange(K, dtype=jnp.int32)[:, None, None]  # i32[K, 1, 1]
-    rows = (layer * K + head) * (NP * S) + slot[None]  # i32[K, B, T]
-    rows = jnp.where(valid[None], rows, L * K * NP * S)  # out of range -> dropped
-
-    def scatter(pages, new):  # new [B, T, K, *rest] -> rows of pages viewed as [L*K*NP*S, *rest]
-        flat = pages.reshape(L * K * NP * S, *pages.shape[4:])
-        flat = flat.at[rows].set(jnp.moveaxis(new, 2, 0).astype(pages.dtype), mode="drop")
-        return flat.reshape(pages.shape)
-
-    if not cache.quantized:
-        return cache.replace(k=scatter(cache.k, k_new), v=scatter(cache.v, v_new))
-    (kq, ks), (vq, vs) = quantize_kv(k_new), quantize_kv(v_new)  # i8[B, T, K, H], f32[B, T, K]
-    return KVCache(k=scatter(cache.k, kq), v=scatter(cache.v, vq), k_scale=scatter(cache.k_scale, ks),
-                   v_scale=scatter(cache.v_scale, vs))
+    slots = jnp.where(valid, page * S + positions % S, PAD_SLOT).reshape(B * T)
+    flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731
+    return write_kv_slots(cache, layer, flat(k_new), flat(v_new), slots)
 
 
 def write_kv_slots(
@@ -213,10 +193,11 @@ def write_kv_slots(
     v_new: jax.Array,  # f[N, K, H]
     slots: jax.Array,  # i32[N]  page * page_size + offset; outside [0, NP * S) = dropped (padding)
 ) -> KVCache:
-    """Scatter a ragged step's K/V by slot (`RaggedBatch.slots`): `write_kv` for a flat token axis.
+    """Scatter a step's K/V into its pages by slot (`RaggedBatch.slots`).
 
-    The same single scatter over rows of head_dim for all heads, in place on the donated buffer,
-    and the same per-(token, head) int8 quantization with an int8 cache."""
+    The cache is viewed as rows of head_dim so one scatter handles every head: flattening a donated
+    buffer is free, and the scatter updates it in place. An int8 cache quantizes each (token, head)
+    vector on the way in (absmax / 127) and scatters its scale to the same row of the scales."""
     L, K, NP, S, H = cache.k.shape
     head = jnp.arange(K, dtype=jnp.int32)[:, None]  # i32[K, 1]
     valid = (slots >= 0) & (slots < NP * S)  # bool[N]

@@ -1,6 +1,7 @@
 """Building blocks of the decoder: RMSNorm (Gemma's (1 + weight) form too), rotary embeddings (with
-linear, Llama-3.1 and YaRN scaling, and Gemma 3's local base), SwiGLU and GeGLU, the plain-JAX paged attention that
-is the reference for the Pallas kernels, and its blocked ragged form, which the engine runs on a CPU."""
+linear, Llama-3.1 and YaRN scaling, and Gemma 3's local base), SwiGLU and GeGLU, the plain-JAX ragged
+paged attention (a reference, and the blocked form the engine runs without the Pallas kernels), and
+dense causal attention (no cache)."""
 
 from __future__ import annotations
 
@@ -117,56 +118,6 @@ def geglu(x: jax.Array, w_gate: Weight, w_up: Weight, w_down: Weight) -> jax.Arr
     return matmul(jax.nn.gelu(matmul(x, w_gate), approximate=True) * matmul(x, w_up), w_down)
 
 
-def paged_attention_reference(
-    q: jax.Array,  # f[B, T, N, H]
-    k_pages: jax.Array,  # f[K, NP, S, H]  one layer of one replica
-    v_pages: jax.Array,  # f[K, NP, S, H]
-    page_table: jax.Array,  # i32[B, P]
-    positions: jax.Array,  # i32[B, T]  position of each query token
-    seq_lens: jax.Array,  # i32[B]  valid tokens in the cache (this chunk included)
-    sliding_window: int | None = None,
-    k_scale: jax.Array | None = None,  # f32[K, NP, S] with int8 pages
-    v_scale: jax.Array | None = None,  # f32[K, NP, S]
-) -> jax.Array:  # f[B, T, N, H]
-    """Causal attention of each query token over its sequence's pages (new K/V already written).
-
-    Keys past a sequence's length are masked out of the scores and zeroed in V, so garbage or NaN in
-    unused pages can never reach the output (0 * NaN would be NaN). With an int8 cache the pages
-    enter the matmuls as exact integers in q's dtype; the K scales multiply the scores and the V
-    scales the probabilities (both per key token), as the Pallas kernels do.
-    """
-    B, T, N, H = q.shape
-    K, _, S, _ = k_pages.shape
-    P = page_table.shape[1]
-    k = k_pages[:, page_table].reshape(K, B, P * S, H).astype(q.dtype)  # f[K, B, P*S, H]
-    v = v_pages[:, page_table].reshape(K, B, P * S, H).astype(q.dtype)
-    key_pos = jnp.arange(P * S, dtype=jnp.int32)
-    key_valid = key_pos[None, :] < seq_lens[:, None]  # bool[B, P*S]
-    v = jnp.where(key_valid[None, :, :, None], v, jnp.zeros((), v.dtype))
-    mask = key_valid[:, None, :] & (key_pos[None, None, :] <= positions[:, :, None])  # bool[B, T, P*S]
-    if sliding_window is not None:
-        mask &= positions[:, :, None] - key_pos[None, None, :] < sliding_window
-    qg = q.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("btkgh,kbsh->bkgts", qg, k, preferred_element_type=jnp.float32) * (H**-0.5)
-    if k_scale is not None:
-        scores = scores * _token_scales(k_scale, page_table)
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    # A padding row has no valid key at all: keep it finite (zeros) instead of NaN.
-    probs = jax.nn.softmax(scores, axis=-1)
-    if v_scale is not None:
-        probs = probs * _token_scales(v_scale, page_table)
-    probs = jnp.where(mask[:, None, None], probs, 0.0).astype(v.dtype)  # after the scales: unused ones may be NaN
-    out = jnp.einsum("bkgts,kbsh->btkgh", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(B, T, N, H).astype(q.dtype)
-
-
-def _token_scales(scale: jax.Array, page_table: jax.Array) -> jax.Array:
-    """f32[K, NP, S] per-slot scales -> f32[B, K, 1, 1, P*S] in each sequence's token order."""
-    K = scale.shape[0]
-    B, P = page_table.shape
-    return scale[:, page_table].reshape(K, B, -1).transpose(1, 0, 2)[:, :, None, None, :]
-
-
 NO_SLIDING_WINDOW = np.iinfo(np.int32).max  # a window operand that masks nothing
 
 
@@ -259,10 +210,11 @@ def ragged_attention_reference(
     [N, K, P*S, H]) a gather of keys per token makes. The arithmetic is at most about 2x the useful
     (tail tiles, padding items); a pure decode step (N = R, Q = 1) is exactly one item per token.
 
-    Same masking, GQA grouping and f32 softmax as `paged_attention_reference` (so the two agree to
-    rounding): keys past the row's context are masked and zeroed in V, so NaN in unused pages never
-    reaches the output; with int8 pages the K scales multiply the scores, the V scales the
-    probabilities. `sliding_window` and `sm_scale` may be traced (per-layer operands of a scan).
+    Keys past the row's context are masked and zeroed in V, so NaN in unused pages never reaches
+    the output; GQA groups query heads on their KV head; the softmax is f32; with int8 pages the K
+    scales multiply the scores (exact integers in q's dtype enter the matmuls), the V scales the
+    probabilities, as the Pallas kernels do. `sliding_window` and `sm_scale` may be traced
+    (per-layer operands of a scan).
     """
     N, NH, H = q.shape
     K, PS = k_cache.shape[1], k_cache.shape[3]
@@ -407,7 +359,7 @@ def causal_attention(
 ) -> jax.Array:  # f[B, T, N, H]
     """Dense causal self-attention over whole sequences (training and scoring; no cache).
 
-    The same GQA grouping and f32 softmax as the paged reference, so a trained model means the
+    The same GQA grouping and f32 softmax as the paged attention, so a trained model means the
     same thing in both."""
     B, T, N, H = q.shape
     K = k.shape[2]

@@ -1,11 +1,12 @@
-"""The Llama-family forward pass as a pure function of (params, cache, batch) for one replica.
+"""The Llama-family forward passes: `forward_ragged` (one replica's step over the paged KV cache,
+the only cached forward: the engine's and the research steps') and `forward_dense` (no cache).
 
 Llama 2/3/3.1, Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms), Gemma 3
 ((1 + weight) norms, four per layer, GeGLU, scaled embeddings, local and global layers with their own
 RoPE bases, window and softmax scale), Qwen3-MoE and Mixtral (the MLP a mixture of experts, moe.py)
 differ only in ModelConfig flags.
 Each layer writes its new K/V into the pages first, then attends over the pages, so a prefill
-chunk, a decode token and a mix of both are the same computation.
+chunk, a decode token, a verification and a mix of them are the same computation.
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ import numpy as np
 
 from jaxserve.model import quant
 from jaxserve.config import ModelConfig
-from jaxserve.model.kv_cache import KVCache, RaggedBatch, write_kv, write_kv_slots
+from jaxserve.model.kv_cache import KVCache, RaggedBatch, write_kv_slots
 from jaxserve.model.layers import (
     apply_rope,
     NO_SLIDING_WINDOW,
     causal_attention,
     geglu,
-    paged_attention_reference,
     ragged_attention_blocked,
     rms_norm,
     rope_cos_sin,
@@ -33,9 +33,6 @@ from jaxserve.model.layers import (
 from jaxserve.model.moe import ExpertParallelFn, MoEParams, moe_mlp
 from jaxserve.model.weights import LayerParams, Params
 
-# attention(q f[B,T,N,H], k_pages f[K,NP,S,H], v_pages, page_table i32[B,P], positions i32[B,T],
-#           seq_lens i32[B], sliding_window, k_scale=f32[K,NP,S] | None, v_scale=...) -> f[B,T,N,H]
-AttentionFn = Callable[..., jax.Array]
 # ragged attention(q f[N,N_h,H], k_cache f[L,K,NP,S,H], v_cache, layer i32[], positions i32[N],
 #                  query_start i32[R+1], context_lens i32[R], page_table i32[R,P], sliding_window i32[],
 #                  sm_scale f32[], k_scale=f32[L,K,NP,S] | None, v_scale=...) -> f[N,N_h,H]
@@ -129,105 +126,6 @@ def _layer_rope(cos: jax.Array, sin: jax.Array, kind: jax.Array | int | None) ->
     return (cos, sin) if kind is None else (cos[kind], sin[kind])
 
 
-def _query_scale(cfg: ModelConfig) -> float | None:
-    """What q is multiplied by so that attention's head_dim ** -0.5 becomes query_pre_attn_scalar ** -0.5
-    (Gemma 3), for the rectangle step's attention functions, which take no softmax scale; None: 1."""
-    if cfg.query_pre_attn_scalar is None:
-        return None
-    return float(cfg.query_pre_attn_scalar**-0.5 * cfg.head_dim**0.5)
-
-
-def _layer(
-    cfg: ModelConfig,
-    attention: AttentionFn,
-    lp: LayerParams,  # one layer's slice
-    layer: jax.Array | int,
-    window: jax.Array | int | None,  # this layer's sliding window (traced when scanned), None = all keys
-    x: jax.Array,  # f[B, T, D]
-    cache: KVCache,  # one replica: k, v f[L, K, NP, S, H] (+ scales when int8)
-    cos: jax.Array,  # f32[B, T, H]  this layer's table
-    sin: jax.Array,
-    page_table: jax.Array,  # i32[B, P]
-    positions: jax.Array,  # i32[B, T]
-    valid: jax.Array,  # bool[B, T]
-    seq_lens: jax.Array,  # i32[B]
-    expert_parallel: ExpertParallelFn | None = None,
-) -> tuple[jax.Array, KVCache]:
-    q, k, v = _project_qkv(cfg, lp, x, cos, sin)
-    cache = write_kv(cache, layer, k, v, page_table, positions, valid)
-    scales = {} if not cache.quantized else dict(k_scale=cache.k_scale[layer], v_scale=cache.v_scale[layer])
-    q_scale = _query_scale(cfg)
-    if q_scale is not None:
-        q = q * jnp.asarray(q_scale, q.dtype)
-    attn = attention(q, cache.k[layer], cache.v[layer], page_table, positions, seq_lens, window, **scales)
-    return _output_and_mlp(cfg, lp, x, attn, expert_parallel), cache
-
-
-def forward(
-    params: Params,
-    cache: KVCache,  # one replica: k, v f[L, K, NP, S, H], or i8 with k_scale, v_scale f32[L, K, NP, S]
-    tokens: jax.Array,  # i32[B, T]
-    start_pos: jax.Array,  # i32[B]
-    num_new: jax.Array,  # i32[B]
-    page_table: jax.Array,  # i32[B, P]
-    *,
-    cfg: ModelConfig,
-    scan_layers: bool = False,
-    all_logits: bool = False,
-    attention: AttentionFn = paged_attention_reference,
-    matmul: str = "reference",
-    expert_parallel: ExpertParallelFn | None = None,
-) -> tuple[jax.Array, KVCache]:
-    """Run one chunk for one replica. Returns (logits, cache).
-
-    logits is f32[B, V] at each row's last valid token, or f32[B, T, V] with all_logits (parity tests,
-    prompt logprobs). Rows with num_new == 0 yield meaningless logits and write nothing. `matmul`
-    (one of quant.MATMUL_IMPLS) is how int8 (QuantArray) weights are multiplied; `expert_parallel`
-    (sharding.ExpertParallel) computes a mixture of experts expert-parallel (moe.moe_mlp).
-    """
-    if matmul != "reference":
-        params = quant.with_kernel(params, matmul)
-    T = tokens.shape[1]
-    positions = start_pos[:, None] + jnp.arange(T, dtype=jnp.int32)  # i32[B, T]
-    valid = jnp.arange(T, dtype=jnp.int32)[None, :] < num_new[:, None]  # bool[B, T]
-    seq_lens = start_pos + num_new
-    cos, sin, kinds = rope_tables(cfg, positions)
-    x = _embed(params, cfg, tokens)  # f[B, T, D]
-    layer_args = (page_table, positions, valid, seq_lens, expert_parallel)
-
-    def run(lp, layer, x, cache):  # unrolled: the layer's window and table are static
-        kind = None if kinds is None else int(kinds[layer])
-        return _layer(cfg, attention, lp, layer, _layer_window(cfg, layer), x, cache,
-                      *_layer_rope(cos, sin, kind), *layer_args)
-
-    if isinstance(params.layers, tuple):  # per-layer arrays: the fast unrolled form
-        for layer, lp in enumerate(params.layers):
-            x, cache = run(lp, layer, x, cache)
-    elif scan_layers:
-        # Layers that differ (Gemma 3) scan their window and RoPE table choice with the weights; the
-        # other families keep the static window and one table.
-        per_layer = None if not cfg.layer_types else (
-            layer_attention_params(cfg)[0], None if kinds is None else jnp.asarray(kinds))
-
-        def body(carry, xs):
-            x, cache = carry
-            lp, layer, per = xs
-            window, kind = (cfg.sliding_window, None) if per is None else per
-            return _layer(cfg, attention, lp, layer, window, x, cache, *_layer_rope(cos, sin, kind),
-                          *layer_args), None
-
-        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, layer_ids, per_layer))
-    else:  # stacked weights, unrolled: correct but slow on CPU (see weights.Params)
-        for layer in range(cfg.num_layers):
-            x, cache = run(jax.tree.map(lambda w: w[layer], params.layers), layer, x, cache)
-
-    if not all_logits:
-        last = jnp.maximum(num_new - 1, 0)
-        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # f[B, D]
-    return _logits(params, cfg, x), cache
-
-
 def layer_attention_params(cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """Per-layer attention operands (sliding window i32[L], softmax scale f32[L]): arrays scanned
     with the weights, so layers that differ (Gemma 3's local and global ones) share one step.
@@ -286,9 +184,9 @@ def forward_ragged(
     the final-normed hidden states there instead (f[len(logit_index), D]: `lm_head` makes them
     logits), so that a caller can decide on the device which of them are worth the vocabulary matmul.
 
-    The same layers as `forward` on a [1, N, D] activation; K/V written by slot (padding dropped),
-    attention over each row's pages. Layers scanned (stacked weights, `scan_layers`) or unrolled
-    (a tuple of per-layer params, or stacked weights sliced per layer), as in `forward`."""
+    The layers run on a [1, N, D] activation (the flat token axis as one batch row); K/V written by
+    slot (padding dropped), attention over each row's pages. Layers scanned (stacked weights,
+    `scan_layers`) or unrolled (a tuple of per-layer params, or stacked weights sliced per layer)."""
     if matmul != "reference":
         params = quant.with_kernel(params, matmul)
     cos, sin, kinds = rope_tables(cfg, batch.positions[None])  # f32[1, N, H], or [2, 1, N, H] (Gemma 3)
@@ -339,7 +237,7 @@ def forward_dense(params: Params, tokens: jax.Array, *, cfg: ModelConfig,
                   expert_parallel: ExpertParallelFn | None = None) -> jax.Array:
     """Logits f32[B, T, V] of whole sequences from position 0, without a KV cache (training, scoring).
 
-    The same layers as `forward`, with dense causal attention; `layers` may be stacked (scanned)
+    The same layers as `forward_ragged`, with dense causal attention; `layers` may be stacked (scanned)
     or a tuple (unrolled)."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))

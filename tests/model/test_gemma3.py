@@ -3,9 +3,10 @@
 One tiny random Gemma3ForCausalLM (4 layers: local, global, local, global; sliding window 8, shorter
 than every prompt here; RoPE base 10k on the local layers, 100k linearly scaled on the global ones;
 query_pre_attn_scalar 24 != head_dim 32; hidden 64, 4 heads, 2 KV heads, tied), saved as safetensors
-and read back through jaxserve's loader, serves every test here: logits of the paged (unrolled and
-scanned), dense and ragged forwards, greedy tokens through the engine (continuous batching, prefix
-caching), int8 and orbax loading, the multimodal checkpoint's text tower, final logit soft-capping."""
+and read back through jaxserve's loader, serves every test here: logits of the research steps
+(prefill, decode; unrolled and scanned), a mixed ragged step and the dense forward, greedy tokens
+through the engine (continuous batching, prefix caching), int8 and orbax loading, the multimodal
+checkpoint's text tower, final logit soft-capping."""
 
 import json
 import pathlib
@@ -27,7 +28,7 @@ from jaxserve.model.layers import NO_SLIDING_WINDOW
 from jaxserve.model.weights import unstack_layers
 
 from hf_models import hf_greedy
-from model_checks import check_greedy_through_engine, check_ragged_row_matches_forward, hf_logits, step_batch
+from model_checks import check_greedy_through_engine, check_mixed_ragged_step_matches_hf, hf_logits, step_batch
 
 PAGE = 8
 
@@ -81,10 +82,10 @@ def test_prefill_decode_and_dense_logits_match_hf(gemma3, scan):
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
-def test_ragged_row_matches_forward(gemma3, scan):
-    """One row of `forward_ragged` (a chunk after 11 cached tokens, past the window) equals `forward`."""
-    _, _, cfg, params = gemma3
-    check_ragged_row_matches_forward(cfg, params, scan, PAGE)
+def test_mixed_ragged_step_matches_hf(gemma3, scan):
+    """A ragged step of a chunk after 11 cached tokens (past the window) beside a decode gives HF's logits."""
+    _, model, cfg, params = gemma3
+    check_mixed_ragged_step_matches_hf(cfg, params, model, scan, PAGE)
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,9 @@ Two tiny random models, each saved by transformers (per-expert tensors) and read
 jaxserve's loader, serve every test here (one session fixture per family): a Qwen3-MoE (2 layers,
 hidden 64, 8 experts of 32, top-2 weighted by the softmax over all 8 (norm_topk_prob False), head_dim
 32 with q/k norms) and a Mixtral (2 layers, 4 experts of 128, top-2 renormalised, no window). Logits
-of the paged (unrolled and scanned), dense and ragged forwards, greedy tokens through the engine
-(continuous batching, prefix caching), the fused-expert checkpoint layout, int8 experts, and the
-experts tensor-parallel on a model axis of 4.
+of the research steps (prefill, decode; unrolled and scanned), a mixed ragged step and the dense
+forward, greedy tokens through the engine (continuous batching, prefix caching), the fused-expert
+checkpoint layout, int8 experts, and the experts tensor-parallel on a model axis of 4.
 
 A prompt of T tokens makes 2T assignments: more than the experts in a prefill (the grouped
 ragged_dot path) and at most the experts in a decode (each assignment's expert gathered), so both
@@ -31,7 +31,7 @@ from jaxserve.model.llama import forward_dense
 from jaxserve.model.weights import unstack_layers
 
 from hf_models import hf_greedy
-from model_checks import check_greedy_through_engine, check_ragged_row_matches_forward, hf_logits, step_batch
+from model_checks import check_greedy_through_engine, check_mixed_ragged_step_matches_hf, hf_logits, step_batch
 
 PAGE = 8
 FAMILIES = ["qwen3_moe", "mixtral"]
@@ -136,11 +136,13 @@ def test_prefill_decode_and_dense_logits_match_hf(family, scan):
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
-def test_ragged_row_matches_forward(family, scan):
-    """One row of `forward_ragged` (a chunk after cached history; two padding tokens routed too) equals
-    `forward` on that chunk."""
-    _, (_, _, cfg, params) = family
-    check_ragged_row_matches_forward(cfg, params, scan, PAGE)
+def test_mixed_ragged_step_matches_hf(family, scan):
+    """A ragged step of a chunk after cached history beside a decode (padding tokens routed too)
+    gives HF's logits for both."""
+    name, (_, model, cfg, params) = family
+    check_mixed_ragged_step_matches_hf(
+        cfg, params, model, scan, PAGE,
+        lambda got, want, ids, label: assert_logits_close(got, want, model, ids, cfg, f"{name} {label}"))
 
 
 @pytest.fixture(scope="module")

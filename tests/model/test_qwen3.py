@@ -2,8 +2,8 @@
 
 One tiny random Qwen3ForCausalLM (2 layers, hidden 64, 4 heads of head_dim 32 != 64 / 4, 2 KV heads),
 saved as safetensors and read back through jaxserve's loader, serves every test here: logits of the
-paged, dense and ragged forwards, greedy tokens through the engine (continuous batching, prefix
-caching), and the int8 and orbax loading paths."""
+research steps (prefill, decode), a mixed ragged step and the dense forward, greedy tokens through
+the engine (continuous batching, prefix caching), and the int8 and orbax loading paths."""
 
 import numpy as np
 import pytest
@@ -15,8 +15,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.model.llama import forward_dense
 
 from hf_models import hf_greedy
-from model_checks import (check_greedy_through_engine, check_paged_and_dense_logits_match,
-                          check_ragged_row_matches_forward, hf_logits)
+from model_checks import (check_greedy_through_engine, check_mixed_ragged_step_matches_hf,
+                          check_paged_and_dense_logits_match, hf_logits)
 
 PAGE = 8
 
@@ -52,10 +52,10 @@ def test_prefill_decode_and_dense_logits_match_hf(qwen3):
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
-def test_ragged_row_matches_forward(qwen3, scan):
-    """One row of `forward_ragged` (a chunk after cached history) equals `forward` on that chunk."""
-    _, _, cfg, params = qwen3
-    check_ragged_row_matches_forward(cfg, params, scan, PAGE)
+def test_mixed_ragged_step_matches_hf(qwen3, scan):
+    """A ragged step of a chunk after cached history beside a decode gives HF's logits for both."""
+    _, model, cfg, params = qwen3
+    check_mixed_ragged_step_matches_hf(cfg, params, model, scan, PAGE)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
-"""The flat ragged step (issue 21's layout) equals today's padded forward, row by row.
+"""The flat ragged step: rows do not see one another, the host packers agree, the plain-JAX attention.
 
 A mixed batch (two decodes with context, a first prompt chunk, the last chunk of a partly
 prefilled prompt, a verification of 3 tokens) through `forward_ragged` gives the logits and the
-cache that each row run alone through `forward` gives; unused pages hold NaN throughout.
+cache that each row run alone through it gives; unused pages hold NaN throughout. (That the
+forward itself is right is the Hugging Face parity tests': tests/model/.)
 """
 
 import dataclasses
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 from jaxserve.config import ModelConfig
 from jaxserve.model.kv_cache import KVCache, RaggedBatch, cache_shape, write_kv_slots
 from jaxserve.model.layers import ragged_attention_reference
-from jaxserve.model.llama import forward, forward_ragged
+from jaxserve.model.llama import forward_ragged
 from jaxserve.model.weights import init_dummy_params, unstack_layers
 from jaxserve.model import ragged
 from jaxserve.model.ragged import PAD_SLOT, RaggedRow, pack_ragged
@@ -27,7 +28,7 @@ from jaxserve.model.ragged import PAD_SLOT, RaggedRow, pack_ragged
 PAGE = 4
 P = 8  # pages per row
 N, S, L = 32, 8, 8  # token bucket, rows, logits
-T_REF = 32  # the one chunk length the row-alone reference runs at (one compilation)
+T_REF = 32  # the one token bucket (and logits) each row runs alone at (one compilation)
 # (history already cached, new tokens, logits returned): decode, decode, first prompt chunk,
 # last chunk of a partly prefilled prompt, verification of 2 drafts (+ the pending token)
 ROWS = [(13, 1, 1), (30, 1, 1), (0, 9, 0), (11, 7, 1), (20, 3, 3)]
@@ -47,19 +48,15 @@ def nan_cache(cfg, num_pages, quantized):
                    k_scale=jnp.full(shape[:-1], jnp.nan), v_scale=jnp.full(shape[:-1], jnp.nan))
 
 
-FWD = jax.jit(forward, static_argnames=("cfg", "scan_layers", "all_logits"))
 RAGGED = jax.jit(forward_ragged, static_argnames=("cfg", "scan_layers"))
 
 
 def run_alone(params, cache, cfg, tokens, start, pages, scan):
-    """`forward` on one row, padded to T_REF tokens and P pages: (logits f32[T_REF, V], cache)."""
-    tok = np.zeros((1, T_REF), np.int32)
-    tok[0, : len(tokens)] = tokens
-    table = np.zeros((1, P), np.int32)
-    table[0, : len(pages)] = pages
-    logits, cache = FWD(params, cache, tok, np.array([start], np.int32), np.array([len(tokens)], np.int32), table,
-                        cfg=cfg, scan_layers=scan, all_logits=True)
-    return logits[0], cache
+    """`forward_ragged` on one row alone, padded to T_REF tokens, S rows and P pages, with the logits
+    of every token: (logits f32[T_REF, V] (the row's first), cache)."""
+    row = RaggedRow(tokens, start, pages, len(tokens))
+    batch = RaggedBatch.build([row], page_size=PAGE, num_tokens=T_REF, num_rows=S, max_pages=P, num_logits=T_REF)
+    return RAGGED(params, cache, batch, cfg=cfg, scan_layers=scan)
 
 
 def scenario(cfg, quantized, seed=0, spec=ROWS):
@@ -185,6 +182,35 @@ def test_the_array_packer_agrees_with_the_row_loop():
             assert got.dtype == want.dtype == np.int32
 
 
+def test_rectangle_rows_lay_out_as_the_host_packer_does():
+    """`steps.rows_as_ragged` (the research steps' layout, built on the device) gives `pack_ragged`'s
+    arrays for the same rows; with all logits, every token's row by row (past num_new: the row's
+    last); a padding row (num_new 0) has no tokens and context 0."""
+    from jaxserve.model.kv_cache import StepBatch
+    from jaxserve.steps import rows_as_ragged
+
+    rng = np.random.default_rng(3)
+    B, T, pages = 4, 5, 3
+    tokens = rng.integers(0, 100, (B, T)).astype(np.int32)
+    start = np.asarray([0, 7, 3, 9], np.int32)
+    table = rng.permutation(np.arange(1, 1 + B * pages)).reshape(B, pages).astype(np.int32)
+    layout = jax.jit(rows_as_ragged, static_argnums=(1, 2))
+    num_new = np.asarray([5, 1, 3, 2], np.int32)
+    got = layout(StepBatch(tokens, start, num_new, table), PAGE, False)
+    rows = [RaggedRow(tokens[b, : num_new[b]].tolist(), int(start[b]), table[b].tolist()) for b in range(B)]
+    want = pack_ragged(rows, page_size=PAGE, num_tokens=B * T, num_rows=B, max_pages=pages, num_logits=B)
+    for field in dataclasses.fields(want):
+        np.testing.assert_array_equal(np.asarray(getattr(got, field.name)), getattr(want, field.name), field.name)
+    every = layout(StepBatch(tokens, start, num_new, table), PAGE, True).logit_index
+    np.testing.assert_array_equal(np.asarray(every).reshape(B, T), [[0, 1, 2, 3, 4], [5, 5, 5, 5, 5],
+                                                                     [6, 7, 8, 8, 8], [9, 10, 10, 10, 10]])
+    padded = layout(StepBatch(tokens, start, np.asarray([2, 0, 3, 0], np.int32), table), PAGE, False)
+    np.testing.assert_array_equal(np.asarray(padded.query_start), [0, 2, 2, 5, 5])
+    np.testing.assert_array_equal(np.asarray(padded.context_lens), [2, 0, 6, 0])
+    np.testing.assert_array_equal(np.asarray(padded.token_row), [0, 0, 2, 2, 2] + [B] * (B * T - 5))
+    assert np.all(np.asarray(padded.slots)[5:] == PAD_SLOT) and np.all(np.asarray(padded.logit_index) < B * T)
+
+
 def test_host_packer_does_not_import_jax():
     code = "import sys, jaxserve.model.ragged; assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -273,9 +299,10 @@ WORST_ROWS = [(3 * i, 1, 1) for i in range(7)] + [(2, 25, 1)]
 
 @pytest.mark.parametrize("spec", [ROWS, WORST_ROWS], ids=["mixed", "most_items"])
 @pytest.mark.parametrize("query_tile", [1, 3, None, N])
-def test_reference_attention_any_tile_equals_paged_reference(query_tile, spec):
-    """Every query tile gives what `paged_attention_reference` gives each row alone (traced window and scale)."""
-    from jaxserve.model.layers import paged_attention_reference
+def test_reference_attention_any_tile_equals_kernel_reference(query_tile, spec):
+    """Every query tile gives what the kernels' plain-JAX reference (a gather of keys per token)
+    gives each row alone (traced window and scale)."""
+    from pallas_kernels.ragged_paged_attention import reference_ragged_paged_attention
 
     rng = np.random.default_rng(2)
     num_pages, pages, _, new = scenario(CFG, False, spec=spec)
@@ -300,9 +327,10 @@ def test_reference_attention_any_tile_equals_paged_reference(query_tile, spec):
     assert np.all(out[b.query_start[-1]:] == 0), "padding tokens attend to nothing"
     for r, row in enumerate(rows):
         t0, n = b.query_start[r], len(row.tokens)
-        ref = paged_attention_reference(q[None, t0: t0 + n] / 0.25 * 0.3, kp, vp, b.page_table[r: r + 1],
-                                        b.positions[None, t0: t0 + n], b.context_lens[r: r + 1], sliding_window=6)
-        np.testing.assert_allclose(out[t0: t0 + n], np.asarray(ref[0]), atol=1e-5, rtol=0, err_msg=f"row {r}")
+        ref = reference_ragged_paged_attention(q[t0: t0 + n], kp, vp, b.page_table[r: r + 1], b.context_lens[r: r + 1],
+                                               np.asarray([0, n], np.int32), np.int32(1), sm_scale=0.3,
+                                               sliding_window=6)
+        np.testing.assert_allclose(out[t0: t0 + n], np.asarray(ref), atol=1e-5, rtol=0, err_msg=f"row {r}")
 
 
 def _random_step(rng, num_tokens, num_rows, max_pages, page, num_pages):
