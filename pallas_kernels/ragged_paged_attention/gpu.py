@@ -22,8 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import cdiv, next_pow2, pad_axis, round_up
-from pallas_kernels.paged_attention.gpu import check_block_tokens, softmax_start, softmax_update
+from pallas_kernels._common import MASK_VALUE, cdiv, next_pow2, pad_axis, round_up
 from pallas_kernels.ragged_paged_attention import plan as plan_lib
 from pallas_kernels.ragged_paged_attention.validation import RaggedDims
 
@@ -31,8 +30,43 @@ from pallas_kernels.ragged_paged_attention.validation import RaggedDims
 # the logits tile and the gathered K/V tile in registers.
 _MAX_ROWS = 128
 _TARGET_BLOCK_TOKENS = 64
-# Enough programs to fill a large GPU (~132 SMs) about twice; initial guess, as in paged_attention_gpu.
+# Enough programs to fill a large GPU (~132 SMs) about twice; initial guess.
 _TARGET_PROGRAMS = 256
+
+
+def check_block_tokens(ppcb: int, page_size: int, fn: str) -> None:
+    if ppcb * page_size < 16:
+        raise ValueError(
+            f"{fn}: the GPU kernel needs pages_per_compute_block * page_size >= 16, got {ppcb} * {page_size}."
+        )
+
+
+def softmax_start(rows: int, head_dim: int):
+    """Online-softmax loop carry of the GPU attention kernels: (numerator, running max, denominator)."""
+    return (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+
+
+def softmax_update(
+    carry,  # (acc f32[rows, head_dim], m f32[rows], l f32[rows])
+    s,  # f32[rows, bk] scaled logits of one key block
+    mask,  # bool[rows, bk] (or broadcastable) visible keys
+    v,  # [bk, head_dim] values in the compute dtype, masked rows already zeroed (0 * NaN = NaN)
+    p_scale=None,  # f32[1, bk] per-token V scales (int8 cache) | None
+):
+    """One key block of the online softmax ; returns the new carry."""
+    acc, m, l = carry
+    # Select rather than add the mask: K slots past the length may hold NaN.
+    s = jnp.where(mask, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+    l_new = alpha * l + jnp.sum(p, axis=1)
+    if p_scale is not None:
+        # Re-select after scaling: a masked slot's scale may be NaN.
+        p = jnp.where(mask, p * p_scale, 0.0)
+    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return acc * alpha[:, None] + pv, m_new, l_new
 
 
 def default_queries_per_block(num_tokens: int, max_seqs: int, group_padded: int) -> int:

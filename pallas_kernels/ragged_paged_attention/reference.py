@@ -5,9 +5,43 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention.reference import dequantize, gather_pages, masked_softmax
 from pallas_kernels.ragged_paged_attention.plan import token_sequence
 from pallas_kernels.ragged_paged_attention.validation import validate_ragged
+
+
+def gather_pages(
+    pages,  # [num_kv_heads, num_pages, page_size, ...] (K/V pages or their scales)
+    page_table,  # i32[batch, max_pages]
+):
+    """Per-sequence contiguous view of a paged cache: [batch, num_kv_heads, max_pages * page_size, ...]."""
+    g = pages[:, page_table]  # [kv_heads, batch, max_pages, page_size, ...]
+    g = jnp.moveaxis(g, 1, 0)
+    b, h, p, s = g.shape[:4]
+    return g.reshape(b, h, p * s, *g.shape[4:])
+
+
+def dequantize(
+    pages,  # [..., tokens, head_dim] float or int8
+    scale,  # f32[..., tokens] | None
+):
+    """f32 values of a (possibly int8) cache slice: pages * scale per token."""
+    if scale is None:
+        return pages.astype(jnp.float32)
+    return pages.astype(jnp.float32) * scale[..., None]
+
+
+def masked_softmax(
+    logits,  # f32[..., keys]
+    mask,  # bool[..., keys] (broadcastable) visible keys
+):
+    """Softmax over visible keys; a row with none gives all zeros (not NaN)."""
+    # Masked slots may hold NaN/garbage: select (not add) the mask.
+    logits = jnp.where(mask, logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(logits - m), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(l == 0.0, 1.0, l)
 
 
 def reference_ragged_paged_attention(

@@ -20,14 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._common import cdiv, tpu_interpret_arg
-from pallas_kernels.paged_attention.tpu import (
-    as_f32_select,
-    attention_scratch,
-    softmax_finish,
-    softmax_init,
-    softmax_update,
-)
+from pallas_kernels._common import MASK_VALUE, cdiv, tpu_interpret_arg
 from pallas_kernels.ragged_paged_attention import plan as plan_lib
 from pallas_kernels.ragged_paged_attention.validation import RaggedDims
 
@@ -36,6 +29,7 @@ from pallas_kernels.ragged_paged_attention.validation import RaggedDims
 # 256 KiB f32 and the MXU busy for prefill.
 _TARGET_ROWS = 256
 _TARGET_BLOCK_TOKENS = 256
+_LANES = 128
 
 
 def default_queries_per_block(num_tokens: int, max_seqs: int, group: int) -> int:
@@ -50,6 +44,64 @@ def default_queries_per_block(num_tokens: int, max_seqs: int, group: int) -> int
 
 def default_pages_per_block(page_size: int, max_pages: int) -> int:
     return max(1, min(max_pages, _TARGET_BLOCK_TOKENS // page_size))
+
+
+def as_f32_select(x, mask):
+    # Selects on packed/int dtypes are not native on every TPU generation; f32 is.
+    return jnp.where(mask, x.astype(jnp.float32), 0.0)
+
+
+def attention_scratch(ppcb: int, page_size: int, head_dim: int, kv_dtype, rows: int) -> list:
+    """VMEM scratch of the TPU attention kernel: double-buffered K/V
+    pages, their DMA semaphores, and the online-softmax state for `rows` query rows."""
+    return [
+        pltpu.VMEM((2, ppcb, page_size, head_dim), kv_dtype),  # kbuf
+        pltpu.VMEM((2, ppcb, page_size, head_dim), kv_dtype),  # vbuf
+        pltpu.SemaphoreType.DMA((2, 2)),  # sems [k/v, slot]
+        pltpu.VMEM((rows, _LANES), jnp.float32),  # m_ref: running max, lane-replicated
+        pltpu.VMEM((rows, _LANES), jnp.float32),  # l_ref: running denominator, lane-replicated
+        pltpu.VMEM((rows, head_dim), jnp.float32),  # acc_ref: running numerator
+    ]
+
+
+def softmax_init(m_ref, l_ref, acc_ref) -> None:
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
+def softmax_update(
+    s,  # f32[rows, bk] scaled logits of one key block
+    mask,  # bool[rows, bk] visible keys
+    v,  # [bk, head_dim] values in the compute dtype, masked rows already zeroed (0 * NaN = NaN)
+    m_ref,  # VMEM f32[rows, 128]
+    l_ref,  # VMEM f32[rows, 128]
+    acc_ref,  # VMEM f32[rows, head_dim]
+    *,
+    precision,
+    p_scale=None,  # f32[1, bk] per-token V scales (int8 cache) | None
+) -> None:
+    """One key block of the online softmax, accumulated in VMEM."""
+    # Select (not add) the mask: unfetched or stale slots may hold NaN.
+    s = jnp.where(mask, s, MASK_VALUE)
+    m_prev = m_ref[...]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    alpha = jnp.exp(m_prev - m_new)
+    p = jnp.where(mask, jnp.exp(s - m_new[:, :1]), 0.0)
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    m_ref[...] = m_new
+    if p_scale is not None:
+        # Re-select after scaling: a masked slot's scale may be NaN.
+        p = jnp.where(mask, p * p_scale, 0.0)
+    pv = lax.dot_general(
+        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision,
+    )
+    acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
+
+
+def softmax_finish(o_ref, l_ref, acc_ref) -> None:
+    l = l_ref[...][:, :1]
+    o_ref[...] = (acc_ref[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)  # no visible key -> zeros
 
 
 class _LayerPageCopies:

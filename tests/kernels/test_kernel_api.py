@@ -7,11 +7,9 @@ import pytest
 
 from pallas_kernels._common import resolve_backend
 from pallas_kernels.int8_matmul import int8_matmul, reference_int8_matmul
-from pallas_kernels.paged_attention import paged_attention, reference_paged_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, reference_ragged_paged_attention
 
 PAIRS = [
-    (paged_attention, reference_paged_attention),
     (ragged_paged_attention, reference_ragged_paged_attention),
     (int8_matmul, reference_int8_matmul),
 ]
@@ -35,8 +33,9 @@ def test_reference_has_the_kernel_signature(kernel, reference):
 def test_package_does_not_import_jaxserve():
     import sys
 
-    import pallas_kernels.paged_attention.tpu  # noqa: F401
+    import pallas_kernels.int8_matmul.tpu  # noqa: F401
     import pallas_kernels.ragged_paged_attention.gpu  # noqa: F401
+    import pallas_kernels.ragged_paged_attention.tpu  # noqa: F401
 
     for name, mod in list(sys.modules.items()):
         if name.startswith("pallas_kernels") and getattr(mod, "__file__", None):

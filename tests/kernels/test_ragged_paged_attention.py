@@ -104,16 +104,17 @@ def test_tpu_matches_reference(page_size, head_dim, group, dtype, window, bq, pp
 
 # ---------------------------------------------------------------- reference sanity: prefill == per-token decode
 def test_reference_equals_per_token_decode():
-    from pallas_kernels.paged_attention import reference_paged_attention
-
     case = make_ragged_case(4, page_size=8, head_dim=64, group=2, dtype=jnp.float32, seqs=[(13, 6)],
                             pad_tokens=0, spare_seq_slots=0)
     ref = fast_jit(reference_ragged_paged_attention)(*[case[n] for n in ARG_ORDER])
-    # Token j of the prompt sees exactly the first 13 - 6 + j + 1 cached tokens.
+    # Token j of the prompt, decoded alone (a sequence of one query token), sees exactly the first
+    # 13 - 6 + j + 1 cached tokens.
     q = case["q"]
     lens = jnp.arange(8, 14, dtype=jnp.int32)
     table = jnp.repeat(case["page_table"][:1], 6, axis=0)
-    dec = fast_jit(reference_paged_attention)(q, case["k_pages"], case["v_pages"], lens, table)
+    starts = jnp.arange(7, dtype=jnp.int32)
+    dec = fast_jit(reference_ragged_paged_attention)(q, case["k_pages"], case["v_pages"], table, lens, starts,
+                                                     jnp.int32(6))
     np.testing.assert_allclose(np.asarray(ref), np.asarray(dec), rtol=1e-5, atol=1e-5)
 
 
