@@ -2,9 +2,10 @@
 
     python scripts/bench_multihost.py [--iters 1000] [--batch 16] [--pages 64] [--json OUT]
 
-Process 0 encodes a typical decode step's packed inputs (jaxserve.runner.multihost.encode_step: `--batch`
-sampled rows, one token each, page tables in a `--pages` bucket, no penalties) and publishes it in the
-jax.distributed key-value store, as the Leader does every step; process 1 receives and decodes it, as a
+Process 0 encodes a typical decode step's packed inputs (jaxserve.runner.multihost.encode_step: the
+ragged layout of `--batch` sampled rows, one token each, page tables in a `--pages` bucket, no
+penalties, no grammar) and publishes it in the jax.distributed key-value store, as the Leader does
+every step; process 1 receives and decodes it, as a
 follower does, and acknowledges with a 1-byte key. Reported per message (mean, p50, p99 in µs):
   encode   process 0 packing the message
   send     process 0's key_value_set_bytes: what the leader's step loop pays
@@ -26,6 +27,8 @@ import time
 
 import numpy as np
 
+VOCAB_SIZE = 32000  # the token mask's width (a Llama-2-sized vocabulary)
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -42,38 +45,53 @@ def parse_args(argv=None):
 
 
 class Layout:
-    """The input layout of one plain bucket, as ModelRunner.step_inputs gives it (R = 1)."""
+    """The input layout of one plain ragged bucket (N tokens, P pages), as ModelRunner.step_inputs
+    gives it with R = 1 and `rows` row slots and logits: (RaggedBatch, SamplingTensors, TokenMask)."""
 
-    def __init__(self, history_len):
-        self.history_len = history_len
+    def __init__(self, history_len, rows, vocab_size):
+        self.history_len, self.rows, self.vocab_size = history_len, rows, vocab_size
 
     def step_inputs(self, shape):
         import jax.numpy as jnp
         from jax import ShapeDtypeStruct as S
 
-        from jaxserve.model.kv_cache import StepBatch
+        from jaxserve.model.kv_cache import RaggedBatch
         from jaxserve.model.sampler import SamplingTensors
+        from jaxserve.structured.apply import TokenMask
 
-        B, T, P = shape[:3]
-        batch = StepBatch(tokens=S((1, B, T), jnp.int32), start_pos=S((1, B), jnp.int32),
-                          num_new=S((1, B), jnp.int32), page_table=S((1, B, P), jnp.int32))
-        return batch, SamplingTensors.spec((1, B), self.history_len)
+        N, P = shape[:2]
+        rows = self.rows
+
+        def i32(*dims):
+            return S((1,) + dims, jnp.int32)
+
+        batch = RaggedBatch(tokens=i32(N), positions=i32(N), slots=i32(N), token_row=i32(N),
+                            query_start=i32(rows + 1), context_lens=i32(rows), page_table=i32(rows, P),
+                            logit_index=i32(rows))
+        return (batch, SamplingTensors.spec((1, rows), self.history_len),
+                TokenMask.spec((1, rows), self.vocab_size))
 
 
-def decode_step_inputs(batch, pages, page_size, rng):
-    """A decode step of `batch` sampled rows with 40-90% of the page table in use, packed as the runner does."""
-    from jaxserve.model.kv_cache import StepBatch
+def decode_step_inputs(batch, pages, page_size, vocab_size, rng):
+    """A decode step of `batch` sampled rows (one token each) with 40-90% of the page table in use,
+    packed as the runner packs it (`ragged.pack_ragged`, R = 1; no row constrained by a grammar)."""
+    from jaxserve.model.kv_cache import RaggedBatch
+    from jaxserve.model.ragged import RaggedRow, pack_ragged
     from jaxserve.model.sampler import RowSampling, SamplingTensors
+    from jaxserve.structured.apply import TokenMask
 
-    tokens = rng.integers(0, 32000, (1, batch, 1)).astype(np.int32)
     used = rng.integers(int(0.4 * pages), int(0.9 * pages), batch)
-    start = (used * page_size - rng.integers(1, page_size, batch)).astype(np.int32)[None]
-    table = np.zeros((1, batch, pages), np.int32)
-    for b, n in enumerate(used):
-        table[0, b, :n] = rng.choice(np.arange(1, 8 * pages), n, replace=False)
-    rows = [RowSampling(temperature=0.7, top_p=0.95, seed=int(rng.integers(2**31)), step=int(s)) for s in start[0]]
-    st = SamplingTensors.pack(rows, (1, batch), pages * page_size)
-    return (StepBatch(tokens, start, np.ones((1, batch), np.int32), table), st)
+    start = used * page_size - rng.integers(1, page_size, batch)
+    rows = [RaggedRow([int(rng.integers(0, vocab_size))], int(s), rng.choice(np.arange(1, 8 * pages), n, replace=False))
+            for s, n in zip(start, used)]
+    arrays = pack_ragged(rows, page_size=page_size, num_tokens=batch, num_rows=batch, max_pages=pages,
+                         num_logits=batch)
+    ragged = RaggedBatch(**{name: value[None] for name, value in vars(arrays).items()})
+    sampling = [RowSampling(temperature=0.7, top_p=0.95, seed=int(rng.integers(2**31)), step=int(s)) for s in start]
+    st = SamplingTensors.pack(sampling, (1, batch), pages * page_size)
+    words = -(-vocab_size // 32)
+    mask = TokenMask(np.full((1, batch, words), -1, np.int32), np.zeros((1, batch), bool))
+    return ragged, st, mask
 
 
 def summary(seconds):
@@ -93,9 +111,9 @@ def worker(args) -> None:
 
     client, leader = multihost._client(), args.process_id == 0
     channel = multihost.KVChannel(client)
-    shape = (args.batch, 1, args.pages)
-    layout = Layout(args.pages * args.page_size)
-    inputs = decode_step_inputs(args.batch, args.pages, args.page_size, np.random.default_rng(0))
+    shape = (args.batch, args.pages)  # a decode bucket: one token per row
+    layout = Layout(args.pages * args.page_size, args.batch, VOCAB_SIZE)
+    inputs = decode_step_inputs(args.batch, args.pages, args.page_size, VOCAB_SIZE, np.random.default_rng(0))
     leaves = jax.tree.leaves(inputs)
     full_bytes = sum(x.nbytes for x in leaves)
     timings = {k: [] for k in ("encode", "send", "round", "decode")}
