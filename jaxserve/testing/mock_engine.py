@@ -215,7 +215,8 @@ class MockAsyncLLMEngine:
         return Limits(vocab_size=VOCAB_SIZE, max_model_len=self.engine.memory.max_model_len,
                       page_size=self.engine.memory.page_size, usable_pages=self.engine.memory.num_pages - 1,
                       max_num_seqs=self.engine.config.max_num_seqs,
-                      structured_refusal="the mock engine does not implement structured output; serve a model")
+                      structured_refusal="the mock engine does not implement structured output; serve a model",
+                      prompt_logprobs=True)  # the mock makes them up for every request
 
     @property
     def config(self) -> EngineConfig:

@@ -1,8 +1,8 @@
 """Fixtures for the server tests: the mock engine in-process, and real `python -m jaxserve.serve` subprocesses.
 
-Which engine the subprocess tests serve is one fixture, `server_args`: the mock engine
-(`--mock-engine`) until `jaxserve.engine.async_engine.AsyncLLMEngine` exists, then a tiny random llama
-with a trained byte-level tokenizer. `JAXSERVE_TEST_SERVER=mock|real` forces one.
+Which engine the subprocess tests serve is one fixture, `server_args`: the real engine over a tiny
+random llama with a trained byte-level tokenizer, or the mock engine (`--mock-engine`) with
+`JAXSERVE_TEST_SERVER=mock`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ another tests/ folder's conftest is imported first)."""
 
 from __future__ import annotations
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -75,21 +74,10 @@ def default_model_client(max_model_len: int, max_num_batched_tokens: int):
         engine.shutdown()
 
 
-def real_engine_available() -> bool:
-    try:
-        if importlib.util.find_spec("jaxserve.llm_engine") is None:
-            return False
-    except ImportError:
-        return False
-    source = (REPO / "jaxserve" / "engine" / "engine.py").read_text(encoding="utf-8")
-    return "class AsyncLLMEngine" in source
-
-
 def server_kind() -> str:
-    kind = os.environ.get("JAXSERVE_TEST_SERVER", "auto")
-    if kind == "auto":
-        return "real" if real_engine_available() else "mock"
-    return kind
+    """Which engine the subprocess tests serve: the real one, unless JAXSERVE_TEST_SERVER=mock."""
+    kind = os.environ.get("JAXSERVE_TEST_SERVER", "real")
+    return "real" if kind == "auto" else kind
 
 
 def free_port() -> int:
