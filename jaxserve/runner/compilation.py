@@ -12,10 +12,11 @@ import gc
 import logging
 import os
 import threading
+import time
+from typing import Any, Callable
 
 import jax
 
-from jaxserve.engine.buckets import BucketTable, pick_bucket, powers_of_two  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -147,3 +148,31 @@ def enable_compilation_cache(cache_dir: str | None) -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+def compile_buckets(shapes: list[tuple], lower: Callable[[tuple], Any], options: dict[str, str], platform: str,
+                    progress: bool = True) -> list[tuple[tuple, Any, float]]:
+    """(shape, executable, seconds) of each bucket, lowered by `lower(shape)`.
+
+    Tracing holds the GIL, so buckets are lowered one by one, each compiled meanwhile on a pool.
+    XLA:CPU already spreads one compile over every core (its codegen is split), so on a CPU the
+    pool has one thread: two compiles at once on 2 cores started ~6 s slower (docs/BENCHMARKS.md,
+    "One compile at a time on a CPU"). Elsewhere it has one thread per core."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
+
+    def compile_one(shape, lowered):
+        start = time.perf_counter()
+        executable = lowered.compile(options)
+        return shape, executable, time.perf_counter() - start
+
+    workers = 1 if platform == "cpu" else (os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool, \
+            tqdm(total=len(shapes), desc="compiling step buckets", disable=not progress, unit="bucket") as bar:
+        futures = []
+        for shape in shapes:
+            future = pool.submit(compile_one, shape, lower(shape))
+            future.add_done_callback(lambda _: bar.update(1))
+            futures.append(future)
+        return [f.result() for f in futures]

@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
-import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -28,7 +26,7 @@ from jaxserve.engine.buckets import MULTI_STEP, SCORE, BucketTable, pick_step_sh
 from jaxserve.runner.speculative import Speculation
 from jaxserve.runner.step_io import PackedRows, PendingSamples, StepSamples, split_sparse
 from jaxserve.engine.row_work import RowWork
-from jaxserve.runner.compilation import CompileCounter, release_compiled_code, step_compiler_options
+from jaxserve.runner.compilation import CompileCounter, compile_buckets, release_compiled_code, step_compiler_options
 from jaxserve.runner.grammar_masks import GrammarMasks
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.errors import EngineClosedError
@@ -193,39 +191,15 @@ class ModelRunner:
         return executable
 
     def warm_up(self, shapes: list[tuple] | None = None, progress: bool = True) -> list[tuple]:
-        """Compile every bucket ahead of time; returns (shape, seconds) per bucket.
-
-        Tracing holds the GIL, so buckets are lowered one by one, each compiled meanwhile on a pool.
-        XLA:CPU already spreads one compile over every core (its codegen is split), so on a CPU the
-        pool has one thread: two compiles at once on 2 cores started ~6 s slower (docs/BENCHMARKS.md,
-        "One compile at a time on a CPU"). Elsewhere it has one thread per core.
-        """
-        from concurrent.futures import ThreadPoolExecutor
-
-        from tqdm import tqdm
-
+        """Compile every bucket ahead of time (`compilation.compile_buckets`) and run each once;
+        returns (shape, seconds) per bucket compiled."""
         shapes = [s for s in (shapes if shapes is not None else self.step_shapes()) if s not in self._executables]
         logger.info("compiling %d step buckets: %s", len(shapes), shapes)
-
-        def compile_one(shape, lowered):
-            start = time.perf_counter()
-            executable = lowered.compile(self.compiler_options)
-            return shape, executable, time.perf_counter() - start
-
-        workers = 1 if self.platform == "cpu" else (os.cpu_count() or 1)
-        with ThreadPoolExecutor(max_workers=workers) as pool, \
-                tqdm(total=len(shapes), desc="compiling step buckets", disable=not progress, unit="bucket") as bar:
-            futures = []
-            for shape in shapes:
-                future = pool.submit(compile_one, shape, self._lower(shape))
-                future.add_done_callback(lambda _: bar.update(1))
-                futures.append(future)
-            results = [f.result() for f in futures]
         timings = []
-        for shape, executable, seconds in results:
+        for shape, executable, seconds in compile_buckets(shapes, self._lower, self.compiler_options,
+                                                          self.platform, progress):
             self._executables[shape] = executable
             timings.append((shape, seconds))
-        for shape, seconds in timings:
             logger.info("bucket %s compiled in %.2fs", shape, seconds)
         self.run_each_once(shapes)
         return timings
