@@ -205,7 +205,7 @@ def bench_jaxserve(args, dtype: str, prompt: list[int]) -> tuple[dict, object, l
     res["build_s"] = t_build
     res["warm_up_generate_s"] = t_first
     res["step_shapes_compiled"] = compiled
-    res["plan"] = llm.plan.describe()
+    res["plan"] = llm.memory.describe()
     if runner.unplanned_compiles != compiled:
         print(f"  warning: {runner.unplanned_compiles - compiled} compiles inside the timed runs", file=sys.stderr)
 
@@ -230,18 +230,18 @@ def bench_steps(args, llm, token: int, start: int, max_len: int) -> dict:
     """Decode below LLM.generate: `ModelRunner.execute` on a prepared row (host packing + compiled step
     + token fetch), and the compiled executable alone on device-resident inputs, synced every step
     (as decode must be, to feed the token back) and pipelined (no sync: the device-time floor)."""
-    from jaxserve.runner.runner import RowWork
+    from jaxserve.engine.row_work import RowWork
     from jaxserve.runner.step_timing import capture_step, time_step
 
     runner = llm.runner
-    page_ids = list(range(1, math.ceil(max_len / llm.plan.page_size) + 1))  # page 0 is the padding page
+    page_ids = list(range(1, math.ceil(max_len / llm.memory.page_size) + 1))  # page 0 is the padding page
     row = lambda tok, pos: RowWork([tok], pos, page_ids)
 
     def runner_loop(steps: int) -> float:
         tok = token
         t = time.perf_counter()
         for i in range(steps):
-            tok = first_token(runner.execute([row(tok, start + i)]))
+            tok = first_token(runner.execute_rows([row(tok, start + i)]))
         return (time.perf_counter() - t) / steps
 
     # The exact executable and arguments the runner hands XLA for this row (jaxserve.runner.step_timing).
@@ -265,7 +265,7 @@ def bench_steps(args, llm, token: int, start: int, max_len: int) -> dict:
 
 def first_token(sampled) -> int:
     """Row 0's token from `ModelRunner.execute` (an array of tokens, or a sample with `.tokens`)."""
-    return int(getattr(sampled, "tokens", sampled)[0])
+    return int(np.ravel(getattr(sampled, "tokens", sampled))[0])
 
 
 def prompt_logits(llm, prompt: list[int], dtype) -> np.ndarray:
@@ -274,11 +274,11 @@ def prompt_logits(llm, prompt: list[int], dtype) -> np.ndarray:
     from jaxserve import steps
     from jaxserve.model.kv_cache import StepBatch, init_cache
 
-    need = math.ceil(len(prompt) / llm.plan.page_size)
+    need = math.ceil(len(prompt) / llm.memory.page_size)
     batch = StepBatch(tokens=np.array([[prompt]], np.int32), start_pos=np.zeros((1, 1), np.int32),
                       num_new=np.full((1, 1), len(prompt), np.int32),
                       page_table=np.arange(1, need + 1, dtype=np.int32)[None, None])
-    cache = init_cache(llm.model_config, need + 1, llm.plan.page_size, dtype)
+    cache = init_cache(llm.model_config, need + 1, llm.memory.page_size, dtype)
     logits, _ = steps.prefill_nodonate(llm.runner.params, cache, batch, cfg=llm.model_config,
                                        options=steps.StepOptions(scan_layers=True))
     return np.asarray(logits, np.float32)[0, 0]

@@ -24,7 +24,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine import buckets as bucket_shapes
 from jaxserve.engine.buckets import MULTI_STEP, SCORE, BucketTable, pick_step_shape
 from jaxserve.runner.speculative import Speculation
-from jaxserve.runner.step_io import PackedRows, PendingSamples, StepSamples, split_sparse
+from jaxserve.runner.step_io import StepInputs, PendingSamples, StepSamples, split_sparse
 from jaxserve.engine.row_work import RowWork
 from jaxserve.runner.compilation import CompileCounter, compile_buckets, release_compiled_code, step_compiler_options
 from jaxserve.runner.grammar_masks import GrammarMasks
@@ -277,7 +277,7 @@ class ModelRunner:
         return run
 
     # ---- execution -----------------------------------------------------------------------------
-    def prepare_inputs(self, rows: Sequence[RowWork], before_masks: Callable[[], None] | None = None) -> PackedRows:
+    def prepare_inputs(self, rows: Sequence[RowWork], before_masks: Callable[[], None] | None = None) -> StepInputs:
         """Lay a step's rows out on the host (nothing is sent yet), in the variant they need: the
         scoring step when a row has prompt-logprob `targets`; on a speculative engine its speculative
         step (`speculative.pack`); a multi-step call when a row takes several decode steps; else the
@@ -313,7 +313,7 @@ class ModelRunner:
             packed.num_steps = steps
         return packed
 
-    def execute(self, packed: PackedRows, logprobs: bool = True) -> PendingSamples:
+    def execute(self, packed: StepInputs, logprobs: bool = True) -> PendingSamples:
         """Run a prepared step on the device (not waiting for it); its samples' copy to the host
         starts at once. `logprobs=False`: the samples' logprobs are not fetched (no row asked)."""
         variant = (SCORE,) if packed.score_inputs is not None else (MULTI_STEP,) if packed.num_steps else ()
@@ -326,7 +326,7 @@ class ModelRunner:
         return self.execute(self.prepare_inputs(rows)).result()
 
     def _pack_written(self, rows: Sequence[RowWork], shape: tuple,
-                      before_masks: Callable[[], None] | None) -> PackedRows:
+                      before_masks: Callable[[], None] | None) -> StepInputs:
         """`_pack` of a plain step through its bucket's InputBatch (made on the bucket's first step)."""
         writer = self._input_batches.get(shape)
         if writer is None:
@@ -351,10 +351,10 @@ class ModelRunner:
             if before_masks is not None:
                 before_masks()
             writer.write_masks(self.grammar_masks.fill(L, grammars).bitmask)
-        return PackedRows(shape, writer.batch, sampling, writer.mask(), logit_at, token_at, buffer=writer.buffer)
+        return StepInputs(shape, writer.batch, sampling, writer.mask(), logit_at, token_at, buffer=writer.buffer)
 
     def _pack_anew(self, rows: Sequence[RowWork], shape: tuple, score: bool, pages: list,
-                   before_masks: Callable[[], None] | None) -> PackedRows:
+                   before_masks: Callable[[], None] | None) -> StepInputs:
         """`_pack` from scratch: pack_ragged per replica, SamplingTensors.pack, the TokenMask."""
         R, S, ps = self.num_replicas, self.buckets.max_rows, self.cache.page_size
         per_replica = [[i for i, r in enumerate(rows) if r.replica == rep] for rep in range(R)]
@@ -393,7 +393,7 @@ class ModelRunner:
                     if rows[i].grammar is not None and logit_at[i] >= 0]
         if grammars and before_masks is not None:
             before_masks()
-        return PackedRows(shape, batch, st, self.grammar_masks.fill(L, grammars), logit_at, token_at,
+        return StepInputs(shape, batch, st, self.grammar_masks.fill(L, grammars), logit_at, token_at,
                           (sample_index, targets) if score else None)
 
     def run_step(self, shape: tuple, inputs: tuple, buffer: np.ndarray | None = None) -> Any:

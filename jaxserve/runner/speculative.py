@@ -28,7 +28,7 @@ from jaxserve.model.ragged import RaggedArrays, RaggedRow, pack_ragged
 from jaxserve.model.sampler import RowSampling, SamplingTensors
 from jaxserve.spec_decode.step import DraftInputs, SpecOptions, SpecRows, speculative_step
 from jaxserve.model.transfer import Layout, from_buffer, with_sparse
-from jaxserve.runner.step_io import PackedRows
+from jaxserve.runner.step_io import StepInputs
 
 
 @dataclasses.dataclass
@@ -73,7 +73,7 @@ class Speculation:
     def call(self, executable: Any, sparse: tuple, buffer: Any) -> Any:
         return _call(self.runner, executable, sparse, buffer)
 
-    def pack(self, rows: Sequence[Any]) -> PackedRows:
+    def pack(self, rows: Sequence[Any]) -> StepInputs:
         return _pack(self.runner, rows)
 
 
@@ -146,7 +146,7 @@ def _call(runner: Any, executable: Any, sparse: tuple, buffer: jax.Array) -> Any
 
 def _pack(runner: Any, rows: Sequence[Any]):
     """Lay `rows` (the runner's RowWork: prompt chunks, decodes, verifications) out in the smallest
-    bucket as a speculative step: a PackedRows whose `speculative` holds (SpecRows, DraftInputs)."""
+    bucket as a speculative step: a StepInputs whose `speculative` holds (SpecRows, DraftInputs)."""
     spec = runner.speculation
     R, S, ps = runner.num_replicas, runner.buckets.max_rows, runner.cache.page_size
     K, W = spec.num_tokens, spec.width
@@ -198,7 +198,7 @@ def _pack(runner: Any, rows: Sequence[Any]):
     if draft:
         draft_inputs = DraftInputs(batch=RaggedBatch(**{name: np.stack(v) for name, v in draft_fields.items()}),
                                    draft_index=draft_index, group_row=group_row)
-    return PackedRows(shape, batch, st, None, logit_at, token_at,
+    return StepInputs(shape, batch, st, None, logit_at, token_at,
                       speculative=(SpecRows(num_draft, want_logprobs, group_logits), draft_inputs))
 
 

@@ -1,7 +1,7 @@
 """What goes into one executed step and what comes out of it, host side.
 
 `RowWork` (`jaxserve.engine.row_work`) is one sequence's share of a step as the engine hands it to
-the runner; `PackedRows` is the
+the runner; `StepInputs` is the
 rows laid out in a bucket (the inputs the compiled step reads); `PendingSamples` is a dispatched
 step on its way back; `StepSamples` is what it produced, one run of tokens per row. Plain steps,
 multi-step calls and speculative steps all end in a `StepSamples`, so the engine updates its
@@ -53,7 +53,7 @@ class StepSamples:
 
 
 @dataclasses.dataclass
-class PackedRows:
+class StepInputs:
     """Rows laid out in one ragged step, and where each row's sample and tokens landed."""
 
     shape: tuple  # (tokens, pages)
@@ -107,7 +107,7 @@ class PendingSamples:
     False (a CPU device, whose arrays NumPy reads in place, without a copy): no copy is started,
     which only cost the host ~7 us an array there."""
 
-    def __init__(self, out: Any, packed: PackedRows, logprobs: bool = True, start_copy: bool = True):
+    def __init__(self, out: Any, packed: StepInputs, logprobs: bool = True, start_copy: bool = True):
         self.packed = packed
         # A plain step of which no row asked for logprobs: its tokens alone, one array and no pytree.
         plain = packed.speculative is None and packed.steps_per_row is None

@@ -84,7 +84,7 @@ def test_greedy_generation_matches_hf(hf_model_dir, llms, arch):
         assert out.prompt_token_ids == prompt
         assert out.outputs[0].finish_reason == "length"
         assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"{arch} prompt len {len(prompt)}")
-    assert llm.blocks.num_free_pages(0) == llm.plan.num_pages - 1  # every page returned
+    assert llm.blocks.num_free_pages(0) == llm.memory.num_pages - 1  # every page returned
 
 
 def test_bfloat16_top1_agreement_with_hf(hf_model_dir):
