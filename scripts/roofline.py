@@ -372,17 +372,17 @@ def profile_decode(llm, context: int, args) -> dict:
     def compile_donating(fn):
         return jax.jit(fn, donate_argnums=(1,)).trace(runner.params, runner.cache, batch).lower().compile(opts)
 
-    model = compile_donating(lambda p, c, b: steps.model_step(p, c, b, cfg, runner.options))
+    model = compile_donating(lambda p, c, b: steps.ragged_step(p, c, b, cfg, runner.options))
 
     def no_attention(q, *args, **kwargs):
         return q
 
-    real_impl = steps.attention_impl
-    steps.attention_impl = lambda impl, mesh=None: no_attention  # model_step looks it up when traced
+    real_impl = steps.ragged_attention_impl
+    steps.ragged_attention_impl = lambda impl, mesh=None: no_attention  # ragged_step looks it up when traced
     try:
-        model_no_attention = compile_donating(lambda p, c, b: steps.model_step(p, c, b, cfg, runner.options))
+        model_no_attention = compile_donating(lambda p, c, b: steps.ragged_step(p, c, b, cfg, runner.options))
     finally:
-        steps.attention_impl = real_impl
+        steps.ragged_attention_impl = real_impl
 
     def weight_matmuls(params, x):
         L = params.layers

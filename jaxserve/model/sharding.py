@@ -144,47 +144,6 @@ def per_replica(fn: Callable[..., Any], mesh: Mesh | None) -> Callable[..., Any]
     return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
 
 
-def shard_attention(attention: Callable[..., jax.Array], mesh: Mesh) -> Callable[..., jax.Array]:
-    """`attention` (the per-replica call the model makes) run once per device under `jax.shard_map`.
-
-    GSPMD cannot partition a Pallas kernel (an opaque custom call), so each device runs it on its own
-    shard: query heads split on `model`; KV heads split on `model` when it divides them, else
-    replicated; page table, positions and lengths whole. The replica axis is added on `data` by the
-    caller's `jax.vmap(..., spmd_axis_name="data")` (see steps.model_step). Keyword arrays laid out
-    like the pages with KV heads first (e.g. int8 scales f32[K, NP, S]) follow the pages.
-    With replicated KV heads each device first takes the KV heads its query heads read (a copy of
-    those heads' pages per layer: correct, but extra traffic; prefer a model axis dividing K).
-    """
-    model = mesh.shape[MODEL]
-
-    def wrapped(q, k_pages, v_pages, page_table, positions, seq_lens, sliding_window=None, **kv_arrays):
-        # q f[B, T, N, H]; k_pages, v_pages f[K, NP, S, H]; page_table i32[B, P]; positions i32[B, T];
-        # seq_lens i32[B]
-        num_heads, num_kv_heads = q.shape[2], k_pages.shape[0]
-        if num_heads % model:
-            raise ConfigError(f"the model axis ({model}) must divide the {num_heads} query heads")
-        kv_split = num_kv_heads % model == 0
-        kv_axis = MODEL if kv_split else None
-        q_spec = PartitionSpec(None, None, MODEL, None)
-        names = sorted(n for n, a in kv_arrays.items() if a is not None)
-        absent = {n: None for n in kv_arrays if kv_arrays[n] is None}
-
-        def per_device(q, k_pages, v_pages, page_table, positions, seq_lens, *extras):
-            kv = (k_pages, v_pages, *extras)
-            if not kv_split:
-                kv = _local_kv_heads(kv, num_heads // model, num_heads // num_kv_heads)
-            return attention(q, kv[0], kv[1], page_table, positions, seq_lens, sliding_window,
-                             **dict(zip(names, kv[2:])), **absent)
-
-        in_specs = (q_spec, PartitionSpec(kv_axis), PartitionSpec(kv_axis), PartitionSpec(), PartitionSpec(),
-                    PartitionSpec(), *(PartitionSpec(kv_axis) for _ in names))
-        # check_vma=False: a pallas_call's outputs carry no varying-axes type (jax asks kernels to declare it).
-        return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
-            q, k_pages, v_pages, page_table, positions, seq_lens, *(kv_arrays[n] for n in names))
-
-    return wrapped
-
-
 def _local_kv_heads(arrays: tuple[jax.Array, ...], heads_here: int, group: int) -> tuple[jax.Array, ...]:
     """The KV heads (leading axis) that this device's `heads_here` query heads read, from replicated arrays.
 
