@@ -325,7 +325,7 @@ class EngineCore:
             return None
         rows = self._row_work(batch.rows)
         previous = self.in_flight[-1] if self.in_flight else None
-        verifies = False
+        verifies, calls = False, 1  # calls: decode steps in the call (multi-step), each reading every weight
         if self.spec is not None:
             if any(r.targets is not None for r in rows):  # a step scoring prompt tokens verifies nothing
                 for row in batch.rows:
@@ -336,7 +336,8 @@ class EngineCore:
         elif self.scheduler.lookahead_steps and batch.kind == "decode":
             for row, work in zip(batch.rows, rows):
                 work.num_steps = 1 + row.num_lookahead
-        serial = verifies or any(w.num_steps > 1 for w in rows)
+                calls = max(calls, work.num_steps)
+        serial = verifies or calls > 1
         before_masks = None
         if previous is not None and previous.constrained:
             # Rows under a grammar: this step's masks need the previous step's tokens. Their grammars
@@ -350,14 +351,14 @@ class EngineCore:
             rows = rows + self._row_work(joined)
             packed = self.runner.prepare_inputs(rows)
         self.composition.record(batch.rows)  # with the rows that joined; before the rows take placeholders
-        logprobs = any(r.seq.params.logprobs is not None for r in batch.rows)
+        logprobs, context = False, 0  # context: each row's K/V the step reads
+        for r in batch.rows:
+            logprobs = logprobs or r.seq.params.logprobs is not None
+            context += r.start + r.num_tokens + r.num_lookahead
         sent = time.perf_counter()
         pending = self.runner.execute(packed, logprobs=logprobs)
         dispatched_at = time.perf_counter()
         self.arrival_window.dispatched(dispatched_at - sent)
-        # What the step had to read: every weight once per decode step of the call, plus each row's K/V.
-        calls = max(w.num_steps for w in rows)
-        context = sum(r.start + r.num_tokens + r.num_lookahead for r in batch.rows)
         self.last_step_bytes_read = calls * self.memory.param_bytes + context * self.memory.kv_bytes_per_token
         step = InFlightStep(batch, rows, pending, serial, verifies, any(r.grammar is not None for r in rows),
                             dispatched_at)
@@ -426,6 +427,7 @@ class EngineCore:
             self.spec.record(step.batch.rows, np.maximum(samples.num_emitted - 1, 0))
         advanced: dict[str, Request] = {}
         tokens = samples.tokens.tolist()  # Python ints, one conversion for the step
+        emitted = samples.num_emitted.tolist()
         for i, row in enumerate(step.batch.rows):
             seq = row.seq
             if seq.is_finished:
@@ -433,7 +435,7 @@ class EngineCore:
             targets = step.rows[i].targets
             if targets is not None:
                 self.outputs.record_prompt_logprobs(seq, row.start, targets, samples.scores, i)
-            run = tokens[i][: samples.num_emitted[i]]
+            run = tokens[i][: emitted[i]]
             if step.serial:
                 self._emit_run(seq, row, run, samples, i)
             else:
