@@ -221,13 +221,18 @@ class ModelConfig:
         return per_layer * (self.num_sliding_layers * window + (self.num_layers - self.num_sliding_layers) * context)
 
     def param_bytes(self, bytes_per_element: int, quantization: str = "none", quantize_lm_head: bool = False) -> int:
-        """Bytes of all parameters; with quantization="int8" the linear layers take 1 byte + f32 scales."""
+        """Bytes of all parameters; with quantization="int8" the linear layers take 1 byte + f32 scales;
+        with "int4" the dense ones (not the experts) half a byte + an f32 scale and bias per 32 inputs."""
         total = self.num_params() * bytes_per_element
+        head = self.vocab_size * self.hidden_size if quantize_lm_head and not self.tie_word_embeddings else 0
         if quantization == "int8":
             total -= self.linear_params() * (bytes_per_element - 1)
             total += self.linear_out_channels() * 4
-            if quantize_lm_head and not self.tie_word_embeddings:
-                total -= self.vocab_size * self.hidden_size * (bytes_per_element - 1) - self.vocab_size * 4
+            if head:
+                total -= head * (bytes_per_element - 1) - self.vocab_size * 4
+        elif quantization == "int4":
+            dense = self.linear_params() - self.num_moe_layers * self.num_experts * self.expert_params() + head
+            total -= dense * bytes_per_element - int4_bytes(dense)
         return total
 
     @classmethod
@@ -440,3 +445,8 @@ def _yarn_scaling(scaling: Mapping[str, Any], hf: Mapping[str, Any]) -> RopeScal
     return RopeScaling("yarn", factor=factor, original_max_position_embeddings=original,
                        beta_fast=float(scaling.get("beta_fast") or 32), beta_slow=float(scaling.get("beta_slow") or 1),
                        attention_factor=float(attention), truncate=bool(scaling.get("truncate", True)))
+
+
+def int4_bytes(elements: int, group_size: int = 32) -> int:
+    """Bytes of `elements` weights in quant.Int4Array: half a byte each, an f32 scale and bias per group."""
+    return elements // 2 + elements // group_size * 8

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jaxserve.loading import gguf_weights
 from jaxserve.model import quant
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError
@@ -212,6 +213,48 @@ class _QuantizedHost:
 
 
 _quantize_jit = jax.jit(quant.quantize)
+_quantize_int4_jit = jax.jit(quant.quantize_int4, static_argnums=1)
+
+
+class _Int4Host(_QuantizedHost):
+    """As _QuantizedHost, for quantization="int4": packed u8 values, f32 scales and biases per group
+    of quant.INT4_GROUP_SIZE input rows. A GGUF Q4_0/Q4_1 tensor arrives already in that form
+    (gguf_weights.Int4Tensor) and is copied, never through float."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, group_size: int = quant.INT4_GROUP_SIZE):
+        *lead, k, n = shape
+        self.group_size, self.dtype = group_size, dtype
+        self.values = np.empty((*lead, k // 2, n), np.uint8)
+        self.scales = np.empty((*lead, k // group_size, n), np.float32)
+        self.biases = np.empty((*lead, k // group_size, n), np.float32)
+
+    shape = property(lambda self: (*self.values.shape[:-2], 2 * self.values.shape[-2], self.values.shape[-1]))
+
+    def __getitem__(self, index: int) -> "_Int4Host":
+        view = object.__new__(_Int4Host)
+        view.group_size, view.dtype = self.group_size, self.dtype
+        view.values, view.scales, view.biases = self.values[index], self.scales[index], self.biases[index]
+        return view
+
+    def assign(self, src: Any) -> None:
+        if isinstance(src, gguf_weights.Int4Tensor):  # already [in, out] groups of 32: copied as they are
+            if src.group_size != self.group_size:
+                raise ModelLoadError(f"an int4 tensor in groups of {src.group_size}, expected {self.group_size}")
+            q = src
+        else:
+            with jax.default_device(_host_device()):
+                q = _quantize_int4_jit(jnp.asarray(np.asarray(src, self.dtype)), self.group_size)
+        self.values[...] = np.asarray(q.values)
+        self.scales[...] = np.asarray(q.scales)
+        self.biases[...] = np.asarray(q.biases)
+
+    def place(self, sharding: Any) -> quant.Int4Array:
+        arrays = (self.values, self.scales, self.biases)
+        if sharding is None:
+            placed = [jnp.asarray(a) for a in arrays]
+        else:
+            placed = [jax.device_put(a, sh) for a, sh in zip(arrays, (sharding.values, sharding.scales, sharding.biases))]
+        return quant.Int4Array(values=placed[0], scales=placed[1], biases=placed[2], group_size=self.group_size)
 
 
 def _host_device() -> Any:
@@ -260,10 +303,12 @@ def load_hf_params(
     host: dict[str, np.ndarray | _QuantizedHost | _PerLayer] = {}  # field -> its host array(s) until placed
     filled: dict[str, set[int]] = {}
     quantized: set[str] = set()
-    if quantization == "int8":
-        quantized = set(quant.LINEAR_FIELDS) | ({"lm_head"} if quantize_lm_head else set())
+    if quantization in ("int8", "int4"):
+        quantized = set(quant.quantized_fields(quantization)) | ({"lm_head"} if quantize_lm_head else set())
 
     def buffer(field: str, shape: tuple[int, ...]) -> np.ndarray | _QuantizedHost:
+        if field in quantized and quantization == "int4":
+            return _Int4Host(shape, np_dtype)
         if field in quantized:
             return _QuantizedHost(np.empty(shape, np.int8), np.empty(shape[:-2] + shape[-1:], np.float32), np_dtype)
         return np.empty(shape, np_dtype)
@@ -363,6 +408,8 @@ def _copy_experts(target, layer_specs, layer: int, parts, filled: dict[str, set]
 def _copy_into(dest: np.ndarray, layer: int | None, tensor: np.ndarray, transpose: bool, name: str) -> None:
     src = tensor.T if transpose else tensor
     slot = dest if layer is None else dest[layer]
+    if isinstance(src, gguf_weights.Int4Tensor) and not isinstance(slot, _Int4Host):
+        src = src.dequantize()  # an int4 GGUF tensor where the model keeps floats (or int8)
     if src.shape != slot.shape:
         raise ModelLoadError(f"tensor {name} has shape {tensor.shape}, config implies {slot.shape[::-1] if transpose else slot.shape}")
     if isinstance(slot, _QuantizedHost):

@@ -11,12 +11,14 @@ from transformers' layout. Those conventions are per architecture, not flags in 
   transformers x * (1 + w)).
 - GGUF lists dimensions innermost first; the reader's numpy arrays are already [out, in] row-major,
   transformers' nn.Linear layout.
-Each tensor is dequantized to float32 alone and handed on, so a load never holds more than one
+Each tensor is dequantized to float32 alone and handed on (a Q4_0 / Q4_1 linear weight as an Int4Tensor,
+which the loader keeps as int4 or dequantizes), so a load never holds more than one
 tensor's float copy beside the stacked weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any, Iterable, Iterator
@@ -63,6 +65,80 @@ def dequantize(tensor: Any) -> np.ndarray:
     return values
 
 
+# Block tensors of these kinds stay int4 when GGML's Q4_0 / Q4_1 (Int4Tensor), the loader choosing
+# whether to keep them so (quantization="int4") or dequantize them.
+_LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+GGUF_GROUP = 32  # values per Q4_0 / Q4_1 block
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Tensor:
+    """A Q4_0 / Q4_1 tensor as quant.Int4Array's parts (two codes per byte along `in`, rows 2i low
+    nibble, 2i + 1 high; w = q * scale + bias per group of 32 `in` values), read without float:
+    Q4_1's (d, m) are (scale, bias), Q4_0's (q - 8) * d is scale d, bias -8d. It stands for the
+    [out, in] weight (GGUF's and transformers' orientation) until `.T`, as an ndarray would."""
+
+    values: np.ndarray  # u8[in // 2, out]
+    scales: np.ndarray  # f32[in // 32, out]
+    biases: np.ndarray  # f32[in // 32, out]
+    transposed: bool = True  # True: the [out, in] weight
+    group_size: int = GGUF_GROUP
+    source: Any = None  # the reader tensor, for `dequantize` exactly as the gguf library does it
+    out_index: np.ndarray | None = None  # the output channels' order, as taken from `source`
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        k, n = 2 * self.values.shape[0], self.values.shape[1]
+        return (n, k) if self.transposed else (k, n)
+
+    @property
+    def T(self) -> "Int4Tensor":  # noqa: N802 (ndarray's name)
+        return dataclasses.replace(self, transposed=not self.transposed)
+
+    def take_out(self, index: np.ndarray) -> "Int4Tensor":
+        """The tensor with its output channels (GGUF rows) reordered: out[i] = self[index[i]]."""
+        order = index if self.out_index is None else self.out_index[index]
+        return dataclasses.replace(self, values=self.values[:, index], scales=self.scales[:, index],
+                                   biases=self.biases[:, index], out_index=order)
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 weight in this orientation, as the gguf library dequantizes the file's bytes
+        (Q4_0's (q - 8) * d rounds once; q * d - 8d, this format's, may differ by an ulp)."""
+        if self.source is not None:
+            w = dequantize(self.source)  # [out, in]
+            w = w if self.out_index is None else w[self.out_index]
+            return w if self.transposed else w.T
+        codes = np.stack([self.values & 0xF, self.values >> 4], axis=1).reshape(-1, self.values.shape[1])
+        group = np.arange(codes.shape[0]) // self.group_size
+        w = codes.astype(np.float32) * self.scales[group] + self.biases[group]  # f32[in, out]
+        return w.T if self.transposed else w
+
+
+def int4_tensor(tensor: Any) -> Int4Tensor | None:
+    """A reader tensor of GGML type Q4_0 or Q4_1 as an Int4Tensor (None for any other type).
+
+    A block is 32 consecutive `in` values of one row: an f16 d (Q4_1: then an f16 m), then 16 bytes
+    whose low nibbles are values 0..15 and high nibbles values 16..31."""
+    from gguf import GGMLQuantizationType
+
+    kind = tensor.tensor_type
+    if kind not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+        return None
+    raw = np.asarray(tensor.data, np.uint8)
+    head = 4 if kind == GGMLQuantizationType.Q4_1 else 2
+    blocks = raw.reshape(raw.shape[0], -1, head + 16)  # [out, in // 32, block bytes]
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    if kind == GGMLQuantizationType.Q4_1:
+        m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    else:
+        m = -8.0 * d  # exact: a power of two times an f16
+    qs = blocks[..., head:]
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(raw.shape[0], -1)  # u8[out, in]
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # u8[out, in // 2]
+    return Int4Tensor(values=np.ascontiguousarray(packed.T), scales=np.ascontiguousarray(d.T),
+                      biases=np.ascontiguousarray(m.T), source=tensor)
+
+
 def unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's llama-family Q/K row permutation: within each head, rows 0, 2, 4, ... (the
     first rotary half) and 1, 3, 5, ... were interleaved; transformers keeps the halves apart."""
@@ -71,7 +147,7 @@ def unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def iter_hf_tensors(arch: str, tensors: Iterable[Any], config: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
-    """(transformers name, float32 array) for every weight of a file of architecture `arch`, in file
+    """(transformers name, float32 array or Int4Tensor) for every weight of a file of architecture `arch`, in file
     order; `tensors` have the reader's `name`, `tensor_type` and `data`."""
     model_type = config["model_type"]
     names = {"gemma3_text": _GEMMA3_NAMES, "mixtral": _MIXTRAL_NAMES}.get(model_type, _BLOCK_NAMES)
@@ -95,10 +171,14 @@ def iter_hf_tensors(arch: str, tensors: Iterable[Any], config: dict[str, Any]) -
             continue
         if kind not in names:
             raise ModelLoadError(f"unexpected GGUF tensor {name!r} for a {arch} model")
-        values = dequantize(tensor)
+        packed = int4_tensor(tensor) if kind in _LINEAR_KINDS and suffix == "weight" else None
+        values = dequantize(tensor) if packed is None else packed
         if permuted and kind in ("attn_q", "attn_k"):
             heads = config["num_attention_heads"] if kind == "attn_q" else config["num_key_value_heads"]
-            values = unpermute_rope_rows(values, heads)
+            if packed is None:
+                values = unpermute_rope_rows(values, heads)
+            else:
+                values = packed.take_out(unpermute_rope_rows(np.arange(packed.shape[0]), heads))
         if gemma and kind in _NORMS:
             values = values - 1.0
         yield f"{prefix}{names[kind]}.{suffix}", values

@@ -50,7 +50,8 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
     """Read the config, derive the shardings on `mesh`, and put each weight straight onto its shards.
 
     stacked=False returns per-layer weight arrays, for the unrolled forward. quantization="int8"
-    quantizes a safetensors or GGUF checkpoint tensor by tensor as it is read (never a float copy of
+    or "int4" quantizes a safetensors or GGUF checkpoint tensor by tensor (a GGUF file's Q4_0 / Q4_1
+    linear weights go into int4 as they are) as it is read (never a float copy of
     the model on the host); a float orbax checkpoint after it is placed, one weight at a time
     (quant.quantize_params_placed); an int8 orbax one (scripts/quantize.py) restores as it was saved.
     """
@@ -58,7 +59,7 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
     cfg = ModelConfig.from_dir(model_dir)
     moe = settings.moe_parallelism
     shardings = make_shardings(cfg, mesh, stacked, settings.quantization, settings.quantize_lm_head, moe)
-    quantized = settings.quantization == "int8"
+    quantized = settings.quantization in ("int8", "int4")
     float_shardings = make_shardings(cfg, mesh, stacked, moe_parallelism=moe) if quantized else shardings
     dtype = resolve_dtype(settings, model_dir)
     fmt = settings.load_format
@@ -81,7 +82,8 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
                                 settings.quantize_lm_head)
         quantized = False
     if quantized:
-        params = quant.quantize_params_placed(params, shardings.params, settings.quantize_lm_head)
+        params = quant.quantize_params_placed(params, shardings.params, settings.quantize_lm_head,
+                                              settings.quantization)
     return LoadedModel(cfg=cfg, params=params, dtype=dtype, model_dir=model_dir, shardings=shardings)
 
 

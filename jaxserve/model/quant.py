@@ -30,7 +30,8 @@ INT8_MAX = 127
 # The linear weights that quantization="int8" replaces ([in, out] each, experts [E, in, out]: a scale
 # per expert and output channel; model.moe multiplies them itself, whatever `kernel`); lm_head only on
 # request; never the routers.
-LINEAR_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "expert_gate", "expert_up", "expert_down")
+DENSE_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+LINEAR_FIELDS = DENSE_FIELDS + ("expert_gate", "expert_up", "expert_down")
 # Resolved matmul implementations of a QuantArray: "reference" (XLA, any platform and mesh), "xla_cpu"
 # (XLA, decode rows in cache-sized K chunks: one device's CPU), and the Pallas kernel per backend.
 MATMUL_IMPLS = ("reference", "xla_cpu", "pallas_tpu", "pallas_gpu", "pallas_interpret")
@@ -71,14 +72,16 @@ def dequantize(q: QuantArray, dtype: Any = jnp.float32) -> jax.Array:
     return (q.values.astype(jnp.float32) * q.scales[..., None, :]).astype(dtype)
 
 
-def matmul(x: jax.Array, w: jax.Array | QuantArray, preferred_element_type: Any = None) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array | QuantArray | Int4Array, preferred_element_type: Any = None) -> jax.Array:
     """x [..., in] @ w [in, out] for a float or a quantized weight; the result in x's dtype, or in
     `preferred_element_type` when given (the logits, in f32)."""
-    if not isinstance(w, QuantArray):
+    if not is_quant(w):
         if preferred_element_type is None:
             return x @ w
         return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
     out_dtype = preferred_element_type or x.dtype
+    if isinstance(w, Int4Array):
+        return int4_matmul(x, w).astype(out_dtype)
     if w.kernel == "xla_cpu" and _chunk_rows(x, w):
         return (_chunked_matmul(x, w.values, _chunk_rows(x, w)) * w.scales).astype(out_dtype)
     if w.kernel in ("reference", "xla_cpu"):
@@ -128,7 +131,7 @@ def _pallas_matmul(x: jax.Array, w: QuantArray) -> jax.Array:
 
 
 def is_quant(x: Any) -> bool:
-    return isinstance(x, QuantArray)
+    return isinstance(x, (QuantArray, Int4Array))
 
 
 def with_kernel(tree: Any, kernel: str) -> Any:
@@ -138,15 +141,126 @@ def with_kernel(tree: Any, kernel: str) -> Any:
     return jax.tree.map(lambda x: x.replace(kernel=kernel) if is_quant(x) else x, tree, is_leaf=is_quant)
 
 
+# ---- int4: weight-only, asymmetric per group of input rows ----------------------------------------
+INT4_MAX = 15
+INT4_GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1 block: their files load into it exactly
+
+
+@flax.struct.dataclass
+class Int4Array:
+    """A weight stored as 4-bit codes, two per byte along `in`, with an f32 scale and bias per group of
+    `group_size` input rows and output channel: w[k, n] = q[k, n] * scales[k // G, n] + biases[k // G, n].
+
+    Row 2i is the low nibble of values[i], row 2i + 1 the high one (the layout of
+    pallas_kernels/int4_matmul). `kernel` as QuantArray's."""
+
+    values: jax.Array  # u8[..., in // 2, out]
+    scales: jax.Array  # f32[..., in // group_size, out]
+    biases: jax.Array  # f32[..., in // group_size, out]
+    group_size: int = flax.struct.field(pytree_node=False, default=INT4_GROUP_SIZE)
+    kernel: str = flax.struct.field(pytree_node=False, default="reference")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, half, n = self.values.shape
+        return (*lead, 2 * half, n)
+
+
+def quantize_int4(w: jax.Array, group_size: int = INT4_GROUP_SIZE) -> Int4Array:
+    """Asymmetric int4 of w f[..., in, out]: each group's min maps to 0 and its max to 15."""
+    *lead, k, n = w.shape
+    if group_size % 2 or k % group_size:
+        raise ValueError(f"int4 group size {group_size} must be even and divide the input dimension {k}")
+    g = w.astype(jnp.float32).reshape(*lead, k // group_size, group_size, n)
+    lo, hi = jnp.min(g, axis=-2), jnp.max(g, axis=-2)  # f32[..., in // G, out]
+    scales = (hi - lo) / INT4_MAX
+    safe = jnp.where(scales > 0, scales, 1.0)  # a constant group is its bias exactly
+    q = jnp.clip(jnp.round((g - lo[..., None, :]) / safe[..., None, :]), 0, INT4_MAX).astype(jnp.uint8)
+    return Int4Array(values=pack_nibbles(q.reshape(*lead, k, n)), scales=scales, biases=lo, group_size=group_size)
+
+
+def pack_nibbles(q: jax.Array) -> jax.Array:
+    """u8[..., K, N] codes 0..15 -> u8[..., K // 2, N]: even rows low nibbles, odd rows high."""
+    return q[..., 0::2, :] | (q[..., 1::2, :] << 4)
+
+
+def _dequant_half(codes: jax.Array, w: Int4Array, scales: jax.Array, biases: jax.Array, dtype: Any) -> jax.Array:
+    """Codes u8[..., R, N] of the even (or odd) rows of R // (G/2) whole groups, dequantized."""
+    *lead, r, n = codes.shape
+    half = w.group_size // 2
+    q = codes.astype(jnp.float32).reshape(*lead, r // half, half, n)
+    return (q * scales[..., None, :] + biases[..., None, :]).astype(dtype).reshape(*lead, r, n)
+
+
+def dequantize_int4(w: Int4Array, dtype: Any = jnp.float32) -> jax.Array:
+    even = _dequant_half(w.values & 0xF, w, w.scales, w.biases, dtype)
+    odd = _dequant_half(w.values >> 4, w, w.scales, w.biases, dtype)
+    *lead, half, n = w.values.shape
+    return jnp.stack([even, odd], axis=-2).reshape(*lead, 2 * half, n)
+
+
+def int4_matmul(x: jax.Array, w: Int4Array) -> jax.Array:
+    """x f[..., in] @ w: f32[..., out]. Decode rows on one device ("xla_cpu") stream the packed bytes
+    in chunks (`_int4_chunked`); everything else (prefill, other kernels until the Pallas int4 kernel
+    is wired) dequantizes the weight in x's dtype and multiplies."""
+    rows = _int4_chunk_rows(x, w) if w.kernel == "xla_cpu" else 0
+    if rows:
+        return _int4_chunked(x, w, rows)
+    return jnp.matmul(x, dequantize_int4(w, x.dtype), preferred_element_type=jnp.float32)
+
+
+def _int4_chunk_rows(x: jax.Array, w: Int4Array) -> int:
+    """Packed rows per chunk: whole groups, dividing in // 2, the two widened halves near CHUNK_BYTES."""
+    kp, n = w.values.shape[-2:]
+    half = w.group_size // 2
+    if w.values.ndim != 2 or x.size // (2 * kp) > CHUNK_MAX_ROWS:
+        return 0
+    fits = [r for r in range(half, kp + 1, half) if kp % r == 0 and 2 * r * n * 4 <= CHUNK_BYTES]
+    return max(fits, default=half)
+
+
+def _int4_chunked(x: jax.Array, w: Int4Array, rows: int) -> jax.Array:
+    """x @ w as a loop over chunks of `rows` packed rows: each chunk's low and high nibbles are widened
+    and scaled right before their partial products with x's even and odd columns, so neither the
+    nibbles nor the widened weight are ever interleaved or written out whole."""
+    kp, n = w.values.shape
+    steps, groups = kp // rows, rows // (w.group_size // 2)
+    lead = x.shape[:-1]
+    xs = x.reshape(*lead, steps, rows, 2)  # [..., chunk, packed row, even/odd]
+    values = w.values.reshape(steps, rows, n)
+    scales = w.scales.reshape(steps, groups, n)
+    biases = w.biases.reshape(steps, groups, n)
+
+    def body(i, acc):
+        xi = jax.lax.dynamic_index_in_dim(xs, i, axis=-3, keepdims=False)  # [..., rows, 2]
+        v = jax.lax.dynamic_index_in_dim(values, i, axis=0, keepdims=False)
+        s = jax.lax.dynamic_index_in_dim(scales, i, axis=0, keepdims=False)
+        b = jax.lax.dynamic_index_in_dim(biases, i, axis=0, keepdims=False)
+        even = _dequant_half(v & 0xF, w, s, b, x.dtype)
+        odd = _dequant_half(v >> 4, w, s, b, x.dtype)
+        acc = acc + jnp.matmul(xi[..., 0], even, preferred_element_type=jnp.float32)
+        return acc + jnp.matmul(xi[..., 1], odd, preferred_element_type=jnp.float32)
+
+    return jax.lax.fori_loop(0, steps, body, jnp.zeros((*lead, n), jnp.float32))
+
+
 # ---- the quantized params layout ----------------------------------------------------------------
-def map_linear(params: Params, fn: Callable[[Any], Any], quantize_lm_head: bool = False) -> Params:
-    """Apply `fn` to every linear weight of a Params-shaped tree (arrays, axis names, shardings, ...).
+def quantized_fields(quantization: str) -> tuple[str, ...]:
+    """The LayerParams fields `quantization` replaces: int8 all linear weights; int4 the dense ones
+    (model.moe multiplies int8 or float experts only, so int4 leaves the experts as they are)."""
+    return {"int8": LINEAR_FIELDS, "int4": DENSE_FIELDS}.get(quantization, ())
+
+
+def map_linear(params: Params, fn: Callable[[Any], Any], quantize_lm_head: bool = False,
+               fields: tuple[str, ...] = LINEAR_FIELDS) -> Params:
+    """Apply `fn` to every linear weight (of `fields`) of a Params-shaped tree (arrays, axis names,
+    shardings, ...).
 
     Works on stacked layers and on a tuple of per-layer LayerParams; embeddings, norms and biases are
     left as they are; lm_head is included when `quantize_lm_head` (a tied head is the embedding: never).
     """
     def one(lp: LayerParams) -> LayerParams:  # a family's absent weights (None) stay absent
-        return lp.replace(**{f: fn(getattr(lp, f)) for f in LINEAR_FIELDS if getattr(lp, f) is not None})
+        return lp.replace(**{f: fn(getattr(lp, f)) for f in fields if getattr(lp, f) is not None})
 
     layers = params.layers
     layers = tuple(one(lp) for lp in layers) if isinstance(layers, tuple) else one(layers)
@@ -161,26 +275,45 @@ def quantized_axes(axes: tuple[str | None, ...]) -> QuantArray:
     return QuantArray(values=axes, scales=axes[:-2] + axes[-1:])
 
 
-def quantize_params(params: Params, quantize_lm_head: bool = False) -> Params:
-    return map_linear(params, quantize, quantize_lm_head)
+def int4_axes(axes: tuple[str | None, ...]) -> Int4Array:
+    """Logical axes of an int4 weight: packed values and per-group scales and biases keep the weight's
+    (a device holding some input rows holds their bytes and their groups')."""
+    return Int4Array(values=axes, scales=axes, biases=axes)
 
 
-def quantize_params_placed(params: Params, shardings: Params, quantize_lm_head: bool = False) -> Params:
+def quantized_layout(params: Params, quantization: str, quantize_lm_head: bool = False) -> Params:
+    """A Params-shaped tree of logical axes in the layout of `quantization` ("none" leaves it)."""
+    if quantization == "int8":
+        return map_linear(params, quantized_axes, quantize_lm_head)
+    if quantization == "int4":
+        return map_linear(params, int4_axes, quantize_lm_head, DENSE_FIELDS)
+    return params
+
+
+def quantize_params(params: Params, quantize_lm_head: bool = False, quantization: str = "int8") -> Params:
+    fn = quantize_int4 if quantization == "int4" else quantize
+    return map_linear(params, fn, quantize_lm_head, quantized_fields(quantization))
+
+
+def quantize_params_placed(params: Params, shardings: Params, quantize_lm_head: bool = False,
+                           quantization: str = "int8") -> Params:
     """Quantize params already on their devices, one weight at a time, each result on its sharding.
 
     Consumes `params`: each float weight is deleted as soon as its int8 form exists, so device memory
     peaks near the float model plus one weight, never two float copies. `shardings` is the quantized
-    layout (`sharding.make_shardings(..., quantization="int8")`)."""
+    layout (`sharding.make_shardings(..., quantization=quantization)`)."""
     jitted: dict[Any, Callable] = {}
+    fn = quantize_int4 if quantization == "int4" else quantize
 
-    def quantize_one(w: jax.Array, sharding: QuantArray) -> QuantArray:
+    def quantize_one(w: jax.Array, sharding: Any) -> Any:
         if sharding not in jitted:
-            jitted[sharding] = jax.jit(quantize, out_shardings=sharding)
+            jitted[sharding] = jax.jit(fn, out_shardings=sharding)
         q = jitted[sharding](w)
         w.delete()  # the runtime frees it once the quantize that reads it is done
         return q
 
-    marks = map_linear(jax.tree.map(lambda _: False, params), lambda _: True, quantize_lm_head)
+    marks = map_linear(jax.tree.map(lambda _: False, params), lambda _: True, quantize_lm_head,
+                       quantized_fields(quantization))
     leaves, treedef = jax.tree.flatten(params)
     targets = jax.tree.leaves(shardings, is_leaf=is_quant)
     out = [quantize_one(w, sh) if mark else w for w, mark, sh in zip(leaves, jax.tree.leaves(marks), targets)]

@@ -106,12 +106,12 @@ class Shardings:
 def make_shardings(cfg: ModelConfig, mesh: Mesh, stacked: bool = True, quantization: str = "none",
                    quantize_lm_head: bool = False, moe_parallelism: str = "tensor") -> Shardings:
     """`stacked=False` gives the shardings of params whose layers are a tuple (weights.unstack_layers);
-    quantization="int8" those of the quantized layout (a QuantArray of shardings per linear weight)."""
+    quantization="int8" / "int4" those of the quantized layout (a QuantArray / Int4Array of shardings per
+    quantized weight)."""
     rules = logical_rules(cfg, mesh.shape[MODEL], moe_parallelism)
     is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
     axes = logical_axes(cfg)
-    if quantization == "int8":
-        axes = quant.map_linear(axes, quant.quantized_axes, quantize_lm_head)
+    axes = quant.quantized_layout(axes, quantization, quantize_lm_head)
     params = jax.tree.map(lambda axes: NamedSharding(mesh, spec_for(axes, rules)), axes, is_leaf=is_axes)
     if not stacked:
         one_layer = jax.tree.map(lambda sh: NamedSharding(mesh, PartitionSpec(*sh.spec[1:])), params.layers)

@@ -157,7 +157,7 @@ class MemoryPlan:
     max_model_len: int
     max_pages_per_seq: int
     dtype: str = "float32"  # the model dtype
-    quantization: str = "none"  # weights: "none" | "int8"
+    quantization: str = "none"  # weights: "none" | "int8" | "int4"
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8"
     kv_bytes_per_token_model_dtype: int | None = None  # what a cache in the model dtype would take
     draft_kv_bytes_per_token: int = 0  # speculative decoding: the draft's cache, in the same pages
@@ -206,7 +206,7 @@ class MemoryPlan:
 
     def describe(self) -> str:
         gib = 2**30
-        weights = "int8 linear layers" if self.quantization == "int8" else self.dtype
+        weights = {"int8": "int8 linear layers", "int4": "int4 dense linear layers"}.get(self.quantization, self.dtype)
         kv = "int8 + f32 scales" if self.kv_cache_dtype == "int8" else self.dtype
         text = (
             f"memory plan: params {self.param_bytes / gib:.3f} GiB ({weights}, {self.dtype} activations); "

@@ -19,7 +19,7 @@ import math
 from typing import Any
 
 from jaxserve.config import ModelConfig
-from jaxserve.config.model_config import SUPPORTED_ARCHITECTURES
+from jaxserve.config.model_config import SUPPORTED_ARCHITECTURES, int4_bytes
 from jaxserve.planning.devices import DeviceSpec
 from jaxserve.errors import ConfigError
 from jaxserve.planning.memory import RESERVED_PAGES
@@ -166,9 +166,11 @@ def param_bytes_per_device(cfg: ModelConfig, bytes_per_element: int, quantizatio
                 continue
             elements = math.prod(shape)
             split = size if any(a is not None and rules.get(a) == MODEL for a in axes) else 1
-            quantized = quantization == "int8" and (
-                name in LINEAR_WEIGHTS or (name == "lm_head" and quantize_lm_head and not cfg.tie_word_embeddings))
-            if quantized:  # one f32 scale per output channel, split when any axis but the input one is
+            head = name == "lm_head" and quantize_lm_head and not cfg.tie_word_embeddings
+            quantized = quantization == "int8" and (name in LINEAR_WEIGHTS or head)
+            if quantization == "int4" and ((name in LINEAR_WEIGHTS and name not in EXPERT_WEIGHTS) or head):
+                total += int4_bytes(elements) // split  # packed values, scales and biases keep the weight's axes
+            elif quantized:  # one f32 scale per output channel, split when any axis but the input one is
                 out_channels = elements // shape[-2]
                 scale_split = size if any(rules.get(a) == MODEL for i, a in enumerate(axes)
                                           if a is not None and i != len(axes) - 2) else 1
@@ -477,7 +479,7 @@ def make_plan(cfg: ModelConfig, target: Target, *, dtype: str = "bfloat16", quan
             f"about {budget // max(windowed, 1):,} sequences per replica instead of {max_batch:,}")
     return Plan(
         model=model, cfg=cfg, dtype=dtype, quantization=quantization,
-        quantize_lm_head=quantize_lm_head and quantization == "int8", kv_cache_dtype=kv_cache_dtype,
+        quantize_lm_head=quantize_lm_head and quantization in ("int8", "int4"), kv_cache_dtype=kv_cache_dtype,
         target=target, memory_fraction=memory_fraction, page_size=page_size, context=context,
         batch=min(batch or max_batch, max_batch) if max_batch >= 1 else (batch or 0),
         param_bytes_total=total, param_bytes_per_device=per_device, kv_bytes_per_token=kv_token,

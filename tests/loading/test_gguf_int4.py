@@ -1,0 +1,48 @@
+"""GGUF Q4_0 / Q4_1 linear weights load straight into int4 (quant.Int4Array, groups of 32): the same
+weights and logits as the gguf library's dequantization of the file, with no float detour."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import ModelConfig
+from jaxserve.loading.checkpoint import load_hf_params
+from jaxserve.loading.gguf_weights import unpermute_rope_rows
+from jaxserve.loading.model_source import resolve_model_path
+from jaxserve.model import quant
+from jaxserve.model.llama import forward_dense
+
+from test_gguf_model import gguf_from_hf
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16, num_attention_heads=4,
+             num_key_value_heads=2)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_q4_tensors_load_into_int4_exactly(tmp_path, qtype):
+    path, _, held = gguf_from_hf(tmp_path, "llama", qtype, **SMALL)
+    model_dir = resolve_model_path(path)
+    cfg = ModelConfig.from_dir(model_dir)
+    q4 = load_hf_params(model_dir, cfg, jnp.float32, stacked=False, quantization="int4")
+    layer = q4.layers[1]
+    assert isinstance(layer.wq, quant.Int4Array) and layer.wq.group_size == 32
+    # Q4_1: q * d + m is the library's own formula; Q4_0's (q - 8) * d may differ from q * d - 8d by an ulp
+    tol = dict(rtol=0, atol=0) if qtype == "Q4_1" else dict(rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(quant.dequantize_int4(layer.wq)),
+                               unpermute_rope_rows(held["blk.1.attn_q.weight"], 4).T, **tol)
+    np.testing.assert_allclose(np.asarray(quant.dequantize_int4(layer.wk)),
+                               unpermute_rope_rows(held["blk.1.attn_k.weight"], 2).T, **tol)
+    np.testing.assert_allclose(np.asarray(quant.dequantize_int4(layer.w_down)), held["blk.1.ffn_down.weight"].T, **tol)
+
+    float_params = load_hf_params(model_dir, cfg, jnp.float32)
+    stacked = load_hf_params(model_dir, cfg, jnp.float32, quantization="int4")
+    ids = jnp.asarray([np.random.RandomState(3).randint(0, cfg.vocab_size, 24).tolist()])
+    forward = jax.jit(forward_dense, static_argnames="cfg")
+    want = np.asarray(forward(float_params, ids, cfg=cfg))
+    np.testing.assert_allclose(np.asarray(forward(stacked, ids, cfg=cfg)), want, atol=1e-4, rtol=0)

@@ -1,0 +1,82 @@
+"""int4 weight-only quantization (quant.Int4Array): the packed layout, the error bound, the matmul paths
+against the dequantized weight, the byte arithmetic, the sharded layout and the engine serving it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import ModelConfig
+from jaxserve.model import quant
+from jaxserve.model.sharding import make_mesh, make_shardings
+from jaxserve.model.weights import init_dummy_params, param_bytes
+
+
+def test_layout_and_round_trip_error_bound():
+    w = jax.random.normal(jax.random.PRNGKey(0), (3, 128, 48)) * jnp.linspace(0.1, 4, 48)
+    q = quant.quantize_int4(w, 32)
+    assert q.values.shape == (3, 64, 48) and q.values.dtype == jnp.uint8
+    assert q.scales.shape == q.biases.shape == (3, 4, 48) and q.shape == w.shape
+    err = jnp.abs(quant.dequantize_int4(q) - w)
+    bound = jnp.repeat(q.scales, 32, axis=-2) / 2 * (1 + 1e-5) + 1e-6
+    assert bool((err <= bound).all())
+    # row 2i is the low nibble, row 2i + 1 the high one; w = q * scale + bias per 32 rows
+    codes = np.asarray(jnp.round((w - jnp.repeat(q.biases, 32, -2)) / jnp.repeat(q.scales, 32, -2))).astype(np.uint8)
+    np.testing.assert_array_equal(np.asarray(q.values), codes[..., 0::2, :] | (codes[..., 1::2, :] << 4))
+
+
+def test_constant_group_is_exact():
+    w = jnp.full((64, 8), 0.25).at[32:].set(-3.0)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize_int4(quant.quantize_int4(w))), np.asarray(w))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+@pytest.mark.parametrize("shape", [(576, 1536), (1536, 576), (64, 49152 // 64)])
+def test_matmul_paths_equal_the_dequantized_weight(rows, shape):
+    w = jax.random.normal(jax.random.PRNGKey(1), shape)
+    q = quant.quantize_int4(w)
+    x = jax.random.normal(jax.random.PRNGKey(2), (rows, shape[0]))
+    want = np.asarray(jnp.matmul(x, quant.dequantize_int4(q), precision="highest"))
+    for kernel in ("reference", "xla_cpu"):
+        got = jax.jit(quant.matmul)(x, q.replace(kernel=kernel))
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-3, rtol=1e-4, err_msg=kernel)
+    assert quant._int4_chunk_rows(x, q.replace(kernel="xla_cpu")) == (0 if rows > quant.CHUNK_MAX_ROWS else
+                                                                    quant._int4_chunk_rows(x, q))
+
+
+@pytest.mark.parametrize("tied,lm_head", [(True, False), (False, False), (False, True)])
+def test_param_bytes_match_the_config_arithmetic(tied, lm_head):
+    cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, tie_word_embeddings=tied, qkv_bias=True)
+    params = jax.eval_shape(lambda: init_dummy_params(cfg, 0, jnp.float32))
+    quantized = jax.eval_shape(lambda p: quant.quantize_params(p, lm_head, "int4"), params)
+    assert isinstance(quantized.layers.wq, quant.Int4Array)
+    assert param_bytes(quantized) == cfg.param_bytes(4, "int4", lm_head) < cfg.param_bytes(4, "int8", lm_head)
+
+
+def test_sharded_layout_follows_the_weight():
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16)
+    mesh = make_mesh((1, 2))
+    sh = make_shardings(cfg, mesh, quantization="int4")
+    assert isinstance(sh.params.layers.w_up, quant.Int4Array)
+    assert sh.params.layers.w_up.scales.spec == sh.params.layers.w_up.values.spec  # column-parallel
+    assert sh.params.layers.w_down.biases.spec == sh.params.layers.w_down.values.spec  # row-parallel
+    params = jax.jit(lambda: quant.quantize_params(init_dummy_params(cfg, 0, jnp.float32), quantization="int4"))()
+    placed = jax.device_put(params, sh.params)
+    assert placed.layers.w_down.values.addressable_shards[0].data.shape[-2] == cfg.intermediate_size // 4
+
+
+def test_engine_serves_int4_weights(hf_model_dir):
+    path, _ = hf_model_dir("llama")
+    kw = dict(dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16)
+    llm = LLM(path, quantization="int4", **kw)
+    params, cfg = llm.runner.params, llm.model_config
+    assert isinstance(params.layers[0].wq, quant.Int4Array) and params.embed.dtype == jnp.float32
+    assert llm.memory.param_bytes == param_bytes(params) == cfg.param_bytes(4, "int4")
+    assert "int4 dense linear layers" in llm.memory.describe()
+    prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, size=11).tolist()
+    out = llm.generate(prompt_token_ids=[prompt, prompt[:5]], sampling_params=SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [8, 8]
