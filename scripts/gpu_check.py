@@ -5,7 +5,7 @@ against their references and the bandwidth bound, and a server smoke test; one J
 Sections (`--sections`, in this order by default):
 
 * bench   times each Pallas kernel the engine runs (ragged paged attention on decode rows and on prefill
-          rows, as the engine calls it: the stacked cache and a layer index; int8 matmul) on
+          rows, as the engine calls it: the stacked cache and a layer index; int8 and int4 matmul) on
           Llama-3-8B-shaped inputs against its plain-JAX reference (and the engine's plain-JAX attention),
           and against the bandwidth bound: bytes of K/V (or weights) read / the device copy bandwidth,
           measured here with a large on-device copy. Each kernel's output is also checked against a
@@ -248,8 +248,9 @@ def bench(dry_run: bool) -> dict:
     import numpy as np
 
     from jaxserve.model.layers import ragged_attention_blocked
-    from pallas_kernels import (int8_matmul, ragged_paged_attention, reference_int8_matmul,
-                                reference_ragged_paged_attention)
+    from pallas_kernels import (int4_matmul, int8_matmul, ragged_paged_attention, reference_int4_matmul,
+                                reference_int8_matmul, reference_ragged_paged_attention)
+    from pallas_kernels.int4_matmul import dequantize_int4
 
     scale = TINY if dry_run else FULL
     platform_name = jax.default_backend()
@@ -349,6 +350,31 @@ def bench(dry_run: bool) -> dict:
         rows[-1]["note"] = "bf16_matmul: the same product with bf16 weights (twice the weight bytes)"
         print(f"   {name}: {m.times}", flush=True)
         del x, w, w_bf16, m
+
+    # -- int4 weight-only matmul: packed nibbles (two per byte along k), an f32 scale and bias per group
+    for rows_, kk, n in scale["matmul"]:
+        g = min(128, kk)  # AWQ/GPTQ's usual group
+        x = jnp.asarray(rng.standard_normal((rows_, kk), np.float32), dtype)
+        v = jnp.asarray(rng.integers(0, 256, size=(kk // 2, n), dtype=np.uint8))
+        s = jnp.asarray(rng.uniform(1e-3, 1e-2, size=(kk // g, n)).astype(np.float32))
+        b = -8 * s
+        w_bf16 = jax.jit(lambda v, s, b: dequantize_int4(v, s, b, g).astype(dtype))(v, s, b)
+        kernel = jax.jit(lambda x, v, s, b: int4_matmul(x, v, s, b, group_size=g, backend=backend,
+                                                        interpret=interpret))
+        name = f"int4_matmul m={rows_}"
+        m = Measurements((x, v, s, b), rep, errors)
+        m.run(name, "kernel", kernel)
+        m.run(name, "reference", jax.jit(lambda x, v, s, b: reference_int4_matmul(x, v, s, b, group_size=g)))
+        m.run(name, "bf16_matmul", jax.jit(jnp.matmul), (x, w_bf16))
+        rows.append(kernel_row(
+            "int4_matmul", dict(m=rows_, k=kk, n=n, group_size=g),
+            kk * n // 2 + 2 * 4 * (kk // g) * n + (rows_ * kk + rows_ * n) * itemsize, bandwidth, m,
+            2 * rows_ * kk * n,
+        ))
+        rows[-1]["note"] = ("bytes_read: packed codes + f32 scales and biases + x and the output; "
+                            "bf16_matmul: the same product with bf16 weights (four times the code bytes)")
+        print(f"   {name}: {m.times}", flush=True)
+        del x, v, s, b, w_bf16, m
     if errors:
         raise SectionFailed(RuntimeError(f"{len(errors)} measurement(s) failed: {errors[0][:300]}"), result)
     return result

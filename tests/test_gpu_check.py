@@ -31,10 +31,11 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert report["dry_run"] and report["ok"]
     kernels = {row["kernel"] for row in report["bench"]["kernels"]}
-    assert kernels == {"ragged_paged_attention (decode)", "ragged_paged_attention (prefill)", "int8_matmul"}
+    assert kernels == {"ragged_paged_attention (decode)", "ragged_paged_attention (prefill)", "int8_matmul",
+                       "int4_matmul"}
     for row in report["bench"]["kernels"]:
         assert row["seconds"]["kernel"] > 0 and row["bound_seconds"] > 0
-        reference = "reference" if row["kernel"] == "int8_matmul" else "engine_reference"
+        reference = "reference" if row["kernel"] in ("int8_matmul", "int4_matmul") else "engine_reference"
         assert row["max_abs_error_vs"][reference] < 0.1
     assert report["bench"]["copy_bandwidth"]["bytes_per_second"] > 0
     assert report["tests"]["returncode"] == 0 and report["tests"]["passed"] > 0
