@@ -6,12 +6,14 @@ import inspect
 import pytest
 
 from pallas_kernels._common import resolve_backend
+from pallas_kernels.int4_matmul import int4_matmul, reference_int4_matmul
 from pallas_kernels.int8_matmul import int8_matmul, reference_int8_matmul
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, reference_ragged_paged_attention
 
 PAIRS = [
     (ragged_paged_attention, reference_ragged_paged_attention),
     (int8_matmul, reference_int8_matmul),
+    (int4_matmul, reference_int4_matmul),
 ]
 
 
@@ -33,6 +35,8 @@ def test_reference_has_the_kernel_signature(kernel, reference):
 def test_package_does_not_import_jaxserve():
     import sys
 
+    import pallas_kernels.int4_matmul.gpu  # noqa: F401
+    import pallas_kernels.int4_matmul.tpu  # noqa: F401
     import pallas_kernels.int8_matmul.tpu  # noqa: F401
     import pallas_kernels.ragged_paged_attention.gpu  # noqa: F401
     import pallas_kernels.ragged_paged_attention.tpu  # noqa: F401
