@@ -2,6 +2,7 @@
 
     jaxserve serve [MODEL] [flags]  the OpenAI-compatible server (= python -m jaxserve.serve); MODEL a
                                   directory, a GGUF file or a Hugging Face ID, as `vllm serve ORG/NAME`
+    jaxserve serve-ray [MODEL] [flags]  the same server over replicas on Ray Serve (= jaxserve.serving.ray.cli)
     jaxserve plan [flags]           will a model fit, how many sequences, how fast (= python -m jaxserve.plan)
     jaxserve compare-hf [flags]     greedy tokens and logits against Hugging Face (= python -m jaxserve.compare_hf)
 
@@ -18,6 +19,7 @@ from typing import Sequence
 # subcommand -> (module with main(argv, prog=...), one-line description)
 SUBCOMMANDS = {
     "serve": ("jaxserve.serve", "OpenAI-compatible HTTP server: serve [MODEL], a directory, .gguf or ORG/NAME"),
+    "serve-ray": ("jaxserve.serving.ray.cli", "the same server over engine replicas on Ray Serve (needs jaxserve[ray])"),
     "plan": ("jaxserve.plan", "memory and roofline planner: fit, capacity, bounds, replicas for a rate"),
     "compare-hf": ("jaxserve.compare_hf", "parity check against Hugging Face transformers (needs jaxserve[hf])"),
 }

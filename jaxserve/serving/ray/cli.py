@@ -1,0 +1,179 @@
+"""`jaxserve serve-ray`: jaxserve's OpenAI server over replicas on Ray Serve (docs/scale-out.md).
+
+    jaxserve serve-ray [MODEL] [every flag of jaxserve serve]
+        [--num-replicas N | --min-replicas N --max-replicas M [--target-ongoing-requests K]]
+        [--ray-address ADDR] [--replica-resources '{"GPU": 1}'] [--router prefix|pow2]
+
+Starts a local Ray instance, or joins `--ray-address` / $RAY_ADDRESS, deploys the application
+(deployments.py) at "/" on --host:--port, and serves until SIGTERM/SIGINT, when the application is
+deleted: Serve lets in-flight requests finish for up to --grace-seconds. The same application runs
+under `serve run` through `app_builder` (its args are these flags' names: `config=small num_replicas=2`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any, Mapping, Sequence
+
+from jaxserve.errors import ConfigError, JaxServeError
+
+logger = logging.getLogger("jaxserve.serve_ray")
+
+
+def build_parser(prog: str = "jaxserve serve-ray") -> argparse.ArgumentParser:
+    from jaxserve.serve import build_parser as serve_parser
+
+    parser = serve_parser(prog)
+    parser.description = "OpenAI-compatible LLM server over jaxserve replicas on Ray Serve."
+    g = parser.add_argument_group("ray serve")
+    g.add_argument("--num-replicas", type=int, default=None, help="a fixed number of engine replicas (default 1)")
+    g.add_argument("--min-replicas", type=int, default=None, help="autoscaling: the fewest engine replicas")
+    g.add_argument("--max-replicas", type=int, default=None, help="autoscaling: the most engine replicas")
+    g.add_argument("--target-ongoing-requests", type=float, default=None,
+                   help="autoscaling: requests in flight per replica Serve aims for (default: max_num_seqs)")
+    g.add_argument("--upscale-delay-s", type=float, default=None, help="autoscaling: Serve's upscale_delay_s")
+    g.add_argument("--downscale-delay-s", type=float, default=None, help="autoscaling: Serve's downscale_delay_s")
+    g.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS"),
+                   help="the Ray cluster to join (default: $RAY_ADDRESS, else a local Ray instance)")
+    g.add_argument("--replica-resources", type=_resources, default={},
+                   help='each engine replica\'s Ray resources as JSON: \'{"GPU": 1}\', \'{"TPU": 4}\', \'{"CPU": 2}\' '
+                        "(default: 1 CPU)")
+    g.add_argument("--max-ongoing-requests", type=int, default=None,
+                   help="requests one engine replica takes at once (default: 4 x max_num_seqs)")
+    g.add_argument("--router", default="prefix", choices=("prefix", "pow2"),
+                   help="prefix: the replica holding the prompt's prefix (else the less loaded of two); "
+                        "pow2: Ray's default, the less loaded of two random replicas")
+    g.add_argument("--route-imbalance", type=int, default=8,
+                   help="prefix router: leave the prefix's replica when its queue is this much longer than the shortest")
+    g.add_argument("--app-name", default="jaxserve", help="the Serve application's name")
+    return parser
+
+
+def _resources(text: str) -> dict[str, float]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict) or not all(isinstance(v, (int, float)) and v >= 0 for v in value.values()):
+        raise argparse.ArgumentTypeError('give an object of resource amounts, e.g. {"GPU": 1}')
+    return value
+
+
+def spec_from_namespace(ns: argparse.Namespace) -> Any:
+    """The AppSpec the flags describe (the model resolved to a local directory). ConfigError: a bad mix."""
+    from jaxserve.serve import resolve_settings
+    from jaxserve.serving.ray.deployments import AppSpec
+
+    autoscaled = any(v is not None for v in (ns.min_replicas, ns.max_replicas, ns.target_ongoing_requests))
+    if autoscaled and ns.num_replicas is not None:
+        raise ConfigError("give --num-replicas (a fixed count) or --min-replicas/--max-replicas (autoscaling), not both")
+    settings, name, note = resolve_settings(ns)
+    if settings.num_processes > 1:
+        raise ConfigError("a replica spanning several processes (--num-processes) is not supported by serve-ray yet")
+    autoscaling = None
+    if autoscaled:
+        low = 1 if ns.min_replicas is None else ns.min_replicas
+        high = ns.max_replicas if ns.max_replicas is not None else max(low, 1)
+        if not 0 <= low <= high or high < 1:
+            raise ConfigError(f"need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1 (got {low}, {high})")
+        autoscaling = {"min_replicas": low, "max_replicas": high,
+                       "target_ongoing_requests": ns.target_ongoing_requests or settings.max_num_seqs}
+        for key in ("upscale_delay_s", "downscale_delay_s"):
+            if getattr(ns, key) is not None:
+                autoscaling[key] = getattr(ns, key)
+    elif (ns.num_replicas or 1) < 1:
+        raise ConfigError("--num-replicas must be >= 1")
+    server = dict(api_key=ns.api_key or None, max_waiting=ns.max_waiting, max_body_bytes=ns.max_body_bytes,
+                  device_bandwidth=ns.device_bandwidth, weights_note=note, tool_call_parser=ns.tool_call_parser,
+                  reasoning_parser=ns.reasoning_parser)
+    if ns.served_model_name:
+        server["served_model_names"] = tuple(ns.served_model_name)
+    return AppSpec(settings=settings, model_name=name, server=server,
+                   num_replicas=None if autoscaled else (ns.num_replicas or 1), autoscaling=autoscaling,
+                   replica_resources=dict(ns.replica_resources), max_ongoing_requests=ns.max_ongoing_requests,
+                   prefix_routing=ns.router == "prefix",
+                   router_kwargs={"block_size": settings.page_size, "imbalance": ns.route_imbalance},
+                   grace_seconds=ns.grace_seconds, mock_engine=ns.mock_engine, mock_token_delay=ns.mock_token_delay)
+
+
+def argv_from_args(args: Mapping[str, Any]) -> list[str]:
+    """`serve run` args ({"config": "small", "num_replicas": 2, "mock_engine": true}) as flags."""
+    argv: list[str] = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """`serve run jaxserve.serving.ray.cli:app_builder config=small num_replicas=2` (or a Serve config
+    file's `import_path` with `args:`): the application, as `jaxserve serve-ray` with those flags builds it."""
+    from jaxserve.serving.ray.deployments import build_application
+
+    return build_application(spec_from_namespace(build_parser().parse_args(argv_from_args(args))))
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "jaxserve serve-ray") -> int:
+    ns = build_parser(prog).parse_args(argv)
+    try:
+        import ray  # noqa: F401 - checked before the model resolves
+    except ImportError:
+        print("error: jaxserve serve-ray needs Ray Serve: pip install 'jaxserve[ray]'", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=getattr(logging, ns.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        spec = spec_from_namespace(ns)
+        if not ns.mock_engine:  # the ingress builds these too: fail here, before Ray starts, if it cannot
+            from jaxserve.config.generation_config import load_generation_defaults
+            from jaxserve.server.chat import load_chat_renderer
+
+            load_chat_renderer(spec.settings), load_generation_defaults(spec.settings)
+    except JaxServeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from ray import serve
+
+    from jaxserve.serving.ray.deployments import build_application
+
+    ray.init(address=ns.ray_address or None)
+    joined = bool(ns.ray_address)
+    serve.start(http_options={"host": ns.host, "port": ns.port})
+    # A signal only wakes the main thread (through the wakeup fd): nothing runs inside the handler,
+    # which may interrupt Ray's own code holding a lock.
+    wake, woken = socket.socketpair()
+    woken.setblocking(False)
+    signal.set_wakeup_fd(woken.fileno())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    serve.run(build_application(spec), name=ns.app_name, route_prefix="/", blocking=False)
+    logger.info("ready on http://%s:%d (model %r, %s)", ns.host, ns.port, spec.model_name,
+                f"{spec.num_replicas} replica(s)" if spec.autoscaling is None else f"autoscaling {spec.autoscaling}")
+    stops = {signal.SIGTERM, signal.SIGINT}
+    while not stops & set(wake.recv(64)):  # the fd also hears other signals Python handles (SIGCHLD, ...)
+        pass
+    logger.info("draining: in-flight requests get up to %.0f s", ns.grace_seconds)
+    serve.delete(ns.app_name)
+    if not joined:
+        serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

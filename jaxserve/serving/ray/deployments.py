@@ -1,0 +1,183 @@
+"""The Ray Serve application: `EngineReplica` (each replica one AsyncLLMEngine, or the mock engine)
+behind `OpenAIIngress` (jaxserve's OpenAI server over a `RemoteEngine`), joined by a handle whose
+router is `PrefixAwareRouter` (or Ray's default, power of two choices).
+
+`build_application(spec)` binds both from an `AppSpec` (what `jaxserve serve-ray` and the `serve run`
+builder in cli.py fill); `serve.run(build_application(spec), route_prefix="/")` serves it. Ray is
+imported where it is used, so the module imports without the `[ray]` extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+from jaxserve.config import EngineConfig
+from jaxserve.sampling.params import SamplingParams
+from jaxserve.serving.ray.remote_engine import RemoteEngine, ReplicaHeader
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class AppSpec:
+    """Everything the application is built from (plain data: Ray pickles it to every replica)."""
+
+    settings: EngineConfig  # resolved: the model is a local directory on every node
+    model_name: str  # the name clients send by default
+    server: dict[str, Any] = dataclasses.field(default_factory=dict)  # ServerOptions' plain fields
+    num_replicas: int | None = 1  # fixed count; None with `autoscaling`
+    autoscaling: dict[str, Any] | None = None  # Ray's autoscaling_config (min/max_replicas, target_ongoing_requests)
+    replica_resources: dict[str, float] = dataclasses.field(default_factory=dict)  # {"GPU": 1}, {"TPU": 4}, {"CPU": 2}
+    max_ongoing_requests: int | None = None  # per engine replica; default 4 x max_num_seqs
+    prefix_routing: bool = True
+    router_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # block_size, imbalance
+    grace_seconds: float = 30.0
+    warm_up: bool = True  # compile every bucket before serving (tests turn it off: first calls compile)
+    mock_engine: bool = False
+    mock_token_delay: float = 0.002
+
+
+def _replica_id() -> str:
+    from ray import serve
+
+    return serve.get_replica_context().replica_id.unique_id
+
+
+class EngineReplica:
+    """One engine per replica. `generate` streams the protocol RemoteEngine reads (remote_engine.py)."""
+
+    def __init__(self, spec: AppSpec):
+        if spec.mock_engine:
+            from jaxserve.testing.mock_engine import MockAsyncLLMEngine
+
+            tokenizer = None
+            if spec.settings.tokenizer:
+                from jaxserve.loading.tokenizer import load_tokenizer
+
+                tokenizer = load_tokenizer(spec.settings.tokenizer)
+            self.engine = MockAsyncLLMEngine.from_settings(spec.settings, token_delay=spec.mock_token_delay,
+                                                           tokenizer=tokenizer)
+        else:
+            from jaxserve.engine.async_engine import AsyncLLMEngine
+            from jaxserve.llm_engine import LLMEngine  # lazy: pulls in JAX
+
+            self.engine = AsyncLLMEngine(LLMEngine(spec.settings, warm_up=spec.warm_up))
+        self.engine.start()
+        self.replica_id = _replica_id()
+        logger.info("engine replica %s is warm", self.replica_id)
+
+    def info(self) -> dict[str, Any]:
+        return {"max_model_len": self.engine.max_model_len, "config": self.engine.config, "replica": self.replica_id}
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.engine.stats(), replica=self.replica_id)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams):
+        queue: asyncio.Queue = asyncio.Queue()
+        try:
+            await self.engine.submit(request_id, prompt_token_ids, sampling_params, queue)
+        except Exception as err:  # noqa: BLE001 - the request's refusal, sent as a value (the server's 400)
+            yield err
+            return
+        yield self.replica_id
+        finished = False
+        try:
+            while not finished:
+                _, item = await queue.get()
+                finished = isinstance(item, BaseException) or item.finished
+                yield item
+        finally:
+            if not finished:  # the ingress went away (client disconnect, abort): free the engine's seat
+                self.engine.abort(request_id)
+
+    def check_health(self) -> None:
+        thread = getattr(self.engine, "_thread", None)
+        if thread is not None and not thread.is_alive():
+            raise RuntimeError("the engine's step thread has stopped")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+class OpenAIIngress:
+    """jaxserve's OpenAI server; every generation goes to the engine deployment through `engine` (a
+    DeploymentHandle). Wrapped by `serve.ingress()` in build_application, which calls
+    `__serve_build_asgi_app__` once the replica is constructed."""
+
+    def __init__(self, engine: Any, spec: AppSpec):
+        self.handle = engine.options(stream=True)
+        self.spec = spec
+
+    async def __serve_build_asgi_app__(self) -> Any:
+        from jaxserve.config.generation_config import load_generation_defaults
+        from jaxserve.server.api import ServerOptions, create_app
+        from jaxserve.server.chat import load_chat_renderer
+
+        info = await self.handle.options(stream=False).info.remote()
+        settings = self.spec.settings
+        tokenizer = await asyncio.to_thread(_load_tokenizer, settings)
+        options = ServerOptions(**{"served_model_names": (self.spec.model_name,), "model_path": settings.model,
+                                   **self.spec.server},
+                                chat_renderer=None if self.spec.mock_engine else load_chat_renderer(settings),
+                                generation_defaults=None if self.spec.mock_engine else load_generation_defaults(settings))
+        engine = RemoteEngine(self.handle, tokenizer, info["max_model_len"], info["config"])
+        app = create_app(options, engine, shutdown_engine=True)
+        app.add_middleware(ReplicaHeader)
+        return app
+
+
+def _load_tokenizer(settings: EngineConfig) -> Any:
+    """The tokenizer the replicas load (LLMEngine._load_tokenizer's choice), or None."""
+    from jaxserve.loading.tokenizer import load_tokenizer
+
+    path = settings.tokenizer or settings.model
+    if not path:
+        return None
+    try:
+        return load_tokenizer(path)
+    except FileNotFoundError:
+        if settings.tokenizer is not None:
+            raise
+        return None
+
+
+def engine_deployment_options(spec: AppSpec) -> dict[str, Any]:
+    """The engine deployment's Serve options: replica count or autoscaling, resources, the router."""
+    from ray.serve.config import RequestRouterConfig
+
+    from jaxserve.serving.ray import router
+
+    resources = dict(spec.replica_resources)
+    actor = {"num_cpus": resources.pop("CPU", 1), "num_gpus": resources.pop("GPU", 0)}
+    if resources:
+        actor["resources"] = resources
+    options: dict[str, Any] = {
+        "ray_actor_options": actor,
+        "max_ongoing_requests": spec.max_ongoing_requests or 4 * spec.settings.max_num_seqs,
+        "graceful_shutdown_timeout_s": spec.grace_seconds,
+        "health_check_period_s": 5,
+    }
+    if spec.autoscaling is not None:
+        options["autoscaling_config"] = dict(spec.autoscaling)
+    else:
+        options["num_replicas"] = spec.num_replicas
+    if spec.prefix_routing:
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=router.PrefixAwareRouter, request_router_kwargs=dict(spec.router_kwargs))
+    return options
+
+
+def build_application(spec: AppSpec) -> Any:
+    """The bound application: `serve.run(build_application(spec), route_prefix="/")`."""
+    from ray import serve
+
+    engine = serve.deployment(EngineReplica, name="JaxserveEngine").options(**engine_deployment_options(spec))
+    ingress = serve.deployment(serve.ingress()(OpenAIIngress), name="JaxserveIngress").options(
+        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000,
+        graceful_shutdown_timeout_s=spec.grace_seconds)
+    return ingress.bind(engine.bind(spec), spec)
