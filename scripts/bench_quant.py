@@ -11,6 +11,8 @@ a --kv-budget of KV memory.
 Variants (--variants, comma-separated):
   float32, bfloat16            float weights and activations
   int8, int8-bf16              int8 weights (f32 scales), float32 / bfloat16 activations
+  int4                         int4 weights (dense linear layers, groups of 32 input rows)
+  int8-head, int4-head         also the lm_head (the default model's: the tied embedding table)
   int8-whole                   int8 weights, each widened whole before its matmul
                                (quantized_matmul_backend=reference) instead of the CPU default's
                                cache-sized chunks
@@ -20,6 +22,11 @@ Variants (--variants, comma-separated):
                                (the engine uses the memory-optimized one; see engine.compile)
 
 The machine is shared and noisy: compare ratios within one run.
+
+--default-model: the real default model (SmolLM2-135M-Instruct's Q4_1 GGUF, `LLM()` with no model),
+not dummy weights; decode tok/s of float32, int8 and int4 (--variants) at each of --batches, all
+variants and batches built first and timed round-robin (generate of B prompts: (N-token time -
+1-token time) / (N - 1) per step, B tokens a step).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 nice -n 5 \\
         python scripts/bench_quant.py --out bench_quant.json
@@ -43,6 +50,9 @@ VARIANTS = {
     "float32": ("float32", {}, None),
     "bfloat16": ("bfloat16", {}, None),
     "int8": ("float32", {"quantization": "int8"}, None),
+    "int4": ("float32", {"quantization": "int4"}, None),
+    "int8-head": ("float32", {"quantization": "int8", "quantize_lm_head": True}, None),
+    "int4-head": ("float32", {"quantization": "int4", "quantize_lm_head": True}, None),
     "int8-bf16": ("bfloat16", {"quantization": "int8"}, None),
     "int8-whole": ("float32", {"quantization": "int8", "quantized_matmul_backend": "reference"}, None),
     "int8-kv8": ("float32", {"quantization": "int8", "kv_cache_dtype": "int8"}, None),
@@ -90,6 +100,63 @@ def capacity(cfg, dtype: str, kv_cache_dtype: str, budget: int, context: int, pa
             "tokens": plan.tokens_that_fit, "max_sequences": (plan.num_pages - 1) // math.ceil(context / page_size)}
 
 
+def bench_default_model(args, variants: list[str]) -> dict:
+    """Decode tok/s of the default model per (variant, batch), timed round-robin."""
+    import logging
+
+    from jaxserve import LLM, SamplingParams
+
+    batches = [int(b) for b in args.batches.split(",")]
+    rng = np.random.default_rng(args.seed)
+    llms, results = {}, {}
+    for name in variants:
+        dtype, settings, _ = VARIANTS[name]
+        for b in batches:
+            t_build, llm = bench_decode.timed(lambda: LLM(
+                dtype=dtype, seed=args.seed, max_num_seqs=b, max_num_batched_tokens=max(64, b * args.prompt_len),
+                max_model_len=args.prompt_len + args.new_tokens + 8, warm_up=False, **settings))
+            logging.getLogger("jaxserve.runner.runner").setLevel(logging.ERROR)
+            prompts = [rng.integers(1, llm.model_config.vocab_size, args.prompt_len).tolist() for _ in range(b)]
+            llms[name, b] = (llm, prompts)
+            run = _batch_generate(llm, prompts, args.new_tokens)
+            t_first, tokens = bench_decode.timed(lambda: (_batch_generate(llm, prompts, 1)(), run())[1])
+            results[name, b] = {"param_bytes": llm.memory.param_bytes, "plan": llm.memory.describe(),
+                                "build_s": t_build, "first_generate_s": t_first, "tokens": tokens, "t1": [], "tn": []}
+            print(f"built {name} batch {b} in {t_build:.0f} s; {llm.memory.describe()}", flush=True)
+    for r in range(args.repeats):
+        for (name, b), (llm, prompts) in llms.items():
+            res = results[name, b]
+            res["t1"].append(bench_decode.timed(_batch_generate(llm, prompts, 1))[0])
+            res["tn"].append(bench_decode.timed(_batch_generate(llm, prompts, args.new_tokens))[0])
+        print(f"round {r + 1}/{args.repeats} done; load average {os.getloadavg()[0]:.1f}", flush=True)
+    out = {}
+    print(f"\n{'variant':8} {'batch':>5} {'param MB':>9} {'step ms':>8} {'tok/s':>8} {'vs f32':>7} {'greedy = f32':>13}")
+    for (name, b), res in results.items():
+        summary = bench_decode.summarize(res.pop("t1"), res.pop("tn"), args.new_tokens)
+        step = summary["decode_ms_per_token"]
+        res.update(summary, tok_s=b * 1e3 / step)
+        out[f"{name}@{b}"] = res
+    for (name, b), res in results.items():
+        base = results.get(("float32", b))
+        ratio = res["tok_s"] / base["tok_s"] if base else float("nan")
+        agree = sum(x == y for t, u in zip(res["tokens"], base["tokens"]) for x, y in zip(t, u)) / sum(
+            len(t) for t in base["tokens"]) if base else float("nan")
+        res["vs_float32"], res["greedy_agreement"] = ratio, agree
+        print(f"{name:8} {b:5d} {res['param_bytes'] / 1e6:9.1f} {res['decode_ms_per_token']:8.2f} "
+              f"{res['tok_s']:8.1f} {ratio:6.2f}x {agree:13.3f}")
+    return out
+
+
+def _batch_generate(llm, prompts: list[list[int]], n: int):
+    from jaxserve import SamplingParams
+
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    def run():
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=os.path.normpath(bench_decode.DEFAULT_MODEL))
@@ -102,6 +169,8 @@ def main() -> None:
     ap.add_argument("--kv-budget", type=int, default=2**30, help="KV-cache bytes for the capacity figures")
     ap.add_argument("--context", type=int, default=2048, help="sequence length for the capacity figures")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--default-model", action="store_true", help="the real default model (see above)")
+    ap.add_argument("--batches", default="1,16", help="with --default-model: decode batch sizes")
     ap.add_argument("--out")
     args = ap.parse_args()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -111,6 +180,16 @@ def main() -> None:
     if not bench_decode.tcmalloc_loaded():
         print(f"hint: run with LD_PRELOAD={bench_decode.tcmalloc_path() or 'libtcmalloc_minimal.so.4'}",
               file=sys.stderr)
+
+    if args.default_model:
+        report = {"args": vars(args), "machine": bench_decode.machine_info()}
+        m = report["machine"]
+        print(f"{m['cpu']}, {m['cores']} cores; jax {m['jax']}; load average {os.getloadavg()[0]:.1f}", flush=True)
+        report["results"] = bench_default_model(args, variants)
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=1)
+        return
 
     from jaxserve.config import ModelConfig
     from jaxserve.model.weights import param_bytes

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Perplexity and top-1 agreement of a model with float weights, int8 weights, an int8 KV cache, and both.
+"""Perplexity and top-1 agreement of a model with float weights, int8 or int4 weights, an int8 KV cache, and both.
 
     python scripts/quant_quality.py --model checkpoints/small [--dtype float32] [--windows 64 --window-len 512]
     python scripts/quant_quality.py --model SmolLM2-135M-Instruct --text /usr/lib/python3.11/textwrap.py \
@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 VARIANTS = {  # name: (quantization, kv_cache_dtype)
     "float": ("none", "auto"),
     "int8 weights": ("int8", "auto"),
+    "int4 weights": ("int4", "auto"),
     "int8 KV": ("none", "int8"),
     "both": ("int8", "int8"),
 }

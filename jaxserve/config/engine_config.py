@@ -120,7 +120,7 @@ class EngineConfig(Settings):
         "none", "none | int8 (weight-only, per-output-channel int8 linear layers) | int4 (weight-only, "
         "asymmetric per 32 input rows, dense linear layers; a GGUF's Q4_0/Q4_1 weights load as they are)",
         choice("none", "int8", "int4"), group="model")
-    quantize_lm_head: bool = setting(False, "with quantization=int8 or int4, quantize the (untied) lm_head too", parse_bool, group="model")
+    quantize_lm_head: bool = setting(False, "with quantization=int8 or int4, quantize the lm_head too (a tied one: the embedding table, rows dequantized as gathered)", parse_bool, group="model")
     kv_cache_dtype: str = setting("auto", "auto (the model dtype) | int8 (per-token, per-head scales)",
                                   choice("auto", "int8"), group="cache")
     quantized_matmul_backend: str = setting(

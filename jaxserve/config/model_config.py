@@ -222,9 +222,10 @@ class ModelConfig:
 
     def param_bytes(self, bytes_per_element: int, quantization: str = "none", quantize_lm_head: bool = False) -> int:
         """Bytes of all parameters; with quantization="int8" the linear layers take 1 byte + f32 scales;
-        with "int4" the dense ones (not the experts) half a byte + an f32 scale and bias per 32 inputs."""
+        with "int4" the dense ones (not the experts) half a byte + an f32 scale and bias per 32 inputs;
+        quantize_lm_head: the head too, or the tied embedding table (quantized as the head [D, V])."""
         total = self.num_params() * bytes_per_element
-        head = self.vocab_size * self.hidden_size if quantize_lm_head and not self.tie_word_embeddings else 0
+        head = self.vocab_size * self.hidden_size if quantize_lm_head else 0  # tied: the table, as the head
         if quantization == "int8":
             total -= self.linear_params() * (bytes_per_element - 1)
             total += self.linear_out_channels() * 4

@@ -305,6 +305,8 @@ def load_hf_params(
     quantized: set[str] = set()
     if quantization in ("int8", "int4"):
         quantized = set(quant.quantized_fields(quantization)) | ({"lm_head"} if quantize_lm_head else set())
+        if quantize_lm_head and cfg.tie_word_embeddings:  # the tied table, as the head [D, V] (quant.map_linear)
+            quantized.add("embed")
 
     def buffer(field: str, shape: tuple[int, ...]) -> np.ndarray | _QuantizedHost:
         if field in quantized and quantization == "int4":
@@ -353,7 +355,10 @@ def load_hf_params(
             spec = getattr(specs, field)
             if spec is None:  # lm_head saved alongside tied embeddings: identical, ignore
                 continue
-            _copy_into(target(field, spec.shape), None, tensor, transpose, name)
+            shape = spec.shape
+            if field == "embed" and field in quantized:
+                shape, transpose = shape[::-1], not transpose
+            _copy_into(target(field, shape), None, tensor, transpose, name)
             filled[field].add(0)
             top[field] = _put(host.pop(field), getattr(shardings, field) if shardings is not None else None)
         else:

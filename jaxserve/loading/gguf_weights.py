@@ -158,7 +158,7 @@ def iter_hf_tensors(arch: str, tensors: Iterable[Any], config: dict[str, Any]) -
         if name in _IGNORED:
             continue
         if name in _TOP_NAMES:
-            values = dequantize(tensor)
+            values = (int4_tensor(tensor) if name != "output_norm.weight" else None) or dequantize(tensor)
             yield _TOP_NAMES[name], values - 1.0 if gemma and name == "output_norm.weight" else values
             continue
         match = _BLOCK.match(name)

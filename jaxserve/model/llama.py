@@ -88,7 +88,10 @@ def _output_and_mlp(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.A
 
 
 def _embed(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    x = params.embed[tokens]
+    if quant.is_quant(params.embed):  # a quantized tied table (quantize_lm_head): [D, V], as the head
+        x = quant.embed_rows(params.embed, tokens, params.final_norm.dtype)
+    else:
+        x = params.embed[tokens]
     if cfg.scale_embeddings:  # Gemma: sqrt(hidden_size) rounded to the embedding dtype first, as HF does
         x = x * jnp.asarray(np.float32(cfg.hidden_size**0.5), x.dtype)
     return x
@@ -225,7 +228,9 @@ def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Logits f32[..., V] of final-normed hidden states x f[..., D] (softcapped where the model does).
     int8 heads multiply by `params`' kernel (`quant.with_kernel`, as the forward applies it)."""
-    if params.lm_head is None:  # tied: contract with embed [V, D] directly (a .T materialised a copy)
+    if params.lm_head is None and quant.is_quant(params.embed):  # tied and quantized: stored as the head
+        logits = quant.matmul(x, params.embed, preferred_element_type=jnp.float32)
+    elif params.lm_head is None:  # tied: contract with embed [V, D] directly (a .T materialised a copy)
         logits = jnp.einsum("...d,vd->...v", x, params.embed, preferred_element_type=jnp.float32)
     else:
         logits = quant.matmul(x, params.lm_head, preferred_element_type=jnp.float32)

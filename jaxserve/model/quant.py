@@ -97,7 +97,8 @@ def _chunk_rows(x: jax.Array, w: QuantArray) -> int:
     if w.values.ndim != 2 or x.size // k > CHUNK_MAX_ROWS:
         return 0
     rows = 1
-    while k % (2 * rows) == 0 and 2 * rows < k and 2 * rows * n * 4 <= CHUNK_BYTES:
+    # at least 8 rows: a wide weight (a quantized head, [D, V]) streams in chunks of 8 rows, not widened whole
+    while k % (2 * rows) == 0 and 2 * rows < k and (2 * rows * n * 4 <= CHUNK_BYTES or rows < 8):
         rows *= 2
     return rows if rows >= 8 else 0
 
@@ -256,18 +257,43 @@ def map_linear(params: Params, fn: Callable[[Any], Any], quantize_lm_head: bool 
     """Apply `fn` to every linear weight (of `fields`) of a Params-shaped tree (arrays, axis names,
     shardings, ...).
 
-    Works on stacked layers and on a tuple of per-layer LayerParams; embeddings, norms and biases are
-    left as they are; lm_head is included when `quantize_lm_head` (a tied head is the embedding: never).
+    Works on stacked layers and on a tuple of per-layer LayerParams; norms and biases are left as they
+    are; lm_head is included when `quantize_lm_head`, and a tied head (lm_head None) is the embedding
+    table, then quantized as the head [D, V] (`fn` of it transposed; `embed_rows` reads it).
     """
     def one(lp: LayerParams) -> LayerParams:  # a family's absent weights (None) stay absent
         return lp.replace(**{f: fn(getattr(lp, f)) for f in fields if getattr(lp, f) is not None})
 
     layers = params.layers
     layers = tuple(one(lp) for lp in layers) if isinstance(layers, tuple) else one(layers)
-    lm_head = params.lm_head
+    lm_head, embed = params.lm_head, params.embed
     if quantize_lm_head and lm_head is not None:
         lm_head = fn(lm_head)
-    return params.replace(layers=layers, lm_head=lm_head)
+    elif quantize_lm_head and embed is not None:  # tied: the table, quantized as the head [D, V] it is
+        embed = fn(_transposed(embed))
+    return params.replace(layers=layers, lm_head=lm_head, embed=embed)
+
+
+def _transposed(x: Any) -> Any:
+    """The [D, V] head of a tied [V, D] table: an array transposed, logical axes reversed, else x."""
+    if isinstance(x, tuple):
+        return x[::-1]
+    return x.T if hasattr(x, "T") else x
+
+
+def embed_rows(table: QuantArray | Int4Array, tokens: jax.Array, dtype: Any) -> jax.Array:
+    """Rows f[*tokens.shape, D] of a quantized tied table (stored as the head, [D, V]): only the
+    gathered columns are dequantized."""
+    if isinstance(table, QuantArray):
+        values = jnp.moveaxis(jnp.take(table.values, tokens, axis=-1), 0, -1)  # i8[..., D]
+        return (values.astype(jnp.float32) * jnp.take(table.scales, tokens)[..., None]).astype(dtype)
+    packed = jnp.moveaxis(jnp.take(table.values, tokens, axis=-1), 0, -1)  # u8[..., D // 2]
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1)  # u8[..., D // 2, 2]
+    scales = jnp.moveaxis(jnp.take(table.scales, tokens, axis=-1), 0, -1)  # f32[..., D // G]
+    biases = jnp.moveaxis(jnp.take(table.biases, tokens, axis=-1), 0, -1)
+    groups = codes.reshape(*tokens.shape, scales.shape[-1], table.group_size).astype(jnp.float32)
+    rows = groups * scales[..., None] + biases[..., None]
+    return rows.reshape(*tokens.shape, -1).astype(dtype)
 
 
 def quantized_axes(axes: tuple[str | None, ...]) -> QuantArray:
@@ -305,10 +331,10 @@ def quantize_params_placed(params: Params, shardings: Params, quantize_lm_head: 
     jitted: dict[Any, Callable] = {}
     fn = quantize_int4 if quantization == "int4" else quantize
 
-    def quantize_one(w: jax.Array, sharding: Any) -> Any:
-        if sharding not in jitted:
-            jitted[sharding] = jax.jit(fn, out_shardings=sharding)
-        q = jitted[sharding](w)
+    def quantize_one(w: jax.Array, sharding: Any, transpose: bool) -> Any:
+        if (sharding, transpose) not in jitted:
+            jitted[sharding, transpose] = jax.jit(lambda w: fn(w.T if transpose else w), out_shardings=sharding)
+        q = jitted[sharding, transpose](w)
         w.delete()  # the runtime frees it once the quantize that reads it is done
         return q
 
@@ -316,7 +342,9 @@ def quantize_params_placed(params: Params, shardings: Params, quantize_lm_head: 
                        quantized_fields(quantization))
     leaves, treedef = jax.tree.flatten(params)
     targets = jax.tree.leaves(shardings, is_leaf=is_quant)
-    out = [quantize_one(w, sh) if mark else w for w, mark, sh in zip(leaves, jax.tree.leaves(marks), targets)]
+    tied = quantize_lm_head and params.lm_head is None
+    out = [quantize_one(w, sh, tied and w is params.embed) if mark else w
+           for w, mark, sh in zip(leaves, jax.tree.leaves(marks), targets)]
     return jax.tree.unflatten(treedef, out)  # a QuantArray stands where its float weight stood
 
 

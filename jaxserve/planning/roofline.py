@@ -166,7 +166,9 @@ def param_bytes_per_device(cfg: ModelConfig, bytes_per_element: int, quantizatio
                 continue
             elements = math.prod(shape)
             split = size if any(a is not None and rules.get(a) == MODEL for a in axes) else 1
-            head = name == "lm_head" and quantize_lm_head and not cfg.tie_word_embeddings
+            head = quantize_lm_head and name == ("embed" if cfg.tie_word_embeddings else "lm_head")
+            if head and name == "embed":  # the tied table, quantized as the head [D, V]
+                shape, axes = shape[::-1], axes[::-1]
             quantized = quantization == "int8" and (name in LINEAR_WEIGHTS or head)
             if quantization == "int4" and ((name in LINEAR_WEIGHTS and name not in EXPERT_WEIGHTS) or head):
                 total += int4_bytes(elements) // split  # packed values, scales and biases keep the weight's axes

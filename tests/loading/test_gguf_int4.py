@@ -46,3 +46,20 @@ def test_q4_tensors_load_into_int4_exactly(tmp_path, qtype):
     forward = jax.jit(forward_dense, static_argnames="cfg")
     want = np.asarray(forward(float_params, ids, cfg=cfg))
     np.testing.assert_allclose(np.asarray(forward(stacked, ids, cfg=cfg)), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_tied_table_quantized_at_load_equals_quantizing_the_float_model(tmp_path, quantization):
+    path, _, _ = gguf_from_hf(tmp_path, "qwen2", "Q4_1", **SMALL)  # tied embeddings
+    model_dir = resolve_model_path(path)
+    cfg = ModelConfig.from_dir(model_dir)
+    assert cfg.tie_word_embeddings
+    got = load_hf_params(model_dir, cfg, jnp.float32, quantization=quantization, quantize_lm_head=True)
+    float_params = load_hf_params(model_dir, cfg, jnp.float32)
+    assert quant.is_quant(got.embed) and got.lm_head is None
+    if quantization == "int4":  # Q4_1 blocks of a row are groups of 32 of the head's column: copied as they are
+        np.testing.assert_array_equal(np.asarray(quant.dequantize_int4(got.embed)), np.asarray(float_params.embed).T)
+    else:
+        want = quant.quantize_params(float_params, True, quantization)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -80,3 +80,30 @@ def test_engine_serves_int4_weights(hf_model_dir):
     out = llm.generate(prompt_token_ids=[prompt, prompt[:5]], sampling_params=SamplingParams(
         max_tokens=8, temperature=0, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in out] == [8, 8]
+
+
+def _dequantized(params):
+    deq = jax.tree.map(lambda x: (quant.dequantize_int4(x) if isinstance(x, quant.Int4Array) else quant.dequantize(x))
+                       if quant.is_quant(x) else x, params, is_leaf=quant.is_quant)
+    return deq.replace(embed=deq.embed.T) if params.lm_head is None and quant.is_quant(params.embed) else deq
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_tied_table_quantized_as_the_head(quantization):
+    """quantize_lm_head on a tied model quantizes the embedding table as the head [D, V]: the logits (head
+    and gathered rows) are the dequantized model's, on every matmul path; the bytes are the config's."""
+    from jaxserve.model.llama import forward_dense
+    from jaxserve.planning.roofline import param_bytes_per_device
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+    params = init_dummy_params(cfg, 0, jnp.float32)
+    params = params.replace(embed=params.embed * 20)  # a spread of logits
+    q = quant.quantize_params(params, True, quantization)
+    assert quant.is_quant(q.embed) and q.embed.shape == (64, 96) and q.lm_head is None
+    assert param_bytes(q) == cfg.param_bytes(4, quantization, True) == param_bytes_per_device(cfg, 4, quantization, True)
+    ids = jnp.asarray([[1, 5, 7, 90, 3, 3, 2]])
+    want = np.asarray(forward_dense(_dequantized(q), ids, cfg=cfg))
+    for kernel in ("reference", "xla_cpu"):
+        got = forward_dense(quant.with_kernel(q, kernel), ids, cfg=cfg)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0, err_msg=kernel)
