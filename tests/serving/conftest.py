@@ -3,15 +3,9 @@ Ray costs seconds). Each test module deploys its own application at "/" and dele
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serving_testlib import free_port
 
 
 @pytest.fixture(scope="session")

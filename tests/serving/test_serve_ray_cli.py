@@ -70,7 +70,7 @@ def test_serve_ray_serves_then_drains_on_sigterm(tmp_path):
 
     import httpx
 
-    from conftest import free_port
+    from serving_testlib import free_port
 
     port = free_port()
     log = open(tmp_path / "serve-ray.log", "w")

@@ -20,6 +20,7 @@ import logging
 from typing import Any
 
 from jaxserve.config import EngineConfig
+from jaxserve.errors import JaxServeError, RequestError
 from jaxserve.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -54,15 +55,17 @@ class ReplicaHeader:
             _served_by.reset(token)
 
 
-class ReplicaUnavailable(RuntimeError):
-    """The engine deployment could not take or finish the request (a replica died, Ray failed)."""
+class ReplicaUnavailable(JaxServeError):
+    """The engine deployment could not take or finish the request (a replica died, Ray failed): the
+    server's 503, or an in-band error event once a stream has begun."""
 
 
 class RemoteEngine:
     """A ServingEngine over the engine deployment. `handle`: the deployment's DeploymentHandle with
     `stream=True`; `max_model_len` and `config` come from a replica (`EngineReplica.info`)."""
 
-    def __init__(self, handle: Any, tokenizer: Any, max_model_len: int | None, config: EngineConfig | None):
+    def __init__(self, handle: Any, tokenizer: Any, max_model_len: int | None, config: EngineConfig | None,
+                 retries: int = 2):
         self._handle = handle
         self._tokenizer = tokenizer
         self._max_model_len = max_model_len
@@ -70,6 +73,7 @@ class RemoteEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pumps: dict[str, asyncio.Task] = {}  # request id -> the task forwarding its deltas
         self._accepting = 0  # submitted, not yet accepted by a replica
+        self.retries = retries  # times a request nobody accepted yet goes to another replica
 
     @property
     def tokenizer(self) -> Any:
@@ -96,20 +100,10 @@ class RemoteEngine:
                      queue: asyncio.Queue, tag: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         if request_id in self._pumps:
-            from jaxserve.errors import RequestError
-
             raise RequestError(f"request id {request_id!r} is already in use")
-        stream = self._handle.generate.remote(request_id, list(prompt_token_ids), sampling_params)
         self._accepting += 1
         try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            raise ReplicaUnavailable("the engine replica closed the request before accepting it") from None
-        except asyncio.CancelledError:
-            stream.cancel()
-            raise
-        except Exception as err:  # noqa: BLE001 - Ray's errors (a dead replica) become the request's failure
-            raise ReplicaUnavailable(f"no engine replica took the request: {type(err).__name__}: {err}") from err
+            stream, first = await self._place(request_id, list(prompt_token_ids), sampling_params)
         finally:
             self._accepting -= 1
         if isinstance(first, BaseException):
@@ -118,6 +112,22 @@ class RemoteEngine:
         if served is not None:
             served.append(str(first))
         self._pumps[request_id] = asyncio.create_task(self._pump(request_id, stream, queue, tag))
+
+    async def _place(self, request_id: str, ids: list[int], params: SamplingParams) -> tuple[Any, Any]:
+        """Send the request to a replica and wait for its acceptance (or refusal). A replica that fails
+        before accepting (it died, Ray lost it) has streamed nothing: the request goes to another one."""
+        for attempt in range(self.retries + 1):
+            stream = self._handle.generate.remote(request_id, ids, params)
+            try:
+                return stream, await stream.__anext__()
+            except asyncio.CancelledError:
+                stream.cancel()
+                raise
+            except Exception as err:  # noqa: BLE001 - Ray's errors; refusals arrive as values, not here
+                failure = err
+                logger.warning("request %s: no replica accepted it (attempt %d of %d): %s", request_id, attempt + 1,
+                               self.retries + 1, err)
+        raise ReplicaUnavailable(f"no engine replica took the request: {type(failure).__name__}: {failure}")
 
     async def _pump(self, request_id: str, stream: Any, queue: asyncio.Queue, tag: Any) -> None:
         try:
