@@ -54,6 +54,8 @@ def test_serve_run_args_build_the_same_application():
             "replica_resources": {"CPU": 1}, "served_model_name": ["a", "b"]}
     assert argv_from_args(args) == ["--config", "small", "--model", "checkpoints/small", "--num-replicas", "2",
                                     "--replica-resources", '{"CPU": 1}', "--served-model-name", "a", "b"]
+    assert argv_from_args({"mock_engine": "true", "enable_prefix_caching": "false", "api_key": "false"},
+                          {"--no-enable-prefix-caching"}) == ["--mock-engine", "--no-enable-prefix-caching"]
     app = app_builder(args)
     assert type(app).__name__ == "Application"
 

@@ -102,14 +102,22 @@ def spec_from_namespace(ns: argparse.Namespace) -> Any:
                    grace_seconds=ns.grace_seconds, mock_engine=ns.mock_engine, mock_token_delay=ns.mock_token_delay)
 
 
-def argv_from_args(args: Mapping[str, Any]) -> list[str]:
-    """`serve run` args ({"config": "small", "num_replicas": 2, "mock_engine": true}) as flags."""
+def argv_from_args(args: Mapping[str, Any], flags: set[str] | None = None) -> list[str]:
+    """`serve run` args ({"config": "small", "num_replicas": 2, "mock_engine": true}) as flags. `serve run
+    KEY=VALUE` passes strings: "true" / "false" are booleans; false is `--no-KEY` where `flags` (the
+    parser's option strings) has it, else left out."""
     argv: list[str] = []
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"
         if value is True:
             argv.append(flag)
-        elif value is False or value is None:
+        elif value is False:
+            negative = "--no-" + flag[2:]
+            if flags is not None and negative in flags:
+                argv.append(negative)
+        elif value is None:
             continue
         elif isinstance(value, (list, tuple)):
             argv += [flag, *map(str, value)]
@@ -125,7 +133,8 @@ def app_builder(args: dict[str, Any]) -> Any:
     file's `import_path` with `args:`): the application, as `jaxserve serve-ray` with those flags builds it."""
     from jaxserve.serving.ray.deployments import build_application
 
-    return build_application(spec_from_namespace(build_parser().parse_args(argv_from_args(args))))
+    parser = build_parser()
+    return build_application(spec_from_namespace(parser.parse_args(argv_from_args(args, set(parser._option_string_actions)))))
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "jaxserve serve-ray") -> int:
