@@ -34,11 +34,12 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._holders)
 
-    def match(self, ids: Sequence[int], replicas: Iterable[Hashable]) -> tuple[Hashable | None, int]:
-        """The replica among `replicas` holding the longest prefix of `ids`, and how many blocks long
-        it is; (None, 0) when none holds the first block. Ties go to the first in `replicas`' order."""
-        alive = list(replicas)
-        best, depth = None, 0
+    def match(self, ids: Sequence[int], replicas: Iterable[Hashable]) -> tuple[list[Hashable], int]:
+        """The replicas among `replicas` holding the longest prefix of `ids` (in `replicas`' order), and
+        how many blocks long it is; ([], 0) when none holds the first block."""
+        alive: list[Hashable] = list(replicas)
+        best: list[Hashable] = []
+        depth = 0
         for i, key in enumerate(block_keys(ids, self.block_size)):
             holders = self._holders.get(key)
             if not holders:
@@ -46,7 +47,7 @@ class PrefixIndex:
             here = [r for r in alive if r in holders]
             if not here:
                 break
-            alive, best, depth = here, here[0], i + 1
+            alive, best, depth = here, here, i + 1
         return best, depth
 
     def insert(self, ids: Sequence[int], replica: Hashable) -> None:

@@ -2,7 +2,7 @@
 
 A request goes to the replica most likely to hold its prompt's prefix in its KV cache: the one the
 router sent the longest run of the prompt's leading blocks (`PrefixIndex`, keyed as the replicas key
-their pages). When no replica holds even one block, or the holder's queue is longer than the
+their pages; the least loaded of them when several hold it). When no replica holds even one block, or the holder's queue is longer than the
 shortest by more than `imbalance` requests, it goes to the less loaded of two random replicas, and
 from then on that replica holds the prefix. The choice is recorded when it is made, so a burst of
 requests sharing a new prefix follows the first instead of scattering before any is routed.
@@ -62,14 +62,16 @@ def _build() -> type:
                 return []
             by_id = {r.replica_id: r for r in candidate_replicas}
             ids = prompt_ids(pending_request)
-            holder, _ = self.index.match(ids, list(by_id)) if ids else (None, 0)
+            holders, _ = self.index.match(ids, list(by_id)) if ids else ([], 0)
             chosen = None
-            if holder is not None:
+            if holders:
                 lens = await self._queue_lens(candidate_replicas)
-                mine = lens.get(holder)
-                if mine is not None and mine - min(lens.values()) <= self.imbalance:
-                    chosen = by_id[holder]
-                    self.routed["prefix"] += 1
+                known = [h for h in holders if h in lens]
+                if known:
+                    holder = min(known, key=lambda h: lens[h])  # the least loaded of those holding the most
+                    if lens[holder] - min(lens.values()) <= self.imbalance:
+                        chosen = by_id[holder]
+                        self.routed["prefix"] += 1
             if chosen is None:
                 pair = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
                 lens = await self._queue_lens(pair)
