@@ -59,6 +59,10 @@ class AsyncLLMEngine:
             self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
             self._thread.start()
 
+    def is_alive(self) -> bool:
+        """False once the step thread has stopped after starting (a health check's question)."""
+        return self._thread is None or self._thread.is_alive()
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the step thread, then close the engine (its executables, weights and cache released);
         if the thread is still in a step after `timeout`, the engine is left open."""

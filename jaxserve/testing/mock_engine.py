@@ -230,6 +230,10 @@ class MockAsyncLLMEngine:
             self._thread = threading.Thread(target=self._loop, name="mock-engine-loop", daemon=True)
             self._thread.start()
 
+    def is_alive(self) -> bool:
+        """False once the step thread has stopped after starting, as AsyncLLMEngine's."""
+        return self._thread is None or self._thread.is_alive()
+
     def shutdown(self) -> None:
         with self._lock:
             self._stopping = True

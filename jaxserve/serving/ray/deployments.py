@@ -94,8 +94,7 @@ class EngineReplica:
                 self.engine.abort(request_id)
 
     def check_health(self) -> None:
-        thread = getattr(self.engine, "_thread", None)
-        if thread is not None and not thread.is_alive():
+        if not self.engine.is_alive():
             raise RuntimeError("the engine's step thread has stopped")
 
     def __del__(self) -> None:
