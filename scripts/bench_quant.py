@@ -107,7 +107,6 @@ def bench_default_model(args, variants: list[str]) -> dict:
     from jaxserve import LLM, SamplingParams
 
     batches = [int(b) for b in args.batches.split(",")]
-    rng = np.random.default_rng(args.seed)
     llms, results = {}, {}
     for name in variants:
         dtype, settings, _ = VARIANTS[name]
@@ -116,6 +115,7 @@ def bench_default_model(args, variants: list[str]) -> dict:
                 dtype=dtype, seed=args.seed, max_num_seqs=b, max_num_batched_tokens=max(64, b * args.prompt_len),
                 max_model_len=args.prompt_len + args.new_tokens + 8, warm_up=False, **settings))
             logging.getLogger("jaxserve.runner.runner").setLevel(logging.ERROR)
+            rng = np.random.default_rng(args.seed + b)  # every variant decodes the same prompts
             prompts = [rng.integers(1, llm.model_config.vocab_size, args.prompt_len).tolist() for _ in range(b)]
             llms[name, b] = (llm, prompts)
             run = _batch_generate(llm, prompts, args.new_tokens)
