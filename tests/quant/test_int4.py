@@ -107,3 +107,28 @@ def test_tied_table_quantized_as_the_head(quantization):
     for kernel in ("reference", "xla_cpu"):
         got = forward_dense(quant.with_kernel(q, kernel), ids, cfg=cfg)
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0, err_msg=kernel)
+
+
+def test_int4_engine_compiles_nothing_after_warm_up(hf_model_dir):
+    """As tests/test_compilation.py for float32: the same executables (one per bucket), and a varied
+    workload afterwards compiles nothing, with int4 weights and a quantized tied head."""
+    from jaxserve.runner.compilation import CompileCounter
+
+    path, _ = hf_model_dir("llama")
+    kw = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+              compilation_cache_dir="none")
+    llm = LLM(path, quantization="int4", quantize_lm_head=True, **kw)
+    assert len(llm.runner.step_shapes()) == len(llm.runner._executables)
+    before = CompileCounter.requests
+    rng = np.random.RandomState(0)
+    for batch in (1, 3, 4, 2):
+        prompts = [rng.randint(0, 512, size=rng.randint(1, 40)).tolist() for _ in range(batch)]
+        params = [SamplingParams(max_tokens=int(rng.randint(1, 20)), temperature=float(rng.choice([0, 0.8])))
+                  for _ in range(batch)]
+        llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert CompileCounter.requests == before and llm.runner.unplanned_compiles == 0
+    shapes = len(llm.runner.step_shapes())
+    llm.close()
+    float_llm = LLM(path, **kw)
+    assert len(float_llm.runner.step_shapes()) == shapes  # quantization adds no executable
+    float_llm.close()
