@@ -63,3 +63,26 @@ def test_tied_table_quantized_at_load_equals_quantizing_the_float_model(tmp_path
         want = quant.quantize_params(float_params, True, quantization)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_default_model_int4_is_the_file():
+    """The default model (SmolLM2-135M-Instruct, Q4_1): every dense weight loaded into int4 dequantizes
+    to exactly the gguf library's float32, and the logits equal the float32 model's."""
+    from jaxserve.loading import resources
+
+    path = resources.default_model_file()
+    if path is None:
+        pytest.skip(f"the default model is not installed: {resources.DEFAULT_MODEL_INSTALL}")
+    model_dir = resolve_model_path(str(path))
+    cfg = ModelConfig.from_dir(model_dir)
+    float_params = load_hf_params(model_dir, cfg, jnp.float32)
+    q4 = load_hf_params(model_dir, cfg, jnp.float32, quantization="int4")
+    for field in quant.DENSE_FIELDS:
+        w = getattr(q4.layers, field)
+        assert isinstance(w, quant.Int4Array), field
+        np.testing.assert_array_equal(np.asarray(quant.dequantize_int4(w)), np.asarray(getattr(float_params.layers, field)),
+                                      err_msg=field)
+    ids = jnp.asarray([np.random.RandomState(0).randint(0, cfg.vocab_size, 12).tolist()])
+    forward = jax.jit(forward_dense, static_argnames="cfg")
+    np.testing.assert_allclose(np.asarray(forward(q4, ids, cfg=cfg)), np.asarray(forward(float_params, ids, cfg=cfg)),
+                               atol=1e-4, rtol=0)
