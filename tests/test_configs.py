@@ -54,7 +54,7 @@ def test_unknown_key_is_named(tmp_path):
 
 @pytest.mark.parametrize("line,setting", [
     ("page_size: 12", "page_size"), ("dtype: fp8", "dtype"), ("mesh_shape: [1, 0]", "mesh_shape"),
-    ("kv_cache_memory: lots", "kv_cache_memory"), ("quantization: int4", "quantization"),
+    ("kv_cache_memory: lots", "kv_cache_memory"), ("quantization: int3", "quantization"),
 ])
 def test_bad_value_is_named(tmp_path, line, setting):
     with pytest.raises(ConfigError, match=setting):
