@@ -202,12 +202,27 @@ def dequantize_int4(w: Int4Array, dtype: Any = jnp.float32) -> jax.Array:
 
 def int4_matmul(x: jax.Array, w: Int4Array) -> jax.Array:
     """x f[..., in] @ w: f32[..., out]. Decode rows on one device ("xla_cpu") stream the packed bytes
-    in chunks (`_int4_chunked`); everything else (prefill, other kernels until the Pallas int4 kernel
-    is wired) dequantizes the weight in x's dtype and multiplies."""
+    in chunks (`_int4_chunked`); the Pallas kernels (`pallas_kernels.int4_matmul`) unpack in-register
+    on TPU and GPU; everything else (prefill on a CPU, the XLA reference) dequantizes the weight in
+    x's dtype and multiplies."""
     rows = _int4_chunk_rows(x, w) if w.kernel == "xla_cpu" else 0
     if rows:
         return _int4_chunked(x, w, rows)
+    if w.kernel.startswith("pallas"):
+        return _pallas_int4_matmul(x, w)
     return jnp.matmul(x, dequantize_int4(w, x.dtype), preferred_element_type=jnp.float32)
+
+
+def _pallas_int4_matmul(x: jax.Array, w: Int4Array) -> jax.Array:
+    from pallas_kernels import int4_matmul as kernel
+
+    if w.kernel not in MATMUL_IMPLS:
+        raise ValueError(f"unknown matmul implementation {w.kernel!r}; expected one of {MATMUL_IMPLS}")
+    backend = "tpu" if w.kernel == "pallas_tpu" else "gpu"
+    lead, k = x.shape[:-1], x.shape[-1]
+    y = kernel(x.reshape(-1, k), w.values, w.scales, w.biases, group_size=w.group_size, backend=backend,
+               interpret=w.kernel == "pallas_interpret")
+    return y.reshape(*lead, w.values.shape[-1]).astype(jnp.float32)
 
 
 def _int4_chunk_rows(x: jax.Array, w: Int4Array) -> int:

@@ -38,7 +38,7 @@ def resolve_attention(setting: str, platform: str, mesh_shape: tuple[int, int]) 
 
 
 def resolve_quantized_matmul(setting: str, platform: str, mesh_shape: tuple[int, int], quantization: str) -> str:
-    """How int8 weights are multiplied (one of quant.MATMUL_IMPLS), logged with the reason."""
+    """How quantized (int8 or int4) weights are multiplied (one of quant.MATMUL_IMPLS), logged with the reason."""
     if quantization == "none":
         return "reference"  # no int8 weights: nothing to choose
     sharded = tuple(mesh_shape) != (1, 1)
@@ -50,16 +50,16 @@ def resolve_quantized_matmul(setting: str, platform: str, mesh_shape: tuple[int,
         elif sharded:
             impl, why = "reference", "XLA: GSPMD cannot split the Pallas kernel over a multi-device mesh"
         else:
-            impl, why = "pallas_" + platform, f"Pallas int8_matmul on {platform}"
+            impl, why = "pallas_" + platform, f"Pallas {quantization}_matmul on {platform}"
     elif setting == "pallas":
         if sharded:
             raise ConfigError("quantized_matmul_backend='pallas' runs on a single device only (no shard_map "
                               "wrapper for the int8 matmul yet); use 'auto' or 'reference' with this mesh")
         impl = "pallas_" + platform if platform in ("tpu", "gpu") else "pallas_interpret"
-        why = "Pallas int8_matmul, as asked"
+        why = f"Pallas {quantization}_matmul, as asked"
         if platform == "cpu":
             why += " (interpret mode on CPU: slow, for testing)"
     else:
         impl, why = "reference", "XLA, as asked"
-    logger.info("int8 matmul: %s (quantized_matmul_backend=%s): %s", impl, setting, why)
+    logger.info("%s matmul: %s (quantized_matmul_backend=%s): %s", quantization, impl, setting, why)
     return impl

@@ -45,6 +45,19 @@ def test_matmul_paths_equal_the_dequantized_weight(rows, shape):
                                                                     quant._int4_chunk_rows(x, q))
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_pallas_kernel_serves_quant_matmul(rows):
+    """kernel="pallas_interpret": quant.matmul runs pallas_kernels.int4_matmul (the GPU kernel,
+    interpreted), leading axes and all, and equals the dequantized weight's product."""
+    w = jax.random.normal(jax.random.PRNGKey(3), (256, 192))
+    q = quant.quantize_int4(w)
+    x = jax.random.normal(jax.random.PRNGKey(4), (2, rows, 256))
+    want = np.asarray(jnp.matmul(x, quant.dequantize_int4(q), precision="highest"))
+    got = jax.jit(quant.matmul)(x, q.replace(kernel="pallas_interpret"))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-3, rtol=1e-4)
+
+
 @pytest.mark.parametrize("tied,lm_head", [(True, False), (False, False), (False, True)])
 def test_param_bytes_match_the_config_arithmetic(tied, lm_head):
     cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
