@@ -173,7 +173,7 @@ class Scheduler:
         """Whether `seq` may join a step scheduled while its last token is still in flight (async
         scheduling): not if its length ends it once the token lands (max_tokens, max_model_len:
         there is nothing left to compute). A row under a grammar may: the engine hands its grammar
-        that token before the row's next mask is filled (LLMEngine.step)."""
+        that token before the row's next mask is filled (EngineCore.execute)."""
         if not seq.in_flight:
             return True
         return len(seq.output_token_ids) < seq.params.max_tokens and seq.num_tokens < self.max_model_len

@@ -79,7 +79,7 @@ class Sequence:
     # Structured output: the GrammarMatcher (jaxserve.structured) holding the grammar's state after the
     # output so far. Preemption by recompute keeps it (the output is kept); n > 1 siblings get copies.
     grammar: Any = None
-    row_sampling: Any = None  # its jaxserve.model.sampler.RowSampling, made on its first step (LLMEngine._row_sampling)
+    row_sampling: Any = None  # its jaxserve.sampling.row.RowSampling, made on its first step (EngineCore._row_sampling)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
