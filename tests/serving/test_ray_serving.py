@@ -81,3 +81,35 @@ def test_a_request_the_engine_refuses_is_a_400_with_its_reason(url):
         assert client.get("/health").status_code == 200
         models = client.get("/v1/models").json()
         assert [m["id"] for m in models["data"]] == ["small"]
+
+
+def scrape(client: httpx.Client) -> dict[str, dict[str, float]]:
+    """{metric sample name: {replica label: value}} of the engine series in one GET /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if "replica" in sample.labels:
+                out.setdefault(sample.name, {})[sample.labels["replica"]] = sample.value
+    return out
+
+
+def test_one_scrape_of_metrics_holds_every_replica(url):
+    with httpx.Client(base_url=url, timeout=120) as client, ThreadPoolExecutor(8) as pool:
+        before = scrape(client)
+        responses = list(pool.map(lambda ids: complete(client, ids), prompts(32, seed=1)))
+        after = scrape(client)
+        text = client.get("/metrics").text
+    assert [r.status_code for r in responses] == [200] * 32
+    served = {r.headers["x-jaxserve-replica"] for r in responses}
+    replicas = set(after["jaxserve:num_requests_running"])
+    assert len(replicas) == 2 and served <= replicas, (served, replicas)
+    generated = sum(r.json()["usage"]["completion_tokens"] for r in responses)
+    tokens = after["jaxserve:generation_tokens_total"]
+    assert sum(tokens.values()) - sum(before["jaxserve:generation_tokens_total"].values()) == generated
+    # the ingress's own HTTP series, once, and each engine family named once
+    assert "jaxserve:http_requests_total{" in text
+    assert text.count("# TYPE jaxserve:num_requests_running gauge") == 1

@@ -16,6 +16,7 @@ from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.sampling.params import SamplingParams
+from jaxserve.serving.ray.metrics import ReplicaMetrics
 from jaxserve.serving.ray.remote_engine import RemoteEngine, ReplicaHeader
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,8 @@ class OpenAIIngress:
         engine = RemoteEngine(self.handle, tokenizer, info["max_model_len"], info["config"])
         app = create_app(options, engine, shutdown_engine=True)
         app.add_middleware(ReplicaHeader)
+        app.add_middleware(ReplicaMetrics, handle=self.handle,
+                           ingress_registry=lambda: getattr(app.state.jaxserve.metrics, "registry", None))
         return app
 
 
