@@ -82,3 +82,19 @@ def check_int32(name: str, x, fn_name: str) -> None:  # x: any-shape array
 def check_float_dtype(name: str, x, fn_name: str) -> None:  # x: any-shape array
     if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"{fn_name}: {name} must be float32, bfloat16 or float16, got {x.dtype}.")
+
+
+def check_matmul_blocks(fn_name: str, backend: str | None, x_dtype, **blocks: int | None) -> None:
+    """The block sizes every quantized matmul kernel shares rules for (None = default): positive
+    ints; on TPU block_m whole sublane tiles of x; on GPU (Triton) powers of two >= 16."""
+    for name, b in blocks.items():
+        if b is not None and (int(b) != b or b < 1):
+            raise ValueError(f"{fn_name}: {name} must be a positive int, got {b!r}.")
+    block_m = blocks.get("block_m")
+    if backend == "tpu" and block_m is not None and block_m % tpu_sublane_tile(x_dtype):
+        raise ValueError(f"{fn_name}: on TPU block_m must be a multiple of {tpu_sublane_tile(x_dtype)} for "
+                         f"{jnp.dtype(x_dtype).name} x.")
+    if backend == "gpu":
+        for name, b in blocks.items():
+            if b is not None and (not is_pow2(b) or b < 16):
+                raise ValueError(f"{fn_name}: on GPU {name} must be a power of two >= 16 (Triton), got {b}.")

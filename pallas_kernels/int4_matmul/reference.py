@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import check_float_dtype, is_pow2, tpu_sublane_tile
+from pallas_kernels._common import check_float_dtype, check_matmul_blocks, is_pow2
 
 FN = "int4_matmul"
 
@@ -47,17 +47,11 @@ def validate_int4_matmul(
             raise ValueError(f"{FN}: {name} must have shape ({k // g}, {n}) (k // group_size, n), got {a.shape}.")
         if jnp.dtype(a.dtype) != jnp.dtype(jnp.float32):
             raise ValueError(f"{FN}: {name} must be float32, got {a.dtype}.")
-    blocks = {"block_m": block_m, "block_n": block_n, "block_k": block_k}
-    for name, b in blocks.items():
-        if b is not None and (int(b) != b or b < 1):
-            raise ValueError(f"{FN}: {name} must be a positive int, got {b!r}.")
+    check_matmul_blocks(FN, backend, x.dtype, block_m=block_m, block_n=block_n, block_k=block_k)
     if backend == "tpu":
         # Groups are dequantized as static 8-row-aligned slices of the f32 nibble tile.
         if g % 16:
             raise ValueError(f"{FN}: on TPU group_size must be a multiple of 16, got {g}.")
-        sub = tpu_sublane_tile(x.dtype)
-        if block_m is not None and block_m % sub:
-            raise ValueError(f"{FN}: on TPU block_m must be a multiple of {sub} for {jnp.dtype(x.dtype).name} x.")
         if block_n is not None and block_n % 128 and block_n != n:
             raise ValueError(f"{FN}: on TPU block_n must be a multiple of 128 (lane width) or n, got {block_n}.")
         if block_k is not None and block_k != k and (block_k % 256 or block_k % (8 * g)):
@@ -66,9 +60,6 @@ def validate_int4_matmul(
     elif backend == "gpu":
         if not is_pow2(g) or g < 16:
             raise ValueError(f"{FN}: on GPU group_size must be a power of two >= 16 (Triton), got {g}.")
-        for name, b in blocks.items():
-            if b is not None and (not is_pow2(b) or b < 16):
-                raise ValueError(f"{FN}: on GPU {name} must be a power of two >= 16 (Triton), got {b}.")
         if block_k is not None and (block_k < g or block_k < 32):
             raise ValueError(f"{FN}: on GPU block_k must be >= group_size and >= 32 (whole groups, a 16-row "
                              f"dot per nibble half), got {block_k}.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import check_float_dtype, is_pow2, tpu_sublane_tile
+from pallas_kernels._common import check_float_dtype, check_matmul_blocks
 
 FN = "int8_matmul"
 
@@ -38,21 +38,11 @@ def validate_int8_matmul(
         raise ValueError(f"{FN}: w_scale must be float32, got {w_scale.dtype}.")
     if min(m, k, n) < 1:
         raise ValueError(f"{FN}: empty operands are not supported (m={m}, k={k}, n={n}).")
-    blocks = {"block_m": block_m, "block_n": block_n, "block_k": block_k}
-    for name, b in blocks.items():
-        if b is not None and (int(b) != b or b < 1):
-            raise ValueError(f"{FN}: {name} must be a positive int, got {b!r}.")
+    check_matmul_blocks(FN, backend, x.dtype, block_m=block_m, block_n=block_n, block_k=block_k)
     if backend == "tpu":
-        sub = tpu_sublane_tile(x.dtype)
-        if block_m is not None and block_m % sub:
-            raise ValueError(f"{FN}: on TPU block_m must be a multiple of {sub} for {jnp.dtype(x.dtype).name} x.")
-        for name in ("block_n", "block_k"):
-            if blocks[name] is not None and blocks[name] % 128:
-                raise ValueError(f"{FN}: on TPU {name} must be a multiple of 128 (lane width), got {blocks[name]}.")
-    elif backend == "gpu":
-        for name, b in blocks.items():
-            if b is not None and (not is_pow2(b) or b < 16):
-                raise ValueError(f"{FN}: on GPU {name} must be a power of two >= 16 (Triton), got {b}.")
+        for name, b in (("block_n", block_n), ("block_k", block_k)):
+            if b is not None and b % 128:
+                raise ValueError(f"{FN}: on TPU {name} must be a multiple of 128 (lane width), got {b}.")
     return m, k, n
 
 
