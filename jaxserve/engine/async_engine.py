@@ -144,9 +144,7 @@ class AsyncLLMEngine:
         """Yields the request's delta each time it advances (sum them with OutputAccumulator for whole
         outputs); aborts the request if the caller stops early."""
         request_id = request_id or f"req-{next(self._ids)}"
-        if (prompt is None) == (prompt_token_ids is None):
-            raise RequestError("give exactly one of prompt or prompt_token_ids")
-        ids = self.engine.encode(prompt) if prompt is not None else list(prompt_token_ids)
+        ids = self.engine.prompt_ids(prompt, prompt_token_ids)
         async for delta in stream_deltas(self, request_id, ids, sampling_params):  # checked by submit
             yield delta
 

@@ -193,12 +193,16 @@ class EngineCore:
                         prompt_token_ids: list[int] | None) -> tuple[list[int], SamplingParams]:
         """A request's prompt ids and params, checked (RequestError for what could never be served).
         Reads only the settings, the tokenizer and the cache's size, so any thread may call it."""
-        if (prompt is None) == (prompt_token_ids is None):
-            raise RequestError("give exactly one of prompt or prompt_token_ids")
         params = sampling_params or SamplingParams()
-        ids = self.encode(prompt) if prompt is not None else [int(t) for t in prompt_token_ids]
+        ids = self.prompt_ids(prompt, prompt_token_ids)
         self.check_request(ids, params)
         return ids, params
+
+    def prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        """The prompt as token ids, from exactly one of its text and its ids (not yet checked)."""
+        if (prompt is None) == (prompt_token_ids is None):
+            raise RequestError("give exactly one of prompt or prompt_token_ids")
+        return self.encode(prompt) if prompt is not None else [int(t) for t in prompt_token_ids]
 
     @property
     def grammar_compiler(self):

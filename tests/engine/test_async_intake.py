@@ -41,6 +41,11 @@ class SlowEngine:
         self.aborted: list[str] = []
         self.admitted: list[tuple[float, str]] = []  # (time, request id), in admission order
 
+    def prompt_ids(self, prompt, ids):
+        if prompt is not None:
+            raise RequestError("no tokenizer")
+        return list(ids)
+
     def prepare_request(self, prompt, params, ids):
         if prompt is not None:
             raise RequestError("no tokenizer")
