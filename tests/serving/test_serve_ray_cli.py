@@ -40,6 +40,26 @@ def test_autoscaling_flags_and_their_conflicts():
         spec("--min-replicas", "3", "--max-replicas", "2")
 
 
+def test_a_replica_of_several_processes_is_one_placement_group():
+    s = spec("--num-processes", "2", "--mesh-shape", "1,2", "--replica-resources", '{"TPU": 4, "CPU": 8}')
+    assert s.processes_per_replica == 2 and s.placement_strategy == "STRICT_SPREAD"
+    # the replica fills in the job (coordinator, process ids) at start-up
+    assert (s.settings.num_processes, s.settings.process_id, s.settings.coordinator_address) == (1, 0, None)
+
+    from jaxserve.serving.ray.deployments import engine_deployment_options
+
+    options = engine_deployment_options(s)
+    assert options["placement_group_bundles"] == [{"CPU": 8, "TPU": 4}] * 2
+    assert options["placement_group_strategy"] == "STRICT_SPREAD"
+    assert options["ray_actor_options"] == {"num_cpus": 8, "num_gpus": 0, "resources": {"TPU": 4}}  # bundle 0
+    assert "placement_group_bundles" not in engine_deployment_options(spec())
+    assert spec("--num-processes", "2", "--placement-strategy", "PACK").placement_strategy == "PACK"
+    with pytest.raises(ConfigError, match="chooses each replica's --coordinator-address"):
+        spec("--num-processes", "2", "--coordinator-address", "10.0.0.1:1234")
+    with pytest.raises(ConfigError, match="one process"):
+        spec("--num-processes", "2", "--mock-engine")
+
+
 def test_the_cli_refuses_a_bad_mix_with_exit_2(capsys):
     from jaxserve import cli
 

@@ -3,6 +3,10 @@
     jaxserve serve-ray [MODEL] [every flag of jaxserve serve]
         [--num-replicas N | --min-replicas N --max-replicas M [--target-ongoing-requests K]]
         [--ray-address ADDR] [--replica-resources '{"GPU": 1}'] [--router prefix|pow2]
+        [--num-processes N [--placement-strategy STRICT_SPREAD|SPREAD|PACK]]
+
+`--num-processes N` makes each replica one multi-host engine of N jax.distributed processes placed
+by a placement group per replica (multihost_replica.py); --replica-resources is then per process.
 
 Starts a local Ray instance, or joins `--ray-address` / $RAY_ADDRESS, deploys the application
 (deployments.py) at "/" on --host:--port, and serves until SIGTERM/SIGINT, when the application is
@@ -22,6 +26,7 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from jaxserve.errors import ConfigError, JaxServeError
+from jaxserve.serving.ray.multihost_replica import PLACEMENT_STRATEGIES
 
 logger = logging.getLogger("jaxserve.serve_ray")
 
@@ -52,6 +57,12 @@ def build_parser(prog: str = "jaxserve serve-ray") -> argparse.ArgumentParser:
     g.add_argument("--route-imbalance", type=int, default=8,
                    help="prefix router: leave the prefix's replica when its queue is this much longer than the shortest")
     g.add_argument("--app-name", default="jaxserve", help="the Serve application's name")
+    g.add_argument("--placement-strategy", default="STRICT_SPREAD", choices=PLACEMENT_STRATEGIES,
+                   help="with --num-processes N > 1 (each replica one multi-host engine of N processes, each with "
+                        "--replica-resources): how Ray places a replica's N bundles. STRICT_SPREAD: one process "
+                        "per node (hosts); PACK: N processes on one node (trying it on one machine)")
+    g.add_argument("--proxy-location", default="EveryNode", choices=("EveryNode", "HeadOnly", "Disabled"),
+                   help="where Serve runs its HTTP proxy (HeadOnly when several Ray nodes share one machine)")
     return parser
 
 
@@ -67,15 +78,14 @@ def _resources(text: str) -> dict[str, float]:
 
 def spec_from_namespace(ns: argparse.Namespace) -> Any:
     """The AppSpec the flags describe (the model resolved to a local directory). ConfigError: a bad mix."""
-    from jaxserve.serve import resolve_settings
     from jaxserve.serving.ray.deployments import AppSpec
 
     autoscaled = any(v is not None for v in (ns.min_replicas, ns.max_replicas, ns.target_ongoing_requests))
     if autoscaled and ns.num_replicas is not None:
         raise ConfigError("give --num-replicas (a fixed count) or --min-replicas/--max-replicas (autoscaling), not both")
-    settings, name, note = resolve_settings(ns)
-    if settings.num_processes > 1:
-        raise ConfigError("a replica spanning several processes (--num-processes) is not supported by serve-ray yet")
+    settings, name, note, processes = _replica_settings(ns)
+    if processes > 1 and ns.mock_engine:
+        raise ConfigError("--mock-engine runs in one process; drop --num-processes")
     autoscaling = None
     if autoscaled:
         low = 1 if ns.min_replicas is None else ns.min_replicas
@@ -99,7 +109,27 @@ def spec_from_namespace(ns: argparse.Namespace) -> Any:
                    replica_resources=dict(ns.replica_resources), max_ongoing_requests=ns.max_ongoing_requests,
                    prefix_routing=ns.router == "prefix",
                    router_kwargs={"block_size": settings.page_size, "imbalance": ns.route_imbalance},
-                   grace_seconds=ns.grace_seconds, mock_engine=ns.mock_engine, mock_token_delay=ns.mock_token_delay)
+                   grace_seconds=ns.grace_seconds, mock_engine=ns.mock_engine, mock_token_delay=ns.mock_token_delay,
+                   processes_per_replica=processes, placement_strategy=ns.placement_strategy)
+
+
+def _replica_settings(ns: argparse.Namespace) -> tuple[Any, str, str | None, int]:
+    """resolve_settings for a replica: (settings of one process, name, note, processes per replica).
+
+    `--num-processes N` (flag or YAML) makes each replica one multi-host engine of N processes; the
+    replica picks its coordinator address itself (a free port on process 0's node) and gives each
+    process its id, so those two settings are refused here."""
+    from jaxserve.serve import resolve_settings
+
+    if hasattr(ns, "coordinator_address") or hasattr(ns, "process_id"):  # settings' flags default to absent
+        raise ConfigError("serve-ray chooses each replica's --coordinator-address and --process-id itself; "
+                          "give only --num-processes")
+    # A placeholder lets a multi-process job's settings validate; no process ever sees it.
+    settings, name, note = resolve_settings(argparse.Namespace(**{**vars(ns), "coordinator_address": "serve-ray:0"}))
+    if settings.process_id != 0:
+        raise ConfigError("serve-ray chooses each process's process_id itself; drop it from the config")
+    processes = settings.num_processes
+    return settings.replace(num_processes=1, coordinator_address=None), name, note, processes
 
 
 def argv_from_args(args: Mapping[str, Any], flags: set[str] | None = None) -> list[str]:
@@ -162,7 +192,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "jaxserve serve-ray") ->
 
     ray.init(address=ns.ray_address or None)
     joined = bool(ns.ray_address)
-    serve.start(http_options={"host": ns.host, "port": ns.port})
+    serve.start(proxy_location=ns.proxy_location, http_options={"host": ns.host, "port": ns.port})
     # A signal only wakes the main thread (through the wakeup fd): nothing runs inside the handler,
     # which may interrupt Ray's own code holding a lock.
     wake, woken = socket.socketpair()

@@ -17,7 +17,8 @@ from typing import Any
 from jaxserve.config import EngineConfig
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.serving.ray.metrics import ReplicaMetrics
-from jaxserve.serving.ray.remote_engine import RemoteEngine, ReplicaHeader
+from jaxserve.serving.ray.multihost_replica import actor_resources, placement_bundles
+from jaxserve.serving.ray.remote_engine import RemoteEngine, ReplicaHeader, ReplicaUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,11 @@ class AppSpec:
     num_replicas: int | None = 1  # fixed count; None with `autoscaling`
     autoscaling: dict[str, Any] | None = None  # Ray's autoscaling_config (min/max_replicas, target_ongoing_requests)
     replica_resources: dict[str, float] = dataclasses.field(default_factory=dict)  # {"GPU": 1}, {"TPU": 4}, {"CPU": 2}
+    # A replica spanning hosts (multihost_replica.py): its engine's jax.distributed processes, each with
+    # replica_resources, placed by a per-replica placement group of this strategy. `settings` stay
+    # those of one process (num_processes 1): the replica fills in the job's at start-up.
+    processes_per_replica: int = 1
+    placement_strategy: str = "STRICT_SPREAD"
     max_ongoing_requests: int | None = None  # per engine replica; default 4 x max_num_seqs
     prefix_routing: bool = True
     router_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # block_size, imbalance
@@ -51,6 +57,7 @@ class EngineReplica:
     """One engine per replica. `generate` streams the protocol RemoteEngine reads (remote_engine.py)."""
 
     def __init__(self, spec: AppSpec):
+        self.followers = None  # a multi-host replica's processes 1..N-1 (multihost_replica.FollowerGroup)
         if spec.mock_engine:
             from jaxserve.testing.mock_engine import MockAsyncLLMEngine
 
@@ -63,12 +70,28 @@ class EngineReplica:
                                                            tokenizer=tokenizer)
         else:
             from jaxserve.engine.async_engine import AsyncLLMEngine
-            from jaxserve.llm_engine import LLMEngine  # lazy: pulls in JAX
 
-            self.engine = AsyncLLMEngine(LLMEngine(spec.settings, warm_up=spec.warm_up))
+            self.engine = AsyncLLMEngine(self._build_engine(spec))
         self.engine.start()
         self.replica_id = _replica_id()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # open requests
+        self._broken: str | None = None  # why this replica can serve no more (a follower process died)
         logger.info("engine replica %s is warm", self.replica_id)
+
+    def _build_engine(self, spec: AppSpec) -> Any:
+        """This replica's LLMEngine; with several processes per replica, process 0 of a multi-host job
+        whose other processes this starts as Ray actors in the replica's placement group."""
+        from jaxserve.llm_engine import LLMEngine  # lazy: pulls in JAX
+
+        if spec.processes_per_replica == 1:
+            return LLMEngine(spec.settings, warm_up=spec.warm_up)
+        from jaxserve.serving.ray import multihost_replica as mh
+
+        settings = mh.process_settings(spec.settings, spec.processes_per_replica, mh.coordinator_address(), 0)
+        logger.info("engine replica: process 0 of %d, coordinator %s", settings.num_processes,
+                    settings.coordinator_address)
+        self.followers = mh.FollowerGroup.start(settings, spec.replica_resources, spec.warm_up)
+        return self.followers.build_leader(lambda: LLMEngine(settings, warm_up=spec.warm_up))
 
     def info(self) -> dict[str, Any]:
         return {"max_model_len": self.engine.max_model_len, "config": self.engine.config, "replica": self.replica_id}
@@ -77,12 +100,15 @@ class EngineReplica:
         return dict(self.engine.stats(), replica=self.replica_id)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams):
+        if self._broken is not None:  # raised, not sent: nothing was accepted, so the ingress tries another replica
+            raise ReplicaUnavailable(self._broken)
         queue: asyncio.Queue = asyncio.Queue()
         try:
             await self.engine.submit(request_id, prompt_token_ids, sampling_params, queue)
         except Exception as err:  # noqa: BLE001 - the request's refusal, sent as a value (the server's 400)
             yield err
             return
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
         yield self.replica_id
         finished = False
         try:
@@ -91,17 +117,35 @@ class EngineReplica:
                 finished = isinstance(item, BaseException) or item.finished
                 yield item
         finally:
+            self._streams.pop(request_id, None)
             if not finished:  # the ingress went away (client disconnect, abort): free the engine's seat
                 self.engine.abort(request_id)
 
     def check_health(self) -> None:
         if not self.engine.is_alive():
             raise RuntimeError("the engine's step thread has stopped")
+        failure = self.followers.failure() if self.followers is not None else None
+        if failure is not None:
+            self._fail_open_requests(failure)
+            raise RuntimeError(f"engine replica {self.replica_id}: {failure}")
+
+    def _fail_open_requests(self, failure: str) -> None:
+        """A multi-host engine without one of its processes cannot step again (process 0 may be stuck in
+        a collective until JAX's heartbeat timeout): end every open request now with the reason, and
+        refuse new ones, while Serve replaces this replica."""
+        if self._broken is None:
+            self._broken = f"engine replica {self.replica_id} lost a process and is being replaced ({failure})"
+            logger.error("%s; failing %d open request(s)", self._broken, len(self._streams))
+        for loop, queue in list(self._streams.values()):
+            loop.call_soon_threadsafe(queue.put_nowait, (None, ReplicaUnavailable(self._broken)))
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:
-            engine.shutdown()
+            engine.shutdown()  # process 0 of a multi-host engine: its close() tells the followers to stop
+        followers = getattr(self, "followers", None)
+        if followers is not None:
+            followers.stop()
 
 
 class OpenAIIngress:
@@ -154,16 +198,15 @@ def engine_deployment_options(spec: AppSpec) -> dict[str, Any]:
 
     from jaxserve.serving.ray import router
 
-    resources = dict(spec.replica_resources)
-    actor = {"num_cpus": resources.pop("CPU", 1), "num_gpus": resources.pop("GPU", 0)}
-    if resources:
-        actor["resources"] = resources
     options: dict[str, Any] = {
-        "ray_actor_options": actor,
+        "ray_actor_options": actor_resources(spec.replica_resources),
         "max_ongoing_requests": spec.max_ongoing_requests or 4 * spec.settings.max_num_seqs,
         "graceful_shutdown_timeout_s": spec.grace_seconds,
         "health_check_period_s": 5,
     }
+    if spec.processes_per_replica > 1:  # one bundle per process; the replica actor (process 0) takes bundle 0
+        options["placement_group_bundles"] = placement_bundles(spec.replica_resources, spec.processes_per_replica)
+        options["placement_group_strategy"] = spec.placement_strategy
     if spec.autoscaling is not None:
         options["autoscaling_config"] = dict(spec.autoscaling)
     else:
