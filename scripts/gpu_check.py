@@ -331,25 +331,29 @@ def bench(dry_run: bool) -> dict:
     print(f"   {name}: {m.times}", flush=True)
     del k, v, m
 
-    # -- int8 weight-only matmul
+    # -- int8 weight-only matmul: per-column scales (G = k) and an f32 scale per group of G input rows
     for rows_, kk, n in scale["matmul"]:
-        x = jnp.asarray(rng.standard_normal((rows_, kk), np.float32), dtype)
-        w = jnp.asarray(rng.integers(-127, 128, size=(kk, n), dtype=np.int8))
-        s = jnp.asarray(rng.uniform(1e-3, 1e-2, size=n).astype(np.float32))
-        w_bf16 = (w.astype(jnp.float32) * s[None, :]).astype(dtype)
-        kernel = jax.jit(lambda x, w, s: int8_matmul(x, w, s, backend=backend, interpret=interpret))
-        name = f"int8_matmul m={rows_}"
-        m = Measurements((x, w, s), rep, errors)
-        m.run(name, "kernel", kernel)
-        m.run(name, "reference", jax.jit(reference_int8_matmul))
-        m.run(name, "bf16_matmul", jax.jit(jnp.matmul), (x, w_bf16))
-        rows.append(kernel_row(
-            "int8_matmul", dict(m=rows_, k=kk, n=n), kk * n + 4 * n + (rows_ * kk + rows_ * n) * itemsize,
-            bandwidth, m, 2 * rows_ * kk * n,
-        ))
-        rows[-1]["note"] = "bf16_matmul: the same product with bf16 weights (twice the weight bytes)"
-        print(f"   {name}: {m.times}", flush=True)
-        del x, w, w_bf16, m
+        for g in (kk, min(128, kk // 2)):  # per column, then the usual group (half of k on the dry run's tiny k)
+            x = jnp.asarray(rng.standard_normal((rows_, kk), np.float32), dtype)
+            w = jnp.asarray(rng.integers(-127, 128, size=(kk, n), dtype=np.int8))
+            s = jnp.asarray(rng.uniform(1e-3, 1e-2, size=(kk // g, n)).astype(np.float32))
+            w_bf16 = (w.astype(jnp.float32) * jnp.repeat(s, g, axis=0)).astype(dtype)
+            kernel = jax.jit(lambda x, w, s, g=g: int8_matmul(x, w, s, group_size=g, backend=backend,
+                                                              interpret=interpret))
+            name = f"int8_matmul m={rows_} group_size={g}"
+            m = Measurements((x, w, s), rep, errors)
+            m.run(name, "kernel", kernel)
+            m.run(name, "reference", jax.jit(lambda x, w, s, g=g: reference_int8_matmul(x, w, s, group_size=g)))
+            m.run(name, "bf16_matmul", jax.jit(jnp.matmul), (x, w_bf16))
+            rows.append(kernel_row(
+                "int8_matmul", dict(m=rows_, k=kk, n=n, group_size=g),
+                kk * n + 4 * (kk // g) * n + (rows_ * kk + rows_ * n) * itemsize, bandwidth, m, 2 * rows_ * kk * n,
+            ))
+            rows[-1]["note"] = ("bytes_read: int8 values + f32 scales + x and the output; group_size = k is "
+                                "per-column scales; bf16_matmul: the same product with bf16 weights (twice the "
+                                "weight bytes)")
+            print(f"   {name}: {m.times}", flush=True)
+            del x, w, s, w_bf16, m
 
     # -- int4 weight-only matmul: packed nibbles (two per byte along k), an f32 scale and bias per group
     for rows_, kk, n in scale["matmul"]:
