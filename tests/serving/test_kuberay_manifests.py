@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import glob
 import importlib
+import math
 import os
-import re
 
 import pytest
 import yaml
@@ -81,7 +81,7 @@ def test_a_manifest_runs_serve_rays_application(path, monkeypatch):
         assert devices == sum(b.get("TPU", b.get("GPU", 0)) for b in bundles), "the mesh uses every device"
         topology = group["template"]["spec"]["nodeSelector"].get("cloud.google.com/gke-tpu-topology")
         if topology is not None:  # a TPU slice of that many chips
-            assert eval(topology.replace("x", "*")) == devices, (topology, devices)
+            assert math.prod(int(n) for n in topology.split("x")) == devices, (topology, devices)
     # The model fits the node pool's accelerators (the planner, on the manifest's engine settings).
     from jaxserve.config import EngineConfig
     from jaxserve.plan import main as plan

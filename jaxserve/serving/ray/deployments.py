@@ -1,6 +1,8 @@
 """The Ray Serve application: `EngineReplica` (each replica one AsyncLLMEngine, or the mock engine)
 behind `OpenAIIngress` (jaxserve's OpenAI server over a `RemoteEngine`), joined by a handle whose
-router is `PrefixAwareRouter` (or Ray's default, power of two choices).
+router is `PrefixAwareRouter` (or Ray's default, power of two choices). With `processes_per_replica` > 1
+each engine replica is process 0 of a multi-host engine whose other processes it starts as Ray actors
+in its own placement group (multihost_replica.py).
 
 `build_application(spec)` binds both from an `AppSpec` (what `jaxserve serve-ray` and the `serve run`
 builder in cli.py fill); `serve.run(build_application(spec), route_prefix="/")` serves it. Ray is
@@ -137,7 +139,10 @@ class EngineReplica:
             self._broken = f"engine replica {self.replica_id} lost a process and is being replaced ({failure})"
             logger.error("%s; failing %d open request(s)", self._broken, len(self._streams))
         for loop, queue in list(self._streams.values()):
-            loop.call_soon_threadsafe(queue.put_nowait, (None, ReplicaUnavailable(self._broken)))
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (None, ReplicaUnavailable(self._broken)))
+            except RuntimeError:  # that request's event loop is closed: nobody is listening
+                pass
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
