@@ -18,6 +18,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.engine.buckets import BucketTable, executable_counts
 from jaxserve.engine.core import EngineCore
+from jaxserve.loading.int4_checkpoint import implied_quantization
 from jaxserve.loading.model_loader import load_model
 from jaxserve.model.kv_cache import init_cache
 from jaxserve.model.sharding import make_mesh
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine(EngineCore):
     def __init__(self, config: EngineConfig, warm_up: bool = True):
-        s = config
+        s = config = implied_quantization(config)  # an AWQ / GPTQ checkpoint is served as int4
         multihost.initialize(s)  # num_processes > 1: jax.distributed, before any device is touched
         cache_path = enable_compilation_cache(s.compilation_cache_dir)
         logger.info("persistent compilation cache: %s", cache_path or "off")
@@ -43,6 +44,7 @@ class LLMEngine(EngineCore):
         self.mesh = make_mesh(s.mesh_shape)
         scan = s.scan_layers if s.scan_layers is not None else default_scan_layers(platform)
         loaded = load_model(s, self.mesh, stacked=scan)
+        s = config = s.replace(quantization_group_size=loaded.group_size)  # the default resolved for the model
         self.dtype, self.shardings = loaded.dtype, loaded.shardings
         memory = plan_memory(loaded.cfg, s, loaded.dtype,
                              draft_kv_bytes_per_token=draft_kv_bytes_per_token(s, loaded.dtype))
@@ -54,7 +56,8 @@ class LLMEngine(EngineCore):
         options = StepOptions(scan_layers=scan, mesh=self.mesh, moe_parallelism=s.moe_parallelism,
                               attention_backend=resolve_attention(s.attention_backend, platform, s.mesh_shape),
                               matmul_backend=resolve_quantized_matmul(s.quantized_matmul_backend, platform,
-                                                                      s.mesh_shape, s.quantization))
+                                                                      s.mesh_shape, s.quantization,
+                                                                      s.activation_quantization))
         buckets = BucketTable.for_settings(s, memory.max_model_len, platform)
         logger.info("token buckets (token_buckets=%s on %s): %s", s.token_buckets, platform,
                     ", ".join(map(str, buckets.token_counts)))

@@ -61,11 +61,21 @@ print(json.dumps({"llama_cpp_version": llama_cpp.__version__, "results": results
 """
 
 
-def jaxserve_decode(new_tokens: int, repeats: int, quantization: str) -> float:
+# jaxserve variants: name -> engine settings (--jaxserve picks some)
+JAXSERVE_VARIANTS = {
+    "float32": {},
+    "int8": {"quantization": "int8"},
+    "int8-per-channel": {"quantization": "int8", "quantization_group_size": 0},
+    "w8a8": {"quantization": "int8", "activation_quantization": "int8"},
+    "int4": {"quantization": "int4"},
+}
+
+
+def jaxserve_decode(new_tokens: int, repeats: int, settings: dict) -> float:
     from jaxserve import LLM, SamplingParams
 
-    with LLM(quantization=quantization, max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=128,
-             token_buckets="powers-of-two") as llm:
+    with LLM(max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=128, token_buckets="powers-of-two",
+             **settings) as llm:
         ids = llm.tokenizer.encode(f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n",
                                    add_special_tokens=False)
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, repetition_penalty=1.0)
@@ -82,7 +92,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--int8", action="store_true", help="also jaxserve with int8 weights")
+    ap.add_argument("--int8", action="store_true", help="also jaxserve with int8 weights (--jaxserve float32,int8)")
+    ap.add_argument("--jaxserve", default=None, help=f"jaxserve variants, comma-separated: {', '.join(JAXSERVE_VARIANTS)}")
     ap.add_argument("--llama-python", default=None, help="a python with llama_cpp (default: this one, if it has it)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--out", default=None)
@@ -97,11 +108,10 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {"cpu": cpu_name(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "commit": commit, "new_tokens": args.new_tokens, "prompt": PROMPT, "jaxserve": {}}
-    report["jaxserve"]["float32"] = round(jaxserve_decode(args.new_tokens, args.repeats, "none"), 1)
-    print("jaxserve float32:", report["jaxserve"]["float32"], "tokens/s", flush=True)
-    if args.int8:
-        report["jaxserve"]["int8"] = round(jaxserve_decode(args.new_tokens, args.repeats, "int8"), 1)
-        print("jaxserve int8:", report["jaxserve"]["int8"], "tokens/s", flush=True)
+    variants = (args.jaxserve or ("float32,int8" if args.int8 else "float32")).split(",")
+    for name in variants:
+        report["jaxserve"][name] = round(jaxserve_decode(args.new_tokens, args.repeats, JAXSERVE_VARIANTS[name]), 1)
+        print(f"jaxserve {name}:", report["jaxserve"][name], "tokens/s", flush=True)
     python = args.llama_python or sys.executable
     with tempfile.TemporaryDirectory() as work:
         done = subprocess.run([python, "-c", LLAMA_PART, str(path), work, str(args.new_tokens), str(args.repeats),

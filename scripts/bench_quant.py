@@ -17,6 +17,9 @@ Variants (--variants, comma-separated):
                                (quantized_matmul_backend=reference) instead of the CPU default's
                                cache-sized chunks
   int8-kv8                     int8 weights and an int8 KV cache, float32 activations
+  w8a8                         int8 weights (a scale per output channel) times int8 activations per token
+  NAME@gN                      any quantized variant with quantization_group_size=N (int8: 0 = a
+                               scale per output channel), e.g. int8@g32, int8-head@g0, int4@g64
   kv8                          float32 weights, int8 KV cache
   bfloat16-xla-default, int8-xla-default   the same steps compiled with XLA's default CPU scheduler
                                (the engine uses the memory-optimized one; see engine.compile)
@@ -56,6 +59,7 @@ VARIANTS = {
     "int8-bf16": ("bfloat16", {"quantization": "int8"}, None),
     "int8-whole": ("float32", {"quantization": "int8", "quantized_matmul_backend": "reference"}, None),
     "int8-kv8": ("float32", {"quantization": "int8", "kv_cache_dtype": "int8"}, None),
+    "w8a8": ("float32", {"quantization": "int8", "activation_quantization": "int8"}, None),
     "kv8": ("float32", {"kv_cache_dtype": "int8"}, None),
     "bfloat16-xla-default": ("bfloat16", {}, {}),
     "int8-xla-default": ("float32", {"quantization": "int8"}, {}),
@@ -100,6 +104,13 @@ def capacity(cfg, dtype: str, kv_cache_dtype: str, budget: int, context: int, pa
             "tokens": plan.tokens_that_fit, "max_sequences": (plan.num_pages - 1) // math.ceil(context / page_size)}
 
 
+def variant(name: str) -> tuple[str, dict, dict | None]:
+    """(dtype, engine settings, compiler options) of a variant name, `@gN` setting the group size."""
+    base, _, group = name.partition("@g")
+    dtype, settings, options = VARIANTS[base]
+    return dtype, {**settings, "quantization_group_size": int(group)} if group else settings, options
+
+
 def bench_default_model(args, variants: list[str]) -> dict:
     """Decode tok/s of the default model per (variant, batch), timed round-robin."""
     import logging
@@ -109,7 +120,7 @@ def bench_default_model(args, variants: list[str]) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     llms, results = {}, {}
     for name in variants:
-        dtype, settings, _ = VARIANTS[name]
+        dtype, settings, _ = variant(name)
         for b in batches:
             t_build, llm = bench_decode.timed(lambda: LLM(
                 dtype=dtype, seed=args.seed, max_num_seqs=b, max_num_batched_tokens=max(64, b * args.prompt_len),
@@ -174,7 +185,7 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in variants if v.partition("@g")[0] not in VARIANTS]
     if unknown:
         ap.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     if not bench_decode.tcmalloc_loaded():
@@ -216,7 +227,7 @@ def main() -> None:
     # the load of a shared machine falls on all of them alike.
     llms, results = {}, {}
     for name in variants:
-        dtype, settings, options = VARIANTS[name]
+        dtype, settings, options = variant(name)
         print(f"== building {name}: dtype {dtype}, settings {settings}"
               f"{', XLA default CPU scheduler' if options == {} else ''}", flush=True)
         t_build, llm = bench_decode.timed(lambda: build(args, dtype, settings, options, prompt))

@@ -35,9 +35,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-VARIANTS = {  # name: (quantization, kv_cache_dtype)
+VARIANTS = {  # name: (quantization, kv_cache_dtype); "w8a8": int8 weights and activations (per channel, per token)
     "float": ("none", "auto"),
     "int8 weights": ("int8", "auto"),
+    "w8a8": ("int8", "auto"),
     "int4 weights": ("int4", "auto"),
     "int8 KV": ("none", "int8"),
     "both": ("int8", "int8"),
@@ -136,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-chunk", type=int,
                     help="prefill each window in chunks of this many tokens (the engine's max_num_batched_tokens, "
                          "512 by default); default: the whole window in one chunk")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma-separated names of VARIANTS; NAME@gN sets quantization_group_size=N (int8: 0 = a "
+                         "scale per output channel), e.g. 'int8 weights@g32'")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -162,12 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     loaded: dict[str, object] = {}
     results, base_name, base_argmax = {}, None, None
     for name in [v.strip() for v in args.variants.split(",") if v.strip()]:
-        quantization, kv = VARIANTS[name]
-        if quantization not in loaded:
-            settings = EngineConfig(model=model_dir, dtype=args.dtype, quantization=quantization)
-            loaded[quantization] = load_model(settings, make_mesh((1, 1)), stacked=True)
-        model = loaded[quantization]
-        matmul = resolve_quantized_matmul("auto", jax.default_backend(), (1, 1), quantization)  # as the engine
+        base_variant, _, group = name.partition("@g")
+        quantization, kv = VARIANTS[base_variant]
+        group_size = int(group) if group else (0 if base_variant == "w8a8" else None)
+        activations = "int8" if base_variant == "w8a8" else "none"
+        if (quantization, group_size) not in loaded:
+            settings = EngineConfig(model=model_dir, dtype=args.dtype, quantization=quantization,
+                                    quantization_group_size=group_size)
+            loaded[quantization, group_size] = load_model(settings, make_mesh((1, 1)), stacked=True)
+        model = loaded[quantization, group_size]
+        matmul = resolve_quantized_matmul("auto", jax.default_backend(), (1, 1), quantization, activations)
         nll, argmax = score(model.params, model.cfg, windows, dtype, kv, args.batch_size, matmul_backend=matmul,
                             chunk=args.prefill_chunk)
         results[name] = {"nll": nll, "perplexity": math.exp(nll), "top1_accuracy": float(np.mean(argmax == targets))}

@@ -45,24 +45,24 @@ def test_llama3_70b_int8_on_8_x_80gb():
     plan = make_plan(cfg, target, dtype="bfloat16", quantization="int8", context=8192, page_size=16)
     # By hand. V=128256, D=8192, F=28672, L=80, N=64, K=8, H=128, untied.
     per_layer_linear = 8192 * 128 * (2 * 64 + 2 * 8) + 3 * 8192 * 28672  # q, k, v, o; gate, up, down
-    out_channels = 80 * (128 * (64 + 2 * 8) + 8192 + 2 * 28672 + 8192)  # one f32 scale each
+    scales = 80 * per_layer_linear // 32  # one f32 scale per 32 input rows (the int8 default group)
     norms = 2 * 80 * 8192 + 8192
     embed_and_head = 2 * 128256 * 8192
-    total = 80 * per_layer_linear * 1 + out_channels * 4 + (norms + embed_and_head) * 2
-    assert plan.param_bytes_total == total == 72_683_241_472
-    # Split 8 ways except the norms and the scales of the row-parallel wo / w_down (output axis = embed).
-    replicated = norms * 2 + 80 * 2 * 8192 * 4
-    assert plan.param_bytes_per_device == (total - replicated) // 8 + replicated == 9_092_300_800  # 8.47 GiB
+    total = 80 * per_layer_linear * 1 + scales * 4 + (norms + embed_and_head) * 2
+    assert plan.param_bytes_total == total == 81_212_751_872
+    # Split 8 ways except the norms (group scales are split as their weight is).
+    replicated = norms * 2
+    assert plan.param_bytes_per_device == (total - replicated) // 8 + replicated == 10_153_902_080  # 9.46 GiB
     # KV: 320 KiB per token in bf16, split over the 8 devices by KV head -> 40 KiB.
     assert plan.kv_bytes_per_token_per_device == 2 * 2 * 128 * 8 * 80 // 8 == 40 * 1024
     # Largest batch at 8k: pages of 16 tokens in 0.9 x 80 GiB minus the parameters, less the padding page.
-    pages = (int(0.9 * 80 * GiB) - 9_092_300_800) // (40 * 1024 * 16) - 1
-    assert plan.pages_per_replica == pages == 104_090
-    assert plan.max_batch == pages // (8192 // 16) == 203
+    pages = (int(0.9 * 80 * GiB) - 10_153_902_080) // (40 * 1024 * 16) - 1
+    assert plan.pages_per_replica == pages == 102_470
+    assert plan.max_batch == pages // (8192 // 16) == 200
     # Decode at batch 1 is bound by reading the parameters and one sequence's KV at 3.35 TB/s.
     one = plan.decode[0]
     assert one.batch == 1
-    assert one.memory_s == pytest.approx((9_092_300_800 + 8192 * 40 * 1024) / 3.35e12)
+    assert one.memory_s == pytest.approx((10_153_902_080 + 8192 * 40 * 1024) / 3.35e12)
     assert one.seconds >= one.memory_s and plan.fits
 
 
@@ -87,7 +87,7 @@ def test_refuses_parameters_that_do_not_fit(capsys):
 def test_refuses_a_batch_that_does_not_fit(capsys):
     code = planner.main(["--config", "configs/llama3-70b-tp8-int8.yaml", "--device", "h100", "--batch", "300"])
     assert code == planner.EXIT_DOES_NOT_FIT
-    assert "at most 203 fit" in capsys.readouterr().err
+    assert "at most 200 fit" in capsys.readouterr().err
 
 
 def test_refuses_a_context_longer_than_the_cache():
@@ -124,11 +124,14 @@ TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_la
 def test_bytes_per_device_match_the_engine_shardings(mesh_shape, quantization, quantize_lm_head):
     """What the planner says lands on a device is what the engine's shardings put there: shard shapes of
     the NamedShardings the engine allocates with, over the abstract (eval_shape) params; nothing compiles."""
+    from jaxserve.config.model_config import default_group_size
     from jaxserve.model import quant
+
+    group = default_group_size(TINY, quantization, mesh_shape[1])  # what the engine picks for this mesh
 
     def abstract_params():
         params = init_dummy_params(TINY, 0, jnp.float32)
-        return quant.quantize_params(params, quantize_lm_head) if quantization == "int8" else params
+        return quant.quantize_params(params, quantize_lm_head, "int8", group) if quantization == "int8" else params
 
     shapes = jax.tree.leaves(jax.eval_shape(abstract_params))
     shardings = make_shardings(TINY, make_mesh(mesh_shape), quantization=quantization,
@@ -194,7 +197,7 @@ def test_device_table():
 def test_cli_prints_the_plan(capsys):
     assert planner.main(["--config", "configs/llama3-70b-tp8-int8.yaml", "--device", "h100"]) == 0
     out = capsys.readouterr().out
-    assert "8.47 GiB" in out and "40.00 KiB" in out and "203" in out and "$/M tokens" in out
+    assert "9.46 GiB" in out and "40.00 KiB" in out and "200" in out and "$/M tokens" in out
     assert planner.main(["--model", "configs/models/llama3-8b", "--device", "tpu-v6e", "--devices", "4",
                          "--context", "8192", "--json"]) == 0
     assert '"fits": true' in capsys.readouterr().out

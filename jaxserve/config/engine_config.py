@@ -117,9 +117,19 @@ class EngineConfig(Settings):
         "recompute", "recompute: admit greedily, preempt and recompute when pages run out; "
         "reserve: admit only when pages for prompt + max_tokens are free", choice("recompute", "reserve"), group="scheduling")
     quantization: str = setting(
-        "none", "none | int8 (weight-only, per-output-channel int8 linear layers) | int4 (weight-only, "
-        "asymmetric per 32 input rows, dense linear layers; a GGUF's Q4_0/Q4_1 weights load as they are)",
+        "none", "none | int8 (weight-only int8 linear layers, a scale per group of input rows; a GGUF's Q8_0 weights "
+        "load as they are) | int4 (weight-only, asymmetric per group of input rows, dense linear layers; a "
+        "GGUF's Q4_0/Q4_1 weights load as they are)",
         choice("none", "int8", "int4"), group="model")
+    quantization_group_size: int | None = setting(
+        None, "input rows per quantization scale: int8 default 32 (0 or -1: one scale per output channel), "
+        "int4 default 32 (a GGUF's Q4_0/Q4_1 blocks; another size requantizes them); must divide every "
+        "quantized weight's input rows (per device when they are sharded)", optional(parse_int), group="model")
+    activation_quantization: str = setting(
+        "none", "none | int8 (W8A8, SGLang's w8a8_int8: with quantization=int8 and a scale per output channel, "
+        "each token's activations are quantized to int8 and multiplied in integers; faster on CPUs at batch "
+        "16, slower at batch 1, and less exact than weight-only int8: docs/BENCHMARKS.md)",
+        choice("none", "int8"), group="model")
     quantize_lm_head: bool = setting(False, "with quantization=int8 or int4, quantize the lm_head too (a tied one: the embedding table, rows dequantized as gathered)", parse_bool, group="model")
     kv_cache_dtype: str = setting("auto", "auto (the model dtype) | int8 (per-token, per-head scales)",
                                   choice("auto", "int8"), group="cache")
@@ -168,6 +178,10 @@ class EngineConfig(Settings):
             raise ConfigError("set num_pages or kv_cache_memory, not both")
         if self.load_format == "dummy" and self.model is None:
             raise ConfigError("load_format='dummy' needs model= a directory with a config.json to take the shape from")
+        if self.activation_quantization == "int8" and (self.quantization != "int8"
+                                                       or self.quantization_group_size not in (None, 0, -1)):
+            raise ConfigError("activation_quantization=int8 (W8A8) needs quantization=int8 with a scale per output "
+                              "channel (quantization_group_size unset or 0)")
         self._validate_speculation()
         self._validate_distributed()
 

@@ -9,7 +9,7 @@ import math
 import os
 from typing import Any, Mapping
 
-from jaxserve.errors import ModelLoadError, UnsupportedModelError
+from jaxserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",  # Gemma 3: its text tower
@@ -220,20 +220,26 @@ class ModelConfig:
         window = min(context, self.sliding_window or context)
         return per_layer * (self.num_sliding_layers * window + (self.num_layers - self.num_sliding_layers) * context)
 
-    def param_bytes(self, bytes_per_element: int, quantization: str = "none", quantize_lm_head: bool = False) -> int:
-        """Bytes of all parameters; with quantization="int8" the linear layers take 1 byte + f32 scales;
-        with "int4" the dense ones (not the experts) half a byte + an f32 scale and bias per 32 inputs;
+    def param_bytes(self, bytes_per_element: int, quantization: str = "none", quantize_lm_head: bool = False,
+                    group_size: int | None = None) -> int:
+        """Bytes of all parameters; with quantization="int8" the linear layers take 1 byte + an f32 scale
+        per group of `group_size` inputs (0: per output channel; None: `default_group_size`; experts:
+        always per channel); with
+        "int4" the dense ones (not the experts) half a byte + an f32 scale and bias per group;
         quantize_lm_head: the head too, or the tied embedding table (quantized as the head [D, V])."""
         total = self.num_params() * bytes_per_element
         head = self.vocab_size * self.hidden_size if quantize_lm_head else 0  # tied: the table, as the head
+        experts = self.num_moe_layers * self.num_experts
+        dense = self.linear_params() - experts * self.expert_params() + head
+        g = default_group_size(self, quantization) if group_size is None else quantization_group_size(
+            quantization, group_size)
         if quantization == "int8":
-            total -= self.linear_params() * (bytes_per_element - 1)
-            total += self.linear_out_channels() * 4
-            if head:
-                total -= head * (bytes_per_element - 1) - self.vocab_size * 4
+            expert_channels = experts * (2 * self.moe_intermediate_size + self.hidden_size)
+            dense_channels = self.linear_out_channels() - expert_channels + (self.vocab_size if head else 0)
+            total -= (self.linear_params() + head) * (bytes_per_element - 1)
+            total += ((dense // g) if g else dense_channels) * 4 + expert_channels * 4
         elif quantization == "int4":
-            dense = self.linear_params() - self.num_moe_layers * self.num_experts * self.expert_params() + head
-            total -= dense * bytes_per_element - int4_bytes(dense)
+            total -= dense * bytes_per_element - int4_bytes(dense, g)
         return total
 
     @classmethod
@@ -448,6 +454,50 @@ def _yarn_scaling(scaling: Mapping[str, Any], hf: Mapping[str, Any]) -> RopeScal
                        attention_factor=float(attention), truncate=bool(scaling.get("truncate", True)))
 
 
-def int4_bytes(elements: int, group_size: int = 32) -> int:
+# Input rows per scale when quantization_group_size is not given (measured: docs/BENCHMARKS.md, issue 40).
+INT8_GROUP_SIZE = 32
+INT4_GROUP_SIZE = 32  # GGUF's Q4_0 / Q4_1 block: their files load into it exactly
+
+
+def quantization_group_size(quantization: str, group_size: int | None) -> int:
+    """The group size `quantization` uses: `group_size` when given (int8: 0 or -1 = one scale per output
+    channel), else the method's default."""
+    if quantization == "int4":
+        if group_size is not None and group_size <= 0:
+            raise ConfigError(f"int4 needs a positive quantization group size, not {group_size}")
+        return INT4_GROUP_SIZE if group_size is None else group_size
+    return INT8_GROUP_SIZE if group_size is None else max(group_size, 0)
+
+
+def default_group_size(cfg: "ModelConfig", quantization: str, model_parallel: int = 1) -> int:
+    """The group size a model gets when quantization_group_size is not given: the method's default if it
+    divides the input rows of every quantized weight on each device (row-parallel weights, o_proj and
+    down_proj, hold 1 / model_parallel of theirs), else the largest of 32 and 16 that does (int8: else
+    one scale per output channel). An explicit group size that does not divide is refused instead."""
+    preferred = quantization_group_size(quantization, None)
+    for g in (preferred, 32, 16):
+        if g <= preferred and not _undivided_rows(cfg, g, model_parallel):
+            return g
+    return 0 if quantization == "int8" else preferred
+
+
+def check_group_fits(cfg: "ModelConfig", quantization: str, group_size: int, model_parallel: int = 1) -> None:
+    """Refuse a group size that does not divide some quantized weight's input rows on each device."""
+    bad = _undivided_rows(cfg, group_size, model_parallel) if group_size > 0 else {}
+    if bad:
+        where = ", ".join(f"{name} ({rows} rows per device)" for name, rows in bad.items())
+        raise ConfigError(f"quantization_group_size {group_size} does not divide the input rows of {where}; "
+                          f"choose a divisor such as {default_group_size(cfg, quantization, model_parallel)}"
+                          + (" or 0 (a scale per output channel)" if quantization == "int8" else ""))
+
+
+def _undivided_rows(cfg: "ModelConfig", group_size: int, model_parallel: int) -> dict[str, int]:
+    rows = {"the hidden size": cfg.hidden_size, "o_proj": cfg.num_heads * cfg.head_dim // model_parallel}
+    if cfg.intermediate_size:
+        rows["down_proj"] = cfg.intermediate_size // model_parallel
+    return {name: r for name, r in rows.items() if r % group_size}
+
+
+def int4_bytes(elements: int, group_size: int = INT4_GROUP_SIZE) -> int:
     """Bytes of `elements` weights in quant.Int4Array: half a byte each, an f32 scale and bias per group."""
     return elements // 2 + elements // group_size * 8

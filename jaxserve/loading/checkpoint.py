@@ -19,9 +19,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxserve.loading import gguf_weights
+from jaxserve.loading.int4_checkpoint import iter_int4_checkpoint, read_int4_format
+from jaxserve.loading.int4_tensor import Int4Tensor
+from jaxserve.loading.int8_tensor import Int8Tensor
+from jaxserve.loading.quantized_buffers import Int4Host, QuantizedHost, RequantizationReport, int4_buffer
 from jaxserve.model import quant
 from jaxserve.config import ModelConfig
+from jaxserve.config.model_config import default_group_size
 from jaxserve.errors import ModelLoadError
 from jaxserve.model.weights import LayerParams, Params, param_specs
 
@@ -89,15 +93,17 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
 
 def iter_checkpoint_tensors(model_dir: str) -> Iterator[tuple[str, str, np.ndarray]]:
     """(file, transformers name, array) for every tensor of a model directory: its safetensors files,
-    or the GGUF file a GGUF-backed directory stands for (loading/gguf_model.py), dequantized there."""
+    or the GGUF file a GGUF-backed directory stands for (loading/gguf_model.py), dequantized there. An
+    AWQ / GPTQ checkpoint's quantized layers come as one Int4Tensor `{prefix}.weight` each
+    (loading/int4_checkpoint.py)."""
     from jaxserve.loading.gguf_model import gguf_source, iter_gguf_tensors
 
     if gguf_source(model_dir) is not None:
         yield from iter_gguf_tensors(model_dir)
         return
-    for path in safetensors_files(model_dir):
-        for name, tensor in iter_safetensors(path):
-            yield path, name, tensor
+    tensors = ((path, name, tensor) for path in safetensors_files(model_dir) for name, tensor in iter_safetensors(path))
+    fmt = read_int4_format(model_dir)
+    yield from tensors if fmt is None else iter_int4_checkpoint(tensors, fmt)
 
 
 # HF name (after "model.layers.{i}.") -> (our LayerParams field, transpose?)
@@ -185,86 +191,6 @@ def _text_tower_name(name: str, cfg: ModelConfig) -> str | None:
     return name
 
 
-class _QuantizedHost:
-    """A stacked weight quantized as it is read: int8 values and f32 scales on the host, each tensor
-    quantized alone (by quant.quantize, on the host's CPU device) as it arrives, so that loading an
-    int8 model never holds a float copy of it: the host holds the int8 model plus one float tensor."""
-
-    def __init__(self, values: np.ndarray, scales: np.ndarray, dtype: np.dtype):
-        self.values, self.scales, self.dtype = values, scales, dtype  # i8[..., in, out], f32[..., out]
-
-    shape = property(lambda self: self.values.shape)
-
-    def __getitem__(self, index: int) -> "_QuantizedHost":
-        return _QuantizedHost(self.values[index], self.scales[index], self.dtype)
-
-    def assign(self, src: np.ndarray) -> None:
-        with jax.default_device(_host_device()):
-            # first in the serving dtype, as quantizing the loaded float weight would see it
-            q = _quantize_jit(jnp.asarray(np.asarray(src, self.dtype)))
-        self.values[...] = np.asarray(q.values)
-        self.scales[...] = np.asarray(q.scales)
-
-    def place(self, sharding: Any) -> quant.QuantArray:
-        if sharding is None:
-            return quant.QuantArray(values=jnp.asarray(self.values), scales=jnp.asarray(self.scales))
-        return quant.QuantArray(values=jax.device_put(self.values, sharding.values),
-                                scales=jax.device_put(self.scales, sharding.scales))
-
-
-_quantize_jit = jax.jit(quant.quantize)
-_quantize_int4_jit = jax.jit(quant.quantize_int4, static_argnums=1)
-
-
-class _Int4Host(_QuantizedHost):
-    """As _QuantizedHost, for quantization="int4": packed u8 values, f32 scales and biases per group
-    of quant.INT4_GROUP_SIZE input rows. A GGUF Q4_0/Q4_1 tensor arrives already in that form
-    (gguf_weights.Int4Tensor) and is copied, never through float."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, group_size: int = quant.INT4_GROUP_SIZE):
-        *lead, k, n = shape
-        self.group_size, self.dtype = group_size, dtype
-        self.values = np.empty((*lead, k // 2, n), np.uint8)
-        self.scales = np.empty((*lead, k // group_size, n), np.float32)
-        self.biases = np.empty((*lead, k // group_size, n), np.float32)
-
-    shape = property(lambda self: (*self.values.shape[:-2], 2 * self.values.shape[-2], self.values.shape[-1]))
-
-    def __getitem__(self, index: int) -> "_Int4Host":
-        view = object.__new__(_Int4Host)
-        view.group_size, view.dtype = self.group_size, self.dtype
-        view.values, view.scales, view.biases = self.values[index], self.scales[index], self.biases[index]
-        return view
-
-    def assign(self, src: Any) -> None:
-        if isinstance(src, gguf_weights.Int4Tensor):  # already [in, out] groups of 32: copied as they are
-            if src.group_size != self.group_size:
-                raise ModelLoadError(f"an int4 tensor in groups of {src.group_size}, expected {self.group_size}")
-            q = src
-        else:
-            with jax.default_device(_host_device()):
-                q = _quantize_int4_jit(jnp.asarray(np.asarray(src, self.dtype)), self.group_size)
-        self.values[...] = np.asarray(q.values)
-        self.scales[...] = np.asarray(q.scales)
-        self.biases[...] = np.asarray(q.biases)
-
-    def place(self, sharding: Any) -> quant.Int4Array:
-        arrays = (self.values, self.scales, self.biases)
-        if sharding is None:
-            placed = [jnp.asarray(a) for a in arrays]
-        else:
-            placed = [jax.device_put(a, sh) for a, sh in zip(arrays, (sharding.values, sharding.scales, sharding.biases))]
-        return quant.Int4Array(values=placed[0], scales=placed[1], biases=placed[2], group_size=self.group_size)
-
-
-def _host_device() -> Any:
-    """The host's CPU device where JAX has one (it does unless JAX_PLATFORMS leaves it out), else the default."""
-    try:
-        return jax.devices("cpu")[0]
-    except RuntimeError:
-        return jax.devices()[0]
-
-
 class _PerLayer:
     """stacked=False: one host buffer per layer of a weight, placed on its devices as soon as the
     layer's tensors are all in (experts arrive one by one), so the host holds one layer of a weight
@@ -289,18 +215,20 @@ class _PerLayer:
 
 def load_hf_params(
     model_dir: str, cfg: ModelConfig, dtype: Any, shardings: Params | None = None, stacked: bool = True,
-    quantization: str = "none", quantize_lm_head: bool = False,
+    quantization: str = "none", quantize_lm_head: bool = False, group_size: int | None = None,
 ) -> Params:
     """Read every tensor once, check it against the expected shape, stack layers, place on devices.
 
     With stacked=False the layers come back as a tuple of per-layer arrays (weights.unstack_layers),
     each placed as soon as its tensors are read (`_PerLayer`); `shardings` must then be of that form.
     quantization="int8" quantizes the linear weights (and the lm_head with `quantize_lm_head`) tensor by
-    tensor as they are read (`_QuantizedHost`); `shardings` must then be of the int8 layout.
+    tensor as they are read (`QuantizedHost`); `shardings` must then be of the int8 layout. An AWQ /
+    GPTQ checkpoint's 4-bit layers load as they are with quantization="int4" (in its groups, and with
+    act-order the layout `make_shardings(..., act_order=True)`), else dequantized.
     """
     specs = param_specs(cfg)
     np_dtype = np.dtype(jnp.dtype(dtype))
-    host: dict[str, np.ndarray | _QuantizedHost | _PerLayer] = {}  # field -> its host array(s) until placed
+    host: dict[str, np.ndarray | QuantizedHost | _PerLayer] = {}  # field -> its host array(s) until placed
     filled: dict[str, set[int]] = {}
     quantized: set[str] = set()
     if quantization in ("int8", "int4"):
@@ -308,14 +236,20 @@ def load_hf_params(
         if quantize_lm_head and cfg.tie_word_embeddings:  # the tied table, as the head [D, V] (quant.map_linear)
             quantized.add("embed")
 
-    def buffer(field: str, shape: tuple[int, ...]) -> np.ndarray | _QuantizedHost:
+    int4_format = read_int4_format(model_dir) if quantization == "int4" else None
+    method = quantization if quantization in ("int8", "int4") else "int8"
+    group = default_group_size(cfg, method) if group_size is None else quant.quantization_group_size(
+        method, group_size)
+    report = RequantizationReport(quantization, group)
+
+    def buffer(field: str, shape: tuple[int, ...]) -> np.ndarray | QuantizedHost:
         if field in quantized and quantization == "int4":
-            return _Int4Host(shape, np_dtype)
+            return int4_buffer(field, shape, np_dtype, int4_format, group)
         if field in quantized:
-            return _QuantizedHost(np.empty(shape, np.int8), np.empty(shape[:-2] + shape[-1:], np.float32), np_dtype)
+            return QuantizedHost(shape, np_dtype, 0 if field.startswith("expert_") else group)
         return np.empty(shape, np_dtype)
 
-    def target(field: str, shape: tuple[int, ...]) -> np.ndarray | _QuantizedHost | _PerLayer:
+    def target(field: str, shape: tuple[int, ...]) -> np.ndarray | QuantizedHost | _PerLayer:
         if field not in host:
             if stacked or field not in layer_specs:
                 host[field] = buffer(field, shape)
@@ -346,7 +280,7 @@ def load_hf_params(
             layer = int(index_str)
             if spec is None or layer >= cfg.num_layers:
                 raise ModelLoadError(f"{path}: unexpected tensor {stored_name} for this config")
-            _copy_into(target(field, spec.shape), layer, tensor, transpose, name)
+            report.add(name, _copy_into(target(field, spec.shape), layer, tensor, transpose, name))
             filled[field].add(layer)
             if isinstance(host[field], _PerLayer):
                 host[field].done(layer)
@@ -358,7 +292,7 @@ def load_hf_params(
             shape = spec.shape
             if field == "embed" and field in quantized:
                 shape, transpose = shape[::-1], not transpose
-            _copy_into(target(field, shape), None, tensor, transpose, name)
+            report.add(name, _copy_into(target(field, shape), None, tensor, transpose, name))
             filled[field].add(0)
             top[field] = _put(host.pop(field), getattr(shardings, field) if shardings is not None else None)
         else:
@@ -386,11 +320,12 @@ def load_hf_params(
         per_layer = {f: host.pop(f).placed for f, spec in layer_specs.items() if spec is not None}
         layers = tuple(LayerParams(**{f: per_layer[f][i] if f in per_layer else None for f in layer_specs})
                        for i in range(cfg.num_layers))
+    report.log()
     return Params(embed=top["embed"], layers=layers, final_norm=top["final_norm"], lm_head=top.get("lm_head"))
 
 
-def _put(value: np.ndarray | _QuantizedHost, sharding: Any) -> Any:
-    if isinstance(value, _QuantizedHost):
+def _put(value: np.ndarray | QuantizedHost, sharding: Any) -> Any:
+    if isinstance(value, QuantizedHost):
         return value.place(sharding)
     return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
 
@@ -410,17 +345,21 @@ def _copy_experts(target, layer_specs, layer: int, parts, filled: dict[str, set]
             dest.done(layer, cfg.num_experts if expert is None else 1)
 
 
-def _copy_into(dest: np.ndarray, layer: int | None, tensor: np.ndarray, transpose: bool, name: str) -> None:
+def _copy_into(dest: np.ndarray, layer: int | None, tensor: np.ndarray, transpose: bool,
+               name: str) -> tuple[float, float] | None:
+    """Copy (or quantize) one tensor into its slot; the squared error and norm of what was requantized."""
     src = tensor.T if transpose else tensor
     slot = dest if layer is None else dest[layer]
-    if isinstance(src, gguf_weights.Int4Tensor) and not isinstance(slot, _Int4Host):
-        src = src.dequantize()  # an int4 GGUF tensor where the model keeps floats (or int8)
+    if isinstance(src, Int4Tensor) and not isinstance(slot, Int4Host):
+        src = src.dequantize()  # an int4 tensor where the model keeps floats (or int8)
+    if isinstance(src, Int8Tensor) and type(slot) is not QuantizedHost:
+        src = src.dequantize()  # a Q8_0 tensor where the model keeps floats (or int4)
     if src.shape != slot.shape:
         raise ModelLoadError(f"tensor {name} has shape {tensor.shape}, config implies {slot.shape[::-1] if transpose else slot.shape}")
-    if isinstance(slot, _QuantizedHost):
-        slot.assign(src)
-    else:
-        slot[...] = src  # casts to the target dtype
+    if isinstance(slot, QuantizedHost):
+        return slot.assign(src)
+    slot[...] = src  # casts to the target dtype
+    return None
 
 
 _DTYPE_NAMES = {np.dtype(v): k for k, v in _SAFETENSORS_DTYPES.items()}

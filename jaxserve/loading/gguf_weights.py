@@ -18,7 +18,7 @@ tensor's float copy beside the stacked weights.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 import re
 from typing import Any, Iterable, Iterator
@@ -26,6 +26,8 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from jaxserve.errors import ModelLoadError, UnsupportedModelError
+from jaxserve.loading.int4_tensor import Int4Tensor
+from jaxserve.loading.int8_tensor import Int8Tensor, int8_tensor
 
 # llama.cpp block tensor -> transformers name after "model.layers.{i}." (llama / qwen / mistral).
 _BLOCK_NAMES = {
@@ -71,49 +73,6 @@ _LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_u
 GGUF_GROUP = 32  # values per Q4_0 / Q4_1 block
 
 
-@dataclasses.dataclass(frozen=True)
-class Int4Tensor:
-    """A Q4_0 / Q4_1 tensor as quant.Int4Array's parts (two codes per byte along `in`, rows 2i low
-    nibble, 2i + 1 high; w = q * scale + bias per group of 32 `in` values), read without float:
-    Q4_1's (d, m) are (scale, bias), Q4_0's (q - 8) * d is scale d, bias -8d. It stands for the
-    [out, in] weight (GGUF's and transformers' orientation) until `.T`, as an ndarray would."""
-
-    values: np.ndarray  # u8[in // 2, out]
-    scales: np.ndarray  # f32[in // 32, out]
-    biases: np.ndarray  # f32[in // 32, out]
-    transposed: bool = True  # True: the [out, in] weight
-    group_size: int = GGUF_GROUP
-    source: Any = None  # the reader tensor, for `dequantize` exactly as the gguf library does it
-    out_index: np.ndarray | None = None  # the output channels' order, as taken from `source`
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        k, n = 2 * self.values.shape[0], self.values.shape[1]
-        return (n, k) if self.transposed else (k, n)
-
-    @property
-    def T(self) -> "Int4Tensor":  # noqa: N802 (ndarray's name)
-        return dataclasses.replace(self, transposed=not self.transposed)
-
-    def take_out(self, index: np.ndarray) -> "Int4Tensor":
-        """The tensor with its output channels (GGUF rows) reordered: out[i] = self[index[i]]."""
-        order = index if self.out_index is None else self.out_index[index]
-        return dataclasses.replace(self, values=self.values[:, index], scales=self.scales[:, index],
-                                   biases=self.biases[:, index], out_index=order)
-
-    def dequantize(self) -> np.ndarray:
-        """The float32 weight in this orientation, as the gguf library dequantizes the file's bytes
-        (Q4_0's (q - 8) * d rounds once; q * d - 8d, this format's, may differ by an ulp)."""
-        if self.source is not None:
-            w = dequantize(self.source)  # [out, in]
-            w = w if self.out_index is None else w[self.out_index]
-            return w if self.transposed else w.T
-        codes = np.stack([self.values & 0xF, self.values >> 4], axis=1).reshape(-1, self.values.shape[1])
-        group = np.arange(codes.shape[0]) // self.group_size
-        w = codes.astype(np.float32) * self.scales[group] + self.biases[group]  # f32[in, out]
-        return w.T if self.transposed else w
-
-
 def int4_tensor(tensor: Any) -> Int4Tensor | None:
     """A reader tensor of GGML type Q4_0 or Q4_1 as an Int4Tensor (None for any other type).
 
@@ -135,8 +94,16 @@ def int4_tensor(tensor: Any) -> Int4Tensor | None:
     qs = blocks[..., head:]
     codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(raw.shape[0], -1)  # u8[out, in]
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # u8[out, in // 2]
+    # the library's own dequantization is the reference: Q4_0's (q - 8) * d rounds once, q * d - 8d may
+    # differ by an ulp
     return Int4Tensor(values=np.ascontiguousarray(packed.T), scales=np.ascontiguousarray(d.T),
-                      biases=np.ascontiguousarray(m.T), source=tensor)
+                      biases=np.ascontiguousarray(m.T), group_size=GGUF_GROUP,
+                      reference=functools.partial(dequantize, tensor))
+
+
+def _packed(tensor: Any) -> Int4Tensor | Int8Tensor | None:
+    """A Q4_0 / Q4_1 / Q8_0 tensor in quantized parts the loader copies as they are (None: another type)."""
+    return int4_tensor(tensor) or int8_tensor(tensor, dequantize)
 
 
 def unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -158,7 +125,7 @@ def iter_hf_tensors(arch: str, tensors: Iterable[Any], config: dict[str, Any]) -
         if name in _IGNORED:
             continue
         if name in _TOP_NAMES:
-            values = (int4_tensor(tensor) if name != "output_norm.weight" else None) or dequantize(tensor)
+            values = (_packed(tensor) if name != "output_norm.weight" else None) or dequantize(tensor)
             yield _TOP_NAMES[name], values - 1.0 if gemma and name == "output_norm.weight" else values
             continue
         match = _BLOCK.match(name)
@@ -171,7 +138,7 @@ def iter_hf_tensors(arch: str, tensors: Iterable[Any], config: dict[str, Any]) -
             continue
         if kind not in names:
             raise ModelLoadError(f"unexpected GGUF tensor {name!r} for a {arch} model")
-        packed = int4_tensor(tensor) if kind in _LINEAR_KINDS and suffix == "weight" else None
+        packed = _packed(tensor) if kind in _LINEAR_KINDS and suffix == "weight" else None
         values = dequantize(tensor) if packed is None else packed
         if permuted and kind in ("attn_q", "attn_k"):
             heads = config["num_attention_heads"] if kind == "attn_q" else config["num_key_value_heads"]

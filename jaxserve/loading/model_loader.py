@@ -12,11 +12,13 @@ from jax.sharding import Mesh
 
 from jaxserve.model import quant
 from jaxserve.loading.checkpoint import checkpoint_dtype, load_hf_params
+from jaxserve.loading.int4_checkpoint import read_int4_format
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.errors import ModelLoadError
+from jaxserve.config.model_config import check_group_fits, default_group_size
+from jaxserve.errors import ConfigError, ModelLoadError
 from jaxserve.model.weights import Params, init_dummy_params, unstack_layers
 from jaxserve.loading.orbax_checkpoint import abstract_params, is_orbax_checkpoint, read_manifest, restore_params
-from jaxserve.model.sharding import Shardings, make_shardings
+from jaxserve.model.sharding import MODEL, Shardings, make_shardings
 
 
 @dataclasses.dataclass
@@ -26,6 +28,7 @@ class LoadedModel:
     dtype: Any  # jnp dtype of params, activations and the KV cache
     model_dir: str
     shardings: Shardings
+    group_size: int | None = None  # input rows per quantization scale (quantization_group_size, resolved)
 
 
 def resolve_model_dir(settings: EngineConfig) -> str:
@@ -54,11 +57,27 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
     linear weights go into int4 as they are) as it is read (never a float copy of
     the model on the host); a float orbax checkpoint after it is placed, one weight at a time
     (quant.quantize_params_placed); an int8 orbax one (scripts/quantize.py) restores as it was saved.
+    An AWQ / GPTQ checkpoint's 4-bit layers load into int4 as stored (loading/int4_checkpoint.py;
+    the engine sets quantization="int4" for them, `implied_quantization`).
     """
     model_dir = resolve_model_dir(settings)
     cfg = ModelConfig.from_dir(model_dir)
+    int4_format = read_int4_format(model_dir) if settings.load_format in ("auto", "safetensors") else None
+    if int4_format is not None and int4_format.group_size is not None and settings.quantization == "int4":
+        if settings.quantization_group_size not in (None, int4_format.group_size):
+            raise ConfigError(f"{model_dir} is an {int4_format.describe()} checkpoint: quantization_group_size "
+                              f"{settings.quantization_group_size} would requantize it; leave it unset")
+        settings = settings.replace(quantization_group_size=int4_format.group_size)  # the checkpoint's groups
+    if settings.quantization in ("int8", "int4") and settings.quantization_group_size is None:
+        w8a8 = settings.activation_quantization == "int8"  # per-channel weight scales (quant._w8a8_matmul)
+        group = 0 if w8a8 else default_group_size(cfg, settings.quantization, mesh.shape[MODEL])
+        settings = settings.replace(quantization_group_size=group)
+    elif settings.quantization in ("int8", "int4"):
+        check_group_fits(cfg, settings.quantization, settings.quantization_group_size, mesh.shape[MODEL])
     moe = settings.moe_parallelism
-    shardings = make_shardings(cfg, mesh, stacked, settings.quantization, settings.quantize_lm_head, moe)
+    act_order = int4_format is not None and int4_format.act_order and settings.quantization == "int4"
+    shardings = make_shardings(cfg, mesh, stacked, settings.quantization, settings.quantize_lm_head, moe, act_order,
+                               settings.quantization_group_size)
     quantized = settings.quantization in ("int8", "int4")
     float_shardings = make_shardings(cfg, mesh, stacked, moe_parallelism=moe) if quantized else shardings
     dtype = resolve_dtype(settings, model_dir)
@@ -75,26 +94,28 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
     elif fmt == "orbax":
         stored = read_manifest(model_dir).get("quantization", "none")
         params = load_orbax_params(model_dir, cfg, dtype, mesh, shardings if stored != "none" else float_shardings,
-                                   stacked, settings.quantization, settings.quantize_lm_head, moe)
+                                   stacked, settings.quantization, settings.quantize_lm_head, moe,
+                                   settings.quantization_group_size)
         quantized &= stored == "none"  # an int8 checkpoint is restored as int8: nothing left to quantize
     else:  # safetensors, or a GGUF file behind the directory: int8 quantized tensor by tensor as read
         params = load_hf_params(model_dir, cfg, dtype, shardings.params, stacked, settings.quantization,
-                                settings.quantize_lm_head)
+                                settings.quantize_lm_head, settings.quantization_group_size)
         quantized = False
     if quantized:
         params = quant.quantize_params_placed(params, shardings.params, settings.quantize_lm_head,
-                                              settings.quantization)
-    return LoadedModel(cfg=cfg, params=params, dtype=dtype, model_dir=model_dir, shardings=shardings)
+                                              settings.quantization, settings.quantization_group_size)
+    return LoadedModel(cfg=cfg, params=params, dtype=dtype, model_dir=model_dir, shardings=shardings,
+                       group_size=settings.quantization_group_size)
 
 
 def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: Any, mesh: Mesh, shardings: Shardings,
                       stacked: bool, quantization: str = "none", quantize_lm_head: bool = False,
-                      moe_parallelism: str = "tensor") -> Params:
+                      moe_parallelism: str = "tensor", group_size: int | None = None) -> Params:
     """Restore a jaxserve orbax checkpoint straight onto the mesh, cast to `dtype` by orbax.
 
     An int8 checkpoint (manifest quantization="int8") needs the same `quantization` and
-    `quantize_lm_head` settings, and `shardings` of the int8 layout; its int8 values and f32 scales
-    are restored as saved."""
+    `quantize_lm_head` settings and group size (the manifest's `quantization_group_size`), and
+    `shardings` of the int8 layout; its int8 values and f32 scales are restored as saved."""
     if not is_orbax_checkpoint(model_dir):
         raise ModelLoadError(f"{model_dir} is not a jaxserve orbax checkpoint (no jaxserve_checkpoint.json)")
     manifest = read_manifest(model_dir)
@@ -103,9 +124,19 @@ def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: Any, mesh: Mesh, 
     if stored != "none" and (stored != quantization or stored_head != quantize_lm_head):
         raise ModelLoadError(f"{model_dir} holds {stored}-quantized params (quantize_lm_head={stored_head}); "
                              f"load it with quantization={stored!r}, quantize_lm_head={stored_head}")
+    if stored != "none":
+        stored_group = manifest.get("quantization_group_size")
+        if stored_group is None:
+            raise ModelLoadError(f"{model_dir} holds int8 params with one scale per output channel in an older "
+                                 "layout; quantize the model again with scripts/quantize.py")
+        if stored_group != quant.quantization_group_size(stored, group_size):
+            raise ModelLoadError(f"{model_dir} holds {stored} params in groups of {stored_group} input rows; "
+                                 f"load it with quantization_group_size={stored_group}")
+        group_size = stored_group
     stacked_shardings = shardings.params if stacked else make_shardings(
-        cfg, mesh, True, stored, quantize_lm_head, moe_parallelism).params
-    params = restore_params(model_dir, abstract_params(cfg, dtype, stacked_shardings, stored, quantize_lm_head))
+        cfg, mesh, True, stored, quantize_lm_head, moe_parallelism, group_size=group_size).params
+    params = restore_params(model_dir, abstract_params(cfg, dtype, stacked_shardings, stored, quantize_lm_head,
+                                                       group_size))
     if stacked:
         return params
     # Slicing a stacked weight on its replicated layer axis keeps each device's own shard.

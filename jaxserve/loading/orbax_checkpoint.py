@@ -77,7 +77,7 @@ def save_params(model_dir: str, params: Params, **manifest_extra: Any) -> None:
 
 
 def abstract_params(cfg: ModelConfig, dtype: Any, shardings: Params | None, quantization: str = "none",
-                    quantize_lm_head: bool = False) -> Params:
+                    quantize_lm_head: bool = False, group_size: int | None = None) -> Params:
     """The stacked params as ShapeDtypeStructs with their target shardings: what restore fills.
 
     quantization="int8" (a checkpoint saved with QuantArray leaves, manifest quantization="int8"):
@@ -85,7 +85,7 @@ def abstract_params(cfg: ModelConfig, dtype: Any, shardings: Params | None, quan
     specs = param_specs(cfg)
     abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=lambda x: hasattr(x, "init"))
     if quantization == "int8":
-        abstract = jax.eval_shape(lambda p: quant.quantize_params(p, quantize_lm_head), abstract)
+        abstract = jax.eval_shape(lambda p: quant.quantize_params(p, quantize_lm_head, "int8", group_size), abstract)
     if shardings is None:
         return abstract
     return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, shardings)

@@ -164,14 +164,14 @@ def _grouped(rows: jax.Array, w: Weight, group_sizes: jax.Array, row_expert: jax
         return jax.lax.ragged_dot(rows, w, group_sizes)
     # The int8 -> rows.dtype convert is exact; a row's scales (its expert's) commute with the sum over `in`.
     y = jax.lax.ragged_dot(rows, w.values.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32)
-    return (y * w.scales[row_expert]).astype(rows.dtype)
+    return (y * w.scales[row_expert, 0]).astype(rows.dtype)  # experts: one scale row (per channel)
 
 
 def _take(w: Weight, experts: jax.Array, dtype) -> jax.Array:
     """The weights of experts i32[T, k]: f[T, k, in, out] (int8 ones dequantized after the gather)."""
     if not isinstance(w, QuantArray):
         return w[experts]
-    return w.values[experts].astype(dtype) * w.scales[experts][..., None, :].astype(dtype)
+    return w.values[experts].astype(dtype) * w.scales[experts].astype(dtype)  # [T, k, 1, out]: per channel
 
 
 def _gathered_experts(x, p: MoEParams, weights, experts, act) -> jax.Array:

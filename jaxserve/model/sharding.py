@@ -22,6 +22,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.model import quant
 from jaxserve.config import ModelConfig
+from jaxserve.config.model_config import default_group_size
 from jaxserve.errors import ConfigError
 from jaxserve.model.weights import Params, logical_axes
 
@@ -104,14 +105,20 @@ class Shardings:
 
 
 def make_shardings(cfg: ModelConfig, mesh: Mesh, stacked: bool = True, quantization: str = "none",
-                   quantize_lm_head: bool = False, moe_parallelism: str = "tensor") -> Shardings:
+                   quantize_lm_head: bool = False, moe_parallelism: str = "tensor",
+                   act_order: bool = False, group_size: int | None = None) -> Shardings:
     """`stacked=False` gives the shardings of params whose layers are a tuple (weights.unstack_layers);
     quantization="int8" / "int4" those of the quantized layout (a QuantArray / Int4Array of shardings per
-    quantized weight)."""
+    quantized weight, its scales in groups of `group_size` inputs: quant.quantized_layout); `act_order` (an
+    act-order GPTQ checkpoint) gives every int4 dense weight a `perm`."""
     rules = logical_rules(cfg, mesh.shape[MODEL], moe_parallelism)
     is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
     axes = logical_axes(cfg)
-    axes = quant.quantized_layout(axes, quantization, quantize_lm_head)
+    if group_size is None and quantization in ("int8", "int4"):
+        group_size = default_group_size(cfg, quantization, mesh.shape[MODEL])
+    axes = quant.quantized_layout(axes, quantization, quantize_lm_head, group_size)
+    if act_order and quantization == "int4":
+        axes = quant.map_linear(axes, lambda a: quant.int4_axes(a.values, True, a.group_size), fields=quant.DENSE_FIELDS)
     params = jax.tree.map(lambda axes: NamedSharding(mesh, spec_for(axes, rules)), axes, is_leaf=is_axes)
     if not stacked:
         one_layer = jax.tree.map(lambda sh: NamedSharding(mesh, PartitionSpec(*sh.spec[1:])), params.layers)

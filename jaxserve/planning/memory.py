@@ -27,6 +27,7 @@ import sys
 from typing import Any, MutableMapping
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config.model_config import default_group_size, quantization_group_size
 from jaxserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,9 @@ class MemoryPlan:
     max_pages_per_seq: int
     dtype: str = "float32"  # the model dtype
     quantization: str = "none"  # weights: "none" | "int8" | "int4"
+    quantization_group_size: int = 0  # input rows per scale (int8 0: per output channel)
+    quantize_lm_head: bool = False
+    activation_quantization: str = "none"  # "int8": W8A8
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8"
     kv_bytes_per_token_model_dtype: int | None = None  # what a cache in the model dtype would take
     draft_kv_bytes_per_token: int = 0  # speculative decoding: the draft's cache, in the same pages
@@ -204,9 +208,21 @@ class MemoryPlan:
                      f"{tokens * self.num_replicas:,} tokens)")
         return text
 
+    def describe_weights(self) -> str:
+        """What was quantized and how, e.g. "int8 linear layers and the head, a scale per 64 input rows"."""
+        if self.quantization not in ("int8", "int4"):
+            return self.dtype
+        what = f"{self.quantization} {'linear' if self.quantization == 'int8' else 'dense linear'} layers"
+        what += " and the head" if self.quantize_lm_head else ""
+        if self.quantization == "int8" and not self.quantization_group_size:
+            w8a8 = "; int8 activations per token (W8A8)" if self.activation_quantization == "int8" else ""
+            return f"{what}, a scale per output channel{w8a8}"
+        how = "a scale" if self.quantization == "int8" else "a scale and a bias"
+        return f"{what}, {how} per {self.quantization_group_size} input rows"
+
     def describe(self) -> str:
         gib = 2**30
-        weights = {"int8": "int8 linear layers", "int4": "int4 dense linear layers"}.get(self.quantization, self.dtype)
+        weights = self.describe_weights()
         kv = "int8 + f32 scales" if self.kv_cache_dtype == "int8" else self.dtype
         text = (
             f"memory plan: params {self.param_bytes / gib:.3f} GiB ({weights}, {self.dtype} activations); "
@@ -257,7 +273,8 @@ def plan_memory(cfg: ModelConfig, settings: EngineConfig, dtype: Any, param_byte
     itemsize = jnp.dtype(dtype).itemsize
     kv_per_token = cfg.kv_bytes_per_token(itemsize, settings.kv_cache_dtype)
     if param_bytes is None:
-        param_bytes = cfg.param_bytes(itemsize, settings.quantization, settings.quantize_lm_head)
+        param_bytes = cfg.param_bytes(itemsize, settings.quantization, settings.quantize_lm_head,
+                                      settings.quantization_group_size)
     max_pages_per_seq = math.ceil(max_model_len / page_size)
     page_bytes = (kv_per_token + draft_kv_bytes_per_token) * page_size
     if settings.num_pages is not None:
@@ -284,6 +301,11 @@ def plan_memory(cfg: ModelConfig, settings: EngineConfig, dtype: Any, param_byte
         )
     return MemoryPlan(param_bytes, kv_per_token, page_size, int(num_pages), max_model_len, max_pages_per_seq,
                       dtype=jnp.dtype(dtype).name, quantization=settings.quantization,
+                      quantization_group_size=default_group_size(cfg, settings.quantization, settings.mesh_shape[1])
+                      if settings.quantization_group_size is None else quantization_group_size(
+                          settings.quantization, settings.quantization_group_size),
+                      quantize_lm_head=settings.quantize_lm_head and settings.quantization in ("int8", "int4"),
+                      activation_quantization=settings.activation_quantization,
                       kv_cache_dtype=settings.kv_cache_dtype,
                       kv_bytes_per_token_model_dtype=cfg.kv_bytes_per_token(itemsize),
                       draft_kv_bytes_per_token=draft_kv_bytes_per_token, num_layers=cfg.num_layers,

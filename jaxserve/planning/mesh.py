@@ -52,6 +52,7 @@ def plan_from_settings(settings: EngineConfig, target: Target, *, context: int |
         kv_cache_dtype=settings.kv_cache_dtype, page_size=settings.page_size, context=context,
         batch=batch or settings.max_num_seqs, batch_is_required=batch is not None, memory_fraction=memory_fraction,
         prompt_len=prompt_len, engine_pages=engine_pages, model=model_dir, expert_parallel=expert_parallel,
+        group_size=settings.quantization_group_size,
     )
 
 

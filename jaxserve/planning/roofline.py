@@ -19,7 +19,8 @@ import math
 from typing import Any
 
 from jaxserve.config import ModelConfig
-from jaxserve.config.model_config import SUPPORTED_ARCHITECTURES, int4_bytes
+from jaxserve.config.model_config import (SUPPORTED_ARCHITECTURES, default_group_size, int4_bytes,
+                                          quantization_group_size)
 from jaxserve.planning.devices import DeviceSpec
 from jaxserve.errors import ConfigError
 from jaxserve.planning.memory import RESERVED_PAGES
@@ -148,15 +149,19 @@ def sharding_rules(cfg: ModelConfig, model_size: int, expert_parallel: bool = Fa
 
 def param_bytes_per_device(cfg: ModelConfig, bytes_per_element: int, quantization: str = "none",
                            quantize_lm_head: bool = False, model_size: int = 1, expert_parallel: bool = False,
-                           only: tuple[str, ...] | None = None) -> int:
+                           only: tuple[str, ...] | None = None, group_size: int | None = None) -> int:
     """Bytes of parameters on each device of a model axis of `model_size` devices.
 
     Each array of `weights.param_specs` is split over the model axis when one of its logical axes maps
     to it (`sharding.logical_rules`), else replicated; int8 weights take 1 byte per element plus an f32
-    scale per output channel, split when the output axis is. With model_size=1 this equals
+    scale per group of `group_size` inputs (split as the weight is) or, per channel (group 0, and the
+    experts), per output channel (split when the output axis is). With model_size=1 this equals
     `ModelConfig.param_bytes` (checked below). `only`: count just the arrays of these names (e.g.
     EXPERT_WEIGHTS); expert_parallel: see `sharding_rules`."""
     from jaxserve.model.sharding import MODEL
+
+    g = default_group_size(cfg, quantization, model_size) if group_size is None else quantization_group_size(
+        quantization, group_size)
 
     def count(size: int, names: tuple[str, ...] | None) -> int:
         rules = sharding_rules(cfg, size, expert_parallel)
@@ -171,7 +176,9 @@ def param_bytes_per_device(cfg: ModelConfig, bytes_per_element: int, quantizatio
                 shape, axes = shape[::-1], axes[::-1]
             quantized = quantization == "int8" and (name in LINEAR_WEIGHTS or head)
             if quantization == "int4" and ((name in LINEAR_WEIGHTS and name not in EXPERT_WEIGHTS) or head):
-                total += int4_bytes(elements) // split  # packed values, scales and biases keep the weight's axes
+                total += int4_bytes(elements, g) // split  # packed values, scales and biases keep the weight's axes
+            elif quantized and g and name not in EXPERT_WEIGHTS:  # group scales keep the weight's axes
+                total += (elements + elements // g * 4) // split
             elif quantized:  # one f32 scale per output channel, split when any axis but the input one is
                 out_channels = elements // shape[-2]
                 scale_split = size if any(rules.get(a) == MODEL for i, a in enumerate(axes)
@@ -181,7 +188,7 @@ def param_bytes_per_device(cfg: ModelConfig, bytes_per_element: int, quantizatio
                 total += elements * bytes_per_element // split
         return total
 
-    expected = cfg.param_bytes(bytes_per_element, quantization, quantize_lm_head)
+    expected = cfg.param_bytes(bytes_per_element, quantization, quantize_lm_head, g)
     if count(1, None) != expected:  # the planner's view of the arrays must be ModelConfig's
         raise AssertionError(f"planner counts {count(1, None)} parameter bytes, ModelConfig.param_bytes {expected}")
     return count(model_size, only)
@@ -391,7 +398,7 @@ def make_plan(cfg: ModelConfig, target: Target, *, dtype: str = "bfloat16", quan
               quantize_lm_head: bool = False, kv_cache_dtype: str = "auto", page_size: int = 16,
               context: int | None = None, batch: int | None = None, batch_is_required: bool = True,
               memory_fraction: float = 0.9, prompt_len: int | None = None, engine_pages: int | None = None,
-              model: str = "model", expert_parallel: bool = False) -> Plan:
+              model: str = "model", expert_parallel: bool = False, group_size: int | None = None) -> Plan:
     """The plan for `cfg` on `target`. Refusals are collected in `problems` rather than raised.
 
     batch: sequences per replica at `context` (default: the most that fit). batch_is_required=False
@@ -410,10 +417,11 @@ def make_plan(cfg: ModelConfig, target: Target, *, dtype: str = "bfloat16", quan
     if context > cfg.max_position_embeddings:
         problems.append(f"context {context} exceeds the model's max_position_embeddings "
                         f"{cfg.max_position_embeddings}")
-    total = cfg.param_bytes(b, quantization, quantize_lm_head)
-    per_device = param_bytes_per_device(cfg, b, quantization, quantize_lm_head, model_size, expert_parallel)
+    total = cfg.param_bytes(b, quantization, quantize_lm_head, group_size)
+    per_device = param_bytes_per_device(cfg, b, quantization, quantize_lm_head, model_size, expert_parallel,
+                                        group_size=group_size)
     experts_dev = param_bytes_per_device(cfg, b, quantization, quantize_lm_head, model_size, expert_parallel,
-                                         only=EXPERT_WEIGHTS) if cfg.is_moe else 0
+                                         only=EXPERT_WEIGHTS, group_size=group_size) if cfg.is_moe else 0
     expert_parallel = expert_parallel and cfg.is_moe
 
     def weights_read(rows: int) -> float:

@@ -37,12 +37,18 @@ def resolve_attention(setting: str, platform: str, mesh_shape: tuple[int, int]) 
     return impl
 
 
-def resolve_quantized_matmul(setting: str, platform: str, mesh_shape: tuple[int, int], quantization: str) -> str:
+def resolve_quantized_matmul(setting: str, platform: str, mesh_shape: tuple[int, int], quantization: str,
+                             activation_quantization: str = "none") -> str:
     """How quantized (int8 or int4) weights are multiplied (one of quant.MATMUL_IMPLS), logged with the reason."""
     if quantization == "none":
         return "reference"  # no int8 weights: nothing to choose
     sharded = tuple(mesh_shape) != (1, 1)
-    if setting == "auto":
+    if activation_quantization == "int8":
+        if setting == "pallas":
+            raise ConfigError("activation_quantization=int8 (W8A8) multiplies through XLA; the Pallas int8 kernel "
+                              "is weight-only: use quantized_matmul_backend 'auto' or 'reference'")
+        impl, why = "w8a8", "XLA, int8 activations per token times int8 weights (W8A8), int32 accumulation"
+    elif setting == "auto":
         if platform not in ("tpu", "gpu") and not sharded:
             impl, why = "xla_cpu", "XLA on CPU, decode rows widening each weight in cache-sized chunks"
         elif platform not in ("tpu", "gpu"):

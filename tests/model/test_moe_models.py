@@ -198,7 +198,7 @@ def test_int8_experts_and_orbax(qwen3_moe, tmp_path):
     path, _, cfg, params = qwen3_moe
     q8 = load_model(EngineConfig(model=path, dtype="float32", quantization="int8"), make_mesh((1, 1))).params
     lp = q8.layers
-    assert isinstance(lp.expert_gate, quant.QuantArray) and lp.expert_gate.scales.shape == (2, 8, 32)
+    assert isinstance(lp.expert_gate, quant.QuantArray) and lp.expert_gate.scales.shape == (2, 8, 1, 32)
     assert lp.router.dtype == jnp.float32 and lp.w_gate is None
     dense = jax.jit(forward_dense, static_argnames="cfg")
     for n in (13, 2):  # 26 assignments (grouped) and 4 (gathered: <= 8 experts)

@@ -146,7 +146,7 @@ def test_int8_experts_expert_parallel(models, mesh):
     _, _, cfg, params = models("qwen3_moe")
     q8 = quant.quantize_params(params)
     shardings = make_shardings(cfg, mesh, quantization="int8", moe_parallelism="expert")
-    assert tuple(shardings.params.layers.expert_gate.scales.spec) == (None, "model", None)
+    assert tuple(shardings.params.layers.expert_gate.scales.spec) == (None, "model", None, None)  # [L, E, 1, out]
     sharded = jax.device_put(q8, shardings.params)
     dense = jax.jit(forward_dense, static_argnames=("cfg", "expert_parallel"))
     ep = ExpertParallel(cfg, mesh)

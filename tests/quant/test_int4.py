@@ -58,6 +58,34 @@ def test_the_pallas_kernel_serves_quant_matmul(rows):
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize("lead,kernels", [((), ("reference", "xla_cpu", "pallas_interpret")), ((3,), ("reference",))])
+def test_a_row_permutation_applies_to_the_activation(lead, kernels):
+    """An act-order weight (GPTQ g_idx; `perm`: stored row j is the weight's row perm[j]) dequantizes
+    to the weight in its own row order, and every matmul path equals x @ that weight (stacked perms
+    batch with the stacked weight)."""
+    k, n = 256, 96
+    rng = np.random.RandomState(0)
+    w = np.asarray(jax.random.normal(jax.random.PRNGKey(5), (*lead, k, n)))
+    perm = np.stack([rng.permutation(k) for _ in range(int(np.prod(lead)))]).reshape(*lead, k).astype(np.int32)
+    stored = quant.quantize_int4(jnp.asarray(np.take_along_axis(w, perm[..., None], axis=-2)), 32)
+    q = stored.replace(perm=jnp.asarray(perm))
+    deq = np.asarray(quant.dequantize_int4(q))
+    np.testing.assert_array_equal(np.take_along_axis(deq, perm[..., None], axis=-2),
+                                  np.asarray(quant.dequantize_int4(stored)))
+    assert np.abs(deq - w).max() <= float(stored.scales.max()) / 2 * (1 + 1e-5)  # each row near its own weight
+    x = jax.random.normal(jax.random.PRNGKey(6), (*lead, 3, k))
+    want = np.asarray(jnp.matmul(x, deq, precision="highest"))
+    for kernel in kernels:
+        got = jax.jit(quant.matmul)(x, q.replace(kernel=kernel))
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-3, rtol=1e-4, err_msg=kernel)
+
+
+def test_int4_axes_of_a_permuted_weight():
+    axes = quant.int4_axes(("layers", "mlp", "embed"), permuted=True)
+    assert axes.perm == ("layers", "mlp") and axes.values == axes.scales == ("layers", "mlp", "embed")
+    assert quant.int4_axes(("embed", "heads")).perm is None
+
+
 @pytest.mark.parametrize("tied,lm_head", [(True, False), (False, False), (False, True)])
 def test_param_bytes_match_the_config_arithmetic(tied, lm_head):
     cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -122,15 +150,17 @@ def test_tied_table_quantized_as_the_head(quantization):
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0, err_msg=kernel)
 
 
-def test_int4_engine_compiles_nothing_after_warm_up(hf_model_dir):
+@pytest.mark.parametrize("quantized", [dict(quantization="int4"),
+                                       dict(quantization="int8", activation_quantization="int8")])
+def test_quantized_engine_compiles_nothing_after_warm_up(hf_model_dir, quantized):
     """As tests/test_compilation.py for float32: the same executables (one per bucket), and a varied
-    workload afterwards compiles nothing, with int4 weights and a quantized tied head."""
+    workload afterwards compiles nothing, with int4 weights (or W8A8) and a quantized tied head."""
     from jaxserve.runner.compilation import CompileCounter
 
     path, _ = hf_model_dir("llama")
     kw = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
               compilation_cache_dir="none")
-    llm = LLM(path, quantization="int4", quantize_lm_head=True, **kw)
+    llm = LLM(path, quantize_lm_head=True, **quantized, **kw)
     assert len(llm.runner.step_shapes()) == len(llm.runner._executables)
     before = CompileCounter.requests
     rng = np.random.RandomState(0)

@@ -24,6 +24,7 @@ def test_quantized_checkpoint_round_trip(hf_model_dir, tmp_path, monkeypatch):
     out = str(quantize_checkpoint(path, str(tmp_path / "int8"), dtype="float32"))
     manifest = json.load(open(os.path.join(out, MANIFEST)))
     assert manifest["quantization"] == "int8" and manifest["quantize_lm_head"] is False
+    assert manifest["quantization_group_size"] == quant.INT8_GROUP_SIZE
 
     settings = dict(dtype="float32", quantization="int8")
     fresh = load_model(EngineConfig(model=path, **settings), make_mesh((1, 1)), stacked=True).params
@@ -41,8 +42,11 @@ def test_quantized_checkpoint_round_trip(hf_model_dir, tmp_path, monkeypatch):
     # Per-layer form on a (1, 2) mesh: restored stacked onto the mesh, then unstacked shard by shard.
     per_layer = load_model(EngineConfig(model=out, **settings), make_mesh((1, 2)), stacked=False).params
     wq = per_layer.layers[1].wq
-    assert wq.scales.addressable_shards[0].data.shape == (wq.scales.shape[0] // 2,)
+    groups, out_channels = wq.scales.shape  # column-parallel: the groups whole, the channels split
+    assert wq.scales.addressable_shards[0].data.shape == (groups, out_channels // 2)
     assert np.array_equal(np.asarray(wq.values), np.asarray(fresh.layers.wq.values[1]))
 
     with pytest.raises(ModelLoadError, match="quantization='int8'"):
         load_model(EngineConfig(model=out, dtype="float32"), make_mesh((1, 1)))
+    with pytest.raises(ModelLoadError, match="quantization_group_size=32"):
+        load_model(EngineConfig(model=out, quantization_group_size=16, **settings), make_mesh((1, 1)))

@@ -53,3 +53,40 @@ def test_matmul_choice_is_explicit():
     assert resolve_quantized_matmul("pallas", "tpu", (1, 1), "none") == "reference"  # nothing quantized
     with pytest.raises(ConfigError, match="single device"):
         resolve_quantized_matmul("pallas", "gpu", (2, 1), "int8")
+
+
+def test_w8a8_serves_with_per_token_activations(hf_model_dir):
+    """activation_quantization=int8: int8 weights with one scale per output channel, each token's activations
+    quantized to int8 (quant._w8a8_matmul) in every dense matmul; the greedy tokens are the argmax of that
+    model's own prefill, and the start-up line says so."""
+    path, _ = hf_model_dir("llama")
+    kw = dict(dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, warm_up=False)
+    llm = LLM(path, quantization="int8", activation_quantization="int8", **kw)
+    params, cfg = llm.runner.params, llm.model_config
+    assert params.layers[0].wq.group_size == 0 and llm.runner.options.matmul_backend == "w8a8"
+    assert "int8 activations per token (W8A8)" in llm.memory.describe()
+    assert llm.memory.param_bytes == param_bytes(params) == cfg.param_bytes(4, "int8", group_size=0)
+    prompt = np.random.RandomState(1).randint(0, cfg.vocab_size, size=9).tolist()
+    greedy = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+    full = np.asarray(prompt + greedy[:-1], np.int32)
+    one = init_cache(cfg, 5, 8, jnp.float32)
+    batch = StepBatch(tokens=full[None, None], start_pos=np.zeros((1, 1), np.int32),
+                      num_new=np.full((1, 1), len(full), np.int32),
+                      page_table=np.arange(1, 5, dtype=np.int32)[None, None])
+    stacked = jax.tree.map(lambda *ws: jnp.stack(ws), *params.layers)
+    logits, _ = steps.prefill(params.replace(layers=stacked), one, batch, cfg=cfg, options=steps.StepOptions(
+        all_logits=True, scan_layers=True, matmul_backend="w8a8"))
+    assert np.asarray(logits[0, 0, len(prompt) - 1:]).argmax(-1).tolist() == greedy
+
+
+def test_w8a8_settings_are_checked():
+    from jaxserve.config import EngineConfig
+
+    with pytest.raises(ConfigError, match="needs quantization=int8"):
+        EngineConfig(model="x", activation_quantization="int8").validate()
+    with pytest.raises(ConfigError, match="a scale per output"):
+        EngineConfig(model="x", quantization="int8", quantization_group_size=32, activation_quantization="int8").validate()
+    assert resolve_quantized_matmul("auto", "gpu", (1, 4), "int8", "int8") == "w8a8"
+    with pytest.raises(ConfigError, match="weight-only"):
+        resolve_quantized_matmul("pallas", "gpu", (1, 1), "int8", "int8")
