@@ -43,7 +43,6 @@ MATMUL_IMPLS = ("reference", "xla_cpu", "w8a8", "pallas_tpu", "pallas_gpu", "pal
 # this many rows are chunked (decode; more rows reuse a whole widened weight enough to pay for it).
 CHUNK_BYTES = 256 * 1024
 CHUNK_MAX_ROWS = 16
-ONE_GROUP_CHUNKS = True
 # A weight this many times wider than deep (a vocabulary head) is chunked along its output columns,
 # in chunks of about this many widened bytes (fewer, larger chunks: each loop iteration costs a few
 # microseconds of dispatch on XLA:CPU).
@@ -351,42 +350,33 @@ def _pallas_int4_matmul(x: jax.Array, w: Int4Array) -> jax.Array:
 
 
 def _int4_chunk_rows(x: jax.Array, w: Int4Array) -> int:
-    """Packed rows per chunk: whole groups, dividing in // 2, the two widened halves near CHUNK_BYTES."""
-    kp, n = w.values.shape[-2:]
-    half = w.group_size // 2
+    """Packed rows per chunk of the CPU decode path: one group (0 = not chunked: stacked experts or
+    more than CHUNK_MAX_ROWS rows)."""
+    kp = w.values.shape[-2]
     if w.values.ndim != 2 or x.size // (2 * kp) > CHUNK_MAX_ROWS:
         return 0
-    if ONE_GROUP_CHUNKS:
-        return half
-    fits = [r for r in range(half, kp + 1, half) if kp % r == 0 and 2 * r * n * 4 <= CHUNK_BYTES]
-    return max(fits, default=half)
+    return w.group_size // 2
 
 
 def _int4_chunked(x: jax.Array, w: Int4Array, rows: int) -> jax.Array:
-    """x @ w as a loop over chunks of `rows` packed rows: each chunk's low and high nibbles are widened
-    and scaled right before their partial products with x's even and odd columns, so neither the
-    nibbles nor the widened weight are ever interleaved or written out whole."""
+    """x @ w as a loop over groups (`rows` packed rows each): a group's low and high nibbles are widened
+    right before their partial products with x's even and odd columns, and since w = q s + b within the
+    group, x_g . w_g = s (x_g . q_g) + b sum(x_g): no per-element scaling, and neither the nibbles nor
+    the widened weight are ever interleaved or written out whole."""
     kp, n = w.values.shape
-    steps, groups = kp // rows, rows // (w.group_size // 2)
+    steps = kp // rows
     lead = x.shape[:-1]
-    xs = x.reshape(*lead, steps, rows, 2)  # [..., chunk, packed row, even/odd]
+    xs = x.reshape(*lead, steps, rows, 2)  # [..., group, packed row, even/odd]
     values = w.values.reshape(steps, rows, n)
-    scales = w.scales.reshape(steps, groups, n)
-    biases = w.biases.reshape(steps, groups, n)
 
     def body(i, acc):
         xi = jax.lax.dynamic_index_in_dim(xs, i, axis=-3, keepdims=False)  # [..., rows, 2]
         v = jax.lax.dynamic_index_in_dim(values, i, axis=0, keepdims=False)
-        s = jax.lax.dynamic_index_in_dim(scales, i, axis=0, keepdims=False)
-        b = jax.lax.dynamic_index_in_dim(biases, i, axis=0, keepdims=False)
-        if groups == 1:  # one group: x_g . (q s + b) = s (x_g . q) + b sum(x_g), no per-element scaling
-            p = jnp.matmul(xi[..., 0], (v & 0xF).astype(x.dtype), preferred_element_type=jnp.float32)
-            p = p + jnp.matmul(xi[..., 1], (v >> 4).astype(x.dtype), preferred_element_type=jnp.float32)
-            return acc + p * s[0] + jnp.sum(xi, axis=(-2, -1), dtype=jnp.float32)[..., None] * b[0]
-        even = _dequant_half(v & 0xF, w, s, b, x.dtype)
-        odd = _dequant_half(v >> 4, w, s, b, x.dtype)
-        acc = acc + jnp.matmul(xi[..., 0], even, preferred_element_type=jnp.float32)
-        return acc + jnp.matmul(xi[..., 1], odd, preferred_element_type=jnp.float32)
+        s = jax.lax.dynamic_index_in_dim(w.scales, i, axis=0, keepdims=False)
+        b = jax.lax.dynamic_index_in_dim(w.biases, i, axis=0, keepdims=False)
+        p = jnp.matmul(xi[..., 0], (v & 0xF).astype(x.dtype), preferred_element_type=jnp.float32)
+        p = p + jnp.matmul(xi[..., 1], (v >> 4).astype(x.dtype), preferred_element_type=jnp.float32)
+        return acc + p * s + jnp.sum(xi, axis=(-2, -1), dtype=jnp.float32)[..., None] * b
 
     return jax.lax.fori_loop(0, steps, body, jnp.zeros((*lead, n), jnp.float32))
 
