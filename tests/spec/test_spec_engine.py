@@ -207,3 +207,18 @@ def test_first_runs_of_an_executable_are_not_step_time_samples(draft_llm):
     runs = runner.first_runs
     generate()
     assert runner.first_runs == runs  # the same buckets again: no first runs
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_ngram_speculation_over_quantized_weights_is_greedy_exact(target, quantization):
+    """Quantized weights verify drafts as they decode: with int8 (groups of 32) or int4 weights, n-gram
+    speculation gives the same greedy tokens as plain decoding of the same quantized model."""
+    quantized = dict(BASE, quantization=quantization)
+    prompts, params = varied_requests(12, seed=3)
+    plain = token_ids(LLM(target[0], **quantized).generate(prompt_token_ids=prompts, sampling_params=params,
+                                                           use_tqdm=False))
+    llm = LLM(target[0], **quantized, speculative_method="ngram", num_speculative_tokens=K,
+              speculative_adaptive=False)
+    assert token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)) == plain
+    assert llm.engine.stats()["spec_decode_num_draft_tokens"] > 0
+    assert_pool_whole(llm)
