@@ -118,7 +118,7 @@ class EngineConfig(Settings):
         "reserve: admit only when pages for prompt + max_tokens are free", choice("recompute", "reserve"), group="scheduling")
     quantization: str = setting(
         "none", "none | int8 (weight-only int8 linear layers, a scale per group of input rows; a GGUF's Q8_0 weights "
-        "load as they are) | int4 (weight-only, asymmetric per group of input rows, dense linear layers; a "
+        "load as they are) | int4 (weight-only, asymmetric per group of input rows, linear layers and experts; a "
         "GGUF's Q4_0/Q4_1 weights load as they are)",
         choice("none", "int8", "int4"), group="model")
     quantization_group_size: int | None = setting(

@@ -193,10 +193,14 @@ class ModelConfig:
                 + self._dense_mlp_layers() * (2 * f + d)
                 + self.num_moe_layers * self.num_experts * (2 * self.moe_intermediate_size + d))
 
-    def expert_bytes(self, bytes_per_element: int, quantization: str = "none") -> int:
-        """Bytes of one expert of one layer (int8: 1 byte per element + an f32 scale per output channel)."""
+    def expert_bytes(self, bytes_per_element: int, quantization: str = "none", group_size: int | None = None) -> int:
+        """Bytes of one expert of one layer (int8: 1 byte per element + an f32 scale per output channel;
+        int4: `int4_bytes` with groups of `group_size`, None: `default_group_size`)."""
         if quantization == "int8":
             return self.expert_params() + (2 * self.moe_intermediate_size + self.hidden_size) * 4
+        if quantization == "int4":
+            g = default_group_size(self, quantization) if group_size is None else group_size
+            return int4_bytes(self.expert_params(), g)
         return self.expert_params() * bytes_per_element
 
     def expert_bytes_read(self, batch: float, bytes_per_element: int, quantization: str = "none") -> float:
@@ -225,7 +229,7 @@ class ModelConfig:
         """Bytes of all parameters; with quantization="int8" the linear layers take 1 byte + an f32 scale
         per group of `group_size` inputs (0: per output channel; None: `default_group_size`; experts:
         always per channel); with
-        "int4" the dense ones (not the experts) half a byte + an f32 scale and bias per group;
+        "int4" all of them, experts included, half a byte + an f32 scale and bias per group;
         quantize_lm_head: the head too, or the tied embedding table (quantized as the head [D, V])."""
         total = self.num_params() * bytes_per_element
         head = self.vocab_size * self.hidden_size if quantize_lm_head else 0  # tied: the table, as the head
@@ -240,6 +244,7 @@ class ModelConfig:
             total += ((dense // g) if g else dense_channels) * 4 + expert_channels * 4
         elif quantization == "int4":
             total -= dense * bytes_per_element - int4_bytes(dense, g)
+            total -= experts * (self.expert_params() * bytes_per_element - int4_bytes(self.expert_params(), g))
         return total
 
     @classmethod
@@ -476,14 +481,14 @@ def default_group_size(cfg: "ModelConfig", quantization: str, model_parallel: in
     one scale per output channel). An explicit group size that does not divide is refused instead."""
     preferred = quantization_group_size(quantization, None)
     for g in (preferred, 32, 16):
-        if g <= preferred and not _undivided_rows(cfg, g, model_parallel):
+        if g <= preferred and not _undivided_rows(cfg, g, model_parallel, quantization):
             return g
     return 0 if quantization == "int8" else preferred
 
 
 def check_group_fits(cfg: "ModelConfig", quantization: str, group_size: int, model_parallel: int = 1) -> None:
     """Refuse a group size that does not divide some quantized weight's input rows on each device."""
-    bad = _undivided_rows(cfg, group_size, model_parallel) if group_size > 0 else {}
+    bad = _undivided_rows(cfg, group_size, model_parallel, quantization) if group_size > 0 else {}
     if bad:
         where = ", ".join(f"{name} ({rows} rows per device)" for name, rows in bad.items())
         raise ConfigError(f"quantization_group_size {group_size} does not divide the input rows of {where}; "
@@ -491,10 +496,13 @@ def check_group_fits(cfg: "ModelConfig", quantization: str, group_size: int, mod
                           + (" or 0 (a scale per output channel)" if quantization == "int8" else ""))
 
 
-def _undivided_rows(cfg: "ModelConfig", group_size: int, model_parallel: int) -> dict[str, int]:
+def _undivided_rows(cfg: "ModelConfig", group_size: int, model_parallel: int,
+                    quantization: str = "int8") -> dict[str, int]:
     rows = {"the hidden size": cfg.hidden_size, "o_proj": cfg.num_heads * cfg.head_dim // model_parallel}
     if cfg.intermediate_size:
         rows["down_proj"] = cfg.intermediate_size // model_parallel
+    if quantization == "int4" and cfg.num_experts:  # int8 experts take a scale per channel, int4 groups
+        rows["the experts' down_proj"] = cfg.moe_intermediate_size // model_parallel
     return {name: r for name, r in rows.items() if r % group_size}
 
 

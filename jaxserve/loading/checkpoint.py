@@ -339,6 +339,8 @@ def _copy_experts(target, layer_specs, layer: int, parts, filled: dict[str, set]
             raise ModelLoadError(f"unexpected tensor {name} for this config ({cfg.num_layers} layers, "
                                  f"{cfg.num_experts} experts)")
         dest = target(field, spec.shape)
+        if isinstance(array, Int4Tensor) and array.perm is not None:  # act-order: experts' layout has no perm
+            array = array.dequantize()
         _copy_into(dest[layer], expert, array, False, name)
         filled[field].update((layer, e) for e in (range(cfg.num_experts) if expert is None else (expert,)))
         if isinstance(dest, _PerLayer):

@@ -13,8 +13,10 @@ for every row), so on a CPU a prefill through the grouped path costs E times the
 
 `llama.py`'s MLP calls this where a config has experts (LayerParams.router and expert_*). int8
 experts are QuantArrays (one scale per expert and output channel): the grouped path multiplies by
-the int8 values widened to x's dtype and scales each assignment row by its expert's scales; the
-gathered path dequantizes only the gathered experts.
+the int8 values widened to x's dtype and scales each assignment row by its expert's scales. int4
+experts are Int4Arrays (a scale and bias per group of each expert's input rows, which do not commute
+with the sum over `in`): the grouped path dequantizes the layer's whole expert stack in x's dtype
+before its ragged_dot. The gathered path dequantizes only the gathered experts, either way.
 
 On a mesh the experts are tensor-parallel (every device holds every expert, split on its hidden
 dimension; GSPMD partitions the code below as it does a dense MLP) or expert-parallel (the
@@ -32,9 +34,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxserve.model.quant import QuantArray
+from jaxserve.model.quant import Int4Array, QuantArray, dequantize_int4
 
-Weight = jax.Array | QuantArray
+Weight = jax.Array | QuantArray | Int4Array
 
 
 @flax.struct.dataclass
@@ -42,7 +44,7 @@ class MoEParams:
     """One layer's experts: the router and each expert's SwiGLU weights, stacked on the expert axis E."""
 
     router: jax.Array  # f[D, E]
-    w_gate: Weight  # f[E, D, F] (or int8 values with f32[E, F] scales)
+    w_gate: Weight  # f[E, D, F] (or int8 values with f32[E, 1, F] scales, or int4: quant.Int4Array)
     w_up: Weight  # f[E, D, F]
     w_down: Weight  # f[E, F, D]
 
@@ -159,7 +161,13 @@ def _grouped_experts(x, p: MoEParams, weights, experts, num_groups: int, act) ->
 
 
 def _grouped(rows: jax.Array, w: Weight, group_sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
-    """rows f[A, in] (sorted by expert) times their experts' w [E, in, out]: one ragged_dot."""
+    """rows f[A, in] (sorted by expert) times their experts' w [E, in, out]: one ragged_dot.
+
+    int4 experts are dequantized whole (all E of the layer, in rows' dtype) first: their group biases
+    do not factor out of the product as int8's channel scales do. That widened stack is E experts'
+    float bytes per layer, paid once per prefill step, not per row."""
+    if isinstance(w, Int4Array):
+        return jax.lax.ragged_dot(rows, dequantize_int4(w, rows.dtype), group_sizes)
     if not isinstance(w, QuantArray):
         return jax.lax.ragged_dot(rows, w, group_sizes)
     # The int8 -> rows.dtype convert is exact; a row's scales (its expert's) commute with the sum over `in`.
@@ -168,7 +176,11 @@ def _grouped(rows: jax.Array, w: Weight, group_sizes: jax.Array, row_expert: jax
 
 
 def _take(w: Weight, experts: jax.Array, dtype) -> jax.Array:
-    """The weights of experts i32[T, k]: f[T, k, in, out] (int8 ones dequantized after the gather)."""
+    """The weights of experts i32[T, k]: f[T, k, in, out] (quantized ones dequantized after the gather,
+    so only the routed experts are widened)."""
+    if isinstance(w, Int4Array):  # values, scales, biases (and perm) all lead with the expert axis
+        gathered = jax.tree.map(lambda a: a[experts], w)
+        return dequantize_int4(gathered, dtype)
     if not isinstance(w, QuantArray):
         return w[experts]
     return w.values[experts].astype(dtype) * w.scales[experts].astype(dtype)  # [T, k, 1, out]: per channel

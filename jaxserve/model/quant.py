@@ -29,9 +29,9 @@ from jaxserve.config.model_config import INT4_GROUP_SIZE, INT8_GROUP_SIZE, quant
 from jaxserve.model.weights import LayerParams, Params
 
 INT8_MAX = 127
-# The linear weights that quantization="int8" replaces ([in, out] each, experts [E, in, out]: a scale
-# per expert and output channel; model.moe multiplies them itself, whatever `kernel`); lm_head only on
-# request; never the routers.
+# The linear weights that quantization="int8" / "int4" replaces ([in, out] each, experts [E, in, out]:
+# int8 a scale per expert and output channel, int4 groups along each expert's `in`; model.moe multiplies
+# them itself, whatever `kernel`); lm_head only on request; never the routers.
 DENSE_FIELDS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 EXPERT_FIELDS = ("expert_gate", "expert_up", "expert_down")
 LINEAR_FIELDS = DENSE_FIELDS + EXPERT_FIELDS
@@ -383,9 +383,8 @@ def _int4_chunked(x: jax.Array, w: Int4Array, rows: int) -> jax.Array:
 
 # ---- the quantized params layout ----------------------------------------------------------------
 def quantized_fields(quantization: str) -> tuple[str, ...]:
-    """The LayerParams fields `quantization` replaces: int8 all linear weights; int4 the dense ones
-    (model.moe multiplies int8 or float experts only, so int4 leaves the experts as they are)."""
-    return {"int8": LINEAR_FIELDS, "int4": DENSE_FIELDS}.get(quantization, ())
+    """The LayerParams fields `quantization` replaces: every linear weight, experts included."""
+    return LINEAR_FIELDS if quantization in ("int8", "int4") else ()
 
 
 def map_linear(params: Params, fn: Callable[[Any], Any], quantize_lm_head: bool = False,
@@ -450,8 +449,9 @@ def int4_axes(axes: tuple[str | None, ...], permuted: bool = False, group_size: 
 
 
 def _per_field(quantization: str, group_size: int | None) -> tuple[Callable, Callable]:
-    """(quantize, axes) functions of `quantization` for the dense weights and the head; int8 experts
-    keep one scale per expert and output channel (model.moe multiplies them itself)."""
+    """(quantize, axes) functions of `quantization` for the dense weights and the head, and for int4
+    experts too (groups along each expert's `in`); int8 experts keep one scale per expert and output
+    channel instead (model.moe multiplies them itself)."""
     g = quantization_group_size(quantization, group_size)
     if quantization == "int4":
         return (lambda w: quantize_int4(w, g)), (lambda a: int4_axes(a, group_size=g))
@@ -463,8 +463,9 @@ def quantized_layout(params: Params, quantization: str, quantize_lm_head: bool =
     """A Params-shaped tree of logical axes in the layout of `quantization` ("none" leaves it)."""
     if quantization not in ("int8", "int4"):
         return params
-    axes = map_linear(params, _per_field(quantization, group_size)[1], quantize_lm_head, DENSE_FIELDS)
-    return map_linear(axes, quantized_axes, fields=EXPERT_FIELDS) if quantization == "int8" else axes
+    axes_fn = _per_field(quantization, group_size)[1]
+    axes = map_linear(params, axes_fn, quantize_lm_head, DENSE_FIELDS)
+    return map_linear(axes, quantized_axes if quantization == "int8" else axes_fn, fields=EXPERT_FIELDS)
 
 
 def quantize_params(params: Params, quantize_lm_head: bool = False, quantization: str = "int8",
@@ -473,12 +474,14 @@ def quantize_params(params: Params, quantize_lm_head: bool = False, quantization
     every quantized weight's input rows (config.default_group_size's rule on one device)."""
     if group_size is None:
         layer = params.layers[0] if isinstance(params.layers, tuple) else params.layers
-        rows = {getattr(layer, f).shape[-2] for f in DENSE_FIELDS if getattr(layer, f) is not None}
+        grouped = LINEAR_FIELDS if quantization == "int4" else DENSE_FIELDS  # int8 experts: per channel
+        rows = {getattr(layer, f).shape[-2] for f in grouped if getattr(layer, f) is not None}
         preferred = quantization_group_size(quantization, None)
         fits = [g for g in (preferred, 32, 16) if g <= preferred and all(r % g == 0 for r in rows)]
         group_size = fits[0] if fits else (0 if quantization == "int8" else preferred)
-    q = map_linear(params, _per_field(quantization, group_size)[0], quantize_lm_head, DENSE_FIELDS)
-    return map_linear(q, quantize, fields=EXPERT_FIELDS) if quantization == "int8" else q
+    dense_fn = _per_field(quantization, group_size)[0]
+    q = map_linear(params, dense_fn, quantize_lm_head, DENSE_FIELDS)
+    return map_linear(q, quantize if quantization == "int8" else dense_fn, fields=EXPERT_FIELDS)
 
 
 def quantize_params_placed(params: Params, shardings: Params, quantize_lm_head: bool = False,
@@ -494,15 +497,14 @@ def quantize_params_placed(params: Params, shardings: Params, quantize_lm_head: 
     def quantize_one(w: jax.Array, sharding: Any, transpose: bool, expert: bool) -> Any:
         key = (sharding, transpose, expert)
         if key not in jitted:
-            fn = quantize if expert else dense_fn
+            fn = quantize if expert else dense_fn  # int4 experts are marked "dense": groups like dense
             jitted[key] = jax.jit(lambda w: fn(w.T if transpose else w), out_shardings=sharding)
         q = jitted[key](w)
         w.delete()  # the runtime frees it once the quantize that reads it is done
         return q
 
     marks = map_linear(jax.tree.map(lambda _: "", params), lambda _: "dense", quantize_lm_head, DENSE_FIELDS)
-    if quantization == "int8":
-        marks = map_linear(marks, lambda _: "expert", fields=EXPERT_FIELDS)
+    marks = map_linear(marks, lambda _: "expert" if quantization == "int8" else "dense", fields=EXPERT_FIELDS)
     leaves, treedef = jax.tree.flatten(params)
     targets = jax.tree.leaves(shardings, is_leaf=is_quant)
     tied = quantize_lm_head and params.lm_head is None

@@ -161,6 +161,7 @@ class MemoryPlan:
     quantization: str = "none"  # weights: "none" | "int8" | "int4"
     quantization_group_size: int = 0  # input rows per scale (int8 0: per output channel)
     quantize_lm_head: bool = False
+    has_experts: bool = False  # a MoE model: its experts are quantized too
     activation_quantization: str = "none"  # "int8": W8A8
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8"
     kv_bytes_per_token_model_dtype: int | None = None  # what a cache in the model dtype would take
@@ -212,7 +213,9 @@ class MemoryPlan:
         """What was quantized and how, e.g. "int8 linear layers and the head, a scale per 64 input rows"."""
         if self.quantization not in ("int8", "int4"):
             return self.dtype
-        what = f"{self.quantization} {'linear' if self.quantization == 'int8' else 'dense linear'} layers"
+        what = f"{self.quantization} linear layers"
+        if self.quantization == "int4":  # "dense": the model has no experts; int8 always covered them
+            what = "int4 linear layers (experts included)" if self.has_experts else "int4 dense linear layers"
         what += " and the head" if self.quantize_lm_head else ""
         if self.quantization == "int8" and not self.quantization_group_size:
             w8a8 = "; int8 activations per token (W8A8)" if self.activation_quantization == "int8" else ""
@@ -305,6 +308,7 @@ def plan_memory(cfg: ModelConfig, settings: EngineConfig, dtype: Any, param_byte
                       if settings.quantization_group_size is None else quantization_group_size(
                           settings.quantization, settings.quantization_group_size),
                       quantize_lm_head=settings.quantize_lm_head and settings.quantization in ("int8", "int4"),
+                      has_experts=cfg.is_moe,
                       activation_quantization=settings.activation_quantization,
                       kv_cache_dtype=settings.kv_cache_dtype,
                       kv_bytes_per_token_model_dtype=cfg.kv_bytes_per_token(itemsize),

@@ -155,7 +155,8 @@ def param_bytes_per_device(cfg: ModelConfig, bytes_per_element: int, quantizatio
     Each array of `weights.param_specs` is split over the model axis when one of its logical axes maps
     to it (`sharding.logical_rules`), else replicated; int8 weights take 1 byte per element plus an f32
     scale per group of `group_size` inputs (split as the weight is) or, per channel (group 0, and the
-    experts), per output channel (split when the output axis is). With model_size=1 this equals
+    experts), per output channel (split when the output axis is); int4 ones, experts included, half a
+    byte plus an f32 scale and bias per group (split as the weight is). With model_size=1 this equals
     `ModelConfig.param_bytes` (checked below). `only`: count just the arrays of these names (e.g.
     EXPERT_WEIGHTS); expert_parallel: see `sharding_rules`."""
     from jaxserve.model.sharding import MODEL
@@ -175,7 +176,7 @@ def param_bytes_per_device(cfg: ModelConfig, bytes_per_element: int, quantizatio
             if head and name == "embed":  # the tied table, quantized as the head [D, V]
                 shape, axes = shape[::-1], axes[::-1]
             quantized = quantization == "int8" and (name in LINEAR_WEIGHTS or head)
-            if quantization == "int4" and ((name in LINEAR_WEIGHTS and name not in EXPERT_WEIGHTS) or head):
+            if quantization == "int4" and (name in LINEAR_WEIGHTS or head):  # experts too
                 total += int4_bytes(elements, g) // split  # packed values, scales and biases keep the weight's axes
             elif quantized and g and name not in EXPERT_WEIGHTS:  # group scales keep the weight's axes
                 total += (elements + elements // g * 4) // split

@@ -94,6 +94,24 @@ def test_quantized_tensors_read_as_the_library_dequantizes_them(tmp_path, qtype)
     assert np.isfinite(np.asarray(layer.wq)).all()
 
 
+def test_moe_experts_load_as_int4(tmp_path):
+    """A GGUF MoE's expert tensors (read as float) are quantized to int4 as they are read, in the same
+    groups as quantizing the loaded float experts."""
+    from jaxserve.model import quant
+
+    path, _, _ = gguf_from_hf(tmp_path, "qwen3_moe")
+    model_dir = resolve_model_path(path)
+    cfg = ModelConfig.from_dir(model_dir)
+    floats = load_hf_params(model_dir, cfg, jnp.float32).layers
+    q4 = load_hf_params(model_dir, cfg, jnp.float32, quantization="int4").layers
+    for field in quant.EXPERT_FIELDS:
+        got = getattr(q4, field)
+        assert isinstance(got, quant.Int4Array) and got.shape == getattr(floats, field).shape
+        want = quant.quantize_int4(getattr(floats, field), got.group_size)
+        np.testing.assert_allclose(np.asarray(quant.dequantize_int4(got)), np.asarray(quant.dequantize_int4(want)),
+                                   atol=1e-5, rtol=0)
+
+
 def test_rope_permutation_round_trips():
     w = np.arange(8 * 2 * 4 * 3, dtype=np.float32).reshape(8 * 2 * 4, 3)
     for heads in (1, 2, 8):

@@ -6,7 +6,7 @@ hidden 64, 8 experts of 32, top-2 weighted by the softmax over all 8 (norm_topk_
 32 with q/k norms) and a Mixtral (2 layers, 4 experts of 128, top-2 renormalised, no window). Logits
 of the research steps (prefill, decode; unrolled and scanned), a mixed ragged step and the dense
 forward, greedy tokens through the engine (continuous batching, prefix caching), the fused-expert
-checkpoint layout, int8 experts, and the experts tensor-parallel on a model axis of 4.
+checkpoint layout, int8 and int4 experts, and the experts tensor-parallel on a model axis of 4.
 
 A prompt of T tokens makes 2T assignments: more than the experts in a prefill (the grouped
 ragged_dot path) and at most the experts in a decode (each assignment's expert gathered), so both
@@ -219,6 +219,54 @@ def test_int8_experts_and_orbax(qwen3_moe, tmp_path):
         None, None, None, "model")
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_int4_experts(qwen3_moe):
+    """int4 quantizes the experts too (a scale and bias per 32 input rows of each expert) as the loader
+    reads them, stacked or per layer. The grouped (prefill: whole expert stack dequantized) and gathered
+    (decode-sized: only the routed experts dequantized) paths give the logits of the dequantized
+    weights, and stay near the float model."""
+    from jaxserve.model import quant
+
+    path, _, cfg, params = qwen3_moe
+    q4 = load_hf_params(path, cfg, jnp.float32, quantization="int4")
+    lp = q4.layers
+    assert isinstance(lp.expert_gate, quant.Int4Array) and lp.expert_gate.group_size == 32
+    assert lp.expert_gate.values.shape == (2, 8, 32, 32) and lp.expert_down.scales.shape == (2, 8, 1, 64)
+    assert lp.router.dtype == jnp.float32
+    per_layer = load_hf_params(path, cfg, jnp.float32, stacked=False, quantization="int4")
+    for a, b in zip(jax.tree.leaves(per_layer.layers[1].expert_up), jax.tree.leaves(lp.expert_up)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[1])
+    widened = jax.tree.map(lambda w: quant.dequantize_int4(w) if quant.is_quant(w) else w, q4, is_leaf=quant.is_quant)
+    dense = jax.jit(forward_dense, static_argnames="cfg")
+    for n in (13, 2):  # 26 assignments (grouped) and 4 (gathered: <= 8 experts)
+        tokens = jnp.asarray(np.random.RandomState(6).randint(0, cfg.vocab_size, size=(1, n)), jnp.int32)
+        got = dense(q4, tokens, cfg=cfg)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(dense(widened, tokens, cfg=cfg)), atol=1e-4, rtol=0)
+        ref = dense(params, tokens, cfg=cfg)
+        err = float(jnp.abs(got - ref).max())
+        print(f"int4, {n} tokens: logits {err:.3f} from float (max {float(jnp.abs(ref).max()):.2f})")
+        assert err < 0.4 * float(jnp.abs(ref).max()), (n, err)
+
+
+def test_engine_serves_int4_experts(qwen3_moe):
+    """Through LLM: the experts load as int4, the memory plan counts their bytes (equal to the arrays')
+    and says so, and greedy generation runs."""
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.model import quant
+    from jaxserve.model.weights import param_bytes
+
+    path, _, cfg, _ = qwen3_moe
+    with LLM(path, quantization="int4", dtype="float32", page_size=PAGE, max_model_len=32, max_num_seqs=2,
+             max_num_batched_tokens=16, scan_layers=True, warm_up=False) as llm:
+        params = llm.runner.params
+        assert isinstance(params.layers.expert_up, quant.Int4Array)
+        assert llm.memory.param_bytes == param_bytes(params) == cfg.param_bytes(4, "int4")
+        assert "int4 linear layers (experts included)" in llm.memory.describe()
+        prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, size=11).tolist()
+        out = llm.generate(prompt_token_ids=[prompt, prompt[:5]], sampling_params=SamplingParams(
+            max_tokens=4, temperature=0, ignore_eos=True))
+        assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
 
 
 def test_experts_tensor_parallel_on_a_mesh(qwen3_moe):

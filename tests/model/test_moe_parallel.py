@@ -156,6 +156,27 @@ def test_int8_experts_expert_parallel(models, mesh):
                                    np.asarray(dense(q8, ids, cfg=cfg)), atol=1e-4, rtol=0)
 
 
+def test_int4_experts_expert_parallel(models, mesh):
+    """int4 experts (packed values, group scales and biases, each split on the expert axis as the
+    values are) expert-parallel give one device's int4 logits, on the grouped and the gathered paths,
+    and each device holds only its experts' bytes."""
+    _, _, cfg, params = models("qwen3_moe")
+    q4 = quant.quantize_params(params, quantization="int4")
+    assert isinstance(q4.layers.expert_gate, quant.Int4Array)
+    shardings = make_shardings(cfg, mesh, quantization="int4", moe_parallelism="expert")
+    gate = shardings.params.layers.expert_gate
+    assert tuple(gate.values.spec) == tuple(gate.scales.spec) == tuple(gate.biases.spec) == (None, "model", None, None)
+    sharded = jax.device_put(q4, shardings.params)
+    here = cfg.num_experts // mesh.shape["model"]
+    assert sharded.layers.expert_down.biases.addressable_shards[0].data.shape[1] == here
+    dense = jax.jit(forward_dense, static_argnames=("cfg", "expert_parallel"))
+    ep = ExpertParallel(cfg, mesh)
+    for n in (13, 1):
+        ids = jnp.asarray(np.random.RandomState(6).randint(0, cfg.vocab_size, size=(1, n)), jnp.int32)
+        np.testing.assert_allclose(np.asarray(dense(sharded, ids, cfg=cfg, expert_parallel=ep)),
+                                   np.asarray(dense(q4, ids, cfg=cfg)), atol=1e-4, rtol=0)
+
+
 def test_expert_parallel_needs_the_model_axis_to_divide_the_experts(models):
     from jaxserve.model.sharding import logical_rules
 

@@ -175,3 +175,19 @@ def test_quantized_engine_compiles_nothing_after_warm_up(hf_model_dir, quantized
     float_llm = LLM(path, **kw)
     assert len(float_llm.runner.step_shapes()) == shapes  # quantization adds no executable
     float_llm.close()
+
+
+def test_moe_param_bytes_count_int4_experts():
+    """int4 covers the experts (groups along each expert's input rows): the arrays' bytes are
+    ModelConfig's, which the planner checks its per-device count against."""
+    from jaxserve.planning.roofline import param_bytes_per_device
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=0, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    params = jax.eval_shape(lambda: init_dummy_params(cfg, 0, jnp.float32))
+    quantized = jax.eval_shape(lambda p: quant.quantize_params(p, quantization="int4"), params)
+    assert isinstance(quantized.layers.expert_down, quant.Int4Array)
+    assert quantized.layers.expert_down.scales.shape == (2, 4, 1, 64)  # 32 rows of each expert: one group
+    assert param_bytes(quantized) == cfg.param_bytes(4, "int4") < cfg.param_bytes(4, "int8")
+    assert param_bytes_per_device(cfg, 4, "int4", model_size=1) == cfg.param_bytes(4, "int4")
+    assert cfg.expert_bytes(4, "int4") == cfg.expert_params() // 2 + cfg.expert_params() // 32 * 8  # groups of 32
