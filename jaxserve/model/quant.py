@@ -25,7 +25,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config.model_config import INT4_GROUP_SIZE, INT8_GROUP_SIZE, quantization_group_size
+# the default group sizes are re-exported here, beside the formats they size
+from jaxserve.config.model_config import INT4_GROUP_SIZE, INT8_GROUP_SIZE, quantization_group_size  # noqa: F401
 from jaxserve.model.weights import LayerParams, Params
 
 INT8_MAX = 127
