@@ -128,8 +128,8 @@ def _w8a8_matmul(x: jax.Array, w: QuantArray) -> jax.Array:
     """W8A8: x quantized per token (symmetric absmax over `in`, like a KV vector) and multiplied in int8
     with int32 accumulation, then scaled by the token's and the output channel's scales. Integer dots
     move a quarter of float32's operand bytes through the core; the activation rounding costs quality
-    (docs/BENCHMARKS.md), so it is an option (quantization="w8a8_int8"), with per-channel weights:
-    a group scale would split the integer dot into one per group."""
+    (docs/BENCHMARKS.md), so it is an option (activation_quantization="int8"), with per-channel
+    weights: a group scale would split the integer dot into one per group."""
     if w.group_size:
         raise ValueError("W8A8 multiplies int8 weights with one scale per output channel (group_size 0), "
                          f"not groups of {w.group_size}")
@@ -156,8 +156,8 @@ def _chunked_int8(x: jax.Array, w: QuantArray) -> jax.Array:
 
 
 def _chunk_rows(k: int, n: int, group_size: int) -> int:
-    """Input rows per chunk: a power of two dividing k, at least 8 and near CHUNK_BYTES widened, and
-    aligned with the groups (dividing the group size, or a multiple of it)."""
+    """Input rows per chunk: a power of two dividing k, at least 8 and near CHUNK_BYTES widened; with
+    groups, at most one group (a divisor of the group size, or the group itself)."""
     rows = 8
     while k % (2 * rows) == 0 and 2 * rows < k and 2 * rows * n * 4 <= CHUNK_BYTES:
         rows *= 2
@@ -175,26 +175,23 @@ def _chunk_columns(k: int, n: int) -> int:
 
 
 def _row_chunked(x: jax.Array, values: jax.Array, scales: jax.Array | None, rows: int) -> jax.Array:
-    """f32 x [..., K] @ values i8[K, N] as a loop over chunks of `rows` input rows, each widened (and,
-    with group `scales` f32[K // G, N], scaled) right before its partial product, so the widened weight
-    stays in cache instead of a whole f32 copy of it being written to and read back from memory."""
+    """f32 x [..., K] @ values i8[K, N] as a loop over chunks of `rows` input rows, each widened right
+    before its partial product, so the widened weight stays in cache instead of a whole f32 copy of it
+    being written to and read back from memory. With group `scales` f32[K // G, N] a chunk lies in one
+    group (`_chunk_rows`), whose scale row multiplies the chunk's partial product."""
     k, n = values.shape
     chunks = values.reshape(k // rows, rows, n)
     xs = x.reshape(*x.shape[:-1], k // rows, rows)
-    per_group = None if scales is None else k // scales.shape[0]
-
-    def chunk_scales(i):  # f32[groups in the chunk, N]
-        if per_group >= rows:
-            return jax.lax.dynamic_slice_in_dim(scales, i * rows // per_group, 1, axis=0)
-        return jax.lax.dynamic_slice_in_dim(scales, i * (rows // per_group), rows // per_group, axis=0)
+    per_group = k if scales is None else k // scales.shape[0]
+    assert per_group % rows == 0, (per_group, rows)
 
     def body(i, acc):
         xi = jax.lax.dynamic_index_in_dim(xs, i, axis=-2, keepdims=False)
         vi = jax.lax.dynamic_index_in_dim(chunks, i, axis=0, keepdims=False)
-        if scales is not None and per_group >= rows:  # one group: its scales multiply the partial product
-            return acc + jnp.matmul(xi, vi.astype(x.dtype), preferred_element_type=jnp.float32) * chunk_scales(i)[0]
-        wi = vi.astype(x.dtype) if scales is None else _widen(vi, chunk_scales(i), x.dtype)
-        return acc + jnp.matmul(xi, wi, preferred_element_type=jnp.float32)
+        y = jnp.matmul(xi, vi.astype(x.dtype), preferred_element_type=jnp.float32)
+        if scales is not None:
+            y = y * jax.lax.dynamic_index_in_dim(scales, i * rows // per_group, axis=0, keepdims=False)
+        return acc + y
 
     return jax.lax.fori_loop(0, k // rows, body, jnp.zeros((*x.shape[:-1], n), jnp.float32))
 
