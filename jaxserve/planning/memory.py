@@ -218,7 +218,8 @@ class MemoryPlan:
             what = "int4 linear layers (experts included)" if self.has_experts else "int4 dense linear layers"
         what += " and the head" if self.quantize_lm_head else ""
         if self.quantization == "int8" and not self.quantization_group_size:
-            w8a8 = "; int8 activations per token (W8A8)" if self.activation_quantization == "int8" else ""
+            w8a8 = (", each matmul's input quantized to int8 per token (W8A8)"
+                    if self.activation_quantization == "int8" else "")
             return f"{what}, a scale per output channel{w8a8}"
         how = "a scale" if self.quantization == "int8" else "a scale and a bias"
         return f"{what}, {how} per {self.quantization_group_size} input rows"

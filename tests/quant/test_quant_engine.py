@@ -64,7 +64,7 @@ def test_w8a8_serves_with_per_token_activations(hf_model_dir):
     llm = LLM(path, quantization="int8", activation_quantization="int8", **kw)
     params, cfg = llm.runner.params, llm.model_config
     assert params.layers[0].wq.group_size == 0 and llm.runner.options.matmul_backend == "w8a8"
-    assert "int8 activations per token (W8A8)" in llm.memory.describe()
+    assert "each matmul's input quantized to int8 per token (W8A8)" in llm.memory.describe()
     assert llm.memory.param_bytes == param_bytes(params) == cfg.param_bytes(4, "int8", group_size=0)
     prompt = np.random.RandomState(1).randint(0, cfg.vocab_size, size=9).tolist()
     greedy = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
