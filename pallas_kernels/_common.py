@@ -26,6 +26,17 @@ def next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
+def largest_divisor(total: int, cap: int, unit: int, pow2: bool = False) -> int | None:
+    """Largest multiple of `unit` (a power of two if `pow2`) that is <= cap and divides `total` (None: none)."""
+    best = None
+    b = unit
+    while b <= cap:
+        if total % b == 0:
+            best = b
+        b = b * 2 if pow2 else b + unit
+    return best
+
+
 def is_pow2(x: int) -> bool:
     return x >= 1 and (x & (x - 1)) == 0
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from pallas_kernels._common import next_pow2, pad_axis, round_up, tpu_sublane_tile
+from pallas_kernels._common import largest_divisor, next_pow2, pad_axis, round_up, tpu_sublane_tile
 
 # backend -> [(max_m, block_m, block_n, block_k)], first row with m <= max_m wins.
 TABLE = {
@@ -24,17 +24,6 @@ TABLE = {
         (None, 128, 128, 64),  # prefill
     ],
 }
-
-
-def _largest_divisor(total: int, cap: int, unit: int, pow2: bool = False) -> int | None:
-    """Largest multiple of `unit` (a power of two if `pow2`) that is <= cap and divides `total`."""
-    best = None
-    b = unit
-    while b <= cap:
-        if total % b == 0:
-            best = b
-        b = b * 2 if pow2 else b + unit
-    return best
 
 
 def tpu_k_unit(group_size: int) -> int:
@@ -53,19 +42,19 @@ def pick_blocks(backend: str, m: int, k: int, n: int, x_dtype, group_size: int, 
         if n <= bn:
             bn = n  # whole n: a full-dimension block needs no lane alignment
         else:
-            bn = _largest_divisor(n, bn, 128) or _largest_divisor(round_up(n, 128), bn, 128)
+            bn = largest_divisor(n, bn, 128) or largest_divisor(round_up(n, 128), bn, 128)
         unit = tpu_k_unit(group_size)
         bk = max(bk, unit)
         if k <= bk:
             bk = k
         else:
-            bk = _largest_divisor(k, bk, unit) or _largest_divisor(round_up(k, unit), bk, unit)
+            bk = largest_divisor(k, bk, unit) or largest_divisor(round_up(k, unit), bk, unit)
     else:
         bm = min(bm, max(16, next_pow2(m)))
-        bn = _largest_divisor(n, bn, 16, pow2=True) or min(bn, max(16, next_pow2(n)))
+        bn = largest_divisor(n, bn, 16, pow2=True) or min(bn, max(16, next_pow2(n)))
         lo = max(32, group_size)
         bk = max(bk, lo)
-        bk = _largest_divisor(k, bk, lo, pow2=True) or min(bk, max(lo, next_pow2(k)))
+        bk = largest_divisor(k, bk, lo, pow2=True) or min(bk, max(lo, next_pow2(k)))
     return block_m or bm, block_n or bn, block_k or bk
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from pallas_kernels._common import next_pow2, pad_axis, round_up, tpu_sublane_tile
+from pallas_kernels._common import largest_divisor, next_pow2, pad_axis, round_up, tpu_sublane_tile
 
 # backend -> [(max_m, block_m, block_n, block_k)], first row with m <= max_m wins.
 # Large-k / large-n weights stream through; m is the batch of tokens.
@@ -39,17 +39,6 @@ def scale_mode(k: int, group_size: int, block_k: int) -> str:
     return BLOCK if group_size % block_k == 0 else TILE
 
 
-def _largest_divisor(total: int, cap: int, unit: int, pow2: bool = False) -> int | None:
-    """Largest multiple of `unit` (a power of two if `pow2`) that is <= cap and divides `total`."""
-    best = None
-    b = unit
-    while b <= cap:
-        if total % b == 0:
-            best = b
-        b = b * 2 if pow2 else b + unit
-    return best
-
-
 def _tpu_block_k(k: int, group_size: int, cap: int) -> int:
     """k itself when it fits; else the largest multiple of 128 <= cap that divides k and nests with the groups
     (a multiple of G, or a divisor of it); else k itself up to twice the cap (SmolLM2's 576 under a 512 cap:
@@ -66,7 +55,7 @@ def _tpu_block_k(k: int, group_size: int, cap: int) -> int:
     if k <= 2 * cap:
         return k
     unit = 128 if per_column else math.lcm(128, group_size)
-    return _largest_divisor(round_up(k, unit), max(cap, unit), unit)
+    return largest_divisor(round_up(k, unit), max(cap, unit), unit)
 
 
 def pick_blocks(backend: str, m: int, k: int, n: int, x_dtype, group_size: int, block_m=None, block_n=None,
@@ -82,13 +71,13 @@ def pick_blocks(backend: str, m: int, k: int, n: int, x_dtype, group_size: int, 
         if n <= bn:
             bn = n  # whole n: a full-dimension block needs no lane alignment
         else:
-            bn = _largest_divisor(n, bn, 128) or _largest_divisor(round_up(n, 128), bn, 128)
+            bn = largest_divisor(n, bn, 128) or largest_divisor(round_up(n, 128), bn, 128)
         bk = _tpu_block_k(k, group_size, bk)
     else:
         # Powers of two nest with any power-of-two group size, so only the padding of k matters here.
         bm = min(bm, max(16, next_pow2(m)))
-        bn = _largest_divisor(n, bn, 16, pow2=True) or min(bn, max(16, next_pow2(n)))
-        bk = _largest_divisor(k, bk, 16, pow2=True) or min(bk, max(16, next_pow2(k)))
+        bn = largest_divisor(n, bn, 16, pow2=True) or min(bn, max(16, next_pow2(n)))
+        bk = largest_divisor(k, bk, 16, pow2=True) or min(bk, max(16, next_pow2(k)))
     return block_m or bm, block_n or bn, block_k or bk
 
 
