@@ -75,15 +75,6 @@ GPU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("m,k,n,group_size,dtype,blocks,mode", GPU_CASES)
-def test_gpu_matches_reference(m, k, n, group_size, dtype, blocks, mode):
-    g = group_size or k
-    assert scale_mode(k, g, pick_blocks("gpu", m, k, n, dtype, g, **blocks)[2]) == mode
-    x, w, s = make_case(m + n, m, k, n, group_size, dtype)
-    out, ref = run_both(x, w, s, group_size, "gpu", **blocks)
-    check(out, ref, dtype)
-
-
 TPU_CASES = [  # interpret-mode Mosaic costs ~1 s a call: few cases, each covering several things
     (1, 576, 192, 32, jnp.bfloat16, {}, TILE),  # decode row: one K block of 18 groups, full-dimension blocks
     (16, 1536, 256, 128, jnp.float32, {}, TILE),  # 2 K blocks of 6 groups
@@ -94,12 +85,14 @@ TPU_CASES = [  # interpret-mode Mosaic costs ~1 s a call: few cases, each coveri
 ]
 
 
-@pytest.mark.parametrize("m,k,n,group_size,dtype,blocks,mode", TPU_CASES)
-def test_tpu_matches_reference(m, k, n, group_size, dtype, blocks, mode):
+@pytest.mark.parametrize("backend,m,k,n,group_size,dtype,blocks,mode",
+                         [("gpu", *case) for case in GPU_CASES] + [("tpu", *case) for case in TPU_CASES])
+def test_kernel_matches_reference(backend, m, k, n, group_size, dtype, blocks, mode):
+    """Each case's blocks meet the scales as `mode` says, and the interpreted kernel equals the reference."""
     g = group_size or k
-    assert scale_mode(k, g, pick_blocks("tpu", m, k, n, dtype, g, **blocks)[2]) == mode
+    assert scale_mode(k, g, pick_blocks(backend, m, k, n, dtype, g, **blocks)[2]) == mode
     x, w, s = make_case(m + n, m, k, n, group_size, dtype)
-    out, ref = run_both(x, w, s, group_size, "tpu", **blocks)
+    out, ref = run_both(x, w, s, group_size, backend, **blocks)
     check(out, ref, dtype)
 
 

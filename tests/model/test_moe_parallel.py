@@ -140,6 +140,17 @@ def test_expert_parallel_program(models, mesh, name, tokens):
     assert (tokens, D) in _collectives(hlo, "all-reduce"), _collectives(hlo, "all-reduce")  # the experts' psum
 
 
+def _assert_expert_parallel_matches_one_device(cfg, mesh, sharded, params) -> None:
+    """Expert-parallel logits of `sharded` equal one device's of `params`: a grouped (13 tokens) and a
+    gathered (1 token) step."""
+    dense = jax.jit(forward_dense, static_argnames=("cfg", "expert_parallel"))
+    ep = ExpertParallel(cfg, mesh)
+    for n in (13, 1):
+        ids = jnp.asarray(np.random.RandomState(6).randint(0, cfg.vocab_size, size=(1, n)), jnp.int32)
+        np.testing.assert_allclose(np.asarray(dense(sharded, ids, cfg=cfg, expert_parallel=ep)),
+                                   np.asarray(dense(params, ids, cfg=cfg)), atol=1e-4, rtol=0)
+
+
 def test_int8_experts_expert_parallel(models, mesh):
     """int8 experts (values and per-expert scales split on the expert axis) expert-parallel give one
     device's int8 logits, on the grouped and the gathered paths."""
@@ -147,13 +158,7 @@ def test_int8_experts_expert_parallel(models, mesh):
     q8 = quant.quantize_params(params)
     shardings = make_shardings(cfg, mesh, quantization="int8", moe_parallelism="expert")
     assert tuple(shardings.params.layers.expert_gate.scales.spec) == (None, "model", None, None)  # [L, E, 1, out]
-    sharded = jax.device_put(q8, shardings.params)
-    dense = jax.jit(forward_dense, static_argnames=("cfg", "expert_parallel"))
-    ep = ExpertParallel(cfg, mesh)
-    for n in (13, 1):
-        ids = jnp.asarray(np.random.RandomState(6).randint(0, cfg.vocab_size, size=(1, n)), jnp.int32)
-        np.testing.assert_allclose(np.asarray(dense(sharded, ids, cfg=cfg, expert_parallel=ep)),
-                                   np.asarray(dense(q8, ids, cfg=cfg)), atol=1e-4, rtol=0)
+    _assert_expert_parallel_matches_one_device(cfg, mesh, jax.device_put(q8, shardings.params), q8)
 
 
 def test_int4_experts_expert_parallel(models, mesh):
@@ -169,12 +174,7 @@ def test_int4_experts_expert_parallel(models, mesh):
     sharded = jax.device_put(q4, shardings.params)
     here = cfg.num_experts // mesh.shape["model"]
     assert sharded.layers.expert_down.biases.addressable_shards[0].data.shape[1] == here
-    dense = jax.jit(forward_dense, static_argnames=("cfg", "expert_parallel"))
-    ep = ExpertParallel(cfg, mesh)
-    for n in (13, 1):
-        ids = jnp.asarray(np.random.RandomState(6).randint(0, cfg.vocab_size, size=(1, n)), jnp.int32)
-        np.testing.assert_allclose(np.asarray(dense(sharded, ids, cfg=cfg, expert_parallel=ep)),
-                                   np.asarray(dense(q4, ids, cfg=cfg)), atol=1e-4, rtol=0)
+    _assert_expert_parallel_matches_one_device(cfg, mesh, sharded, q4)
 
 
 def test_expert_parallel_needs_the_model_axis_to_divide_the_experts(models):
