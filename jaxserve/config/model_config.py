@@ -7,7 +7,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from jaxserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
 
@@ -199,7 +199,7 @@ class ModelConfig:
         if quantization == "int8":
             return self.expert_params() + (2 * self.moe_intermediate_size + self.hidden_size) * 4
         if quantization == "int4":
-            g = default_group_size(self, quantization) if group_size is None else group_size
+            g = resolved_group_size(self, quantization, group_size)
             return int4_bytes(self.expert_params(), g)
         return self.expert_params() * bytes_per_element
 
@@ -235,8 +235,7 @@ class ModelConfig:
         head = self.vocab_size * self.hidden_size if quantize_lm_head else 0  # tied: the table, as the head
         experts = self.num_moe_layers * self.num_experts
         dense = self.linear_params() - experts * self.expert_params() + head
-        g = default_group_size(self, quantization) if group_size is None else quantization_group_size(
-            quantization, group_size)
+        g = resolved_group_size(self, quantization, group_size)
         if quantization == "int8":
             expert_channels = experts * (2 * self.moe_intermediate_size + self.hidden_size)
             dense_channels = self.linear_out_channels() - expert_channels + (self.vocab_size if head else 0)
@@ -479,9 +478,25 @@ def default_group_size(cfg: "ModelConfig", quantization: str, model_parallel: in
     divides the input rows of every quantized weight on each device (row-parallel weights, o_proj and
     down_proj, hold 1 / model_parallel of theirs), else the largest of 32 and 16 that does (int8: else
     one scale per output channel). An explicit group size that does not divide is refused instead."""
+    return group_size_fitting(quantization, _quantized_rows(cfg, model_parallel, quantization).values())
+
+
+def resolved_group_size(cfg: "ModelConfig", quantization: str, group_size: int | None,
+                        model_parallel: int = 1) -> int:
+    """`group_size` as `quantization` reads it (quantization_group_size), or, when None, the model's
+    default on a model axis of `model_parallel` devices (default_group_size)."""
+    if group_size is None:
+        return default_group_size(cfg, quantization, model_parallel)
+    return quantization_group_size(quantization, group_size)
+
+
+def group_size_fitting(quantization: str, rows: Iterable[int]) -> int:
+    """The method's default group size if it divides every one of `rows`, else the largest of 32 and 16
+    that does; else (int8) one scale per output channel, 0."""
+    rows = list(rows)
     preferred = quantization_group_size(quantization, None)
     for g in (preferred, 32, 16):
-        if g <= preferred and not _undivided_rows(cfg, g, model_parallel, quantization):
+        if g <= preferred and all(r % g == 0 for r in rows):
             return g
     return 0 if quantization == "int8" else preferred
 
@@ -498,12 +513,18 @@ def check_group_fits(cfg: "ModelConfig", quantization: str, group_size: int, mod
 
 def _undivided_rows(cfg: "ModelConfig", group_size: int, model_parallel: int,
                     quantization: str = "int8") -> dict[str, int]:
+    rows = _quantized_rows(cfg, model_parallel, quantization)
+    return {name: r for name, r in rows.items() if r % group_size}
+
+
+def _quantized_rows(cfg: "ModelConfig", model_parallel: int, quantization: str) -> dict[str, int]:
+    """Input rows on each device of the weights a group size must divide, by the name an error gives."""
     rows = {"the hidden size": cfg.hidden_size, "o_proj": cfg.num_heads * cfg.head_dim // model_parallel}
     if cfg.intermediate_size:
         rows["down_proj"] = cfg.intermediate_size // model_parallel
     if quantization == "int4" and cfg.num_experts:  # int8 experts take a scale per channel, int4 groups
         rows["the experts' down_proj"] = cfg.moe_intermediate_size // model_parallel
-    return {name: r for name, r in rows.items() if r % group_size}
+    return rows
 
 
 def int4_bytes(elements: int, group_size: int = INT4_GROUP_SIZE) -> int:

@@ -25,7 +25,7 @@ from jaxserve.loading.int8_tensor import Int8Tensor
 from jaxserve.loading.quantized_buffers import Int4Host, QuantizedHost, RequantizationReport, int4_buffer
 from jaxserve.model import quant
 from jaxserve.config import ModelConfig
-from jaxserve.config.model_config import default_group_size
+from jaxserve.config.model_config import resolved_group_size
 from jaxserve.errors import ModelLoadError
 from jaxserve.model.weights import LayerParams, Params, param_specs
 
@@ -238,8 +238,7 @@ def load_hf_params(
 
     int4_format = read_int4_format(model_dir) if quantization == "int4" else None
     method = quantization if quantization in ("int8", "int4") else "int8"
-    group = default_group_size(cfg, method) if group_size is None else quant.quantization_group_size(
-        method, group_size)
+    group = resolved_group_size(cfg, method, group_size)
     report = RequantizationReport(quantization, group)
 
     def buffer(field: str, shape: tuple[int, ...]) -> np.ndarray | QuantizedHost:

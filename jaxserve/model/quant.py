@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 # the default group sizes are re-exported here, beside the formats they size
-from jaxserve.config.model_config import INT4_GROUP_SIZE, INT8_GROUP_SIZE, quantization_group_size  # noqa: F401
+from jaxserve.config.model_config import (INT4_GROUP_SIZE, INT8_GROUP_SIZE,  # noqa: F401
+                                          group_size_fitting, quantization_group_size)
 from jaxserve.model.weights import LayerParams, Params
 
 INT8_MAX = 127
@@ -473,10 +474,8 @@ def quantize_params(params: Params, quantize_lm_head: bool = False, quantization
     if group_size is None:
         layer = params.layers[0] if isinstance(params.layers, tuple) else params.layers
         grouped = LINEAR_FIELDS if quantization == "int4" else DENSE_FIELDS  # int8 experts: per channel
-        rows = {getattr(layer, f).shape[-2] for f in grouped if getattr(layer, f) is not None}
-        preferred = quantization_group_size(quantization, None)
-        fits = [g for g in (preferred, 32, 16) if g <= preferred and all(r % g == 0 for r in rows)]
-        group_size = fits[0] if fits else (0 if quantization == "int8" else preferred)
+        group_size = group_size_fitting(quantization, (getattr(layer, f).shape[-2] for f in grouped
+                                                       if getattr(layer, f) is not None))
     dense_fn = _per_field(quantization, group_size)[0]
     q = map_linear(params, dense_fn, quantize_lm_head, DENSE_FIELDS)
     return map_linear(q, quantize if quantization == "int8" else dense_fn, fields=EXPERT_FIELDS)

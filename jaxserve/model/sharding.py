@@ -22,7 +22,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.model import quant
 from jaxserve.config import ModelConfig
-from jaxserve.config.model_config import default_group_size
+from jaxserve.config.model_config import resolved_group_size
 from jaxserve.errors import ConfigError
 from jaxserve.model.weights import Params, logical_axes
 
@@ -114,8 +114,8 @@ def make_shardings(cfg: ModelConfig, mesh: Mesh, stacked: bool = True, quantizat
     rules = logical_rules(cfg, mesh.shape[MODEL], moe_parallelism)
     is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
     axes = logical_axes(cfg)
-    if group_size is None and quantization in ("int8", "int4"):
-        group_size = default_group_size(cfg, quantization, mesh.shape[MODEL])
+    if quantization in ("int8", "int4"):
+        group_size = resolved_group_size(cfg, quantization, group_size, mesh.shape[MODEL])
     axes = quant.quantized_layout(axes, quantization, quantize_lm_head, group_size)
     if act_order and quantization == "int4":
         axes = quant.map_linear(axes, lambda a: quant.int4_axes(a.values, True, a.group_size), fields=quant.DENSE_FIELDS)

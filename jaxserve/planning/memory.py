@@ -27,7 +27,7 @@ import sys
 from typing import Any, MutableMapping
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.config.model_config import default_group_size, quantization_group_size
+from jaxserve.config.model_config import resolved_group_size
 from jaxserve.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -305,9 +305,9 @@ def plan_memory(cfg: ModelConfig, settings: EngineConfig, dtype: Any, param_byte
         )
     return MemoryPlan(param_bytes, kv_per_token, page_size, int(num_pages), max_model_len, max_pages_per_seq,
                       dtype=jnp.dtype(dtype).name, quantization=settings.quantization,
-                      quantization_group_size=default_group_size(cfg, settings.quantization, settings.mesh_shape[1])
-                      if settings.quantization_group_size is None else quantization_group_size(
-                          settings.quantization, settings.quantization_group_size),
+                      quantization_group_size=resolved_group_size(cfg, settings.quantization,
+                                                                  settings.quantization_group_size,
+                                                                  settings.mesh_shape[1]),
                       quantize_lm_head=settings.quantize_lm_head and settings.quantization in ("int8", "int4"),
                       has_experts=cfg.is_moe,
                       activation_quantization=settings.activation_quantization,

@@ -19,8 +19,7 @@ import math
 from typing import Any
 
 from jaxserve.config import ModelConfig
-from jaxserve.config.model_config import (SUPPORTED_ARCHITECTURES, default_group_size, int4_bytes,
-                                          quantization_group_size)
+from jaxserve.config.model_config import SUPPORTED_ARCHITECTURES, int4_bytes, resolved_group_size
 from jaxserve.planning.devices import DeviceSpec
 from jaxserve.errors import ConfigError
 from jaxserve.planning.memory import RESERVED_PAGES
@@ -161,8 +160,7 @@ def param_bytes_per_device(cfg: ModelConfig, bytes_per_element: int, quantizatio
     EXPERT_WEIGHTS); expert_parallel: see `sharding_rules`."""
     from jaxserve.model.sharding import MODEL
 
-    g = default_group_size(cfg, quantization, model_size) if group_size is None else quantization_group_size(
-        quantization, group_size)
+    g = resolved_group_size(cfg, quantization, group_size, model_size)
 
     def count(size: int, names: tuple[str, ...] | None) -> int:
         rules = sharding_rules(cfg, size, expert_parallel)
