@@ -23,3 +23,12 @@ class RequestError(JaxServeError, ValueError):
 
 class EngineClosedError(JaxServeError, RuntimeError):
     """The engine was closed (`LLM.close()`, `LLMEngine.close()`): its executables and buffers are released."""
+
+
+class LoRAError(RequestError):
+    """A LoRA adapter cannot be loaded or used as asked (missing files, a rank above max_lora_rank, a
+    module the engine cannot adapt, a name already taken): the server's 400."""
+
+
+class LoRANotFoundError(LoRAError):
+    """No adapter of that name is loaded: the server's 404."""

@@ -20,6 +20,7 @@ from jaxserve.config.settings import (
     parse_str,
     setting,
 )
+from jaxserve.lora.request import parse_lora_modules
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -148,6 +149,21 @@ class EngineConfig(Settings):
     speculative_adaptive: bool = setting(
         True, "per request, lower the proposals (to none) when the measured acceptance does not pay for them",
         parse_bool, group="speculative decoding")
+    enable_lora: bool = setting(
+        False, "serve LoRA adapters (PEFT) over the base model: a request's model names its adapter",
+        parse_bool, group="lora")
+    lora_modules: tuple = setting(
+        (), "adapters loaded at start: NAME=PATH ... or JSON objects {\"name\": ..., \"path\": ..., "
+        "\"base_model_name\": ...} (vLLM's --lora-modules)", parse_lora_modules, group="lora")
+    max_loras: int = setting(
+        1, "adapters resident on the device at once (and used by the running requests at once); more are "
+        "swapped in from host memory, the least recently used out", parse_positive_int, group="lora")
+    max_lora_rank: int = setting(
+        16, "largest adapter rank served: every device slot holds this rank (smaller ranks padded)",
+        parse_positive_int, group="lora")
+    max_cpu_loras: int | None = setting(
+        None, "adapters kept loaded in host memory (at least max_loras; default max_loras): others are read "
+        "from disk again when used", optional(parse_positive_int), group="lora")
     compilation_cache_dir: str | None = setting(
         None, "persistent XLA compilation cache; default ~/.cache/jaxserve/xla, 'none' disables it", optional(parse_str)
     , group="compilation and kernels")
@@ -184,6 +200,15 @@ class EngineConfig(Settings):
                               "channel (quantization_group_size unset or 0)")
         self._validate_speculation()
         self._validate_distributed()
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("lora_modules needs enable_lora=true (--enable-lora)")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.enable_lora and self.num_processes > 1:
+            raise ConfigError("enable_lora is not supported on a multi-host job yet (num_processes > 1)")
 
     def _validate_distributed(self) -> None:
         n, i = self.num_processes, self.process_id
