@@ -15,6 +15,7 @@ from jaxserve.engine.output_processor import OutputAccumulator
 from jaxserve.errors import ConfigError, RequestError
 from jaxserve.config.generation_config import load_generation_defaults
 from jaxserve.loading.model_source import resolve_model_settings
+from jaxserve.lora.request import LoRARequest
 from jaxserve.planning.memory import apply_memory_utilization
 from jaxserve.sampling.params import RequestOutput, SamplingParams
 
@@ -71,8 +72,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. Every request is validated before any runs."""
+        """One RequestOutput per prompt, in order. Every request is validated before any runs.
+        `lora_request`: the adapter every prompt runs under, or one per prompt (None: the base model),
+        as in vLLM; an adapter not yet loaded is loaded from its `lora_path`."""
         if (prompts is None) == (prompt_token_ids is None):
             raise RequestError("give exactly one of prompts or prompt_token_ids")
         if prompts is not None:
@@ -91,6 +95,12 @@ class LLM:
             raise RequestError(f"{len(sampling_params)} SamplingParams for {len(all_ids)} prompts")
         for ids, params in zip(all_ids, sampling_params):
             self.engine.check_request(ids, params)
+        adapters = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                    else [lora_request] * len(all_ids))
+        if len(adapters) != len(all_ids):
+            raise RequestError(f"{len(adapters)} LoRA requests for {len(all_ids)} prompts")
+        for adapter in dict.fromkeys(a for a in adapters if a is not None):  # each loaded (or refused) first
+            self.engine.resolve_lora(adapter)
         # Structured output: every grammar compiled (cached by spec) before any request is queued, so a
         # spec the library rejects raises GrammarError with nothing left running.
         futures = [self.engine.grammar_compiler.submit(p.structured)
@@ -99,9 +109,9 @@ class LLM:
             future.result()
 
         order = []
-        for text, ids, params in zip(texts, all_ids, sampling_params):
+        for text, ids, params, adapter in zip(texts, all_ids, sampling_params, adapters):
             request_id = f"llm-{next(self._ids)}"
-            self.engine.admit(request_id, ids, params)  # checked above
+            self.engine.admit(request_id, ids, params, lora_request=adapter)  # checked above
             order.append(request_id)
         return self._run(order, texts, use_tqdm)
 

@@ -69,6 +69,8 @@ class LLMEngine(EngineCore):
                          tokenizer=self._load_tokenizer(s, loaded.model_dir))
         if s.speculation:
             self.enable_speculation(self._speculative_decoder())
+        if s.enable_lora:
+            self._serve_adapters()
         self.warm_up_compiles = None
         if warm_up:
             self.warm_up()
@@ -85,6 +87,25 @@ class LLMEngine(EngineCore):
             draft = load_draft(s, self.mesh, self.runner.options.scan_layers, self.model_config, self.tokenizer,
                                self.dtype)
         return SpeculativeDecoder(s, self.runner, self.blocks, self.buckets, self.memory.max_model_len, draft)
+
+    def _serve_adapters(self) -> None:
+        """LoRA: the runner's device slots (before its steps compile), the host manager over them, and
+        the adapters of `lora_modules` loaded."""
+        from jaxserve.engine.lora_manager import LoRAManager
+        from jaxserve.lora.peft_adapter import load_peft_adapter
+        from jaxserve.runner.lora import LoRASlots
+
+        s, cfg = self.config, self.model_config
+        slots = LoRASlots(cfg, s.max_loras, s.max_lora_rank, self.dtype, self.mesh)
+        self.runner.enable_lora(slots)
+        logger.info("LoRA: %d device slots of rank %d (%.1f MiB), %s adapters kept in host memory", s.max_loras,
+                    s.max_lora_rank, slots.nbytes / 2**20, s.max_cpu_loras or s.max_loras)
+        self.enable_lora(LoRAManager(
+            max_loras=s.max_loras, max_cpu_loras=s.max_cpu_loras, write=self.runner.write_lora,
+            load=lambda request: load_peft_adapter(request.lora_path, cfg, max_rank=s.max_lora_rank),
+            live=self.scheduler.adapters_in_use))
+        for request in s.lora_modules:
+            self.add_lora(request)
 
     @staticmethod
     def _load_tokenizer(config: EngineConfig, model_dir: str):

@@ -120,12 +120,13 @@ class AsyncLLMEngine:
             self._deliver(request_id, err)
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
-                     queue: asyncio.Queue, tag: Any = None) -> None:
+                     queue: asyncio.Queue, tag: Any = None, lora_request: Any = None) -> None:
         """Check the request and queue it for the step thread. A bad request raises RequestError here
         (GrammarError for a schema the grammar library rejects), before it enters the engine. From
         then on `queue` receives `(tag, delta)` each step the request advances (a RequestOutput of
         what is new; the last one has `finished`), or `(tag, exception)` if the request fails.
-        Several requests may share a queue; `abort` stops one."""
+        Several requests may share a queue; `abort` stops one. `lora_request`: the LoRARequest of the
+        adapter it runs under (None: the base model)."""
         ids, params = self.engine.prepare_request(None, sampling_params, prompt_token_ids)  # no step state
         grammar = None
         if params.structured is not None:  # compiled on the compiler's thread; GrammarError is the 400
@@ -135,7 +136,7 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use")
         self._streams[request_id] = (asyncio.get_running_loop(), queue, tag)
-        self.engine.intake.put(("add", request_id, ids, params, grammar))
+        self.engine.intake.put(("add", request_id, ids, params, grammar, lora_request))
         self.start()
 
     async def generate(self, request_id: str | None = None, prompt: str | None = None,
@@ -148,13 +149,35 @@ class AsyncLLMEngine:
         async for delta in stream_deltas(self, request_id, ids, sampling_params):  # checked by submit
             yield delta
 
+    # ---- LoRA adapters -------------------------------------------------------------------------
+    async def add_lora(self, lora_request: Any) -> None:
+        """Load an adapter at run time: its files read on a worker thread, then registered between two
+        steps. LoRAError (400) for an adapter that cannot be served or a name already loaded."""
+        engine = self.engine
+        if engine.lora is None:
+            raise RequestError("LoRA adapters are not enabled: start the engine with --enable-lora")
+        weights = await asyncio.to_thread(engine.lora.read, lora_request)
+        await asyncio.to_thread(self._between_steps, engine.add_lora, lora_request, weights)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter between two steps (LoRANotFoundError: 404); its running requests finish."""
+        await asyncio.to_thread(self._between_steps, self.engine.remove_lora, lora_name)
+
+    def list_loras(self) -> list:
+        """The adapters loaded now (a snapshot: any thread)."""
+        return self.engine.list_loras()
+
+    def _between_steps(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` on the core with the step lock held (between two steps), as stats() reads it."""
+        self._stats_waiting.set()
+        with self._lock:
+            self._stats_waiting.clear()
+            return fn(*args)
+
     def abort(self, request_id: str) -> None:
         """Abort between steps (queued behind the request's own admission, so it cannot overtake it);
         any thread may call it. Its queue gets a last delta with finish_reason 'abort'."""
         self.engine.intake.put(("abort", request_id))
 
     def stats(self) -> dict:
-        self._stats_waiting.set()
-        with self._lock:
-            self._stats_waiting.clear()
-            return self.engine.stats()
+        return self._between_steps(self.engine.stats)

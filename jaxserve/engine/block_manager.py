@@ -240,15 +240,16 @@ class BlockManager:
             return 0.0
         return sum(fill.values()) / (len(fill) * self.page_size)
 
-    def lookup_prefix(self, replica: int, prompt_token_ids: Sequence[int]) -> int:
+    def lookup_prefix(self, replica: int, prompt_token_ids: Sequence[int], root: bytes = _ROOT_KEY) -> int:
         """Prompt tokens `admit` would report as already computed on this replica (no side effects)."""
-        pages, _ = self._match_prefix(self._pool(replica), prompt_token_ids)
+        pages, _ = self._match_prefix(self._pool(replica), prompt_token_ids, root)
         return len(pages) * self.page_size
 
     # ---------------------------------------------------------------- admission
 
     def can_admit(
-        self, replica: int, num_prompt_tokens: int, prompt_token_ids: Sequence[int] | None = None
+        self, replica: int, num_prompt_tokens: int, prompt_token_ids: Sequence[int] | None = None,
+        root: bytes = _ROOT_KEY,
     ) -> bool:
         """Whether a prompt's pages fit while leaving the watermark free.
 
@@ -264,12 +265,15 @@ class BlockManager:
                 raise BlockManagerError(
                     f"num_prompt_tokens={num_prompt_tokens} but {len(prompt_token_ids)} token ids given"
                 )
-            hits, _ = self._match_prefix(pool, prompt_token_ids)
+            hits, _ = self._match_prefix(pool, prompt_token_ids, root)
         return self._fits(pool, num_prompt_tokens, hits)
 
-    def admit(self, seq_id: Hashable, replica: int, prompt_token_ids: Sequence[int], reuse_prefix: bool = True) -> int:
+    def admit(self, seq_id: Hashable, replica: int, prompt_token_ids: Sequence[int], reuse_prefix: bool = True,
+              root: bytes = _ROOT_KEY) -> int:
         """Give a new sequence pages for its whole prompt, reusing cached prefix pages (unless
         `reuse_prefix` is False: a request for prompt logprobs must compute every position).
+        `root` starts the sequence's chain of page keys: sequences of another root (a LoRA adapter's,
+        `engine.lora_manager`) never share its pages.
 
         Returns how many leading prompt tokens are already computed (a multiple of page_size; the
         engine starts prefill there). Raises OutOfPagesError, changing nothing, if
@@ -282,7 +286,7 @@ class BlockManager:
         n = len(prompt_token_ids)
         if n == 0:
             raise BlockManagerError(f"sequence {seq_id!r}: empty prompt")
-        hits, last_key = self._match_prefix(pool, prompt_token_ids) if reuse_prefix else ([], _ROOT_KEY)
+        hits, last_key = self._match_prefix(pool, prompt_token_ids, root) if reuse_prefix else ([], root)
         if not self._fits(pool, n, hits):
             raise OutOfPagesError(
                 f"replica {replica}: {n}-token prompt does not fit in {pool.num_available()} free pages "
@@ -512,16 +516,17 @@ class BlockManager:
             raise BlockManagerError(f"replica {replica!r} out of range [0, {self.num_replicas})")
         return self._pools[r]
 
-    def _match_prefix(self, pool: _Pool, prompt: Sequence[int]) -> tuple[list[int], bytes]:
-        """Cached pages holding the prompt's leading full pages, and the chain key of the last."""
+    def _match_prefix(self, pool: _Pool, prompt: Sequence[int], root: bytes = _ROOT_KEY) -> tuple[list[int], bytes]:
+        """Cached pages holding the prompt's leading full pages (chained from `root`), and the chain
+        key of the last."""
         if not self.enable_prefix_caching:
-            return [], _ROOT_KEY
+            return [], root
         ps = self.page_size
         # The last prompt token is always recomputed: its logits are what the first sample needs,
         # so only full pages of prompt[:-1] can be hits (a page ending at the last token is redone).
         max_pages = max(0, len(prompt) - 1) // ps
         pages: list[int] = []
-        key = _ROOT_KEY
+        key = root
         for i in range(max_pages):
             next_key = _page_key(key, prompt[i * ps : (i + 1) * ps])
             page = pool.page_of.get(next_key)

@@ -40,6 +40,7 @@ from jaxserve.engine.output_processor import OutputProcessor, Request
 from jaxserve.engine.row_work import RowWork
 from jaxserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.stats import engine_stats, spec_metrics
 from jaxserve.engine.step_stats import StepComposition, is_prompt_chunk
 from jaxserve.errors import EngineClosedError, RequestError
 from jaxserve.model.ragged import is_placeholder, placeholder
@@ -125,7 +126,13 @@ class EngineCore:
         self.last_step_seconds = 0.0
         self.last_step_bytes_read = 0
         self.multihost: Any = None  # multi-host process 0: the broadcaster to the other processes
+        self.lora: Any = None  # LoRA serving: the engine.lora_manager.LoRAManager, once enable_lora
         self.closed = False
+
+    def enable_lora(self, manager: Any) -> None:
+        """Serve LoRA adapters (`engine.lora_manager.LoRAManager`): at most `max_loras` run at once."""
+        self.lora = manager
+        self.scheduler.max_loras = manager.max_loras
 
     def enable_speculation(self, spec: Any) -> None:
         """Speculative decoding (`jaxserve.spec_decode.SpeculativeDecoder`): the decoder gives rows
@@ -218,25 +225,26 @@ class EngineCore:
             return self._grammar_compiler
 
     def add_request(self, request_id: str, prompt: str | None = None, sampling_params: SamplingParams | None = None,
-                    prompt_token_ids: list[int] | None = None, grammar=None) -> None:
-        """Check and queue a request. `grammar`: its CompiledGrammar when the caller compiled
-        `structured` already; otherwise it is compiled here (cached by spec), and a spec the grammar
-        library rejects raises GrammarError (a RequestError)."""
+                    prompt_token_ids: list[int] | None = None, grammar=None, lora_request: Any = None) -> None:
+        """Check and queue a request (with `lora_request`, a `LoRARequest`, under that adapter).
+        `grammar`: its CompiledGrammar when the caller compiled `structured` already; otherwise it is
+        compiled here (cached by spec), and a spec the grammar library rejects raises GrammarError."""
         ids, params = self.prepare_request(prompt, sampling_params, prompt_token_ids)
-        self.admit(request_id, ids, params, grammar, prompt)
+        self.admit(request_id, ids, params, grammar, prompt, lora_request)
 
     def admit(self, request_id: str, ids: list[int], params: SamplingParams, grammar=None,
-              prompt: str | None = None) -> None:
+              prompt: str | None = None, lora_request: Any = None) -> None:
         """Queue a request already checked (`check_request`)."""
         self._check_open()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        adapter = None if lora_request is None else self.resolve_lora(lora_request)
         if params.structured is not None and grammar is None:
             grammar = self.grammar_compiler.compile(params.structured)
         base_seed = params.seed if params.seed is not None else int(self._seed_stream.integers(2**32))
         seqs = [Sequence(seq_id=f"{request_id}#{i}", request_id=request_id, index=i, prompt_token_ids=list(ids),
                          params=params, seed=(base_seed + 0x9E3779B9 * i) % 2**32,
-                         detokenizer=self.outputs.detokenizer(ids, params))
+                         detokenizer=self.outputs.detokenizer(ids, params), lora=adapter)
                 for i in range(params.n)]
         seqs[0].num_siblings_to_fork = params.n - 1
         if params.structured is not None:
@@ -276,9 +284,10 @@ class EngineCore:
         out, self._outbox = self._outbox, []
         return out
 
-    def _admit_queued(self, request_id: str, ids: list[int], params: SamplingParams, grammar: Any) -> bool:
+    def _admit_queued(self, request_id: str, ids: list[int], params: SamplingParams, grammar: Any,
+                      lora_request: Any = None) -> bool:
         try:
-            self.admit(request_id, ids, params, grammar)
+            self.admit(request_id, ids, params, grammar, lora_request=lora_request)
             return True
         except Exception as err:  # noqa: BLE001 - checked at intake; a late refusal fails this request only
             self._outbox.append(RequestFailure(request_id, err if isinstance(err, RequestError)
@@ -488,6 +497,8 @@ class EngineCore:
         version, so the runner rewrites a row's page table only when it changed)."""
         work = []
         live_page_ids = self.blocks.live_page_ids
+        if self.lora is not None:  # every running sequence's adapter in a device slot (at most max_loras)
+            self.lora.prepare(self.scheduler.adapters_in_use(waiting=False))
         for r in rows:
             seq, start, n = r.seq, r.start, r.num_tokens
             view = seq.token_view
@@ -498,7 +509,7 @@ class EngineCore:
             work.append(RowWork(tokens, start, pages, self._row_sampling(seq), seq.replica,
                                 self.outputs.prompt_targets(seq, start, n), samples,
                                 seq.grammar if samples else None, step=len(seq.output_token_ids),
-                                pages_version=version))
+                                pages_version=version, lora_slot=-1 if seq.lora is None else seq.lora.slot))
         return work
 
     @staticmethod
@@ -555,38 +566,31 @@ class EngineCore:
             self.scheduler.finish(seq, reason)
 
     def _output(self, request: Request) -> RequestOutput | None:
-        return self.outputs.delta(request, self._spec_metrics(request.seqs))
-
-    def _spec_metrics(self, seqs: list[Sequence]) -> dict:
-        if self.spec is None:
-            return {}
-        states = [s.spec for s in seqs if s.spec is not None]
-        return dict(spec_draft_tokens=sum(st.proposed for st in states),
-                    spec_accepted_tokens=sum(st.accepted for st in states),
-                    spec_verify_steps=sum(st.verify_steps for st in states))
+        return self.outputs.delta(request, spec_metrics(self.spec, request.seqs))
 
     # ---- observability -------------------------------------------------------------------------
     def stats(self) -> dict:
-        s, b = self.scheduler, self.blocks
-        replicas = range(self.num_replicas)
-        queried = b.num_prefix_queried_tokens
-        return dict(
-            num_running=len(s.running),
-            num_running_per_replica=[sum(q.replica == r for q in s.running) for r in replicas],
-            num_waiting=len(s.waiting),
-            num_preemptions=s.num_preemptions,
-            pages_used=[b.num_used_pages(r) for r in replicas],
-            pages_free=[b.num_free_pages(r) for r in replicas],
-            kv_cache_utilization=[b.kv_utilization(r) for r in replicas],
-            prefix_cache_hit_rate=(b.num_prefix_hit_tokens / queried) if queried else 0.0,
-            prompt_tokens_total=self.counters["prompt_tokens"],
-            generation_tokens_total=self.counters["generation_tokens"],
-            prefill_tokens_computed=self.counters["prefill_tokens_computed"],
-            arrivals_joined_total=self.counters["arrivals_joined"],
-            last_step_seconds=self.last_step_seconds,
-            last_step_bytes_read=self.last_step_bytes_read,
-            **self.runner.stats(),
-            **self.composition.as_stats(),
-            **(self.spec.stats() if self.spec is not None else {}),
-            **(self.multihost.stats() if self.multihost is not None else {}),
-        )
+        """The engine's gauges and counters (`engine.stats.engine_stats`: what /metrics shows)."""
+        return engine_stats(self)
+
+    # ---- LoRA adapters (engine.lora_manager) ---------------------------------------------------
+    def _lora_manager(self) -> Any:
+        if self.lora is None:
+            raise RequestError("LoRA adapters are not enabled: start the engine with enable_lora=True (--enable-lora)")
+        return self.lora
+
+    def resolve_lora(self, lora_request: Any) -> Any:
+        """The adapter a request names, its weights read (a new LoRARequest offline registers itself)."""
+        return self._lora_manager().resolve(lora_request)
+
+    def add_lora(self, lora_request: Any, weights: Any = None) -> None:
+        """Register an adapter (its PEFT weights read now unless given); LoRAError if it cannot be."""
+        self._lora_manager().add(lora_request, weights)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister an adapter: new requests cannot name it; running ones finish with it."""
+        self._lora_manager().remove(name)
+
+    def list_loras(self) -> list:
+        """The registered adapters' LoRARequests (any thread may call it)."""
+        return [] if self.lora is None else list(self.lora.snapshot)

@@ -39,3 +39,5 @@ class RowWork:
     # same table object at the same version holds the same leading entries, so a step whose row holds
     # it again does not rewrite them (`InputBatch`); None: rewritten every step.
     pages_version: int | None = None
+    # LoRA: the device slot of the row's adapter (`engine.lora_manager`); -1 for the base model.
+    lora_slot: int = -1

@@ -73,6 +73,14 @@ class Scheduler:
         # prompt chunk).
         self.lookahead: Callable[[Sequence, int], int] | None = None  # (sequence, rows in the batch) -> tokens
         self.lookahead_steps = False
+        # LoRA: the most adapters the running sequences may use at once (the device slots); None: no LoRA.
+        self.max_loras: int | None = None
+
+    def adapters_in_use(self, waiting: bool = True) -> set:
+        """The LoRA adapters (`engine.lora_manager.Adapter`) of the running sequences, and of the
+        waiting ones unless `waiting` is False."""
+        seqs = (*self.running, *self.waiting) if waiting else self.running
+        return {s.lora for s in seqs if s.lora is not None}
 
     # ---- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -216,22 +224,33 @@ class Scheduler:
 
         Continuous: while the prompt work in flight is under one step's token budget, so admitted
         sequences do not sit on pages for long before they run. Static: everything that fits, once.
+        With LoRA, a sequence whose adapter would be one more than `max_loras` among the running ones
+        is passed over (as vLLM does) until one of theirs finishes; the others keep their order.
         """
         static = self.scheduling == "static"
-        while self.waiting and (static or pending_tokens < self.max_num_batched_tokens):
-            seq = self.waiting[0]
+        adapters = None if self.max_loras is None else self.adapters_in_use(waiting=False)
+        passed_over = 0
+        while len(self.waiting) > passed_over and (static or pending_tokens < self.max_num_batched_tokens):
+            seq = self.waiting[passed_over]
+            if adapters is not None and seq.lora is not None and seq.lora not in adapters \
+                    and len(adapters) >= self.max_loras:
+                passed_over += 1
+                continue
             # Preempted with its token in flight (async scheduling): it waits until that token is on
             # the host. Its placeholder names a sample of its old replica's step, which another
             # replica's step would resolve from its own samples: a wrong id, and wrong K/V after it.
             if seq.in_flight or self._admit(seq) is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[passed_over]
+            if adapters is not None and seq.lora is not None:
+                adapters.add(seq.lora)
             pending_tokens += seq.compute_target - seq.num_computed
 
     def _admit(self, seq: Sequence) -> int | None:
         """Give the head of the queue pages on the best replica, or None if none can take it now."""
         tokens = seq.tokens
         reuse = seq.params.prompt_logprobs is None  # prompt logprobs need every position computed
+        root = seq.prefix_root  # the prefix cache's chain start: each adapter's own
         width = 1 + seq.num_siblings_to_fork
         seats = self._seats_left()  # siblings still to fork will run on their parent's replica
         best, best_key = None, None
@@ -242,15 +261,15 @@ class Scheduler:
                 need = width * self.blocks.pages_for(self._reserved_tokens(seq))
                 if self.blocks.num_free_pages(r) < need:
                     continue
-            elif not self.blocks.can_admit(r, len(tokens), tokens if reuse else None):
+            elif not self.blocks.can_admit(r, len(tokens), tokens if reuse else None, root):
                 continue
             # Prefer the replica holding this prefix, then the emptiest (most free pages, fewest sequences).
-            key = (self.blocks.lookup_prefix(r, tokens) if reuse else 0, self.blocks.num_free_pages(r), seats[r])
+            key = (self.blocks.lookup_prefix(r, tokens, root) if reuse else 0, self.blocks.num_free_pages(r), seats[r])
             if best_key is None or key > best_key:
                 best, best_key = r, key
         if best is None:
             return None
-        seq.num_computed = self.blocks.admit(seq.seq_id, best, tokens, reuse_prefix=reuse)
+        seq.num_computed = self.blocks.admit(seq.seq_id, best, tokens, reuse_prefix=reuse, root=root)
         if self.preemption_mode == "reserve":
             self.blocks.ensure_capacity(seq.seq_id, self._reserved_tokens(seq))
         seq.replica = best

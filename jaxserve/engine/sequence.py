@@ -80,6 +80,7 @@ class Sequence:
     # output so far. Preemption by recompute keeps it (the output is kept); n > 1 siblings get copies.
     grammar: Any = None
     row_sampling: Any = None  # its jaxserve.sampling.row.RowSampling, made on its first step (EngineCore._row_sampling)
+    lora: Any = None  # its LoRA adapter (engine.lora_manager.Adapter); None: the base model
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -87,6 +88,11 @@ class Sequence:
     ids_emitted: int = 0  # output tokens (and their logprob entries)
     text_emitted: int = 0  # characters of `text`
     finish_emitted: bool = False
+
+    @property
+    def prefix_root(self) -> bytes:
+        """Where its prefix-cache key chain starts: its adapter's own root, or the base model's."""
+        return b"" if self.lora is None else self.lora.prefix_root
 
     @property
     def tokens(self) -> list[int]:

@@ -113,6 +113,9 @@ class RaggedBatch:
     context_lens: jax.Array  # i32[S]  tokens in the cache for each row after this step's writes
     page_table: jax.Array  # i32[S, P]
     logit_index: jax.Array  # i32[L]  tokens whose logits are returned, row by row; padding -> 0 (ignored)
+    # With LoRA adapters (model/lora.py): each row's device slot, -1 for the base model; None when the
+    # engine serves no adapters (the step then has no such input).
+    row_lora: jax.Array | None = None  # i32[S]
 
     @classmethod
     def build(cls, rows, *, page_size: int, num_tokens: int, num_rows: int, max_pages: int,

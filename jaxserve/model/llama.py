@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.model import quant
+from jaxserve.model import lora as lora_ops, quant
 from jaxserve.config import ModelConfig
 from jaxserve.model.kv_cache import KVCache, RaggedBatch, write_kv_slots
 from jaxserve.model.layers import (
@@ -50,15 +50,20 @@ def _norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
     return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_weight_offset)
 
 
-def _project_qkv(cfg: ModelConfig, lp: LayerParams, x: jax.Array, cos: jax.Array, sin: jax.Array):
-    """Pre-norm, q/k/v projections, per-head q/k norms (Qwen3, Gemma 3) and rotary embeddings:
-    q f[B,T,N,H], k and v f[B,T,K,H]."""
+def _project_qkv(cfg: ModelConfig, lp: LayerParams, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 lora_columns: jax.Array | None = None):
+    """Pre-norm, q/k/v projections (each with its rows' LoRA updates, `model/lora.py`), per-head q/k
+    norms (Qwen3, Gemma 3) and rotary embeddings: q f[B,T,N,H], k and v f[B,T,K,H]."""
     B, T, _ = x.shape
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = _norm(cfg, x, lp.attn_norm)
-    q = _linear(h, lp.wq, lp.bq).reshape(B, T, N, H)
-    k = _linear(h, lp.wk, lp.bk).reshape(B, T, K, H)
-    v = _linear(h, lp.wv, lp.bv).reshape(B, T, K, H)
+
+    def project(w, bias, name):
+        return lora_ops.apply(_linear(h, w, bias), h, lp.lora, name, lora_columns)
+
+    q = project(lp.wq, lp.bq, "q").reshape(B, T, N, H)
+    k = project(lp.wk, lp.bk, "k").reshape(B, T, K, H)
+    v = project(lp.wv, lp.bv, "v").reshape(B, T, K, H)
     if lp.q_norm is not None:  # the params decide, so a config and its pytree never disagree
         q = _norm(cfg, q, lp.q_norm)
         k = _norm(cfg, k, lp.k_norm)
@@ -66,11 +71,12 @@ def _project_qkv(cfg: ModelConfig, lp: LayerParams, x: jax.Array, cos: jax.Array
 
 
 def _output_and_mlp(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Array,
-                    expert_parallel: ExpertParallelFn | None = None) -> jax.Array:
+                    expert_parallel: ExpertParallelFn | None = None, lora_columns: jax.Array | None = None) -> jax.Array:
     """Output projection and residual, then the pre-norm gated MLP (SwiGLU, Gemma's GeGLU, or a mixture
     of SwiGLU experts over the flattened tokens) and its residual; with Gemma 3's sandwich norms each block's output is normalised before its residual add."""
     B, T, N, H = attn.shape
-    out = _linear(attn.reshape(B, T, N * H), lp.wo, lp.bo)
+    attn = attn.reshape(B, T, N * H)
+    out = lora_ops.apply(_linear(attn, lp.wo, lp.bo), attn, lp.lora, "o", lora_columns)
     if lp.post_attn_norm is not None:
         out = _norm(cfg, out, lp.post_attn_norm)
     x = x + out
@@ -79,9 +85,17 @@ def _output_and_mlp(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.A
         experts = MoEParams(router=lp.router, w_gate=lp.expert_gate, w_up=lp.expert_up, w_down=lp.expert_down)
         out = moe_mlp(h.reshape(B * T, -1), experts, top_k=cfg.num_experts_per_tok,
                       normalize=cfg.norm_topk_prob, expert_parallel=expert_parallel).reshape(h.shape)
-    else:
+    elif lp.lora is None or lora_columns is None:
         mlp = geglu if cfg.hidden_act == "gelu_pytorch_tanh" else swiglu
         out = mlp(h, lp.w_gate, lp.w_up, lp.w_down)
+    else:  # the gated MLP of `geglu` / `swiglu`, each projection with its rows' LoRA updates
+        def project(x, w, name):
+            return lora_ops.apply(quant.matmul(x, w), x, lp.lora, name, lora_columns)
+
+        gate = project(h, lp.w_gate, "gate")
+        act = jax.nn.gelu(gate, approximate=True) if cfg.hidden_act == "gelu_pytorch_tanh" else jax.nn.silu(gate)
+        inner = act * project(h, lp.w_up, "up")
+        out = project(inner, lp.w_down, "down")
     if lp.post_mlp_norm is not None:
         out = _norm(cfg, out, lp.post_mlp_norm)
     return x + out
@@ -156,13 +170,14 @@ def _ragged_layer(
     sin: jax.Array,
     batch: RaggedBatch,
     expert_parallel: ExpertParallelFn | None = None,
+    lora_columns: jax.Array | None = None,  # f[N, M * R]: each token's adapter slot (model/lora.py)
 ) -> tuple[jax.Array, KVCache]:
-    q, k, v = _project_qkv(cfg, lp, x, cos, sin)  # [1, N, heads, H]: the flat axis as one batch row
+    q, k, v = _project_qkv(cfg, lp, x, cos, sin, lora_columns)  # [1, N, heads, H]: the flat axis as one batch row
     cache = write_kv_slots(cache, layer, k[0], v[0], batch.slots)
     scales = {} if not cache.quantized else dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
     attn = attention(q[0], cache.k, cache.v, layer, batch.positions, batch.query_start, batch.context_lens,
                      batch.page_table, window, sm_scale, **scales)
-    return _output_and_mlp(cfg, lp, x, attn[None], expert_parallel), cache
+    return _output_and_mlp(cfg, lp, x, attn[None], expert_parallel, lora_columns), cache
 
 
 # Unrolled layers call one layer's function as a nested jit: JAX traces and lowers it once per step
@@ -195,11 +210,12 @@ def forward_ragged(
     cos, sin, kinds = rope_tables(cfg, batch.positions[None])  # f32[1, N, H], or [2, 1, N, H] (Gemma 3)
     x = _embed(params, cfg, batch.tokens)[None]  # f[1, N, D]
     windows, sm_scales = layer_attention_params(cfg)
+    lora_columns = _lora_columns(params, batch, x.dtype)
 
     def run(lp, layer, x, cache):
         kind = None if kinds is None else int(kinds[layer])
         return _ragged_layer_traced_once(cfg, attention, lp, layer, windows[layer], sm_scales[layer], x, cache,
-                                         *_layer_rope(cos, sin, kind), batch, expert_parallel)
+                                         *_layer_rope(cos, sin, kind), batch, expert_parallel, lora_columns)
 
     if isinstance(params.layers, tuple):
         for layer, lp in enumerate(params.layers):
@@ -209,7 +225,7 @@ def forward_ragged(
             lp, layer, window, sm_scale, kind = xs
             x, cache = carry
             return _ragged_layer(cfg, attention, lp, layer, window, sm_scale, x, cache,
-                                 *_layer_rope(cos, sin, kind), batch, expert_parallel), None
+                                 *_layer_rope(cos, sin, kind), batch, expert_parallel, lora_columns), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         xs = (params.layers, layer_ids, windows, sm_scales, None if kinds is None else jnp.asarray(kinds))
@@ -219,6 +235,15 @@ def forward_ragged(
             x, cache = run(jax.tree.map(lambda w: w[layer], params.layers), layer, x, cache)
     x = _norm(cfg, x[0][batch.logit_index], params.final_norm)
     return (x if hidden else lm_head(params, cfg, x)), cache
+
+
+def _lora_columns(params: Params, batch: RaggedBatch, dtype) -> jax.Array | None:
+    """Each token's adapter columns (`lora.token_columns`), or None when the params hold no adapters
+    or the batch names none (a draft model's step, the research steps)."""
+    lora = (params.layers[0] if isinstance(params.layers, tuple) else params.layers).lora
+    if lora is None or batch.row_lora is None:
+        return None
+    return lora_ops.token_columns(batch.row_lora, batch.token_row, lora.slots, lora.rank, dtype)
 
 
 def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:

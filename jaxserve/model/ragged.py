@@ -59,6 +59,14 @@ class RaggedArrays:
     logit_index: np.ndarray  # i32[L]
 
 
+def row_lora_slots(slots: Sequence[int], num_rows: int) -> np.ndarray:
+    """`RaggedBatch.row_lora` of a step's rows: i32[S], each row's LoRA adapter slot, -1 for the base
+    model and for padding rows."""
+    out = np.full(num_rows, -1, np.int32)
+    out[: len(slots)] = slots
+    return out
+
+
 LOOP_MAX_ROWS = 8  # up to this many rows a loop over rows packs fastest; beyond, whole-array NumPy
 
 

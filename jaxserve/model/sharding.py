@@ -134,6 +134,31 @@ def make_shardings(cfg: ModelConfig, mesh: Mesh, stacked: bool = True, quantizat
     )
 
 
+# Each LoRA module's base weight's logical axes (in, out): its `a` [in, M * R] takes the input's, its
+# `b` [M * R, out] the output's. So column-parallel modules (q, k, v, gate, up: output split) keep `a`
+# whole and split `b` like the weight's columns, and the update lands split as the base output does;
+# row-parallel ones (o, down: input split) split `a` like the weight's rows and keep `b` whole, so x a
+# is one small all-reduce of [N, M * R] partial sums, and the update is whole like the base output.
+LORA_BASE_AXES = {"q": ("embed", "heads"), "k": ("embed", "kv_heads"), "v": ("embed", "kv_heads"),
+                  "o": ("heads", "embed"), "gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
+
+
+def lora_shardings(cfg: ModelConfig, mesh: Mesh, lora: Any, stacked: bool) -> Any:
+    """The NamedShardings of one layer's `LayerLoRA` (`lora`, any leaves), with a leading layer axis
+    when `stacked`."""
+    rules = logical_rules(cfg, mesh.shape[MODEL])
+    lead = ("layers",) if stacked else ()
+
+    def module(name: str, m: Any) -> Any:
+        if m is None:
+            return None
+        in_axis, out_axis = LORA_BASE_AXES[name]
+        return m.replace(a=NamedSharding(mesh, spec_for(lead + (in_axis, None), rules)),
+                         b=NamedSharding(mesh, spec_for(lead + (None, out_axis), rules)))
+
+    return lora.replace(**{name: module(name, getattr(lora, name)) for name in LORA_BASE_AXES})
+
+
 def per_replica(fn: Callable[..., Any], mesh: Mesh | None) -> Callable[..., Any]:
     """`fn` over arrays whose leading axis is the replica axis, run once per `data` shard under
     `jax.shard_map` (each device on its own replicas' rows) when the mesh has several replicas; `fn`

@@ -46,6 +46,9 @@ class LayerParams:
     expert_gate: jax.Array | None = None  # f[L, E, D, F_e]
     expert_up: jax.Array | None = None  # f[L, E, D, F_e]
     expert_down: jax.Array | None = None  # f[L, E, F_e, D]
+    # LoRA adapters resident on the device (model/lora.py LayerLoRA), set by the runner when the
+    # engine serves adapters (runner/lora.py); None otherwise, and in every checkpoint.
+    lora: Any = None
 
 
 @flax.struct.dataclass

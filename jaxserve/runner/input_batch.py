@@ -67,6 +67,12 @@ class InputBatch:
         # The padding values of pack_ragged and SamplingTensors.pack (zeros elsewhere).
         self.batch.slots[...] = PAD_SLOT
         self.batch.token_row[...] = self.num_rows
+        # LoRA (None without): each row's adapter slot, -1 for the base model and padding rows; per
+        # replica the slots last written, rewritten only when the rows' adapters changed.
+        self._row_lora = self.batch.row_lora
+        if self._row_lora is not None:
+            self._row_lora[...] = -1
+        self._lora_written: list[list[int]] = [[] for _ in range(layout.replicas)]
         self._scalars = {name: getattr(sampling, name) for name in ROW_SCALARS}
         for name, (_, idle) in ROW_SCALARS.items():
             self._scalars[name][...] = idle
@@ -175,6 +181,12 @@ class InputBatch:
         if t > N:
             raise ValueError(f"{t} tokens do not fit a step of {N} tokens")
         count = len(indices)
+        if self._row_lora is not None:
+            lora = [rows[i].lora_slot for i in indices]
+            if lora != self._lora_written[rep]:
+                self._row_lora[rep, :count] = lora
+                self._row_lora[rep, count:] = -1
+                self._lora_written[rep] = lora
         for r in range(count, self._counts[rep]):  # rows no longer used: back to the padding page
             page_table[r, : tables[r][2]] = PADDING_PAGE
             tables[r] = None

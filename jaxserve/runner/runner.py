@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import types
 from typing import Any, Callable, Sequence
 
 import jax
@@ -33,7 +34,7 @@ from jaxserve.errors import EngineClosedError
 from jaxserve.model.kv_cache import KVCache, RaggedBatch, cache_shardings, copy_pages_padded
 from jaxserve.runner.step_functions import generate_step, multi_decode_step, score_step
 from jaxserve.model.weights import Params
-from jaxserve.model.ragged import RaggedRow, pack_ragged
+from jaxserve.model.ragged import RaggedArrays, RaggedRow, pack_ragged, row_lora_slots
 from jaxserve.model.sampler import RowSampling, SamplingTensors
 from jaxserve.steps import StepOptions
 from jaxserve.structured.apply import TokenMask
@@ -104,7 +105,24 @@ class ModelRunner:
             shardings.mesh, jax.sharding.PartitionSpec())
         self.carried = jax.device_put(np.zeros((self.num_replicas, buckets.max_rows), np.int32), self.carry_sharding)
         self.speculation: Speculation | None = None  # enable_speculation
+        self.lora: Any = None  # enable_lora: runner.lora.LoRASlots
         CompileCounter.install()
+
+    def enable_lora(self, slots: Any) -> None:
+        """Serve LoRA adapters: every layer's params get `slots`' resident stacks (zeros), and each step
+        a row slot input (`RaggedBatch.row_lora`). Before any step is compiled: the steps take the
+        stacks as part of the params. The slot write is compiled here (an empty adapter into slot 0),
+        so loading adapters later compiles nothing."""
+        if self._executables:
+            raise RuntimeError("enable_lora must come before the steps are compiled")
+        self.lora = slots
+        self.params = slots.write(slots.attach(self.params), 0, NO_ADAPTER)
+
+    def write_lora(self, slot: int, adapter: Any) -> None:
+        """Put `adapter` (a `lora.peft_adapter.PeftAdapter`) into device slot `slot`: queued behind the
+        steps already dispatched, so they still read the slot's old adapter."""
+        self.check_open()
+        self.params = self.lora.write(self.params, slot, adapter)
 
     def enable_speculation(self, method: str, num_tokens: int, draft: Any = None) -> Speculation:
         """Compile every ragged bucket as a speculative step (and hold, for the draft method, the
@@ -147,7 +165,7 @@ class ModelRunner:
 
         batch = RaggedBatch(tokens=i32(N), positions=i32(N), slots=i32(N), token_row=i32(N),
                             query_start=i32(S + 1), context_lens=i32(S), page_table=i32(S, P),
-                            logit_index=i32(N if score else L))
+                            logit_index=i32(N if score else L), row_lora=i32(S) if self.lora is not None else None)
         inputs = (batch, SamplingTensors.spec((R, L), self.history_len), TokenMask.spec((R, L), self.cfg.vocab_size))
         if score:  # which of the N logits sample, and each token's next token, scored
             return inputs + (i32(L), i32(N))
@@ -229,7 +247,8 @@ class ModelRunner:
             return 0
         draft = self.speculation is not None and self.speculation.draft_cache is not None
         copies = self.num_replicas * (2 if draft else 1)
-        return len(self._executables) + (copies if self.compiles_at_warm_up is not None else 0)
+        lora_write = 1 if self.lora is not None else 0
+        return len(self._executables) + lora_write + (copies if self.compiles_at_warm_up is not None else 0)
 
     def stats(self) -> dict:
         return dict(
@@ -360,7 +379,8 @@ class ModelRunner:
         per_replica = [[i for i, r in enumerate(rows) if r.replica == rep] for rep in range(R)]
         N, P = shape
         L = self.num_logits(N)
-        fields = {f.name: [] for f in dataclasses.fields(RaggedBatch)}
+        fields = {f.name: [] for f in dataclasses.fields(RaggedArrays)}
+        row_lora = [row_lora_slots([rows[i].lora_slot for i in indices], S) for indices in per_replica]
         flat_sampling: list[RowSampling | None] = [None] * (R * L)
         flat_steps = [0] * (R * L)
         logit_at = np.full(len(rows), -1, np.int64)
@@ -387,7 +407,8 @@ class ModelRunner:
                 arrays = dataclasses.replace(arrays, logit_index=np.arange(N, dtype=np.int32))
             for name in fields:
                 fields[name].append(getattr(arrays, name))
-        batch = RaggedBatch(**{name: np.stack(v) for name, v in fields.items()})
+        batch = RaggedBatch(**{name: np.stack(v) for name, v in fields.items()},
+                            row_lora=np.stack(row_lora) if self.lora is not None else None)
         st = SamplingTensors.pack(flat_sampling, (R, L), self.history_len, steps=flat_steps)
         grammars = [(rows[i].grammar, int(logit_at[i])) for i in range(len(rows))
                     if rows[i].grammar is not None and logit_at[i] >= 0]
@@ -546,6 +567,10 @@ class ModelRunner:
         if self.closed:
             raise EngineClosedError("this engine is closed (its executables, weights and KV cache are released); "
                                     "build a new one")
+
+
+# What `enable_lora` compiles the slot write with: an adapter of no modules (zeros everywhere).
+NO_ADAPTER = types.SimpleNamespace(modules={})
 
 
 def delete_buffers(tree: Any) -> None:

@@ -24,7 +24,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine.buckets import pick_step_shape
 from jaxserve.model.kv_cache import KVCache, RaggedBatch, cache_shardings, init_cache
 from jaxserve.model.weights import Params
-from jaxserve.model.ragged import RaggedArrays, RaggedRow, pack_ragged
+from jaxserve.model.ragged import RaggedArrays, RaggedRow, pack_ragged, row_lora_slots
 from jaxserve.model.sampler import RowSampling, SamplingTensors
 from jaxserve.spec_decode.step import DraftInputs, SpecOptions, SpecRows, speculative_step
 from jaxserve.model.transfer import Layout, from_buffer, with_sparse
@@ -65,7 +65,8 @@ class Speculation:
     def input_specs(self, shape: tuple) -> tuple:
         r = self.runner
         N, P = shape
-        return _step_inputs(self, N, P, r.num_logits(N), r.buckets.max_rows, r.num_replicas, r.history_len)
+        return _step_inputs(self, N, P, r.num_logits(N), r.buckets.max_rows, r.num_replicas, r.history_len,
+                            r.lora is not None)
 
     def lower(self, shape: tuple, layout: Layout, sparse: tuple):
         return _lower(self.runner, layout, sparse)
@@ -77,21 +78,24 @@ class Speculation:
         return _pack(self.runner, rows)
 
 
-def _step_inputs(spec: Speculation, N: int, P: int, G: int, S: int, R: int, history_len: int) -> tuple:
-    """ShapeDtypeStructs of a speculative step's host inputs (see the module docstring)."""
+def _step_inputs(spec: Speculation, N: int, P: int, G: int, S: int, R: int, history_len: int,
+                 lora: bool = False) -> tuple:
+    """ShapeDtypeStructs of a speculative step's host inputs (see the module docstring); with `lora`
+    the target's batch carries each row's adapter slot (the draft model has no adapters)."""
     def i32(*dims):
         return jax.ShapeDtypeStruct((R,) + dims, jnp.int32)
 
-    def ragged(n, logits):
+    def ragged(n, logits, row_lora=False):
         return RaggedBatch(tokens=i32(n), positions=i32(n), slots=i32(n), token_row=i32(n), query_start=i32(S + 1),
-                           context_lens=i32(S), page_table=i32(S, P), logit_index=i32(logits))
+                           context_lens=i32(S), page_table=i32(S, P), logit_index=i32(logits),
+                           row_lora=i32(S) if row_lora else None)
 
     rows = SpecRows(num_draft=i32(G), want_logprobs=jax.ShapeDtypeStruct((R, G), jnp.bool_),
                     group_logits=i32(G * spec.width))
     draft = None
     if spec.method == "draft":
         draft = DraftInputs(batch=ragged(N, G), draft_index=i32(G, spec.num_tokens), group_row=i32(G))
-    return ragged(N, num_logits(N, G, spec)), SamplingTensors.spec((R, G), history_len), rows, draft
+    return ragged(N, num_logits(N, G, spec), lora), SamplingTensors.spec((R, G), history_len), rows, draft
 
 
 def num_logits(N: int, G: int, spec: Speculation) -> int:
@@ -157,8 +161,9 @@ def _pack(runner: Any, rows: Sequence[Any]):
     N, P = shape
     G = runner.num_logits(N)
     draft = spec.method == "draft"
-    fields: dict[str, list] = {f.name: [] for f in dataclasses.fields(RaggedBatch)}
-    draft_fields: dict[str, list] = {f.name: [] for f in dataclasses.fields(RaggedBatch)}
+    fields: dict[str, list] = {f.name: [] for f in dataclasses.fields(RaggedArrays)}
+    draft_fields: dict[str, list] = {f.name: [] for f in dataclasses.fields(RaggedArrays)}
+    row_lora = [row_lora_slots([rows[i].lora_slot for i in indices], S) for indices in per_replica]
     flat_sampling: list[RowSampling | None] = [None] * (R * G)
     flat_steps = [0] * (R * G)
     num_draft = np.zeros((R, G), np.int32)
@@ -192,7 +197,8 @@ def _pack(runner: Any, rows: Sequence[Any]):
         if draft:
             _append(draft_fields, _draft_arrays([rows[i] for i in indices], [pages[i] for i in indices], ps, N, S, P,
                                                 G))
-    batch = RaggedBatch(**{name: np.stack(v) for name, v in fields.items()})
+    batch = RaggedBatch(**{name: np.stack(v) for name, v in fields.items()},
+                        row_lora=np.stack(row_lora) if runner.lora is not None else None)
     st = SamplingTensors.pack(flat_sampling, (R, G), runner.history_len, steps=flat_steps)
     draft_inputs = None
     if draft:
