@@ -94,3 +94,58 @@ def test_rewriting_a_slot_replaces_the_adapter_and_compiles_once():
     want, _ = forward_ragged(merged(init_dummy_params(cfg, 0, jnp.float32, std=0.2), small), cache,
                              batch_of(ROWS[:1], [-1] * S), cfg=cfg)
     np.testing.assert_allclose(got[0], want[0], rtol=2e-5, atol=2e-5)
+
+
+def test_int8_base_weights_take_the_update_as_float_ones_do():
+    """int8 weights (groups of 32): the update adds to the quantized projection's output, so the
+    logits are those of the dequantized weights with the adapter merged in."""
+    from jaxserve.model import quant
+
+    cfg = make_cfg()
+    base = init_dummy_params(cfg, 0, jnp.float32, std=0.2)
+    q = quant.quantize_params(base, group_size=32)
+    dequantized = quant.map_linear(q, lambda w: quant.dequantize(w, jnp.float32))
+    adapter = random_adapter(cfg, 8, list(FIELDS), 5)
+    slots = LoRASlots(cfg, slots=2, rank=8, dtype=jnp.float32)
+    params = slots.write(slots.attach(unstack_layers(q)), 1, adapter)
+    cache = KVCache(k=jnp.zeros(cache_shape(cfg, 8, PAGE)[1:]), v=jnp.zeros(cache_shape(cfg, 8, PAGE)[1:]))
+    got, _ = forward_ragged(params, cache, batch_of(ROWS, [1, -1, 1, -1]), cfg=cfg)
+    want, _ = forward_ragged(merged(dequantized, adapter), cache, batch_of(ROWS, [-1] * S), cfg=cfg)
+    plain, _ = forward_ragged(dequantized, cache, batch_of(ROWS, [-1] * S), cfg=cfg)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got[1], plain[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_tensor_parallel_mesh_matches_one_device(stacked):
+    """On a (1, 2) mesh column-parallel modules split b on its output and row-parallel ones a on its
+    input (as their base weights), and the step's logits are one device's."""
+    from jaxserve.model.sharding import MODEL, make_mesh, make_shardings
+
+    cfg = make_cfg()
+    base = init_dummy_params(cfg, 0, jnp.float32, std=0.2)
+    base = base if stacked else unstack_layers(base)
+    adapters = [random_adapter(cfg, 4, ["q", "v", "down"], 6), random_adapter(cfg, 8, list(FIELDS), 7)]
+    want_slots = LoRASlots(cfg, slots=2, rank=8, dtype=jnp.float32)
+    one = want_slots.attach(base)
+    for slot, adapter in enumerate(adapters):
+        one = want_slots.write(one, slot, adapter)
+    mesh = make_mesh((1, 2))
+    placed = jax.device_put(base, make_shardings(cfg, mesh, stacked=stacked).params)
+    slots = LoRASlots(cfg, slots=2, rank=8, dtype=jnp.float32, mesh=mesh)
+    params = slots.attach(placed)
+    for slot, adapter in enumerate(adapters):
+        params = slots.write(params, slot, adapter)
+    lora = params.layers.lora if stacked else params.layers[0].lora
+    lead = (None,) if stacked else ()
+    def spec(x):  # trailing Nones spelled out
+        return tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+
+    assert spec(lora.q.a) == (*lead, None, None) and spec(lora.q.b) == (*lead, None, MODEL)
+    assert spec(lora.o.a) == (*lead, MODEL, None) and spec(lora.down.b) == (*lead, None, None)
+    cache = KVCache(k=jnp.zeros(cache_shape(cfg, 8, PAGE)[1:]), v=jnp.zeros(cache_shape(cfg, 8, PAGE)[1:]))
+    batch = batch_of(ROWS, [0, 1, -1, -1])
+    got, _ = forward_ragged(params, cache, batch, cfg=cfg, scan_layers=stacked)
+    want, _ = forward_ragged(one, cache, batch, cfg=cfg, scan_layers=stacked)
+    np.testing.assert_allclose(got[:3], want[:3], rtol=2e-5, atol=2e-5)
