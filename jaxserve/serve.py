@@ -3,6 +3,7 @@
     jaxserve serve [MODEL] [--config FILE] [engine flags] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
                    [--max-waiting N] [--served-model-name NAME ...] [--max-body-bytes N]
                    [--grace-seconds S] [--mock-engine]
+                   [--enable-lora --lora-modules NAME=PATH ... --allow-runtime-lora-updating]
     (or python -m jaxserve.serve ...)
 
 Engine flags are every `EngineConfig` setting as `--kebab-case` (`--model`, `--dtype`, `--mesh-shape`, ...);
@@ -15,6 +16,11 @@ before the server listens; then `/health` is 503 until the engine is loaded and 
 SIGTERM / SIGINT: stop accepting connections, let in-flight requests finish for up to
 `--grace-seconds`, shut the engine down, exit 0.
 
+LoRA adapters (docs/lora.md): `--enable-lora`, `--lora-modules NAME=PATH ...` (or vLLM's JSON objects),
+`--max-loras`, `--max-lora-rank`, `--max-cpu-loras` are engine settings; a request's `model` names its
+adapter. `--allow-runtime-lora-updating` (or vLLM's `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`) adds
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
+
 Multi-host (docs/multihost.md): run the same command on every host with `--coordinator-address
 HOST:PORT --num-processes N --process-id I`. Process 0 serves HTTP and schedules; the others load the
 same model, compile the same steps and run each step process 0 hands them, and exit 0 when it stops.
@@ -24,6 +30,7 @@ If a process dies the others exit non-zero (3 when a step fails) with an error n
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import logging
 import os
@@ -99,6 +106,10 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
                    help="chat: split a reasoning model's <think>...</think> from its answer (message.reasoning_content "
                         "apart from content); a constrained request's grammar then applies after </think>. "
                         "Default: none (the whole output is content)")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true", default=None,
+                   help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (load and unload LoRA "
+                        "adapters while serving; needs --enable-lora). Default: on when the environment sets "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING to 1 or true, as vLLM")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     m = parser.add_argument_group("mock engine (tests, HTTP-layer fuzzing)")
@@ -167,6 +178,31 @@ def build_engine(ns: argparse.Namespace, settings: EngineConfig) -> Any:
     return start_async_engine(settings)
 
 
+def check_lora_options(ns: argparse.Namespace, settings: EngineConfig, served_names: Sequence[str]) -> None:
+    """Contradictions between the LoRA flags and the server's (ConfigError: exit 2 before anything loads);
+    --lora-modules without --enable-lora is EngineConfig's own error."""
+    if ns.allow_runtime_lora_updating and not settings.enable_lora:
+        raise ConfigError("--allow-runtime-lora-updating needs --enable-lora (adapters are loaded into a LoRA-enabled "
+                          "engine)")
+    taken = sorted({r.lora_name for r in settings.lora_modules} & set(served_names))
+    if taken:
+        raise ConfigError(f"--lora-modules: {', '.join(map(repr, taken))} is also a served model name "
+                          "(--served-model-name): requests naming it would never reach the adapter; rename one")
+
+
+def load_lora_modules(engine: Any, settings: EngineConfig) -> None:
+    """Make sure every --lora-modules adapter is loaded once the engine runs: the engine registers them
+    itself; any it has not are added here, so that a bad one stops the start (LoRAError) rather than
+    the first request naming it."""
+    if not settings.lora_modules:
+        return
+    loaded = {r.lora_name for r in engine.list_loras()}
+    for request in settings.lora_modules:
+        if request.lora_name not in loaded:
+            asyncio.run(engine.add_lora(request))
+    logger.info("LoRA adapters: %s", ", ".join(f"{r.lora_name} ({r.lora_path})" for r in settings.lora_modules))
+
+
 def run_follower(settings: EngineConfig) -> int:
     """A multi-host process other than 0: no HTTP server. Load the model and compile the steps as
     process 0 does, then run every step it hands over until it shuts down (exit 0)."""
@@ -228,6 +264,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serv
     if ns.max_waiting is not None and ns.max_waiting < 0:
         print("error: --max-waiting must be >= 0", file=sys.stderr)
         return 2
+    served_names = tuple(ns.served_model_name or [default_name])
+    try:
+        check_lora_options(ns, settings, served_names)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if not ns.mock_engine:  # before JAX's backend starts: its GPU allocator takes gpu_memory_utilization
         from jaxserve.planning.memory import apply_memory_utilization
 
@@ -244,7 +286,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serv
     from jaxserve.server.api import ServerOptions, create_app
 
     options = ServerOptions(
-        served_model_names=tuple(ns.served_model_name or [default_name]),
+        served_model_names=served_names,
         model_path=settings.model,
         api_key=ns.api_key or None,
         max_waiting=ns.max_waiting,
@@ -255,6 +297,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serv
         generation_defaults=generation_defaults,
         tool_call_parser=ns.tool_call_parser,
         reasoning_parser=ns.reasoning_parser,
+        allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
     )
     app = create_app(options)
     state = app.state.jaxserve
@@ -278,6 +321,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serv
             logger.info("loading %s (%s)", settings.model or "the mock engine", note or "weights from the checkpoint")
             engine = build_engine(ns, settings)
             engine.start()
+            try:
+                load_lora_modules(engine, settings)
+            except BaseException:
+                engine.shutdown()
+                raise
         except BaseException as err:  # noqa: BLE001 - reported, and the server exits non-zero
             message = (EngineConfig.cli_message(str(err)) if isinstance(err, JaxServeError)
                        else f"{type(err).__name__}: {err}")

@@ -162,3 +162,20 @@ def test_hub_and_memory_settings():
         with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
             EngineConfig(gpu_memory_utilization=bad)
     assert "Hugging Face model ID" in EngineConfig.__dataclass_fields__["model"].metadata["help"]
+
+
+def test_list_setting_takes_several_values_after_its_flag(tmp_path):
+    """--lora-modules (vLLM's spelling): several NAME=PATH or JSON values after one flag, a repeated flag
+    adds to them, and flags replace the YAML's list."""
+    cfg = EngineConfig.from_cli(["--enable-lora", "--lora-modules", "a=/p/a", "b=/p/b",
+                                 '{"name": "c", "path": "/p/c", "base_model_name": "base"}',
+                                 "--lora-modules", "d=/p/d", "--max-loras", "2"])
+    assert [(r.lora_name, r.lora_int_id, r.lora_path, r.base_model_name) for r in cfg.lora_modules] == [
+        ("a", 1, "/p/a", None), ("b", 2, "/p/b", None), ("c", 3, "/p/c", "base"), ("d", 4, "/p/d", None)]
+    assert cfg.max_loras == 2
+    path = tmp_path / "c.yaml"
+    path.write_text("enable_lora: true\nlora_modules: [x=/p/x, {name: y, path: /p/y}]\n")
+    assert [r.lora_name for r in EngineConfig.from_cli(["--config", str(path)]).lora_modules] == ["x", "y"]
+    assert [r.lora_name for r in EngineConfig.from_cli(["--config", str(path), "--lora-modules", "z=/p/z"]).lora_modules] == ["z"]
+    with pytest.raises(SystemExit):  # a list flag needs at least one value
+        EngineConfig.from_cli(["--enable-lora", "--lora-modules"])

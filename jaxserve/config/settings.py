@@ -115,16 +115,26 @@ def choice(*options: str) -> Callable[[Any], str]:
 
 
 def setting(default: Any, help: str, parse: Callable[[Any], Any], group: str = "other", short: str | None = None,
-            alias_of: tuple[str, int] | None = None):
+            alias_of: tuple[str, int] | None = None, nargs: str | None = None):
     """A dataclass field that knows how to parse itself from YAML and the CLI.
 
     `group` titles the section of `--help` the flag is listed in (model, cache, scheduling, ...); `short`
     is an extra spelling of the flag (vLLM's `-tp`). `alias_of=(target, index)` makes the setting another
     spelling of element `index` of the tuple setting `target` (tensor_parallel_size is mesh_shape[1]):
     it defaults to None, is folded into the target when the object is built and reads None afterwards,
-    so the target is the one source of truth (`fold_aliases`)."""
+    so the target is the one source of truth (`fold_aliases`). `nargs="+"` makes the flag take one or
+    more values (a list setting; the default for a setting whose default is an empty tuple: `cli_nargs`)."""
     return dataclasses.field(default=default, metadata={"help": help, "parse": parse, "group": group, "short": short,
-                                                        "alias_of": alias_of})
+                                                        "alias_of": alias_of, "nargs": nargs})
+
+
+def cli_nargs(field: dataclasses.Field) -> str | None:
+    """How many values a setting's flag takes: its `nargs`, else "+" for a list setting (one whose
+    default is an empty tuple, such as lora_modules: `--lora-modules a=/p b=/q`), else one."""
+    nargs = field.metadata.get("nargs")
+    if nargs is None and isinstance(field.default, tuple) and not field.default:
+        nargs = "+"
+    return nargs
 
 
 def flag_name(name: str) -> str:
@@ -266,7 +276,8 @@ class Settings:
     def add_cli_arguments(cls, parser: argparse.ArgumentParser, title_prefix: str = "") -> None:
         """One `--kebab-case` flag per field, listed in `--help` under its group; values stay strings and
         are parsed by the dataclass. Boolean settings take `--flag` (true), `--no-flag` (false), or an
-        explicit value (`--flag false`, as YAML would say it)."""
+        explicit value (`--flag false`, as YAML would say it). A list setting (`cli_nargs`) takes several
+        values after its flag, and a repeated flag adds to them (`--lora-modules a=/p --lora-modules b=/q`)."""
         groups: dict[str, argparse._ArgumentGroup] = {}
         for field in dataclasses.fields(cls):  # type: ignore[arg-type]
             parse = field.metadata["parse"]
@@ -283,6 +294,11 @@ class Settings:
                                    metavar="BOOL", help=help_text + f"; {flag} alone means true")
                 group.add_argument("--no-" + flag[2:], dest=field.name, default=argparse.SUPPRESS,
                                    action="store_const", const="false", help=f"same as {flag} false")
+                continue
+            nargs = cli_nargs(field)
+            if nargs is not None:
+                group.add_argument(*flags, dest=field.name, default=argparse.SUPPRESS, choices=options, help=help_text,
+                                   nargs=nargs, action="extend")
                 continue
             group.add_argument(*flags, dest=field.name, default=argparse.SUPPRESS, choices=options, help=help_text)
 

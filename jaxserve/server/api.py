@@ -4,7 +4,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/capabilities,
 GET /health (200 only once the engine is warm and while not draining), GET /metrics (Prometheus),
-POST /tokenize and POST /detokenize (vLLM's; like /health and /metrics, outside the /v1 API-key gate).
+POST /tokenize and POST /detokenize (vLLM's; like /health and /metrics, outside the /v1 API-key gate);
+with --allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), vLLM's POST /v1/load_lora_adapter
+and POST /v1/unload_lora_adapter (server/lora.py). A request's `model` may name a loaded LoRA adapter.
 
 Errors are OpenAI-style objects, `{"error": {"message", "type", "param", "code"}}`:
   400  body not JSON (code invalid_json); a field of the wrong type or out of its documented range, a
@@ -12,7 +14,7 @@ Errors are OpenAI-style objects, `{"error": {"message", "type", "param", "code"}
        as in OpenAI and vLLM); a parameter jaxserve does not support (named); a request the engine
        rejects (prompt too long, bad token ids, ...). Type "invalid_request_error" throughout.
   401  /v1/* without `Authorization: Bearer <--api-key>` (when an API key is set)
-  404  unknown model name; unknown route
+  404  unknown model name (neither a served name nor a loaded LoRA adapter); unknown route
   413  body over --max-body-bytes
   503  engine not warm yet, server draining, or more than --max-waiting requests already waiting
   500  an unexpected failure while processing this one request (the server keeps serving)
@@ -40,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxserve.sampling.params import MAX_LOGIT_BIAS, SamplingParams
 from jaxserve.server.engine_protocol import ServingEngine
 from jaxserve.server.errors import APIError, dumps, error_body, error_response
+from jaxserve.server.lora import LORA_ROUTES, add_lora_routes
 from jaxserve.server.protocol import (
     KNOWN_UNSUPPORTED,
     MAX_LOGPROBS,
@@ -74,7 +77,7 @@ _SAMPLING_PARAMS = sorted(f.name for f in dataclasses.fields(SamplingParams))
 # ==============================================================================================
 
 _KNOWN_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/capabilities", "/health", "/metrics",
-                 "/tokenize", "/detokenize"}
+                 "/tokenize", "/detokenize", *LORA_ROUTES}
 
 
 class GateMiddleware:
@@ -242,10 +245,10 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
     async def models():
         cards = [
             {"id": name, "object": "model", "created": state.created, "owned_by": "jaxserve",
-             "root": options.model_path, "max_model_len": state.max_model_len}
+             "root": options.model_path, "parent": None, "max_model_len": state.max_model_len}
             for name in options.served_model_names
         ]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": cards + state.lora.cards()}  # the adapters loaded now
 
     @app.get("/v1/capabilities", responses=err_responses)
     async def capabilities():
@@ -261,7 +264,8 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
             "generation_defaults": state.generation_defaults.as_dict(),
             "endpoints": ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models",
                           "GET /v1/capabilities", "GET /health", "GET /metrics", "POST /tokenize",
-                          "POST /detokenize"],
+                          "POST /detokenize"] + ([f"POST {r}" for r in LORA_ROUTES] if state.lora.runtime_updating else []),
+            "lora": state.lora.describe(),
             "completions": {"fields": sorted(CompletionRequest.model_fields)},
             "chat_completions": {"fields": sorted(ChatCompletionRequest.model_fields),
                                  "roles": ["system", "developer", "user", "assistant", "tool"],
@@ -302,6 +306,9 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
         state.check_model(body.model)
         return detokenize(state, body)
 
+    if state.lora.runtime_updating:
+        add_lora_routes(app, state, err_responses)
+
     app.openapi = functools.partial(_openapi_without_422, app.openapi)
     return app
 
@@ -328,8 +335,9 @@ async def _generate(state: ServerState, request: Request, body: CompletionReques
     """Both generation routes: the checks (503, 404), translation (400), the queue bound (503), then the engine."""
     arrival = time.monotonic()
     state.check_ready()
-    model = state.check_model(body.model)
+    model, lora_request = state.check_model(body.model)
     job = translate(state, body, chat)
+    job.lora_request = lora_request
     await state.check_queue()
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     if body.user:

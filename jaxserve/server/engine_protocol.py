@@ -6,6 +6,10 @@ fields an engine knows. Outputs are deltas: each `RequestOutput` carries what is
 (token ids, text, logprob entries, the finish reason once), put in the queue the server gave
 `submit`, one queue per HTTP request shared by its prompts.
 
+LoRA adapters (`LoRAServingEngine`): an engine whose `config.enable_lora` is on also has `add_lora`,
+`remove_lora`, `list_loras` and takes `submit(..., lora_request=)`; the server passes `lora_request`
+only for a request that names an adapter, so an engine without adapters needs none of it.
+
 No jax here: the server imports this with the mock engine too.
 """
 
@@ -15,6 +19,7 @@ import asyncio
 from typing import Any, Iterable, Protocol, runtime_checkable
 
 from jaxserve.config import EngineConfig
+from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling.params import SamplingParams
 
 
@@ -63,4 +68,27 @@ class ServingEngine(Protocol):
         for up to a step: call it from a worker thread, not the event loop."""
 
 
-__all__ = ["ServerTokenizer", "ServingEngine"]
+@runtime_checkable
+class LoRAServingEngine(ServingEngine, Protocol):
+    """A `ServingEngine` serving LoRA adapters (`config.enable_lora`): what server/lora.py calls."""
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                     queue: asyncio.Queue, tag: Any = None, lora_request: LoRARequest | None = None) -> None:
+        """As ServingEngine.submit; `lora_request` (a loaded adapter, None: the base model) runs it with
+        that adapter. LoRANotFoundError (the server's 404) if it is not loaded."""
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and check an adapter (its files read off the event loop); LoRAError (the server's 400)
+        names what is wrong: a missing path or file, a rank above max_lora_rank, a module it cannot
+        adapt, a name already loaded."""
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter; requests already running with it finish. LoRANotFoundError if not loaded."""
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters loaded now (a snapshot; any thread). `stats()["lora"]` counts their requests:
+        {"max_loras", "running": {name: n}, "waiting": {name: n}, "resident": [names], "cpu_cached":
+        [names], "loads_total", "evictions_total"}."""
+
+
+__all__ = ["LoRAServingEngine", "ServerTokenizer", "ServingEngine"]

@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from jaxserve.errors import JaxServeError, RequestError
+from jaxserve.errors import JaxServeError, LoRAError, LoRANotFoundError, RequestError
 from jaxserve.structured.errors import GrammarError
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,10 @@ def engine_error(err: BaseException) -> APIError:
         return err
     if isinstance(err, GrammarError):  # the grammar library refused the request's schema, regex or grammar
         return APIError(400, str(err), code="invalid_structured_output")
+    if isinstance(err, LoRANotFoundError):  # its adapter was unloaded between the name check and the engine
+        return APIError(404, str(err), type="not_found_error", param="model", code="model_not_found")
+    if isinstance(err, LoRAError):
+        return APIError(400, str(err), code="invalid_lora_adapter")
     if isinstance(err, RequestError):
         return APIError(400, str(err), code="invalid_request")
     if isinstance(err, JaxServeError):

@@ -1,7 +1,16 @@
 """Prometheus metrics of one server: engine state read at scrape time, request latencies observed by the API.
 
 Every metric is named `jaxserve:...` and lives in the app's own registry, so several apps in one
-process (tests) do not collide.
+process (tests) do not collide. One is also exported under vLLM's name, for the tools that read it
+(the Gateway API Inference Extension's endpoint picker routes by it): `vllm:lora_requests_info`.
+
+LoRA adapters (with --enable-lora, from `stats()["lora"]`): `jaxserve:lora_requests_info` and its
+alias `vllm:lora_requests_info`, vLLM's shape: a gauge whose value is the scrape's wall-clock time and
+whose labels say `running_lora_adapters` and `waiting_lora_adapters` (the adapters' names, comma
+separated) and `max_lora`; the requests per adapter, `jaxserve:lora_requests_running{lora_name}` and
+`jaxserve:lora_requests_waiting{lora_name}`; `jaxserve:lora_adapters_resident` (in device slots) and
+`jaxserve:lora_adapters_cpu_cached` (held in host memory); the counters `jaxserve:lora_loads_total`
+(adapters written into a device slot) and `jaxserve:lora_evictions_total` (swapped out for another).
 
 Model bandwidth utilisation (MBU) = bytes the last engine step had to read (weights + KV) / the
 step's time / the device's peak memory bandwidth. The peak comes from `--device-bandwidth`, else from the
@@ -13,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
@@ -58,6 +68,36 @@ def step_composition(stats: dict):
             buckets.append((str(bound), float(cumulative)))
         yield HistogramMetricFamily("jaxserve:iteration_tokens", "Real (unpadded) tokens computed per engine step.",
                                     buckets=buckets, sum_value=float(hist["sum"]))
+
+
+def lora_metrics(stats: dict, now: float | None = None):
+    """The LoRA adapters' metrics (module docstring), when the engine reports `stats()["lora"]`."""
+    lora = stats.get("lora")
+    if not isinstance(lora, dict):
+        return
+    running, waiting = dict(lora.get("running") or {}), dict(lora.get("waiting") or {})
+    labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+    values = [str(lora.get("max_loras", "")), ",".join(n for n, k in running.items() if k),
+              ",".join(n for n, k in waiting.items() if k)]
+    for name in ("vllm:lora_requests_info", "jaxserve:lora_requests_info"):
+        family = GaugeMetricFamily(name, "Running and waiting LoRA adapters (labels) and max_lora; the value is the "
+                                   "time of this reading (vLLM's shape).", labels=labels)
+        family.add_metric(values, time.time() if now is None else now)
+        yield family
+    for key, doc in (("running", "Requests running, per LoRA adapter."),
+                     ("waiting", "Requests waiting, per LoRA adapter.")):
+        family = GaugeMetricFamily(f"jaxserve:lora_requests_{key}", doc, labels=["lora_name"])
+        for name, count in (running if key == "running" else waiting).items():
+            family.add_metric([name], float(count))
+        yield family
+    yield GaugeMetricFamily("jaxserve:lora_adapters_resident", "LoRA adapters in device slots (at most max_loras).",
+                            value=float(len(lora.get("resident") or ())))
+    yield GaugeMetricFamily("jaxserve:lora_adapters_cpu_cached", "LoRA adapters held in host memory.",
+                            value=float(len(lora.get("cpu_cached") or ())))
+    yield CounterMetricFamily("jaxserve:lora_loads", "LoRA adapters written into a device slot.",
+                              value=float(lora.get("loads_total", 0)))
+    yield CounterMetricFamily("jaxserve:lora_evictions", "LoRA adapters swapped out of a device slot for another.",
+                              value=float(lora.get("evictions_total", 0)))
 
 
 class _EngineCollector:
@@ -144,6 +184,7 @@ class _EngineCollector:
                          "Tokens per verify step: accepted drafts + the target's own token (since start).",
                          "spec_decode_mean_accepted_length")
         yield from step_composition(stats)
+        yield from lora_metrics(stats)
         seconds = stats.get("last_step_seconds")
         nbytes = stats.get("last_step_bytes_read")
         if seconds is not None:

@@ -13,6 +13,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from jaxserve.errors import RequestError
+from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling.fields import FIELDS
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.server.chat import ChatTemplateError
@@ -52,6 +53,7 @@ class GenerationRequest:
     tools: ToolPlan | None = None  # chat with tools: what parses the output into tool_calls
     reasoning: ReasoningParser | None = None  # chat under --reasoning-parser: splits reasoning from content
     reasoning_open: bool = True  # the output starts in reasoning (False: the prompt closed the think block)
+    lora_request: LoRARequest | None = None  # the adapter the request's model names (None: the base model)
 
 
 def translate(state: ServerState, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> GenerationRequest:

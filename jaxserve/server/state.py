@@ -1,6 +1,6 @@
 """What the app holds: `ServerOptions` (fixed at start-up) and `ServerState` (the engine once warm,
-readiness and draining, the chat renderer, the generation defaults, the metrics), with the checks
-every generation request passes first (ready, model name, queue bound)."""
+readiness and draining, the chat renderer, the generation defaults, the metrics, the LoRA adapters' view),
+with the checks every generation request passes first (ready, model name or adapter, queue bound)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import time
 from typing import Sequence
 
 from jaxserve.config.generation_config import BUILT_IN, GenerationDefaults, load_generation_defaults
+from jaxserve.lora.request import LoRARequest
 from jaxserve.server.chat import ChatRenderer, ChatTemplateError
 from jaxserve.server.engine_protocol import ServerTokenizer, ServingEngine
 from jaxserve.server.errors import APIError
+from jaxserve.server.lora import ServerLoRA
 from jaxserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,9 @@ class ServerOptions:
     tool_call_parser: str = "hermes"
     # chat: the reasoning format (reasoning_parsers.REASONING_PARSERS; --reasoning-parser); None: all content
     reasoning_parser: str | None = None
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (--allow-runtime-lora-updating); None: vLLM's
+    # environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING decides (1 or true: on)
+    allow_runtime_lora_updating: bool | None = None
 
 
 class ServerState:
@@ -52,6 +57,7 @@ class ServerState:
         self.chat: ChatRenderer | None = options.chat_renderer
         self.generation_defaults: GenerationDefaults = options.generation_defaults or BUILT_IN
         self.created = int(time.time())
+        self.lora = ServerLoRA(self)
 
     # ---- engine -------------------------------------------------------------------------------
     def set_engine(self, engine: ServingEngine, owned: bool = True) -> None:
@@ -90,11 +96,21 @@ class ServerState:
     def model_name(self) -> str:
         return self.options.served_model_names[0]
 
-    def check_model(self, name: str | None) -> str:
+    def check_model(self, name: str | None) -> tuple[str, LoRARequest | None]:
+        """(the name responses echo, the LoRA adapter the request runs with): a base model name (or
+        none) runs without one, a loaded adapter's name with it (as in vLLM); anything else is a 404
+        naming what is served."""
         names = list(self.options.served_model_names)
         if name is None or name in names or (self.options.model_path and name == self.options.model_path):
-            return names[0] if name is None else name
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {', '.join(map(repr, names))}",
+            return (names[0] if name is None else name), None
+        adapter = self.lora.lookup(name)
+        if adapter is not None:
+            return name, adapter
+        served = ", ".join(map(repr, names))
+        adapters = [a.lora_name for a in self.lora.adapters()]
+        if adapters:
+            served += f" and the LoRA adapters {', '.join(map(repr, adapters))}"
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {served}",
                        type="not_found_error", param="model", code="model_not_found")
 
     def check_ready(self) -> None:

@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve.engine.output_processor import OutputAccumulator
+from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling.params import CompletionOutput, RequestOutput, SamplingParams
 from jaxserve.server.errors import APIError, dumps, engine_error, error_body
 from jaxserve.server.logprobs import LogprobFormatter
@@ -50,6 +51,7 @@ class EngineRequest:
     params: SamplingParams
     arrival: float = 0.0
     width: int = 1
+    lora_request: LoRARequest | None = None
     first_time: float | None = None
     done: bool = False
 
@@ -59,7 +61,7 @@ async def respond(state: ServerState, request: Request, body: CompletionRequest 
     """Submit `job`'s prompts; once the engine has accepted every one (else its 400), answer or stream."""
     n = job.params.n
     subs = [EngineRequest(f"{rid}-{p}", p, p * n, prompt.token_ids, prompt.text, job.params, arrival=arrival,
-                          width=n) for p, prompt in enumerate(job.prompts)]
+                          width=n, lora_request=job.lora_request) for p, prompt in enumerate(job.prompts)]
     fan = Fanout(state, subs)
     try:
         await race_disconnect(fan.prime(), request)
@@ -138,8 +140,10 @@ class Fanout:
         the engine refused (its checks raise at submit; a refusal at admission arrives as an error)."""
         engine = self.state.engine
         for i, sub in enumerate(self.subs):
+            # lora_request only when there is one: engines without adapters (the Ray router) take no such keyword
+            lora = {} if sub.lora_request is None else {"lora_request": sub.lora_request}
             try:
-                await engine.submit(sub.request_id, list(sub.prompt_ids), sub.params, self.queue, tag=i)
+                await engine.submit(sub.request_id, list(sub.prompt_ids), sub.params, self.queue, tag=i, **lora)
             except Exception:
                 sub.done = True  # refused (a 400): not counted as an abort when the request closes
                 raise

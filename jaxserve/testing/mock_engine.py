@@ -2,13 +2,15 @@
 
 Same interface as the real engine (`jaxserve.server.engine_protocol.ServingEngine`: `tokenizer`,
 `max_model_len`, `config`, `start`, `submit`, `abort`, `stats`, `shutdown`; also `generate`,
-`from_settings` and `.engine`), the same SamplingParams (every field), same threading model (a
+`from_settings` and `.engine`; LoRA adapters: `add_lora`, `remove_lora`, `list_loras`, `submit(...,
+lora_request=)`, `stats()["lora"]`, in `mock_lora`), the same SamplingParams (every field), same threading model (a
 background step loop that puts deltas into the caller's queue), and the same output contract (deltas:
 new `token_ids`/`text`/logprobs per step, `finish_reason` "stop" | "length" | "abort" once).
 
 What it "generates" (JetStream's mock in spirit): output token k of a request is a pure function of
 the prompt's token ids and k (and, when sampling, of the seed and the sibling index), drawn from the
-letters a-z and space, with the end-of-sequence id now and then. So a solo run and a run under load
+letters a-z and space, with the end-of-sequence id now and then (a request with a LoRA adapter
+draws other tokens: a function of the adapter's name too). So a solo run and a run under load
 give the same tokens, which is what the load tests check. Every step takes `token_delay` seconds and
 advances every running sequence by one token; at most `max_num_seqs` run at once, the rest wait.
 
@@ -32,8 +34,10 @@ from jaxserve.engine.admission import Limits, check_request
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.output_processor import find_stop_string, held_back, stream_deltas
 from jaxserve.errors import JaxServeError, RequestError
+from jaxserve.lora.request import LoRARequest
 from jaxserve.planning.memory import MemoryPlan
 from jaxserve.sampling.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from jaxserve.testing.mock_lora import MockLoRAManager, read_adapter_config
 
 # ----------------------------------------------------------------------------------------------
 # A byte-level tokenizer: ids 0..3 are specials (as in jaxserve's trained byte-level tokenizers),
@@ -143,6 +147,7 @@ class _Request:
     prompt_logprobs_sent: bool = False
     done: bool = False
     fail: int = 0  # 1: fail in the first step; 2: after the first token (tests the 500 / stream-error paths)
+    lora: LoRARequest | None = None
 
 
 class MockLLMEngine:
@@ -196,6 +201,8 @@ class MockAsyncLLMEngine:
         self._counters = dict(prompt_tokens_total=0, generation_tokens_total=0)
         self._last_step_seconds = 0.0
         self._last_step_bytes = 0
+        self.lora = MockLoRAManager(settings.enable_lora, settings.max_loras, settings.max_lora_rank,
+                                    settings.max_cpu_loras, settings.lora_modules)
 
     @classmethod
     def from_settings(cls, settings: EngineConfig, **kwargs: Any) -> "MockAsyncLLMEngine":
@@ -242,12 +249,33 @@ class MockAsyncLLMEngine:
         if thread is not None:
             thread.join(timeout=60)
 
+    # ---- LoRA adapters (jaxserve.testing.mock_lora) ---------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Check and register an adapter (LoRAError: a missing directory or adapter_config.json, a rank
+        above max_lora_rank, a module that cannot be adapted, a name or id already loaded)."""
+        with self._lock:
+            self.lora.check(lora_request)
+        await asyncio.to_thread(read_adapter_config, lora_request, self.lora.max_lora_rank)  # off the loop
+        with self._lock:
+            self.lora.register(lora_request)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """LoRANotFoundError if not loaded; requests running with it finish."""
+        with self._lock:
+            self.lora.remove(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        with self._lock:
+            return self.lora.list()
+
     # ---- requests -------------------------------------------------------------------------------
     async def submit(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
-                     queue: asyncio.Queue, tag: Any = None) -> None:
+                     queue: asyncio.Queue, tag: Any = None, lora_request: LoRARequest | None = None) -> None:
         params = sampling_params if sampling_params is not None else SamplingParams()
         ids = [int(t) for t in prompt_token_ids]
         check_request(ids, params, self.limits)
+        with self._lock:
+            self.lora.check_request(lora_request)
         limit = self.engine.memory.max_model_len
         total = min(len(ids) + params.max_tokens, limit)
         pages = math.ceil(total / self.engine.memory.page_size) * params.n
@@ -262,7 +290,9 @@ class MockAsyncLLMEngine:
             fail = 1
         req = _Request(
             request_id=request_id, prompt=None, prompt_ids=ids, params=params, loop=asyncio.get_running_loop(),
-            queue=queue, tag=tag, digest=hashlib.blake2b(repr(ids).encode(), digest_size=16).digest(), pages=pages,
+            queue=queue, tag=tag, pages=pages, lora=lora_request,
+            digest=hashlib.blake2b(repr(ids).encode() + MockLoRAManager.digest_salt(lora_request),
+                                   digest_size=16).digest(),
             metrics=RequestMetrics(arrival_time=time.monotonic()),
             siblings=[_Sibling(i) for i in range(params.n)], fail=fail,
         )
@@ -316,11 +346,14 @@ class MockAsyncLLMEngine:
                 if self._stopping and not self._waiting and not self._running:
                     return
                 now = time.monotonic()
-                while self._waiting and len(self._running) < self.engine.config.max_num_seqs:
-                    req = self._waiting[0]
-                    if req.pages > self._pages_free:
+                for req in list(self._waiting):
+                    if len(self._running) >= self.engine.config.max_num_seqs or req.pages > self._pages_free:
                         break
-                    self._waiting.pop(0)
+                    running_loras = [r.lora for r in self._running]
+                    if not self.lora.admissible(req.lora, running_loras):
+                        continue  # max_loras other adapters run: it waits, those behind it may go
+                    self.lora.admit(req.lora, running_loras)
+                    self._waiting.remove(req)
                     self._pages_free -= req.pages
                     req.metrics.first_scheduled_time = now
                     self._running.append(req)
@@ -464,7 +497,9 @@ class MockAsyncLLMEngine:
             stored = sum(
                 (len(r.prompt_ids) + len(s.token_ids)) for r in self._running for s in r.siblings
             )
+            lora = {"lora": self.lora.stats([r.lora for r in self._running], [r.lora for r in self._waiting])}
             return {
+                **(lora if self.lora.enabled else {}),
                 "num_running": len(self._running),
                 "num_waiting": len(self._waiting),
                 # per data-parallel replica, as the real engine reports them (the mock has one)
