@@ -35,7 +35,9 @@ def make_peft_adapter(hf_model, out_dir: str, *, r: int, lora_alpha: float, targ
     config = peft.LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules)
                              if not isinstance(target_modules, str) else target_modules,
                              use_rslora=use_rslora, lora_dropout=0.0, **lora_options)
-    model = peft.get_peft_model(base.float(), config).eval()
+    if any(p.dtype != torch.float32 for p in base.parameters()):
+        base = base.float()  # (a GGUF-loaded model is float32 already, and refuses .float())
+    model = peft.get_peft_model(base, config).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
