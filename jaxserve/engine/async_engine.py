@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator
 from jaxserve.config import EngineConfig
 from jaxserve.engine.core import EngineCore, RequestFailure
 from jaxserve.engine.output_processor import stream_deltas
-from jaxserve.errors import RequestError
+from jaxserve.errors import LoRAError, RequestError
 from jaxserve.sampling.params import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class AsyncLLMEngine:
         steps. LoRAError (400) for an adapter that cannot be served or a name already loaded."""
         engine = self.engine
         if engine.lora is None:
-            raise RequestError("LoRA adapters are not enabled: start the engine with --enable-lora")
+            raise LoRAError("LoRA adapters are not enabled: start the engine with --enable-lora")
         weights = await asyncio.to_thread(engine.lora.read, lora_request)
         await asyncio.to_thread(self._between_steps, engine.add_lora, lora_request, weights)
 

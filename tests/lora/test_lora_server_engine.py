@@ -1,0 +1,107 @@
+"""The OpenAI server over the real engine with adapters (the small checkpoint, one device slot): requests
+of the base model and of three adapters at once, an adapter loaded and another unloaded while they
+run. Nothing is lost, every answer is what it was when asked alone, nothing compiles."""
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.lora.peft_adapter import lora_module_dims
+
+MODEL = "checkpoints/small"
+HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+            "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+def write_adapter(path, cfg, r, targets, seed, std=0.3):
+    """A PEFT adapter directory written directly (PEFT's file names and tensor layout), random A and B."""
+    from safetensors.numpy import save_file
+
+    path.mkdir()
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for m in targets:
+            i, o = lora_module_dims(cfg)[m]
+            prefix = f"base_model.model.model.layers.{layer}.{HF_NAMES[m]}"
+            tensors[f"{prefix}.lora_A.weight"] = rng.normal(0, std, (r, i)).astype(np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = rng.normal(0, std, (o, r)).astype(np.float32)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "bias": "none",
+        "target_modules": [HF_NAMES[m].split(".")[1] for m in targets]}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from starlette.testclient import TestClient
+
+    from jaxserve.engine.async_engine import AsyncLLMEngine
+    from jaxserve.llm_engine import LLMEngine
+    from jaxserve.server.api import ServerOptions, create_app
+
+    root = tmp_path_factory.mktemp("adapters")
+    cfg = ModelConfig.from_dir(MODEL)
+    paths = {"a": write_adapter(root / "a", cfg, 8, ("q", "v"), 1),
+             "b": write_adapter(root / "b", cfg, 4, ("o", "down", "up"), 2),
+             "c": write_adapter(root / "c", cfg, 8, tuple(HF_NAMES), 3)}
+    settings = EngineConfig(model=MODEL, dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
+                            page_size=8, enable_lora=True, max_loras=1, max_lora_rank=8,
+                            lora_modules=(f"a={paths['a']}",))
+    engine = AsyncLLMEngine(LLMEngine(settings))
+    engine.start()
+    try:
+        with TestClient(create_app(ServerOptions(served_model_names=("base",), allow_runtime_lora_updating=True),
+                                   engine), raise_server_exceptions=False) as client:
+            yield client, engine, paths
+    finally:
+        engine.shutdown()
+
+
+def complete(client, model, prompt, max_tokens=10):
+    response = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                                    "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == model
+    return response.json()["choices"][0]["text"]
+
+
+PROMPTS = ["Once upon a time", "def square(x):", "The weather today"]
+
+
+def test_load_and_unload_under_load_lose_nothing(server):
+    client, engine, paths = server
+    assert client.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": paths["b"]}).status_code == 200
+    models = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+    assert models["a"]["parent"] == "base" and models["b"]["root"] == paths["b"]
+    alone = {(m, p): complete(client, m, p) for m in ("base", "a", "b") for p in PROMPTS}
+    for m in ("a", "b"):  # the adapters change the answers
+        assert any(alone[(m, p)] != alone[("base", p)] for p in PROMPTS), m
+    long_a = complete(client, "a", PROMPTS[0], max_tokens=40)
+
+    jobs = [(m, p) for _ in range(2) for m in ("base", "a", "b") for p in PROMPTS]
+    with ThreadPoolExecutor(8) as pool:
+        running_a = pool.submit(complete, client, "a", PROMPTS[0], 40)
+        while engine.stats()["lora"]["running"].get("a", 0) == 0 and not running_a.done():
+            time.sleep(0.01)
+        results = [pool.submit(complete, client, m, p) for m, p in jobs if m != "a"]
+        # while "a" runs (one slot: b's requests wait for it) c is loaded, a unloaded
+        assert client.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": paths["c"]}).status_code == 200
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 200
+        assert client.post("/v1/completions", json={"model": "a", "prompt": "x"}).status_code == 404
+        results += [pool.submit(complete, client, "c", p) for p in PROMPTS]
+        assert running_a.result() == long_a  # unloaded while in use: it finished with its adapter
+        texts = [r.result() for r in results]
+    assert texts[:-3] == [alone[j] for j in jobs if j[0] != "a"]
+    assert texts[-3:] != [alone[("base", p)] for p in PROMPTS]  # c is another adapter
+    stats = engine.stats()
+    assert stats["compiles_after_warmup"] == 0
+    assert stats["lora"]["evictions_total"] > 0  # one slot for three adapters: swapped
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert "vllm:lora_requests_info" in client.get("/metrics").text
