@@ -50,9 +50,9 @@ class LLMEngine(EngineCore):
                              draft_kv_bytes_per_token=draft_kv_bytes_per_token(s, loaded.dtype))
         logger.info(memory.describe())
         logger.info(memory.capacity_line())
-        if param_bytes(loaded.params) != memory.param_bytes:
+        if param_bytes(loaded.params) != memory.param_bytes - memory.lora_bytes:  # the stacks come later
             logger.warning("loaded params take %d bytes; the config's arithmetic says %d",
-                           param_bytes(loaded.params), memory.param_bytes)
+                           param_bytes(loaded.params), memory.param_bytes - memory.lora_bytes)
         options = StepOptions(scan_layers=scan, mesh=self.mesh, moe_parallelism=s.moe_parallelism,
                               attention_backend=resolve_attention(s.attention_backend, platform, s.mesh_shape),
                               matmul_backend=resolve_quantized_matmul(s.quantized_matmul_backend, platform,

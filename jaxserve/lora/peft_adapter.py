@@ -78,6 +78,19 @@ def lora_module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return {"q": (d, nh), "k": (d, kh), "v": (d, kh), "o": (nh, d), "gate": (d, f), "up": (d, f), "down": (f, d)}
 
 
+def served_module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The modules the engine keeps adapter slots for: all seven, or a mixture of experts' attention
+    only (its experts are not adaptable)."""
+    dims = lora_module_dims(cfg)
+    return {m: d for m, d in dims.items() if m in ("q", "k", "v", "o")} if cfg.is_moe else dims
+
+
+def lora_stack_bytes(cfg: ModelConfig, slots: int, rank: int, itemsize: int) -> int:
+    """Device bytes of `slots` resident adapters of rank `rank` (`runner.lora`): what every decode
+    step reads beside the base weights."""
+    return cfg.num_layers * slots * rank * itemsize * sum(i + o for i, o in served_module_dims(cfg).values())
+
+
 def load_peft_adapter(path: str, cfg: ModelConfig, *, max_rank: int) -> PeftAdapter:
     """Read a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) for the base model
     `cfg`; LoRAError for anything jaxserve cannot serve exactly (see the module docstring)."""

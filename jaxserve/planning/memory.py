@@ -29,6 +29,7 @@ from typing import Any, MutableMapping
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.config.model_config import resolved_group_size
 from jaxserve.errors import ConfigError
+from jaxserve.lora.peft_adapter import lora_stack_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +172,7 @@ class MemoryPlan:
     sliding_window: int | None = None
     num_replicas: int = 1  # data-parallel replicas, each with num_pages pages
     sizing: str = ""  # how num_pages was chosen, in words (the start-up log)
+    lora_bytes: int = 0  # LoRA serving: the resident adapters' stacks, counted in param_bytes (read every step)
 
     @property
     def window_unread_bytes(self) -> int:
@@ -276,9 +278,10 @@ def plan_memory(cfg: ModelConfig, settings: EngineConfig, dtype: Any, param_byte
     page_size = settings.page_size
     itemsize = jnp.dtype(dtype).itemsize
     kv_per_token = cfg.kv_bytes_per_token(itemsize, settings.kv_cache_dtype)
+    lora_bytes = lora_stack_bytes(cfg, settings.max_loras, settings.max_lora_rank, itemsize) if settings.enable_lora else 0
     if param_bytes is None:
         param_bytes = cfg.param_bytes(itemsize, settings.quantization, settings.quantize_lm_head,
-                                      settings.quantization_group_size)
+                                      settings.quantization_group_size) + lora_bytes
     max_pages_per_seq = math.ceil(max_model_len / page_size)
     page_bytes = (kv_per_token + draft_kv_bytes_per_token) * page_size
     if settings.num_pages is not None:
@@ -315,7 +318,7 @@ def plan_memory(cfg: ModelConfig, settings: EngineConfig, dtype: Any, param_byte
                       kv_bytes_per_token_model_dtype=cfg.kv_bytes_per_token(itemsize),
                       draft_kv_bytes_per_token=draft_kv_bytes_per_token, num_layers=cfg.num_layers,
                       num_sliding_layers=cfg.num_sliding_layers, sliding_window=cfg.sliding_window,
-                      num_replicas=settings.mesh_shape[0], sizing=sizing)
+                      num_replicas=settings.mesh_shape[0], sizing=sizing, lora_bytes=lora_bytes)
 
 
 def _default_pool(settings: EngineConfig, platform: str, page_bytes: int, max_pages_per_seq: int) -> tuple[int, str]:

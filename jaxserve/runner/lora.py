@@ -20,22 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.lora.peft_adapter import LORA_MODULES, lora_module_dims
+from jaxserve.lora.peft_adapter import LORA_MODULES, lora_stack_bytes, served_module_dims
 from jaxserve.model.lora import LayerLoRA, LoRAModule
 from jaxserve.model.sharding import lora_shardings
 from jaxserve.model.weights import Params
-
-
-def module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) of each module an adapter may target on this model (a mixture of experts: attention
-    only, its experts are not adaptable)."""
-    dims = lora_module_dims(cfg)
-    return {m: d for m, d in dims.items() if m in ("q", "k", "v", "o")} if cfg.is_moe else dims
-
-
-def lora_bytes(cfg: ModelConfig, slots: int, rank: int, itemsize: int) -> int:
-    """Device bytes of the resident stacks: what every decode step reads beside the base weights."""
-    return cfg.num_layers * slots * rank * itemsize * sum(i + o for i, o in module_dims(cfg).values())
 
 
 class LoRASlots:
@@ -43,12 +31,12 @@ class LoRASlots:
 
     def __init__(self, cfg: ModelConfig, slots: int, rank: int, dtype: Any, mesh: Any = None):
         self.cfg, self.slots, self.rank, self.dtype, self.mesh = cfg, slots, rank, jnp.dtype(dtype), mesh
-        self.dims = module_dims(cfg)
+        self.dims = served_module_dims(cfg)
         self.writes = 0
 
     @property
     def nbytes(self) -> int:
-        return lora_bytes(self.cfg, self.slots, self.rank, self.dtype.itemsize)
+        return lora_stack_bytes(self.cfg, self.slots, self.rank, self.dtype.itemsize)
 
     def attach(self, params: Params) -> Params:
         """`params` with a zero `LayerLoRA` in every layer (stacked or a tuple, as the layers are)."""

@@ -18,7 +18,8 @@ from jaxserve.model.kv_cache import KVCache, RaggedBatch, cache_shape
 from jaxserve.model import llama
 from jaxserve.model.weights import init_dummy_params, unstack_layers
 from jaxserve.runner.compilation import CompileCounter
-from jaxserve.runner.lora import LoRASlots, module_dims
+from jaxserve.lora.peft_adapter import served_module_dims as module_dims
+from jaxserve.runner.lora import LoRASlots
 
 PAGE, P, N, S = 4, 8, 32, 4
 forward_ragged = jax.jit(llama.forward_ragged, static_argnames=("cfg", "scan_layers"))
