@@ -143,3 +143,24 @@ def test_bad_adapters_are_refused_by_name(adapters, llm, tmp_path):
 def test_lora_needs_enable_lora(adapters):
     with pytest.raises(Exception, match="enable_lora|enable-lora"):
         LLM(adapters[0], dtype="float32", lora_modules=["a=/x"], warm_up=False)
+
+
+@pytest.mark.parametrize("variant", [dict(speculative_method="ngram", num_speculative_tokens=3),
+                                     dict(num_scheduler_steps=4), dict(async_scheduling=False)],
+                         ids=["ngram-speculation", "multi-step", "serial"])
+def test_speculation_and_step_variants_keep_each_adapters_tokens(adapters, llm, variant):
+    """The same mixed batch through n-gram speculation (the target verifies under each row's adapter),
+    multi-step decoding and serial scheduling: the tokens of the plain engine."""
+    model_dir, _, _ = adapters
+    loras = requests(adapters)
+    order = [None, "qv4", "all8rs", "mlp16"]
+    prompts = [PROMPTS[0] + PROMPTS[0][:6]] * len(order)  # a repeat for the n-gram proposer to find
+    chosen = [None if n is None else loras[n] for n in order]
+    want = token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, lora_request=chosen,
+                                  use_tqdm=False))
+    with LLM(model_dir, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16, max_num_seqs=8,
+             page_size=4, max_model_len=64, max_num_batched_tokens=32, num_pages=96, **variant) as other:
+        got = token_ids(other.generate(prompt_token_ids=prompts, sampling_params=GREEDY, lora_request=chosen,
+                                       use_tqdm=False))
+        assert other.engine.stats()["compiles_after_warmup"] == 0
+    assert got == want
