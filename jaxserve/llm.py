@@ -124,13 +124,14 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of
         them, as vLLM's `LLM.chat`: each is rendered with the chat template /v1/chat/completions uses
         (`chat_template`: a template or a file, else the `chat_template` setting, else the checkpoint's,
         else ChatML), tokenized without special tokens (the template writes its own BOS), and generated
-        as `generate(prompt_token_ids=...)` would; one RequestOutput per conversation, `prompt` the
-        rendered text. sampling_params None: the model's generation defaults."""
+        as `generate(prompt_token_ids=...)` would (`lora_request` too); one RequestOutput per
+        conversation, `prompt` the rendered text. sampling_params None: the model's generation defaults."""
         from jaxserve.server.chat import ChatTemplateError, build_chat_renderer
 
         if self.tokenizer is None:
@@ -157,7 +158,8 @@ class LLM:
             except ChatTemplateError as err:
                 raise RequestError(str(err)) from None
         ids = [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
-        results = self.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
+        results = self.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm,
+                                lora_request=lora_request)
         for result, text in zip(results, texts):
             result.prompt = text
         return results

@@ -105,3 +105,19 @@ def test_load_and_unload_under_load_lose_nothing(server):
     assert stats["lora"]["evictions_total"] > 0  # one slot for three adapters: swapped
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
     assert "vllm:lora_requests_info" in client.get("/metrics").text
+
+
+def test_offline_chat_takes_an_adapter(tmp_path):
+    """LLM.chat(..., lora_request=) as vLLM's: the reply is generate's under that adapter."""
+    from jaxserve import LLM, LoRARequest, SamplingParams
+
+    cfg = ModelConfig.from_dir(MODEL)
+    adapter = LoRARequest("chatty", 1, write_adapter(tmp_path / "chatty", cfg, 8, tuple(HF_NAMES), 4))
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(MODEL, dtype="float32", max_model_len=128, max_num_seqs=2, max_num_batched_tokens=64, page_size=8,
+             enable_lora=True, max_lora_rank=8) as llm:
+        chat = llm.chat([{"role": "user", "content": "hello"}], greedy, lora_request=adapter, use_tqdm=False)[0]
+        ids = list(chat.prompt_token_ids)
+        plain = llm.generate(prompt_token_ids=[ids], sampling_params=greedy, lora_request=adapter, use_tqdm=False)[0]
+        base = llm.generate(prompt_token_ids=[ids], sampling_params=greedy, use_tqdm=False)[0]
+    assert chat.outputs[0].token_ids == plain.outputs[0].token_ids != base.outputs[0].token_ids
