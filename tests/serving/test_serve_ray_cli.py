@@ -137,3 +137,9 @@ def test_serve_ray_serves_then_drains_on_sigterm(tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_lora_is_refused_not_dropped():
+    """The replicas' ingress carries no adapter yet: --enable-lora stops the start with the reason."""
+    with pytest.raises(ConfigError, match="does not serve LoRA adapters"):
+        spec("--enable-lora")

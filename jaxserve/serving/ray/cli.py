@@ -84,6 +84,9 @@ def spec_from_namespace(ns: argparse.Namespace) -> Any:
     if autoscaled and ns.num_replicas is not None:
         raise ConfigError("give --num-replicas (a fixed count) or --min-replicas/--max-replicas (autoscaling), not both")
     settings, name, note, processes = _replica_settings(ns)
+    if settings.enable_lora:  # the router and the replicas' ingress do not carry an adapter yet
+        raise ConfigError("serve-ray does not serve LoRA adapters yet: drop --enable-lora, or serve them with "
+                          "jaxserve serve (one machine)")
     if processes > 1 and ns.mock_engine:
         raise ConfigError("--mock-engine runs in one process; drop --num-processes")
     autoscaling = None
