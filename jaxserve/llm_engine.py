@@ -96,13 +96,14 @@ class LLMEngine(EngineCore):
         from jaxserve.runner.lora import LoRASlots
 
         s, cfg = self.config, self.model_config
-        slots = LoRASlots(cfg, s.max_loras, s.max_lora_rank, self.dtype, self.mesh)
+        slots = LoRASlots(cfg, s.max_loras, s.max_lora_rank, self.dtype, self.mesh, s.lora_target_modules)
         self.runner.enable_lora(slots)
         logger.info("LoRA: %d device slots of rank %d (%.1f MiB), %s adapters kept in host memory", s.max_loras,
                     s.max_lora_rank, slots.nbytes / 2**20, s.max_cpu_loras or s.max_loras)
         self.enable_lora(LoRAManager(
             max_loras=s.max_loras, max_cpu_loras=s.max_cpu_loras, write=self.runner.write_lora,
-            load=lambda request: load_peft_adapter(request.lora_path, cfg, max_rank=s.max_lora_rank),
+            load=lambda request: load_peft_adapter(request.lora_path, cfg, max_rank=s.max_lora_rank,
+                                                   served=tuple(slots.dims)),
             live=self.scheduler.adapters_in_use))
         for request in s.lora_modules:
             self.add_lora(request)

@@ -20,7 +20,7 @@ from jaxserve.config.settings import (
     parse_str,
     setting,
 )
-from jaxserve.lora.request import parse_lora_modules
+from jaxserve.lora.request import parse_lora_modules, parse_lora_target_modules
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -161,6 +161,10 @@ class EngineConfig(Settings):
     max_lora_rank: int = setting(
         16, "largest adapter rank served: every device slot holds this rank (smaller ranks padded)",
         parse_positive_int, group="lora")
+    lora_target_modules: tuple = setting(
+        (), "the modules the device slots adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (default "
+        "all the model has); fewer modules, fewer bytes every decode step reads; an adapter targeting another is "
+        "refused at load", parse_lora_target_modules, group="lora")
     max_cpu_loras: int | None = setting(
         None, "adapters kept loaded in host memory (at least max_loras; default max_loras): others are read "
         "from disk again when used", optional(parse_positive_int), group="lora")

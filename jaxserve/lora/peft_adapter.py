@@ -21,14 +21,10 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.errors import LoRAError
+from jaxserve.lora.request import LORA_MODULES, PEFT_NAMES
 
-LORA_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
 # PEFT / transformers module name -> (its block in a decoder layer, jaxserve's key)
-_PEFT_MODULES = {
-    "q_proj": ("self_attn", "q"), "k_proj": ("self_attn", "k"), "v_proj": ("self_attn", "v"),
-    "o_proj": ("self_attn", "o"), "gate_proj": ("mlp", "gate"), "up_proj": ("mlp", "up"),
-    "down_proj": ("mlp", "down"),
-}
+_PEFT_MODULES = {name: ("self_attn" if key in ("q", "k", "v", "o") else "mlp", key) for key, name in PEFT_NAMES.items()}
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _SEVEN = "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"
 # `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` (PEFT's save_pretrained), also without
@@ -78,22 +74,30 @@ def lora_module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return {"q": (d, nh), "k": (d, kh), "v": (d, kh), "o": (nh, d), "gate": (d, f), "up": (d, f), "down": (f, d)}
 
 
-def served_module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """The modules the engine keeps adapter slots for: all seven, or a mixture of experts' attention
-    only (its experts are not adaptable)."""
+def served_module_dims(cfg: ModelConfig, targets: tuple[str, ...] = ()) -> dict[str, tuple[int, int]]:
+    """The modules the engine keeps adapter slots for: `targets` (lora_target_modules), else all seven,
+    or a mixture of experts' attention only (its experts are not adaptable)."""
     dims = lora_module_dims(cfg)
-    return {m: d for m, d in dims.items() if m in ("q", "k", "v", "o")} if cfg.is_moe else dims
+    if cfg.is_moe:
+        experts = sorted(set(targets) & {"gate", "up", "down"})
+        if experts:
+            raise LoRAError(f"lora_target_modules: {', '.join(experts)} of a mixture of experts cannot be adapted "
+                            "(its MLP is experts); choose among q_proj k_proj v_proj o_proj")
+        dims = {m: d for m, d in dims.items() if m in ("q", "k", "v", "o")}
+    return {m: d for m, d in dims.items() if not targets or m in targets}
 
 
-def lora_stack_bytes(cfg: ModelConfig, slots: int, rank: int, itemsize: int) -> int:
-    """Device bytes of `slots` resident adapters of rank `rank` (`runner.lora`): what every decode
-    step reads beside the base weights."""
-    return cfg.num_layers * slots * rank * itemsize * sum(i + o for i, o in served_module_dims(cfg).values())
+def lora_stack_bytes(cfg: ModelConfig, slots: int, rank: int, itemsize: int, targets: tuple[str, ...] = ()) -> int:
+    """Device bytes of `slots` resident adapters of rank `rank` over the served modules (`runner.lora`):
+    what every decode step reads beside the base weights."""
+    dims = served_module_dims(cfg, targets)
+    return cfg.num_layers * slots * rank * itemsize * sum(i + o for i, o in dims.values())
 
 
-def load_peft_adapter(path: str, cfg: ModelConfig, *, max_rank: int) -> PeftAdapter:
+def load_peft_adapter(path: str, cfg: ModelConfig, *, max_rank: int, served: tuple[str, ...] = ()) -> PeftAdapter:
     """Read a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) for the base model
-    `cfg`; LoRAError for anything jaxserve cannot serve exactly (see the module docstring)."""
+    `cfg`; LoRAError for anything jaxserve cannot serve exactly (see the module docstring), or for a
+    module outside `served` (lora_target_modules; () = all)."""
     conf = _read_config(path)
     _check_options(conf, path, cfg)
     tensors = _read_tensors(path)
@@ -118,6 +122,10 @@ def load_peft_adapter(path: str, cfg: ModelConfig, *, max_rank: int) -> PeftAdap
         a, b = modules[ours]
         a[layer, :, :r] = lora_a.T
         b[layer, :r, :] = lora_b.T * _scaling(alpha, r, conf)
+    outside = [m for m in LORA_MODULES if m in modules and served and m not in served]
+    if outside:
+        raise LoRAError(f"{path}: the adapter targets {', '.join(PEFT_NAMES[m] for m in outside)}; this engine "
+                        f"adapts {', '.join(PEFT_NAMES[m] for m in served)} only (--lora-target-modules)")
     return PeftAdapter(rank=rank, scaling=_scaling(float(conf["lora_alpha"]), int(conf["r"]), conf),
                        modules={m: modules[m] for m in LORA_MODULES if m in modules}, path=path,
                        target_modules=tuple(m for m in LORA_MODULES if m in modules))

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+# The modules an adapter may target, by jaxserve's keys, and their PEFT / transformers names.
+LORA_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
+PEFT_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
+              "down": "down_proj"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,3 +72,22 @@ def parse_lora_modules(value) -> tuple[LoRARequest, ...]:
     if len(set(names)) != len(names):
         raise ConfigError(f"lora_modules: adapter names must be unique, got {names}")
     return tuple(out)
+
+
+def parse_lora_target_modules(value: Any) -> tuple[str, ...]:
+    """`lora_target_modules`: PEFT's module names (q_proj ... down_proj) or jaxserve's keys (q ...
+    down), a list or one comma-separated string, as jaxserve's keys in LORA_MODULES order; "all" or
+    nothing: () (every module the model has)."""
+    from jaxserve.errors import ConfigError
+
+    items = value.split(",") if isinstance(value, str) else list(value or ())
+    names = {n.strip() for n in items if str(n).strip()}
+    if not names or names == {"all"}:
+        return ()
+    by_name = {name: key for key, name in PEFT_NAMES.items()}
+    keys = {by_name.get(n, n) for n in names}
+    unknown = sorted(keys - set(LORA_MODULES))
+    if unknown:
+        raise ConfigError(f"lora_target_modules: {', '.join(map(repr, unknown))} is not one of "
+                          f"{' '.join(PEFT_NAMES.values())} (or all)")
+    return tuple(m for m in LORA_MODULES if m in keys)

@@ -278,7 +278,8 @@ def plan_memory(cfg: ModelConfig, settings: EngineConfig, dtype: Any, param_byte
     page_size = settings.page_size
     itemsize = jnp.dtype(dtype).itemsize
     kv_per_token = cfg.kv_bytes_per_token(itemsize, settings.kv_cache_dtype)
-    lora_bytes = lora_stack_bytes(cfg, settings.max_loras, settings.max_lora_rank, itemsize) if settings.enable_lora else 0
+    lora_bytes = (lora_stack_bytes(cfg, settings.max_loras, settings.max_lora_rank, itemsize,
+                                   settings.lora_target_modules) if settings.enable_lora else 0)
     if param_bytes is None:
         param_bytes = cfg.param_bytes(itemsize, settings.quantization, settings.quantize_lm_head,
                                       settings.quantization_group_size) + lora_bytes

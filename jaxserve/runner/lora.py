@@ -29,14 +29,16 @@ from jaxserve.model.weights import Params
 class LoRASlots:
     """`slots` (max_loras) device slots of rank `rank` (max_lora_rank) over one model's layers."""
 
-    def __init__(self, cfg: ModelConfig, slots: int, rank: int, dtype: Any, mesh: Any = None):
+    def __init__(self, cfg: ModelConfig, slots: int, rank: int, dtype: Any, mesh: Any = None,
+                 targets: tuple[str, ...] = ()):
         self.cfg, self.slots, self.rank, self.dtype, self.mesh = cfg, slots, rank, jnp.dtype(dtype), mesh
-        self.dims = served_module_dims(cfg)
+        self.targets = targets  # lora_target_modules: () = every module the model has
+        self.dims = served_module_dims(cfg, targets)
         self.writes = 0
 
     @property
     def nbytes(self) -> int:
-        return lora_stack_bytes(self.cfg, self.slots, self.rank, self.dtype.itemsize)
+        return lora_stack_bytes(self.cfg, self.slots, self.rank, self.dtype.itemsize, self.targets)
 
     def attach(self, params: Params) -> Params:
         """`params` with a zero `LayerLoRA` in every layer (stacked or a tuple, as the layers are)."""

@@ -164,3 +164,27 @@ def test_speculation_and_step_variants_keep_each_adapters_tokens(adapters, llm, 
                                        use_tqdm=False))
         assert other.engine.stats()["compiles_after_warmup"] == 0
     assert got == want
+
+
+def test_target_modules_narrow_the_slots(adapters, llm):
+    """lora_target_modules q_proj v_proj: slots for those two only (fewer bytes each step), the q/v
+    adapter's tokens unchanged, an adapter of other modules refused at load naming them."""
+    from jaxserve.config import EngineConfig
+
+    model_dir = adapters[0]
+    loras = requests(adapters)
+    want = token_ids(llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, lora_request=loras["qv4"],
+                                  use_tqdm=False))
+    with LLM(model_dir, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, max_num_seqs=8,
+             page_size=4, max_model_len=64, max_num_batched_tokens=32, num_pages=96,
+             lora_target_modules="q_proj,v_proj") as narrow:
+        lora = narrow.engine.runner.params.layers[0].lora
+        assert (lora.q, lora.v) != (None, None) and (lora.k, lora.o, lora.gate, lora.up, lora.down) == (None,) * 5
+        assert narrow.engine.runner.lora.nbytes < llm.engine.runner.lora.nbytes / 3
+        assert token_ids(narrow.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, lora_request=loras["qv4"],
+                                         use_tqdm=False)) == want
+        with pytest.raises(LoRAError, match="k_proj, o_proj, gate_proj, up_proj, down_proj; this engine adapts "
+                                            "q_proj, v_proj only"):
+            narrow.engine.add_lora(loras["all8rs"])
+    args = EngineConfig.from_cli(["--enable-lora", "--lora-target-modules", "q_proj", "v_proj"])
+    assert args.lora_target_modules == ("q", "v")
