@@ -145,9 +145,11 @@ class LoRAManager:
 
     # ---- host memory ---------------------------------------------------------------------------
     def _hold(self, adapter: Adapter) -> None:
+        """`adapter`'s weights are the most recently used; past max_cpu_loras the oldest unused go."""
         self._host[adapter] = None
         self._host.move_to_end(adapter)
-        self._trim_host()
+        if len(self._host) > self.max_cpu_loras:  # (the trim scans the live requests: not per admission)
+            self._trim_host()
 
     def _trim_host(self) -> None:
         """Drop the weights of the least recently used adapters no live request uses, past max_cpu_loras
