@@ -141,12 +141,12 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str | None = None, prompt: str | None = None,
                        sampling_params: SamplingParams | None = None,
-                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt_token_ids: list[int] | None = None, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's delta each time it advances (sum them with OutputAccumulator for whole
-        outputs); aborts the request if the caller stops early."""
+        outputs); aborts the request if the caller stops early. `lora_request`: its adapter (None: the base)."""
         request_id = request_id or f"req-{next(self._ids)}"
         ids = self.engine.prompt_ids(prompt, prompt_token_ids)
-        async for delta in stream_deltas(self, request_id, ids, sampling_params):  # checked by submit
+        async for delta in stream_deltas(self, request_id, ids, sampling_params, lora_request):  # checked by submit
             yield delta
 
     # ---- LoRA adapters -------------------------------------------------------------------------

@@ -121,3 +121,23 @@ def test_offline_chat_takes_an_adapter(tmp_path):
         plain = llm.generate(prompt_token_ids=[ids], sampling_params=greedy, lora_request=adapter, use_tqdm=False)[0]
         base = llm.generate(prompt_token_ids=[ids], sampling_params=greedy, use_tqdm=False)[0]
     assert chat.outputs[0].token_ids == plain.outputs[0].token_ids != base.outputs[0].token_ids
+
+
+def test_async_generate_takes_an_adapter(server):
+    """AsyncLLMEngine.generate(..., lora_request=) as vLLM's: a new LoRARequest registers itself, and
+    the text is what the server answers for that adapter."""
+    import asyncio
+
+    from jaxserve import LoRARequest, SamplingParams
+
+    client, engine, paths = server
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ids = engine.tokenizer.encode(PROMPTS[1])
+
+    async def run(lora):
+        return "".join([d.outputs[0].text async for d in engine.generate(prompt_token_ids=ids, sampling_params=params,
+                                                                          lora_request=lora)])
+
+    text = asyncio.run(run(LoRARequest("d", 99, paths["c"])))
+    assert "d" in [r.lora_name for r in engine.list_loras()]
+    assert text == complete(client, "d", ids) != asyncio.run(run(None))
