@@ -146,11 +146,12 @@ def test_lora_needs_enable_lora(adapters):
 
 
 @pytest.mark.parametrize("variant", [dict(speculative_method="ngram", num_speculative_tokens=3),
-                                     dict(num_scheduler_steps=4), dict(async_scheduling=False)],
-                         ids=["ngram-speculation", "multi-step", "serial"])
+                                     dict(num_scheduler_steps=4), dict(async_scheduling=False),
+                                     dict(mesh_shape=(1, 2))],
+                         ids=["ngram-speculation", "multi-step", "serial", "tensor-parallel"])
 def test_speculation_and_step_variants_keep_each_adapters_tokens(adapters, llm, variant):
     """The same mixed batch through n-gram speculation (the target verifies under each row's adapter),
-    multi-step decoding and serial scheduling: the tokens of the plain engine."""
+    multi-step decoding, serial scheduling and a (1, 2) mesh: the tokens of the plain engine."""
     model_dir, _, _ = adapters
     loras = requests(adapters)
     order = [None, "qv4", "all8rs", "mlp16"]
