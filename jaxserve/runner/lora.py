@@ -5,7 +5,7 @@ writing an adapter into a device slot.
 M * R], b f[M * R, out]) placed like the base weights (`sharding.lora_shardings`), before the steps
 are compiled, so the steps take it as part of the params. `write` puts an adapter's A and B (rank
 padded to R) into one slot's columns and rows with a `dynamic_update_slice` per array, the stacks
-donated: one executable for every slot and adapter, compiled at start-up (`warm_up`), so loading or
+donated: one executable for every slot and adapter, compiled at start-up (`ModelRunner.enable_lora`), so loading or
 swapping adapters never compiles a step or anything else. The write is queued on the device behind
 the steps already dispatched, so a step in flight still reads what it was dispatched with.
 """
@@ -46,17 +46,14 @@ class LoRASlots:
         L, width = self.cfg.num_layers, self.slots * self.rank
         lead = (L,) if stacked else ()
 
-        def zeros(shape, sharding):
-            make = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)
-            return make()
-
-        def layer_lora() -> LayerLoRA:
-            shapes = LayerLoRA(**{m: LoRAModule(a=lead + (i, width), b=lead + (width, o))
-                                  for m, (i, o) in self.dims.items()}, slots=self.slots, rank=self.rank)
-            shardings = (lora_shardings(self.cfg, self.mesh, shapes, stacked) if self.mesh is not None
-                         else jax.tree.map(lambda _: None, shapes, is_leaf=lambda x: isinstance(x, tuple)))
-            return jax.tree.map(zeros, shapes, shardings, is_leaf=lambda x: isinstance(x, tuple))
-
+        is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+        shapes = LayerLoRA(**{m: LoRAModule(a=lead + (i, width), b=lead + (width, o))
+                              for m, (i, o) in self.dims.items()}, slots=self.slots, rank=self.rank)
+        shardings = (lora_shardings(self.cfg, self.mesh, shapes, stacked) if self.mesh is not None
+                     else jax.tree.map(lambda _: None, shapes, is_leaf=is_shape))
+        # One executable makes a layer's zeros (called once per layer when the layers are a tuple).
+        layer_lora = jax.jit(lambda: jax.tree.map(lambda shape: jnp.zeros(shape, self.dtype), shapes, is_leaf=is_shape),
+                             out_shardings=shardings)
         if stacked:
             return params.replace(layers=params.layers.replace(lora=layer_lora()))
         return params.replace(layers=tuple(lp.replace(lora=layer_lora()) for lp in params.layers))

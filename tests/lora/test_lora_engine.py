@@ -6,18 +6,13 @@ the scheduler holds the third back and the slots swap); the same prompt under tw
 separate KV pages; loading, unloading and swapping compile nothing; bad adapters are refused by name.
 """
 
-import json
-import os
-import shutil
-
-import numpy as np
 import pytest
 
 from hf_models import assert_same_greedy, hf_greedy
 from peft_adapters import ALL_MODULES, make_peft_adapter
 
 from jaxserve import LLM, LoRARequest, SamplingParams
-from jaxserve.errors import LoRAError, LoRANotFoundError, RequestError
+from jaxserve.errors import LoRAError, LoRANotFoundError
 
 ADAPTERS = {  # name: (r, alpha, targets, rslora)
     "qv4": (4, 8, ("q_proj", "v_proj"), False),

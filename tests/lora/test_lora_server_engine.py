@@ -3,7 +3,6 @@ of the base model and of three adapters at once, an adapter loaded and another u
 run. Nothing is lost, every answer is what it was when asked alone, nothing compiles."""
 
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
