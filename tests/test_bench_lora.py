@@ -3,6 +3,7 @@ reads as written (A = lora_A.T, B = lora_B.T), its bytes arithmetic is lora_byte
 reports every variant with the LoRA-off rows equal to the base. No timing assertions."""
 
 import json
+import math
 import os
 
 import bench_lora as bl
@@ -49,7 +50,8 @@ def test_tiny_run_reports_every_variant(hf_model_dir, tmp_path):
     assert list(rows) == ["base", "lora-off", "2 adapters", "1 adapter"]
     assert rows["lora-off"]["equal_to_base"] == 1.0  # zero stacks change nothing
     assert rows["2 adapters"]["equal_to_base"] < 1.0  # random adapters do move the tokens
-    assert all(r["step_ms"] > 0 and r["batch"] == 3 for r in rows.values())
+    # a figure for each (its sign is noise on a tiny model: (3-token - 1-token time) / 2 on busy cores)
+    assert all(math.isfinite(r["step_ms"]) and r["batch"] == 3 for r in rows.values())
     # the stacks hold every adaptable module, not only the three the adapters target
     assert report["bytes"]["stacked_modules"] == ["q", "k", "v", "o", "gate", "up", "down"]
     assert report["bytes"]["lora_stacks"] == lora_bytes(ModelConfig.from_dir(model_dir), 2, 4, 4)
