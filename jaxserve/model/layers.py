@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -109,13 +110,23 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def swiglu(x: jax.Array, w_gate: Weight, w_up: Weight, w_down: Weight) -> jax.Array:
-    return matmul(jax.nn.silu(matmul(x, w_gate)) * matmul(x, w_up), w_down)
+# project(x, w, name) -> x @ w for the MLP's "gate", "up" and "down" weights: `matmul`, or with each
+# row's LoRA update added (model/lora.py).
+Project = Callable[[jax.Array, Weight, str], jax.Array]
 
 
-def geglu(x: jax.Array, w_gate: Weight, w_up: Weight, w_down: Weight) -> jax.Array:
+def _plain(x: jax.Array, w: Weight, name: str) -> jax.Array:
+    return matmul(x, w)
+
+
+def swiglu(x: jax.Array, w_gate: Weight, w_up: Weight, w_down: Weight, project: Project = _plain) -> jax.Array:
+    return project(jax.nn.silu(project(x, w_gate, "gate")) * project(x, w_up, "up"), w_down, "down")
+
+
+def geglu(x: jax.Array, w_gate: Weight, w_up: Weight, w_down: Weight, project: Project = _plain) -> jax.Array:
     """Gemma's gated MLP: GELU with the tanh approximation (HF's gelu_pytorch_tanh) on the gate."""
-    return matmul(jax.nn.gelu(matmul(x, w_gate), approximate=True) * matmul(x, w_up), w_down)
+    gate = jax.nn.gelu(project(x, w_gate, "gate"), approximate=True)
+    return project(gate * project(x, w_up, "up"), w_down, "down")
 
 
 NO_SLIDING_WINDOW = np.iinfo(np.int32).max  # a window operand that masks nothing

@@ -85,17 +85,13 @@ def _output_and_mlp(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.A
         experts = MoEParams(router=lp.router, w_gate=lp.expert_gate, w_up=lp.expert_up, w_down=lp.expert_down)
         out = moe_mlp(h.reshape(B * T, -1), experts, top_k=cfg.num_experts_per_tok,
                       normalize=cfg.norm_topk_prob, expert_parallel=expert_parallel).reshape(h.shape)
-    elif lp.lora is None or lora_columns is None:
+    else:
         mlp = geglu if cfg.hidden_act == "gelu_pytorch_tanh" else swiglu
-        out = mlp(h, lp.w_gate, lp.w_up, lp.w_down)
-    else:  # the gated MLP of `geglu` / `swiglu`, each projection with its rows' LoRA updates
-        def project(x, w, name):
-            return lora_ops.apply(quant.matmul(x, w), x, lp.lora, name, lora_columns)
-
-        gate = project(h, lp.w_gate, "gate")
-        act = jax.nn.gelu(gate, approximate=True) if cfg.hidden_act == "gelu_pytorch_tanh" else jax.nn.silu(gate)
-        inner = act * project(h, lp.w_up, "up")
-        out = project(inner, lp.w_down, "down")
+        if lp.lora is None or lora_columns is None:
+            out = mlp(h, lp.w_gate, lp.w_up, lp.w_down)
+        else:  # each projection with its rows' LoRA updates
+            out = mlp(h, lp.w_gate, lp.w_up, lp.w_down,
+                      lambda x, w, name: lora_ops.apply(quant.matmul(x, w), x, lp.lora, name, lora_columns))
     if lp.post_mlp_norm is not None:
         out = _norm(cfg, out, lp.post_mlp_norm)
     return x + out
