@@ -49,11 +49,9 @@ import time
 
 import numpy as np
 
+from jaxserve.lora.request import PEFT_NAMES  # jaxserve's module key -> PEFT / transformers module name
+
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-# jaxserve's module key -> (the decoder layer's block, PEFT / transformers module name)
-PEFT_NAMES = {"q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"), "v": ("self_attn", "v_proj"),
-              "o": ("self_attn", "o_proj"), "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"),
-              "down": ("mlp", "down_proj")}
 BYTES_POINTS = ((4, 16), (8, 16), (4, 64), (8, 64))  # (max_loras, max_lora_rank) of the bytes table
 H100_BANDWIDTH = 3.35e12  # bytes/s, H100 SXM HBM3
 
@@ -87,7 +85,7 @@ def write_peft_adapter(out_dir: str, cfg, *, rank: int, modules: tuple[str, ...]
     tensors = {}
     for layer in range(cfg.num_layers):
         for m in modules:
-            block, proj = PEFT_NAMES[m]
+            block, proj = "self_attn" if m in ("q", "k", "v", "o") else "mlp", PEFT_NAMES[m]
             d_in, d_out = dims[m]
             prefix = f"base_model.model.model.layers.{layer}.{block}.{proj}"
             tensors[f"{prefix}.lora_A.weight"] = (rng.standard_normal((rank, d_in)) * std).astype(np.float32)
@@ -96,7 +94,7 @@ def write_peft_adapter(out_dir: str, cfg, *, rank: int, modules: tuple[str, ...]
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
               "lora_alpha": float(rank if lora_alpha is None else lora_alpha), "lora_dropout": 0.0, "bias": "none",
               "use_rslora": False, "use_dora": False, "fan_in_fan_out": False,
-              "target_modules": [PEFT_NAMES[m][1] for m in modules], "base_model_name_or_path": None}
+              "target_modules": [PEFT_NAMES[m] for m in modules], "base_model_name_or_path": None}
     with open(os.path.join(out_dir, "adapter_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=1)
     write_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), tensors)

@@ -26,7 +26,7 @@ from jaxserve.lora.request import LORA_MODULES, PEFT_NAMES
 # PEFT / transformers module name -> (its block in a decoder layer, jaxserve's key)
 _PEFT_MODULES = {name: ("self_attn" if key in ("q", "k", "v", "o") else "mlp", key) for key, name in PEFT_NAMES.items()}
 _MLP = ("gate_proj", "up_proj", "down_proj")
-_SEVEN = "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"
+_SEVEN = " ".join(PEFT_NAMES.values())
 # `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` (PEFT's save_pretrained), also without
 # the PeftModel prefix, with the adapter's name (`.lora_A.default.weight`), and under a multimodal
 # model's text tower (`model.language_model.layers...`). `module` is the name PEFT's patterns match.

@@ -20,9 +20,9 @@ from collections import OrderedDict
 from typing import Iterable
 
 from jaxserve.errors import LoRAError, LoRANotFoundError
-from jaxserve.lora.request import LoRARequest
+from jaxserve.lora.request import PEFT_NAMES, LoRARequest
 
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = tuple(PEFT_NAMES.values())
 
 
 def read_adapter_config(request: LoRARequest, max_rank: int) -> dict:

@@ -2,39 +2,20 @@
 of the base model and of three adapters at once, an adapter loaded and another unloaded while they
 run. Nothing is lost, every answer is what it was when asked alone, nothing compiles."""
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 
+import bench_lora as bl
+
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.lora.peft_adapter import lora_module_dims
+from jaxserve.lora.request import LORA_MODULES
 
 MODEL = "checkpoints/small"
-HF_NAMES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-            "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-
-
 def write_adapter(path, cfg, r, targets, seed, std=0.3):
-    """A PEFT adapter directory written directly (PEFT's file names and tensor layout), random A and B."""
-    from safetensors.numpy import save_file
-
-    path.mkdir()
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for layer in range(cfg.num_layers):
-        for m in targets:
-            i, o = lora_module_dims(cfg)[m]
-            prefix = f"base_model.model.model.layers.{layer}.{HF_NAMES[m]}"
-            tensors[f"{prefix}.lora_A.weight"] = rng.normal(0, std, (r, i)).astype(np.float32)
-            tensors[f"{prefix}.lora_B.weight"] = rng.normal(0, std, (o, r)).astype(np.float32)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "bias": "none",
-        "target_modules": [HF_NAMES[m].split(".")[1] for m in targets]}))
-    return str(path)
+    """A PEFT adapter directory written directly with numpy (the benchmark's writer), random A and B."""
+    return bl.write_peft_adapter(str(path), cfg, rank=r, modules=targets, seed=seed, std=std, lora_alpha=2 * r)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +30,7 @@ def server(tmp_path_factory):
     cfg = ModelConfig.from_dir(MODEL)
     paths = {"a": write_adapter(root / "a", cfg, 8, ("q", "v"), 1),
              "b": write_adapter(root / "b", cfg, 4, ("o", "down", "up"), 2),
-             "c": write_adapter(root / "c", cfg, 8, tuple(HF_NAMES), 3)}
+             "c": write_adapter(root / "c", cfg, 8, LORA_MODULES, 3)}
     settings = EngineConfig(model=MODEL, dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
                             page_size=8, enable_lora=True, max_loras=1, max_lora_rank=8,
                             lora_modules=(f"a={paths['a']}",))
@@ -111,7 +92,7 @@ def test_offline_chat_takes_an_adapter(tmp_path):
     from jaxserve import LLM, LoRARequest, SamplingParams
 
     cfg = ModelConfig.from_dir(MODEL)
-    adapter = LoRARequest("chatty", 1, write_adapter(tmp_path / "chatty", cfg, 8, tuple(HF_NAMES), 4))
+    adapter = LoRARequest("chatty", 1, write_adapter(tmp_path / "chatty", cfg, 8, LORA_MODULES, 4))
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with LLM(MODEL, dtype="float32", max_model_len=128, max_num_seqs=2, max_num_batched_tokens=64, page_size=8,
              enable_lora=True, max_lora_rank=8) as llm:
