@@ -29,7 +29,7 @@ from jaxserve.runner.backends import default_scan_layers, resolve_attention, res
 from jaxserve.runner.compilation import CompileCounter, check_memory_mappings, enable_compilation_cache
 from jaxserve.runner.runner import ModelRunner
 from jaxserve.spec_decode.decoder import draft_kv_bytes_per_token
-from jaxserve.steps import StepOptions
+from jaxserve.model.step_options import StepOptions
 
 logger = logging.getLogger(__name__)
 

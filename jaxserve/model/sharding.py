@@ -176,7 +176,7 @@ def per_replica(fn: Callable[..., Any], mesh: Mesh | None) -> Callable[..., Any]
     return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
 
 
-def _local_kv_heads(arrays: tuple[jax.Array, ...], heads_here: int, group: int) -> tuple[jax.Array, ...]:
+def local_kv_heads(arrays: tuple[jax.Array, ...], heads_here: int, group: int) -> tuple[jax.Array, ...]:
     """The KV heads (leading axis) that this device's `heads_here` query heads read, from replicated arrays.
 
     Query head h reads KV head h // group. When the device's query heads all fall in one group (the

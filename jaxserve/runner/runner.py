@@ -36,7 +36,7 @@ from jaxserve.runner.step_functions import generate_step, multi_decode_step, sco
 from jaxserve.model.weights import Params
 from jaxserve.model.ragged import RaggedArrays, RaggedRow, pack_ragged, row_lora_slots
 from jaxserve.model.sampler import RowSampling, SamplingTensors
-from jaxserve.steps import StepOptions
+from jaxserve.model.step_options import StepOptions
 from jaxserve.structured.apply import TokenMask
 from jaxserve.model.transfer import SPARSE_FIELDS, Layout
 

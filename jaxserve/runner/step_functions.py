@@ -15,7 +15,7 @@ from jaxserve.model.sampler import MAX_LOGPROBS, SamplingTensors, sample
 from jaxserve.model.sharding import per_replica
 from jaxserve.model.transfer import from_buffer, with_sparse
 from jaxserve.runner.step_io import PromptScores
-from jaxserve.steps import ragged_step
+from jaxserve.model.ragged_step import ragged_step
 from jaxserve.structured.apply import mask_logits
 
 

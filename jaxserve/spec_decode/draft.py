@@ -23,7 +23,8 @@ from jaxserve.model.weights import Params
 from jaxserve.model.sampler import SAMPLING_EPS, SamplingTensors, apply_logit_bias, filter_logits
 from jaxserve.model.sharding import per_replica
 from jaxserve.spec_decode.rejection import DRAFT, purpose_keys
-from jaxserve.steps import StepOptions, ragged_step
+from jaxserve.model.ragged_step import ragged_step
+from jaxserve.model.step_options import StepOptions
 
 
 def _draw(logits: jax.Array, st: SamplingTensors, j: jax.Array) -> tuple[jax.Array, jax.Array]:

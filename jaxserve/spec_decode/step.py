@@ -40,7 +40,8 @@ from jaxserve.model.sampler import MAX_LOGPROBS, SamplingTensors, sample
 from jaxserve.model.sharding import per_replica
 from jaxserve.spec_decode.draft import propose_ragged
 from jaxserve.spec_decode.rejection import VerifyOutput, verify
-from jaxserve.steps import StepOptions, ragged_logits, ragged_step
+from jaxserve.model.ragged_step import ragged_logits, ragged_step
+from jaxserve.model.step_options import StepOptions
 
 
 @dataclasses.dataclass(frozen=True)
