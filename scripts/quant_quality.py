@@ -52,8 +52,8 @@ def _nll_sum(params, cache, batch, target, cfg, matmul_backend="reference"):
     next-token prediction at every position (i32[R, B, t]) and the updated cache."""
     from jaxserve import steps
 
-    options = steps.StepOptions(all_logits=True, scan_layers=True, matmul_backend=matmul_backend)
-    logits, cache = steps.model_step(params, cache, batch, cfg, options)
+    options = steps.StepOptions(scan_layers=True, matmul_backend=matmul_backend)
+    logits, cache = steps.model_step(params, cache, batch, cfg, options, all_logits=True)
     logp = jax.nn.log_softmax(logits, axis=-1)  # f32[R, B, t, V]
     nll = -jnp.take_along_axis(logp, jnp.maximum(target, 0)[..., None], axis=-1)[..., 0]
     scored = target >= 0

@@ -357,8 +357,7 @@ def profile_decode(llm, context: int, args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxserve import steps
-    from jaxserve.model import quant
+    from jaxserve.model import quant, ragged_step as step_body
     from jaxserve.model.weights import param_bytes
     from jaxserve.runner.step_timing import capture_step, time_calls, time_step
 
@@ -372,17 +371,17 @@ def profile_decode(llm, context: int, args) -> dict:
     def compile_donating(fn):
         return jax.jit(fn, donate_argnums=(1,)).trace(runner.params, runner.cache, batch).lower().compile(opts)
 
-    model = compile_donating(lambda p, c, b: steps.ragged_step(p, c, b, cfg, runner.options))
+    model = compile_donating(lambda p, c, b: step_body.ragged_step(p, c, b, cfg, runner.options))
 
     def no_attention(q, *args, **kwargs):
         return q
 
-    real_impl = steps.ragged_attention_impl
-    steps.ragged_attention_impl = lambda impl, mesh=None: no_attention  # ragged_step looks it up when traced
+    real_impl = step_body.ragged_attention_impl
+    step_body.ragged_attention_impl = lambda impl, mesh=None: no_attention  # ragged_step looks it up when traced
     try:
-        model_no_attention = compile_donating(lambda p, c, b: steps.ragged_step(p, c, b, cfg, runner.options))
+        model_no_attention = compile_donating(lambda p, c, b: step_body.ragged_step(p, c, b, cfg, runner.options))
     finally:
-        steps.ragged_attention_impl = real_impl
+        step_body.ragged_attention_impl = real_impl
 
     def weight_matmuls(params, x):
         L = params.layers

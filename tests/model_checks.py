@@ -35,7 +35,7 @@ def check_paged_and_dense_logits_match(cfg, params, full, prompt_len: int, ref, 
     prompt = full[:prompt_len]
     cache = init_cache(cfg, num_pages=max(pages) + 1, page_size=page_size, dtype=jnp.float32)
     logits, cache = steps.prefill(params, cache, step_batch(prompt, 0, pages), cfg=cfg,
-                                  options=steps.StepOptions(all_logits=True))
+                                  all_logits=True)
     np.testing.assert_allclose(np.asarray(logits[0, 0]), ref[:prompt_len], atol=1e-4, rtol=0)
     for pos in range(prompt_len, len(full)):
         logits, cache = steps.decode(params, cache, step_batch([full[pos]], pos, pages), cfg=cfg,

@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve import LLM, SamplingParams, steps
+from jaxserve import LLM, SamplingParams
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ConfigError
+from jaxserve.model.attention_dispatch import ragged_attention_impl, shard_ragged_attention
 from jaxserve.model.layers import ragged_attention_reference
 from jaxserve.model.sharding import make_mesh, make_shardings
 
@@ -115,7 +116,7 @@ def test_shard_ragged_attention_with_replicated_kv_heads(num_heads, num_kv_heads
     positions = context_lens - 1
     query_start = jnp.asarray([[0, 1, 2]], jnp.int32)
     if impl == "pallas_interpret":
-        inner, extra = steps.ragged_attention_impl(impl), {}
+        inner, extra = ragged_attention_impl(impl), {}
     else:
         inner, extra = _dequantizing_reference, scales
     mesh = make_mesh((1, 4))
@@ -128,5 +129,5 @@ def test_shard_ragged_attention_with_replicated_kv_heads(num_heads, num_kv_heads
 
     want = run(inner, None)
     q = jax.device_put(q, NamedSharding(mesh, P("data", None, "model")))
-    got = run(steps.shard_ragged_attention(inner, mesh), "data")
+    got = run(shard_ragged_attention(inner, mesh), "data")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

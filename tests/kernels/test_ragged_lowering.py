@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxserve import steps
 from jaxserve.config import ModelConfig
 from jaxserve.model.kv_cache import KVCache, RaggedBatch, cache_shape
+from jaxserve.model.ragged_step import ragged_step
+from jaxserve.model.step_options import StepOptions
 from jaxserve.model.weights import init_dummy_params, unstack_layers
 from jaxserve.model.sharding import make_mesh
 
@@ -57,9 +58,9 @@ def lower(platform: str, scan: bool, quantized: bool, mesh_shape=None) -> str:
                         context_lens=i32(S), page_table=i32(S, P), logit_index=i32(L))
     params = jax.eval_shape(lambda: (lambda p: p if scan else unstack_layers(p))(
         init_dummy_params(CFG, seed=0, dtype=jnp.float32)))
-    options = steps.StepOptions(scan_layers=scan, attention_backend="pallas_tpu" if platform == "tpu" else "pallas_gpu",
-                                mesh=make_mesh(mesh_shape) if mesh_shape else None)
-    step = jax.jit(steps.ragged_step, static_argnames=("cfg", "options"), donate_argnames=("cache",))
+    options = StepOptions(scan_layers=scan, attention_backend="pallas_tpu" if platform == "tpu" else "pallas_gpu",
+                          mesh=make_mesh(mesh_shape) if mesh_shape else None)
+    step = jax.jit(ragged_step, static_argnames=("cfg", "options"), donate_argnames=("cache",))
     return step.trace(params, cache, batch, cfg=CFG, options=options).lower(lowering_platforms=(platform,)).as_text()
 
 

@@ -1,4 +1,4 @@
-"""`steps.ragged_step` on the Pallas kernels equals it on the reference attention.
+"""`ragged_step` (the engine's step body) on the Pallas kernels equals it on the reference attention.
 
 Mixed rows (decodes with context, a first prompt chunk, the last chunk of a partly prefilled prompt,
 a verification of 3 tokens, padding tokens and rows), scanned and unrolled, with a sliding window, with
@@ -12,12 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve import steps
 from jaxserve.config import ModelConfig
 from jaxserve.model.kv_cache import KVCache, RaggedBatch, cache_shape
 from jaxserve.model.weights import init_dummy_params, unstack_layers
 from jaxserve.model.ragged import RaggedRow
+from jaxserve.model.ragged_step import ragged_step
 from jaxserve.model.sharding import make_mesh
+from jaxserve.model.step_options import StepOptions
 from kernels_testlib import FAST_COMPILE, engine_attention_impl
 
 PAGE, P, N, S, L = 4, 8, 32, 8, 8  # page size, pages per row, token bucket, rows, logits
@@ -70,13 +71,13 @@ def scenario(cfg, num_replicas, quantized, seed=0):
     return make_cache(cfg, histories, num_replicas, quantized, rng), RaggedBatch.stack(list(batches))
 
 
-STEP = jax.jit(steps.ragged_step, static_argnames=("cfg", "options"), compiler_options=FAST_COMPILE)
+STEP = jax.jit(ragged_step, static_argnames=("cfg", "options"), compiler_options=FAST_COMPILE)
 CFG = make_cfg()
 PARAMS = init_dummy_params(CFG, seed=1, dtype=jnp.float32, std=0.15)
 
 
 def run(params, cache, batch, cfg, impl, scan, mesh=None):
-    options = steps.StepOptions(scan_layers=scan, attention_backend=impl, mesh=mesh)
+    options = StepOptions(scan_layers=scan, attention_backend=impl, mesh=mesh)
     logits, cache = STEP(params, cache, batch, cfg=cfg, options=options)
     return np.asarray(logits), jax.tree.map(np.asarray, cache)
 
@@ -119,9 +120,7 @@ def test_pallas_ragged_step_per_shard(mesh_shape):
     assert_same(run(PARAMS, cache, batch, CFG, "pallas_interpret", True, mesh=mesh), ref)
 
 
-def test_unknown_backend_and_all_logits():
+def test_unknown_backend():
     cache, batch = scenario(CFG, 1, quantized=False)
     with pytest.raises(ValueError, match="unknown attention"):
         run(PARAMS, cache, batch, CFG, "pallas", True)
-    with pytest.raises(ValueError, match="all_logits"):
-        STEP(PARAMS, cache, batch, cfg=CFG, options=steps.StepOptions(all_logits=True))

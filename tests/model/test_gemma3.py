@@ -71,7 +71,7 @@ def test_prefill_decode_and_dense_logits_match_hf(gemma3, scan):
     cache = init_cache(cfg, num_pages=5, page_size=PAGE, dtype=jnp.float32)
     options = steps.StepOptions(scan_layers=scan)
     logits, cache = steps.prefill(params, cache, step_batch(prompt, 0, pages), cfg=cfg,
-                                  options=steps.StepOptions(scan_layers=scan, all_logits=True))
+                                  options=steps.StepOptions(scan_layers=scan), all_logits=True)
     np.testing.assert_allclose(np.asarray(logits[0, 0]), ref[: len(prompt)], atol=1e-4, rtol=0)
     for pos in range(len(prompt), len(full)):
         logits, cache = steps.decode(params, cache, step_batch([full[pos]], pos, pages), cfg=cfg, options=options)

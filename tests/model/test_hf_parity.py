@@ -40,8 +40,8 @@ def test_prefill_and_decode_logits_match_hf(hf_model_dir, arch, scan_layers):
     # Pages deliberately out of order, and page 0 left unused, to catch page-table mistakes.
     pages = [5, 2, 7, 1, 3, 6, 4, 0][: -(-len(full) // PAGE)]
     cache = init_cache(cfg, num_pages=8, page_size=PAGE, dtype=jnp.float32)
-    opts = steps.StepOptions(scan_layers=scan_layers, all_logits=True)
-    logits, cache = steps.prefill(params, cache, step_batch(prompt, 0, pages), cfg=cfg, options=opts)
+    opts = steps.StepOptions(scan_layers=scan_layers)
+    logits, cache = steps.prefill(params, cache, step_batch(prompt, 0, pages), cfg=cfg, options=opts, all_logits=True)
     np.testing.assert_allclose(np.asarray(logits[0, 0]), ref[: len(prompt)], atol=1e-4, rtol=0)
 
     decode_opts = steps.StepOptions(scan_layers=scan_layers)
@@ -106,7 +106,7 @@ def test_bfloat16_top1_agreement_with_hf(hf_model_dir):
         pages = list(range(1, 1 + -(-n // PAGE)))
         cache = init_cache(cfg, num_pages=9, page_size=PAGE, dtype=jnp.bfloat16)
         logits, _ = steps.prefill(params, cache, step_batch(ids, 0, pages), cfg=cfg,
-                                  options=steps.StepOptions(all_logits=True))
+                                  all_logits=True)
         ours = np.asarray(logits[0, 0], np.float32)
         top2 = np.sort(ref, axis=-1)[:, -2:]
         spacing = 2.0 ** (np.floor(np.log2(np.abs(top2[:, 1]) + 1e-30)) - 7)  # bf16 ulp at the top logit

@@ -124,7 +124,7 @@ def test_prefill_decode_and_dense_logits_match_hf(family, scan):
     pages = [3, 1, 4, 2][: -(-len(full) // PAGE)]  # out of order, page 0 unused
     cache = init_cache(cfg, num_pages=5, page_size=PAGE, dtype=jnp.float32)
     logits, cache = steps.prefill(params, cache, step_batch(prompt, 0, pages), cfg=cfg,
-                                  options=steps.StepOptions(scan_layers=scan, all_logits=True))
+                                  options=steps.StepOptions(scan_layers=scan), all_logits=True)
     assert_logits_close(logits[0, 0], ref[: len(prompt)], model, prompt, cfg, f"{name} prefill")
     for pos in range(len(prompt), len(full)):
         logits, cache = steps.decode(params, cache, step_batch([full[pos]], pos, pages), cfg=cfg,

@@ -9,7 +9,6 @@ them with a ragged_dot over those experts alone, gathers no expert weights and e
 engine (LLM with mesh_shape (1, 4)) in both modes equal one device's.
 """
 
-import dataclasses
 import re
 
 import jax
@@ -64,7 +63,7 @@ def _paged_logits(params, cfg, options, prompt, decodes):
     if options.mesh is not None:
         cache = jax.device_put(cache, jax.sharding.NamedSharding(options.mesh, jax.sharding.PartitionSpec()))
     logits, cache = steps.prefill(params, cache, step_batch(prompt, 0, pages), cfg=cfg,
-                                  options=dataclasses.replace(options, all_logits=True))
+                                  options=options, all_logits=True)
     out = [logits[0, 0]]
     for i, token in enumerate(decodes):
         logits, cache = steps.decode(params, cache, step_batch([token], len(prompt) + i, pages), cfg=cfg,

@@ -99,7 +99,8 @@ def all_logits(cfg, params, tokens, kv_cache_dtype="auto", **options):
     batch = StepBatch(tokens=tokens[None], start_pos=np.zeros((1, n), np.int32),
                       num_new=np.full((1, n), T, np.int32),
                       page_table=np.arange(1, n * pages + 1, dtype=np.int32).reshape(1, n, pages))
-    logits, cache = steps.prefill(params, cache, batch, cfg=cfg, options=steps.StepOptions(all_logits=True, **options))
+    logits, cache = steps.prefill(params, cache, batch, cfg=cfg, options=steps.StepOptions(**options),
+                                  all_logits=True)
     return np.asarray(logits[0]), cache
 
 
@@ -263,8 +264,8 @@ def test_mesh_sharded_int8_matches_unsharded(tiny, short_int8):
                       num_new=np.full((2, 1), T, np.int32),
                       page_table=np.tile(np.arange(1, pages + 1, dtype=np.int32), (2, 1, 1)))
     for attention in ("reference", "pallas_interpret"):  # the kernels per device, scales sharded like pages
-        options = steps.StepOptions(all_logits=True, scan_layers=True, attention_backend=attention, mesh=mesh)
-        logits, _ = steps.prefill_nodonate(placed, cache, batch, cfg=cfg, options=options)
+        options = steps.StepOptions(scan_layers=True, attention_backend=attention, mesh=mesh)
+        logits, _ = steps.prefill_nodonate(placed, cache, batch, cfg=cfg, options=options, all_logits=True)
         # the row-parallel sums add in another order, so an int8 KV value at a rounding boundary may flip
         np.testing.assert_allclose(np.asarray(logits[:, 0]), want, atol=1e-2, rtol=0, err_msg=attention)
 

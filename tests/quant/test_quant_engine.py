@@ -38,7 +38,7 @@ def test_engine_serves_int8_weights_and_cache(hf_model_dir):
                       page_table=np.arange(1, 5, dtype=np.int32)[None, None])
     stacked = jax.tree.map(lambda *ws: jnp.stack(ws), *params.layers)
     logits, _ = steps.prefill(params.replace(layers=stacked), one, batch, cfg=cfg,
-                              options=steps.StepOptions(all_logits=True, scan_layers=True))
+                              options=steps.StepOptions(scan_layers=True), all_logits=True)
     assert np.asarray(logits[0, 0, len(prompt) - 1:]).argmax(-1).tolist() == greedy
 
 
@@ -76,7 +76,7 @@ def test_w8a8_serves_with_per_token_activations(hf_model_dir):
                       page_table=np.arange(1, 5, dtype=np.int32)[None, None])
     stacked = jax.tree.map(lambda *ws: jnp.stack(ws), *params.layers)
     logits, _ = steps.prefill(params.replace(layers=stacked), one, batch, cfg=cfg, options=steps.StepOptions(
-        all_logits=True, scan_layers=True, matmul_backend="w8a8"))
+        scan_layers=True, matmul_backend="w8a8"), all_logits=True)
     assert np.asarray(logits[0, 0, len(prompt) - 1:]).argmax(-1).tolist() == greedy
 
 
