@@ -72,7 +72,7 @@ class LLMEngine(EngineCore):
         if s.enable_lora:
             self._serve_adapters()
         self.warm_up_compiles = None
-        if warm_up:
+        if warm_up and not s.enforce_eager:  # enforce_eager: every bucket compiles on first use instead
             self.warm_up()
         # Multi-host: process 0 hands every later device call to the other processes, which run
         # multihost.run_follower(engine) instead of serving (None in a single process and on followers).

@@ -165,7 +165,7 @@ def describe(plan: Plan) -> str:
         f"  parameters          {fmt_bytes(plan.param_bytes_per_device):>12}   "
         f"({fmt_bytes(plan.param_bytes_total)} in all)",
         f"  usable              {fmt_bytes(plan.usable_bytes_per_device):>12}   "
-        f"({fmt_bytes(t.memory_bytes)} x memory fraction {plan.memory_fraction:g})",
+        f"({fmt_bytes(t.memory_bytes)} x --gpu-memory-utilization {plan.memory_fraction:g})",
         f"  left for KV cache   {fmt_bytes(plan.kv_budget_per_device):>12}",
         f"  KV per token        {fmt_bytes(plan.kv_bytes_per_token_per_device):>12}   "
         f"({fmt_bytes(plan.kv_bytes_per_token)} per token for the whole model, "
@@ -180,7 +180,8 @@ def describe(plan: Plan) -> str:
                      "(num_pages / kv_cache_memory)")
     elif plan.pages_per_replica > 0:
         lines.append(f"  to use it all       num_pages: {plan.pages_per_replica + RESERVED_PAGES}   "
-                     f"(the engine's default is a 2 GiB cache per replica)")
+                     "(on a GPU or TPU the engine sizes its cache from --gpu-memory-utilization itself, less an "
+                     "activation reserve; on a CPU it takes a fixed 2 GiB unless num_pages is set)")
     if plan.decode:
         lines += ["", f"lower bounds (roofline: peak bandwidth and FLOP/s, no overheads; real steps are slower)",
                   f"  decode step, every sequence at {plan.context} tokens of context; cost at ${t.cost_per_hour:.2f}"
@@ -263,8 +264,7 @@ def build_parser(prog: str = "python -m jaxserve.plan") -> argparse.ArgumentPars
     w.add_argument("--batch", type=int, default=None,
                    help="decode batch per replica to plan for (refused if it does not fit); default: max_num_seqs")
     w.add_argument("--prompt-len", type=int, default=None, help="prompt length of the prefill bound; default: context")
-    w.add_argument("--memory-fraction", type=float, default=0.9,
-                   help="share of device memory for parameters + KV (the rest: activations, workspace)")
+    w.add_argument("--memory-fraction", dest="memory_fraction", default=None, help=argparse.SUPPRESS)  # refused
     w.add_argument("--json", action="store_true", help="print the plan as JSON")
     EngineConfig.add_cli_arguments(parser)
     return parser
@@ -329,12 +329,16 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.plan
             print(f"this host: numpy copy {bw / 1e9:.1f} GB/s (read + write), f32 matmul {flops / 1e9:.0f} GFLOP/s")
             args.bandwidth = args.bandwidth or bw
             args.peak_flops = args.peak_flops or flops
+        if args.memory_fraction is not None:
+            raise ConfigError("--memory-fraction is now --gpu-memory-utilization, the flag (and YAML key) jaxserve "
+                              "serve sizes its memory by: the share of each device for parameters + KV cache")
         settings = EngineConfig.from_namespace(args, resources.resolve_config(args.config) if args.config else None)
+        memory_fraction = settings.gpu_memory_utilization
         settings = settings.replace(model=resources.resolve_shipped_path(settings.model))
         spec, local_count = resolve_spec(args.device, settings, args)
         if args.suggest_mesh:
             n = args.devices or local_count or settings.mesh_shape[0] * settings.mesh_shape[1]
-            found = suggest_mesh(settings, spec, n, context=args.context, memory_fraction=args.memory_fraction,
+            found = suggest_mesh(settings, spec, n, context=args.context, memory_fraction=memory_fraction,
                                  device_memory=args.device_memory, bandwidth=args.bandwidth,
                                  peak_flops=args.peak_flops)
             if found is None:
@@ -351,7 +355,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.plan
         mesh = resolve_mesh(settings.mesh_shape, args.devices)
         target = Target.build(spec, mesh, args.device_memory, args.bandwidth, args.peak_flops, args.cost_per_hour)
         plan = plan_from_settings(settings, target, context=args.context, batch=args.batch,
-                                  memory_fraction=args.memory_fraction, prompt_len=args.prompt_len,
+                                  memory_fraction=memory_fraction, prompt_len=args.prompt_len,
                                   expert_parallel=args.expert_parallel)
     except (JaxServeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

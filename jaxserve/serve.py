@@ -41,7 +41,7 @@ import time
 from typing import Any, Sequence
 
 from jaxserve.loading import resources
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, vllm_flags
 from jaxserve.errors import ConfigError, JaxServeError
 from jaxserve.config.settings import parse_size
 
@@ -54,22 +54,39 @@ MOCK_DEFAULTS = dict(max_num_seqs=16, num_pages=512, page_size=16, max_model_len
 
 class ServeArgumentParser(argparse.ArgumentParser):
     """The server's flags plus vLLM's positional model (`jaxserve serve ORG/NAME`), which fills `model`:
-    given with a different `--model` it is an error (exit 2)."""
+    given with a different `--model` it is an error (exit 2). As vLLM's parser, `--max_model_len` is
+    `--max-model-len`; vLLM's flags that are not settings are mapped, noted or refused (exit 2) here
+    (config/vllm_flags.py), and the notes kept in `ns.vllm_notes` for the log."""
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
-        ns, extras = super().parse_known_args(args, namespace)
+        if args is None:
+            args = sys.argv[1:]
+        ns, extras = super().parse_known_args([dashed(arg) for arg in args], namespace)
         tag = getattr(ns, "model_tag", None)
         if tag is not None:
             if getattr(ns, "model", tag) != tag:
                 self.error(f"the model is given twice, differently: {tag!r} (positional) and --model {ns.model!r}; "
                            "give one of them")
             ns.model = tag
+        try:
+            ns.vllm_notes = vllm_flags.apply(ns)
+        except ConfigError as err:
+            self.error(str(err))
         return ns, extras
+
+
+def dashed(arg: str) -> str:
+    """`--max_model_len=8` -> `--max-model-len=8`: vLLM takes either spelling of a flag (values untouched)."""
+    if not arg.startswith("--"):
+        return arg
+    name, sep, value = arg.partition("=")
+    return name.replace("_", "-") + sep + value
 
 
 def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentParser:
     parser = ServeArgumentParser(
         prog=prog, description="OpenAI-compatible LLM server over jaxserve's JAX engine.",
+        usage="%(prog)s [MODEL] [flags]   (--help lists every flag; vLLM's: docs/coming-from-vllm.md)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("model_tag", nargs="?", default=argparse.SUPPRESS, metavar="MODEL",
@@ -96,6 +113,10 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
                    help="peak memory bandwidth in bytes/s for the MBU metric (default: known devices only)")
     from jaxserve.server.tool_parsers import PARSERS
 
+    g.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                   help="read the model's tool calls back into tool_calls when a request's tool_choice is auto (the "
+                        "default when it sends tools), with --tool-call-parser. On by default here; vLLM's default "
+                        "is off: --no-enable-auto-tool-choice answers such requests 400 as vLLM does")
     g.add_argument("--tool-call-parser", default="hermes", choices=tuple(PARSERS),
                    help="the format the model writes tool calls in, read back into tool_calls when tool_choice is "
                         "auto: hermes (<tool_call>{json}</tool_call>; the shipped model's template) or llama3_json "
@@ -116,6 +137,7 @@ def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentPar
     m.add_argument("--mock-engine", action="store_true",
                    help="serve the deterministic mock engine instead of a model (no JAX needed)")
     m.add_argument("--mock-token-delay", type=float, default=0.002, help="seconds per mock engine step")
+    vllm_flags.add_arguments(parser)
     return parser
 
 
@@ -148,19 +170,65 @@ def default_config_path(ns: argparse.Namespace) -> str | None:
     return None
 
 
+def settings_from_flags(ns: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from YAML + flags, the model not yet resolved (nothing downloaded or read but the YAML):
+    what a launch line means. ConfigError: a bad value, or a trap (`check_dummy_weights`)."""
+    config = default_config_path(ns)
+    check_dummy_weights(ns, config)
+    settings = EngineConfig.from_namespace(ns, config, defaults=MOCK_DEFAULTS if ns.mock_engine else None)
+    return settings.replace(tokenizer=resources.resolve_shipped_path(settings.tokenizer))
+
+
+def check_dummy_weights(ns: argparse.Namespace, config: str | None) -> None:
+    """A config that sets `load_format: dummy` (llama3-8b-tp8 and the other shape configs: random weights,
+    to plan and benchmark) with a real `--model` beside it would serve random weights under that model's
+    name: refused unless `--load-format` says which is meant."""
+    if ns.mock_engine or config is None or getattr(ns, "model", None) is None or hasattr(ns, "load_format"):
+        return
+    import yaml
+
+    with open(config, encoding="utf-8") as f:
+        values = yaml.safe_load(f) or {}
+    if isinstance(values, dict) and values.get("load_format") == "dummy":
+        raise ConfigError(
+            f"--config {ns.config} sets load_format: dummy (seeded random weights, for planning and benchmarks) and "
+            f"--model {ns.model} is given: that would serve random weights under the model's name. Add "
+            "--load-format auto to load the model's own weights with the config's other settings, or "
+            "--load-format dummy if random weights are meant")
+
+
 def resolve_settings(ns: argparse.Namespace) -> tuple[EngineConfig, str, str | None]:
     """EngineConfig from YAML + flags with the model resolved to a local directory; returns (settings,
     the name clients send, a note on the weights). The name is the model as the user spelled it, as
     vLLM's is, and the default model's name when none was given."""
-    settings = EngineConfig.from_namespace(ns, default_config_path(ns), defaults=MOCK_DEFAULTS if ns.mock_engine else None)
-    settings = settings.replace(tokenizer=resources.resolve_shipped_path(settings.tokenizer))
+    settings = settings_from_flags(ns)
     if ns.mock_engine:
         return settings, "mock", "mock engine (deterministic fake tokens, no model)"
     from jaxserve.loading.model_source import resolve_model_settings
 
     name = settings.model or resources.DEFAULT_MODEL_NAME
     note = "dummy (random) weights" if settings.load_format == "dummy" else None
-    return resolve_model_settings(settings), name, note
+    resolved = resolve_model_settings(settings)
+    check_checkpoint_quantization(ns, resolved.model)
+    return resolved, name, note
+
+
+def check_checkpoint_quantization(ns: argparse.Namespace, model: str | None) -> None:
+    """vLLM's `--quantization awq|gptq` says the checkpoint is quantized so (config/vllm_flags.py leaves the
+    method in `ns`): ConfigError unless the model directory's quantization_config names that method; then
+    the engine serves its 4-bit weights as int4 as stored (loading/int4_checkpoint.implied_quantization)."""
+    method = getattr(ns, "vllm_quantization_method", None)
+    if method is None or model is None:
+        return
+    from jaxserve.loading.int4_checkpoint import read_int4_format
+
+    fmt = read_int4_format(model) if os.path.isdir(model) else None
+    found = fmt.method if fmt is not None else None
+    if found != method:
+        kind = "a float (or GGUF)" if found is None else f"a {found.upper()}"
+        raise ConfigError(f"--quantization {method}: {model} is {kind} checkpoint, not {method.upper()} (as in vLLM, "
+                          "the method must match the checkpoint's quantization_config); drop the flag, or quantize at "
+                          "load with --quantization int8 or int4")
 
 
 def build_engine(ns: argparse.Namespace, settings: EngineConfig) -> Any:
@@ -248,6 +316,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serv
     ns = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, ns.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for line in ns.vllm_notes:  # vLLM flags accepted with no effect here, each with the reason
+        logger.info("%s", line)
     try:
         settings, default_name, note = resolve_settings(ns)
     except JaxServeError as err:
@@ -295,7 +365,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serv
         weights_note=note,
         chat_renderer=chat_renderer,
         generation_defaults=generation_defaults,
-        tool_call_parser=ns.tool_call_parser,
+        tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
         reasoning_parser=ns.reasoning_parser,
         allow_runtime_lora_updating=ns.allow_runtime_lora_updating,
     )
@@ -342,8 +412,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serv
         logger.info("froze %d start-up objects out of the cyclic garbage collector (a full collection over "
                     "them took %.0f ms)", frozen, pause_ms)
         state.set_engine(engine)
-        logger.info("engine warm in %.1f s; ready on http://%s:%d (model %r)", time.perf_counter() - start,
-                    ns.host, ns.port, options.served_model_names[0])
+        logger.info("engine warm in %.1f s; ready on http://%s:%d (model %r)%s", time.perf_counter() - start,
+                    ns.host, ns.port, options.served_model_names[0],
+                    "; this machine only: --host 0.0.0.0 listens on every interface" if ns.host == "127.0.0.1" else "")
 
     loader = threading.Thread(target=load, name="engine-loader", daemon=True)
     loader.start()

@@ -18,9 +18,11 @@ from jaxserve.config.settings import (
     parse_positive_int,
     parse_size,
     parse_str,
+    parse_token_count,
     setting,
 )
 from jaxserve.lora.request import parse_lora_modules, parse_lora_target_modules
+from jaxserve.sampling.fields import MAX_LOGPROBS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -68,8 +70,9 @@ class EngineConfig(Settings):
         "activations, unless num_pages or kv_cache_memory is set; the server also sets JAX's GPU allocator "
         "to it (XLA_PYTHON_CLIENT_MEM_FRACTION) unless that is set already. Ignored on a CPU (a fixed 2 GiB pool)",
         parse_float, group="cache")
-    max_model_len: int | None = setting(None, "longest sequence (prompt + output); default: the model's limit",
-                                        optional(parse_int), group="scheduling")
+    max_model_len: int | None = setting(None, "longest sequence (prompt + output); default: the model's limit; "
+                                        "as vLLM, 32k = 32000 and 32K = 32768", optional(parse_token_count),
+                                        group="scheduling")
     max_num_seqs: int = setting(16, "most sequences in one decode step", parse_int, group="scheduling")
     max_num_batched_tokens: int = setting(
         512, "tokens in one step of each data-parallel replica, decodes included. It is the step's token budget "
@@ -113,6 +116,10 @@ class EngineConfig(Settings):
         False, "accept prompt_logprobs (scoring, e.g. lm-eval): compiles a scoring variant of every prefill "
         "bucket at start-up", parse_bool, group="scheduling")
     scheduling: str = setting("continuous", "continuous (iteration-level) or static batching (the baseline)",
+    max_logprobs: int = setting(
+        MAX_LOGPROBS, f"vLLM's: the most top logprobs a request may ask for (logprobs, top_logprobs, "
+        f"prompt_logprobs); more is a 400. At most {MAX_LOGPROBS}, the count the steps are compiled for",
+        parse_int, group="scheduling")
                               choice("continuous", "static"), group="scheduling")
     preemption_mode: str = setting(
         "recompute", "recompute: admit greedily, preempt and recompute when pages run out; "
@@ -121,7 +128,7 @@ class EngineConfig(Settings):
         "none", "none | int8 (weight-only int8 linear layers, a scale per group of input rows; a GGUF's Q8_0 weights "
         "load as they are) | int4 (weight-only, asymmetric per group of input rows, linear layers and experts; a "
         "GGUF's Q4_0/Q4_1 weights load as they are)",
-        choice("none", "int8", "int4"), group="model")
+        choice("none", "int8", "int4"), group="model", short="-q")
     quantization_group_size: int | None = setting(
         None, "input rows per quantization scale: int8 default 32 (0 or -1: one scale per output channel), "
         "int4 default 32 (a GGUF's Q4_0/Q4_1 blocks; another size requantizes them); must divide every "
@@ -174,6 +181,10 @@ class EngineConfig(Settings):
     # Multi-host serving (jaxserve.runner.multihost, docs/multihost.md): one process per host, all with the same settings
     # but process_id; process 0 runs the scheduler (and the HTTP server) and hands every step to the others.
     coordinator_address: str | None = setting(
+    enforce_eager: bool = setting(
+        False, "vLLM's: no warm-up; each step bucket compiles when a step first needs it (a quick start, the first "
+        "request of each new shape waits for its compile)", parse_bool,
+        group="compilation and kernels")
         None, "multi-host: HOST:PORT where process 0 hosts the jax.distributed coordinator (every process gives "
         "the same); unset = a single process", optional(parse_str), group="parallelism")
     num_processes: int = setting(1, "multi-host: processes in the job (one per host); 1 = single process", parse_int, group="parallelism")
@@ -209,6 +220,9 @@ class EngineConfig(Settings):
     def _validate_lora(self) -> None:
         if self.lora_modules and not self.enable_lora:
             raise ConfigError("lora_modules needs enable_lora=true (--enable-lora)")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ConfigError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the top logprobs the steps are compiled "
+                              f"for; vLLM's -1, the whole vocabulary, is not served), got {self.max_logprobs}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if self.enable_lora and self.num_processes > 1:

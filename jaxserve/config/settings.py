@@ -57,6 +57,20 @@ def parse_int(value: Any) -> int:
         raise ConfigError(f"expected an integer, got {value!r}") from None
 
 
+_TOKEN_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_token_count(value: Any) -> int:
+    """An integer, or vLLM's human-readable count: "32k" = 32,000, "32K" = 32,768, "1m" / "1M" likewise."""
+    if isinstance(value, str) and value.strip()[-1:] in _TOKEN_UNITS:
+        text = value.strip()
+        number = parse_float(text[:-1]) * _TOKEN_UNITS[text[-1]]
+        if not number.is_integer():
+            raise ConfigError(f"{value!r} is not a whole number of tokens")
+        return int(number)
+    return parse_int(value)
+
+
 def parse_positive_int(value: Any) -> int:
     number = parse_int(value)
     if number < 1:

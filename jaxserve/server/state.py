@@ -36,7 +36,7 @@ class ServerOptions:
     chat_renderer: ChatRenderer | None = None
     generation_defaults: GenerationDefaults | None = None
     # tool_choice "auto": the format the model writes its calls in (tool_parsers.PARSERS; --tool-call-parser)
-    tool_call_parser: str = "hermes"
+    tool_call_parser: str | None = "hermes"  # None: --no-enable-auto-tool-choice (tool_choice auto is a 400)
     # chat: the reasoning format (reasoning_parsers.REASONING_PARSERS; --reasoning-parser); None: all content
     reasoning_parser: str | None = None
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (--allow-runtime-lora-updating); None: vLLM's

@@ -94,6 +94,9 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_to
     if forced and not checked:
         raise _bad(f"tool_choice {'required' if choice == 'required' else repr(named)} needs tools, and none were "
                    "given", "tool_choice")
+    if choice == "auto" and checked and parser is None:  # the server runs with --no-enable-auto-tool-choice
+        raise _bad('"auto" tool choice needs the server started with --enable-auto-tool-choice (and a '
+                   "--tool-call-parser); send tool_choice \"required\", a named function or \"none\"", "tool_choice")
     if choice in ("none", "auto") or checked is None:
         return ToolPlan(checked, choice, parser if (choice == "auto" and checked) else None, parallel, None)
     functions = [t["function"] for t in checked]

@@ -30,12 +30,22 @@ from jaxserve.serving.ray.multihost_replica import PLACEMENT_STRATEGIES
 
 logger = logging.getLogger("jaxserve.serve_ray")
 
+# jaxserve serve's flags that serve-ray refuses (spec_from_namespace, _replica_settings): LoRA (the router and
+# the replicas' ingress carry no adapter yet) and the multi-host addresses it chooses itself.
+REFUSED_FLAGS = {
+    "--enable-lora", "--no-enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
+    "--lora-target-modules", "--allow-runtime-lora-updating", "--coordinator-address", "--process-id",
+}
+
 
 def build_parser(prog: str = "jaxserve serve-ray") -> argparse.ArgumentParser:
     from jaxserve.serve import build_parser as serve_parser
 
     parser = serve_parser(prog)
     parser.description = "OpenAI-compatible LLM server over jaxserve replicas on Ray Serve."
+    for action in parser._actions:  # what serve-ray refuses is not offered in its --help (still refused if given)
+        if set(action.option_strings) & REFUSED_FLAGS:
+            action.help = argparse.SUPPRESS
     g = parser.add_argument_group("ray serve")
     g.add_argument("--num-replicas", type=int, default=None, help="a fixed number of engine replicas (default 1)")
     g.add_argument("--min-replicas", type=int, default=None, help="autoscaling: the fewest engine replicas")
@@ -103,7 +113,8 @@ def spec_from_namespace(ns: argparse.Namespace) -> Any:
     elif (ns.num_replicas or 1) < 1:
         raise ConfigError("--num-replicas must be >= 1")
     server = dict(api_key=ns.api_key or None, max_waiting=ns.max_waiting, max_body_bytes=ns.max_body_bytes,
-                  device_bandwidth=ns.device_bandwidth, weights_note=note, tool_call_parser=ns.tool_call_parser,
+                  device_bandwidth=ns.device_bandwidth, weights_note=note,
+                  tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
                   reasoning_parser=ns.reasoning_parser)
     if ns.served_model_name:
         server["served_model_names"] = tuple(ns.served_model_name)
