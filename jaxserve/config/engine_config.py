@@ -112,14 +112,14 @@ class EngineConfig(Settings):
         group="compilation and kernels")
     attention_backend: str = setting("auto", "auto | reference | pallas", choice("auto", "reference", "pallas"), group="compilation and kernels")
     enable_prefix_caching: bool = setting(True, "reuse the KV pages of shared prompt prefixes", parse_bool, group="cache")
-    enable_prompt_logprobs: bool = setting(
-        False, "accept prompt_logprobs (scoring, e.g. lm-eval): compiles a scoring variant of every prefill "
-        "bucket at start-up", parse_bool, group="scheduling")
-    scheduling: str = setting("continuous", "continuous (iteration-level) or static batching (the baseline)",
     max_logprobs: int = setting(
         MAX_LOGPROBS, f"vLLM's: the most top logprobs a request may ask for (logprobs, top_logprobs, "
         f"prompt_logprobs); more is a 400. At most {MAX_LOGPROBS}, the count the steps are compiled for",
         parse_int, group="scheduling")
+    enable_prompt_logprobs: bool = setting(
+        False, "accept prompt_logprobs (scoring, e.g. lm-eval): compiles a scoring variant of every prefill "
+        "bucket at start-up", parse_bool, group="scheduling")
+    scheduling: str = setting("continuous", "continuous (iteration-level) or static batching (the baseline)",
                               choice("continuous", "static"), group="scheduling")
     preemption_mode: str = setting(
         "recompute", "recompute: admit greedily, preempt and recompute when pages run out; "
@@ -175,16 +175,16 @@ class EngineConfig(Settings):
     max_cpu_loras: int | None = setting(
         None, "adapters kept loaded in host memory (at least max_loras; default max_loras): others are read "
         "from disk again when used", optional(parse_positive_int), group="lora")
+    enforce_eager: bool = setting(
+        False, "vLLM's: no warm-up; each step bucket compiles when a step first needs it (a quick start, the first "
+        "request of each new shape waits for its compile)", parse_bool,
+        group="compilation and kernels")
     compilation_cache_dir: str | None = setting(
         None, "persistent XLA compilation cache; default ~/.cache/jaxserve/xla, 'none' disables it", optional(parse_str)
     , group="compilation and kernels")
     # Multi-host serving (jaxserve.runner.multihost, docs/multihost.md): one process per host, all with the same settings
     # but process_id; process 0 runs the scheduler (and the HTTP server) and hands every step to the others.
     coordinator_address: str | None = setting(
-    enforce_eager: bool = setting(
-        False, "vLLM's: no warm-up; each step bucket compiles when a step first needs it (a quick start, the first "
-        "request of each new shape waits for its compile)", parse_bool,
-        group="compilation and kernels")
         None, "multi-host: HOST:PORT where process 0 hosts the jax.distributed coordinator (every process gives "
         "the same); unset = a single process", optional(parse_str), group="parallelism")
     num_processes: int = setting(1, "multi-host: processes in the job (one per host); 1 = single process", parse_int, group="parallelism")
@@ -205,6 +205,9 @@ class EngineConfig(Settings):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ConfigError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the top logprobs the steps are compiled "
+                              f"for; vLLM's -1, the whole vocabulary, is not served), got {self.max_logprobs}")
         if self.num_pages is not None and self.kv_cache_memory is not None:
             raise ConfigError("set num_pages or kv_cache_memory, not both")
         if self.load_format == "dummy" and self.model is None:
@@ -220,9 +223,6 @@ class EngineConfig(Settings):
     def _validate_lora(self) -> None:
         if self.lora_modules and not self.enable_lora:
             raise ConfigError("lora_modules needs enable_lora=true (--enable-lora)")
-        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
-            raise ConfigError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the top logprobs the steps are compiled "
-                              f"for; vLLM's -1, the whole vocabulary, is not served), got {self.max_logprobs}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if self.enable_lora and self.num_processes > 1:
