@@ -5,6 +5,7 @@
     jaxserve serve-ray [MODEL] [flags]  the same server over replicas on Ray Serve (= jaxserve.serving.ray.cli)
     jaxserve plan [flags]           will a model fit, how many sequences, how fast (= python -m jaxserve.plan)
     jaxserve compare-hf [flags]     greedy tokens and logits against Hugging Face (= python -m jaxserve.compare_hf)
+    jaxserve bench {serve,latency,throughput} [flags]  benchmarks, as `vllm bench` (= python -m jaxserve.bench.cli)
 
 Each subcommand takes exactly the flags of its module (`jaxserve serve --help`); the modules stay
 runnable with `python -m`, so scripts and docs written for either spelling keep working.
@@ -22,6 +23,7 @@ SUBCOMMANDS = {
     "serve-ray": ("jaxserve.serving.ray.cli", "the same server over engine replicas on Ray Serve (needs jaxserve[ray])"),
     "plan": ("jaxserve.plan", "memory and roofline planner: fit, capacity, bounds, replicas for a rate"),
     "compare-hf": ("jaxserve.compare_hf", "parity check against Hugging Face transformers (needs jaxserve[hf])"),
+    "bench": ("jaxserve.bench.cli", "benchmarks as `vllm bench`: serve (any OpenAI server), latency, throughput"),
 }
 
 

@@ -1,5 +1,9 @@
 #!/usr/bin/env python3
-"""Serving benchmark: a load generator against any OpenAI-compatible server (in the style of vLLM's).
+"""Serving benchmark sweeps: `jaxserve bench serve`'s load generator (jaxserve/bench) over several rates and servers.
+
+For one run against one server, `jaxserve bench serve` (docs/bench.md) is the command; this script
+keeps what the studies in docs/BENCHMARKS.md use around the same load generator: a sweep of rates,
+several servers, a plot, costs and jaxserve's step composition from /metrics.
 
 Seeded synthetic prompts with chosen input and output length distributions (optionally all sharing a
 fixed prefix), sent with Poisson arrivals at --request-rate (or all at once with `inf`), at most
@@ -32,146 +36,37 @@ import asyncio
 import json
 import math
 import os
-import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # jaxserve.planning, for costs
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # jaxserve, from a checkout
 
-WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-         "government company number group problem fact water room mother area money story month lot right study "
-         "book job word business issue side kind head house service friend father power hour game line end member "
-         "law car city community name president team minute idea kid body information back parent face others level "
-         "office door health art war history party result change morning reason research girl guy moment air "
-         "teacher force education").split()
+from jaxserve.bench import metrics as bench_metrics  # noqa: E402
+from jaxserve.bench.datasets import WORDS, SampleRequest, random_requests  # noqa: E402,F401
+from jaxserve.bench.http import Client, HTTPError  # noqa: E402
+from jaxserve.bench.loadgen import first_model, run_load  # noqa: E402
+
+# The request and result records are the package's (`jaxserve bench serve`); the names are this script's.
+Request = SampleRequest
+Result = bench_metrics.RequestResult
+_pct = bench_metrics.percentile
 
 
 # ---- workload ------------------------------------------------------------------------------------
 
 
-@dataclass
-class Request:
-    index: int
-    prompt: Any  # list[int] or str
-    input_len: int
-    output_len: int
-
-
-def _lengths(rng: random.Random, mean: int, range_ratio: float, n: int) -> list[int]:
-    lo = max(1, int(round(mean * (1 - range_ratio))))
-    hi = max(lo, int(round(mean * (1 + range_ratio))))
-    return [rng.randint(lo, hi) for _ in range(n)]
-
-
 def make_workload(args: argparse.Namespace, run: int | str = 0) -> list[Request]:
-    """The seeded requests of one run. Every run has the same lengths and shared prefix; each `run`
-    (a sweep's rate index, a warm-up) draws its own prompt bodies, so that a run after the first does
-    not hit the prefix cache on the prompts sent before it. Run 0 is the workload of earlier versions."""
-    rng = random.Random(args.seed)
-    inputs = _lengths(rng, args.input_len, args.input_len_range, args.num_prompts)
-    outputs = _lengths(rng, args.output_len, args.output_len_range, args.num_prompts)
+    """The seeded requests of one run (jaxserve.bench.datasets.random_requests). Every run has the same
+    lengths and shared prefix; each `run` (a sweep's rate index, a warm-up) draws its own prompt bodies,
+    so that a run after the first does not hit the prefix cache on the prompts sent before it."""
     text = args.prompt_format == "text" or args.endpoint.endswith("chat/completions")
-    lo, hi = args.token_id_low, args.token_id_high
-
-    def make(n: int, rng: random.Random):
-        if text:
-            return " ".join(rng.choice(WORDS) for _ in range(n))
-        return [rng.randrange(lo, hi) for _ in range(n)]
-
-    prefix = make(args.shared_prefix_len, rng) if args.shared_prefix_len else ([] if not text else "")
-    bodies = rng if run == 0 else random.Random(f"{args.seed}/{run}")
-    requests = []
-    for i, (n_in, n_out) in enumerate(zip(inputs, outputs)):
-        body = make(n_in, bodies)
-        if text:
-            prompt = (prefix + " " + body).strip() if prefix else body
-        else:
-            prompt = list(prefix) + body
-        requests.append(Request(i, prompt, args.shared_prefix_len + n_in, n_out))
-    return requests
-
-
-# ---- one request ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Result:
-    index: int
-    ok: bool = False
-    error: str = ""
-    input_len: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0
-    e2el: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    start: float = 0.0
-
-    @property
-    def tpot(self) -> float | None:
-        if self.output_tokens <= 1:
-            return None
-        return (self.e2el - self.ttft) / (self.output_tokens - 1)
-
-
-async def send(client: httpx.AsyncClient, args: argparse.Namespace, model: str, req: Request) -> Result:
-    body: dict[str, Any] = {"model": model, "max_tokens": req.output_len, "stream": True,
-                            "stream_options": {"include_usage": True}, "temperature": args.temperature}
-    if not args.no_ignore_eos:
-        body["ignore_eos"] = True
-    if args.endpoint.endswith("chat/completions"):
-        body["messages"] = [{"role": "user", "content": req.prompt}]
-    else:
-        body["prompt"] = req.prompt
-    result = Result(req.index, input_len=req.input_len)
-    start = time.perf_counter()
-    result.start = start
-    last = None
-    chunks = 0
-    usage_tokens = None
-    try:
-        async with client.stream("POST", args.endpoint, json=body) as r:
-            if r.status_code != 200:
-                result.error = f"HTTP {r.status_code}: {(await r.aread())[:300].decode(errors='replace')}"
-                return result
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                payload = line[6:]
-                if payload == "[DONE]":
-                    break
-                data = json.loads(payload)
-                if "error" in data:
-                    result.error = str(data["error"].get("message"))
-                    return result
-                if data.get("usage"):
-                    usage_tokens = data["usage"].get("completion_tokens")
-                if not data.get("choices"):
-                    continue
-                c = data["choices"][0]
-                delta = c.get("delta") or {}
-                if delta.get("role") and not delta.get("content") and not c.get("finish_reason"):
-                    continue  # chat's opening role chunk carries no token
-                # Otherwise a chunk means new tokens (their text may be empty: a server without a tokenizer).
-                now = time.perf_counter()
-                if last is None:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-                chunks += 1
-    except (httpx.HTTPError, json.JSONDecodeError) as err:
-        result.error = f"{type(err).__name__}: {err}"
-        return result
-    result.e2el = time.perf_counter() - start
-    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
-    result.ok = last is not None
-    if not result.ok:
-        result.error = "no tokens received"
-    return result
+    return random_requests(args.num_prompts, args.input_len, args.output_len, args.input_len_range,
+                           args.shared_prefix_len, args.seed, run, text=text, token_low=args.token_id_low,
+                           token_high=args.token_id_high, output_range_ratio=args.output_len_range)
 
 
 # ---- one run at one rate -------------------------------------------------------------------------
@@ -194,49 +89,14 @@ def wait_for_health(base_url: str, proc: Any, timeout: float) -> float:
     raise RuntimeError(f"server not healthy after {timeout:.0f} s")
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    f, c = math.floor(k), math.ceil(k)
-    return s[f] + (s[c] - s[f]) * (k - f)
-
-
 def summarize(results: list[Result], duration: float, args: argparse.Namespace) -> dict:
-    ok = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(r.input_len for r in ok)
-    summary: dict[str, Any] = {
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "duration_s": duration,
-        "total_input_tokens": in_tokens,
-        "total_output_tokens": out_tokens,
-        "request_throughput": len(ok) / duration if duration else 0.0,
-        "output_throughput": out_tokens / duration if duration else 0.0,
-        "total_token_throughput": (in_tokens + out_tokens) / duration if duration else 0.0,
-    }
-    series = {
-        "ttft_ms": [r.ttft * 1e3 for r in ok],
-        "tpot_ms": [r.tpot * 1e3 for r in ok if r.tpot is not None],
-        "itl_ms": [x * 1e3 for r in ok for x in r.itl],
-        "e2el_ms": [r.e2el * 1e3 for r in ok],
-    }
-    for name, values in series.items():
-        summary[f"mean_{name}"] = sum(values) / len(values) if values else float("nan")
-        for q in (50, 90, 99):
-            summary[f"p{q}_{name}"] = _pct(values, q)
-    if args.slo_ttft is not None or args.slo_tpot is not None:
-        good = 0
-        for r in ok:
-            if args.slo_ttft is not None and r.ttft * 1e3 > args.slo_ttft:
-                continue
-            if args.slo_tpot is not None and r.tpot is not None and r.tpot * 1e3 > args.slo_tpot:
-                continue
-            good += 1
-        summary["goodput"] = good / duration if duration else 0.0
-        summary["slo_attainment"] = good / len(results) if results else 0.0
+    """jaxserve.bench.metrics.summarize at mean/p50/p90/p99 of TTFT, TPOT, ITL and E2EL, under this
+    script's names too (duration_s; goodput and slo_attainment with --slo-ttft/--slo-tpot), plus costs."""
+    slo = {k: v for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot)) if v is not None}
+    summary = bench_metrics.summarize(results, duration, (50, 90, 99), bench_metrics.METRICS, slo or None)
+    summary["duration_s"] = duration
+    if slo:
+        summary["goodput"] = summary["request_goodput"]
     cost = getattr(args, "cost_per_hour", None)
     if cost is not None:
         summary.update(token_costs(summary, cost, getattr(args, "num_devices", 1) or 1))
@@ -266,16 +126,18 @@ def token_costs(summary: dict, cost_per_device_hour: float, num_devices: int = 1
             "usd_per_million_tokens": per_million(inputs + outputs)}
 
 
-async def step_metrics(client: httpx.AsyncClient) -> dict | None:
+async def step_metrics(client: Client) -> dict | None:
     """The server's step composition from /metrics (jaxserve's steps_total{kind} and iteration_tokens
     histogram); None for a server without them (another engine)."""
     try:
-        r = await client.get("/metrics")
-        r.raise_for_status()
-    except httpx.HTTPError:
+        status, body = await client.get("/metrics")
+    except (HTTPError, OSError, asyncio.IncompleteReadError):
         return None
+    if status != 200:
+        return None
+    text = body.decode(errors="replace")
     kinds, buckets, total, cpu, joined = {}, {}, None, None, None
-    for line in r.text.splitlines():
+    for line in text.splitlines():
         if line.startswith("jaxserve:steps_total{"):
             kinds[line.split('kind="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("jaxserve:iteration_tokens_bucket{"):
@@ -318,34 +180,18 @@ def step_composition(before: dict | None, after: dict | None) -> dict:
 
 
 async def run_rate(base_url: str, args: argparse.Namespace, rate: float, workload: list[Request]) -> dict:
+    """One run of `workload` at `rate` through jaxserve.bench's load generator, with the server's step
+    composition (/metrics) before and after."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limit = args.max_concurrency or len(workload)
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    timeout = httpx.Timeout(args.timeout, connect=30.0)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=timeout) as client:
-        model = args.model
-        if model is None:
-            r = await client.get("/v1/models")
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
-        for req in make_workload(args, run=f"warm-up at {rate}")[: args.warmup]:  # not the measured prompts
-            await send(client, args, model, req)
-        rng = random.Random(args.seed + 1)
-        sem = asyncio.Semaphore(limit)
-
-        async def limited(req: Request) -> Result:
-            async with sem:
-                return await send(client, args, model, req)
-
+    options = dict(ignore_eos=not args.no_ignore_eos, temperature=args.temperature, timeout=args.timeout)
+    async with Client(base_url, headers, timeout=args.timeout) as client:
+        model = args.model or await first_model(client)
+        warm = make_workload(args, run=f"warm-up at {rate}")[: args.warmup]  # not the measured prompts
+        if warm:
+            await run_load(client, warm, args.endpoint, model, float("inf"), max_concurrency=1, **options)
         metrics_before = await step_metrics(client)
-        tasks = []
-        start = time.perf_counter()
-        for req in workload:
-            tasks.append(asyncio.create_task(limited(req)))
-            if math.isfinite(rate) and rate > 0:
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        results, duration = await run_load(client, workload, args.endpoint, model, rate,
+                                           max_concurrency=args.max_concurrency, seed=args.seed + 1, **options)
         composition = step_composition(metrics_before, await step_metrics(client))
     summary = summarize(list(results), duration, args)
     summary.update(composition)
