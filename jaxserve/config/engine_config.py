@@ -193,6 +193,15 @@ class EngineConfig(Settings):
     distributed_timeout: int = setting(
         30, "multi-host: seconds without a heartbeat after which a process counts as dead (the others then exit)",
         parse_int, group="parallelism")
+    # POST /v1/responses (server/responses.py): its in-memory store of responses (server/response_store.py)
+    responses_store: bool = setting(
+        True, "keep /v1/responses results in memory (store: true, OpenAI's default) for previous_response_id and "
+        "GET/DELETE /v1/responses/{id}; --no-responses-store: nothing is kept, and store: true is a 400",
+        parse_bool, group="responses API")
+    responses_store_max_entries: int = setting(
+        1024, "the most responses kept; past it the oldest is evicted", parse_positive_int, group="responses API")
+    responses_store_max_age: float = setting(
+        3600.0, "seconds a stored response is kept", parse_float, group="responses API")
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -210,6 +219,8 @@ class EngineConfig(Settings):
                               f"for; vLLM's -1, the whole vocabulary, is not served), got {self.max_logprobs}")
         if self.num_pages is not None and self.kv_cache_memory is not None:
             raise ConfigError("set num_pages or kv_cache_memory, not both")
+        if not self.responses_store_max_age > 0:
+            raise ConfigError(f"responses_store_max_age must be positive seconds, got {self.responses_store_max_age}")
         if self.load_format == "dummy" and self.model is None:
             raise ConfigError("load_format='dummy' needs model= a directory with a config.json to take the shape from")
         if self.activation_quantization == "int8" and (self.quantization != "int8"
