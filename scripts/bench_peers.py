@@ -7,7 +7,7 @@ Engines (all on the SmolLM2-135M-shaped dummy model, seeded random weights):
                     OpenAI server (`python -m jaxserve.serve --config ...`);
 * Hugging Face      `transformers` `generate`, batch 1 and batch 16;
 * llama.cpp         through `llama-cpp-python` (`Llama.generate`) at batch 1, and `llama-server`
-                    under the same OpenAI load as jaxserve's server (scripts/bench_serving.py), with
+                    under the same OpenAI load as jaxserve's server (`jaxserve bench serve`), with
                     as many slots (`-np`) as jaxserve's `max_num_seqs` (and any others given).
 
 Same weights everywhere: jaxserve's own dummy params (load_format=dummy, --seed) are written as a
@@ -475,18 +475,26 @@ class Server:
 
 
 def serving_load(args, url: str, label: str, vocab: int) -> dict:
-    """scripts/bench_serving.py against `url`: an untimed warm-up on other prompts, then the load."""
-    bs = import_script("bench_serving")
-    common = ["--base-url", url, "--label", label, "--input-len", str(args.prompt_len), "--output-len",
-              str(args.new_tokens), "--token-id-low", "10", "--token-id-high", str(vocab), "--temperature", "0",
-              "--max-concurrency", str(args.concurrency), "--request-rate", "inf"]
-    warm = bs.build_parser().parse_args(common + ["--num-prompts", str(min(args.concurrency, 8)), "--output-len", "8",
-                                                  "--seed", str(args.seed + 1000)])
-    asyncio.run(bs.amain(warm))
-    load = bs.build_parser().parse_args(common + ["--num-prompts", str(args.num_prompts), "--seed", str(args.seed)])
-    summary = asyncio.run(bs.amain(load))["runs"][label][0]
+    """`jaxserve bench serve` (jaxserve.bench.serve) against `url`: an untimed warm-up on other prompts,
+    then the load; the summary also under the keys this report used before (duration_s)."""
+    from jaxserve.bench import serve as bench_serve
+
+    common = ["--base-url", url, "--label", label, "--random-input-len", str(args.prompt_len),
+              "--random-token-range", f"10:{vocab}", "--temperature", "0", "--max-concurrency", str(args.concurrency),
+              "--request-rate", "inf", "--ignore-eos", "--metric-percentiles", "50,90,99",
+              "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm", "--ready-check-timeout-sec", "60"]
+
+    def run(flags: list[str]) -> dict:
+        parser = bench_serve.build_parser()
+        ns = parser.parse_args(common + flags)
+        return asyncio.run(bench_serve.benchmark(ns, bench_serve.checked(ns, parser)))
+
+    run(["--num-prompts", str(min(args.concurrency, 8)), "--random-output-len", "8", "--seed", str(args.seed + 1000)])
+    summary = run(["--num-prompts", str(args.num_prompts), "--random-output-len", str(args.new_tokens),
+                   "--seed", str(args.seed)])
+    summary["duration_s"] = summary["duration"]
     if summary["failed"]:
-        raise RuntimeError(f"{label}: {summary['failed']} requests failed: {summary.get('errors')}")
+        raise RuntimeError(f"{label}: {summary['failed']} requests failed: {summary.get('error_kinds')}")
     if summary["total_output_tokens"] != args.num_prompts * args.new_tokens:
         raise RuntimeError(f"{label}: {summary['total_output_tokens']} output tokens, expected "
                            f"{args.num_prompts * args.new_tokens}")
