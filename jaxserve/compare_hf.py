@@ -1,14 +1,27 @@
-"""Parity check against Hugging Face transformers: per-position logit error, KL and greedy agreement."""
+"""Parity check against Hugging Face transformers, through the engine that serves.
+
+jaxserve's side is the server's own engine (`LLM` over `LLMEngine`, built from the same settings as
+`jaxserve serve`: the same loader, the same per-layer or stacked layout, the same bucket executables,
+host packing, placeholders and sampler), and what it compares is what the server returns:
+- "score": one request with prompt_logprobs over the prompt and HF's greedy continuation (teacher
+  forcing): the scoring variant's per-position scores (the next token's logprob and the top-N), the
+  last position from the sampler's logprobs of the token it samples;
+- "generate": the engine's greedy tokens (temperature 0) from the prompt with their logprobs, the first
+  from the prompt's step, the rest from decode steps over the paged cache, each against HF's argmax and
+  log_softmax given the same tokens before it.
+Per position: the largest |logprob difference| over the ids the engine returns (the target and its
+top-N), the KL of the two distributions coarsened to those ids and the rest (a lower bound of the
+full KL), whether HF's top-N are among ours, and greedy agreement (near-ties apart).
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -18,20 +31,21 @@ from jaxserve.errors import ConfigError, JaxServeError, ModelLoadError
 
 @dataclasses.dataclass(frozen=True)
 class Tolerances:
-    atol: float  # largest allowed |our logit - HF logit| at a position
-    kl: float  # largest allowed KL(HF || ours) of the next-token distributions
+    atol: float  # largest allowed |our logprob - HF logprob| over the ids the engine returns at a position
+    kl: float  # largest allowed KL(HF || ours), both coarsened to the returned ids and the rest
     tie_gap: float  # a greedy disagreement where HF's top-2 logits are closer than this is a near-tie, not a failure
     relative: bool = False  # atol and tie_gap are fractions of the position's largest |HF logit|
 
 
-# float32: the two sides differ only in summation order; correct tiny models measure |dlogit| <= 3e-5
-# and KL <= 3e-11, an 8-layer 256-wide random Llama 6e-4 and 1.5e-8.
+# float32: the two sides differ only in summation order; correct tiny models measure |dlogprob| <= 3e-5,
+# an 8-layer 256-wide random Llama under 1e-3 (its logits differed by 6e-4, KL 1.5e-8).
 # bfloat16: each side rounds activations to 8 significant bits in its own places, so the error grows
 # with the size of the logits, hence relative bounds. On correct random models (2-layer models of
 # every architecture; the 8-layer one) the worst |dlogit| was 0.026-0.075 of the position's largest
 # |logit|, the worst KL 8e-3 (2-layer) and 7e-2 (8-layer), and greedy flips only where HF's top-2 gap
-# was under 0.033 of it; the defaults are about twice those. Comparing bf16 with bf16 cannot see a
-# subtle error (one weight scaled by 1.05 stays inside that noise): float32 is the exactness check.
+# was under 0.033 of it; the defaults are about twice those (a logprob differs by the logit's error
+# and the log-normalizer's, which partly cancel). Comparing bf16 with bf16 cannot see a subtle error
+# (one weight scaled by 1.05 stays inside that noise): float32 is the exactness check.
 DEFAULT_TOLERANCES = {
     "float32": Tolerances(atol=1e-3, kl=1e-5, tie_gap=1e-3),
     "bfloat16": Tolerances(atol=0.15, kl=0.15, tie_gap=0.06, relative=True),
@@ -40,13 +54,16 @@ DEFAULT_TOLERANCES = {
 
 @dataclasses.dataclass
 class Position:
-    """One next-token prediction: the logits after input token `pos`."""
+    """One next-token prediction: the engine's scores after input token `pos`, against HF's logits there."""
 
-    phase: str  # "prefill" (all positions in one step) or "decode" (one token per step over the paged cache)
+    phase: str  # "score" (prompt_logprobs, teacher-forced) or "generate" (the engine's greedy tokens)
     pos: int
-    max_abs: float  # max over the vocabulary of |ours - HF|
-    kl: float  # KL(HF || ours)
-    ours: int  # our argmax
+    token: int  # the token scored: the next input token, or the one the engine sampled
+    logprob: float  # our logprob of `token`
+    hf_logprob: float  # HF's
+    max_abs: float  # max |ours - HF| over the returned ids (token and top-N)
+    kl: float  # KL(HF || ours) coarsened to the returned ids and the rest
+    ours: int  # our argmax (generate: the token the engine chose)
     hf: int  # HF's argmax
     gap: float  # HF's top-1 minus top-2 logit
     status: str  # "ok", "near-tie", or "FAIL (what)"
@@ -55,7 +72,8 @@ class Position:
 @dataclasses.dataclass
 class PromptReport:
     prompt: list[int]
-    continuation: list[int]  # HF's greedy continuation, fed to both models (teacher forcing)
+    continuation: list[int]  # HF's greedy continuation, scored by both models (teacher forcing)
+    generated: list[int]  # the engine's greedy tokens from the prompt
     positions: list[Position]
 
     @property
@@ -69,6 +87,7 @@ class Report:
     reference_dir: str
     dtype: str
     tolerances: Tolerances
+    engine: dict  # how the engine ran: attention, layer layout, page size, top-N, executables
     prompts: list[PromptReport]
 
     @property
@@ -124,23 +143,81 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def compare_logits(phase: str, first_pos: int, ours: np.ndarray, ref: np.ndarray, tol: Tolerances) -> list[Position]:
-    """Per-position comparison of f[T, V] logits, in float64 so the metric adds no error of its own."""
-    ours, ref = ours.astype(np.float64), ref.astype(np.float64)
-    max_abs = np.abs(ours - ref).max(-1)
-    lp_ref, lp_ours = _log_softmax(ref), _log_softmax(ours)
-    kl = np.maximum((np.exp(lp_ref) * (lp_ref - lp_ours)).sum(-1), 0.0)  # clamp rounding below 0
+def _coarse_kl(p: np.ndarray, q: np.ndarray) -> float:
+    """KL(p || q) of two distributions given on the same few ids, each with the rest of its mass as one more
+    outcome: a lower bound of the KL of the whole distributions (merging outcomes cannot raise it)."""
+    p, q = np.append(p, max(1.0 - p.sum(), 0.0)), np.append(q, max(1.0 - q.sum(), 0.0))
+    keep = p > 0
+    return max(float((p[keep] * (np.log(p[keep]) - np.log(np.maximum(q[keep], 1e-300)))).sum()), 0.0)
+
+
+def compare_scores(phase: str, first_pos: int, ours: Sequence[dict[int, float]], tokens: Sequence[int],
+                   ref: np.ndarray, tol: Tolerances, top_n: int) -> list[Position]:
+    """Per-position comparison of the engine's score entries ({token id: logprob}: `tokens[t]`'s and the
+    top `top_n`) with HF's logits f[T, V], in float64 so the metric adds no error of its own. Our argmax
+    is the entry's best in "score", the token the engine chose in "generate"."""
+    ref = ref.astype(np.float64)
+    lp_ref = _log_softmax(ref)
     top2 = np.partition(ref, -2, axis=-1)[:, -2:]
     gap = top2[:, 1] - top2[:, 0]
     scale = np.abs(ref).max(-1) if tol.relative else np.ones(len(ref))
     out = []
-    for t in range(ref.shape[0]):
-        a, b = int(ours[t].argmax()), int(ref[t].argmax())
-        bad = [name for name, failed in (("logits", max_abs[t] > tol.atol * scale[t]), ("kl", kl[t] > tol.kl),
+    for t, entry in enumerate(ours):
+        ids = np.fromiter(entry.keys(), np.int64, len(entry))
+        lp = np.fromiter(entry.values(), np.float64, len(entry))
+        hf = lp_ref[t]
+        max_abs = float(np.abs(lp - hf[ids]).max())
+        kl = _coarse_kl(np.exp(hf[ids]), np.exp(lp))
+        # HF's top-N missing from ours: wrong unless its HF logprob is within atol of our N-th best.
+        nth = np.sort(lp)[::-1][min(top_n, len(lp)) - 1]
+        missing = [j for j in np.argsort(-hf)[:top_n] if j not in entry and hf[j] > nth + tol.atol * scale[t]]
+        a = int(tokens[t]) if phase == "generate" else int(ids[lp.argmax()])
+        b = int(ref[t].argmax())
+        bad = [name for name, failed in (("logprobs", max_abs > tol.atol * scale[t]), ("kl", kl > tol.kl),
+                                         ("top", bool(missing)),
                                          ("greedy", a != b and gap[t] > tol.tie_gap * scale[t])) if failed]
         status = f"FAIL ({', '.join(bad)})" if bad else ("near-tie" if a != b else "ok")
-        out.append(Position(phase, first_pos + t, float(max_abs[t]), float(kl[t]), a, b, float(gap[t]), status))
+        token = int(tokens[t])
+        out.append(Position(phase, first_pos + t, token, float(entry[token]), float(hf[token]), max_abs, kl, a, b,
+                            float(gap[t]), status))
     return out
+
+
+def build_llm(model_dir: str, **settings: Any):
+    """The engine `jaxserve serve MODEL_DIR` would build with these settings, with the scoring variant
+    on (enable_prompt_logprobs). Not warmed up: each bucket compiles when first used, the same
+    executable the server's warm-up compiles (the same bucket table, function and options)."""
+    from jaxserve.llm import LLM
+
+    return LLM(model_dir, warm_up=False, **{"enable_prompt_logprobs": True, **settings})
+
+
+def engine_scores(llm, ids: Sequence[int], top_n: int) -> list[dict[int, float]]:
+    """What the server returns for `ids` with prompt_logprobs=top_n, logprobs=top_n and one greedy
+    token: per position r the scores of the token after ids[:r + 1] ({id: logprob}, the next token's
+    and the top-N); rows 0..len-2 from the scoring variant, the last from the sampler's logprobs."""
+    from jaxserve.sampling.params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=top_n, logprobs=top_n)
+    out = llm.generate(prompt_token_ids=[list(ids)], sampling_params=params, use_tqdm=False)[0]
+    return [dict(e) for e in out.prompt_logprobs[1:]] + [dict(out.outputs[0].logprobs[0])]
+
+
+def engine_greedy(llm, prompt: Sequence[int], max_tokens: int, top_n: int) -> tuple[list[int], list[dict]]:
+    """The engine's greedy tokens from `prompt` (EOS ignored, as HF's loop does) and their logprob entries."""
+    from jaxserve.sampling.params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=top_n)
+    out = llm.generate(prompt_token_ids=[list(prompt)], sampling_params=params, use_tqdm=False)[0].outputs[0]
+    return list(out.token_ids), [dict(e) for e in out.logprobs]
+
+
+def describe_engine(llm) -> dict:
+    """How the engine ran: the resolved attention, the layer layout, its page size, executables compiled."""
+    options = llm.runner.options
+    return {"attention": options.attention_backend, "layers": "scanned" if options.scan_layers else "per-layer",
+            "page_size": llm.config.page_size, "max_model_len": llm.memory.max_model_len,
+            "top_n": llm.config.max_logprobs, "executables": llm.engine.num_executables()}
 
 
 def compare(
@@ -153,41 +230,32 @@ def compare(
     atol: float | None = None,
     kl_tol: float | None = None,
     tie_gap: float | None = None,
-    scan_layers: bool = False,
-    attention: str = "reference",
+    attention: str = "auto",
     reference_dir: str | None = None,
+    llm: Any = None,
+    **settings: Any,
 ) -> Report:
-    """Run every prompt through jaxserve and HF (CPU) and compare their logits position by position.
+    """Run every prompt through the serving engine and HF (CPU) and compare their scores position by position.
 
-    jaxserve's side is `steps.prefill` / `steps.decode`: the engine's ragged step, forward and
-    attention (`attention`: one of `steps.ATTENTION_IMPLS`), on rows laid out by the step itself.
-
-    HF loads `reference_dir` (default: `model_dir`), so a converted or edited checkpoint can be checked
-    against the original.
+    The engine is `llm` when given (an `LLM` built with enable_prompt_logprobs, e.g. one a server runs
+    over; its dtype and page size win), else `build_llm(model_dir, dtype=, page_size=,
+    attention_backend=attention, **settings)` (any EngineConfig setting, as `jaxserve serve` takes them).
+    Its top-N is its max_logprobs. HF loads `reference_dir` (default: `model_dir`), so a converted or
+    edited checkpoint can be checked against the original.
     """
-    import jax
-    import jax.numpy as jnp
-
     torch, AutoModelForCausalLM = _hf_reference()
 
-    from jaxserve import steps
-    from jaxserve.loading.checkpoint import load_hf_params
-    from jaxserve.model.kv_cache import StepBatch, init_cache
-
+    if llm is not None:
+        dtype, page_size = str(np.dtype(llm.engine.dtype)), llm.config.page_size
     if dtype not in DEFAULT_TOLERANCES:
         raise ConfigError(f"dtype must be one of {', '.join(DEFAULT_TOLERANCES)}, got {dtype!r}")
     if page_size < 1 or max_new_tokens < 0:
         raise ConfigError("page_size must be >= 1 and max_new_tokens >= 0")
-    try:
-        steps.ragged_attention_impl(attention)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
     base = DEFAULT_TOLERANCES[dtype]
     tol = Tolerances(atol=base.atol if atol is None else atol, kl=base.kl if kl_tol is None else kl_tol,
                      tie_gap=base.tie_gap if tie_gap is None else tie_gap, relative=base.relative)
 
     cfg = ModelConfig.from_dir(model_dir)  # ours first: its errors name the problem (JaxServeError)
-    params = load_hf_params(model_dir, cfg, jnp.dtype(dtype))
     if prompts_token_ids is None:
         prompts_token_ids = random_prompts(cfg.vocab_size, page_size)
     prompts = [list(map(int, p)) for p in prompts_token_ids]
@@ -196,90 +264,78 @@ def compare(
     for i, p in enumerate(prompts):
         if not p or min(p) < 0 or max(p) >= cfg.vocab_size:
             raise ConfigError(f"prompt {i} is empty or has token ids outside [0, {cfg.vocab_size})")
-        if len(p) + max_new_tokens > cfg.max_position_embeddings:
-            raise ConfigError(f"prompt {i}: {len(p)} + {max_new_tokens} tokens exceed max_position_embeddings")
     reference_dir = reference_dir or model_dir
     if not os.path.isdir(reference_dir):
         raise ModelLoadError(f"reference directory {reference_dir!r} does not exist")
+    if llm is None:
+        llm = build_llm(model_dir, dtype=dtype, page_size=page_size, attention_backend=attention, **settings)
+    if not llm.config.enable_prompt_logprobs:
+        raise ConfigError("the engine needs enable_prompt_logprobs=True: its scoring variant gives the scores")
+    for i, p in enumerate(prompts):  # the scoring request: prompt + continuation, and one token sampled
+        if len(p) + max_new_tokens + 1 > llm.memory.max_model_len:
+            raise ConfigError(f"prompt {i}: {len(p)} + {max_new_tokens} + 1 tokens exceed the engine's "
+                              f"max_model_len {llm.memory.max_model_len}")
+    top_n = llm.config.max_logprobs
     try:
         model = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=getattr(torch, dtype)).eval()
     except (OSError, ValueError) as err:  # transformers' own words, without its traceback
         raise ModelLoadError(f"transformers cannot load {reference_dir!r}: {err}") from None
 
-    def hf_run(prompt: list[int]) -> tuple[list[int], np.ndarray]:
-        """HF's greedy continuation, then its teacher-forced logits f32[len, V] over prompt + continuation.
-
-        Full forwards without HF's KV cache: slower, but the same call in every transformers version.
-        """
-        ids = list(prompt)
+    def hf_logits(ids: list[int]) -> np.ndarray:
+        """HF's logits f32[len, V] over `ids` in one full forward (no HF KV cache: the same call in every
+        transformers version)."""
         with torch.no_grad():
-            for _ in range(max_new_tokens):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            return ids[len(prompt):], model(torch.tensor([ids])).logits[0].float().numpy()
+            return model(torch.tensor([ids])).logits[0].float().numpy()
 
-    refs = [hf_run(p) for p in prompts]
-    longest = max(len(p) + max_new_tokens for p in prompts)
-    num_pages = math.ceil(longest / page_size)
-    # Pages in reverse order and page 0 left out, so a page-table mistake reads the wrong K/V and shows.
-    page_table = jnp.asarray(np.arange(num_pages, 0, -1, dtype=np.int32)[None, None])
+    def hf_greedy(prompt: list[int]) -> list[int]:
+        ids = list(prompt)
+        for _ in range(max_new_tokens):
+            ids.append(int(hf_logits(ids)[-1].argmax()))
+        return ids[len(prompt):]
 
-    def batch(tokens: list[int], start: int, width: int) -> StepBatch:
-        # Pad the chunk to `width` (num_new marks the real tokens): every prefill shares one compilation.
-        padded = np.zeros(width, np.int32)
-        padded[: len(tokens)] = tokens
-        def scalar(x: int) -> jax.Array:
-            return jnp.asarray(np.full((1, 1), x, np.int32))  # from numpy: no op to compile
-
-        return StepBatch(tokens=jnp.asarray(padded[None, None]), start_pos=scalar(start), num_new=scalar(len(tokens)),
-                         page_table=page_table)
-
-    prefill_opts = steps.StepOptions(scan_layers=scan_layers, all_logits=True, attention_backend=attention)
-    decode_opts = steps.StepOptions(scan_layers=scan_layers, attention_backend=attention)
-    # One cache for every run, as the engine reuses pages: K/V left over from the previous run sits past
-    # the current sequence's length and must be masked out.
-    cache = init_cache(cfg, num_pages=num_pages + 1, page_size=page_size, dtype=jnp.dtype(dtype))
     reports = []
-    # float32 is the exactness check: matmuls at full precision (TPU and GPU default to bf16 / TF32 passes).
-    with jax.default_matmul_precision("highest" if dtype == "float32" else None):
-        for prompt, (continuation, ref) in zip(prompts, refs):
-            full = prompt + continuation
-            width = num_pages * page_size
-            logits, cache = steps.prefill(params, cache, batch(full, 0, width), cfg=cfg, options=prefill_opts)
-            positions = compare_logits("prefill", 0, np.asarray(logits)[0, 0, : len(full)], ref, tol)
-
-            # The decode path: prefill the prompt (same width and options: no new compilation), then feed
-            # the continuation one token at a time.
-            _, cache = steps.prefill(params, cache, batch(prompt, 0, width), cfg=cfg, options=prefill_opts)
-            decoded = []
-            for pos in range(len(prompt), len(full)):
-                logits, cache = steps.decode(params, cache, batch([full[pos]], pos, 1), cfg=cfg, options=decode_opts)
-                decoded.append(np.asarray(logits)[0, 0])
-            if decoded:
-                positions += compare_logits("decode", len(prompt), np.stack(decoded), ref[len(prompt):], tol)
-            reports.append(PromptReport(prompt, continuation, positions))
-    return Report(model_dir, reference_dir, dtype, tol, reports)
+    for prompt in prompts:
+        continuation = hf_greedy(prompt)
+        full = prompt + continuation
+        ref = hf_logits(full)
+        scores = engine_scores(llm, full, top_n)
+        sampled = max(scores[-1], key=scores[-1].get)  # temperature 0 sampled the argmax
+        positions = compare_scores("score", 0, scores, full[1:] + [sampled], ref, tol, top_n)
+        generated = []
+        if max_new_tokens:
+            generated, entries = engine_greedy(llm, prompt, max_new_tokens, top_n)
+            # HF given the engine's tokens: each step compared in the same context, after a flip too.
+            gen_ref = ref if generated == continuation else hf_logits(prompt + generated)
+            positions += compare_scores("generate", len(prompt) - 1, entries, generated,
+                                        gen_ref[len(prompt) - 1:len(prompt) - 1 + len(generated)], tol, top_n)
+        reports.append(PromptReport(prompt, continuation, generated, positions))
+    return Report(model_dir, reference_dir, dtype, tol, describe_engine(llm), reports)
 
 
 def _summary(positions: list[Position]) -> str:
     mismatches = sum(p.status.startswith("FAIL") and "greedy" in p.status for p in positions)
     ties = sum(p.status == "near-tie" for p in positions)
-    return (f"{len(positions)} positions, max|dlogit| {max(p.max_abs for p in positions):.2e}, "
+    return (f"{len(positions)} positions, max|dlogprob| {max(p.max_abs for p in positions):.2e}, "
             f"max KL {max(p.kl for p in positions):.2e}, greedy mismatches {mismatches}, near-ties {ties}")
 
 
 def format_report(report: Report) -> str:
-    t = report.tolerances
+    t, e = report.tolerances, report.engine
     ref = "" if report.reference_dir == report.model_dir else f" vs HF {report.reference_dir}"
     unit = " x max|HF logit|" if t.relative else ""
-    lines = [f"{report.model_dir}{ref} ({report.dtype}): atol {t.atol:g}{unit}, KL tol {t.kl:g}, "
-             f"near-tie gap {t.tie_gap:g}{unit}"]
+    lines = [f"{report.model_dir}{ref} ({report.dtype}) through the serving engine: attention {e['attention']}, "
+             f"{e['layers']} layers, page size {e['page_size']}, top-{e['top_n']} logprobs, "
+             f"{e['executables']} executables",
+             f"atol {t.atol:g}{unit} on logprobs, coarse-KL tol {t.kl:g}, near-tie gap {t.tie_gap:g}{unit}"]
     for i, pr in enumerate(report.prompts):
-        lines.append(f"\nprompt {i}: {len(pr.prompt)} tokens + {len(pr.continuation)} from HF's greedy continuation")
-        lines.append(f"  {'phase':8} {'pos':>5} {'max|dlogit|':>11} {'KL':>9} {'ours':>7} {'hf':>7} {'hf gap':>8}"
-                     "  status")
+        same = "the same" if pr.generated == pr.continuation else f"ours {pr.generated}"
+        lines.append(f"\nprompt {i}: {len(pr.prompt)} tokens + {len(pr.continuation)} from HF's greedy "
+                     f"continuation ({same})")
+        lines.append(f"  {'phase':8} {'pos':>5} {'token':>7} {'logprob':>10} {'max|dlp|':>9} {'KL':>9} {'ours':>7} "
+                     f"{'hf':>7} {'hf gap':>8}  status")
         for p in pr.positions:
-            lines.append(f"  {p.phase:8} {p.pos:5d} {p.max_abs:11.2e} {p.kl:9.2e} {p.ours:7d} {p.hf:7d} "
-                         f"{p.gap:8.2e}  {p.status}")
+            lines.append(f"  {p.phase:8} {p.pos:5d} {p.token:7d} {p.logprob:10.4f} {p.max_abs:9.2e} {p.kl:9.2e} "
+                         f"{p.ours:7d} {p.hf:7d} {p.gap:8.2e}  {p.status}")
         lines.append(f"prompt {i}: {'PASS' if pr.passed else 'FAIL'}: {_summary(pr.positions)}")
     everything = [p for pr in report.prompts for p in pr.positions]
     lines.append(f"\noverall: {'PASS' if report.passed else 'FAIL'}: {len(report.prompts)} prompts, "
@@ -298,30 +354,54 @@ def _hf_reference():
     return torch, AutoModelForCausalLM
 
 
+def _settings(pairs: Sequence[str]) -> dict[str, str]:
+    """--setting NAME=VALUE pairs (the engine parses the values, as from YAML); the settings with flags
+    of their own are refused, so one value cannot be given twice."""
+    own = {"model": "MODEL_DIR", "dtype": "--dtype", "page_size": "--page-size", "attention_backend": "--attention",
+           "enable_prompt_logprobs": "(always on: the scores come from it)"}
+    settings = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--setting takes NAME=VALUE, got {pair!r}")
+        if name in own:
+            raise ConfigError(f"--setting {name}: use {own[name]}")
+        settings[name] = value
+    return settings
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.compare_hf") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", help="Hugging Face model directory (config.json + safetensors)")
     parser.add_argument("--reference", metavar="DIR", help="HF directory to compare against (default MODEL_DIR)")
     parser.add_argument("--dtype", choices=tuple(DEFAULT_TOLERANCES), default="float32")
-    parser.add_argument("--attention", default="reference", help="our attention implementation (default reference)")
+    parser.add_argument("--attention", default="auto",
+                        help="the engine's attention_backend: auto | reference | pallas (default auto, as served)")
     parser.add_argument("--prompts", help="file, one prompt a line: text, or 'ids: 1,2,3'; default: random ids")
-    parser.add_argument("--max-new-tokens", type=int, default=8, help="HF greedy tokens, teacher-forced (default 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=8,
+                        help="HF greedy tokens, scored teacher-forced, and the engine's greedy tokens (default 8)")
     parser.add_argument("--page-size", type=int, default=16, help="KV-cache page size (default 16)")
     relative = "bfloat16: a fraction of the position's largest |HF logit|"
-    parser.add_argument("--atol", type=float, help=f"max |logit difference| (default 1e-3; {relative}, 0.15)")
-    parser.add_argument("--kl-tol", type=float, help="max KL(HF || ours) (default 1e-5; bfloat16: 0.15)")
+    parser.add_argument("--atol", type=float, help=f"max |logprob difference| (default 1e-3; {relative}, 0.15)")
+    parser.add_argument("--kl-tol", type=float,
+                        help="max KL(HF || ours) over the returned ids and the rest (default 1e-5; bfloat16: 0.15)")
     parser.add_argument("--tie-gap", type=float,
                         help=f"HF top-2 gap under which a greedy mismatch is a near-tie "
                         f"(default 1e-3; {relative}, 0.06)")
     parser.add_argument("--json", metavar="OUT", help="also write the full report as JSON")
+    parser.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
+                        help="any other engine setting, by its YAML name, as the server would be started with "
+                        "(e.g. max_model_len=4096, scan_layers=true, quantization=int8); repeatable")
     args = parser.parse_args(argv)
     try:
+        settings = _settings(args.setting)
         ModelConfig.from_dir(args.model_dir)  # a missing directory or config is reported before anything else
         prompts = read_prompts(args.prompts, args.model_dir) if args.prompts else None
         report = compare(args.model_dir, prompts, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
                          page_size=args.page_size, atol=args.atol, kl_tol=args.kl_tol,
                          tie_gap=args.tie_gap, attention=args.attention,
-                         reference_dir=args.reference)
+                         reference_dir=args.reference, **settings)
     except JaxServeError as err:
         print(f"compare_hf: error: {err}", file=sys.stderr)
         return 2
