@@ -62,7 +62,7 @@ class LLMEngine(EngineCore):
         logger.info("token buckets (token_buckets=%s on %s): %s", s.token_buckets, platform,
                     ", ".join(map(str, buckets.token_counts)))
         cache = init_cache(loaded.cfg, memory.num_pages, s.page_size, loaded.dtype, self.shardings.num_replicas,
-                           self.shardings.cache, s.kv_cache_dtype, self.shardings.cache_scale)
+                           self.shardings.cache, s.kv_cache_dtype, self.shardings.cache_scale, loaded.kv_scales)
         runner = ModelRunner(loaded.cfg, loaded.params, cache, buckets, options, self.shardings,
                              num_scheduler_steps=s.num_scheduler_steps)
         super().__init__(s, runner, model_config=loaded.cfg, memory=memory,

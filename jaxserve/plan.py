@@ -142,7 +142,9 @@ def describe(plan: Plan) -> str:
     data, model = t.mesh_shape
     weights = "int8 linear layers" + (" and lm_head" if plan.quantize_lm_head else "") + f", the rest {plan.dtype}" \
         if plan.quantization == "int8" else plan.dtype
-    kv_dtype = "int8 (+ f32 scales)" if plan.kv_cache_dtype == "int8" else plan.dtype
+    kv_dtype = {"int8": "int8 (+ f32 scales)", "fp8": "float8 e4m3 (+ f32 scales per layer)",
+                "fp8_e4m3": "float8 e4m3 (+ f32 scales per layer)",
+                "fp8_e5m2": "float8 e5m2 (+ f32 scales per layer)"}.get(plan.kv_cache_dtype, plan.dtype)
     overrides = f" (overridden: {', '.join(t.overridden)})" if t.overridden else ""
     active = ""
     if cfg.is_moe:
@@ -207,7 +209,7 @@ def describe(plan: Plan) -> str:
         lines.append(f"note: {note}")
     if plan.problems:
         lines += ["", "DOES NOT FIT:"] + [f"  - {p}" for p in plan.problems]
-        lines.append("  try: more devices on the model axis, quantization: int8, kv_cache_dtype: int8, "
+        lines.append("  try: more devices on the model axis, quantization: int8, kv_cache_dtype: int8 or fp8, "
                      "a shorter context or a smaller batch")
         if plan.kv_budget_per_device <= 0:
             least = -(-plan.param_bytes_total // plan.usable_bytes_per_device)

@@ -66,13 +66,22 @@ def test_llama3_70b_int8_on_8_x_80gb():
     assert one.seconds >= one.memory_s and plan.fits
 
 
-def test_int8_kv_cache_halves_kv_and_fits_more():
+@pytest.mark.parametrize("kv,per_head", [("int8", 128 + 4), ("fp8", 128), ("fp8_e5m2", 128)])
+def test_8bit_kv_cache_halves_kv_and_fits_more(kv, per_head):
+    """int8: a byte per element + an f32 scale per head and token; float8: a byte per element (its
+    scales are per layer)."""
     cfg = model("llama3-70b")
     target = Target.build(get_device("h100"), (1, 8))
     bf16 = make_plan(cfg, target, quantization="int8", context=8192)
-    int8 = make_plan(cfg, target, quantization="int8", kv_cache_dtype="int8", context=8192)
-    assert int8.kv_bytes_per_token_per_device == 2 * (128 + 4) * 8 * 80 // 8  # int8 + an f32 scale per head
-    assert int8.max_batch > 1.9 * bf16.max_batch
+    small = make_plan(cfg, target, quantization="int8", kv_cache_dtype=kv, context=8192)
+    assert small.kv_bytes_per_token_per_device == 2 * per_head * 8 * 80 // 8
+    assert small.max_batch > 1.9 * bf16.max_batch
+
+
+def test_planner_names_the_fp8_cache(capsys):
+    assert planner.main(["--model", "configs/models/llama3-70b", "--device", "h100", "--devices", "8",
+                         "--kv-cache-dtype", "fp8_e5m2", "--context", "8192"]) == 0
+    assert "KV cache float8 e5m2 (+ f32 scales per layer)" in capsys.readouterr().out
 
 
 def test_refuses_parameters_that_do_not_fit(capsys):

@@ -25,6 +25,10 @@ from jaxserve.lora.request import parse_lora_modules, parse_lora_target_modules
 from jaxserve.sampling.fields import MAX_LOGPROBS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# --kv-cache-dtype's values, the one list of them (vLLM's spellings where they mean the same).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+# The float8 ones (model/kv_cache.py: 1 byte per element, a per-layer scale); "fp8" is vLLM's fp8_e4m3.
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +143,10 @@ class EngineConfig(Settings):
         "16, slower at batch 1, and less exact than weight-only int8: docs/BENCHMARKS.md)",
         choice("none", "int8"), group="model")
     quantize_lm_head: bool = setting(False, "with quantization=int8 or int4, quantize the lm_head too (a tied one: the embedding table, rows dequantized as gathered)", parse_bool, group="model")
-    kv_cache_dtype: str = setting("auto", "auto (the model dtype) | int8 (per-token, per-head scales)",
-                                  choice("auto", "int8"), group="cache")
+    kv_cache_dtype: str = setting(
+        "auto", "auto (the model dtype) | int8 (a scale per token and KV head) | fp8 = fp8_e4m3 | fp8_e5m2 (vLLM's: "
+        "float8 pages, a scale per layer: 1.0 unless the checkpoint gives k_scale / v_scale)",
+        choice(*KV_CACHE_DTYPES), group="cache")
     quantized_matmul_backend: str = setting(
         "auto", "int8 weights' matmul: auto (Pallas int8_matmul on one TPU/GPU, else XLA) | reference (XLA) | pallas",
         choice("auto", "reference", "pallas"), group="compilation and kernels")

@@ -9,6 +9,7 @@ import math
 import os
 from typing import Any, Iterable, Mapping
 
+from jaxserve.config.engine_config import FP8_KV_CACHE_DTYPES
 from jaxserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -174,9 +175,12 @@ class ModelConfig:
     def kv_bytes_per_token(self, bytes_per_element: int, kv_cache_dtype: str = "auto") -> int:
         """2 (K and V) * b * head_dim * kv_heads * layers (see DESIGN.md).
 
-        kv_cache_dtype="int8": one byte per element plus one f32 scale per (token, kv head, K or V)."""
+        kv_cache_dtype="int8": one byte per element plus one f32 scale per (token, kv head, K or V); fp8:
+        one byte per element (its scales are per layer, not per token: 8 bytes a layer in all)."""
         if kv_cache_dtype == "int8":
             return 2 * (self.head_dim + 4) * self.num_kv_heads * self.num_layers
+        if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+            bytes_per_element = 1
         return 2 * bytes_per_element * self.head_dim * self.num_kv_heads * self.num_layers
 
     def linear_params(self) -> int:

@@ -145,7 +145,15 @@ _TOP_NAMES = {
     "model.norm.weight": ("final_norm", False),
     "lm_head.weight": ("lm_head", True),
 }
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# KV cache scales (vLLM's names after "model.layers.{i}." -> which: "kv" is both) are read on their own
+# for an fp8 cache (loading/kv_scales.py), never as weights.
+KV_SCALE_NAMES = {
+    "self_attn.k_scale": "k", "self_attn.v_scale": "v", "self_attn.attn.k_scale": "k",
+    "self_attn.attn.v_scale": "v", "self_attn.k_proj.output_scale": "k", "self_attn.v_proj.output_scale": "v",
+    "self_attn.kv_scale": "kv",
+}
+KV_SCALE_SUFFIXES = tuple("." + name for name in KV_SCALE_NAMES)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", *KV_SCALE_SUFFIXES)
 # Gemma3ForConditionalGeneration: the text tower under its prefix (transformers >= 5 first, then the
 # layout the published checkpoints have), mapped to Gemma3ForCausalLM's names; the vision tower and
 # projector are not read.

@@ -8,12 +8,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.model import quant
 from jaxserve.loading.checkpoint import checkpoint_dtype, load_hf_params
 from jaxserve.loading.int4_checkpoint import read_int4_format
+from jaxserve.loading.kv_scales import log_kv_scales, read_kv_scales
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config.engine_config import FP8_KV_CACHE_DTYPES
 from jaxserve.config.model_config import check_group_fits, default_group_size
 from jaxserve.errors import ConfigError, ModelLoadError
 from jaxserve.model.weights import Params, init_dummy_params, unstack_layers
@@ -29,6 +32,8 @@ class LoadedModel:
     model_dir: str
     shardings: Shardings
     group_size: int | None = None  # input rows per quantization scale (quantization_group_size, resolved)
+    # An fp8 KV cache's scales from the checkpoint (k, v), f32[L, K] each (loading/kv_scales.py); None: 1.0
+    kv_scales: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def resolve_model_dir(settings: EngineConfig) -> str:
@@ -104,8 +109,12 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
     if quantized:
         params = quant.quantize_params_placed(params, shardings.params, settings.quantize_lm_head,
                                               settings.quantization, settings.quantization_group_size)
+    kv_scales = None
+    if settings.kv_cache_dtype in FP8_KV_CACHE_DTYPES:  # vLLM reads them for an fp8 cache only
+        kv_scales = read_kv_scales(model_dir, cfg) if fmt == "safetensors" else None
+        log_kv_scales(settings.kv_cache_dtype, kv_scales)
     return LoadedModel(cfg=cfg, params=params, dtype=dtype, model_dir=model_dir, shardings=shardings,
-                       group_size=settings.quantization_group_size)
+                       group_size=settings.quantization_group_size, kv_scales=kv_scales)
 
 
 def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: Any, mesh: Mesh, shardings: Shardings,

@@ -5,6 +5,16 @@ Layout (documented once, shared with `pallas_kernels`): for replica r and layer 
 `page_table[p // page_size]`, slot `p % page_size`. Page ids are local to a data-parallel replica.
 An int8 cache (kv_cache_dtype="int8") keeps one f32 scale per (token, KV head) beside the pages,
 `k_scale[r, l]` f32[kv_heads, num_pages, page_size]: the value of a slot is int8 * scale.
+A float8 cache (kv_cache_dtype="fp8" = "fp8_e4m3", or "fp8_e5m2", vLLM's) keeps one f32 scale per
+layer and KV head, `k_scale[r, l]` f32[kv_heads, 1, 1] (vLLM's per-layer scale on every head: 1.0
+unless the checkpoint gives k_scale / v_scale): a slot holds x / scale saturated to the format's
+range, and its value is float8 * scale. The scales have the int8 scales' rank, so both take
+`Shardings.cache_scale` (the KV-head axis split like the pages').
+
+This module is the one place that says how K/V are stored (`write_kv_slots`) and read (`attend`):
+the attention paths widen int8 and float8 pages to q's dtype and apply int8's per-slot scales
+themselves; they never see a float8 cache's scales, which `attend` folds into q (K's: q.(k*s) =
+(q*s).k) and into the output (V's: sum p*(v*s) = (sum p*v)*s), each a scalar per KV head.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.config.engine_config import KV_CACHE_DTYPES
 from jaxserve.model.quant import quantize_kv
 from jaxserve.model.ragged import PAD_SLOT
 
@@ -29,14 +40,27 @@ class KVCache:
     Inside a step (`model.llama.forward_ragged`) the same pytree holds one replica: the leading R axis gone.
     """
 
-    k: jax.Array  # f[R, L, K, num_pages, page_size, H], or i8 with scales
-    v: jax.Array  # f[R, L, K, num_pages, page_size, H], or i8 with scales
-    k_scale: jax.Array | None = None  # f32[R, L, K, num_pages, page_size]; None unless int8
-    v_scale: jax.Array | None = None  # f32[R, L, K, num_pages, page_size]
+    k: jax.Array  # f[R, L, K, num_pages, page_size, H], or i8 / float8 with scales
+    v: jax.Array  # f[R, L, K, num_pages, page_size, H], or i8 / float8 with scales
+    k_scale: jax.Array | None = None  # int8: f32[R, L, K, num_pages, page_size]; float8: f32[R, L, K, 1, 1]
+    v_scale: jax.Array | None = None  # like k_scale
 
     @property
     def quantized(self) -> bool:
+        """Pages with scales: int8 (a scale per slot, which every attention path applies itself) or
+        float8 (a scale per layer and KV head, which `attend` applies). Both take the same shardings."""
         return self.k_scale is not None
+
+    @property
+    def fp8(self) -> bool:
+        return self.k.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The setting this cache was made for (`cache_shardings` takes it): auto, int8, fp8_e4m3, fp8_e5m2."""
+        if self.k.dtype == jnp.int8:
+            return "int8"
+        return {jnp.dtype(d): name for name, d in FP8_DTYPES.items()}.get(self.k.dtype, "auto")
 
     @property
     def num_replicas(self) -> int:
@@ -140,31 +164,53 @@ def cache_shape(cfg: ModelConfig, num_pages: int, page_size: int, num_replicas: 
     return (num_replicas, cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
 
 
-KV_CACHE_DTYPES = ("auto", "int8")
+# kv_cache_dtype -> the float8 format of the pages (vLLM's names; "fp8" is E4M3, the OCP "fn" variant
+# without infinities, as vLLM's CUDA caches store it).
+FP8_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 
 
 def init_cache(
     cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, num_replicas: int = 1, sharding: Any = None,
-    kv_cache_dtype: str = "auto", scale_sharding: Any = None,
+    kv_cache_dtype: str = "auto", scale_sharding: Any = None, kv_scales: tuple[Any, Any] | None = None,
 ) -> KVCache:
     """Allocate the whole cache once (zeros). Called at start-up; never again.
 
-    kv_cache_dtype="auto" stores K/V in `dtype`; "int8" stores int8 pages plus f32 scales (on
-    `scale_sharding`: `Shardings.cache_scale`)."""
+    kv_cache_dtype="auto" stores K/V in `dtype`; "int8" stores int8 pages plus f32 scales per slot (on
+    `scale_sharding`: `Shardings.cache_scale`); "fp8" / "fp8_e4m3" / "fp8_e5m2" float8 pages plus f32
+    scales per layer and KV head, f32[R, L, K, 1, 1] (on `scale_sharding` too): `kv_scales` (k, v),
+    each f32[L] or f32[L, K] (the checkpoint's k_scale / v_scale, `loading.kv_scales`), else 1.0."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if kv_scales is not None and kv_cache_dtype not in FP8_DTYPES:
+        raise ValueError(f"per-layer kv_scales are for a float8 cache, not kv_cache_dtype={kv_cache_dtype!r}")
     shape = cache_shape(cfg, num_pages, page_size, num_replicas)
-    quantized = kv_cache_dtype == "int8"
-    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.int8 if quantized else dtype), out_shardings=sharding)
-    if not quantized:
+    page_dtype = jnp.int8 if kv_cache_dtype == "int8" else FP8_DTYPES.get(kv_cache_dtype, dtype)
+    zeros = jax.jit(lambda: jnp.zeros(shape, page_dtype), out_shardings=sharding)
+    if kv_cache_dtype == "int8":
+        scale_zeros = jax.jit(lambda: jnp.zeros(shape[:-1], jnp.float32), out_shardings=scale_sharding)
+        return KVCache(k=zeros(), v=zeros(), k_scale=scale_zeros(), v_scale=scale_zeros())
+    if kv_cache_dtype not in FP8_DTYPES:
         return KVCache(k=zeros(), v=zeros())
-    scale_zeros = jax.jit(lambda: jnp.zeros(shape[:-1], jnp.float32), out_shardings=scale_sharding)
-    return KVCache(k=zeros(), v=zeros(), k_scale=scale_zeros(), v_scale=scale_zeros())
+    L, K = cfg.num_layers, cfg.num_kv_heads
+    scales = []
+    for name, s in zip(("k_scale", "v_scale"), (None, None) if kv_scales is None else kv_scales):
+        s = np.ones((L, K), np.float32) if s is None else np.asarray(s, np.float32)
+        s = np.broadcast_to(s[:, None] if s.shape == (L,) else s, (L, K)) if s.shape in ((L,), (L, K)) else s
+        if s.shape != (L, K) or not np.all(np.isfinite(s) & (s > 0)):
+            raise ValueError(f"{name} must be positive finite scales per layer [{L}] or per layer and KV head "
+                             f"[{L}, {K}], got shape {s.shape}")
+        scales.append(np.ascontiguousarray(s))
+    per_replica = jax.jit(lambda s: jnp.tile(s[None, :, :, None, None], (num_replicas, 1, 1, 1, 1)),
+                          out_shardings=scale_sharding)
+    return KVCache(k=zeros(), v=zeros(), k_scale=per_replica(scales[0]), v_scale=per_replica(scales[1]))
 
 
 def cache_shardings(shardings: Any, kv_cache_dtype: str = "auto") -> KVCache:
-    """The cache's pytree of shardings from a `sharding.Shardings` (the cache's layout, step to step)."""
-    if kv_cache_dtype == "int8":
+    """The cache's pytree of shardings from a `sharding.Shardings` (the cache's layout, step to step).
+    Any cache with scales (`KVCache.quantized`: int8, or float8 under any of its names) takes
+    `Shardings.cache_scale` for them: int8's f32[R, L, K, NP, S] and float8's f32[R, L, K, 1, 1] are
+    split alike (replicas on `data`, KV heads on `model`)."""
+    if kv_cache_dtype == "int8" or kv_cache_dtype in FP8_DTYPES:
         return KVCache(k=shardings.cache, v=shardings.cache, k_scale=shardings.cache_scale,
                        v_scale=shardings.cache_scale)
     return KVCache(k=shardings.cache, v=shardings.cache)
@@ -200,7 +246,9 @@ def write_kv_slots(
 
     The cache is viewed as rows of head_dim so one scatter handles every head: flattening a donated
     buffer is free, and the scatter updates it in place. An int8 cache quantizes each (token, head)
-    vector on the way in (absmax / 127) and scatters its scale to the same row of the scales."""
+    vector on the way in (absmax / 127) and scatters its scale to the same row of the scales; a float8
+    cache stores x / the layer's scale, saturated to the format's largest finite value (as vLLM's
+    caches convert), in f32 before the one rounding to float8."""
     L, K, NP, S, H = cache.k.shape
     head = jnp.arange(K, dtype=jnp.int32)[:, None]  # i32[K, 1]
     valid = (slots >= 0) & (slots < NP * S)  # bool[N]
@@ -212,6 +260,9 @@ def write_kv_slots(
         flat = flat.at[rows].set(jnp.moveaxis(new, 1, 0).astype(pages.dtype), mode="drop")
         return flat.reshape(pages.shape)
 
+    if cache.fp8:
+        return cache.replace(k=scatter(cache.k, _to_fp8(k_new, _head_scales(cache.k_scale, layer), cache.k.dtype)),
+                             v=scatter(cache.v, _to_fp8(v_new, _head_scales(cache.v_scale, layer), cache.v.dtype)))
     if not cache.quantized:
         return cache.replace(k=scatter(cache.k, k_new), v=scatter(cache.v, v_new))
     (kq, ks), (vq, vs) = quantize_kv(k_new), quantize_kv(v_new)  # i8[N, K, H], f32[N, K]
@@ -219,11 +270,46 @@ def write_kv_slots(
                    v_scale=scatter(cache.v_scale, vs))
 
 
+def _head_scales(scale: jax.Array, layer: jax.Array | int) -> jax.Array:
+    """A float8 cache's scales f32[L, K, 1, 1] -> layer `layer`'s f32[K]."""
+    return scale[layer][:, 0, 0]
+
+
+def _to_fp8(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """x f[N, K, H] / scale f32[K] in `dtype` (float8), in f32 then one rounding, saturated as vLLM's
+    caches convert: E4M3 has no infinity (out of range would be NaN), and E5M2's would poison the softmax."""
+    big = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale[:, None], -big, big).astype(dtype)
+
+
+def attend(attention: Any, q: jax.Array, cache: KVCache, layer: jax.Array | int, batch: RaggedBatch,
+           window: jax.Array, sm_scale: jax.Array) -> jax.Array:
+    """`attention` (`llama.RaggedAttentionFn`) of q f[N, heads, H] over one replica's cache at `layer`,
+    read as the cache stores it: int8 pages with their per-slot scales, which the attention applies;
+    float8 pages with each KV head's K scale multiplied into its query heads and its V scale into their
+    outputs, in f32 (q.(k*s) = (q*s).k; sum p*(v*s) = (sum p*v)*s): every attention path (the blocked
+    reference, the Pallas kernels, per shard under shard_map) sees scale-free float8 pages."""
+    if not cache.fp8:
+        kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale) if cache.quantized else {}
+        return attention(q, cache.k, cache.v, layer, batch.positions, batch.query_start, batch.context_lens,
+                         batch.page_table, window, sm_scale, **kw)
+    group = q.shape[1] // cache.k.shape[1]
+
+    def per_head(x, scale):  # x f[N, heads, H] times its KV head's scale, in f32
+        return (x.astype(jnp.float32) * jnp.repeat(_head_scales(scale, layer), group)[:, None]).astype(x.dtype)
+
+    out = attention(per_head(q, cache.k_scale), cache.k, cache.v, layer, batch.positions, batch.query_start,
+                    batch.context_lens, batch.page_table, window, sm_scale)
+    return per_head(out, cache.v_scale)
+
+
 def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array, replica: int = 0) -> KVCache:
-    """Copy whole pages (all layers and heads, and their scales) src[i] -> dst[i]: copy-on-write for
-    forked sequences."""
+    """Copy whole pages (all layers and heads, and an int8 cache's scales) src[i] -> dst[i]:
+    copy-on-write for forked sequences. A float8 cache's per-layer scales stay as they are."""
     def copy(x):
-        return None if x is None else x.at[replica, :, :, dst].set(x[replica, :, :, src])
+        return x.at[replica, :, :, dst].set(x[replica, :, :, src])
+    if not cache.quantized or cache.fp8:
+        return cache.replace(k=copy(cache.k), v=copy(cache.v))
     return KVCache(k=copy(cache.k), v=copy(cache.v), k_scale=copy(cache.k_scale), v_scale=copy(cache.v_scale))
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxserve.model import lora as lora_ops, quant
 from jaxserve.config import ModelConfig
-from jaxserve.model.kv_cache import KVCache, RaggedBatch, write_kv_slots
+from jaxserve.model.kv_cache import KVCache, RaggedBatch, attend, write_kv_slots
 from jaxserve.model.layers import (
     apply_rope,
     NO_SLIDING_WINDOW,
@@ -170,9 +170,7 @@ def _ragged_layer(
 ) -> tuple[jax.Array, KVCache]:
     q, k, v = _project_qkv(cfg, lp, x, cos, sin, lora_columns)  # [1, N, heads, H]: the flat axis as one batch row
     cache = write_kv_slots(cache, layer, k[0], v[0], batch.slots)
-    scales = {} if not cache.quantized else dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
-    attn = attention(q[0], cache.k, cache.v, layer, batch.positions, batch.query_start, batch.context_lens,
-                     batch.page_table, window, sm_scale, **scales)
+    attn = attend(attention, q[0], cache, layer, batch, window, sm_scale)  # reads int8 / float8 pages as stored
     return _output_and_mlp(cfg, lp, x, attn[None], expert_parallel, lora_columns), cache
 
 
@@ -183,7 +181,7 @@ _ragged_layer_traced_once = jax.jit(_ragged_layer, static_argnums=(0, 1, 11))
 
 def forward_ragged(
     params: Params,
-    cache: KVCache,  # one replica: k, v f[L, K, NP, S, H], or i8 with k_scale, v_scale f32[L, K, NP, S]
+    cache: KVCache,  # one replica: k, v f[L, K, NP, S, H]; i8 with scales f32[L, K, NP, S]; float8 with f32[L]
     batch: RaggedBatch,  # one replica: N tokens of R rows
     *,
     cfg: ModelConfig,

@@ -27,6 +27,7 @@ import sys
 from typing import Any, MutableMapping
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config.engine_config import FP8_KV_CACHE_DTYPES
 from jaxserve.config.model_config import resolved_group_size
 from jaxserve.errors import ConfigError
 from jaxserve.lora.peft_adapter import lora_stack_bytes
@@ -164,7 +165,7 @@ class MemoryPlan:
     quantize_lm_head: bool = False
     has_experts: bool = False  # a MoE model: its experts are quantized too
     activation_quantization: str = "none"  # "int8": W8A8
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8"
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" | "fp8" | "fp8_e4m3" | "fp8_e5m2"
     kv_bytes_per_token_model_dtype: int | None = None  # what a cache in the model dtype would take
     draft_kv_bytes_per_token: int = 0  # speculative decoding: the draft's cache, in the same pages
     num_layers: int = 0
@@ -226,10 +227,19 @@ class MemoryPlan:
         how = "a scale" if self.quantization == "int8" else "a scale and a bias"
         return f"{what}, {how} per {self.quantization_group_size} input rows"
 
+    def describe_kv(self) -> str:
+        """How the cache stores K/V, e.g. "float8 e4m3 + f32 scales per layer"."""
+        if self.kv_cache_dtype == "int8":
+            return "int8 + f32 scales"
+        if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+            fmt = "e5m2" if self.kv_cache_dtype == "fp8_e5m2" else "e4m3"
+            return f"float8 {fmt} + f32 scales per layer"
+        return self.dtype
+
     def describe(self) -> str:
         gib = 2**30
         weights = self.describe_weights()
-        kv = "int8 + f32 scales" if self.kv_cache_dtype == "int8" else self.dtype
+        kv = self.describe_kv()
         text = (
             f"memory plan: params {self.param_bytes / gib:.3f} GiB ({weights}, {self.dtype} activations); "
             f"KV {self.kv_bytes_per_token} bytes/token ({kv}); "
@@ -250,11 +260,11 @@ class MemoryPlan:
             who = "every layer sees" if every else f"{self.num_sliding_layers} of {self.num_layers} layers see"
             text += (f"; {who} only the last {self.sliding_window} tokens: at max_model_len "
                      f"{self.window_unread_bytes / gib:.3f} GiB of this cache is never read ({fate})")
-        if self.kv_cache_dtype == "int8" and self.kv_bytes_per_token_model_dtype:
+        if self.kv_cache_dtype != "auto" and self.kv_bytes_per_token_model_dtype:
             base = self.tokens_in_model_dtype
             more = self.tokens_that_fit - base
             ratio = f", {self.tokens_that_fit / base:.2f}x" if base else ""
-            text += (f"; int8 KV: {more} more tokens fit than in {self.dtype} "
+            text += (f"; {self.kv_cache_dtype} KV: {more} more tokens fit than in {self.dtype} "
                      f"({self.kv_bytes_per_token_model_dtype} bytes/token: {base} tokens in these bytes{ratio})")
         return text
 

@@ -13,7 +13,9 @@ Signature::
   head_dim] with `layer` (an i32 scalar, may be traced: the kernels index the cache with it, so a
   scanned model passes its carry unsliced and no layer is copied out), or one layer
   [num_kv_heads, num_pages, page_size, head_dim] with layer=None.  In q's dtype, or int8 with
-  k_scale, v_scale f32[(num_layers,) num_kv_heads, num_pages, page_size] (value = int8 * scale).
+  k_scale, v_scale f32[(num_layers,) num_kv_heads, num_pages, page_size] (value = int8 * scale), or
+  float8 (float8_e4m3fn, float8_e5m2; no scales: a per-tensor scale is the caller's to fold into q
+  and the output, as jaxserve.model.kv_cache.attend does).  Pages are widened to q's dtype.
 * page_table: i32[max_seqs, max_pages_per_seq]; context_lens: i32[max_seqs] is the
   total length INCLUDING the new tokens, whose K/V are already in the pages.
 * query_start_loc: i32[max_seqs + 1] (cumulative; only the first num_seqs + 1

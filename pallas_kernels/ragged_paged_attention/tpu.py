@@ -258,8 +258,10 @@ def _ragged_kernel(
                 s = scores(k) * ksbuf[slot, j]
                 update(s, (blk * ppcb + j) * page_size, page_size, vbuf[slot, j].astype(jnp.float32),
                        vsbuf[slot, j])
-        else:
-            update(scores(kbuf[slot].reshape(bk, head_dim)), blk * bk, bk, vbuf[slot].reshape(bk, head_dim), None)
+        else:  # float8 pages widen through f32 (exact), as int8 ones do; the others are in q's dtype
+            k = kbuf[slot].reshape(bk, head_dim)
+            k = k if k.dtype == compute_dtype else k.astype(jnp.float32).astype(compute_dtype)
+            update(scores(k), blk * bk, bk, vbuf[slot].reshape(bk, head_dim), None)
         return carry
 
     lax.fori_loop(0, nblk, body, 0)

@@ -10,6 +10,9 @@ import jax.numpy as jnp
 from pallas_kernels._common import check_float_dtype, check_int32, is_pow2, tpu_sublane_tile
 
 FN = "ragged_paged_attention"
+# float8 pages (vLLM's fp8 KV cache) are read as their values, widened to q's dtype; a per-tensor scale
+# is the caller's to fold into q (or sm_scale) and the output (jaxserve.model.kv_cache.attend does).
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +28,7 @@ class RaggedDims:
     max_pages: int
     num_layers: int  # layers of the stacked cache the kernel receives (1 for a one-layer cache)
     quantized: bool = False  # int8 pages with f32 scales [(num_layers,) num_kv_heads, num_pages, page_size]
+    fp8: bool = False  # float8 pages (no scales: widened to q's dtype as they are)
 
 
 def validate_kv_cache(
@@ -51,7 +55,7 @@ def validate_kv_cache(
         raise ValueError(f"{fn}: an int8 KV cache needs k_scale and v_scale ([num_kv_heads, num_pages, page_size] f32).")
     if not quantized and k_scale is not None:
         raise ValueError(f"{fn}: k_scale/v_scale are only valid with an int8 KV cache, got {k_pages.dtype} pages.")
-    if not quantized:
+    if not quantized and jnp.dtype(k_pages.dtype) not in FP8_DTYPES:
         check_float_dtype("k_pages", k_pages, fn)
     if quantized:
         want = k_pages.shape[:3]
@@ -147,8 +151,10 @@ def validate_ragged(
     elif k_pages.ndim == 5:
         raise ValueError(f"{fn}: a stacked (5-D) cache needs layer=, the index of the layer to attend over.")
     quantized = validate_kv_cache(k_pages, v_pages, k_scale, v_scale, fn=fn)
-    if not quantized and k_pages.dtype != q.dtype:
-        raise ValueError(f"{fn}: k_pages/v_pages dtype {k_pages.dtype} must equal q dtype {q.dtype} (or be int8).")
+    fp8 = jnp.dtype(k_pages.dtype) in FP8_DTYPES
+    if not quantized and not fp8 and k_pages.dtype != q.dtype:
+        raise ValueError(f"{fn}: k_pages/v_pages dtype {k_pages.dtype} must equal q dtype {q.dtype} "
+                         "(or be int8 with scales, or float8).")
     validate_heads(q, k_pages, fn=fn)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -180,7 +186,7 @@ def validate_ragged(
     return RaggedDims(
         num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         group=num_q_heads // num_kv_heads, head_dim=head_dim, num_pages=num_pages, page_size=page_size,
-        max_seqs=max_seqs, max_pages=page_table.shape[1], num_layers=num_layers, quantized=quantized,
+        max_seqs=max_seqs, max_pages=page_table.shape[1], num_layers=num_layers, quantized=quantized, fp8=fp8,
     )
 
 

@@ -52,7 +52,7 @@ def tolerance(dtype):
 
 
 def build_paged_cache(rng, *, num_kv_heads, head_dim, page_size, lens, dtype, max_pages=None, quantized=False,
-                      extra_trap_pages=2):
+                      extra_trap_pages=2, fp8=None):
     """Random paged cache whose unused memory is hostile.
 
     Every page used by some sequence is shuffled over the pool; the slots past a
@@ -60,7 +60,8 @@ def build_paged_cache(rng, *, num_kv_heads, head_dim, page_size, lens, dtype, ma
     ones); pages not owned by any sequence hold NaN (int8 caches: 127 with NaN
     scales), page 0 is always one of them (kernels may redirect unused table
     entries there), and every page-table entry past a sequence's length points at
-    one of them.
+    one of them. fp8 (a float8 dtype): the float pages stored in it, traps included (E4M3 has no
+    infinity: GARBAGE becomes NaN there).
     Returns (k_pages, v_pages, page_table, k_scale, v_scale) as jnp arrays.
     """
     lens = [int(x) for x in lens]
@@ -111,7 +112,8 @@ def build_paged_cache(rng, *, num_kv_heads, head_dim, page_size, lens, dtype, ma
         v[:, trap_ids] = np.nan
     if quantized:
         return (jnp.asarray(k), jnp.asarray(v), jnp.asarray(table), jnp.asarray(ks), jnp.asarray(vs))
-    return (jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(table), None, None)
+    page_dtype = dtype if fp8 is None else fp8
+    return (jnp.asarray(k).astype(page_dtype), jnp.asarray(v).astype(page_dtype), jnp.asarray(table), None, None)
 
 
 def assert_close(out, ref, dtype):
@@ -159,16 +161,17 @@ def ragged_seqs(page_size):
 
 
 def make_ragged_case(seed, *, page_size, head_dim, group, dtype, num_kv_heads=2, seqs=None, pad_tokens=3,
-                     spare_seq_slots=1, quantized=False):
+                     spare_seq_slots=1, quantized=False, fp8=None):
     """Flat query batch + cache; pads the token axis and the sequence slots with junk that must be ignored.
-    quantized=True: an int8 cache, its scales under "k_scale"/"v_scale" (None otherwise)."""
+    quantized=True: an int8 cache, its scales under "k_scale"/"v_scale" (None otherwise); fp8: float8
+    pages of that dtype (no scales)."""
     rng = np.random.default_rng(seed)
     seqs = ragged_seqs(page_size) if seqs is None else seqs
     ctx = [c for c, _ in seqs] + [0] * spare_seq_slots
     q_lens = [n for _, n in seqs]
     k, v, table, ks, vs = build_paged_cache(
         rng, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, lens=ctx, dtype=dtype,
-        quantized=quantized,
+        quantized=quantized, fp8=fp8,
     )
     qsl = np.zeros(len(ctx) + 1, np.int32)
     qsl[1: len(seqs) + 1] = np.cumsum(q_lens)

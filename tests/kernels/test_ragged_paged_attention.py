@@ -9,6 +9,13 @@ from kernels_testlib import assert_close, covering_grid, fast_jit, interpret_for
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, reference_ragged_paged_attention
 
 ARG_ORDER = ("q", "k_pages", "v_pages", "page_table", "context_lens", "query_start_loc", "num_seqs")
+# A cache's storage (the kv_cache_dtype setting's values): int8 pages with scales, float8 pages without.
+FP8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+
+
+def storage(kv):
+    """make_ragged_case's arguments for a cache stored as `kv` ("auto", "int8" or a key of FP8)."""
+    return dict(quantized=kv == "int8", fp8=FP8.get(kv))
 
 
 def run_both(case, backend, **kw):
@@ -54,13 +61,16 @@ def test_gpu_pure_decode_and_window_of_one():
         assert_close(out, ref, jnp.float32)
 
 
-@pytest.mark.parametrize("page_size,head_dim,group,dtype,window", [
-    (16, 64, 4, jnp.float32, None), (8, 128, 1, jnp.bfloat16, 11), (32, 64, 8, jnp.float16, None),
+@pytest.mark.parametrize("page_size,head_dim,group,dtype,window,kv", [
+    (16, 64, 4, jnp.float32, None, "int8"), (8, 128, 1, jnp.bfloat16, 11, "int8"),
+    (32, 64, 8, jnp.float16, None, "int8"), (16, 64, 4, jnp.float32, 11, "fp8_e4m3"),
+    (8, 128, 2, jnp.bfloat16, None, "fp8_e5m2"),
 ])
-def test_gpu_int8_kv_cache(page_size, head_dim, group, dtype, window):
-    """int8 pages with per-token scales; NaN scales on unused pages and past each length must not leak."""
+def test_gpu_8bit_kv_cache(page_size, head_dim, group, dtype, window, kv):
+    """int8 pages with per-token scales (NaN scales on unused pages and past each length must not
+    leak), or float8 pages widened to q's dtype (NaN traps, GARBAGE past the lengths)."""
     case = make_ragged_case(9 + group, page_size=page_size, head_dim=head_dim, group=group, dtype=dtype,
-                            quantized=True)
+                            **storage(kv))
     out, ref = run_both(case, "gpu", sliding_window=window)
     assert_close(out, ref, dtype)
     assert_padding_rows_zero(out, case)
@@ -85,18 +95,20 @@ TPU_CASES = [
     (32, 64, 8, jnp.float32, None, None, None),  # default block sizes
     (16, 128, 1, jnp.bfloat16, None, 16, 3),  # block not dividing the table width
     (16, 64, 8, jnp.bfloat16, 11, 8, 2),
-    (32, 64, 4, jnp.bfloat16, 11, 8, 1, True),  # int8 cache (TPU pages of 32 int8 rows), window
-    (32, 128, 1, jnp.float32, None, 16, 2, True),  # int8 cache
+    (32, 64, 4, jnp.bfloat16, 11, 8, 1, "int8"),  # int8 cache (TPU pages of 32 int8 rows), window
+    (32, 128, 1, jnp.float32, None, 16, 2, "int8"),  # int8 cache
+    (32, 64, 4, jnp.bfloat16, 11, 8, 2, "fp8_e4m3"),  # float8 pages: 32-row tiles too
+    (32, 64, 1, jnp.float32, None, 16, 1, "fp8_e5m2"),
 ]
 
 
-@pytest.mark.parametrize("page_size,head_dim,group,dtype,window,bq,ppcb,quantized",
-                         [c if len(c) == 8 else c + (False,) for c in TPU_CASES])
-def test_tpu_matches_reference(page_size, head_dim, group, dtype, window, bq, ppcb, quantized):
+@pytest.mark.parametrize("page_size,head_dim,group,dtype,window,bq,ppcb,kv",
+                         [c if len(c) == 8 else c + ("auto",) for c in TPU_CASES])
+def test_tpu_matches_reference(page_size, head_dim, group, dtype, window, bq, ppcb, kv):
     # Fewer tokens than the GPU mix: every grid step costs real time in the TPU simulator.
     seqs = [(1, 1), (2 * page_size + 5, page_size + 3), (page_size, 1), (7, 0)]
     case = make_ragged_case(page_size + group, page_size=page_size, head_dim=head_dim, group=group, dtype=dtype,
-                            num_kv_heads=1, seqs=seqs, pad_tokens=2, quantized=quantized)
+                            num_kv_heads=1, seqs=seqs, pad_tokens=2, **storage(kv))
     out, ref = run_both(case, "tpu", sliding_window=window, queries_per_block=bq, pages_per_compute_block=ppcb)
     assert_close(out, ref, dtype)
     assert_padding_rows_zero(out, case)
@@ -160,6 +172,12 @@ def test_validation_options_and_backends():
         _trace("tpu", k_pages=_sds((2, 12, 8, 64), jnp.bfloat16), v_pages=_sds((2, 12, 8, 64), jnp.bfloat16))
     with pytest.raises(ValueError, match="needs k_scale"):
         _trace(k_pages=_sds((2, 12, 16, 64), jnp.int8), v_pages=_sds((2, 12, 16, 64), jnp.int8))
+    fp8 = _sds((2, 12, 16, 64), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="only valid with an int8"):  # float8 pages carry no scales here
+        _trace(k_pages=fp8, v_pages=fp8, kw=dict(k_scale=_sds((2, 12, 16), jnp.float32),
+                                                 v_scale=_sds((2, 12, 16), jnp.float32)))
+    with pytest.raises(ValueError, match="multiple of 32"):  # TPU float8 pages: whole 32-row tiles
+        _trace("tpu", k_pages=fp8, v_pages=fp8)
     if jax.default_backend() == "cpu":
         with pytest.raises(ValueError, match="interpret=True"):
             _trace(None)
@@ -182,14 +200,17 @@ def test_lowers_for_tpu(dtype, head_dim):
     assert "tpu_custom_call" in exported.mlir_module()
 
 
+@pytest.mark.parametrize("kv", ["int8", *FP8])
 @pytest.mark.parametrize("platform,page_size", [("tpu", 32), ("cuda", 16)])
-def test_int8_cache_lowers(platform, page_size):
+def test_8bit_cache_lowers(platform, page_size, kv):
+    """int8 pages with their scales, float8 pages alone: Mosaic and Triton lower their widening."""
     args = _lowering_args(jnp.bfloat16, 128, page_size)
-    args[1] = args[2] = _sds(args[1].shape, jnp.int8)
-    scale = _sds(args[1].shape[:3], jnp.float32)
+    args[1] = args[2] = _sds(args[1].shape, FP8.get(kv, jnp.int8))
+    scales = [_sds(args[1].shape[:3], jnp.float32)] * 2 if kv == "int8" else []
     backend = "tpu" if platform == "tpu" else "gpu"
-    f = lambda *a: ragged_paged_attention(*a[:7], k_scale=a[7], v_scale=a[8], backend=backend, sliding_window=64)
-    text = jax.jit(f).trace(*args, scale, scale).lower(lowering_platforms=(platform,)).as_text()
+    f = lambda *a: ragged_paged_attention(*a[:7], k_scale=a[7] if scales else None, v_scale=a[8] if scales else None,
+                                          backend=backend, sliding_window=64)
+    text = jax.jit(f).trace(*args, *scales).lower(lowering_platforms=(platform,)).as_text()
     assert ("tpu_custom_call" if platform == "tpu" else "triton") in text
 
 

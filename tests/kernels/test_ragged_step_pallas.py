@@ -46,7 +46,7 @@ def replica_batch(cfg, rng):
     return RaggedBatch.build(rows, page_size=PAGE, num_tokens=N, num_rows=S, max_pages=P, num_logits=L), history
 
 
-def make_cache(cfg, history, num_replicas, quantized, rng):
+def make_cache(cfg, history, num_replicas, kv, rng):
     num_pages = 2 + sum(-(-(h + n) // PAGE) for h, n, _ in ROWS)  # page 0 and one more stay NaN
     shape = cache_shape(cfg, num_pages, PAGE, num_replicas)
     k = np.full(shape, np.nan, np.float32)
@@ -56,7 +56,12 @@ def make_cache(cfg, history, num_replicas, quantized, rng):
             for t in range(h):  # the cached history of each row: random K/V
                 for x in (k, v):
                     x[r, :, :, pg[t // PAGE], t % PAGE] = rng.standard_normal(x.shape[1:3] + x.shape[-1:])
-    if not quantized:
+    if kv == "fp8":  # float8 pages (NaN stays NaN), scales per layer and KV head that are not 1
+        L, K = shape[1:3]
+        ks = np.linspace(0.5, 1.5, L * K, dtype=np.float32).reshape(1, L, K, 1, 1).repeat(num_replicas, 0)
+        stored = lambda x, s: jnp.asarray(x / s[..., None]).astype(jnp.float8_e4m3fn)  # noqa: E731
+        return KVCache(k=stored(k, ks), v=stored(v, 2 * ks), k_scale=jnp.asarray(ks), v_scale=jnp.asarray(2 * ks))
+    if kv != "int8":
         return KVCache(k=jnp.asarray(k), v=jnp.asarray(v))
     scale = lambda x: np.where(np.isnan(x).any(-1), np.nan, np.abs(np.nan_to_num(x)).max(-1) / 127 + 1e-3)  # noqa
     ks, vs = scale(k), scale(v)
@@ -65,10 +70,10 @@ def make_cache(cfg, history, num_replicas, quantized, rng):
                    k_scale=jnp.asarray(ks, jnp.float32), v_scale=jnp.asarray(vs, jnp.float32))
 
 
-def scenario(cfg, num_replicas, quantized, seed=0):
+def scenario(cfg, num_replicas, kv="auto", seed=0):
     rng = np.random.default_rng(seed)
     batches, histories = zip(*(replica_batch(cfg, rng) for _ in range(num_replicas)))
-    return make_cache(cfg, histories, num_replicas, quantized, rng), RaggedBatch.stack(list(batches))
+    return make_cache(cfg, histories, num_replicas, kv, rng), RaggedBatch.stack(list(batches))
 
 
 STEP = jax.jit(ragged_step, static_argnames=("cfg", "options"), compiler_options=FAST_COMPILE)
@@ -88,6 +93,7 @@ def assert_same(got, ref):
     assert np.all(np.isfinite(gl[:, :n])), "NaN from unused slots reached the logits"
     np.testing.assert_allclose(gl[:, :n], rl[:, :n], atol=2e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(gc), jax.tree.leaves(rc)):  # the same writes (NaN where none)
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)  # float8 pages compare as their values
         np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, equal_nan=True)
 
@@ -98,29 +104,30 @@ GEMMA3 = make_cfg(architecture="Gemma3ForCausalLM", layer_types=("sliding_attent
                   hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)
 
 
-@pytest.mark.parametrize("variant", ["scan", "unrolled", "sliding_window", "gemma3_layers", "int8_kv"])
+@pytest.mark.parametrize("variant", ["scan", "unrolled", "sliding_window", "gemma3_layers", "int8_kv", "fp8_kv"])
 def test_pallas_ragged_step_equals_reference(variant):
     cfg = {"sliding_window": make_cfg(sliding_window=6), "gemma3_layers": GEMMA3}.get(variant, CFG)
     params = PARAMS if variant != "unrolled" else unstack_layers(PARAMS)
     if variant == "gemma3_layers":
         params = init_dummy_params(cfg, seed=1, dtype=jnp.float32, std=0.15)
-    cache, batch = scenario(cfg, 1, quantized=variant == "int8_kv")
+    cache, batch = scenario(cfg, 1, kv=variant[:-3] if variant.endswith("_kv") else "auto")
     scan = variant != "unrolled"
     ref = run(params, cache, batch, cfg, "reference", scan)
     assert_same(run(params, cache, batch, cfg, engine_attention_impl(), scan), ref)
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 4)])
-def test_pallas_ragged_step_per_shard(mesh_shape):
+@pytest.mark.parametrize("mesh_shape,kv", [((2, 2), "auto"), ((1, 4), "auto"), ((2, 2), "fp8")])
+def test_pallas_ragged_step_per_shard(mesh_shape, kv):
     """(2, 2): replicas on `data`, heads and KV heads split on `model`; (1, 4): 2 KV heads replicated,
-    each device takes the one its query head reads."""
+    each device takes the one its query head reads; fp8: float8 pages, their per-head scales applied
+    outside the kernels (kv_cache.attend) on the whole step's q and output."""
     mesh = make_mesh(mesh_shape)
-    cache, batch = scenario(CFG, mesh_shape[0], quantized=False, seed=3)
+    cache, batch = scenario(CFG, mesh_shape[0], kv, seed=3)
     ref = run(PARAMS, cache, batch, CFG, "reference", True)
     assert_same(run(PARAMS, cache, batch, CFG, "pallas_interpret", True, mesh=mesh), ref)
 
 
 def test_unknown_backend():
-    cache, batch = scenario(CFG, 1, quantized=False)
+    cache, batch = scenario(CFG, 1)
     with pytest.raises(ValueError, match="unknown attention"):
         run(PARAMS, cache, batch, CFG, "pallas", True)

@@ -14,15 +14,16 @@ from jaxserve.model.kv_cache import StepBatch, init_cache
 from jaxserve.model.weights import param_bytes
 
 
-def test_engine_serves_int8_weights_and_cache(hf_model_dir):
+@pytest.mark.parametrize("kv,page_dtype", [("int8", jnp.int8), ("fp8", jnp.float8_e4m3fn)])
+def test_engine_serves_int8_weights_and_cache(hf_model_dir, kv, page_dtype):
     path, _ = hf_model_dir("llama")
     llm = LLM(path, dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16,
-              quantization="int8", kv_cache_dtype="int8", warm_up=False)
+              quantization="int8", kv_cache_dtype=kv, warm_up=False)
     params, cache, cfg = llm.runner.params, llm.runner.cache, llm.model_config
     assert isinstance(params.layers[0].wq, quant.QuantArray) and params.embed.dtype == jnp.float32
-    assert cache.k.dtype == jnp.int8 and cache.k_scale.dtype == jnp.float32
+    assert cache.k.dtype == page_dtype and cache.k_scale.dtype == jnp.float32
     assert llm.memory.param_bytes == param_bytes(params) == cfg.param_bytes(4, "int8")
-    assert llm.memory.kv_bytes_per_token == cfg.kv_bytes_per_token(4, "int8")
+    assert llm.memory.kv_bytes_per_token == cfg.kv_bytes_per_token(4, kv)
     assert "more tokens fit than in float32" in llm.memory.describe()
 
     prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, size=11).tolist()
@@ -32,7 +33,7 @@ def test_engine_serves_int8_weights_and_cache(hf_model_dir):
     # Greedy tokens are the argmax of the same model's logits over its own output (one prefill, with
     # stacked weights and the same int8 cache arithmetic).
     full = np.asarray(prompt + greedy[:-1], np.int32)
-    one = init_cache(cfg, 5, 8, jnp.float32, kv_cache_dtype="int8")
+    one = init_cache(cfg, 5, 8, jnp.float32, kv_cache_dtype=kv)
     batch = StepBatch(tokens=full[None, None], start_pos=np.zeros((1, 1), np.int32),
                       num_new=np.full((1, 1), len(full), np.int32),
                       page_table=np.arange(1, 5, dtype=np.int32)[None, None])
