@@ -350,7 +350,7 @@ def _hf_reference():
         from transformers import AutoModelForCausalLM
     except ImportError as err:
         raise ConfigError(f"comparing against Hugging Face needs torch and transformers ({err}); "
-                          "install them with: pip install 'jaxserve[hf]'") from None
+                          "install them with the [hf] extra: pip install -e '.[hf]' in the jaxserve checkout") from None
     return torch, AutoModelForCausalLM
 
 

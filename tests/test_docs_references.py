@@ -157,6 +157,7 @@ def test_no_placeholders_and_no_registry_install():
     """No placeholder organisations; and the registry's `jaxserve` is another project, so every `pip install
     jaxserve...` is of a git URL (`"jaxserve[tpu] @ git+..."`), never of the bare name."""
     files = DOCS + sorted((REPO / "configs").rglob("*.yaml")) + [REPO / "configs" / "kuberay" / "Dockerfile"]
+    files += sorted((REPO / "jaxserve").rglob("*.py"))  # the errors that tell a user what to install
     for path in files:
         text = path.read_text(encoding="utf-8")
         assert "YOUR_ORG" not in text and "YOUR-ORG" not in text, path

@@ -1,6 +1,6 @@
 """A small HTTP/1.1 client on asyncio streams: what `jaxserve bench serve` needs to stream from a server.
 
-The benchmark must run from a bare `pip install jaxserve` (httpx and aiohttp are not run-time
+The benchmark must run from a bare install of the package, no extras (httpx and aiohttp are not run-time
 dependencies), against any OpenAI-compatible server. It needs little: JSON requests, responses read
 whole or as lines (server-sent events), Content-Length and chunked bodies, keep-alive connections kept
 in a pool (a fresh TCP connection per request would add its set-up to every TTFT), and TLS for https.
