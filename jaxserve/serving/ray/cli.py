@@ -186,8 +186,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "jaxserve serve-ray") ->
     try:
         import ray  # noqa: F401 - checked before the model resolves
     except ImportError:
-        print("error: jaxserve serve-ray needs Ray Serve, the [ray] extra: pip install -e '.[ray]' in the jaxserve checkout",
-              file=sys.stderr)
+        print("error: jaxserve serve-ray needs Ray Serve, the [ray] extra: pip install -e '.[ray]' in the "
+              "jaxserve checkout", file=sys.stderr)
         return 2
     logging.basicConfig(level=getattr(logging, ns.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
