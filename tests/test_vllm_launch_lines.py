@@ -209,3 +209,24 @@ def test_no_op_notes_reach_the_log(monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="jaxserve.serve")
     assert serve.main(["--config", "llama3-8b-tp8", "--model", "/nowhere", "--trust-remote-code"]) == 2
     assert any("--trust-remote-code: accepted, no effect" in r.getMessage() for r in caplog.records)
+
+
+def test_max_logprobs_is_enforced_per_request():
+    """--max-logprobs N: a request asking for more top logprobs is a 400 naming the limit (vLLM's check)."""
+    from fastapi.testclient import TestClient
+
+    from jaxserve.server.api import ServerOptions, create_app
+    from jaxserve.testing.mock_engine import MockAsyncLLMEngine, mock_settings
+
+    engine = MockAsyncLLMEngine(mock_settings(max_logprobs=2), token_delay=0.0)
+    engine.start()
+    try:
+        client = TestClient(create_app(ServerOptions(served_model_names=("mock",)), engine))
+        body = {"model": "mock", "prompt": "hi", "max_tokens": 2}
+        assert client.post("/v1/completions", json={**body, "logprobs": 2}).status_code == 200
+        refused = client.post("/v1/completions", json={**body, "logprobs": 3})
+        assert refused.status_code == 400 and "max_logprobs=2" in refused.json()["error"]["message"]
+        chat = {"model": "mock", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+        assert client.post("/v1/chat/completions", json={**chat, "top_logprobs": 3}).status_code == 400
+    finally:
+        engine.shutdown()
