@@ -85,6 +85,7 @@ def test_mapped_flags_set_our_settings():
     _, s = launch(["org/m", "--speculative-config", '{"model": "org/draft", "num_speculative_tokens": 3}'])
     assert (s.speculation, s.speculative_model, s.num_speculative_tokens) == ("draft", "org/draft", 3)
     assert launch(["org/m", "--max-model-len", "32k", "--dtype", "float"])[1].max_model_len == 32000
+    assert launch(["org/m", "--kv-cache-memory-bytes", "7516192768"])[1].kv_cache_memory == 7516192768
 
 
 def test_a_mapped_flag_and_its_setting_must_agree():

@@ -5,7 +5,8 @@ A vLLM launch line should start jaxserve or stop at once with a sentence, never 
 (`--max-model-len`, `-tp`, `--enable-prefix-caching`, ...); this module adds the rest, in three kinds:
 
 - **mapped**: vLLM's flag sets one of our settings with vLLM's meaning (`--block-size` is `page_size`,
-  `--num-gpu-blocks-override` `num_pages`, `--enable-expert-parallel` `moe_parallelism=expert`,
+  `--num-gpu-blocks-override` `num_pages`, `--kv-cache-memory-bytes` `kv_cache_memory`,
+  `--enable-expert-parallel` `moe_parallelism=expert`,
   `--speculative-config` the speculative settings, `--dtype half`, `--quantization awq`, `--load-format gguf`);
 - **no-op**: accepted, and one log line says why it changes nothing here (`--trust-remote-code`: no
   remote code runs; `--disable-log-requests`: no request contents are logged);
@@ -183,6 +184,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="vLLM's name of --page-size (tokens per KV-cache page)")
     g.add_argument("--num-gpu-blocks-override", dest="vllm_num_gpu_blocks_override", default=argparse.SUPPRESS,
                    metavar="N", help="vLLM's name of --num-pages (KV-cache pages per replica)")
+    g.add_argument("--kv-cache-memory-bytes", dest="vllm_kv_cache_memory_bytes", default=argparse.SUPPRESS,
+                   metavar="BYTES", help="vLLM's name of --kv-cache-memory (the KV cache's bytes per replica)")
     g.add_argument("--enable-expert-parallel", dest="vllm_enable_expert_parallel", default=argparse.SUPPRESS,
                    action=argparse.BooleanOptionalAction,
                    help="vLLM's spelling of --moe-parallelism expert (whole experts per device)")
@@ -225,6 +228,7 @@ def apply(ns: argparse.Namespace) -> list[str]:
         notes.append(note)
     _map(ns, "vllm_block_size", "page_size", "--block-size", "--page-size", int)
     _map(ns, "vllm_num_gpu_blocks_override", "num_pages", "--num-gpu-blocks-override", "--num-pages", int)
+    _map(ns, "vllm_kv_cache_memory_bytes", "kv_cache_memory", "--kv-cache-memory-bytes", "--kv-cache-memory", str)
     if hasattr(ns, "vllm_enable_expert_parallel"):
         value = "expert" if ns.vllm_enable_expert_parallel else "tensor"
         del ns.vllm_enable_expert_parallel
