@@ -21,6 +21,8 @@ Variants (--variants, comma-separated):
   NAME@gN                      any quantized variant with quantization_group_size=N (int8: 0 = a
                                scale per output channel), e.g. int8@g32, int8-head@g0, int4@g64
   kv8                          float32 weights, int8 KV cache
+  kv-fp8, kv-fp8-e5m2          float32 weights, float8 KV cache (vLLM's fp8 = e4m3, and e5m2): what
+                               XLA:CPU's float8 conversions cost a step
   bfloat16-xla-default, int8-xla-default   the same steps compiled with XLA's default CPU scheduler
                                (the engine uses the memory-optimized one; see engine.compile)
 
@@ -61,6 +63,8 @@ VARIANTS = {
     "int8-kv8": ("float32", {"quantization": "int8", "kv_cache_dtype": "int8"}, None),
     "w8a8": ("float32", {"quantization": "int8", "activation_quantization": "int8"}, None),
     "kv8": ("float32", {"kv_cache_dtype": "int8"}, None),
+    "kv-fp8": ("float32", {"kv_cache_dtype": "fp8"}, None),
+    "kv-fp8-e5m2": ("float32", {"kv_cache_dtype": "fp8_e5m2"}, None),
     "bfloat16-xla-default": ("bfloat16", {}, {}),
     "int8-xla-default": ("float32", {"quantization": "int8"}, {}),
 }

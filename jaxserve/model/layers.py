@@ -224,7 +224,8 @@ def ragged_attention_reference(
     Keys past the row's context are masked and zeroed in V, so NaN in unused pages never reaches
     the output; GQA groups query heads on their KV head; the softmax is f32; with int8 pages the K
     scales multiply the scores (exact integers in q's dtype enter the matmuls), the V scales the
-    probabilities, as the Pallas kernels do. `sliding_window` and `sm_scale` may be traced
+    probabilities, as the Pallas kernels do; float8 pages are widened to q's dtype (exact) and carry
+    no scales here (`kv_cache.attend` applies a float8 cache's). `sliding_window` and `sm_scale` may be traced
     (per-layer operands of a scan).
     """
     N, NH, H = q.shape

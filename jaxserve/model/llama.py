@@ -181,7 +181,7 @@ _ragged_layer_traced_once = jax.jit(_ragged_layer, static_argnums=(0, 1, 11))
 
 def forward_ragged(
     params: Params,
-    cache: KVCache,  # one replica: k, v f[L, K, NP, S, H]; i8 with scales f32[L, K, NP, S]; float8 with f32[L]
+    cache: KVCache,  # one replica: k, v f[L, K, NP, S, H]; i8 with scales f32[L, K, NP, S]; float8, f32[L, K, 1, 1]
     batch: RaggedBatch,  # one replica: N tokens of R rows
     *,
     cfg: ModelConfig,

@@ -1,5 +1,5 @@
-"""int8 weights and int8 KV cache: round-trip bounds, logits and greedy tokens against float32 on a tiny
-random HF model, the CPU path's memory bound, the quantized layout's bytes and sharding."""
+"""int8 weights, int8 and float8 (fp8) KV caches: round-trip bounds, logits and greedy tokens against float32
+on a tiny random HF model, the CPU path's memory bound, the quantized layout's bytes and sharding."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ from jaxserve.model import quant
 from jaxserve.loading.checkpoint import load_hf_params
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.runner.compilation import step_compiler_options
-from jaxserve.model.kv_cache import StepBatch, copy_pages_jit, init_cache, write_kv
+from jaxserve.model.kv_cache import FP8_DTYPES, StepBatch, copy_pages_jit, init_cache, write_kv
 from jaxserve.planning.memory import plan_memory
 from jaxserve.model.weights import init_dummy_params, param_bytes, unstack_layers
 from jaxserve.model.sharding import make_mesh, make_shardings
@@ -20,10 +20,19 @@ from jaxserve.model.sharding import make_mesh, make_shardings
 PAGE = 8
 PROMPT, NEW, NUM_PROMPTS = 8, 64, 8
 # Bounds on the tiny model of tests/hf_models.py (weights std 0.25, logits std ~2), teacher-forced over
-# 8 prompts x 72 tokens: RMS logit error / std of the float32 logits (measured 0.048, 0.024, 0.055),
-# and the share of positions where the argmax equals float32's greedy token (measured 94%, 98%, 93%).
-RMS_BOUND = {"int8 weights": 0.08, "int8 KV": 0.05, "both": 0.09}
-AGREEMENT_BOUND = 0.90
+# 8 prompts x 72 tokens: RMS logit error / std of the float32 logits (measured 0.048, 0.024, 0.055; float8
+# KV, vLLM's fp8 = e4m3: 0.142), and the share of positions where the argmax equals float32's greedy token
+# (measured 94%, 98%, 93%; e4m3 81%). float8 keeps 3 (e4m3) or 2 (e5m2) mantissa bits per value where
+# int8 spends 7 on each (token, head)'s own range: on this model, whose attention logits are sharp (std
+# ~4), that is 6x int8's logit error (e5m2: 12x, 65% agreement; on the trained model of
+# test_quant_quality, which checks both formats, e4m3's error is 0.013 of the logit std).
+VARIANTS = {"int8 weights": ("int8", "auto"), "int8 KV": ("none", "int8"), "both": ("int8", "int8"),
+            "fp8 KV": ("none", "fp8")}  # name: (weights, kv_cache_dtype)
+RMS_BOUND = {"int8 weights": 0.08, "int8 KV": 0.05, "both": 0.09, "fp8 KV": 0.2}
+AGREEMENT_BOUND = {"int8 weights": 0.9, "int8 KV": 0.9, "both": 0.9, "fp8 KV": 0.75}
+# Greedy tokens equal float32's wherever float32's top-2 logit margin is at least this (no near-tie):
+# e4m3 flipped positions of margins up to 1.13 here; 10% of the positions (51) have 1.5 or more.
+NEAR_TIE = {"fp8 KV": 1.5}
 
 
 # ---- quantize / dequantize --------------------------------------------------------------------------
@@ -110,22 +119,28 @@ def float_logits(tiny):
     return all_logits(cfg, params, tokens, scan_layers=True)[0]
 
 
-@pytest.mark.parametrize("variant", ["int8 weights", "int8 KV", "both"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_and_greedy_tokens_close_to_float32(tiny, float_logits, variant):
-    """Teacher-forced on float32's greedy continuation (64 tokens x 8 prompts): the int8 argmax must
-    pick float32's greedy token at >= 90% of positions, and the logits stay within RMS_BOUND."""
+    """Teacher-forced on float32's greedy continuation (64 tokens x 8 prompts): the argmax must pick
+    float32's greedy token at AGREEMENT_BOUND of the positions (and everywhere float32 has no near-tie,
+    NEAR_TIE), and the logits stay within RMS_BOUND."""
     cfg, params, tokens, q = tiny
-    weights = q if variant != "int8 KV" else params
-    kv = "int8" if variant != "int8 weights" else "auto"
-    logits, cache = all_logits(cfg, weights, tokens, kv, scan_layers=True)
-    assert (cache.k.dtype == jnp.int8) == (kv == "int8")
+    weights, kv = VARIANTS[variant]
+    logits, cache = all_logits(cfg, q if weights == "int8" else params, tokens, kv, scan_layers=True)
+    assert cache.k.dtype == {"auto": jnp.float32, "int8": jnp.int8, **FP8_DTYPES}[kv]
     rms = np.sqrt(np.mean((logits - float_logits) ** 2)) / float_logits.std()
     greedy = logits[:, PROMPT - 1 : -1].argmax(-1)
     agreement = float(np.mean(greedy == tokens[:, PROMPT:]))
-    assert float(np.mean(float_logits[:, PROMPT - 1 : -1].argmax(-1) == tokens[:, PROMPT:])) == 1.0
+    base = float_logits[:, PROMPT - 1 : -1]
+    assert float(np.mean(base.argmax(-1) == tokens[:, PROMPT:])) == 1.0
+    top2 = np.sort(base, axis=-1)[..., -2:]
+    clear = top2[..., 1] - top2[..., 0] >= NEAR_TIE.get(variant, np.inf)
     print(f"{variant}: RMS logit error {rms:.3f} of the logit std; greedy agreement {agreement:.1%}")
     assert rms < RMS_BOUND[variant]
-    assert agreement >= AGREEMENT_BOUND
+    assert agreement >= AGREEMENT_BOUND[variant]
+    if variant in NEAR_TIE:
+        assert clear.mean() > 0.05  # not vacuous (51 of 512 positions)
+        np.testing.assert_array_equal(greedy[clear], tokens[:, PROMPT:][clear])
 
 
 @pytest.fixture(scope="module")
@@ -157,22 +172,22 @@ def test_per_layer_form_and_kernels_agree(tiny, short_int8):
         np.testing.assert_allclose(np.asarray(logits[0]), scanned[:, -1], atol=1e-3, rtol=0, err_msg=str(options))
 
 
-# ---- the int8 cache ------------------------------------------------------------------------------------
-def test_int8_cache_write_and_page_copy():
+# ---- the int8 and float8 caches -------------------------------------------------------------------------
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_int8_cache_write_and_page_copy(kv):
+    """int8: each (token, head) within half its own step; float8: within the format's relative step of
+    x / the layer's scale, saturated (not NaN, not inf) where x / scale is past the format's range."""
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8)
-    cache = init_cache(cfg, num_pages=6, page_size=4, dtype=jnp.float32, kv_cache_dtype="int8")
-    assert cache.k.dtype == jnp.int8 and cache.k_scale.shape == (1, 2, 2, 6, 4)
+    layer_scales = (np.asarray([1.0, 0.5], np.float32), np.asarray([1.0, 2.0], np.float32))
+    cache = init_cache(cfg, num_pages=6, page_size=4, dtype=jnp.float32, kv_cache_dtype=kv,
+                       kv_scales=None if kv == "int8" else layer_scales)
     k = jnp.asarray(np.random.default_rng(3).standard_normal((1, 3, 2, 8)), jnp.float32)  # [B, T, K, H]
-
-    @jax.jit
-    def write(cache, k):  # one replica, as inside a step: layer 1, positions 3, 4 (5 is padding)
-        one = write_kv(jax.tree.map(lambda x: x[0], cache), 1, k, -k, page_table=jnp.asarray([[2, 5]]),
-                       positions=jnp.asarray([[3, 4, 5]]), valid=jnp.asarray([[True, True, False]]))
-        return jax.tree.map(lambda x: x[None], one)
-
-    cache = copy_pages_jit(write(cache, k), jnp.asarray([2]), jnp.asarray([4]))
-    c = jax.tree.map(np.asarray, cache)
+    if kv != "int8":
+        check_fp8_write_and_page_copy(cache, kv, k.at[0, 0, 1, 2].set(-1e6), layer_scales)
+        return
+    assert cache.k.dtype == jnp.int8 and cache.k_scale.shape == (1, 2, 2, 6, 4)
+    c = jax.tree.map(np.asarray, write_two(cache, k))
     # position 3 -> page 2 slot 3 (copied to page 4), position 4 -> page 5 slot 0, 5 not written
     for page in (2, 4):
         got = c.k[0, 1, :, page, 3] * c.k_scale[0, 1, :, page, 3][:, None]
@@ -180,6 +195,30 @@ def test_int8_cache_write_and_page_copy():
     np.testing.assert_allclose(c.v[0, 1, :, 5, 0] * c.v_scale[0, 1, :, 5, 0][:, None], -np.asarray(k[0, 1]),
                                atol=float(np.abs(k).max()) / 254 + 1e-6)
     assert np.all(c.v_scale[0, 1, :, 5, 1] == 0.0) and np.all(c.k_scale[0, 0] == 0.0)
+
+
+def write_two(cache, k):
+    """`write_kv` of one replica, as inside a step: layer 1, positions 3, 4 (5 is padding) of pages [2, 5];
+    then page 2 copied to page 4."""
+    one = jax.jit(write_kv)(jax.tree.map(lambda x: x[0], cache), 1, k, -k, page_table=jnp.asarray([[2, 5]]),
+                            positions=jnp.asarray([[3, 4, 5]]), valid=jnp.asarray([[True, True, False]]))
+    return copy_pages_jit(jax.tree.map(lambda x: x[None], one), jnp.asarray([2]), jnp.asarray([4]))
+
+
+def check_fp8_write_and_page_copy(cache, kv, k, layer_scales):
+    fmt = FP8_DTYPES[kv]
+    assert cache.k.dtype == fmt and cache.kv_cache_dtype == kv and cache.k_scale.shape == (1, 2, 2, 1, 1)
+    c = jax.tree.map(lambda x: np.asarray(x, np.float32), write_two(cache, k))
+    ks, vs = layer_scales[0][1], layer_scales[1][1]
+    step = 2.0 ** -(3 if fmt == jnp.float8_e4m3fn else 2)  # the relative rounding step of x / scale
+    big = float(jnp.finfo(fmt).max)
+    want = np.clip(np.asarray(k[0]) / ks, -big, big) * ks  # [T, K, H]: -1e6 saturates to -big * scale
+    assert want[0, 1, 2] == -big * ks
+    for page in (2, 4):  # position 3 -> page 2 slot 3 (copied to page 4)
+        np.testing.assert_allclose(c.k[0, 1, :, page, 3] * ks, want[0], rtol=step / 2, atol=0)
+    np.testing.assert_allclose(c.v[0, 1, :, 5, 0] * vs, -np.asarray(k[0, 1]), rtol=step / 2, atol=1e-3)
+    assert np.all(c.v[0, 1, :, 5, 1] == 0.0) and np.all(c.k[0, 0] == 0.0)  # nothing else written
+    np.testing.assert_array_equal(c.k_scale[0, :, :, 0, 0], np.repeat(layer_scales[0][:, None], 2, 1))
 
 
 # ---- memory: the CPU path's temporaries, the plan's bytes -------------------------------------------
@@ -224,19 +263,24 @@ def test_param_bytes_match_the_config_arithmetic(tied, lm_head):
         assert param_bytes(quantized) == cfg.param_bytes(2, "int8", lm_head, group), group
 
 
-def test_memory_plan_reports_int8_bytes_and_extra_tokens():
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_memory_plan_reports_int8_bytes_and_extra_tokens(kv):
+    """int8 KV: a byte per element + an f32 scale per (token, head); float8: a byte per element."""
     cfg = ModelConfig.from_dir("configs/models/smollm2-135m")
     kw = dict(page_size=16, kv_cache_memory=2**30, max_model_len=2048)
     plain = plan_memory(cfg, EngineConfig(**kw), jnp.bfloat16)
-    both = plan_memory(cfg, EngineConfig(quantization="int8", kv_cache_dtype="int8", **kw), jnp.bfloat16)
-    assert both.kv_bytes_per_token == cfg.kv_bytes_per_token(2, "int8") < 0.6 * plain.kv_bytes_per_token
+    both = plan_memory(cfg, EngineConfig(quantization="int8", kv_cache_dtype=kv, **kw), jnp.bfloat16)
+    assert both.kv_bytes_per_token == cfg.kv_bytes_per_token(2, kv) < 0.6 * plain.kv_bytes_per_token
+    if kv == "fp8":
+        assert 2 * both.kv_bytes_per_token == plain.kv_bytes_per_token
+        assert "KV 11520 bytes/token (float8 e4m3 + f32 scales per layer)" in both.describe()  # 2 x 64 x 3 x 30
     assert both.param_bytes == cfg.param_bytes(2, "int8") < plain.param_bytes
     assert both.tokens_that_fit > 1.7 * plain.tokens_that_fit
     assert both.tokens_in_model_dtype == plain.tokens_that_fit
     text = both.describe()
     print(text)
     assert f"KV {both.kv_bytes_per_token} bytes/token" in text and "int8 linear layers" in text
-    assert f"{both.tokens_that_fit - plain.tokens_that_fit} more tokens fit than in bfloat16" in text
+    assert f"{kv} KV: {both.tokens_that_fit - plain.tokens_that_fit} more tokens fit than in bfloat16" in text
 
 
 # ---- sharding ------------------------------------------------------------------------------------------
