@@ -267,15 +267,6 @@ def compare(
     reference_dir = reference_dir or model_dir
     if not os.path.isdir(reference_dir):
         raise ModelLoadError(f"reference directory {reference_dir!r} does not exist")
-    if llm is None:
-        llm = build_llm(model_dir, dtype=dtype, page_size=page_size, attention_backend=attention, **settings)
-    if not llm.config.enable_prompt_logprobs:
-        raise ConfigError("the engine needs enable_prompt_logprobs=True: its scoring variant gives the scores")
-    for i, p in enumerate(prompts):  # the scoring request: prompt + continuation, and one token sampled
-        if len(p) + max_new_tokens + 1 > llm.memory.max_model_len:
-            raise ConfigError(f"prompt {i}: {len(p)} + {max_new_tokens} + 1 tokens exceed the engine's "
-                              f"max_model_len {llm.memory.max_model_len}")
-    top_n = llm.config.max_logprobs
     try:
         model = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=getattr(torch, dtype)).eval()
     except (OSError, ValueError) as err:  # transformers' own words, without its traceback
@@ -293,23 +284,36 @@ def compare(
             ids.append(int(hf_logits(ids)[-1].argmax()))
         return ids[len(prompt):]
 
-    reports = []
-    for prompt in prompts:
-        continuation = hf_greedy(prompt)
-        full = prompt + continuation
-        ref = hf_logits(full)
-        scores = engine_scores(llm, full, top_n)
-        sampled = max(scores[-1], key=scores[-1].get)  # temperature 0 sampled the argmax
-        positions = compare_scores("score", 0, scores, full[1:] + [sampled], ref, tol, top_n)
-        generated = []
-        if max_new_tokens:
-            generated, entries = engine_greedy(llm, prompt, max_new_tokens, top_n)
-            # HF given the engine's tokens: each step compared in the same context, after a flip too.
-            gen_ref = ref if generated == continuation else hf_logits(prompt + generated)
-            positions += compare_scores("generate", len(prompt) - 1, entries, generated,
-                                        gen_ref[len(prompt) - 1:len(prompt) - 1 + len(generated)], tol, top_n)
-        reports.append(PromptReport(prompt, continuation, generated, positions))
-    return Report(model_dir, reference_dir, dtype, tol, describe_engine(llm), reports)
+    def check(llm) -> Report:
+        if not llm.config.enable_prompt_logprobs:
+            raise ConfigError("the engine needs enable_prompt_logprobs=True: its scoring variant gives the scores")
+        for i, p in enumerate(prompts):  # the scoring request: prompt + continuation, and one token sampled
+            if len(p) + max_new_tokens + 1 > llm.memory.max_model_len:
+                raise ConfigError(f"prompt {i}: {len(p)} + {max_new_tokens} + 1 tokens exceed the engine's "
+                                  f"max_model_len {llm.memory.max_model_len}")
+        top_n = llm.config.max_logprobs
+        reports = []
+        for prompt in prompts:
+            continuation = hf_greedy(prompt)
+            full = prompt + continuation
+            ref = hf_logits(full)
+            scores = engine_scores(llm, full, top_n)
+            sampled = max(scores[-1], key=scores[-1].get)  # temperature 0 sampled the argmax
+            positions = compare_scores("score", 0, scores, full[1:] + [sampled], ref, tol, top_n)
+            generated = []
+            if max_new_tokens:
+                generated, entries = engine_greedy(llm, prompt, max_new_tokens, top_n)
+                # HF given the engine's tokens: each step compared in the same context, after a flip too.
+                gen_ref = ref if generated == continuation else hf_logits(prompt + generated)
+                positions += compare_scores("generate", len(prompt) - 1, entries, generated,
+                                            gen_ref[len(prompt) - 1:len(prompt) - 1 + len(generated)], tol, top_n)
+            reports.append(PromptReport(prompt, continuation, generated, positions))
+        return Report(model_dir, reference_dir, dtype, tol, describe_engine(llm), reports)
+
+    if llm is not None:
+        return check(llm)
+    with build_llm(model_dir, dtype=dtype, page_size=page_size, attention_backend=attention, **settings) as llm:
+        return check(llm)  # an engine built here is released here: its executables, weights and cache
 
 
 def _summary(positions: list[Position]) -> str:
@@ -324,7 +328,7 @@ def format_report(report: Report) -> str:
     ref = "" if report.reference_dir == report.model_dir else f" vs HF {report.reference_dir}"
     unit = " x max|HF logit|" if t.relative else ""
     lines = [f"{report.model_dir}{ref} ({report.dtype}) through the serving engine: attention {e['attention']}, "
-             f"{e['layers']} layers, page size {e['page_size']}, top-{e['top_n']} logprobs, "
+             f"layers {e['layers']}, page size {e['page_size']}, top-{e['top_n']} logprobs, "
              f"{e['executables']} executables",
              f"atol {t.atol:g}{unit} on logprobs, coarse-KL tol {t.kl:g}, near-tie gap {t.tie_gap:g}{unit}"]
     for i, pr in enumerate(report.prompts):
