@@ -101,6 +101,8 @@ def test_a_mapped_flag_and_its_setting_must_agree():
     (["--pipeline-parallel-size", "1"], "one pipeline stage"),
     (["--no-enable-chunked-prefill"], "always prefilled in chunks"),
     (["-O3"], "XLA compiles every step bucket"),
+    (["--task", "generate"], "text generation"),
+    (["--calculate-kv-scales"], "k_scale / v_scale"),
 ])
 def test_no_op_flags_log_one_line_saying_why(argv, reason, monkeypatch, caplog):
     monkeypatch.chdir(REPO)
@@ -117,6 +119,9 @@ def test_no_op_flags_log_one_line_saying_why(argv, reason, monkeypatch, caplog):
     (["--speculative-config", '{"method": "eagle", "model": "x", "num_speculative_tokens": 2}'], "EAGLE"),
     (["--tokenizer-mode", "mistral"], "tokenizer.json"),
     (["--ssl-keyfile", "k.pem"], "plain HTTP"),
+    (["--task", "embed"], "text generation only"),
+    (["--api-server-count", "4"], "serve-ray"),
+    (["--default-chat-template-kwargs", '{"enable_thinking": false}'], "chat_template_kwargs"),
 ])
 def test_refused_flags_exit_2_naming_what_to_use(argv, reason, capsys):
     with pytest.raises(SystemExit) as caught:

@@ -109,6 +109,19 @@ FLAGS = (
                  "checkpoint and drop the flag"),
     Flag(("--scheduling-policy",), "requests are served first come, first served", refuse=_not_in("fcfs"),
          refusal="requests are served first come, first served (no priorities): drop the flag"),
+    Flag(("--task",), "text generation is what jaxserve serves", refuse=_not_in("auto", "generate"),
+         refusal="jaxserve serves text generation only: no pooling, embedding or scoring models"),
+    Flag(("--runner",), "text generation is what jaxserve serves", refuse=_not_in("auto", "generate"),
+         refusal="jaxserve serves text generation only: no pooling, embedding or scoring models"),
+    Flag(("--language-model-only",), "jaxserve serves text only", switch=True),
+    Flag(("--calculate-kv-scales",), "an fp8 KV cache's scales are the checkpoint's k_scale / v_scale, else 1.0; "
+         "none are computed from the first batch", switch=True),
+    Flag(("--api-server-count", "-asc"), "one HTTP server process", refuse=_above(1),
+         refusal="one HTTP server process per engine: more of both are replicas on Ray Serve (jaxserve serve-ray, "
+                 "docs/scale-out.md)"),
+    Flag(("--default-chat-template-kwargs",), "", refuse=_ALWAYS,
+         refusal="no server-wide template arguments: send chat_template_kwargs with each request (e.g. "
+                 "{\"enable_thinking\": false}), or give --chat-template a template with the default you want"),
     Flag(("--pipeline-parallel-size", "-pp"), "one pipeline stage is what jaxserve runs", refuse=_above(1),
          refusal="no pipeline parallelism: split the model over devices with --tensor-parallel-size (-tp), and "
                  "across hosts by making the mesh span them: " + MULTIHOST),
