@@ -23,12 +23,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 from typing import Any, Callable
 
 from jaxserve.errors import ConfigError
-
-logger = logging.getLogger("jaxserve.vllm_flags")
 
 MULTIHOST = "several hosts are one job of --num-processes N --process-id I --coordinator-address HOST:PORT " \
             "(docs/multihost.md), or replicas on Ray Serve (jaxserve serve-ray, docs/scale-out.md)"
@@ -221,7 +218,8 @@ def _widen(parser: argparse.ArgumentParser, option: str, extra: dict[str, Any]) 
 
 
 def apply(ns: argparse.Namespace) -> list[str]:
-    """Map, log or refuse the vLLM flags `ns` holds (ConfigError: refused); returns the no-op lines logged.
+    """Map or refuse the vLLM flags `ns` holds (ConfigError: refused); returns one line per flag accepted with no
+    effect, saying why (the server logs them once its logging is set up: parsing comes first).
 
     Mapped flags write the settings they stand for into `ns` (absent settings stay absent, so YAML and
     defaults still apply); a mapped flag given beside its setting must agree with it."""
@@ -236,9 +234,7 @@ def apply(ns: argparse.Namespace) -> list[str]:
             shown = "--no-" + flag.flags[0][2:]
         if flag.refuse is not None and flag.refuse(value):
             raise ConfigError(f"{shown}: {flag.refusal}")
-        note = f"{shown}: accepted, no effect: {flag.why}"
-        logger.info(note)
-        notes.append(note)
+        notes.append(f"{shown}: accepted, no effect: {flag.why}")
     _map(ns, "vllm_block_size", "page_size", "--block-size", "--page-size", int)
     _map(ns, "vllm_num_gpu_blocks_override", "num_pages", "--num-gpu-blocks-override", "--num-pages", int)
     _map(ns, "vllm_kv_cache_memory_bytes", "kv_cache_memory", "--kv-cache-memory-bytes", "--kv-cache-memory", str)
@@ -295,7 +291,7 @@ def _speculative(ns: argparse.Namespace, text: str) -> None:
         raise ConfigError(f"--speculative-config: {', '.join(map(repr, unknown))} not served here; the keys read are "
                           f"{', '.join(SPECULATIVE_KEYS)}")
     method = config.get("method") or ("draft_model" if config.get("model") else None)
-    if method in ("ngram", "[ngram]"):
+    if method == "ngram":
         values = {"speculative_method": "ngram"}
     elif method in ("draft_model", "draft"):
         if not config.get("model"):
