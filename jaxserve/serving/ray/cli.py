@@ -191,6 +191,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "jaxserve serve-ray") ->
         return 2
     logging.basicConfig(level=getattr(logging, ns.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for line in ns.vllm_notes:  # vLLM flags accepted with no effect here, each with the reason
+        logger.info("%s", line)
     try:
         spec = spec_from_namespace(ns)
         if not ns.mock_engine:  # the ingress builds these too: fail here, before Ray starts, if it cannot
