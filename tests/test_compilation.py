@@ -19,7 +19,7 @@ SETTINGS = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, 
 def test_no_compilation_after_warm_up(hf_model_dir):
     path, _ = hf_model_dir("llama")
     llm = LLM(path, compilation_cache_dir="none", **SETTINGS)
-    assert len(llm.runner.step_shapes()) == len(llm.runner._executables)
+    assert len(llm.runner.step_shapes()) == len(llm.runner.table.executables)
     before = CompileCounter.requests  # every executable asked for, persistent-cache hits included
     rng = np.random.RandomState(0)
     for batch in (1, 3, 4, 2):  # varied batch sizes, prompt lengths and output lengths

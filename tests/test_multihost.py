@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jaxserve.runner import multihost
+from jaxserve.runner.runner import NoPeers
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
 
@@ -109,12 +110,12 @@ def test_decode_step_message_is_small(llm):
         def step(self, shape, inputs):
             sent.append(multihost.encode_step(len(sent), shape, jax.tree.leaves(inputs)))
 
-    llm.runner.broadcaster = Recorder()
+    llm.runner.peers = Recorder()
     try:
         llm.runner.execute_rows([RowWork([7], 20 + i, [1 + 3 * i, 2 + 3 * i, 3 + 3 * i],
                                     RowSampling(temperature=0.7, seed=i)) for i in range(4)])
     finally:
-        llm.runner.broadcaster = None
+        llm.runner.peers = NoPeers()
     assert len(sent) == 1 and len(sent[0]) < 600, len(sent[0])
     # 4 decode tokens, at the step's one page-table width
     assert multihost.decode(sent[0], llm.runner).shape == (4, llm.runner.buckets.page_counts[-1])

@@ -165,7 +165,7 @@ def attach(engine: Any) -> "Leader | None":
     if jax.process_index() != 0:
         return None
     leader = Leader(KVChannel(_client()))
-    engine.runner.broadcaster = leader
+    engine.runner.peers = leader
     atexit.register(leader.shutdown)  # followers exit when process 0 does, however it stops
     return leader
 

@@ -1,11 +1,8 @@
-"""The speculative executables, as the runner holds them: in an engine with speculative decoding
-every ragged step bucket (tokens, pages) is compiled from `spec_decode.step.speculative_step`
-(prompt chunks, plain decodes and verifications side by side, the draft model's proposals and
-catch-up inside), so speculation adds no executables. `Speculation` gives those buckets the
-interface the runner's own steps have (input specs, lowering, calls, packing): `ModelRunner` owns
-them like every step (one executable table, compiled by its warm-up, run and broadcast to the
-other processes of a multi-host job by `run_step`); `jaxserve.spec_decode` decides what each row
-proposes.
+"""The speculative step variant: in an engine with speculative decoding every ragged step bucket
+(tokens, pages) is compiled from `spec_decode.step.speculative_step` (prompt chunks, plain decodes
+and verifications side by side, the draft model's proposals and catch-up inside), so speculation
+adds no executables. The runner holds and runs them like every variant's; `jaxserve.spec_decode`
+decides what each row proposes.
 
 A speculative step's host inputs: (RaggedBatch [R, N] with logit_index [R, min(N, G * W)],
 SamplingTensors [R, G], SpecRows [R, G], DraftInputs or None), G = min(N, max rows), W = K + 1.
@@ -21,84 +18,99 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine.buckets import pick_step_shape
 from jaxserve.model.kv_cache import KVCache, RaggedBatch, cache_shardings, init_cache
 from jaxserve.model.weights import Params
 from jaxserve.model.ragged import RaggedArrays, RaggedRow, pack_ragged, row_lora_slots
 from jaxserve.model.sampler import RowSampling, SamplingTensors
 from jaxserve.spec_decode.step import DraftInputs, SpecOptions, SpecRows, speculative_step
 from jaxserve.model.transfer import Layout, from_buffer, with_sparse
-from jaxserve.runner.step_io import StepInputs
+from jaxserve.runner.step_io import StepInputs, StepSamples
+from jaxserve.runner.step_variant import DeviceState, StepContext, StepVariant, flat_rows
 
 
-@dataclasses.dataclass
-class Speculation:
-    """What the speculative executables take besides the target: the static choices, and the draft's
-    params and KV cache (same page ids as the target's), which the runner holds and donates."""
+class SpeculativeStep(StepVariant):
+    """A speculative engine's ragged step: it replaces the plain step (and multi-step) for every
+    bucket, so speculation adds no executables. With the draft method the device state holds the
+    draft's params and a cache of its own over the same page ids, donated like the target's."""
 
-    method: str  # "draft" | "ngram"
-    num_tokens: int  # K, the most drafts a step verifies
-    draft_cfg: ModelConfig | None = None
-    draft_params: Params | None = None
-    draft_cache: KVCache | None = None
-    draft_cache_sharding: KVCache | None = None
-    accept_all: bool = False  # a deliberately wrong verifier: only the test that must catch it sets this
-    runner: Any = None  # the ModelRunner holding the target's params and cache, and these executables
+    def __init__(self, ctx: StepContext, state: DeviceState, method: str, num_tokens: int, draft: Any = None):
+        super().__init__(ctx)
+        self.state = state
+        self.method = method  # "draft" | "ngram"
+        self.num_tokens = num_tokens  # K, the most drafts a step verifies
+        self.accept_all = False  # a deliberately wrong verifier: only the test that must catch it sets this
+        self.draft_cfg: ModelConfig | None = None
+        self.draft_cache_sharding: Any = None
+        if draft is not None:
+            c = state.cache
+            state.draft_params = draft.params
+            state.draft_cache = init_cache(draft.cfg, c.num_pages, c.page_size, draft.dtype, c.num_replicas,
+                                           draft.shardings.cache)
+            self.draft_cfg = draft.cfg
+            self.draft_cache_sharding = cache_shardings(draft.shardings, "auto")
 
-    @classmethod
-    def load(cls, runner: Any, method: str, num_tokens: int, draft: Any) -> Speculation:
-        """`draft`: the loaded draft model (method "draft"; its cache is allocated here, over the same
-        page ids as the runner's) or None."""
-        if draft is None:
-            return cls(method, num_tokens, runner=runner)
-        c = runner.cache
-        cache = init_cache(draft.cfg, c.num_pages, c.page_size, draft.dtype, c.num_replicas, draft.shardings.cache)
-        return cls(method, num_tokens, draft.cfg, draft.params, cache, cache_shardings(draft.shardings, "auto"),
-                   runner=runner)
+    # The draft's weights and cache, as the device state holds them (None without a draft, or closed).
+    @property
+    def draft_params(self) -> Params | None:
+        return self.state.draft_params
+
+    @property
+    def draft_cache(self) -> KVCache | None:
+        return self.state.draft_cache
 
     @property
     def width(self) -> int:
         """Logits per sampling group: the pending token's and K drafts'."""
         return self.num_tokens + 1
 
-    # The runner's step interface (`ModelRunner.input_specs`, `lower`, `call`), for its ragged buckets.
-    def input_specs(self, shape: tuple) -> tuple:
-        r = self.runner
-        N, P = shape
-        return _step_inputs(self, N, P, r.num_logits(N), r.buckets.max_rows, r.num_replicas, r.history_len,
-                            r.lora is not None)
+    def accepts(self, rows: Sequence[Any]) -> bool:
+        return True
 
-    def lower(self, shape: tuple, layout: Layout, sparse: tuple):
-        return _lower(self.runner, layout, sparse)
+    def input_specs(self, key: tuple) -> tuple:
+        """(RaggedBatch [R, N] with logit_index [R, min(N, G * W)], SamplingTensors [R, G], SpecRows
+        [R, G], DraftInputs or None); the draft model's batch carries no adapter slots."""
+        c = self.ctx
+        N, P = key[:2]
+        G, R = c.num_logits(N), c.num_replicas
+        rows = SpecRows(num_draft=c.i32(G), want_logprobs=jax.ShapeDtypeStruct((R, G), jnp.bool_),
+                        group_logits=c.i32(G * self.width))
+        draft = None
+        if self.method == "draft":
+            draft = DraftInputs(batch=c.ragged_spec(N, P, G, lora=False), draft_index=c.i32(G, self.num_tokens),
+                                group_row=c.i32(G))
+        return c.ragged_spec(N, P, num_logits(N, G, self)), SamplingTensors.spec((R, G), c.history_len), rows, draft
 
-    def call(self, executable: Any, sparse: tuple, buffer: Any) -> Any:
-        return _call(self.runner, executable, sparse, buffer)
+    def lower(self, key: tuple, state: DeviceState, layout: Layout, sparse: tuple):
+        c = self.ctx
+        carried = jax.ShapeDtypeStruct(state.carried.shape, jnp.int32, sharding=c.carry_sharding)
+        options = SpecOptions(method=self.method, num_tokens=self.num_tokens, accept_all=self.accept_all)
+        return _step_jit.trace(
+            state.params, state.cache, state.draft_params, state.draft_cache, carried, sparse,
+            layout.spec(c.buffer_sharding), layout=layout, cfg=c.cfg, draft_cfg=self.draft_cfg, options=c.options,
+            spec=options, cache_sharding=c.cache_sharding, draft_cache_sharding=self.draft_cache_sharding,
+            out_sharding=c.out_sharding).lower()
 
-    def pack(self, rows: Sequence[Any]) -> StepInputs:
-        return _pack(self.runner, rows)
+    def call(self, executable: Any, state: DeviceState, sparse: tuple, buffer: Any) -> Any:
+        """Run a compiled speculative step, replacing the donated caches; returns the VerifyOutput
+        ([R, G] leading, on the device)."""
+        out, state.cache, state.draft_cache, state.carried = executable(
+            state.params, state.cache, state.draft_params, state.draft_cache, state.carried, sparse, buffer)
+        return out
+
+    def pack(self, rows: Sequence[Any], key: tuple, layout: Layout) -> StepInputs:
+        return _pack(self, rows, key)
+
+    def key_for(self, rows: Sequence[Any]) -> tuple:
+        return self.ctx.bucket_for(rows)
+
+    def unpack(self, out: Any, packed: StepInputs) -> StepSamples:
+        """[rows, K + 1]: the accepted drafts, then the target's token."""
+        rows = jax.tree.map(lambda x: flat_rows(x, packed.logit_at), out)
+        emitted = np.where(packed.logit_at >= 0, rows.num_accepted + 1, 0).astype(np.int32)
+        return StepSamples(rows.tokens, emitted, rows.logprobs, rows.top_ids, rows.top_logprobs)
 
 
-def _step_inputs(spec: Speculation, N: int, P: int, G: int, S: int, R: int, history_len: int,
-                 lora: bool = False) -> tuple:
-    """ShapeDtypeStructs of a speculative step's host inputs (see the module docstring); with `lora`
-    the target's batch carries each row's adapter slot (the draft model has no adapters)."""
-    def i32(*dims):
-        return jax.ShapeDtypeStruct((R,) + dims, jnp.int32)
-
-    def ragged(n, logits, row_lora=False):
-        return RaggedBatch(tokens=i32(n), positions=i32(n), slots=i32(n), token_row=i32(n), query_start=i32(S + 1),
-                           context_lens=i32(S), page_table=i32(S, P), logit_index=i32(logits),
-                           row_lora=i32(S) if row_lora else None)
-
-    rows = SpecRows(num_draft=i32(G), want_logprobs=jax.ShapeDtypeStruct((R, G), jnp.bool_),
-                    group_logits=i32(G * spec.width))
-    draft = None
-    if spec.method == "draft":
-        draft = DraftInputs(batch=ragged(N, G), draft_index=i32(G, spec.num_tokens), group_row=i32(G))
-    return ragged(N, num_logits(N, G, spec), lora), SamplingTensors.spec((R, G), history_len), rows, draft
-
-
-def num_logits(N: int, G: int, spec: Speculation) -> int:
+def num_logits(N: int, G: int, spec: SpeculativeStep) -> int:
     """Real logits a step of N tokens and G sampling groups may hold: one per token at most, and at
     most W per group (the forward computes these only; the groups index them)."""
     return min(N, G * spec.width)
@@ -124,42 +136,16 @@ _step_jit = jax.jit(from_buffer(_step, 6), static_argnames=(
     donate_argnums=(1, 3))
 
 
-def _lower(runner: Any, layout: Layout, sparse: tuple):
-    """Lower a speculative step for the runner's params, caches and shardings (inputs packed by
-    `layout`; `sparse`: the ShapeDtypeStructs of the sampling's sparse operands)."""
-    spec = runner.speculation
-    cache_sharding = None if runner.shardings is None else cache_shardings(
-        runner.shardings, "int8" if runner.cache.quantized else "auto")
-    carried = jax.ShapeDtypeStruct(runner.carried.shape, jnp.int32, sharding=runner.carry_sharding)
-    options = SpecOptions(method=spec.method, num_tokens=spec.num_tokens, accept_all=spec.accept_all)
-    return _step_jit.trace(
-        runner.params, runner.cache, spec.draft_params, spec.draft_cache, carried, sparse,
-        layout.spec(runner.buffer_sharding), layout=layout, cfg=runner.cfg, draft_cfg=spec.draft_cfg,
-        options=runner.options, spec=options, cache_sharding=cache_sharding,
-        draft_cache_sharding=spec.draft_cache_sharding, out_sharding=runner.out_sharding).lower()
-
-
-def _call(runner: Any, executable: Any, sparse: tuple, buffer: jax.Array) -> Any:
-    """Run a compiled speculative step on packed device inputs, replacing the donated caches; returns
-    the VerifyOutput ([R, G] leading, on the device)."""
-    spec = runner.speculation
-    out, runner.cache, spec.draft_cache, runner.carried = executable(
-        runner.params, runner.cache, spec.draft_params, spec.draft_cache, runner.carried, sparse, buffer)
-    return out
-
-
-def _pack(runner: Any, rows: Sequence[Any]):
-    """Lay `rows` (the runner's RowWork: prompt chunks, decodes, verifications) out in the smallest
-    bucket as a speculative step: a StepInputs whose `speculative` holds (SpecRows, DraftInputs)."""
-    spec = runner.speculation
-    R, S, ps = runner.num_replicas, runner.buckets.max_rows, runner.cache.page_size
+def _pack(spec: SpeculativeStep, rows: Sequence[Any], shape: tuple) -> StepInputs:
+    """Lay `rows` (RowWork: prompt chunks, decodes, verifications) out in bucket `shape` as a
+    speculative step: a StepInputs whose `speculative` holds (SpecRows, DraftInputs)."""
+    ctx = spec.ctx
+    R, S, ps = ctx.num_replicas, ctx.max_rows, ctx.page_size
     K, W = spec.num_tokens, spec.width
     per_replica = [[i for i, r in enumerate(rows) if r.replica == rep] for rep in range(R)]
     pages = [r.page_ids[: -(-(r.start_pos + len(r.tokens)) // ps)] for r in rows]
-    n_tokens = max(sum(len(rows[i].tokens) for i in idx) for idx in per_replica)
-    shape = pick_step_shape(runner.buckets, n_tokens, max(len(p) for p in pages))
     N, P = shape
-    G = runner.num_logits(N)
+    G = ctx.num_logits(N)
     draft = spec.method == "draft"
     fields: dict[str, list] = {f.name: [] for f in dataclasses.fields(RaggedArrays)}
     draft_fields: dict[str, list] = {f.name: [] for f in dataclasses.fields(RaggedArrays)}
@@ -198,14 +184,14 @@ def _pack(runner: Any, rows: Sequence[Any]):
             _append(draft_fields, _draft_arrays([rows[i] for i in indices], [pages[i] for i in indices], ps, N, S, P,
                                                 G))
     batch = RaggedBatch(**{name: np.stack(v) for name, v in fields.items()},
-                        row_lora=np.stack(row_lora) if runner.lora is not None else None)
-    st = SamplingTensors.pack(flat_sampling, (R, G), runner.history_len, steps=flat_steps)
+                        row_lora=np.stack(row_lora) if ctx.lora else None)
+    st = SamplingTensors.pack(flat_sampling, (R, G), ctx.history_len, steps=flat_steps)
     draft_inputs = None
     if draft:
         draft_inputs = DraftInputs(batch=RaggedBatch(**{name: np.stack(v) for name, v in draft_fields.items()}),
                                    draft_index=draft_index, group_row=group_row)
     return StepInputs(shape, batch, st, None, logit_at, token_at,
-                      speculative=(SpecRows(num_draft, want_logprobs, group_logits), draft_inputs))
+                      (SpecRows(num_draft, want_logprobs, group_logits), draft_inputs))
 
 
 def _draft_arrays(rows: Sequence[Any], pages: Sequence[Any], page_size: int, num_tokens: int, num_rows: int,

@@ -11,7 +11,7 @@ sequences from every kind of step with one loop (`EngineCore.update_from_output`
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -56,33 +56,24 @@ class StepSamples:
 class StepInputs:
     """Rows laid out in one ragged step, and where each row's sample and tokens landed."""
 
-    shape: tuple  # (tokens, pages)
+    shape: tuple  # the executable's key: (tokens, pages) and the variant's tag
     batch: RaggedBatch  # numpy, leading R
     sampling: SamplingTensors  # [R, L]
-    mask: TokenMask | None  # numpy [R, L]: the constrained rows' grammar masks
+    mask: TokenMask | None  # numpy [R, L]: the constrained rows' grammar masks (None: the variant takes none)
     logit_at: np.ndarray  # each row's flat index in [R * L] (its sample); -1 for rows that do not sample
     token_at: list[tuple[int, int, int]]  # each row's (replica, first token, tokens)
-    score_inputs: tuple[np.ndarray, np.ndarray] | None = None  # scoring: (sample index [R, L], targets [R, N])
+    extra: tuple = ()  # the variant's further inputs: scoring's (sample index, targets), multi-step's
+    #                    steps per row, speculation's (SpecRows, DraftInputs | None)
     # A plain step written by its bucket's InputBatch: the packed buffer (what Layout.pack makes of
     # batch, sampling and mask), which batch, sampling and mask are views of until the bucket's next step.
     buffer: np.ndarray | None = None
-    speculative: tuple | None = None  # a speculative step's (SpecRows, DraftInputs | None): speculative.pack
-    steps_per_row: np.ndarray | None = None  # a multi-step call's i32[R, S]: decode steps of each row
     num_steps: list[int] | None = None  # a multi-step call's decode steps per row, in row order
 
     @property
     def inputs(self) -> tuple:
-        """The step's host inputs, as `ModelRunner.run_step` takes them."""
-        if self.speculative is not None:
-            return (self.batch, self.sampling, *self.speculative)
-        if self.score_inputs is not None:
-            return (self.batch, self.sampling, self.mask, *self.score_inputs)
-        if self.steps_per_row is not None:
-            return (self.batch, self.sampling, self.mask, self.steps_per_row)
-        return (self.batch, self.sampling, self.mask)
-
-    def unpack(self, x: np.ndarray) -> np.ndarray:  # x: [R, L, ...] -> [rows, ...]
-        return x.reshape((-1,) + x.shape[2:])[np.maximum(self.logit_at, 0)]
+        """The step's host inputs, as the variant's executable takes them."""
+        head = (self.batch, self.sampling) if self.mask is None else (self.batch, self.sampling, self.mask)
+        return head + self.extra
 
     def sample_slots(self) -> list[int]:
         """Each row's sample's index among its replica's samples (what a placeholder of it names;
@@ -101,32 +92,24 @@ def split_sparse(inputs: tuple) -> tuple[tuple, tuple]:
 
 class PendingSamples:
     """A dispatched step's samples on their way to the host (the copy starts at dispatch): the
-    engine schedules and dispatches the next step before it asks for them. Without `logprobs` only
-    the tokens come back (the samples' logprobs and top-N stay on the device): each array fetched
-    costs the host ~15-30 us a step, as long as the rest of a batch-1 step's fetch. `start_copy`
-    False (a CPU device, whose arrays NumPy reads in place, without a copy): no copy is started,
+    engine schedules and dispatches the next step before it asks for them. `out` is what the
+    variant fetches (without logprobs when no row asked: each array fetched costs the host ~15-30
+    us a step, as long as the rest of a batch-1 step's fetch); `unpack` turns it into each row's
+    run. `start_copy` False (a CPU device, whose arrays NumPy reads in place): no copy is started,
     which only cost the host ~7 us an array there."""
 
-    def __init__(self, out: Any, packed: StepInputs, logprobs: bool = True, start_copy: bool = True):
+    def __init__(self, out: Any, packed: StepInputs, unpack: Callable[[Any, StepInputs], StepSamples],
+                 start_copy: bool = True):
         self.packed = packed
-        # A plain step of which no row asked for logprobs: its tokens alone, one array and no pytree.
-        plain = packed.speculative is None and packed.steps_per_row is None
-        self._tokens_only = plain and not logprobs and not isinstance(out, tuple)
-        logprobs = logprobs or not plain
-        if self._tokens_only:
-            out = out.tokens
-        elif not logprobs:
-            first = out[0] if isinstance(out, tuple) else out
-            first = first.replace(logprobs=None, top_ids=None, top_logprobs=None)
-            out = (first, out[1]) if isinstance(out, tuple) else first
         self._out = out
+        self._unpack = unpack
         if start_copy:
             for leaf in jax.tree.leaves(out):
                 leaf.copy_to_host_async()
 
     @property
     def shape(self) -> tuple:
-        """The bucket the step ran in."""
+        """The executable the step ran."""
         return self.packed.shape
 
     def is_ready(self) -> bool:
@@ -139,28 +122,4 @@ class PendingSamples:
 
     def result(self) -> StepSamples:
         """Each row's run of samples, in row order (waits for the step)."""
-        packed = self.packed
-        samples = packed.logit_at >= 0
-        if self._tokens_only:
-            tokens = packed.unpack(jax.device_get(self._out))
-            return StepSamples(tokens[:, None], samples.astype(np.int32))
-        out = jax.device_get(self._out)
-        scores = None
-        if isinstance(out, tuple):
-            out, scores = out
-            width = max(n for _, _, n in packed.token_at)
-            index = np.asarray([[min(t + j, t + n - 1) for j in range(width)] for _, t, n in packed.token_at])
-            replica = np.asarray([rep for rep, _, _ in packed.token_at])[:, None]
-            scores = jax.tree.map(lambda x: x[replica, index], scores)
-        if packed.steps_per_row is not None:  # [steps, R, L, ...] -> [rows, steps, ...]
-            fields = {f: getattr(out, f) for f in ("tokens", "logprobs", "top_ids", "top_logprobs")}
-            runs = {f: None if x is None else np.moveaxis(x.reshape(x.shape[:1] + (-1,) + x.shape[3:])[
-                :, np.maximum(packed.logit_at, 0)], 0, 1) for f, x in fields.items()}
-            return StepSamples(num_emitted=np.asarray(packed.num_steps, np.int32), scores=scores, **runs)
-        rows = jax.tree.map(packed.unpack, out)
-        if packed.speculative is not None:  # [rows, K + 1]: the accepted drafts, then the target's token
-            emitted = np.where(samples, rows.num_accepted + 1, 0).astype(np.int32)
-            return StepSamples(rows.tokens, emitted, rows.logprobs, rows.top_ids, rows.top_logprobs, scores)
-        widen = (lambda x: None if x is None else x[:, None])
-        return StepSamples(rows.tokens[:, None], samples.astype(np.int32), widen(rows.logprobs),
-                           widen(rows.top_ids), widen(rows.top_logprobs), scores)
+        return self._unpack(jax.device_get(self._out), self.packed)

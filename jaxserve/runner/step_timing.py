@@ -33,18 +33,19 @@ def capture_step(runner, rows: Sequence) -> CapturedStep:
 
     runner.execute_rows(rows)
     captured: dict[str, Any] = {}
-    originals = dict(runner._executables)
+    executables = runner.table.executables
+    originals = dict(executables)
     for shape, exe in originals.items():
         def recorder(*a, _exe=exe, _shape=shape):
             captured["shape"], captured["args"] = _shape, a
             return _exe(*a)
-        runner._executables[shape] = recorder
+        executables[shape] = recorder
     try:
         runner.execute_rows(rows)
     finally:
-        runner._executables.update(originals)
+        executables.update(originals)
     shape = captured["shape"]
-    return CapturedStep(shape, runner._executables[shape], jax.device_put(captured["args"][2:]))
+    return CapturedStep(shape, executables[shape], jax.device_put(captured["args"][2:]))
 
 
 def time_step(runner, step: CapturedStep, steps: int, sync: bool = True) -> list[float]:

@@ -161,7 +161,7 @@ def test_quantized_engine_compiles_nothing_after_warm_up(hf_model_dir, quantized
     kw = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
               compilation_cache_dir="none")
     llm = LLM(path, quantize_lm_head=True, **quantized, **kw)
-    assert len(llm.runner.step_shapes()) == len(llm.runner._executables)
+    assert len(llm.runner.step_shapes()) == len(llm.runner.table.executables)
     before = CompileCounter.requests
     rng = np.random.RandomState(0)
     for batch in (1, 3, 4, 2):

@@ -65,6 +65,6 @@ def test_sampled_tokens_follow_the_target_and_a_wrong_verifier_is_caught(models)
     runner = llm.runner
     runner.speculation.accept_all = True
     for shape in runner.step_shapes():  # recompile the speculative steps with the wrong verifier
-        runner._executables.pop(shape, None)
+        runner.table.executables.pop(shape, None)
     wrong = sample_counts(llm, REQUESTS // 4)
     assert chi_square_pvalue(wrong, joint) < 1e-6

@@ -37,8 +37,8 @@ def test_no_compilation_after_warm_up_with_speculation(hf_model_dir, tmp_path, m
     # behind, so speculative steps run its catch-up too); n-gram on every step, where it finds a match.
     decoder.policy = SpeculateEvery(3 if method == "draft" else 1)
     # One table: a speculative engine's ragged steps are its speculative steps, all compiled at warm-up.
-    assert set(llm.runner.step_shapes()) <= set(llm.runner._executables)
-    assert len(llm.runner._executables) == executable_counts(llm.config).steps
+    assert set(llm.runner.step_shapes()) <= set(llm.runner.table.executables)
+    assert len(llm.runner.table.executables) == executable_counts(llm.config).steps
     before = CompileCounter.requests
     rng = np.random.RandomState(0)
     for batch in (1, 2, 2, 1):
