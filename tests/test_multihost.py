@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxserve.runner import multihost
-from jaxserve.runner.runner import NoPeers
+from jaxserve.runner.multihost import NoPeers
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
 

@@ -317,6 +317,20 @@ class KVChannel:
                     return None
 
 
+class NoPeers:
+    """A job of one process: nobody to hand steps to (the runner's default `peers`; `Leader` has the
+    same methods)."""
+
+    def step(self, key: tuple, inputs: tuple) -> None:
+        pass
+
+    def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray) -> None:
+        pass
+
+    def step_failed(self, err: BaseException) -> None:
+        pass
+
+
 class Leader:
     """Process 0's side: numbers and sends every device call of the runner to the other processes."""
 

@@ -28,6 +28,7 @@ from jaxserve.model.weights import Params
 from jaxserve.runner.compilation import CompileCounter, release_compiled_code, step_compiler_options
 from jaxserve.runner.executables import ExecutableTable
 from jaxserve.runner.input_transfer import InputTransfer
+from jaxserve.runner.multihost import NoPeers
 from jaxserve.runner.plain_steps import MultiStep, PlainStep, ScoreStep
 from jaxserve.runner.speculative import SpeculativeStep
 from jaxserve.runner.step_io import PendingSamples, StepInputs, StepSamples, split_sparse
@@ -35,19 +36,6 @@ from jaxserve.runner.step_variant import DeviceState, StepContext, StepVariant
 from jaxserve.model.step_options import StepOptions
 
 logger = logging.getLogger(__name__)
-
-
-class NoPeers:
-    """A job of one process: nobody to hand steps to (`multihost.Leader` has the same methods)."""
-
-    def step(self, key: tuple, inputs: tuple) -> None:
-        pass
-
-    def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray) -> None:
-        pass
-
-    def step_failed(self, err: BaseException) -> None:
-        pass
 
 
 class ModelRunner:
@@ -80,8 +68,7 @@ class ModelRunner:
     params = property(lambda self: self.state.params, lambda self, v: setattr(self.state, "params", v))
     cache = property(lambda self: self.state.cache, lambda self, v: setattr(self.state, "cache", v))
     carried = property(lambda self: self.state.carried, lambda self, v: setattr(self.state, "carried", v))
-    first_runs = property(lambda self: self.table.first_runs,
-                          lambda self, v: setattr(self.table, "first_runs", v))
+    first_runs = property(lambda self: self.table.first_runs, lambda self, v: setattr(self.table, "first_runs", v))
     unplanned_compiles = property(lambda self: self.table.unplanned_compiles)
     last_sparse = property(lambda self: self.transfer.last_sparse)
     buffer_sharding = property(lambda self: self.ctx.buffer_sharding)
@@ -188,16 +175,13 @@ class ModelRunner:
         self.state.copy_pages(replica, src, dst, self.buckets.batch_sizes[-1])
 
     # ---- execution -----------------------------------------------------------------------------
-    def prepare_inputs(self, rows: Sequence[Any], before_masks: Callable[[], None] | None = None) -> StepInputs:
+    def prepare_inputs(self, rows: Sequence[Any]) -> StepInputs:
         """Lay a step's rows (RowWork) out on the host (nothing is sent yet) in the first variant that
         takes them. A row's tokens may hold placeholders of the previous step's samples
-        (jaxserve.model.placeholders). `before_masks` runs before the grammar rows' masks are filled."""
+        (jaxserve.model.placeholders); a constrained row's grammar already took the tokens before them."""
         variant = next(v for v in self.variants if v.accepts(rows))
         key = variant.key_for(rows)
-        layout = self.table.layout(key)
-        if before_masks is not None and any(r.grammar is not None for r in rows):
-            before_masks()
-        return variant.pack(rows, key, layout)
+        return variant.pack(rows, key, self.table.layout(key))
 
     def execute(self, packed: StepInputs, logprobs: bool = True) -> PendingSamples:
         """Run a prepared step on the device (not waiting for it); its samples' copy to the host
@@ -281,7 +265,6 @@ class ModelRunner:
 
     def put_buffer(self, host: np.ndarray) -> jax.Array:
         return self.transfer.put_buffer(host)
-
     # ---- release -------------------------------------------------------------------------------
     def close(self) -> None:
         """Drop every compiled executable and delete the device buffers (the draft's too); afterwards
