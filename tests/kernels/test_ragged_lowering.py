@@ -36,21 +36,25 @@ from jaxserve.model.sharding import make_mesh
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=64)
 NUM_PAGES = 9
-page_size = lambda quantized: 32 if quantized else 16  # noqa: E731  (TPU int8 pages: whole 32-row tiles)
+page_size = lambda kv: 16 if kv == "auto" else 32  # noqa: E731  (TPU int8 / float8 pages: whole 32-row tiles)
 N, S, P, L = 32, 4, 4, 4  # tokens, rows, pages per row, logits
 KERNEL_CALLS = {"tpu": "@tpu_custom_call", "cuda": "@__gpu$xla.gpu.triton"}
 SLICING_OPS = ("stablehlo.slice", "stablehlo.dynamic_slice", "stablehlo.gather", "stablehlo.real_dynamic_slice")
 
 
-def lower(platform: str, scan: bool, quantized: bool, mesh_shape=None) -> str:
+def lower(platform: str, scan: bool, kv: str, mesh_shape=None) -> str:
     """The step's StableHLO; with `mesh_shape` (data, model) one replica per `data` device, per device
-    under shard_map."""
+    under shard_map. kv: the cache's storage, "auto" (f32), "int8" (with its scales) or "fp8" (float8
+    pages; their per-head scales apply outside the kernels)."""
     sds = jax.ShapeDtypeStruct
     replicas = mesh_shape[0] if mesh_shape else 1
-    shape = cache_shape(CFG, NUM_PAGES, page_size(quantized), replicas)
-    if quantized:
+    shape = cache_shape(CFG, NUM_PAGES, page_size(kv), replicas)
+    if kv == "int8":
         cache = KVCache(k=sds(shape, jnp.int8), v=sds(shape, jnp.int8), k_scale=sds(shape[:-1], jnp.float32),
                         v_scale=sds(shape[:-1], jnp.float32))
+    elif kv == "fp8":
+        scale = sds((*shape[:3], 1, 1), jnp.float32)
+        cache = KVCache(k=sds(shape, jnp.float8_e4m3fn), v=sds(shape, jnp.float8_e4m3fn), k_scale=scale, v_scale=scale)
     else:
         cache = KVCache(k=sds(shape, jnp.float32), v=sds(shape, jnp.float32))
     i32 = lambda *s: sds((replicas, *s), jnp.int32)  # noqa: E731
@@ -153,33 +157,35 @@ def kernel_cache_operands(module_text: str, platform: str, stacked_types: set[st
     return found
 
 
-def stacked_types(quantized: bool, mesh_shape=None) -> dict[str, set[str]]:
+def stacked_types(kv: str, mesh_shape=None) -> dict[str, set[str]]:
     """The stacked cache's tensor types, with and without the replica axis, whole and (on a mesh)
     one device's shard of it (one replica, K / model KV heads)."""
     data, model = mesh_shape or (1, 1)
-    whole = cache_shape(CFG, NUM_PAGES, page_size(quantized), data)
+    whole = cache_shape(CFG, NUM_PAGES, page_size(kv), data)
     shard = (1, whole[1], whole[2] // model, *whole[3:])
-    kv = "i8" if quantized else "f32"
+    element = {"int8": "i8", "fp8": "f8E4M3FN"}.get(kv, "f32")
 
     def types(shapes, dt):
         return {"tensor<" + "x".join(map(str, d)) + f"x{dt}>" for shape in shapes for d in (shape, shape[1:])}
 
-    return dict(kv=types((whole, shard), kv), scale=types((whole[:-1], shard[:-1]), "f32") if quantized else set())
+    scales = types((whole[:-1], shard[:-1]), "f32") if kv == "int8" else set()
+    return dict(kv=types((whole, shard), element), scale=scales)
 
 
-CASES = [("tpu", True, False, None), ("tpu", False, False, None), ("cuda", True, False, None),
-         ("cuda", False, False, None), ("tpu", True, True, None), ("cuda", False, True, None),
-         ("tpu", True, False, (2, 2)), ("cuda", True, True, (2, 2))]  # per device: one replica, one KV head
+CASES = [("tpu", True, "auto", None), ("tpu", False, "auto", None), ("cuda", True, "auto", None),
+         ("cuda", False, "auto", None), ("tpu", True, "int8", None), ("cuda", False, "int8", None),
+         ("tpu", True, "auto", (2, 2)), ("cuda", True, "int8", (2, 2)),  # per device: one replica, one KV head
+         ("tpu", True, "fp8", None), ("cuda", False, "fp8", (2, 2))]  # float8 pages reach the kernels as stored
 
 
-@pytest.mark.parametrize("platform,scan,quantized,mesh_shape", CASES)
-def test_kernels_take_the_whole_stacked_cache(platform, scan, quantized, mesh_shape):
-    text = lower(platform, scan, quantized, mesh_shape)
-    types = stacked_types(quantized, mesh_shape)
+@pytest.mark.parametrize("platform,scan,kv,mesh_shape", CASES)
+def test_kernels_take_the_whole_stacked_cache(platform, scan, kv, mesh_shape):
+    text = lower(platform, scan, kv, mesh_shape)
+    types = stacked_types(kv, mesh_shape)
     module = Module(text)
     calls = kernel_cache_operands(text, platform, types["kv"])
     assert len(calls) == 2, "one custom call taking the whole k and v stacks (called once per layer)"
-    if quantized:
+    if kv == "int8":
         assert len(kernel_cache_operands(text, platform, types["scale"])) == 2, "the whole stacked scales too"
     for func, operand in calls + kernel_cache_operands(text, platform, types["scale"]):
         paths = module.origins(func, operand)
