@@ -12,6 +12,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.llm_engine import LLMEngine
 from jaxserve.engine.output_processor import OutputAccumulator
+from jaxserve.engine.processor import EngineRequest, Prompt
 from jaxserve.errors import ConfigError, RequestError
 from jaxserve.config.generation_config import load_generation_defaults
 from jaxserve.loading.model_source import resolve_model_settings
@@ -77,43 +78,45 @@ class LLM:
         """One RequestOutput per prompt, in order. Every request is validated before any runs.
         `lora_request`: the adapter every prompt runs under, or one per prompt (None: the base model),
         as in vLLM; an adapter not yet loaded is loaded from its `lora_path`."""
-        if (prompts is None) == (prompt_token_ids is None):
-            raise RequestError("give exactly one of prompts or prompt_token_ids")
-        if prompts is not None:
-            texts = [prompts] if isinstance(prompts, str) else list(prompts)
-            all_ids = [self.engine.encode(t) for t in texts]
-        else:
-            if prompt_token_ids and isinstance(prompt_token_ids[0], (int, np.integer)):
-                prompt_token_ids = [prompt_token_ids]
-            all_ids = [[int(t) for t in ids] for ids in prompt_token_ids]
-            texts = [None] * len(all_ids)
+        if prompt_token_ids is not None and prompt_token_ids and isinstance(prompt_token_ids[0], (int, np.integer)):
+            prompt_token_ids = [prompt_token_ids]
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        return self._generate(self._prompts(prompts, prompt_token_ids), sampling_params, use_tqdm, lora_request)
+
+    def _prompts(self, texts: Sequence[str] | None, ids: Sequence[Sequence[int]] | None) -> list[Prompt]:
+        processor = self.engine.processor
+        if (texts is None) == (ids is None):
+            return [processor.prompt(texts, ids)]  # refused: exactly one of them
+        if texts is not None:
+            return [processor.prompt(text) for text in texts]
+        return [processor.prompt(token_ids=one) for one in ids]
+
+    def _generate(self, prompts: list[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                  use_tqdm: bool, lora_request: LoRARequest | Sequence[LoRARequest | None] | None
+                  ) -> list[RequestOutput]:
+        """Every prompt through the processor (all checked, every grammar compiled) before any is queued."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(all_ids)
-        if len(sampling_params) != len(all_ids):
-            raise RequestError(f"{len(sampling_params)} SamplingParams for {len(all_ids)} prompts")
-        for ids, params in zip(all_ids, sampling_params):
-            self.engine.check_request(ids, params)
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise RequestError(f"{len(sampling_params)} SamplingParams for {len(prompts)} prompts")
         adapters = (list(lora_request) if isinstance(lora_request, (list, tuple))
-                    else [lora_request] * len(all_ids))
-        if len(adapters) != len(all_ids):
-            raise RequestError(f"{len(adapters)} LoRA requests for {len(all_ids)} prompts")
+                    else [lora_request] * len(prompts))
+        if len(adapters) != len(prompts):
+            raise RequestError(f"{len(adapters)} LoRA requests for {len(prompts)} prompts")
+        requests = [self.engine.processor.process(f"llm-{next(self._ids)}", prompt, params, lora_request=adapter)
+                    for prompt, params, adapter in zip(prompts, sampling_params, adapters)]
         for adapter in dict.fromkeys(a for a in adapters if a is not None):  # each loaded (or refused) first
             self.engine.resolve_lora(adapter)
-        # Structured output: every grammar compiled (cached by spec) before any request is queued, so a
-        # spec the library rejects raises GrammarError with nothing left running.
-        futures = [self.engine.grammar_compiler.submit(p.structured)
-                   for p in sampling_params if p.structured is not None]
-        for future in futures:
-            future.result()
-
-        order = []
-        for text, ids, params, adapter in zip(texts, all_ids, sampling_params, adapters):
-            request_id = f"llm-{next(self._ids)}"
-            self.engine.admit(request_id, ids, params, lora_request=adapter)  # checked above
-            order.append(request_id)
-        return self._run(order, texts, use_tqdm)
+        # Structured output: a spec the library rejects raises GrammarError here, with nothing queued.
+        for request in requests:
+            if request.grammar is not None:
+                request.grammar.result()
+        for request in requests:
+            self.engine.admit(request)
+        return self._run(requests, use_tqdm)
 
     def chat(
         self,
@@ -132,41 +135,28 @@ class LLM:
         else ChatML), tokenized without special tokens (the template writes its own BOS), and generated
         as `generate(prompt_token_ids=...)` would (`lora_request` too); one RequestOutput per
         conversation, `prompt` the rendered text. sampling_params None: the model's generation defaults."""
-        from jaxserve.server.chat import ChatTemplateError, build_chat_renderer
+        from jaxserve.server.chat import build_chat_renderer
 
-        if self.tokenizer is None:
-            raise RequestError("this model has no tokenizer, so chat is not available: use generate with "
-                               "prompt_token_ids, or start with tokenizer=PATH")
-        if continue_final_message and add_generation_prompt:
-            raise RequestError("continue_final_message and add_generation_prompt cannot both be true")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        if not conversations or any(not c for c in conversations):
+        if not conversations:
             raise RequestError("chat needs at least one conversation of at least one message")
-        if chat_template is not None:
+        renderer = None  # without a tokenizer the processor refuses chat before it renders
+        if chat_template is not None and self.tokenizer is not None:
             renderer = build_chat_renderer(self.tokenizer, chat_template)
-        else:
+        elif self.tokenizer is not None:
             if self._chat_renderer is None:
                 self._chat_renderer = build_chat_renderer(self.tokenizer, self.config.chat_template)
             renderer = self._chat_renderer
-        texts = []
-        for conversation in conversations:
-            try:
-                texts.append(renderer.render([_chat_message(m) for m in conversation],
-                                             add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message,
-                                             chat_template_kwargs=chat_template_kwargs))
-            except ChatTemplateError as err:
-                raise RequestError(str(err)) from None
-        ids = [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
-        results = self.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm,
-                                lora_request=lora_request)
-        for result, text in zip(results, texts):
-            result.prompt = text
-        return results
+        prompts = [self.engine.processor.chat_prompt(
+            conversation, renderer, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
+            for conversation in conversations]
+        return self._generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def _run(self, order: list[str], texts: list[str | None], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list[EngineRequest], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm import tqdm
 
+        order = [request.request_id for request in requests]
         done: dict[str, RequestOutput] = {}
         totals = OutputAccumulator()  # the engine emits what is new per step; the caller gets whole outputs
         wanted = set(order)
@@ -183,18 +173,6 @@ class LLM:
                         bar.update(1)
                         bar.set_postfix(out_tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
         results = [done[request_id] for request_id in order]
-        for result, text in zip(results, texts):
-            result.prompt = text
+        for result, request in zip(results, requests):
+            result.prompt = request.prompt
         return results
-
-
-def _chat_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """A message as the template sees it: content as text (OpenAI's text parts joined), as the server does."""
-    if not isinstance(message, Mapping) or "role" not in message:
-        raise RequestError(f"a chat message must be a mapping with a 'role', got {message!r}")
-    content = message.get("content")
-    if isinstance(content, (list, tuple)):
-        if any(not isinstance(p, Mapping) or p.get("type", "text") != "text" for p in content):
-            raise RequestError("only text content parts are supported")
-        content = "".join(str(p.get("text") or "") for p in content)
-    return {**message, "content": "" if content is None else content}

@@ -85,7 +85,7 @@ def test_contradictory_settings(hf_model_dir):
 
 def test_request_errors(llm):
     greedy = SamplingParams(max_tokens=4, temperature=0)
-    with pytest.raises(RequestError, match="max_model_len"):
+    with pytest.raises(RequestError, match="maximum context length is 64 tokens"):
         llm.generate(prompt_token_ids=[[1] * 64], sampling_params=greedy)
     with pytest.raises(RequestError, match="outside the vocabulary"):
         llm.generate(prompt_token_ids=[[1, 2, 512]], sampling_params=greedy)

@@ -1,8 +1,8 @@
 """AsyncLLMEngine: the engine core's steps on a background thread, each request's progress streamed
 to its caller's asyncio queue.
 
-The event loop never waits for a step: `submit` checks a request synchronously (so a bad one still
-raises RequestError, the server's 400) and puts it in the core's intake, which the step thread
+The event loop never waits for a step: `submit` takes a request the core's processor checked (a bad
+one raised RequestError there, the server's 400) and puts it in the core's intake, which the step thread
 takes between steps (and while it holds a step back for arrivals), as it does aborts. Each step's
 deltas go straight into the queue the caller gave (the server gives one per HTTP request, shared by
 its prompts). Only the step thread touches the core; `stats()` takes the step lock and is for a
@@ -12,6 +12,8 @@ worker thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import threading
@@ -20,8 +22,10 @@ from typing import Any, AsyncIterator
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.core import EngineCore, RequestFailure
+from jaxserve.engine.intake import Abort
 from jaxserve.engine.output_processor import stream_deltas
-from jaxserve.errors import LoRAError, RequestError
+from jaxserve.engine.processor import EngineRequest, Processor, claim
+from jaxserve.errors import LoRAError
 from jaxserve.sampling.params import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -119,24 +123,25 @@ class AsyncLLMEngine:
             self.engine.abort_request(request_id)
             self._deliver(request_id, err)
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
-                     queue: asyncio.Queue, tag: Any = None, lora_request: Any = None) -> None:
-        """Check the request and queue it for the step thread. A bad request raises RequestError here
-        (GrammarError for a schema the grammar library rejects), before it enters the engine. From
-        then on `queue` receives `(tag, delta)` each step the request advances (a RequestOutput of
-        what is new; the last one has `finished`), or `(tag, exception)` if the request fails.
-        Several requests may share a queue; `abort` stops one. `lora_request`: the LoRARequest of the
-        adapter it runs under (None: the base model)."""
-        ids, params = self.engine.prepare_request(None, sampling_params, prompt_token_ids)  # no step state
-        grammar = None
-        if params.structured is not None:  # compiled on the compiler's thread; GrammarError is the 400
+    @property
+    def processor(self) -> Processor:
+        """The engine's one way in: `processor.process(...)` makes the EngineRequest `submit` takes."""
+        return self.engine.processor
+
+    async def submit(self, request: EngineRequest, queue: asyncio.Queue, tag: Any = None) -> None:
+        """Queue a request the processor checked, for the step thread. Its grammar's compilation is
+        awaited here (GrammarError, the server's 400, for a schema the grammar library rejects), so the
+        step thread never waits for one. From then on `queue` receives `(tag, delta)` each step the
+        request advances (a RequestOutput of what is new; the last one has `finished`), or `(tag,
+        exception)` if the request fails. Several requests may share a queue; `abort` stops one."""
+        if request.grammar is None and request.params.structured is not None:  # made by another processor (Ray)
+            request = dataclasses.replace(request, grammar=self.engine.grammar_compiler.submit(request.params.structured))
+        if isinstance(request.grammar, concurrent.futures.Future):
             # Shielded: a caller that goes away must not cancel a compilation other requests share.
-            compiling = self.engine.grammar_compiler.submit(params.structured)
-            grammar = await asyncio.shield(asyncio.wrap_future(compiling))
-        if request_id in self._streams:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        self._streams[request_id] = (asyncio.get_running_loop(), queue, tag)
-        self.engine.intake.put(("add", request_id, ids, params, grammar, lora_request))
+            await asyncio.shield(asyncio.wrap_future(request.grammar))
+        claim(request.request_id, self._streams, self.engine.closed)
+        self._streams[request.request_id] = (asyncio.get_running_loop(), queue, tag)
+        self.engine.intake.put(request)
         self.start()
 
     async def generate(self, request_id: str | None = None, prompt: str | None = None,
@@ -144,9 +149,9 @@ class AsyncLLMEngine:
                        prompt_token_ids: list[int] | None = None, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's delta each time it advances (sum them with OutputAccumulator for whole
         outputs); aborts the request if the caller stops early. `lora_request`: its adapter (None: the base)."""
-        request_id = request_id or f"req-{next(self._ids)}"
-        ids = self.engine.prompt_ids(prompt, prompt_token_ids)
-        async for delta in stream_deltas(self, request_id, ids, sampling_params, lora_request):  # checked by submit
+        request = self.processor.process(request_id or f"req-{next(self._ids)}", prompt, sampling_params,
+                                         prompt_token_ids, lora_request=lora_request)
+        async for delta in stream_deltas(self, request):
             yield delta
 
     # ---- LoRA adapters -------------------------------------------------------------------------
@@ -177,7 +182,7 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         """Abort between steps (queued behind the request's own admission, so it cannot overtake it);
         any thread may call it. Its queue gets a last delta with finish_reason 'abort'."""
-        self.engine.intake.put(("abort", request_id))
+        self.engine.intake.put(Abort(request_id))
 
     def stats(self) -> dict:
         return self._between_steps(self.engine.stats)

@@ -27,22 +27,23 @@ import functools
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine.admission import Limits, check_request
 from jaxserve.engine.arrival_window import ArrivalWindow
 from jaxserve.engine.block_manager import BlockManager
-from jaxserve.engine.intake import Intake
+from jaxserve.engine.intake import Abort, Intake
 from jaxserve.engine.output_processor import OutputProcessor, Request
+from jaxserve.engine.processor import EngineRequest, Limits, Processor, check_open, claim
 from jaxserve.engine.row_work import RowWork
 from jaxserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.stats import engine_stats, spec_metrics
 from jaxserve.engine.step_stats import StepComposition, is_prompt_chunk
-from jaxserve.errors import EngineClosedError, RequestError
+from jaxserve.errors import RequestError
 from jaxserve.model.ragged import is_placeholder, placeholder
 from jaxserve.sampling.params import RequestOutput, SamplingParams
 from jaxserve.sampling.row import RowSampling
@@ -181,35 +182,14 @@ class EngineCore:
             self._grammar_compiler.close()
 
     def _check_open(self) -> None:
-        if self.closed:
-            raise EngineClosedError("this engine is closed (its executables, weights and KV cache are released); "
-                                    "build a new one")
+        check_open(self.closed)
 
     # ---- requests ------------------------------------------------------------------------------
-    def encode(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise RequestError("this model has no tokenizer: pass prompt_token_ids, or start with tokenizer=PATH")
-        return self.tokenizer.encode(prompt)
-
-    def check_request(self, ids: list[int], params: SamplingParams) -> None:
-        """Refuse at once what could never be served (`admission.check_request`)."""
-        self._check_open()
-        check_request(ids, params, self.limits)
-
-    def prepare_request(self, prompt: str | None, sampling_params: SamplingParams | None,
-                        prompt_token_ids: list[int] | None) -> tuple[list[int], SamplingParams]:
-        """A request's prompt ids and params, checked (RequestError for what could never be served).
-        Reads only the settings, the tokenizer and the cache's size, so any thread may call it."""
-        params = sampling_params or SamplingParams()
-        ids = self.prompt_ids(prompt, prompt_token_ids)
-        self.check_request(ids, params)
-        return ids, params
-
-    def prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
-        """The prompt as token ids, from exactly one of its text and its ids (not yet checked)."""
-        if (prompt is None) == (prompt_token_ids is None):
-            raise RequestError("give exactly one of prompt or prompt_token_ids")
-        return self.encode(prompt) if prompt is not None else [int(t) for t in prompt_token_ids]
+    @functools.cached_property
+    def processor(self) -> Processor:
+        """The one way in (`engine.processor`): prompts to checked EngineRequests, their grammars
+        compiling on the compiler's thread. Reads only fixed things: any thread may call it."""
+        return Processor(self.limits, self.tokenizer, grammars=lambda spec: self.grammar_compiler.submit(spec))
 
     @property
     def grammar_compiler(self):
@@ -226,23 +206,26 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, grammar=None, lora_request: Any = None) -> None:
-        """Check and queue a request (with `lora_request`, a `LoRARequest`, under that adapter).
-        `grammar`: its CompiledGrammar when the caller compiled `structured` already; otherwise it is
-        compiled here (cached by spec), and a spec the grammar library rejects raises GrammarError."""
-        ids, params = self.prepare_request(prompt, sampling_params, prompt_token_ids)
-        self.admit(request_id, ids, params, grammar, prompt, lora_request)
-
-    def admit(self, request_id: str, ids: list[int], params: SamplingParams, grammar=None,
-              prompt: str | None = None, lora_request: Any = None) -> None:
-        """Queue a request already checked (`check_request`)."""
+        """Check (`processor.process`) and queue a request (with `lora_request`, a `LoRARequest`, under
+        that adapter). `grammar`: its CompiledGrammar when the caller compiled `structured` already;
+        otherwise it is compiled (cached by spec), and a spec the grammar library rejects raises GrammarError."""
         self._check_open()
-        if request_id in self.requests:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        adapter = None if lora_request is None else self.resolve_lora(lora_request)
-        if params.structured is not None and grammar is None:
-            grammar = self.grammar_compiler.compile(params.structured)
+        self.admit(self.processor.process(request_id, prompt, sampling_params, prompt_token_ids,
+                                          lora_request=lora_request, grammar=grammar))
+
+    def admit(self, request: EngineRequest) -> None:
+        """Queue a request the processor made (checked there); here only what depends on the engine now."""
+        request_id, ids, params = request.request_id, request.prompt_token_ids, request.params
+        claim(request_id, self.requests, self.closed)
+        adapter = None if request.lora_request is None else self.resolve_lora(request.lora_request)
+        grammar = request.grammar
+        if params.structured is not None:
+            if grammar is None:
+                grammar = self.grammar_compiler.compile(params.structured)
+            elif isinstance(grammar, Future):  # compiling on the compiler's thread
+                grammar = grammar.result()
         base_seed = params.seed if params.seed is not None else int(self._seed_stream.integers(2**32))
-        seqs = [Sequence(seq_id=f"{request_id}#{i}", request_id=request_id, index=i, prompt_token_ids=list(ids),
+        seqs = [Sequence(seq_id=f"{request_id}#{i}", request_id=request_id, index=i, prompt_token_ids=ids,
                          params=params, seed=(base_seed + 0x9E3779B9 * i) % 2**32,
                          detokenizer=self.outputs.detokenizer(ids, params), lora=adapter)
                 for i in range(params.n)]
@@ -253,7 +236,7 @@ class EngineCore:
                 seq.grammar = seqs[0].grammar.copy()
         if params.prompt_logprobs is not None:
             seqs[0].prompt_logprobs = [None] * len(ids)
-        self.requests[request_id] = Request(request_id, prompt, list(ids), params, seqs, time.monotonic())
+        self.requests[request_id] = Request(request_id, request.prompt, ids, params, seqs, request.arrival_time)
         self.scheduler.add(seqs[0])
         if params.n > 1:
             self.scheduler.add_siblings(seqs[0], seqs[1:])
@@ -274,24 +257,23 @@ class EngineCore:
     def take_intake(self) -> list[RequestOutput | RequestFailure]:
         """Admit the requests and carry out the aborts queued by other threads (`intake`); returns
         the aborted requests' last deltas and the late refusals."""
-        for kind, request_id, *rest in self.intake.take_all():
-            if kind == "abort":
-                last = self.abort_request(request_id)
+        for item in self.intake.take_all():
+            if isinstance(item, Abort):
+                last = self.abort_request(item.request_id)
                 if last is not None:
                     self._outbox.append(last)
             else:
-                self._admit_queued(request_id, *rest)
+                self._admit_queued(item)
         out, self._outbox = self._outbox, []
         return out
 
-    def _admit_queued(self, request_id: str, ids: list[int], params: SamplingParams, grammar: Any,
-                      lora_request: Any = None) -> bool:
+    def _admit_queued(self, request: EngineRequest) -> bool:
         try:
-            self.admit(request_id, ids, params, grammar, lora_request=lora_request)
+            self.admit(request)
             return True
         except Exception as err:  # noqa: BLE001 - checked at intake; a late refusal fails this request only
-            self._outbox.append(RequestFailure(request_id, err if isinstance(err, RequestError)
-                                                 else RequestError(str(err))))
+            self._outbox.append(RequestFailure(request.request_id, err if isinstance(err, RequestError)
+                                               else RequestError(str(err))))
             return False
 
     def has_unfinished_requests(self) -> bool:
@@ -422,7 +404,7 @@ class EngineCore:
         intake.watch(pending)
         while True:
             intake.wake.clear()  # before looking: whatever arrives later sets it and ends the wait below
-            added = sum(self._admit_queued(*item[1:]) for item in intake.take_arrivals())
+            added = sum(self._admit_queued(item) for item in intake.take_arrivals())
             if added or intake.closed.is_set() or pending.is_ready():
                 return added
             left = until - time.perf_counter()

@@ -9,14 +9,22 @@ done, so a waiting step thread never polls.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import queue
 import threading
 from typing import Any
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Abort:
+    """Stop the request `request_id` (the other message is an `EngineRequest`: add it)."""
+
+    request_id: str
+
+
 class Intake:
     def __init__(self) -> None:
-        self._items: collections.deque = collections.deque()  # ("add", id, ids, params, grammar) | ("abort", id)
+        self._items: collections.deque = collections.deque()  # EngineRequest (add) | Abort
         self.wake = threading.Event()
         self.closed = threading.Event()
         self._watched: queue.SimpleQueue = queue.SimpleQueue()
@@ -25,22 +33,22 @@ class Intake:
         # Offline, every request is added before the steps run.
         self.takes_arrivals = False
 
-    def put(self, item: tuple) -> None:
+    def put(self, item: Any) -> None:
         self._items.append(item)
         self.wake.set()
 
-    def take_all(self) -> list[tuple]:
+    def take_all(self) -> list[Any]:
         """Everything queued, in order."""
         items = []
         while self._items:
             items.append(self._items.popleft())
         return items
 
-    def take_arrivals(self) -> list[tuple]:
+    def take_arrivals(self) -> list[Any]:
         """The requests at the head of the queue, up to the first abort: an abort waits for the next
         `take_all`, since the step being held back may hold the aborted request's row."""
         items = []
-        while self._items and self._items[0][0] == "add":
+        while self._items and not isinstance(self._items[0], Abort):
             items.append(self._items.popleft())
         return items
 

@@ -258,15 +258,12 @@ class OutputAccumulator:
         return self.outputs.pop(request_id)
 
 
-async def stream_deltas(engine: Any, request_id: str, prompt_token_ids: list[int],
-                        params: SamplingParams | None, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
-    """One request's deltas through `engine.submit` (AsyncLLMEngine or the mock engine), as an async
-    iterator that raises the request's error and aborts it if the caller stops early."""
+async def stream_deltas(engine: Any, request: Any) -> AsyncIterator[RequestOutput]:
+    """One EngineRequest's deltas through `engine.submit` (AsyncLLMEngine or the mock engine), as an
+    async iterator that raises the request's error and aborts it if the caller stops early."""
     queue: asyncio.Queue = asyncio.Queue()
-    if lora_request is None:
-        await engine.submit(request_id, prompt_token_ids, params, queue)
-    else:
-        await engine.submit(request_id, prompt_token_ids, params, queue, lora_request=lora_request)
+    await engine.submit(request, queue)
+    request_id = request.request_id
     finished = False
     try:
         while not finished:

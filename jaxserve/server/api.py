@@ -31,7 +31,6 @@ import json
 import logging
 import secrets
 import time
-import uuid
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -336,10 +335,8 @@ async def _generate(state: ServerState, request: Request, body: CompletionReques
     arrival = time.monotonic()
     state.check_ready()
     model, lora_request = state.check_model(body.model)
-    job = translate(state, body, chat)
-    job.lora_request = lora_request
+    job = translate(state, body, chat, lora_request=lora_request)
     await state.check_queue()
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     if body.user:
-        logger.debug("%s: user %r", rid, body.user)
-    return await respond(state, request, body, job, rid, model, arrival)
+        logger.debug("%s: user %r", job.request_id, body.user)
+    return await respond(state, request, body, job, job.request_id, model, arrival)

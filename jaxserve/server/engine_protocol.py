@@ -1,14 +1,15 @@
 """What the server needs from an engine: `ServingEngine`, met by `AsyncLLMEngine` and the mock engine.
 
-Every engine takes `jaxserve.sampling.params.SamplingParams` with all its fields (n, stop strings,
-penalties, logprobs, ...), so the server builds one SamplingParams per prompt and never asks which
-fields an engine knows. Outputs are deltas: each `RequestOutput` carries what is new since the last
+Every engine has a `processor` (`jaxserve.engine.processor.Processor`), the one way in: the server
+makes each prompt's checked `EngineRequest` with it and `submit`s that. Every engine takes
+`SamplingParams` with all its fields (n, stop strings, penalties, logprobs, ...), so the server builds
+one SamplingParams per HTTP request and never asks which fields an engine knows. Outputs are deltas: each `RequestOutput` carries what is new since the last
 (token ids, text, logprob entries, the finish reason once), put in the queue the server gave
 `submit`, one queue per HTTP request shared by its prompts.
 
 LoRA adapters (`LoRAServingEngine`): an engine whose `config.enable_lora` is on also has `add_lora`,
-`remove_lora`, `list_loras` and takes `submit(..., lora_request=)`; the server passes `lora_request`
-only for a request that names an adapter, so an engine without adapters needs none of it.
+`remove_lora`, `list_loras` and runs an EngineRequest's `lora_request`; the server sets it only for a
+request that names an adapter, so an engine without adapters needs none of it.
 
 No jax here: the server imports this with the mock engine too.
 """
@@ -19,8 +20,8 @@ import asyncio
 from typing import Any, Iterable, Protocol, runtime_checkable
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.processor import EngineRequest, Processor
 from jaxserve.lora.request import LoRARequest
-from jaxserve.sampling.params import SamplingParams
 
 
 @runtime_checkable
@@ -48,17 +49,20 @@ class ServingEngine(Protocol):
     def config(self) -> EngineConfig | None:
         """The engine's configuration; the server reads the model's generation defaults from them."""
 
+    @property
+    def processor(self) -> Processor:
+        """Prompts to checked EngineRequests against what this engine can serve (PromptError: a 400)."""
+
     def start(self) -> None:
         """Start the step thread (idempotent)."""
 
     def shutdown(self) -> None:
         """Stop the step thread and release the engine."""
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                     queue: asyncio.Queue, tag: Any = None) -> None:
-        """Check the request (RequestError: the server's 400) and queue it; from then on `queue` gets
-        `(tag, delta)` each step it advances, the last with `finished` set, or `(tag, exception)` if
-        it fails."""
+    async def submit(self, request: EngineRequest, queue: asyncio.Queue, tag: Any = None) -> None:
+        """Queue a request its `processor` made (RequestError, the server's 400, for an id in use or
+        what only the engine can refuse); from then on `queue` gets `(tag, delta)` each step it
+        advances, the last with `finished` set, or `(tag, exception)` if it fails."""
 
     def abort(self, request_id: str) -> None:
         """Abort a request between steps (from any thread; unknown or finished ids are ignored)."""
@@ -71,11 +75,6 @@ class ServingEngine(Protocol):
 @runtime_checkable
 class LoRAServingEngine(ServingEngine, Protocol):
     """A `ServingEngine` serving LoRA adapters (`config.enable_lora`): what server/lora.py calls."""
-
-    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                     queue: asyncio.Queue, tag: Any = None, lora_request: LoRARequest | None = None) -> None:
-        """As ServingEngine.submit; `lora_request` (a loaded adapter, None: the base model) runs it with
-        that adapter. LoRANotFoundError (the server's 404) if it is not loaded."""
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Load and check an adapter (its files read off the event loop); LoRAError (the server's 400)

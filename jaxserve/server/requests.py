@@ -1,22 +1,24 @@
-"""Request translation: an OpenAI request body -> token-id prompts and one `SamplingParams`.
+"""Request translation: an OpenAI request body -> checked `EngineRequest`s (one per prompt) and one `SamplingParams`.
 
-Here a request gets the model's generation defaults for the fields it leaves unset, its chat messages
-rendered with the chat template, its prompts tokenized, its `max_tokens` default (per endpoint, as
-vLLM's), and its 400s: an empty prompt, a prompt with its `max_tokens` past `max_model_len`, chat
-without a tokenizer, sampling values `SamplingParams` refuses. What only the engine can check (token
-ids in the vocabulary, pages) it checks when the request is submitted.
+Here a request gets the model's generation defaults for the fields it leaves unset, its `max_tokens`
+default (per endpoint, as vLLM's), and the 400s of the body itself (tools, structured output, sampling
+values `SamplingParams` refuses). Its prompts go through the engine's processor
+(`jaxserve.engine.processor`): chat messages rendered with the chat template, prompts tokenized, and
+every request check (empty prompt, context length, token ids, pages, features) made there once, with
+the messages `LLM.generate` raises; a refusal is a 400 naming the field and the rule.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from typing import TYPE_CHECKING, Any
 
+from jaxserve.engine.processor import EngineRequest, Prompt, PromptError
 from jaxserve.errors import RequestError
 from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling.fields import FIELDS
 from jaxserve.sampling.params import SamplingParams
-from jaxserve.server.chat import ChatTemplateError
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from jaxserve.server.reasoning_parsers import ReasoningParser, get_reasoning_parser
@@ -35,17 +37,11 @@ _SAMPLING_FIELDS = (*(f.name for f in FIELDS if f.request), "logit_bias")
 
 
 @dataclasses.dataclass
-class Prompt:
-    text: str | None  # None: sent as token ids
-    token_ids: list[int]
-
-
-@dataclasses.dataclass
 class GenerationRequest:
     """What one HTTP request asks the engine for: every prompt with the same params (`params.n` samples each)."""
 
     chat: bool
-    prompts: list[Prompt]
+    requests: list[EngineRequest]  # one per prompt, ids f"{request_id}-{index}", checked by the processor
     params: SamplingParams
     echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's text
     drop_generated: bool = False  # completions with max_tokens 0: echo only, the one generated token dropped
@@ -54,11 +50,18 @@ class GenerationRequest:
     reasoning: ReasoningParser | None = None  # chat under --reasoning-parser: splits reasoning from content
     reasoning_open: bool = True  # the output starts in reasoning (False: the prompt closed the think block)
     lora_request: LoRARequest | None = None  # the adapter the request's model names (None: the base model)
+    request_id: str = ""  # the response's id (chatcmpl-..., cmpl-...)
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        return [Prompt(r.prompt_token_ids, r.prompt) for r in self.requests]
 
 
-def translate(state: ServerState, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> GenerationRequest:
-    tok = state.tokenizer
-    max_len = state.max_model_len
+def translate(state: ServerState, body: CompletionRequest | ChatCompletionRequest, chat: bool,
+              request_id: str | None = None, lora_request: LoRARequest | None = None) -> GenerationRequest:
+    """The body as checked engine requests (`request_id`: the response's id, made here when None;
+    `lora_request`: the adapter the body's model names). Every refusal is an APIError (400)."""
+    processor = state.engine.processor
     defaults = state.generation_defaults
     values = {**defaults.request_values(), **_sampling_values(body)}  # the model's defaults; the request's win
     structured = _structured_spec(body)
@@ -70,6 +73,7 @@ def translate(state: ServerState, body: CompletionRequest | ChatCompletionReques
     tools: ToolPlan | None = None
     reasoning: ReasoningParser | None = None
     reasoning_open = True
+    where = "messages" if chat else "prompt"
 
     if chat:
         tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.options.tool_call_parser)
@@ -80,21 +84,16 @@ def translate(state: ServerState, body: CompletionRequest | ChatCompletionReques
                                     "constrains it too; send one of them", param="tool_choice",
                                code="invalid_tools")
             values["structured"] = tools.spec
-        text = render_chat(state, body, tools.tools)
-        if tok is None:
-            raise APIError(400, "this model has no tokenizer, so chat is not available: use /v1/completions with "
-                                "token ids", param="messages", code="no_tokenizer")
-        prompts = [Prompt(text, list(tok.encode(text, add_special_tokens=False)))]
+        prompts = [chat_prompt(state, body, tools.tools)]
         if state.options.reasoning_parser is not None:
             reasoning = get_reasoning_parser(state.options.reasoning_parser)
-            reasoning_open = not reasoning.reasoning_in_prompt_closed(text)
+            reasoning_open = not reasoning.reasoning_in_prompt_closed(prompts[0].text)
             if reasoning_open and values.get("structured") is not None:  # the grammar applies to the answer
                 values["structured"] = values["structured"].after_reasoning(reasoning.end)
         max_tokens = body.max_tokens or body.max_completion_tokens
         if max_tokens is None:  # as vLLM: the model's max_new_tokens, at most what is left of the context
-            left = max(1, max_len - len(prompts[0].token_ids)) if max_len is not None else None
-            max_tokens = min((v for v in (defaults.get("max_tokens"), left) if v is not None), default=None)
-        values["max_tokens"] = max_tokens if max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+            max_tokens = min(v for v in (defaults.get("max_tokens"), processor.room(prompts[0])) if v is not None)
+        values["max_tokens"] = max_tokens
         if body.logprobs:
             n_logprobs = body.top_logprobs or 0
             values["logprobs"] = n_logprobs
@@ -114,15 +113,23 @@ def translate(state: ServerState, body: CompletionRequest | ChatCompletionReques
             if echo:  # the echoed prompt's logprobs
                 values["prompt_logprobs"] = max(body.logprobs, values.get("prompt_logprobs") or 0)
 
-    _check_lengths(prompts, values["max_tokens"], drop_generated, max_len, chat)
-    return GenerationRequest(chat, prompts, _sampling_params(values), echo, drop_generated, n_logprobs, tools,
-                             reasoning, reasoning_open)
+    params = _sampling_params(values)
+    rid = request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    requests = []
+    for i, prompt in enumerate(prompts):  # every prompt checked before any is submitted
+        try:
+            requests.append(processor.process(f"{rid}-{i}", prompt, params, lora_request=lora_request))
+        except PromptError as err:
+            raise _refusal(err, where) from None
+    return GenerationRequest(chat, requests, params, echo, drop_generated, n_logprobs, tools, reasoning,
+                             reasoning_open, lora_request, rid)
 
 
-def render_chat(state: ServerState, body: ChatCompletionRequest | TokenizeRequest,
-                tools: list[dict[str, Any]] | None = None) -> str:
-    """The body's messages (and tools) as prompt text, with the server's chat template (a 400 when it
-    refuses them). `tools`: already checked; else the body's are checked here."""
+def chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeRequest,
+                tools: list[dict[str, Any]] | None = None) -> Prompt:
+    """The body's messages (and tools) as a prompt, rendered with the server's chat template by the
+    processor, as LLM.chat renders them (a 400 when the template refuses them). `tools`: already
+    checked; else the body's are checked here."""
     messages = template_messages(body.messages)
     if tools is None and body.tools:
         tools = normalize_tools(body.tools)
@@ -130,11 +137,21 @@ def render_chat(state: ServerState, body: ChatCompletionRequest | TokenizeReques
     if add_gen is None:
         add_gen = not body.continue_final_message
     try:
-        return state.chat.render(messages, add_generation_prompt=add_gen,
-                                 continue_final_message=bool(body.continue_final_message), tools=tools,
-                                 documents=body.documents, chat_template_kwargs=body.chat_template_kwargs)
-    except ChatTemplateError as err:
-        raise APIError(400, str(err), param="messages", code="chat_template_error") from None
+        return state.engine.processor.chat_prompt(
+            messages, state.chat, add_generation_prompt=add_gen, continue_final_message=bool(body.continue_final_message),
+            tools=tools, documents=body.documents, chat_template_kwargs=body.chat_template_kwargs)
+    except PromptError as err:
+        raise _refusal(err, "messages") from None
+
+
+def render_chat(state: ServerState, body: ChatCompletionRequest | TokenizeRequest,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The body's messages as prompt text (/tokenize)."""
+    return chat_prompt(state, body, tools).text
+
+
+def _refusal(err: PromptError, where: str) -> APIError:
+    return APIError(400, str(err), param=where, code=err.code)
 
 
 def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[Prompt]:
@@ -145,37 +162,15 @@ def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[Pro
     elif isinstance(p[0], str):
         items = list(p)
     elif isinstance(p[0], int):
-        items = [list(p)]
+        items = [p]
     else:
-        items = [list(x) for x in p]
-    tok = state.tokenizer
-    out = []
-    for item in items:
-        if isinstance(item, str):
-            if tok is None:
-                raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt",
-                               code="no_tokenizer")
-            out.append(Prompt(item, list(tok.encode(item))))
-        else:
-            out.append(Prompt(None, [int(t) for t in item]))
-    return out
-
-
-def _check_lengths(prompts: list[Prompt], max_tokens: int, drop_generated: bool, max_len: int | None,
-                   chat: bool) -> None:
-    where = "messages" if chat else "prompt"
-    for i, prompt in enumerate(prompts):
-        ids = prompt.token_ids
-        if not ids:
-            raise APIError(400, "the prompt is empty", param=where, code="empty_prompt")
-        if max_len is not None:
-            need = len(ids) + (0 if drop_generated else max_tokens)
-            if len(ids) >= max_len or need > max_len:
-                raise APIError(
-                    400,
-                    f"this model's maximum context length is {max_len} tokens; the request asks for {need} "
-                    f"({len(ids)} in the {where}{'' if len(prompts) == 1 else f' {i}'}, {max_tokens} to generate)",
-                    param=where, code="context_length_exceeded")
+        items = list(p)
+    processor = state.engine.processor
+    try:
+        return [processor.prompt(item) if isinstance(item, str) else processor.prompt(token_ids=item)
+                for item in items]
+    except PromptError as err:
+        raise _refusal(err, "prompt") from None
 
 
 def _sampling_values(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:

@@ -20,8 +20,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxserve.engine.output_processor import OutputAccumulator
-from jaxserve.lora.request import LoRARequest
-from jaxserve.sampling.params import CompletionOutput, RequestOutput, SamplingParams
+from jaxserve.engine.processor import EngineRequest
+from jaxserve.sampling.params import CompletionOutput, RequestOutput
 from jaxserve.server.errors import APIError, dumps, engine_error, error_body
 from jaxserve.server.logprobs import LogprobFormatter
 from jaxserve.server.requests import GenerationRequest
@@ -40,28 +40,27 @@ class _ClientGone(Exception):
 
 
 @dataclasses.dataclass
-class EngineRequest:
-    """One prompt's engine request; its `width` (= n) outputs are choices base_choice, base_choice + 1, ..."""
+class Submission:
+    """One prompt's checked engine request; its `width` (= n) outputs are choices base_choice, base_choice + 1, ..."""
 
-    request_id: str
+    request: EngineRequest
     prompt_index: int
     base_choice: int
-    prompt_ids: list[int]
-    prompt_text: str | None
-    params: SamplingParams
     arrival: float = 0.0
     width: int = 1
-    lora_request: LoRARequest | None = None
     first_time: float | None = None
     done: bool = False
+
+    request_id = property(lambda self: self.request.request_id)
+    prompt_ids = property(lambda self: self.request.prompt_token_ids)
+    prompt_text = property(lambda self: self.request.prompt)
 
 
 async def respond(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest,
                   job: GenerationRequest, rid: str, model: str, arrival: float) -> Response:
     """Submit `job`'s prompts; once the engine has accepted every one (else its 400), answer or stream."""
     n = job.params.n
-    subs = [EngineRequest(f"{rid}-{p}", p, p * n, prompt.token_ids, prompt.text, job.params, arrival=arrival,
-                          width=n, lora_request=job.lora_request) for p, prompt in enumerate(job.prompts)]
+    subs = [Submission(request, p, p * n, arrival=arrival, width=n) for p, request in enumerate(job.requests)]
     fan = Fanout(state, subs)
     try:
         await race_disconnect(fan.prime(), request)
@@ -121,7 +120,7 @@ class Fanout:
     """The engine requests of one HTTP request, all delivering into one queue: yields (engine request
     index, delta) until each has finished or failed."""
 
-    def __init__(self, state: ServerState, subs: list[EngineRequest]):
+    def __init__(self, state: ServerState, subs: list[Submission]):
         self.state = state
         self.subs = subs
         self.queue: asyncio.Queue = asyncio.Queue()  # (sub index, delta | exception), from the engine
@@ -140,10 +139,8 @@ class Fanout:
         the engine refused (its checks raise at submit; a refusal at admission arrives as an error)."""
         engine = self.state.engine
         for i, sub in enumerate(self.subs):
-            # lora_request only when there is one: engines without adapters (the Ray router) take no such keyword
-            lora = {} if sub.lora_request is None else {"lora_request": sub.lora_request}
             try:
-                await engine.submit(sub.request_id, list(sub.prompt_ids), sub.params, self.queue, tag=i, **lora)
+                await engine.submit(sub.request, self.queue, tag=i)
             except Exception:
                 sub.done = True  # refused (a 400): not counted as an abort when the request closes
                 raise
@@ -230,7 +227,7 @@ class Choice:
     total in the assembler's `OutputAccumulator`, where the deltas are summed; with `drop` (echo with
     max_tokens 0) the generated tokens are counted but not returned."""
 
-    def __init__(self, index: int, sub: EngineRequest, echo_text: str, drop_generated: bool):
+    def __init__(self, index: int, sub: Submission, echo_text: str, drop_generated: bool):
         self.index = index
         self.sub = sub
         self.echo_text = echo_text
@@ -270,7 +267,7 @@ class Choice:
 class ResponseAssembler:
     """The OpenAI objects of one request (completion or chat), and the server metrics of its engine requests."""
 
-    def __init__(self, state: ServerState, rid: str, model: str, job: GenerationRequest, subs: list[EngineRequest],
+    def __init__(self, state: ServerState, rid: str, model: str, job: GenerationRequest, subs: list[Submission],
                  choices: dict[int, Choice], body: CompletionRequest | ChatCompletionRequest):
         self.state, self.rid, self.model, self.chat = state, rid, model, job.chat
         self.subs, self.choices, self.n_logprobs, self.echo = subs, choices, job.n_logprobs, job.echo

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import math
 import re
@@ -30,10 +31,10 @@ import threading
 import time
 from typing import Any, AsyncIterator
 
-from jaxserve.engine.admission import Limits, check_request
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.output_processor import find_stop_string, held_back, stream_deltas
-from jaxserve.errors import JaxServeError, RequestError
+from jaxserve.engine.processor import EngineRequest, Limits, Processor, claim
+from jaxserve.errors import RequestError
 from jaxserve.lora.request import LoRARequest
 from jaxserve.planning.memory import MemoryPlan
 from jaxserve.sampling.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
@@ -217,6 +218,11 @@ class MockAsyncLLMEngine:
     def max_model_len(self) -> int:
         return self.engine.memory.max_model_len
 
+    @functools.cached_property
+    def processor(self) -> Processor:
+        """The one way in, over what the mock can serve (its simulated cache, every feature but structured output)."""
+        return Processor(self.limits, self.tokenizer)
+
     @property
     def limits(self) -> Limits:
         return Limits(vocab_size=VOCAB_SIZE, max_model_len=self.engine.memory.max_model_len,
@@ -269,11 +275,11 @@ class MockAsyncLLMEngine:
             return self.lora.list()
 
     # ---- requests -------------------------------------------------------------------------------
-    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None,
-                     queue: asyncio.Queue, tag: Any = None, lora_request: LoRARequest | None = None) -> None:
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        ids = [int(t) for t in prompt_token_ids]
-        check_request(ids, params, self.limits)
+    async def submit(self, request: EngineRequest, queue: asyncio.Queue, tag: Any = None) -> None:
+        """Queue a request its processor checked (`processor.process`); here only what depends on
+        the mock: its adapter, the simulated cache, its id free and the engine open."""
+        request_id, ids, params, lora_request = (request.request_id, request.prompt_token_ids, request.params,
+                                                 request.lora_request)
         with self._lock:
             self.lora.check_request(lora_request)
         limit = self.engine.memory.max_model_len
@@ -289,18 +295,15 @@ class MockAsyncLLMEngine:
         elif self.fail_marker and self.fail_marker in text:
             fail = 1
         req = _Request(
-            request_id=request_id, prompt=None, prompt_ids=ids, params=params, loop=asyncio.get_running_loop(),
-            queue=queue, tag=tag, pages=pages, lora=lora_request,
+            request_id=request_id, prompt=request.prompt, prompt_ids=ids, params=params,
+            loop=asyncio.get_running_loop(), queue=queue, tag=tag, pages=pages, lora=lora_request,
             digest=hashlib.blake2b(repr(ids).encode() + MockLoRAManager.digest_salt(lora_request),
                                    digest_size=16).digest(),
-            metrics=RequestMetrics(arrival_time=time.monotonic()),
+            metrics=RequestMetrics(arrival_time=request.arrival_time),
             siblings=[_Sibling(i) for i in range(params.n)], fail=fail,
         )
         with self._lock:
-            if self._stopping or self._dead:
-                raise JaxServeError("the engine is shutting down")
-            if request_id in self._by_id:
-                raise RequestError(f"request id {request_id!r} is already in use")
+            claim(request_id, self._by_id, self._stopping or self._dead)
             self._by_id[request_id] = req
             self._waiting.append(req)
             self._lock.notify_all()
@@ -311,13 +314,12 @@ class MockAsyncLLMEngine:
         prompt: str | None = None,
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's deltas, as AsyncLLMEngine.generate does."""
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise RequestError("give a prompt or prompt_token_ids")
-            prompt_token_ids = self.engine.tokenizer.encode(prompt)
-        async for delta in stream_deltas(self, request_id, prompt_token_ids, sampling_params):
+        request = self.processor.process(request_id, prompt, sampling_params, prompt_token_ids,
+                                         lora_request=lora_request)
+        async for delta in stream_deltas(self, request):
             yield delta
 
     def abort(self, request_id: str) -> None:

@@ -14,7 +14,8 @@ from jaxserve.engine.arrival_window import MIN_MARGIN_S, MIN_SAMPLES, ArrivalWin
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.engine.core import EngineCore
-from jaxserve.engine.intake import Intake
+from jaxserve.engine.intake import Abort, Intake
+from jaxserve.engine.processor import EngineRequest
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence, Status
 from jaxserve.model.ragged import placeholder
@@ -130,7 +131,7 @@ def _recording_core():
     """An EngineCore with only its intake: records what `_wait_for_arrivals` admits."""
     core = EngineCore.__new__(EngineCore)
     core.intake, core.added = Intake(), []
-    core._admit_queued = lambda request_id, ids, params, grammar: core.added.append(request_id) or True
+    core._admit_queued = lambda request: core.added.append(request.request_id) or True
     return core
 
 
@@ -138,11 +139,11 @@ def test_arrivals_are_taken_up_to_an_abort_and_the_wait_ends_when_one_comes_or_t
     core = _recording_core()
     intake = core.intake
     params = SamplingParams()
-    for item in [("add", "a", [1], params, None), ("abort", "x"), ("add", "b", [2], params, None)]:
+    for item in [EngineRequest("a", [1], params), Abort("x"), EngineRequest("b", [2], params)]:
         intake.put(item)
     first = FakeStep()
     assert core._wait_for_arrivals(first, time.perf_counter() + 5) == 1
-    assert core.added == ["a"] and intake.take_all()[0] == ("abort", "x")  # left for the next take_all
+    assert core.added == ["a"] and intake.take_all()[0] == Abort("x")  # left for the next take_all
     first.done.set()  # the watcher waits for each step in turn, as they end on the device
     steps = [FakeStep() for _ in range(3)]
     start = time.perf_counter()
@@ -164,7 +165,7 @@ def test_arrivals_are_taken_up_to_an_abort_and_the_wait_ends_when_one_comes_or_t
     assert core._wait_for_arrivals(steps[1], start + 5) == 0
     assert time.perf_counter() - start < 1
 
-    later(lambda: intake.put(("add", "c", [3], params, None)))
+    later(lambda: intake.put(EngineRequest("c", [3], params)))
     start = time.perf_counter()
     assert core._wait_for_arrivals(steps[2], start + 5) == 1
     assert core.added == ["a", "c"] and time.perf_counter() - start < 1

@@ -17,7 +17,8 @@ import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine
-from jaxserve.engine.intake import Intake
+from jaxserve.engine.intake import Abort, Intake
+from jaxserve.engine.processor import Limits, Processor
 from jaxserve.errors import RequestError
 from jaxserve.sampling.params import CompletionOutput, RequestOutput, SamplingParams
 from jaxserve.server.api import ServerOptions, create_app
@@ -41,25 +42,16 @@ class SlowEngine:
         self.aborted: list[str] = []
         self.admitted: list[tuple[float, str]] = []  # (time, request id), in admission order
 
-    def prompt_ids(self, prompt, ids):
-        if prompt is not None:
-            raise RequestError("no tokenizer")
-        return list(ids)
-
-    def prepare_request(self, prompt, params, ids):
-        if prompt is not None:
-            raise RequestError("no tokenizer")
-        if any(not 0 <= t < VOCAB for t in ids):
-            raise RequestError(f"prompt token id(s) outside the vocabulary [0, {VOCAB})")
-        return list(ids), params or SamplingParams()
+    closed = False
+    processor = Processor(Limits(vocab_size=VOCAB, max_model_len=64, page_size=16, usable_pages=64, max_num_seqs=8))
 
     def take_intake(self) -> list:
-        for kind, request_id, *_ in self.intake.take_all():
-            if kind == "add":
-                self.requests[request_id] = []
-                self.admitted.append((time.monotonic(), request_id))
+        for item in self.intake.take_all():
+            if isinstance(item, Abort):
+                self.abort_request(item.request_id)
             else:
-                self.abort_request(request_id)
+                self.requests[item.request_id] = []
+                self.admitted.append((time.monotonic(), item.request_id))
         return []
 
     def abort_request(self, request_id: str):

@@ -6,7 +6,6 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
-from jaxserve.llm_engine import LLMEngine
 from jaxserve.errors import RequestError
 
 BASE = dict(dtype="float32", page_size=8, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
@@ -164,7 +163,7 @@ def test_n_samples_fork_under_page_pressure(hf_model_dir):
 
 
 def test_request_that_can_never_fit_is_rejected_at_add(llm):
-    with pytest.raises(RequestError, match="max_model_len"):
+    with pytest.raises(RequestError, match="maximum context length"):
         llm.engine.add_request("big", prompt_token_ids=[1] * 200)
     with pytest.raises(RequestError, match="n=9 exceeds max_num_seqs"):
         llm.engine.add_request("wide", prompt_token_ids=[1], sampling_params=SamplingParams(n=9))
@@ -284,7 +283,7 @@ def test_engine_settings_reject_unknown_modes():
 
 def test_add_request_with_text_needs_a_tokenizer(llm):
     with pytest.raises(RequestError, match="no tokenizer"):
-        LLMEngine.encode(llm.engine, "hello")
+        llm.engine.add_request("text", "hello")
 
 
 def test_forks_after_warm_up_compile_nothing(hf_model_dir):

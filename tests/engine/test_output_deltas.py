@@ -33,7 +33,7 @@ def test_deltas_sum_to_each_sequences_final_state(llm, async_scheduling):
     engine.async_scheduling = async_scheduling
     requests = {}
     for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
-        engine.add_request(f"r{i}", None, params, llm.engine.encode(prompt))
+        engine.add_request(f"r{i}", None, params, llm.tokenizer.encode(prompt))
         requests[f"r{i}"] = engine.requests[f"r{i}"]  # kept: the engine drops a request once it finishes
     deltas: dict[str, list] = {rid: [] for rid in requests}
     steps = 0
@@ -79,7 +79,7 @@ def test_generate_returns_the_sum_of_the_deltas(llm):
     outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
     engine, totals = llm.engine, OutputAccumulator()
     for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
-        engine.add_request(f"again{i}", None, p, engine.encode(prompt))
+        engine.add_request(f"again{i}", None, p, engine.tokenizer.encode(prompt))
     while engine.has_unfinished_requests():
         for delta in engine.step():
             totals.add(delta)
@@ -97,7 +97,7 @@ def test_a_step_fetches_logprobs_only_when_a_row_asks(llm):
     fetched = []
     for rid, params in [("plain", SamplingParams(max_tokens=3, temperature=0)),
                         ("lp", SamplingParams(max_tokens=3, temperature=0, logprobs=2))]:
-        engine.add_request(rid, None, params, engine.encode("the cat sat"))
+        engine.add_request(rid, None, params, engine.tokenizer.encode("the cat sat"))
         engine.step()
         fetched.append(len(jax.tree.leaves(engine.in_flight[-1].pending._out)))
         while engine.has_unfinished_requests():

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.engine.processor import Processor
 from jaxserve.loading import resources
 from jaxserve.runner.compilation import CompileCounter
 from jaxserve.errors import RequestError
@@ -141,7 +142,8 @@ def test_speculative_decoding_with_structured_output_is_refused(llm, monkeypatch
     speculative = dataclasses.replace(llm.engine.config, num_speculative_tokens=3, speculative_method="ngram")
     monkeypatch.setattr(llm.engine, "config", speculative)
     with pytest.raises(RequestError, match="speculative decoding"):
-        llm.engine.check_request([1, 2, 3], SamplingParams(structured=StructuredSpec.json_object()))
+        Processor(llm.engine.limits).process("s", None, SamplingParams(structured=StructuredSpec.json_object()),
+                                             [1, 2, 3])
 
 
 def test_multi_step_and_preemption_keep_the_grammar(llm):

@@ -28,9 +28,9 @@ class ScriptedEngine(MockAsyncLLMEngine):
         super().__init__(*args, **kwargs)
         self.prompts: list[str] = []
 
-    async def submit(self, request_id, prompt_token_ids, sampling_params, queue, tag=None):
-        self.prompts.append(self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False))
-        await super().submit(request_id, prompt_token_ids, sampling_params, queue, tag)
+    async def submit(self, request, queue, tag=None):
+        self.prompts.append(self.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=False))
+        await super().submit(request, queue, tag)
 
     def _token(self, req, sibling, k):
         ids = self.tokenizer.encode(self.reply)
@@ -42,9 +42,9 @@ def record_submits(client) -> list[tuple]:
     engine = client.app.state.jaxserve.engine
     calls, original = [], engine.submit
 
-    async def submit(request_id, prompt_token_ids, sampling_params, queue, tag=None):
-        calls.append((sampling_params, list(prompt_token_ids)))
-        await original(request_id, prompt_token_ids, sampling_params, queue, tag)
+    async def submit(request, queue, tag=None):
+        calls.append((request.params, list(request.prompt_token_ids)))
+        await original(request, queue, tag)
 
     engine.submit = submit
     return calls

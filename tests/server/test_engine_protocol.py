@@ -9,9 +9,10 @@ import types
 from jaxserve.config import EngineConfig
 from jaxserve.server.engine_protocol import ServerTokenizer, ServingEngine
 from jaxserve.engine.intake import Intake
+from jaxserve.engine.processor import Limits, Processor
 from jaxserve.testing.mock_engine import MockAsyncLLMEngine, MockTokenizer, mock_settings
 
-MEMBERS = ("tokenizer", "max_model_len", "config", "start", "shutdown", "submit", "abort", "stats")
+MEMBERS = ("tokenizer", "max_model_len", "config", "processor", "start", "shutdown", "submit", "abort", "stats")
 
 
 class StubLLMEngine:
@@ -22,6 +23,8 @@ class StubLLMEngine:
         self.memory = types.SimpleNamespace(max_model_len=96)
         self.config = EngineConfig(max_model_len=96)
         self.intake = Intake()
+        self.processor = Processor(Limits(vocab_size=260, max_model_len=96, page_size=16, usable_pages=16,
+                                          max_num_seqs=4), self.tokenizer)
 
     def close(self) -> None:
         pass
@@ -64,10 +67,11 @@ def test_an_object_lacking_a_member_does_not():
         tokenizer = None
         max_model_len = 8
         config = None
+        processor = None
 
         def start(self): ...
         def shutdown(self): ...
-        async def submit(self, request_id, prompt_token_ids, sampling_params, queue, tag=None): ...
+        async def submit(self, request, queue, tag=None): ...
         def stats(self): ...
 
     assert not isinstance(NoAbort(), ServingEngine)

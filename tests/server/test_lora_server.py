@@ -287,10 +287,11 @@ def test_metrics_show_running_and_waiting_adapters(lora_client):
     engine = client.mock_engine
     a, b = engine.list_loras()
     params = SamplingParams(max_tokens=400, ignore_eos=True)
-    asyncio.run(engine.submit("run-a", [10, 11], params, asyncio.Queue(), lora_request=a))
+    submit = engine.processor.process
+    asyncio.run(engine.submit(submit("run-a", None, params, [10, 11], lora_request=a), asyncio.Queue()))
     assert wait_until(lambda: engine.stats()["lora"]["running"].get("a"))
-    asyncio.run(engine.submit("wait-b", [10, 11], params, asyncio.Queue(), lora_request=b))
-    asyncio.run(engine.submit("base", [10, 11], params, asyncio.Queue()))
+    asyncio.run(engine.submit(submit("wait-b", None, params, [10, 11], lora_request=b), asyncio.Queue()))
+    asyncio.run(engine.submit(submit("base", None, params, [10, 11]), asyncio.Queue()))
     assert wait_until(lambda: engine.stats()["num_running"] == 2)  # the base request passes b's
     before = time.time()
     metrics = parse_metrics(client.get("/metrics").text)

@@ -8,6 +8,8 @@ import types
 
 import pytest
 
+from jaxserve.engine.processor import EngineRequest
+from jaxserve.sampling.params import SamplingParams
 from jaxserve.serving.ray import router as router_module
 
 PREFIX = list(range(100, 164))  # 4 blocks of 16
@@ -28,7 +30,8 @@ def make_router(queues: dict[str, int], imbalance: int = 8):
 
 
 def request(ids):
-    return types.SimpleNamespace(args=["req", ids, None], kwargs={})
+    """A pending `EngineReplica.generate(request)` call."""
+    return types.SimpleNamespace(args=[EngineRequest("req", ids, SamplingParams())], kwargs={})
 
 
 def choose(router, replicas, ids):

@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from jaxserve.config import EngineConfig
-from jaxserve.sampling.params import SamplingParams
+from jaxserve.engine.processor import EngineRequest
 from jaxserve.serving.ray.metrics import ReplicaMetrics
 from jaxserve.serving.ray.multihost_replica import actor_resources, placement_bundles
 from jaxserve.serving.ray.remote_engine import RemoteEngine, ReplicaHeader, ReplicaUnavailable
@@ -96,17 +96,20 @@ class EngineReplica:
         return self.followers.build_leader(lambda: LLMEngine(settings, warm_up=spec.warm_up))
 
     def info(self) -> dict[str, Any]:
-        return {"max_model_len": self.engine.max_model_len, "config": self.engine.config, "replica": self.replica_id}
+        return {"max_model_len": self.engine.max_model_len, "config": self.engine.config, "replica": self.replica_id,
+                "limits": self.engine.processor.limits}  # the ingress's processor checks against them
 
     def stats(self) -> dict[str, Any]:
         return dict(self.engine.stats(), replica=self.replica_id)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams):
+    async def generate(self, request: EngineRequest):
+        """The request the ingress's processor checked, as the protocol in remote_engine.py streams it."""
+        request_id = request.request_id
         if self._broken is not None:  # raised, not sent: nothing was accepted, so the ingress tries another replica
             raise ReplicaUnavailable(self._broken)
         queue: asyncio.Queue = asyncio.Queue()
         try:
-            await self.engine.submit(request_id, prompt_token_ids, sampling_params, queue)
+            await self.engine.submit(request, queue)
         except Exception as err:  # noqa: BLE001 - the request's refusal, sent as a value (the server's 400)
             yield err
             return
@@ -174,7 +177,7 @@ class OpenAIIngress:
                                    **self.spec.server},
                                 chat_renderer=None if self.spec.mock_engine else load_chat_renderer(settings),
                                 generation_defaults=None if self.spec.mock_engine else load_generation_defaults(settings))
-        engine = RemoteEngine(self.handle, tokenizer, info["max_model_len"], info["config"])
+        engine = RemoteEngine(self.handle, tokenizer, info["max_model_len"], info["config"], info["limits"])
         app = create_app(options, engine, shutdown_engine=True)
         app.add_middleware(ReplicaHeader)
         app.add_middleware(ReplicaMetrics, handle=self.handle,

@@ -20,8 +20,8 @@ import logging
 from typing import Any
 
 from jaxserve.config import EngineConfig
-from jaxserve.errors import JaxServeError, RequestError
-from jaxserve.sampling.params import SamplingParams
+from jaxserve.engine.processor import EngineRequest, Limits, Processor, claim
+from jaxserve.errors import JaxServeError
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +65,10 @@ class RemoteEngine:
     `stream=True`; `max_model_len` and `config` come from a replica (`EngineReplica.info`)."""
 
     def __init__(self, handle: Any, tokenizer: Any, max_model_len: int | None, config: EngineConfig | None,
-                 retries: int = 2):
+                 limits: Limits, retries: int = 2):
         self._handle = handle
+        # The one way in, here at the ingress over the replicas' limits: a replica takes what it made.
+        self.processor = Processor(limits, tokenizer)
         self._tokenizer = tokenizer
         self._max_model_len = max_model_len
         self._config = config
@@ -96,14 +98,13 @@ class RemoteEngine:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(task.cancel)
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                     queue: asyncio.Queue, tag: Any = None) -> None:
+    async def submit(self, request: EngineRequest, queue: asyncio.Queue, tag: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
-        if request_id in self._pumps:
-            raise RequestError(f"request id {request_id!r} is already in use")
+        request_id = request.request_id
+        claim(request_id, self._pumps)
         self._accepting += 1
         try:
-            stream, first = await self._place(request_id, list(prompt_token_ids), sampling_params)
+            stream, first = await self._place(request)
         finally:
             self._accepting -= 1
         if isinstance(first, BaseException):
@@ -113,11 +114,12 @@ class RemoteEngine:
             served.append(str(first))
         self._pumps[request_id] = asyncio.create_task(self._pump(request_id, stream, queue, tag))
 
-    async def _place(self, request_id: str, ids: list[int], params: SamplingParams) -> tuple[Any, Any]:
+    async def _place(self, request: EngineRequest) -> tuple[Any, Any]:
         """Send the request to a replica and wait for its acceptance (or refusal). A replica that fails
         before accepting (it died, Ray lost it) has streamed nothing: the request goes to another one."""
+        request_id = request.request_id
         for attempt in range(self.retries + 1):
-            stream = self._handle.generate.remote(request_id, ids, params)
+            stream = self._handle.generate.remote(request)
             try:
                 return stream, await stream.__anext__()
             except asyncio.CancelledError:

@@ -21,12 +21,11 @@ from jaxserve.serving.prefix_index import PrefixIndex
 
 
 def prompt_ids(pending: Any) -> Sequence[int] | None:
-    """The prompt's token ids of an `EngineReplica.generate(request_id, prompt_token_ids, params)` call."""
+    """The prompt's token ids of an `EngineReplica.generate(request)` call (an EngineRequest)."""
     if pending is None:
         return None
-    if len(pending.args) > 1 and isinstance(pending.args[1], (list, tuple)):
-        return pending.args[1]
-    ids = pending.kwargs.get("prompt_token_ids")
+    request = pending.args[0] if pending.args else pending.kwargs.get("request")
+    ids = getattr(request, "prompt_token_ids", None)
     return ids if isinstance(ids, (list, tuple)) else None
 
 
