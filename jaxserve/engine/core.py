@@ -158,7 +158,8 @@ class EngineCore:
                       page_size=self.blocks.page_size,
                       usable_pages=self.memory.num_pages - 1 - self.blocks.watermark_pages,
                       max_num_seqs=self.config.max_num_seqs, sliding_window=self.blocks.sliding_window,
-                      structured_refusal=refusal, prompt_logprobs=self.config.enable_prompt_logprobs)
+                      structured_refusal=refusal, prompt_logprobs=self.config.enable_prompt_logprobs,
+                      max_logprobs=self.config.max_logprobs)
 
     # ---- release -------------------------------------------------------------------------------
     def close(self) -> None:

@@ -229,7 +229,8 @@ class MockAsyncLLMEngine:
                       page_size=self.engine.memory.page_size, usable_pages=self.engine.memory.num_pages - 1,
                       max_num_seqs=self.engine.config.max_num_seqs,
                       structured_refusal="the mock engine does not implement structured output; serve a model",
-                      prompt_logprobs=True)  # the mock makes them up for every request
+                      prompt_logprobs=True,  # the mock makes them up for every request
+                      max_logprobs=self.engine.config.max_logprobs)
 
     @property
     def config(self) -> EngineConfig:
