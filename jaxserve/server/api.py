@@ -2,8 +2,9 @@
 `completions` / `chat_completions` here -> `requests.translate` (body -> prompts + SamplingParams, the 400s)
 -> `streaming.respond` (engine requests, response or SSE stream) -> `ServingEngine.generate`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/capabilities,
-GET /health (200 only once the engine is warm and while not draining), GET /metrics (Prometheus),
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses with GET and DELETE
+/v1/responses/{id} (OpenAI's Responses API over the chat path: server/responses.py), GET /v1/models,
+GET /v1/capabilities, GET /health (200 only once the engine is warm and while not draining), GET /metrics (Prometheus),
 POST /tokenize and POST /detokenize (vLLM's; like /health and /metrics, outside the /v1 API-key gate);
 with --allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), vLLM's POST /v1/load_lora_adapter
 and POST /v1/unload_lora_adapter (server/lora.py). A request's `model` may name a loaded LoRA adapter.
@@ -59,6 +60,7 @@ from jaxserve.server.protocol import (
     TokenizeResponse,
 )
 from jaxserve.server.requests import translate
+from jaxserve.server.responses import RESPONSES_ROUTE, add_responses_routes
 from jaxserve.server.state import ServerOptions, ServerState
 from jaxserve.server.streaming import respond
 from jaxserve.server.tokenization import detokenize, tokenize
@@ -76,7 +78,7 @@ _SAMPLING_PARAMS = sorted(f.name for f in dataclasses.fields(SamplingParams))
 # ==============================================================================================
 
 _KNOWN_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/capabilities", "/health", "/metrics",
-                 "/tokenize", "/detokenize", *LORA_ROUTES}
+                 "/tokenize", "/detokenize", RESPONSES_ROUTE, *LORA_ROUTES}
 
 
 class GateMiddleware:
@@ -261,7 +263,8 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
             "chat_template": state.chat.source if state.chat else None,
             "chat_template_origin": state.chat.origin if state.chat else None,
             "generation_defaults": state.generation_defaults.as_dict(),
-            "endpoints": ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models",
+            "endpoints": ["POST /v1/completions", "POST /v1/chat/completions", f"POST {RESPONSES_ROUTE}",
+                          f"GET {RESPONSES_ROUTE}/{{id}}", f"DELETE {RESPONSES_ROUTE}/{{id}}", "GET /v1/models",
                           "GET /v1/capabilities", "GET /health", "GET /metrics", "POST /tokenize",
                           "POST /detokenize"] + ([f"POST {r}" for r in LORA_ROUTES] if state.lora.runtime_updating else []),
             "lora": state.lora.describe(),
@@ -305,6 +308,7 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
         state.check_model(body.model)
         return detokenize(state, body)
 
+    add_responses_routes(app, state, err_responses)  # POST /v1/responses, GET and DELETE /v1/responses/{id}
     if state.lora.runtime_updating:
         add_lora_routes(app, state, err_responses)
 
