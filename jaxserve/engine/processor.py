@@ -112,7 +112,7 @@ class Processor:
             if self.tokenizer is None:
                 raise PromptError("this model has no tokenizer: pass the prompt as token ids, or start with "
                                   "tokenizer=PATH", code="no_tokenizer")
-            return Prompt(list(self.tokenizer.encode(text)), text)
+            return Prompt(_as_list(self.tokenizer.encode(text)), text)
         return Prompt([int(t) for t in token_ids])
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], renderer: Any, *, add_generation_prompt: bool = True,
@@ -134,7 +134,7 @@ class Processor:
                                    chat_template_kwargs=chat_template_kwargs)
         except ValueError as err:  # ChatTemplateError: the template refused the conversation
             raise PromptError(str(err), code="chat_template_error") from None
-        return Prompt(list(self.tokenizer.encode(text, add_special_tokens=False)), text)
+        return Prompt(_as_list(self.tokenizer.encode(text, add_special_tokens=False)), text)
 
     def room(self, prompt: Prompt) -> int:
         """What is left of the context after the prompt (at least 1: a longer prompt is refused by
@@ -198,6 +198,11 @@ class Processor:
         if params.prompt_logprobs is not None and not limits.prompt_logprobs:
             raise PromptError("prompt_logprobs needs the engine started with enable_prompt_logprobs=True "
                               "(--enable-prompt-logprobs), which compiles the scoring steps")
+
+
+def _as_list(ids: Sequence[int]) -> list[int]:
+    """A tokenizer's ids as the one list the request keeps (its own list when it gave one: no copy)."""
+    return ids if type(ids) is list else [int(t) for t in ids]
 
 
 def chat_message(message: Mapping[str, Any]) -> dict[str, Any]:
