@@ -2,7 +2,7 @@
 (greedy text equal to /v1/chat/completions on the same conversation, also across previous_response_id;
 `responses.parse` with a pydantic model and `responses.stream` under its schema; a forced function call,
 its output, then the answer) and the tiny random model of the session's shared server (greedy text equal
-to chat completions)."""
+to chat completions, streamed too; `responses.parse`; a forced call, its output, then the answer)."""
 
 from __future__ import annotations
 
@@ -108,3 +108,13 @@ def test_the_small_model_matches_chat_completions(shared_server):
                                  max_output_tokens=12) as stream:
         texts = "".join(event.delta for event in stream if event.type == "response.output_text.delta")
     assert texts == made.output_text
+    parsed = client.responses.parse(model=model, input="Rate it.", text_format=Rating, temperature=0,
+                                    max_output_tokens=60)
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Rating)
+    called = client.responses.create(model=model, input="Weather?", tools=[GET_WEATHER], tool_choice="required",
+                                     temperature=0, max_output_tokens=60)
+    call = next(item for item in called.output if item.type == "function_call")
+    assert call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
+    answer = client.responses.create(model=model, previous_response_id=called.id, temperature=0, max_output_tokens=8,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18"}])
+    assert answer.output[0].type == "message" and answer.usage.input_tokens > called.usage.input_tokens
