@@ -12,6 +12,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.llm_engine import LLMEngine
 from jaxserve.engine.output_processor import OutputAccumulator
+from jaxserve.engine.overlap import Overlap
 from jaxserve.engine.processor import EngineRequest, Prompt
 from jaxserve.errors import ConfigError, RequestError
 from jaxserve.config.generation_config import load_generation_defaults
@@ -38,6 +39,7 @@ class LLM:
         # Before the engine compiles: a generation_config that cannot be used fails at once.
         self.generation_defaults = load_generation_defaults(config)
         self.engine = LLMEngine(config, warm_up=warm_up)
+        self.overlap = Overlap(self.engine)  # the step loop: async scheduling's steps in flight
         self._ids = itertools.count()
         self._chat_renderer = None  # built on the first chat() call
 
@@ -54,6 +56,7 @@ class LLM:
         afterwards raises EngineClosedError. On a CPU each executable's code is mapped into the process
         and Linux caps the mappings (vm.max_map_count), so a script building several engines closes
         each before the next, or uses `with LLM(...) as llm:`."""
+        self.overlap.close()  # the steps still in flight are dropped with the engine
         self.engine.close()
 
     def __enter__(self) -> "LLM":
@@ -163,7 +166,7 @@ class LLM:
         start, tokens = time.perf_counter(), 0
         with tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while len(done) < len(order):
-                for delta in self.engine.step():
+                for delta in self.overlap.step():
                     if delta.request_id not in wanted:  # added to the engine by someone else
                         continue
                     tokens += sum(len(c.token_ids) for c in delta.outputs)

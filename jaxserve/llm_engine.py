@@ -66,9 +66,8 @@ class LLMEngine(EngineCore):
         runner = ModelRunner(loaded.cfg, loaded.params, cache, buckets, options, self.shardings,
                              num_scheduler_steps=s.num_scheduler_steps)
         super().__init__(s, runner, model_config=loaded.cfg, memory=memory,
-                         tokenizer=self._load_tokenizer(s, loaded.model_dir))
-        if s.speculation:
-            self.enable_speculation(self._speculative_decoder())
+                         tokenizer=self._load_tokenizer(s, loaded.model_dir),
+                         speculation=self._speculative_decoder if s.speculation else None)
         if s.enable_lora:
             self._serve_adapters()
         self.warm_up_compiles = None
@@ -79,7 +78,8 @@ class LLMEngine(EngineCore):
         self.multihost = multihost.attach(self)
 
     def _speculative_decoder(self):
-        """Speculative decoding (jaxserve.spec_decode): the draft shares the pages and page tables."""
+        """Speculative decoding (jaxserve.spec_decode): the draft shares the pages and page tables
+        (the core calls this once its block manager exists)."""
         from jaxserve.spec_decode import SpeculativeDecoder, load_draft
 
         s, draft = self.config, None

@@ -1,10 +1,10 @@
 """What holding step N+1 back for arrivals costs a steady decode (docs/BENCHMARKS.md, "Arrivals join
 the held step").
 
-An LLMEngine under AsyncLLMEngine, stepped in this process with no request arriving: each round runs
-B streams of T tokens with the window (the core's intake marked as fed, as AsyncLLMEngine marks it) and then
-without it (None), and prints the time per step of each, and how many windows closed only after the
-step in flight had ended (then the device waited for the dispatch).
+An LLMEngine stepped through the overlap wrapper in this process with no request arriving: each round
+runs B streams of T tokens with the window (the wrapper holding steps back for arrivals, as
+AsyncLLMEngine's does) and then without it (None), and prints the time per step of each, and how many
+windows closed only after the step in flight had ended (then the device waited for the dispatch).
 
     python scripts/bench_arrival_window.py --config configs/smollm2-135m-dummy.yaml --streams 4
 """
@@ -20,6 +20,7 @@ import time
 import yaml
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.overlap import Overlap
 from jaxserve.llm_engine import LLMEngine
 from jaxserve.sampling.params import SamplingParams
 
@@ -39,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         settings["model"] = args.model
     engine = LLMEngine(EngineConfig(**settings))
-    hold = engine._wait_for_arrivals  # what the server's engine waits with
+    overlap = Overlap(engine)
+    hold = overlap._wait_for_arrivals  # what the server's engine waits with
     late = []  # per window: whether the step in flight had ended when it closed
 
     def counting_hold(pending, until):
@@ -50,18 +52,18 @@ def main(argv: list[str] | None = None) -> int:
     results = {"window": [], "none": []}
     for rnd in range(args.rounds):
         for label in results:
-            engine.intake.takes_arrivals = label == "window"
-            engine._wait_for_arrivals = counting_hold
+            overlap.arrivals = label == "window"
+            overlap._wait_for_arrivals = counting_hold
             late.clear()
             params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
             for i in range(args.streams):
                 engine.add_request(f"{label}-{rnd}-{i}", None, params,
                                    [10 + (i + j) % 500 for j in range(args.prompt_len)])
             for _ in range(8):  # past the prompts: a steady decode from here
-                engine.step()
+                overlap.step()
             steps, start = engine.counters["steps"], time.perf_counter()
-            while engine.has_unfinished_requests():
-                engine.step()
+            while overlap.has_unfinished_requests():
+                overlap.step()
             n = engine.counters["steps"] - steps
             ms = 1e3 * (time.perf_counter() - start) / n
             results[label].append({"ms_per_step": ms, "steps": n, "windows": len(late), "closed_late": sum(late)})
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: statistics.median(r["ms_per_step"] for r in v) for k, v in results.items()}
     print(f"median ms/step: window {med['window']:.2f}, none {med['none']:.2f} "
           f"({100 * (med['window'] / med['none'] - 1):+.1f}%)  [{platform.processor() or platform.machine()}]")
+    overlap.close()
     engine.close()
     if args.out:
         with open(args.out, "w") as f:

@@ -6,7 +6,8 @@ For each model and each (batch, context) point it
 1. fills the engine with `batch` requests decoding at about `context` tokens (greedy, EOS ignored;
    the prompts are identical and their pages come from the prefix cache, seeded by one request
    first, so that batch 64 x 1024 tokens does not need 64 prefills of 1024 tokens);
-2. drives `LLMEngine.step()` as `LLM.generate` does (every row decoding, one token per row per step)
+2. drives the engine's steps through `LLM.overlap` (engine/overlap.py) as `LLM.generate` does (every
+   row decoding, one token per row per step)
    and times each step, split into host phases by wrapping the engine's and the runner's methods on
    their instances (no engine code changes; the wrappers are removed afterwards):
 
@@ -34,7 +35,7 @@ For each model and each (batch, context) point it
 Engine (with async scheduling off and on, `--async-scheduling`) and device-only timings alternate in
 --rounds rounds, so the machine's drift hits all: the rates are medians over rounds, the ratio the
 median of the rounds' ratios (with their range). Between modes the engine is flushed
-(`LLMEngine.flush`) and its `async_scheduling` switched: one engine, the same executables. The
+(`Overlap.flush`) and its `async_scheduling` switched: one engine, the same executables. The
 timed steps attend at most `context` tokens and stay in one page-count bucket (the JSON gives the
 range attended: the prompt is shortened by the measured steps and the rows' admission skew).
 
@@ -138,8 +139,8 @@ class StepTimer:
     """Wraps an engine's scheduler, row building, runner and executables on their instances, and
     collects the summed seconds of each phase of the current step in `marks`."""
 
-    def __init__(self, engine):
-        self.engine, self.runner = engine, engine.runner
+    def __init__(self, engine, steps):
+        self.engine, self.runner, self.steps = engine, engine.runner, steps  # steps: the LLM's Overlap
         self.marks: dict[str, float] = {}
         self.last: dict[str, Any] = {}  # the last step's plan, bucket, packed buffer, fetched bytes
         self._patched: list[tuple[Any, str]] = []
@@ -259,7 +260,7 @@ class StepTimer:
         """One engine step as LLM.generate drives it; (seconds, phases, outputs)."""
         self.marks = {}
         t = time.perf_counter()
-        outputs = self.engine.step()
+        outputs = self.steps.step()
         finished = [out for out in outputs if out.finished]  # what LLM._run does with them
         total = time.perf_counter() - t
         del finished
@@ -272,7 +273,7 @@ def measure_point(llm, batch: int, context: int, args, seed: int) -> dict:
 
     from jaxserve import SamplingParams
 
-    eng, runner = llm.engine, llm.runner
+    eng, runner, steps = llm.engine, llm.runner, llm.overlap
     span = decode_steps(args)
     # Prompt tails are prefilled a few rows per step, alternating with decode steps of the rows
     # already in: the first rows run ahead by up to one token per admission step (the skew).
@@ -283,22 +284,22 @@ def measure_point(llm, batch: int, context: int, args, seed: int) -> dict:
     t_setup, preempted_at_start = time.perf_counter(), eng.scheduler.num_preemptions
     # Seed the prefix cache: one request computes the prompt's pages, which stay cached when it ends.
     eng.add_request(f"seed-{seed}", None, SamplingParams(max_tokens=1, ignore_eos=True), prompt)
-    while eng.has_unfinished_requests():
-        eng.step()
+    while steps.has_unfinished_requests():
+        steps.step()
     sp = SamplingParams(max_tokens=span + skew + 2, temperature=0.0, ignore_eos=True)
     ids = [f"p{seed}-{i}" for i in range(batch)]
     for rid in ids:
         eng.add_request(rid, None, sp, prompt)
     while any(not eng.requests[r].seqs[0].output_token_ids for r in ids):  # prefill tails: one token each
-        eng.step()
+        steps.step()
     for _ in range(args.warmup_steps):  # compiles/first-runs the decode bucket if needed
-        eng.step()
+        steps.step()
     entry_preemptions = eng.scheduler.num_preemptions - preempted_at_start
     setup_s = time.perf_counter() - t_setup
 
     seqs = [eng.requests[r].seqs[0] for r in ids]
     lo = min(q.num_tokens for q in seqs)
-    timer = StepTimer(eng).install()
+    timer = StepTimer(eng, steps).install()
     unplanned, first_runs = runner.unplanned_compiles, runner.first_runs
     preemptions = eng.scheduler.num_preemptions
     runs = {mode: {"step_s": [], "phases": [], "kinds": set(), "shapes": set(), "rounds": []} for mode in args.modes}
@@ -306,9 +307,9 @@ def measure_point(llm, batch: int, context: int, args, seed: int) -> dict:
     try:
         for _ in range(args.rounds):
             for mode in args.modes:  # one engine: flushed, then switched
-                eng.flush()
-                eng.async_scheduling = mode
-                eng.step()  # untimed: with async scheduling, it puts a step in flight (the steady state)
+                steps.flush()
+                steps.async_scheduling = mode
+                steps.step()  # untimed: with async scheduling, it puts a step in flight (the steady state)
                 run = runs[mode]
                 t = time.perf_counter()
                 for _ in range(args.steps):
@@ -319,7 +320,7 @@ def measure_point(llm, batch: int, context: int, args, seed: int) -> dict:
                     run["kinds"].add((plan.kind, len(plan.rows), len(outputs)))
                     run["shapes"].add(timer.last["shape"])
                 run["rounds"].append(time.perf_counter() - t)
-            eng.flush()  # nothing in flight: the calls below replace the carried samples
+            steps.flush()  # nothing in flight: the calls below replace the carried samples
             # device-only: the same executable, the last step's (device-resident) inputs, back to back
             exe, buffer = timer.last["executable"], timer.last["buffer"]
             if isinstance(buffer, np.ndarray):  # device-resident, as the definition of device-only says
@@ -333,8 +334,8 @@ def measure_point(llm, batch: int, context: int, args, seed: int) -> dict:
             round_device.append(time.perf_counter() - t)
     finally:
         timer.remove()
-        eng.flush()
-        eng.async_scheduling = llm.config.async_scheduling
+        steps.flush()
+        steps.async_scheduling = llm.config.async_scheduling
         hi = max(q.num_tokens for q in seqs) - 1  # the last step attended all but the token it sampled
         for rid in ids:
             eng.abort_request(rid)

@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.overlap import Overlap
 from jaxserve.llm_engine import LLMEngine
 from jaxserve.sampling.params import SamplingParams
 
@@ -43,10 +44,10 @@ def run(engine: LLMEngine, prompts: list[list[int]], out_lens: list[int]) -> dic
     for i, (ids, k) in enumerate(zip(prompts, out_lens)):
         engine.add_request(f"r{i}", prompt_token_ids=ids,
                            sampling_params=SamplingParams(max_tokens=k, temperature=0, ignore_eos=True))
-    utilisation, steps = [], 0
+    utilisation, steps, overlap = [], 0, Overlap(engine)  # async scheduling's steps in flight, as LLM.generate
     start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
+    while overlap.has_unfinished_requests():
+        overlap.step()
         steps += 1
         utilisation.append(float(np.mean(engine.stats()["kv_cache_utilization"])))
     elapsed = time.perf_counter() - start
@@ -66,15 +67,15 @@ def shared_prefix_ttft(engine: LLMEngine, args) -> dict:
     """TTFT of requests sharing one prefix, sent one at a time (the first one fills the cache)."""
     rng = np.random.default_rng(args.workload_seed)
     prefix = rng.integers(1, args.vocab_limit, args.prefix_len).tolist()
-    ttfts, prefilled = [], []
+    ttfts, prefilled, overlap = [], [], Overlap(engine)
     for i in range(args.num_requests):
         suffix = rng.integers(1, args.vocab_limit, args.input_len).tolist()
         before = engine.counters["prefill_tokens_computed"]
         start = time.perf_counter()
         engine.add_request(f"p{i}", prompt_token_ids=prefix + suffix,
                            sampling_params=SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-        while engine.has_unfinished_requests():
-            engine.step()
+        while overlap.has_unfinished_requests():
+            overlap.step()
         ttfts.append(time.perf_counter() - start)
         prefilled.append(engine.counters["prefill_tokens_computed"] - before)
     later = ttfts[1:] or ttfts

@@ -5,11 +5,13 @@ from jaxserve.engine.output_processor import OutputAccumulator
 
 class StepRecorder:
     """`with StepRecorder(engine) as rec:` wraps the scheduler's `schedule` so that `rec.plans` holds
-    every step's SchedulerOutput; `rec.step()` runs one engine step and adds its deltas to
-    `rec.totals` (the engine emits deltas); `rec.token_ids()` gives each request's output ids."""
+    every step's SchedulerOutput; `rec.step()` runs one engine step (through `steps`, the LLM's
+    `Overlap`, when given: async scheduling's steps in flight) and adds its deltas to `rec.totals`
+    (the engine emits deltas); `rec.token_ids()` gives each request's output ids."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, steps=None):
         self.engine, self.plans, self.totals = engine, [], OutputAccumulator()
+        self.steps = steps if steps is not None else engine
         self._schedule = engine.scheduler.schedule
 
     def __enter__(self):
@@ -24,7 +26,7 @@ class StepRecorder:
         self.engine.scheduler.schedule = self._schedule
 
     def step(self) -> None:
-        for delta in self.engine.step():
+        for delta in self.steps.step():
             self.totals.add(delta)
 
     def mixed_step(self, running: list) -> tuple[dict, list[int]]:

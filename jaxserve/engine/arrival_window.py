@@ -2,15 +2,16 @@
 
 With async scheduling, step N+1 is scheduled while step N runs. If it is dispatched at once, a
 request that arrives during step N has to wait for step N+2: one step more time to first token than a
-serial engine gives (docs/BENCHMARKS.md, "Where the TTFT goes: async scheduling"). Instead the engine
-holds N+1 back until just before step N is expected to end, and a request that arrives meanwhile still
-gets its first prompt chunk into N+1. The device never waits: N+1 is queued behind N before N ends.
+serial engine gives (docs/BENCHMARKS.md, "Where the TTFT goes: async scheduling"). Instead the overlap
+wrapper (`engine/overlap.py`) holds N+1 back after scheduling it until just before step N is expected
+to end, and a request that arrives meanwhile still gets its first prompt chunk into N+1 before it is
+packed. The device never waits: N+1 is packed and queued behind N before N ends.
 
 The expected end comes from recent steps: when the previous step's samples were seen (N starts then,
 or at its dispatch if later), plus the shortest recent device time of N's token bucket (a step that
 ends sooner than its estimate leaves the device idle until the next one is dispatched, so the
-estimate errs short). The window closes early enough for a dispatch to land first (a few times the
-median dispatch time). If N ends sooner still, the engine is woken and dispatches then. Until a
+estimate errs short). The window closes early enough for N+1's packing and dispatch to land first (a
+few times their median time). If N ends sooner still, the engine is woken and dispatches then. Until a
 bucket has run `MIN_SAMPLES` times, the window stays shut and the next step is dispatched at once.
 """
 
@@ -26,8 +27,8 @@ DISPATCH_MARGIN = 3  # ... and at least this many median dispatch times before i
 
 
 class ArrivalWindow:
-    """Step times seen by the engine: `dispatched` and `done` for each plain step, `closes_at` for the
-    step in flight. Times are `time.perf_counter()` seconds."""
+    """Step times seen by the overlap wrapper: `dispatched` and `done` for each step, `closes_at` for
+    the step in flight. Times are `time.perf_counter()` seconds."""
 
     def __init__(self) -> None:
         self._durations: dict[int, collections.deque[float]] = {}
@@ -35,7 +36,7 @@ class ArrivalWindow:
         self._last_done: float | None = None
 
     def dispatched(self, seconds: float) -> None:
-        """A step's pack-free dispatch took `seconds` (the inputs' copy and the call)."""
+        """A step's `EngineCore.execute` took `seconds`: packing its inputs, their copy and the call."""
         self._dispatch_seconds.append(seconds)
 
     def done(self, bucket: int, dispatched_at: float, seen_at: float) -> None:

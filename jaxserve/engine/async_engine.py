@@ -1,5 +1,5 @@
-"""AsyncLLMEngine: the engine core's steps on a background thread, each request's progress streamed
-to its caller's asyncio queue.
+"""AsyncLLMEngine: the engine core's steps, overlapped (`engine.overlap`), on a background thread,
+each request's progress streamed to its caller's asyncio queue.
 
 The event loop never waits for a step: `submit` takes a request the core's processor checked (a bad
 one raised RequestError there, the server's 400) and puts it in the core's intake, which the step thread
@@ -24,6 +24,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.core import EngineCore, RequestFailure
 from jaxserve.engine.intake import Abort
 from jaxserve.engine.output_processor import stream_deltas
+from jaxserve.engine.overlap import Overlap
 from jaxserve.engine.processor import EngineRequest, Processor, claim
 from jaxserve.errors import LoRAError
 from jaxserve.sampling.params import RequestOutput, SamplingParams
@@ -34,7 +35,8 @@ logger = logging.getLogger(__name__)
 class AsyncLLMEngine:
     def __init__(self, engine: EngineCore):
         self.engine = engine
-        engine.intake.takes_arrivals = True
+        # The step loop: the core's steps overlapped, held back for requests arriving meanwhile.
+        self.overlap = Overlap(engine, arrivals=True)
         self._lock = threading.Lock()  # held by the step thread for a step and its intake; by stats()/shutdown()
         # Set while a stats() caller waits for the lock: the step thread, which would take it straight
         # back after each step, gives it up for a moment (Python's lock is not fair).
@@ -78,18 +80,19 @@ class AsyncLLMEngine:
                 return
             self._thread = None
         with self._lock:
+            self.overlap.close()
             self.engine.close()
 
     def _run(self) -> None:
-        intake = self.engine.intake
+        intake, overlap = self.engine.intake, self.overlap
         while not intake.closed.is_set():
             intake.wake.clear()  # before taking: whatever arrives later sets it again and ends the wait below
             with self._lock:
                 outputs = self.engine.take_intake()
-                busy = self.engine.has_unfinished_requests()
+                busy = overlap.has_unfinished_requests()
                 if busy:
                     try:
-                        outputs += self.engine.step()
+                        outputs += overlap.step()
                     except Exception as err:  # a failed step fails its requests, never the loop
                         logger.exception("engine step failed")
                         self._fail_all(err)
@@ -118,7 +121,7 @@ class AsyncLLMEngine:
             pass
 
     def _fail_all(self, err: Exception) -> None:
-        self.engine.in_flight.clear()
+        self.overlap.in_flight.clear()  # their rows' sequences are aborted below
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
             self._deliver(request_id, err)

@@ -1,40 +1,41 @@
 """EngineCore: continuous batching over the paged KV cache, host only (no jax in its imports).
 
-One step is three calls:
+A deterministic state machine: no threads, no waits but reading a step's samples. One step is
+three calls:
 
-    batch = self.scheduler.schedule()        # which rows run, and how many tokens each
+    batch = self.schedule()                  # which rows run, and how many tokens each
     step = self.execute(batch)               # the runner prepares and dispatches it (not waited for)
     return self.update_from_output(step)     # the samples: tokens appended, stops checked, deltas out
 
-Async scheduling is a queue of in-flight steps around the same calls: step N+1 is scheduled and
-dispatched before step N's samples are processed (its inputs name N's samples as placeholders,
-resolved on the device), so the host's work on step N overlaps the device's on step N+1.
-Multi-step decoding and speculation are variants of `execute` (the rows carry their extra decode
-steps or their drafts) and of `update_from_output` (a row emits a run of tokens, not one).
+Async scheduling is a queue of in-flight steps around the same calls, kept by `engine.overlap.Overlap`
+(with the hold-back for arrivals and the grammars' wait): step N+1 is scheduled and dispatched
+before step N's samples are processed (its inputs name N's samples as placeholders, resolved on the
+device), so the host's work on step N overlaps the device's on step N+1. Multi-step decoding and
+speculation are variants of `execute` (the scheduler gave the rows their extra decode steps or their
+drafts) and of `update_from_output` (a row emits a run of tokens, not one).
 
 The central invariant: a sequence's `num_computed` tokens have their K/V in its pages, and every
 token it holds past them is either a placeholder of a step in flight or the one it feeds next.
 
 `LLMEngine` (jaxserve.llm_engine) builds the device half (the runner: params, KV cache,
-executables) and this core over it; `AsyncLLMEngine` runs the core's steps on a thread of its own.
+executables) and this core over it; `AsyncLLMEngine` runs its steps through `Overlap` on a thread of its own.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import logging
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine.arrival_window import ArrivalWindow
 from jaxserve.engine.block_manager import BlockManager
+from jaxserve.engine.in_flight import DispatchedRow, InFlightStep
 from jaxserve.engine.intake import Abort, Intake
 from jaxserve.engine.output_processor import OutputProcessor, Request
 from jaxserve.engine.processor import EngineRequest, Limits, Processor, check_open, claim
@@ -60,32 +61,14 @@ class RequestFailure:
     error: Exception
 
 
-@dataclasses.dataclass(eq=False)
-class InFlightStep:
-    """A dispatched step whose samples the host has not processed yet. Per row: the output index its
-    placeholder fills (-1: none; a serial step's rows emit their runs at update), the computed tokens
-    to tell the block manager once the placeholders are resolved (-1: told at dispatch), and the
-    sequence's preemption count at dispatch (a preempted one lost those pages)."""
-
-    batch: SchedulerOutput
-    rows: list[RowWork]
-    pending: Any  # the runner's PendingSamples
-    serial: bool  # multi-step or speculative: processed before the next step is scheduled
-    verifies: bool = False  # a speculative step: its acceptance goes to the decoder
-    constrained: bool = False  # a row samples under a grammar
-    dispatched_at: float = 0.0  # time.perf_counter() when its dispatch returned
-    samples: Any = None  # the runner's StepSamples, once fetched
-    sample_at: list[int] = dataclasses.field(default_factory=list)
-    computed: list[int] = dataclasses.field(default_factory=list)
-    preemptions: list[int] = dataclasses.field(default_factory=list)
-
-
 class EngineCore:
     """Requests in, deltas out; not thread-safe (AsyncLLMEngine serialises calls). `runner` is the
-    device half (`jaxserve.runner.runner.ModelRunner`); `memory` the KV cache's MemoryPlan."""
+    device half (`jaxserve.runner.runner.ModelRunner`); `memory` the KV cache's MemoryPlan;
+    `speculation` makes the SpeculativeDecoder (`jaxserve.spec_decode`) once the block manager exists:
+    the scheduler is built with its drafts as its lookahead."""
 
     def __init__(self, config: EngineConfig, runner: Any, *, model_config: ModelConfig, memory: Any,
-                 tokenizer: Any = None):
+                 tokenizer: Any = None, speculation: Callable[[], Any] | None = None):
         self.config = s = config
         self.runner = runner
         self.model_config = cfg = model_config
@@ -101,21 +84,20 @@ class EngineCore:
         self.blocks = BlockManager(memory.num_pages, s.page_size, self.num_replicas,
                                    enable_prefix_caching=s.enable_prefix_caching,
                                    sliding_window=cfg.sliding_window if windowed else None)
-        self.scheduler = Scheduler(self.blocks, s.max_num_seqs, s.max_num_batched_tokens,
-                                   memory.max_model_len, scheduling=s.scheduling, preemption_mode=s.preemption_mode)
-        self.spec: Any = None  # the SpeculativeDecoder, once enable_speculation
-        if s.num_scheduler_steps > 1:  # pages for the extra decode steps, where free ones exist
+        self.spec: Any = speculation() if speculation is not None else None  # the SpeculativeDecoder
+        lookahead, later_steps = None, False
+        if self.spec is not None:  # drafts to verify, in the step's token budget
+            lookahead = self.spec.lookahead
+        elif s.num_scheduler_steps > 1:  # pages for the extra decode steps, where free ones exist
             # A step of decodes alone runs them num_scheduler_steps in one call; a step holding a
             # prompt chunk is one plain mixed ragged step, as in every engine.
-            self.scheduler.lookahead = self._multi_step_lookahead
-            self.scheduler.lookahead_steps = True
-        # Speculation's acceptance and multi-step's run lengths decide the next inputs on the host.
-        self.async_scheduling = s.async_scheduling and self.scheduler.lookahead is None
-        if s.async_scheduling and not self.async_scheduling:
-            logger.info("async scheduling off: multi-step engines run each step to completion first")
-        self.in_flight: collections.deque[InFlightStep] = collections.deque()
+            lookahead, later_steps = self._multi_step_lookahead, True
+        self.scheduler = Scheduler(self.blocks, s.max_num_seqs, s.max_num_batched_tokens,
+                                   memory.max_model_len, scheduling=s.scheduling, preemption_mode=s.preemption_mode,
+                                   lookahead=lookahead, lookahead_steps=later_steps)
+        if s.async_scheduling and not self.can_overlap:
+            logger.info("async scheduling off: speculative and multi-step engines run each step to completion first")
         self.intake = Intake()
-        self.arrival_window = ArrivalWindow()
         self.requests: dict[str, Request] = {}
         self._outbox: list = []  # aborted requests' last deltas and late refusals, out with the next outputs
         self._grammar_compiler = None  # structured output: made on the first constrained request
@@ -123,9 +105,9 @@ class EngineCore:
         self._seed_stream = np.random.default_rng(s.seed)
         self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens_computed=0, steps=0,
                              arrivals_joined=0)
-        self.composition = StepComposition(self.buckets.token_counts)
+        self.composition = StepComposition(self.buckets.token_counts, memory.param_bytes, memory.kv_bytes_per_token)
         self.last_step_seconds = 0.0
-        self.last_step_bytes_read = 0
+        self._step_started = 0.0  # time.perf_counter() of the last schedule()
         self.multihost: Any = None  # multi-host process 0: the broadcaster to the other processes
         self.lora: Any = None  # LoRA serving: the engine.lora_manager.LoRAManager, once enable_lora
         self.closed = False
@@ -134,15 +116,6 @@ class EngineCore:
         """Serve LoRA adapters (`engine.lora_manager.LoRAManager`): at most `max_loras` run at once."""
         self.lora = manager
         self.scheduler.max_loras = manager.max_loras
-
-    def enable_speculation(self, spec: Any) -> None:
-        """Speculative decoding (`jaxserve.spec_decode.SpeculativeDecoder`): the decoder gives rows
-        their drafts through the scheduler's lookahead; every step runs to completion first."""
-        self.spec = spec
-        self.scheduler.lookahead = spec.lookahead
-        if self.async_scheduling:
-            logger.info("async scheduling off: speculative engines run each step to completion first")
-        self.async_scheduling = False
 
     @property
     def limits(self) -> Limits:
@@ -171,7 +144,6 @@ class EngineCore:
             return
         for request_id in list(self.requests):
             self.abort_request(request_id)
-        self.in_flight.clear()
         self.closed = True
         self.intake.close()
         if self.multihost is not None:  # process 0: the other processes stop their follower loops
@@ -278,172 +250,141 @@ class EngineCore:
             return False
 
     def has_unfinished_requests(self) -> bool:
-        """Requests not finished, or a step in flight still to process."""
-        return bool(self.requests) or bool(self.in_flight)
+        """Requests not finished (the core keeps no step in flight: `Overlap` does)."""
+        return bool(self.requests)
+
+    def admit_arrivals(self) -> int:
+        """Admit the requests at the head of the intake, up to its first abort (which waits for
+        `take_intake`: the step being held back may hold that request's row); returns how many were
+        admitted. The overlap wrapper's hold-back for arrivals calls it."""
+        return sum(self._admit_queued(item) for item in self.intake.take_arrivals())
+
+    def take_outbox(self) -> list:
+        """The aborted requests' last deltas and late refusals not yet returned."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    @property
+    def can_overlap(self) -> bool:
+        """Whether a step may be dispatched before the one before it is processed (async scheduling):
+        not with speculation or multi-step, whose acceptance and run lengths decide the next inputs
+        on the host."""
+        return self.spec is None and self.config.num_scheduler_steps == 1
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, and return a delta for each request that advanced: a RequestOutput
-        holding only what is new (token ids, text, logprob entries, finish reason; sum them with
-        output_processor.OutputAccumulator, as LLM.generate does). With async scheduling the step
-        processed is the one before the step just dispatched."""
-        self._check_open()
-        start = time.perf_counter()
-        depth = 2 if self.async_scheduling else 1
-        outputs: list = []
-        while len(self.in_flight) >= depth:  # a step left in flight when async scheduling was switched off
-            outputs += self.update_from_output(self.in_flight.popleft(), start)
-        batch = self.scheduler.schedule()
-        step = self.execute(batch)
-        if step is not None:
-            self.in_flight.append(step)
-        if self.in_flight and (step is None or len(self.in_flight) >= depth):
-            outputs += self.update_from_output(self.in_flight.popleft(), start)
-        if self._outbox:
-            outputs, self._outbox = outputs + self._outbox, []
-        return outputs
+        """Schedule, execute and process one step, and return a delta for each request that advanced:
+        a RequestOutput holding only what is new (token ids, text, logprob entries, finish reason;
+        sum them with output_processor.OutputAccumulator). Serial: the overlap of async scheduling
+        is `engine.overlap.Overlap`, around the same three calls."""
+        step = self.execute(self.schedule())
+        outputs = self.update_from_output(step) if step is not None else []
+        return outputs + self.take_outbox()
 
-    def flush(self) -> list[RequestOutput]:
-        """Process every step in flight now, so that every sampled token is on the host."""
+    def schedule(self) -> SchedulerOutput:
+        """Which rows run next and how many tokens each (the scheduler's decision, drafts and
+        multi-step's later steps included)."""
         self._check_open()
-        outputs = []
-        while self.in_flight:
-            outputs += self.update_from_output(self.in_flight.popleft(), time.perf_counter())
-        return outputs
+        self._step_started = time.perf_counter()
+        return self.scheduler.schedule()
 
     def execute(self, batch: SchedulerOutput) -> InFlightStep | None:
         """Hand the batch to the runner (page copies of forked sequences first) and dispatch it, not
         waiting for it; None if it has no rows. A plain step's sampling rows get a placeholder for
-        their token and their tokens count as computed, so the next step can be scheduled at once;
-        with async scheduling the dispatch may be held back for arrivals (`_join_arrivals`)."""
+        their token and their tokens count as computed, so the next step can be scheduled at once.
+        A constrained row's grammar must have taken its previous token (`advance_grammars`)."""
         self._copy_forked_pages(batch)
         if not batch.rows:
             return None
-        rows = self._row_work(batch.rows)
-        previous = self.in_flight[-1] if self.in_flight else None
+        works = self._row_work(batch.rows)
         verifies, calls = False, 1  # calls: decode steps in the call (multi-step), each reading every weight
         if self.spec is not None:
-            if any(r.targets is not None for r in rows):  # a step scoring prompt tokens verifies nothing
-                for row in batch.rows:
-                    row.num_lookahead = 0
-            else:
-                self.spec.prepare(batch.rows, rows)
+            # The scheduler gives no drafts to a step scoring prompt tokens: it verifies nothing.
+            if not any(w.targets is not None for w in works):
+                self.spec.prepare(batch.rows, works)
                 verifies = True
-        elif self.scheduler.lookahead_steps and batch.kind == "decode":
-            for row, work in zip(batch.rows, rows):
+        elif self.config.num_scheduler_steps > 1:  # a step of decodes alone: its rows' later steps in one call
+            for row, work in zip(batch.rows, works):
                 work.num_steps = 1 + row.num_lookahead
                 calls = max(calls, work.num_steps)
         serial = verifies or calls > 1
-        before_masks = None
-        if previous is not None and previous.constrained:
-            # Rows under a grammar: this step's masks need the previous step's tokens. Their grammars
-            # take them once the rest of this step is packed (the device idles only while the masks
-            # are filled); the rest of its processing overlaps this step, as for free rows.
-            before_masks = functools.partial(self._advance_grammars, previous)
-        packed = self.runner.prepare_inputs(rows, before_masks)
-        joined = self._join_arrivals(batch, previous) if previous is not None and not serial else []
-        if joined:
-            self.counters["arrivals_joined"] += len(joined)
-            rows = rows + self._row_work(joined)
-            packed = self.runner.prepare_inputs(rows)
-        self.composition.record(batch.rows)  # with the rows that joined; before the rows take placeholders
-        logprobs, context = False, 0  # context: each row's K/V the step reads
-        for r in batch.rows:
-            logprobs = logprobs or r.seq.params.logprobs is not None
-            context += r.start + r.num_tokens + r.num_lookahead
-        sent = time.perf_counter()
+        packed = self.runner.prepare_inputs(works)
+        self.composition.record(batch.rows, calls)  # before the rows take placeholders
+        logprobs = any(row.seq.params.logprobs is not None for row in batch.rows)
         pending = self.runner.execute(packed, logprobs=logprobs)
         dispatched_at = time.perf_counter()
-        self.arrival_window.dispatched(dispatched_at - sent)
-        self.last_step_bytes_read = calls * self.memory.param_bytes + context * self.memory.kv_bytes_per_token
-        step = InFlightStep(batch, rows, pending, serial, verifies, any(r.grammar is not None for r in rows),
-                            dispatched_at)
-        if not serial:
-            self._dispatched(step)
-        return step
+        return InFlightStep(batch, self._dispatched_rows(batch, works, pending, serial), pending, serial, verifies,
+                            any(w.grammar is not None for w in works), dispatched_at)
 
-    def _dispatched(self, step: InFlightStep) -> None:
-        """A plain step's bookkeeping at dispatch: each row's tokens count as computed, and each row
-        that samples holds a placeholder of its token until the step is processed."""
-        slots = step.pending.packed.sample_slots()
-        prefill = step.batch.kind == "prefill"
-        for i, row in enumerate(step.batch.rows):
-            seq, work = row.seq, step.rows[i]
-            if prefill or is_prompt_chunk(row):
-                self.counters["prefill_tokens_computed"] += row.num_tokens
+    def _dispatched_rows(self, batch: SchedulerOutput, works: list[RowWork], pending: Any,
+                         serial: bool) -> list[DispatchedRow]:
+        """Each row's record of what its update owes it. A plain step's bookkeeping is done here, at
+        dispatch: each row's tokens count as computed, and each row that samples holds a placeholder
+        of its token until the step is processed (a serial step's rows append their runs then)."""
+        if serial:
+            return [DispatchedRow(row, work.targets) for row, work in zip(batch.rows, works)]
+        records = []
+        prefill, prefill_tokens = batch.kind == "prefill", 0
+        for row, work, slot in zip(batch.rows, works, pending.packed.sample_slots()):
+            seq = row.seq
+            record = DispatchedRow(row, work.targets, preemptions=seq.num_preemptions)
+            if prefill or row.start < seq.num_tokens - 1:  # a prompt chunk (step_stats.is_prompt_chunk)
+                prefill_tokens += row.num_tokens
             seq.num_computed += row.num_tokens
-            if work.tokens and is_placeholder(min(work.tokens)):  # any of them a placeholder
+            tokens = work.tokens
+            if is_placeholder(tokens[0] if len(tokens) == 1 else min(tokens)):  # a token still in flight
                 # Its K/V hashes need that token's id: told to the block manager once it is known.
-                step.computed.append(seq.num_computed)
+                record.computed = seq.num_computed
             else:  # told now, so the next schedule sees it (a parent's fork copies these pages)
                 self._mark_computed(seq, seq.token_view, seq.num_computed)
-                step.computed.append(-1)
-            step.preemptions.append(seq.num_preemptions)
             if work.samples:
-                step.sample_at.append(len(seq.output_token_ids))
-                seq.output_token_ids.append(placeholder(slots[i]))
-            else:
-                step.sample_at.append(-1)
+                record.sample_at = len(seq.output_token_ids)
+                seq.output_token_ids.append(placeholder(slot))
+            records.append(record)
+        self.counters["prefill_tokens_computed"] += prefill_tokens
+        return records
 
-    def _join_arrivals(self, batch: SchedulerOutput, in_flight: InFlightStep) -> list[ScheduledRow]:
-        """Hold `batch`'s dispatch back until just before the step in flight should end, for requests
-        that arrive meanwhile (the intake): their first prompt chunks join `batch` in the tokens it
-        left, instead of waiting a step more. Returns the rows that joined. Not when nobody could
-        join, the step's end is not known yet, or the step in flight has grammar rows (`batch`'s
-        masks needed its tokens: it is done already)."""
-        if not self.intake.takes_arrivals or in_flight.constrained or not self.scheduler.takes_arrivals(batch):
-            return []
-        closes_at = self.arrival_window.closes_at(in_flight.pending.shape[0], in_flight.dispatched_at)
-        if closes_at is None or not self._wait_for_arrivals(in_flight.pending, closes_at):
-            return []
-        return self.scheduler.top_up(batch)
+    def advance_grammars(self, step: InFlightStep, samples: Any) -> None:
+        """Give each constrained row of a dispatched step its sampled token (`samples`: the step's
+        StepSamples), so that the next step's masks follow it; detokenizing and stop checks wait for
+        its update."""
+        tokens = samples.tokens
+        for i, record in enumerate(step.rows):
+            seq = record.row.seq
+            if seq.grammar is not None and record.sample_at is not None and not seq.is_finished:
+                self.outputs.advance_grammar(seq, record.sample_at, int(tokens[i, 0]))
 
-    def _wait_for_arrivals(self, pending: Any, until: float) -> int:
-        """Admit requests as they arrive until one is admitted, `until` (time.perf_counter) passes,
-        or the step `pending` is done; returns how many were admitted."""
-        intake = self.intake
-        intake.watch(pending)
-        while True:
-            intake.wake.clear()  # before looking: whatever arrives later sets it and ends the wait below
-            added = sum(self._admit_queued(item) for item in intake.take_arrivals())
-            if added or intake.closed.is_set() or pending.is_ready():
-                return added
-            left = until - time.perf_counter()
-            if left <= 0:
-                return 0
-            intake.wake.wait(left)  # set by an arrival, by the watcher when the step ends, or by close
-
-    def update_from_output(self, step: InFlightStep, start: float) -> list[RequestOutput]:
+    def update_from_output(self, step: InFlightStep) -> list[RequestOutput]:
         """Take a dispatched step's samples (waiting for them if need be): each row's run of tokens
         is appended (a plain step's one token replaces its placeholder), detokenized and checked for
         stops, which cut a run where they occur. Rows of sequences that finished or were aborted
         since the dispatch are dropped (a token computed past EOS is discarded)."""
-        samples = self._samples(step)
+        samples = step.samples()
         if step.verifies:  # before marking: the draft's lag bounds what is computed
             self.spec.record(step.batch.rows, np.maximum(samples.num_emitted - 1, 0))
         advanced: dict[str, Request] = {}
         tokens = samples.tokens.tolist()  # Python ints, one conversion for the step
         emitted = samples.num_emitted.tolist()
-        for i, row in enumerate(step.batch.rows):
+        requests, outputs, serial = self.requests, self.outputs, step.serial
+        for i, record in enumerate(step.rows):
+            row = record.row
             seq = row.seq
             if seq.is_finished:
                 continue
-            targets = step.rows[i].targets
-            if targets is not None:
-                self.outputs.record_prompt_logprobs(seq, row.start, targets, samples.scores, i)
-            run = tokens[i][: emitted[i]]
-            if step.serial:
-                self._emit_run(seq, row, run, samples, i)
+            if record.targets is not None:
+                outputs.record_prompt_logprobs(seq, row.start, record.targets, samples.scores, i)
+            if serial:
+                self._emit_run(seq, row, tokens[i][: emitted[i]], samples, i)
             else:
-                if step.computed[i] >= 0 and seq.num_preemptions == step.preemptions[i]:  # still has those pages
-                    self._mark_computed(seq, seq.token_view, step.computed[i])
-                if step.sample_at[i] >= 0:
+                if record.computed is not None and seq.num_preemptions == record.preemptions:  # still has those pages
+                    self._mark_computed(seq, seq.token_view, record.computed)
+                if record.sample_at is not None:
                     if seq.params.logprobs is not None:
-                        self.outputs.record_logprobs(seq, samples.row(i), 0)
-                    self._resolve_token(seq, step.sample_at[i], run[0])
-            if run:
-                advanced[seq.request_id] = self.requests[seq.request_id]
-        return self._finish_step(advanced, start)
+                        outputs.record_logprobs(seq, samples.row(i), 0)
+                    self._resolve_token(seq, record.sample_at, tokens[i][0])
+            if emitted[i]:
+                advanced[seq.request_id] = requests[seq.request_id]
+        return self._finish_step(advanced)
 
     def _emit_run(self, seq: Sequence, row: ScheduledRow, run: list[int], samples: Any, i: int) -> None:
         """A serial step's row: its input tokens and every emitted token but the last were the call's
@@ -460,21 +401,6 @@ class EngineCore:
             if seq.is_finished:
                 break
 
-    def _samples(self, step: InFlightStep):
-        if step.samples is None:
-            step.samples = step.pending.result()
-            self.arrival_window.done(step.pending.shape[0], step.dispatched_at, time.perf_counter())
-        return step.samples
-
-    def _advance_grammars(self, step: InFlightStep) -> None:
-        """Give each constrained row of a dispatched step its sampled token (waiting for the step), so
-        that the next step's masks follow it; detokenizing and stop checks wait for its update."""
-        tokens = self._samples(step).tokens
-        for i, row in enumerate(step.batch.rows):
-            seq = row.seq
-            if seq.grammar is not None and step.sample_at[i] >= 0 and not seq.is_finished:
-                self.outputs.advance_grammar(seq, step.sample_at[i], int(tokens[i, 0]))
-
     def _row_work(self, rows: list[ScheduledRow]) -> list[RowWork]:
         """Each row's share of the step; its page ids are the block manager's live table (with its
         version, so the runner rewrites a row's page table only when it changed)."""
@@ -484,14 +410,16 @@ class EngineCore:
             self.lora.prepare(self.scheduler.adapters_in_use(waiting=False))
         for r in rows:
             seq, start, n = r.seq, r.start, r.num_tokens
-            view = seq.token_view
-            # A decode row (most rows, every step): its one token by index, no slice of the view.
-            tokens = [view[start]] if n == 1 else view[start: start + n]
-            samples = r.samples
+            prompt, output = seq.prompt_token_ids, seq.output_token_ids
+            if n == 1 and start >= len(prompt):  # a decode row (most rows, every step): its one token by index
+                tokens = [output[start - len(prompt)]]
+            else:
+                tokens = seq.token_view[start: start + n]
+            samples = start + n == len(prompt) + len(output)  # ScheduledRow.samples
             pages, version = live_page_ids(seq.seq_id)
-            work.append(RowWork(tokens, start, pages, self._row_sampling(seq), seq.replica,
-                                self.outputs.prompt_targets(seq, start, n), samples,
-                                seq.grammar if samples else None, step=len(seq.output_token_ids),
+            targets = None if seq.prompt_logprobs is None else self.outputs.prompt_targets(seq, start, n)
+            work.append(RowWork(tokens, start, pages, seq.row_sampling or self._row_sampling(seq), seq.replica,
+                                targets, samples, seq.grammar if samples else None, step=len(output),
                                 pages_version=version, lora_slot=-1 if seq.lora is None else seq.lora.slot))
         return work
 
@@ -514,16 +442,18 @@ class EngineCore:
                           seq.params.max_tokens - len(seq.output_token_ids) - 1,
                           self.memory.max_model_len - seq.num_tokens - 1))
 
-    def _finish_step(self, advanced: dict[str, Request], start: float) -> list[RequestOutput]:
-        outputs = []
+    def _finish_step(self, advanced: dict[str, Request]) -> list[RequestOutput]:
+        """The delta of each request that advanced (a finished one leaves the engine); the step's
+        time, from its schedule (with async scheduling, the next step's) to here."""
+        outputs, delta, requests = [], self.outputs.delta, self.requests
         for request in advanced.values():
-            delta = self._output(request)
-            if delta is not None:
-                outputs.append(delta)
+            out = delta(request, spec_metrics(self.spec, request.seqs)) if self.spec is not None else delta(request)
+            if out is not None:
+                outputs.append(out)
             if request.finished:
-                del self.requests[request.request_id]
+                del requests[request.request_id]
         self.counters["steps"] += 1
-        self.last_step_seconds = time.perf_counter() - start
+        self.last_step_seconds = time.perf_counter() - self._step_started
         if self.spec is not None:  # measured step times steer how much to speculate
             self.spec.record_step_time(self.last_step_seconds)
         return outputs

@@ -35,6 +35,11 @@ class ScheduledRow:
         """The row reaches the sequence's last token, so its logits give the next one."""
         return self.start + self.num_tokens == self.seq.num_tokens
 
+    @property
+    def scores_prompt(self) -> bool:
+        """The row has prompt tokens to score (prompt logprobs): its step is a scoring step."""
+        return self.seq.prompt_logprobs is not None and self.start + 1 < len(self.seq.prompt_token_ids)
+
 
 @dataclasses.dataclass
 class SchedulerOutput:
@@ -55,6 +60,8 @@ class Scheduler:
         max_model_len: int,
         scheduling: str = "continuous",
         preemption_mode: str = "recompute",
+        lookahead: Callable[[Sequence, int], int] | None = None,
+        lookahead_steps: bool = False,
     ):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs  # per replica
@@ -70,9 +77,9 @@ class Scheduler:
         # exist; a sequence short of pages decodes one token instead. Speculative decoding: drafts to
         # verify, sharing this step's token budget. Multi-step (`lookahead_steps`): later decode steps
         # of one call, outside the budget, and only in a step of decodes alone (the call runs no
-        # prompt chunk).
-        self.lookahead: Callable[[Sequence, int], int] | None = None  # (sequence, rows in the batch) -> tokens
-        self.lookahead_steps = False
+        # prompt chunk). A step scoring prompt tokens gets no drafts (it verifies nothing).
+        self.lookahead = lookahead  # (sequence, rows in the batch) -> tokens
+        self.lookahead_steps = lookahead_steps
         # LoRA: the most adapters the running sequences may use at once (the device slots); None: no LoRA.
         self.max_loras: int | None = None
 
@@ -111,6 +118,9 @@ class Scheduler:
         rows += self._prompt_chunks(rows)
         if not rows:
             return SchedulerOutput("idle", [], copies, preempted)
+        if decodes and self.lookahead is not None and not self.lookahead_steps and any(r.scores_prompt for r in rows):
+            for row in rows[:decodes]:  # their pages stay reserved: the sequences decode on
+                row.num_lookahead = 0
         if self.lookahead is not None and self.lookahead_steps and len(rows) == decodes:
             self._give_lookahead(rows, [self.max_model_len] * self.blocks.num_replicas)  # later steps
         kind = "decode" if len(rows) == decodes else "prefill" if not decodes else "mixed"

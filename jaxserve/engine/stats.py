@@ -28,7 +28,7 @@ def engine_stats(core: Any) -> dict:
         prefill_tokens_computed=core.counters["prefill_tokens_computed"],
         arrivals_joined_total=core.counters["arrivals_joined"],
         last_step_seconds=core.last_step_seconds,
-        last_step_bytes_read=core.last_step_bytes_read,
+        last_step_bytes_read=core.composition.last_bytes_read,
         **core.runner.stats(),
         **core.composition.as_stats(),
         **(core.spec.stats() if core.spec is not None else {}),

@@ -13,8 +13,10 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.engine.arrival_window import MIN_MARGIN_S, MIN_SAMPLES, ArrivalWindow
 from jaxserve.engine.block_manager import BlockManager
 from jaxserve.engine.async_engine import AsyncLLMEngine
+from jaxserve.config import EngineConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.intake import Abort, Intake
+from jaxserve.engine.overlap import Overlap
 from jaxserve.engine.processor import EngineRequest
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence, Status
@@ -127,31 +129,32 @@ class FakeStep:
         self.done.wait()
 
 
-def _recording_core():
-    """An EngineCore with only its intake: records what `_wait_for_arrivals` admits."""
+def _recording_overlap():
+    """The overlap wrapper over an EngineCore with only its intake: the core records what the
+    wrapper's `_wait_for_arrivals` admits."""
     core = EngineCore.__new__(EngineCore)
-    core.intake, core.added = Intake(), []
+    core.intake, core.added, core.config, core.spec = Intake(), [], EngineConfig(), None
     core._admit_queued = lambda request: core.added.append(request.request_id) or True
-    return core
+    return Overlap(core, arrivals=True)
 
 
 def test_arrivals_are_taken_up_to_an_abort_and_the_wait_ends_when_one_comes_or_the_step_ends():
-    core = _recording_core()
-    intake = core.intake
+    overlap = _recording_overlap()
+    core, intake = overlap.core, overlap.core.intake
     params = SamplingParams()
     for item in [EngineRequest("a", [1], params), Abort("x"), EngineRequest("b", [2], params)]:
         intake.put(item)
     first = FakeStep()
-    assert core._wait_for_arrivals(first, time.perf_counter() + 5) == 1
+    assert overlap._wait_for_arrivals(first, time.perf_counter() + 5) == 1
     assert core.added == ["a"] and intake.take_all()[0] == Abort("x")  # left for the next take_all
     first.done.set()  # the watcher waits for each step in turn, as they end on the device
     steps = [FakeStep() for _ in range(3)]
     start = time.perf_counter()
-    assert core._wait_for_arrivals(steps[0], start + 0.05) == 0  # nothing came: until `until`
+    assert overlap._wait_for_arrivals(steps[0], start + 0.05) == 0  # nothing came: until `until`
     assert 0.045 < time.perf_counter() - start < 1
     steps[0].done.set()
     start = time.perf_counter()
-    assert core._wait_for_arrivals(FakeStep(done=True), start + 5) == 0  # the step in flight is done: no wait
+    assert overlap._wait_for_arrivals(FakeStep(done=True), start + 5) == 0  # the step in flight is done: no wait
     assert time.perf_counter() - start < 0.5
 
     def later(action):
@@ -162,26 +165,25 @@ def test_arrivals_are_taken_up_to_an_abort_and_the_wait_ends_when_one_comes_or_t
 
     later(steps[1].done.set)  # the step ends: the watcher wakes the wait
     start = time.perf_counter()
-    assert core._wait_for_arrivals(steps[1], start + 5) == 0
+    assert overlap._wait_for_arrivals(steps[1], start + 5) == 0
     assert time.perf_counter() - start < 1
 
     later(lambda: intake.put(EngineRequest("c", [3], params)))
     start = time.perf_counter()
-    assert core._wait_for_arrivals(steps[2], start + 5) == 1
+    assert overlap._wait_for_arrivals(steps[2], start + 5) == 1
     assert core.added == ["a", "c"] and time.perf_counter() - start < 1
     steps[2].done.set()
     intake.close()
-    intake._watcher.join(1)
-    assert not intake._watcher.is_alive()
+    overlap.close()
+    overlap._watcher.join(1)
+    assert not overlap._watcher.is_alive()
 
 
 def test_an_offline_engine_never_holds_a_step_back():
     """Only an intake another thread feeds (AsyncLLMEngine's) is waited on: offline, nobody arrives."""
-    core = _recording_core()
-    assert not core.intake.takes_arrivals
-    core_front = types.SimpleNamespace(intake=core.intake)
-    AsyncLLMEngine.__init__(core_front, core_front)  # the front marks the intake as fed
-    assert core.intake.takes_arrivals
+    core = _recording_overlap().core
+    assert not Overlap(core).arrivals  # LLM.generate's
+    assert AsyncLLMEngine(core).overlap.arrivals  # the front feeds the intake from other threads
 
 
 # ---------------------------------------------------------------- the engine
@@ -190,8 +192,8 @@ def test_a_request_arriving_while_a_step_runs_joins_the_next_one():
     that very step, and every output equals its request run alone."""
     with LLM("checkpoints/small", dtype="float32", page_size=8, max_model_len=128, max_num_seqs=4,
              max_num_batched_tokens=32, warm_up=False) as llm:
-        engine = llm.engine
-        assert engine.async_scheduling
+        engine, overlap = llm.engine, llm.overlap
+        assert overlap.async_scheduling
         calls = []
         late_prompt = list(range(40, 80))
 
@@ -203,20 +205,20 @@ def test_a_request_arriving_while_a_step_runs_joins_the_next_one():
             return 0
 
         prompts = {"a": list(range(5, 17)), "b": list(range(100, 107))}
-        with StepRecorder(engine) as rec:
+        with StepRecorder(engine, overlap) as rec:
             for name, prompt in prompts.items():
                 engine.add_request(name, None, SamplingParams(max_tokens=30, **GREEDY), prompt)
             for _ in range(MIN_SAMPLES + 3):  # decodes in one bucket, times for its estimate
                 rec.step()
-            engine.intake.takes_arrivals = True
-            engine._wait_for_arrivals = arrivals
+            overlap.arrivals = True
+            overlap._wait_for_arrivals = arrivals
             rec.step()
             assert len(calls) == 1  # held back (how long is the host's timing, not asserted)
             held = rec.plans[-1]
             by_id = {r.seq.request_id: r for r in held.rows}
             assert held.kind == "mixed" and by_id["late"].start == 0 and by_id["late"].num_tokens == 30
             assert by_id["a"].num_tokens == by_id["b"].num_tokens == 1
-            while engine.has_unfinished_requests():
+            while overlap.has_unfinished_requests():
                 rec.step()
             outputs = rec.token_ids()
         for name, prompt, n in [("a", prompts["a"], 30), ("b", prompts["b"], 30), ("late", late_prompt, 6)]:

@@ -28,9 +28,11 @@ VOCAB = 100
 
 
 class SlowEngine:
-    """The EngineCore interface AsyncLLMEngine uses; each step takes STEP_S and gives every request a token."""
+    """The EngineCore interface AsyncLLMEngine uses (through its Overlap, one step deep); each step
+    takes STEP_S and gives every request a token."""
 
     tokenizer = None
+    can_overlap = False  # each step runs to completion: Overlap drives schedule, execute, update_from_output
     memory = types.SimpleNamespace(max_model_len=64)  # what AsyncLLMEngine.max_model_len reads
     config = EngineConfig()
 
@@ -61,12 +63,22 @@ class SlowEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def step(self) -> list[RequestOutput]:
+    def schedule(self):
+        return types.SimpleNamespace(rows=list(self.requests))
+
+    def execute(self, batch):
         self.in_step.set()
         time.sleep(STEP_S)
         self.in_step.clear()
+        now = time.perf_counter()
+        return types.SimpleNamespace(rows=batch.rows, constrained=False, bucket=1, dispatched_at=now, seen_at=now)
+
+    def update_from_output(self, step) -> list[RequestOutput]:
         outputs = []
-        for request_id, tokens in list(self.requests.items()):
+        for request_id in step.rows:
+            tokens = self.requests.get(request_id)
+            if tokens is None:  # aborted since
+                continue
             tokens.append(7)
             done = len(tokens) >= self.tokens_per_request
             outputs.append(RequestOutput(request_id, None, [1], [CompletionOutput(0, list(tokens), "",
@@ -75,6 +87,9 @@ class SlowEngine:
             if done:
                 del self.requests[request_id]
         return outputs
+
+    def take_outbox(self) -> list:
+        return []
 
     def stats(self) -> dict:
         return {}

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.runner.runner import PendingSamples
+from jaxserve.runner.step_io import PendingSamples
 from jaxserve.model.ragged import is_placeholder
 from jaxserve.engine.output_processor import OutputAccumulator
 
@@ -103,8 +103,8 @@ def test_next_step_is_dispatched_before_the_last_is_fetched(monkeypatch):
             engine.add_request(f"r{i}", None, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                                list(range(5 + i, 20 + i)))
         outputs, totals = {}, OutputAccumulator()
-        while engine.has_unfinished_requests():
-            for out in engine.step():
+        while llm.overlap.has_unfinished_requests():
+            for out in llm.overlap.step():
                 outputs[out.request_id] = totals.add(out)
                 assert all(t >= 0 for c in out.outputs for t in c.token_ids)  # no placeholder leaks out
     # every fetch but the last follows the dispatch of the next step
@@ -131,20 +131,20 @@ def test_aborts_while_a_step_is_in_flight_lose_no_page():
                 live.add(f"q{next_id}")
                 next_id += 1
             elif action == 1:
-                in_flight = engine.in_flight[-1] if engine.in_flight else None
+                in_flight = llm.overlap.in_flight[-1] if llm.overlap.in_flight else None
                 ids = sorted({r.seq.request_id for r in in_flight.batch.rows} & live) if in_flight else []
                 victim = ids[rng.randint(len(ids))] if ids else sorted(live)[rng.randint(len(live))]
                 out = engine.abort_request(victim)
                 live.discard(victim)
                 assert out is None or all(not is_placeholder(t) for c in out.outputs for t in c.token_ids)
             else:
-                for out in engine.step():
+                for out in llm.overlap.step():
                     assert all(t >= 0 for c in out.outputs for t in c.token_ids)
                     if out.finished:
                         live.discard(out.request_id)
             blocks.check_invariants()
-        while engine.has_unfinished_requests():
-            engine.step()
+        while llm.overlap.has_unfinished_requests():
+            llm.overlap.step()
         assert blocks.num_free_pages(0) == blocks.num_usable_pages
         blocks.check_invariants()
 
@@ -157,16 +157,16 @@ def test_switching_async_scheduling_off_mid_run_loses_nothing():
         engine.add_request("a", None, params, list(range(5, 25)))
         deltas = []
         for _ in range(3):
-            deltas += engine.step()
-        assert engine.in_flight
-        engine.async_scheduling = False
-        while engine.has_unfinished_requests():
-            deltas += engine.step()
-        assert not engine.in_flight
+            deltas += llm.overlap.step()
+        assert llm.overlap.in_flight
+        llm.overlap.async_scheduling = False
+        while llm.overlap.has_unfinished_requests():
+            deltas += llm.overlap.step()
+        assert not llm.overlap.in_flight
         assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
         totals = OutputAccumulator()
         final = [totals.add(d) for d in deltas][-1]
         assert len(final.outputs[0].token_ids) == 10
-        engine.async_scheduling = True
+        llm.overlap.async_scheduling = True
         assert llm.generate(prompt_token_ids=[list(range(5, 25))], sampling_params=params)[0].outputs[0].token_ids \
             == final.outputs[0].token_ids

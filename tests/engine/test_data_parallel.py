@@ -133,12 +133,12 @@ def two_replicas(hf_model_dir):
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), None, sp, p)
     done, used, placement, totals = {}, [], [], OutputAccumulator()
-    while engine.has_unfinished_requests():
+    while llm.overlap.has_unfinished_requests():
         # A step counts as "waiting" only when both replicas have a free sequence slot as it is
         # scheduled and after it: pages then decide where the head of the queue goes (the bound
         # below); a full replica is bound by max_num_seqs instead.
         slots_free = max(seqs_per_replica(engine)) < SETTINGS["max_num_seqs"]
-        for out in map(totals.add, engine.step()):
+        for out in map(totals.add, llm.overlap.step()):
             if out.finished:
                 done[int(out.request_id)] = out.outputs
         slots_free = slots_free and max(seqs_per_replica(engine)) < SETTINGS["max_num_seqs"]

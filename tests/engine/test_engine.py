@@ -101,18 +101,18 @@ def test_aborts_mid_prefill_and_mid_decode_free_every_page(llm):
     for i in range(6):
         engine.add_request(f"a{i}", prompt_token_ids=rng.randint(0, 512, size=100).tolist(),
                            sampling_params=SamplingParams(max_tokens=20, temperature=0.7, seed=i))
-    engine.step()  # a prefill step: some prompts are partly computed
+    llm.overlap.step()  # a prefill step: some prompts are partly computed
     partial = [s for s in engine.scheduler.running if 0 < s.num_computed < s.num_tokens - 1]
     assert partial, "expected a request mid-prefill"
     engine.abort_request(partial[0].request_id)
     for _ in range(12):
-        engine.step()
+        llm.overlap.step()
     decoding = [s for s in engine.scheduler.running if s.output_token_ids]
     assert decoding, "expected requests mid-decode"
     out = engine.abort_request(decoding[0].request_id)
     assert out.finished and out.outputs[0].finish_reason == "abort"
-    while engine.has_unfinished_requests():
-        engine.step()
+    while llm.overlap.has_unfinished_requests():
+        llm.overlap.step()
     assert_pool_whole(llm)
 
 
@@ -179,8 +179,8 @@ def test_decode_loop_makes_one_explicit_transfer_each_way_per_step(llm, monkeypa
     for i, (p, s) in enumerate(zip(prompts, params)):
         engine.add_request(f"t{i}", prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=30, temperature=0))
     while any(s.num_pending > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()  # prefill (and compile) outside the guard
-    engine.step()
+        llm.overlap.step()  # prefill (and compile) outside the guard
+    llm.overlap.step()
     calls = {"device_put": 0, "device_get": 0}
     for name in calls:
         def counted(*args, _real=getattr(jax, name), _name=name, **kwargs):
@@ -190,14 +190,14 @@ def test_decode_loop_makes_one_explicit_transfer_each_way_per_step(llm, monkeypa
     operands = count_step_operands(engine.runner, monkeypatch)
     with jax.transfer_guard("disallow"):
         for _ in range(5):
-            engine.step()
+            llm.overlap.step()
     # The packed inputs in (a NumPy operand each step, which the executable's call copies: the
     # guard would refuse any other transfer), the samples out.
     assert calls == {"device_put": 0, "device_get": 5}
     assert operands == [np.ndarray] * 5
     monkeypatch.undo()
-    while engine.has_unfinished_requests():
-        engine.step()
+    while llm.overlap.has_unfinished_requests():
+        llm.overlap.step()
 
 
 def test_copies_of_the_packed_inputs_are_kept_and_reused(llm, monkeypatch):
@@ -222,8 +222,8 @@ def test_copies_of_the_packed_inputs_are_kept_and_reused(llm, monkeypatch):
 
     monkeypatch.setattr(runner, "call", call_step)
     monkeypatch.setattr(runner, "_pack_written", pack_written)
-    while engine.has_unfinished_requests():
-        engine.step()
+    while llm.overlap.has_unfinished_requests():
+        llm.overlap.step()
     monkeypatch.undo()
     assert len(seen) > 20
     for _, read, words in seen:
@@ -255,8 +255,8 @@ def test_sparse_sampling_inputs_are_copied_only_when_a_row_uses_them(llm, monkey
     engine.add_request("penalised", prompt_token_ids=prompts[1],
                        sampling_params=SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.3))
     while any(s.num_pending > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
-    engine.step()
+        llm.overlap.step()
+    llm.overlap.step()
     calls = {"device_put": 0}
     real = jax.device_put
 
@@ -268,12 +268,12 @@ def test_sparse_sampling_inputs_are_copied_only_when_a_row_uses_them(llm, monkey
     operands = count_step_operands(engine.runner, monkeypatch)
     with jax.transfer_guard("disallow"):
         for _ in range(5):
-            engine.step()
+            llm.overlap.step()
     assert calls == {"device_put": 5}  # the sparse inputs, each step
     assert operands == [np.ndarray] * 5  # and the packed ones, copied by the call
     monkeypatch.undo()
-    while engine.has_unfinished_requests():
-        engine.step()
+    while llm.overlap.has_unfinished_requests():
+        llm.overlap.step()
 
 
 def test_engine_settings_reject_unknown_modes():

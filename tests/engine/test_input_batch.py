@@ -81,8 +81,8 @@ def run(llm, prompts, params, abort_every=0):
         engine.add_request(str(i), None, sp, p)
     tokens: dict[str, list] = {}
     step = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
+    while llm.overlap.has_unfinished_requests():
+        for out in llm.overlap.step():
             for c in out.outputs:
                 tokens.setdefault((out.request_id, c.index), []).extend(list(c.token_ids) + [c.finish_reason])
         step += 1

@@ -23,7 +23,7 @@ def test_long_prompt_rides_along_with_running_decodes(llm):
     short = [rng.randint(0, 512, size=n).tolist() for n in (5, 9, 3)]
     long_prompt = rng.randint(0, 512, size=150).tolist()  # 150 tokens, a 32-token budget: 5+ steps
     engine = llm.engine
-    with StepRecorder(engine) as rec:
+    with StepRecorder(engine, llm.overlap) as rec:
         plans, step = rec.plans, rec.step
         for i, prompt in enumerate(short):
             engine.add_request(f"s{i}", None, SamplingParams(max_tokens=40, **GREEDY), prompt)
@@ -39,7 +39,7 @@ def test_long_prompt_rides_along_with_running_decodes(llm):
             assert sum(r.num_tokens for r in by_seq.values()) <= SETTINGS["max_num_batched_tokens"]
             assert gained == [1] * len(running)
         assert len(plans) >= 5  # the prompt took several chunks, each beside the decodes
-        while engine.has_unfinished_requests():
+        while llm.overlap.has_unfinished_requests():
             step()
         outputs = rec.token_ids()
     for request_id, prompt, max_tokens in [*((f"s{i}", p, 40) for i, p in enumerate(short)),

@@ -30,15 +30,15 @@ def llm():
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_deltas_sum_to_each_sequences_final_state(llm, async_scheduling):
     engine = llm.engine
-    engine.async_scheduling = async_scheduling
+    llm.overlap.async_scheduling = async_scheduling
     requests = {}
     for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
         engine.add_request(f"r{i}", None, params, llm.tokenizer.encode(prompt))
         requests[f"r{i}"] = engine.requests[f"r{i}"]  # kept: the engine drops a request once it finishes
     deltas: dict[str, list] = {rid: [] for rid in requests}
     steps = 0
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
+    while llm.overlap.has_unfinished_requests():
+        for delta in llm.overlap.step():
             deltas[delta.request_id].append(delta)
         steps += 1
         if steps == 6 and "r4" in engine.requests:
@@ -70,7 +70,7 @@ def test_deltas_sum_to_each_sequences_final_state(llm, async_scheduling):
                 assert o.logprobs is None
     assert [o.finish_reason for o in totals.outputs["r4"].outputs] == ["abort"]
     assert not any(s in totals.outputs["r0"].outputs[0].text for s in PARAMS[0].stop)  # cut before a stop
-    engine.async_scheduling = True
+    llm.overlap.async_scheduling = True
 
 
 def test_generate_returns_the_sum_of_the_deltas(llm):
@@ -80,8 +80,8 @@ def test_generate_returns_the_sum_of_the_deltas(llm):
     engine, totals = llm.engine, OutputAccumulator()
     for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
         engine.add_request(f"again{i}", None, p, engine.tokenizer.encode(prompt))
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
+    while llm.overlap.has_unfinished_requests():
+        for delta in llm.overlap.step():
             totals.add(delta)
     for i, out in enumerate(outs):
         again = totals.outputs[f"again{i}"]
@@ -98,8 +98,8 @@ def test_a_step_fetches_logprobs_only_when_a_row_asks(llm):
     for rid, params in [("plain", SamplingParams(max_tokens=3, temperature=0)),
                         ("lp", SamplingParams(max_tokens=3, temperature=0, logprobs=2))]:
         engine.add_request(rid, None, params, engine.tokenizer.encode("the cat sat"))
-        engine.step()
-        fetched.append(len(jax.tree.leaves(engine.in_flight[-1].pending._out)))
-        while engine.has_unfinished_requests():
-            engine.step()
+        llm.overlap.step()
+        fetched.append(len(jax.tree.leaves(llm.overlap.in_flight[-1].pending._out)))
+        while llm.overlap.has_unfinished_requests():
+            llm.overlap.step()
     assert fetched == [1, 4]  # tokens; tokens, logprobs, top ids, top logprobs

@@ -199,24 +199,24 @@ def test_async_scheduling_steps_constrained_rows_every_step(llm):
     """With async scheduling (the default) the next step's masks wait for the grammars to take the
     tokens of the step in flight: the constrained request advances one token per step beside free
     ones, and its outputs equal those with the overlap off."""
-    engine = llm.engine
-    assert engine.async_scheduling
+    overlap = llm.overlap  # LLM.generate's step loop
+    assert overlap.async_scheduling
     spec = StructuredSpec.json_schema(SCHEMA)
     params = [SamplingParams(max_tokens=40, temperature=0.8, seed=3, structured=spec),
               SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)]
-    calls, step = [], engine.step
-    engine.step = lambda: calls.append(1) or step()  # LLM.generate's loop: one call per engine step
+    calls, step = [], overlap.step
+    overlap.step = lambda: calls.append(1) or step()  # LLM.generate's loop: one call per engine step
     try:
         on = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     finally:
-        del engine.step
+        del overlap.step
     steps = len(calls)
-    engine.flush()
-    engine.async_scheduling = False
+    overlap.flush()
+    overlap.async_scheduling = False
     try:
         off = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     finally:
-        engine.async_scheduling = True
+        overlap.async_scheduling = True
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
     check_schema(json.loads(on[0].outputs[0].text))
     # a token per step (plus the prefill's and the pipeline's last): not one every other step
