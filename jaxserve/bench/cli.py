@@ -25,9 +25,12 @@ def usage(prog: str) -> str:
 
 def main(argv: Sequence[str] | None = None, prog: str = "jaxserve bench") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:
         print(usage(prog))
-        return 0 if argv else 2
+        return 2
+    if argv[0] in ("-h", "--help", "help"):  # as argparse's --help in the other subcommands: exit 0
+        print(usage(prog))
+        raise SystemExit(0)
     name, rest = argv[0], argv[1:]
     if name not in BENCHMARKS:
         print(f"{prog}: unknown benchmark {name!r}\n\n{usage(prog)}", file=sys.stderr)
