@@ -137,8 +137,9 @@ class AsyncLLMEngine:
         step thread never waits for one. From then on `queue` receives `(tag, delta)` each step the
         request advances (a RequestOutput of what is new; the last one has `finished`), or `(tag,
         exception)` if the request fails. Several requests may share a queue; `abort` stops one."""
-        if request.grammar is None and request.params.structured is not None:  # made by another processor (Ray)
-            request = dataclasses.replace(request, grammar=self.engine.grammar_compiler.submit(request.params.structured))
+        structured = request.params.structured
+        if request.grammar is None and structured is not None:  # made by another processor (the Ray ingress)
+            request = dataclasses.replace(request, grammar=self.engine.grammar_compiler.submit(structured))
         if isinstance(request.grammar, concurrent.futures.Future):
             # Shielded: a caller that goes away must not cancel a compilation other requests share.
             await asyncio.shield(asyncio.wrap_future(request.grammar))

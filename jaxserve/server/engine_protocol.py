@@ -3,9 +3,9 @@
 Every engine has a `processor` (`jaxserve.engine.processor.Processor`), the one way in: the server
 makes each prompt's checked `EngineRequest` with it and `submit`s that. Every engine takes
 `SamplingParams` with all its fields (n, stop strings, penalties, logprobs, ...), so the server builds
-one SamplingParams per HTTP request and never asks which fields an engine knows. Outputs are deltas: each `RequestOutput` carries what is new since the last
-(token ids, text, logprob entries, the finish reason once), put in the queue the server gave
-`submit`, one queue per HTTP request shared by its prompts.
+one SamplingParams per HTTP request and never asks which fields an engine knows. Outputs are deltas:
+each `RequestOutput` carries what is new since the last (token ids, text, logprob entries, the finish
+reason once), put in the queue the server gave `submit`, one queue per HTTP request shared by its prompts.
 
 LoRA adapters (`LoRAServingEngine`): an engine whose `config.enable_lora` is on also has `add_lora`,
 `remove_lora`, `list_loras` and runs an EngineRequest's `lora_request`; the server sets it only for a

@@ -138,8 +138,9 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeReques
         add_gen = not body.continue_final_message
     try:
         return state.engine.processor.chat_prompt(
-            messages, state.chat, add_generation_prompt=add_gen, continue_final_message=bool(body.continue_final_message),
-            tools=tools, documents=body.documents, chat_template_kwargs=body.chat_template_kwargs)
+            messages, state.chat, add_generation_prompt=add_gen,
+            continue_final_message=bool(body.continue_final_message), tools=tools, documents=body.documents,
+            chat_template_kwargs=body.chat_template_kwargs)
     except PromptError as err:
         raise _refusal(err, "messages") from None
 
