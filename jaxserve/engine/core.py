@@ -308,10 +308,9 @@ class EngineCore:
                 work.num_steps = 1 + row.num_lookahead
                 calls = max(calls, work.num_steps)
         serial = verifies or calls > 1
-        packed = self.runner.prepare_inputs(works)
         self.composition.record(batch.rows, calls)  # before the rows take placeholders
         logprobs = any(row.seq.params.logprobs is not None for row in batch.rows)
-        pending = self.runner.execute(packed, logprobs=logprobs)
+        pending = self.runner.execute(works, logprobs=logprobs)  # laid out, dispatched, not waited for
         dispatched_at = time.perf_counter()
         return InFlightStep(batch, self._dispatched_rows(batch, works, pending, serial), pending, serial, verifies,
                             any(w.grammar is not None for w in works), dispatched_at)

@@ -183,18 +183,18 @@ class ModelRunner:
         key = variant.key_for(rows)
         return variant.pack(rows, key, self.table.layout(key))
 
-    def execute(self, packed: StepInputs, logprobs: bool = True) -> PendingSamples:
-        """Run a prepared step on the device (not waiting for it); its samples' copy to the host
-        starts at once. `logprobs=False`: the samples' logprobs are not fetched (no row asked)."""
+    def execute(self, rows: Sequence[Any], logprobs: bool = True) -> PendingSamples:
+        """One step: lay the rows out, run it on the device (not waiting for it) and start its
+        samples' copy to the host. `logprobs=False`: the samples' logprobs are not fetched."""
+        packed = self.prepare_inputs(rows)
         variant = self._variant_of(packed.shape)
         out = self.run_step(packed.shape, packed.inputs, packed.buffer)
         return PendingSamples(variant.fetched(out, logprobs), packed, variant.unpack,
                               start_copy=self.platform != "cpu")
 
     def execute_rows(self, rows: Sequence[Any]) -> StepSamples:
-        """`prepare_inputs`, `execute`, and wait for the samples: one step run to completion (tests,
-        benchmarks, speculation's calibration)."""
-        return self.execute(self.prepare_inputs(rows)).result()
+        """`execute` and wait for the samples: one step run to completion (tests, benchmarks)."""
+        return self.execute(rows).result()
 
     def run_step(self, key: tuple, inputs: tuple, buffer: np.ndarray | None = None) -> Any:
         """Dispatch executable `key` on host inputs (arrays, leading axis R); returns its outputs on
