@@ -15,6 +15,8 @@ This module is the one place that says how K/V are stored (`write_kv_slots`) and
 the attention paths widen int8 and float8 pages to q's dtype and apply int8's per-slot scales
 themselves; they never see a float8 cache's scales, which `attend` folds into q (K's: q.(k*s) =
 (q*s).k) and into the output (V's: sum p*(v*s) = (sum p*v)*s), each a scalar per KV head.
+Float8 pages move (scatter, gather, page copies) as bytes (`as_bytes`): XLA:CPU has no float8
+gather or scatter and widens the whole operand, the whole cache, to f16 around each one.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class KVCache:
 
     @property
     def fp8(self) -> bool:
-        return self.k.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2)
+        return is_fp8(self.k.dtype)
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -256,9 +258,9 @@ def write_kv_slots(
     rows = jnp.where(valid[None], rows, L * K * NP * S)  # out of range -> dropped
 
     def scatter(pages, new):  # new [N, K, *rest] -> rows of pages viewed as [L*K*NP*S, *rest]
-        flat = pages.reshape(L * K * NP * S, *pages.shape[4:])
-        flat = flat.at[rows].set(jnp.moveaxis(new, 1, 0).astype(pages.dtype), mode="drop")
-        return flat.reshape(pages.shape)
+        flat = as_bytes(pages).reshape(L * K * NP * S, *pages.shape[4:])
+        flat = flat.at[rows].set(as_bytes(jnp.moveaxis(new, 1, 0).astype(pages.dtype)), mode="drop")
+        return from_bytes(flat.reshape(pages.shape), pages.dtype)
 
     if cache.fp8:
         return cache.replace(k=scatter(cache.k, _to_fp8(k_new, _head_scales(cache.k_scale, layer), cache.k.dtype)),
@@ -268,6 +270,22 @@ def write_kv_slots(
     (kq, ks), (vq, vs) = quantize_kv(k_new), quantize_kv(v_new)  # i8[N, K, H], f32[N, K]
     return KVCache(k=scatter(cache.k, kq), v=scatter(cache.v, vq), k_scale=scatter(cache.k_scale, ks),
                    v_scale=scatter(cache.v_scale, vs))
+
+
+def is_fp8(dtype: Any) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def as_bytes(x: jax.Array) -> jax.Array:
+    """Float8 pages as uint8 (a free bitcast), anything else as it is: what gathers, scatters and page
+    copies move. XLA:CPU (jax 0.10) runs a float8 gather or scatter in f16, converting its whole operand
+    there and back: on the cache, every layer of every step (docs/BENCHMARKS.md, "fp8 KV cache")."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint8) if is_fp8(x.dtype) else x
+
+
+def from_bytes(x: jax.Array, dtype: Any) -> jax.Array:
+    """`as_bytes` undone: uint8 back to the float8 `dtype`."""
+    return jax.lax.bitcast_convert_type(x, dtype) if is_fp8(dtype) else x
 
 
 def _head_scales(scale: jax.Array, layer: jax.Array | int) -> jax.Array:
@@ -307,7 +325,8 @@ def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array, replica: int = 0)
     """Copy whole pages (all layers and heads, and an int8 cache's scales) src[i] -> dst[i]:
     copy-on-write for forked sequences. A float8 cache's per-layer scales stay as they are."""
     def copy(x):
-        return x.at[replica, :, :, dst].set(x[replica, :, :, src])
+        b = as_bytes(x)
+        return from_bytes(b.at[replica, :, :, dst].set(b[replica, :, :, src]), x.dtype)
     if not cache.quantized or cache.fp8:
         return cache.replace(k=copy(cache.k), v=copy(cache.v))
     return KVCache(k=copy(cache.k), v=copy(cache.v), k_scale=copy(cache.k_scale), v_scale=copy(cache.v_scale))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.model.kv_cache import as_bytes, from_bytes
 from jaxserve.model.quant import QuantArray, matmul
 
 Weight = jax.Array | QuantArray
@@ -142,8 +143,8 @@ def _layer_pages(
     L, K, NP = cache.shape[:3]
     W, P = table.shape
     rows = (layer * K + jnp.arange(K, dtype=jnp.int32)[:, None, None]) * NP + table[None]  # i32[K, W, P]
-    pages = cache.reshape(L * K * NP, *cache.shape[3:])[rows]  # [K, W, P, S, ...]
-    return pages.reshape(K, W, P * cache.shape[3], *cache.shape[4:])
+    pages = as_bytes(cache).reshape(L * K * NP, *cache.shape[3:])[rows]  # [K, W, P, S, ...]; float8 as bytes
+    return from_bytes(pages.reshape(K, W, P * cache.shape[3], *cache.shape[4:]), cache.dtype)
 
 
 def _layer_page_scales(scale: jax.Array, layer: jax.Array | int, table: jax.Array) -> jax.Array:
