@@ -4,7 +4,7 @@
                                   directory, a GGUF file or a Hugging Face ID, as `vllm serve ORG/NAME`
     jaxserve serve-ray [MODEL] [flags]  the same server over replicas on Ray Serve (= jaxserve.serving.ray.cli)
     jaxserve plan [flags]           will a model fit, how many sequences, how fast (= python -m jaxserve.plan)
-    jaxserve compare-hf [flags]     greedy tokens and logits against Hugging Face (= python -m jaxserve.compare_hf)
+    jaxserve compare-hf [flags]     greedy tokens and logprobs against Hugging Face (= python -m jaxserve.compare_hf)
     jaxserve bench {serve,latency,throughput} [flags]  benchmarks, as `vllm bench` (= python -m jaxserve.bench.cli)
 
 Each subcommand takes exactly the flags of its module (`jaxserve serve --help`); the modules stay
