@@ -139,7 +139,7 @@ class Scheduler:
     def top_up(self, batch: SchedulerOutput) -> list[ScheduledRow]:
         """Admit requests added since `batch` was made and append their first prompt chunks to it, in
         the budget it left; returns the rows added. Async scheduling holds a batch back for requests
-        that arrive while the step before it runs (EngineCore.execute); a batch with lookahead is never
+        that arrive while the step before it runs (engine/overlap.py); a batch with lookahead is never
         topped up (only plain steps are held back)."""
         new = self._prompt_chunks(batch.rows)
         if new:
@@ -191,7 +191,7 @@ class Scheduler:
         """Whether `seq` may join a step scheduled while its last token is still in flight (async
         scheduling): not if its length ends it once the token lands (max_tokens, max_model_len:
         there is nothing left to compute). A row under a grammar may: the engine hands its grammar
-        that token before the row's next mask is filled (EngineCore.execute)."""
+        that token before the row's next mask is filled (Overlap.step)."""
         if not seq.in_flight:
             return True
         return len(seq.output_token_ids) < seq.params.max_tokens and seq.num_tokens < self.max_model_len
