@@ -130,7 +130,8 @@ class Module:
             callee, site = call.group(1), (func, _operands(call.group(2)))
             return self.origins(callee, self.returns[callee][int(index or 0)], path + ("return",), stack + (site,))
         op = re.match(r'"?([\w.]+)"?', line).group(1)
-        if op in ("stablehlo.reshape", "stablehlo.scatter"):  # a view, or the in-place K/V write: follow the cache
+        # a view, the in-place K/V write, or float8 pages as bytes and back (kv_cache.as_bytes): follow the cache
+        if op in ("stablehlo.reshape", "stablehlo.scatter", "stablehlo.bitcast_convert"):
             first = re.search(r"(%[\w#]+)", line[len(op):]).group(1)
             return self.origins(func, first, path + (op,), stack)
         return [path + (op,)]  # anything else (a slice, a copy, ...) ends the path and fails the test
@@ -192,8 +193,9 @@ def test_kernels_take_the_whole_stacked_cache(platform, scan, kv, mesh_shape):
         assert len(paths) == (1 if scan else CFG.num_layers), paths  # one call site per layer when unrolled
         for path in paths:
             assert path[-1] == "main argument", path
+            # bitcast_convert: float8 pages move as bytes (kv_cache.as_bytes), the same buffer reinterpreted
             assert set(path) <= {"call", "return", "while carry", "stablehlo.reshape", "stablehlo.scatter",
-                                 "shard_map", "main argument"}, path
+                                 "stablehlo.bitcast_convert", "shard_map", "main argument"}, path
             assert ("while carry" in path) == scan, path
             assert ("shard_map" in path) == (mesh_shape is not None), path
     # Nothing anywhere slices the stacked cache (a per-layer copy would need one of these ops).
