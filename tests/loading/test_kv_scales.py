@@ -59,14 +59,14 @@ def test_checkpoint_scales_reach_the_fp8_cache(hf_model_dir, tmp_path):
 def test_one_scale_for_both_and_refused_scales(hf_model_dir, tmp_path):
     path, _ = hf_model_dir("llama")
     cfg = ModelConfig.from_dir(path)
-    both = with_tensors(path, str(tmp_path / "both"), {f"model.layers.{i}.self_attn.kv_scale": np.asarray(0.5, np.float32)
-                                                      for i in range(cfg.num_layers)})
+    one = lambda x: {f"model.layers.{i}.self_attn.kv_scale": np.asarray(x, np.float32)  # noqa: E731
+                     for i in range(cfg.num_layers)}
+    both = with_tensors(path, str(tmp_path / "both"), one(0.5))
     k, v = read_kv_scales(both, cfg)  # "kv_scale": one scale for K and V
     assert np.all(k == 0.5) and np.all(v == 0.5)
-    half = with_tensors(path, str(tmp_path / "half"), {"model.layers.0.self_attn.k_scale": np.asarray(0.5, np.float32)})
+    half = with_tensors(path, str(tmp_path / "half"), {"model.layers.0.self_attn.k_scale": np.ones((), np.float32)})
     with pytest.raises(ModelLoadError, match="incomplete"):
         read_kv_scales(half, cfg)
-    bad = with_tensors(path, str(tmp_path / "bad"), {f"model.layers.{i}.self_attn.kv_scale": np.asarray(-1.0, np.float32)
-                                                    for i in range(cfg.num_layers)})
+    bad = with_tensors(path, str(tmp_path / "bad"), one(-1.0))
     with pytest.raises(ModelLoadError, match="positive"):
         read_kv_scales(bad, cfg)
