@@ -199,7 +199,7 @@ class StepTimer:
         def put_inputs(fn):  # Layout.pack (timed as pack), then put_buffer (timed as copy)
             def wrapper(shape, inputs):
                 t = pc()
-                host = run._layouts[shape].pack(inputs)
+                host = run.table.layouts[shape].pack(inputs)
                 self._add("pack", pc() - t)
                 return run.put_buffer(host)
             return wrapper
@@ -230,7 +230,7 @@ class StepTimer:
 
         self._patch(eng, "_finish_step", finish_step)
 
-        self._executables = dict(run._executables)
+        self._executables = dict(run.table.executables)
         for shape, exe in self._executables.items():
             def recorder(*a, _exe=exe):
                 t = pc()
@@ -241,7 +241,7 @@ class StepTimer:
                     self.last["host_buffer"] = self.last["buffer"] = a[-1]
                 self.last["fetched_bytes"] = sum(x.nbytes for x in jax.tree.leaves(out[0]))
                 return out
-            run._executables[shape] = recorder
+            run.table.executables[shape] = recorder
         return self
 
     def remove(self) -> None:
@@ -254,7 +254,7 @@ class StepTimer:
         for undo in self._restore:
             undo()
         self._restore.clear()
-        self.runner._executables.update(self._executables)
+        self.runner.table.executables.update(self._executables)
 
     def step(self) -> tuple[float, dict[str, float], list]:
         """One engine step as LLM.generate drives it; (seconds, phases, outputs)."""
@@ -383,7 +383,7 @@ def build_llm(config: str | None, overrides: dict, batch: int, contexts: Sequenc
         settings["compilation_cache_dir"] = "none"
     model = settings.pop("model")
     llm = LLM(model=model, warm_up=False, **settings)
-    logging.getLogger("jaxserve.runner.runner").setLevel(logging.ERROR)  # prefill shapes compile on demand
+    logging.getLogger("jaxserve.runner.executables").setLevel(logging.ERROR)  # prefill shapes compile on demand
     return llm
 
 

@@ -25,6 +25,7 @@ class ExecutableTable:
         # the next ones (measured), so timings of those steps are not representative.
         self.first_runs = 0
         self.ran: set[tuple] = set()
+        self.warmed = False  # compile_all ran: a compile after it was not foreseen (--enforce-eager: none ran)
 
     def __len__(self) -> int:
         return len(self.executables)
@@ -46,7 +47,7 @@ class ExecutableTable:
         if executable is None:
             if not planned:
                 self.unplanned_compiles += 1
-                logger.warning("compiling unplanned step %s", key)
+                logger.log(logging.WARNING if self.warmed else logging.INFO, "compiling unplanned step %s", key)
             executable = self.executables[key] = self.lower(key).compile(self.compiler_options)
         return executable
 
@@ -64,6 +65,7 @@ class ExecutableTable:
 
     def compile_all(self, keys: Iterable[tuple], progress: bool = True) -> list[tuple[tuple, float]]:
         """Compile the keys not compiled yet (`compilation.compile_buckets`); (key, seconds) of each."""
+        self.warmed = True
         keys = [k for k in keys if k not in self.executables]
         logger.info("compiling %d step buckets: %s", len(keys), keys)
         timings = []

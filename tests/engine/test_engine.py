@@ -7,6 +7,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.errors import RequestError
+from jaxserve.runner import input_transfer
 
 BASE = dict(dtype="float32", page_size=8, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
             warm_up=False)
@@ -202,46 +203,47 @@ def test_decode_loop_makes_one_explicit_transfer_each_way_per_step(llm, monkeypa
 
 def test_copies_of_the_packed_inputs_are_kept_and_reused(llm, monkeypatch):
     """Each plain step's call reads a copy of its bucket's buffer (the writer rewrites the buffer for
-    the next step); the copies are kept and rewritten once their step is done (`ModelRunner._stage`),
+    the next step); the copies are kept and rewritten once their step is done (`InputTransfer.stage`),
     not allocated every step, and each call reads the words the writer wrote for it."""
     engine, runner = llm.engine, llm.runner
     prompts, _ = make_requests(3, seed=12)
     for i, p in enumerate(prompts):
         engine.add_request(f"k{i}", prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=25, temperature=0))
-    seen, real, real_pack, written = [], runner.call, runner._pack_written, {}
+    seen, real, real_pack, written = [], runner.plain.call, runner.plain.pack, {}
 
-    def call_step(executable, sparse, buffer):
-        if "words" in written:  # a step of a bucket's input batch (a bucket's first step is packed anew)
+    def call_step(executable, state, sparse, buffer):
+        if "words" in written:  # a step of a bucket's input batch
             seen.append((buffer, buffer.copy(), written.pop("words")))
-        return real(executable, sparse, buffer)
+        return real(executable, state, sparse, buffer)
 
     def pack_written(*args):
         packed = real_pack(*args)
         written["words"] = packed.buffer.copy()
         return packed
 
-    monkeypatch.setattr(runner, "call", call_step)
-    monkeypatch.setattr(runner, "_pack_written", pack_written)
+    monkeypatch.setattr(runner.plain, "call", call_step)
+    monkeypatch.setattr(runner.plain, "pack", pack_written)
     while llm.overlap.has_unfinished_requests():
         llm.overlap.step()
     monkeypatch.undo()
     assert len(seen) > 20
     for _, read, words in seen:
         np.testing.assert_array_equal(read, words)
-    kept = [entry[0] for entries in runner._staged.values() for entry in entries]
+    staged = runner.transfer._staged
+    kept = [entry[0] for entries in staged.values() for entry in entries]
     assert all(any(buffer is copy for copy in kept) for buffer, _, _ in seen)  # every call read a kept copy
-    assert all(len(entries) <= runner._MAX_STAGED for entries in runner._staged.values())
+    assert all(len(entries) <= input_transfer._MAX_STAGED for entries in staged.values())
 
 
 def count_step_operands(runner, monkeypatch) -> list:
     """The type of the packed-inputs operand of each plain step's call, from now on."""
-    operands, real = [], runner.call
+    operands, real = [], runner.plain.call
 
-    def call_step(executable, sparse, buffer):
+    def call_step(executable, state, sparse, buffer):
         operands.append(type(buffer))
-        return real(executable, sparse, buffer)
+        return real(executable, state, sparse, buffer)
 
-    monkeypatch.setattr(runner, "call", call_step)
+    monkeypatch.setattr(runner.plain, "call", call_step)
     return operands
 
 

@@ -1,6 +1,6 @@
 """The InputBatch (jaxserve/runner/input_batch.py) keeps each plain bucket's packed inputs from step to
 step and rewrites only what changed. Every step it writes must equal the from-scratch pack of the
-same rows (`ModelRunner._pack_anew`) word for word, through adds, finishes, preemptions, aborts,
+same rows (`row_packing.pack_rows`) word for word, through adds, finishes, preemptions, aborts,
 n > 1 forks, prefix-cache hits, chunked prompts, penalties and logit_bias, on one replica and on
 two; and the outputs must be those of packing every step from scratch."""
 
@@ -12,6 +12,7 @@ from jaxserve.engine.row_work import RowWork
 from jaxserve.model.transfer import SPARSE_FIELDS
 from jaxserve.runner.step_io import split_sparse
 from jaxserve.runner.input_batch import InputBatch
+from jaxserve.runner.row_packing import pack_rows
 from jaxserve.model.kv_cache import RaggedBatch
 from jaxserve.model.sampler import RowSampling, SamplingTensors
 from jaxserve.structured.apply import TokenMask
@@ -46,13 +47,11 @@ def workload(seed=0, n=24):
 def check_against_anew(runner, counts):
     """Wrap the runner's written packing: each step's written inputs are compared with the
     from-scratch pack of the same rows."""
-    real = runner._pack_written
+    real = runner.plain.pack
 
-    def pack_written(rows, shape, before_masks):
-        packed = real(rows, shape, before_masks)
-        ps = runner.cache.page_size
-        need = [min(len(r.page_ids), -(-(r.start_pos + len(r.tokens)) // ps)) for r in rows]
-        ref = runner._pack_anew(rows, shape, False, [r.page_ids[:n] for r, n in zip(rows, need)], None)
+    def pack_written(rows, shape, layout):
+        packed = real(rows, shape, layout)
+        ref = pack_rows(runner.ctx, rows, shape)
         np.testing.assert_array_equal(packed.logit_at, ref.logit_at)
         assert packed.token_at == ref.token_at
         ours, theirs = (packed.batch, packed.sampling, packed.mask), (ref.batch, ref.sampling, ref.mask)
@@ -62,7 +61,6 @@ def check_against_anew(runner, counts):
         # The mask words of free rows are never read (their flag is off): compared where constrained.
         constrained = ref.mask.constrained
         np.testing.assert_array_equal(packed.mask.bitmask[constrained], ref.mask.bitmask[constrained])
-        layout = runner._layouts[shape]
         ref_words = layout.pack(split_sparse((ref.batch, ref.sampling, TokenMask(packed.mask.bitmask, constrained)))[0])
         np.testing.assert_array_equal(packed.buffer, ref_words)
         np.testing.assert_array_equal(layout.pack(ours_packed), ref_words)  # what a follower would pack
@@ -70,7 +68,7 @@ def check_against_anew(runner, counts):
         counts["rows"] += len(rows)
         return packed
 
-    runner._pack_written = pack_written
+    runner.plain.pack = pack_written
 
 
 def run(llm, prompts, params, abort_every=0):
@@ -106,9 +104,7 @@ def test_written_steps_equal_the_from_scratch_pack(pages):
     with LLM("checkpoints/small", **SETTINGS, num_pages=pages) as llm:
         runner = llm.runner
         # Every step packed from scratch: the outputs the written steps must reproduce exactly.
-        runner._pack_written = lambda rows, shape, before_masks: runner._pack_anew(
-            rows, shape, False, [r.page_ids[: -(-(r.start_pos + len(r.tokens)) // runner.cache.page_size)]
-                                 for r in rows], before_masks)
+        runner.plain.pack = lambda rows, shape, layout: pack_rows(runner.ctx, rows, shape)
         anew = run(llm, prompts, params, abort_every=5)
     assert written == anew
 
