@@ -121,7 +121,7 @@ def run_one(sweep: Sweep, mesh: tuple[int, int], load: Workload, reference: dict
     from bench_throughput import workload
     from jaxserve.config import ModelConfig
     from jaxserve.llm import LLM
-    from jaxserve.planning.roofline import kv_split
+    from jaxserve.planning.weight_bytes import kv_split
     from jaxserve.sampling.params import SamplingParams
 
     data, model = mesh

@@ -18,13 +18,8 @@ from jaxserve.config.model_config import (
 )
 from jaxserve.planning.devices import get_device
 from jaxserve.errors import UnsupportedModelError
-from jaxserve.planning.roofline import (
-    EXPERT_WEIGHTS,
-    Target,
-    experts_on_busiest_device,
-    make_plan,
-    param_bytes_per_device,
-)
+from jaxserve.planning.roofline import Target, make_plan
+from jaxserve.planning.weight_bytes import EXPERT_WEIGHTS, experts_on_busiest_device, param_bytes_per_device
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 MODELS = REPO / "configs" / "models"

@@ -14,7 +14,8 @@ from jaxserve.errors import ConfigError
 from jaxserve.model.kv_cache import cache_shape
 from jaxserve.model.weights import init_dummy_params
 from jaxserve.planning import roofline
-from jaxserve.planning.roofline import Target, make_plan, param_bytes_per_device
+from jaxserve.planning.roofline import Target, make_plan
+from jaxserve.planning.weight_bytes import param_bytes_per_device
 from jaxserve.model.sharding import make_mesh, make_shardings
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

@@ -12,7 +12,8 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.loading.model_source import planned_model_dir
 from jaxserve.planning.devices import DeviceSpec
 from jaxserve.planning.memory import plan_memory
-from jaxserve.planning.roofline import Plan, Target, experts_on_busiest_device, make_plan
+from jaxserve.planning.roofline import Plan, Target, make_plan
+from jaxserve.planning.weight_bytes import experts_on_busiest_device
 
 
 def resolve_dtype(settings: EngineConfig, model_dir: str, spec: DeviceSpec) -> str:

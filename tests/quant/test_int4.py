@@ -134,7 +134,7 @@ def test_tied_table_quantized_as_the_head(quantization):
     """quantize_lm_head on a tied model quantizes the embedding table as the head [D, V]: the logits (head
     and gathered rows) are the dequantized model's, on every matmul path; the bytes are the config's."""
     from jaxserve.model.llama import forward_dense
-    from jaxserve.planning.roofline import param_bytes_per_device
+    from jaxserve.planning.weight_bytes import param_bytes_per_device
 
     cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
@@ -180,7 +180,7 @@ def test_quantized_engine_compiles_nothing_after_warm_up(hf_model_dir, quantized
 def test_moe_param_bytes_count_int4_experts():
     """int4 covers the experts (groups along each expert's input rows): the arrays' bytes are
     ModelConfig's, which the planner checks its per-device count against."""
-    from jaxserve.planning.roofline import param_bytes_per_device
+    from jaxserve.planning.weight_bytes import param_bytes_per_device
 
     cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=0, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
