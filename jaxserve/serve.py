@@ -65,8 +65,10 @@ class ServeArgumentParser(argparse.ArgumentParser):
         tag = getattr(ns, "model_tag", None)
         if tag is not None:
             if getattr(ns, "model", tag) != tag:
-                self.error(f"the model is given twice, differently: {tag!r} (positional) and --model {ns.model!r}; "
-                           "give one of them")
+                self.error(
+                    f"the model is given twice, differently: {tag!r} (positional) and --model {ns.model!r}; "
+                    "give one of them"
+                )
             ns.model = tag
         try:
             ns.vllm_notes = vllm_flags.apply(ns)
@@ -85,57 +87,104 @@ def dashed(arg: str) -> str:
 
 def build_parser(prog: str = "python -m jaxserve.serve") -> argparse.ArgumentParser:
     parser = ServeArgumentParser(
-        prog=prog, description="OpenAI-compatible LLM server over jaxserve's JAX engine.",
+        prog=prog,
+        description="OpenAI-compatible LLM server over jaxserve's JAX engine.",
         usage="%(prog)s [MODEL] [flags]   (--help lists every flag; vLLM's: docs/coming-from-vllm.md)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("model_tag", nargs="?", default=argparse.SUPPRESS, metavar="MODEL",
-                        help="the model to serve, as `vllm serve MODEL`: a model directory, a GGUF file (or a "
-                             "directory holding one) or a Hugging Face model ID (ORG/NAME); same as --model. "
-                             "Give it before the flags. Default: the default model (SmolLM2-135M-Instruct)")
-    parser.add_argument("--config", default=None,
-                        help="YAML file of engine settings, or a shipped config's name (default, llama3-8b-tp8, "
-                             "...); flags override it. Default: configs/default.yaml when no --model is given")
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=argparse.SUPPRESS,
+        metavar="MODEL",
+        help="the model to serve, as `vllm serve MODEL`: a model directory, a GGUF file (or a "
+        "directory holding one) or a Hugging Face model ID (ORG/NAME); same as --model. "
+        "Give it before the flags. Default: the default model (SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="YAML file of engine settings, or a shipped config's name (default, llama3-8b-tp8, "
+        "...); flags override it. Default: configs/default.yaml when no --model is given",
+    )
     EngineConfig.add_cli_arguments(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
     g.add_argument("--port", type=int, default=8000, help="port to bind")
-    g.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXSERVE_API_KEY, else none)")
-    g.add_argument("--max-waiting", type=int, default=None,
-                   help="answer 503 at once when this many requests already wait (default: no bound)")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients send; default: the --model path (or the default model's name)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("JAXSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXSERVE_API_KEY, else none)",
+    )
+    g.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="answer 503 at once when this many requests already wait (default: no bound)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients send; default: the --model path (or the default model's name)",
+    )
     g.add_argument("--max-body-bytes", type=parse_size, default=8 * 2**20, help="bigger request bodies get 413")
-    g.add_argument("--grace-seconds", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT, how long in-flight requests may take to finish")
-    g.add_argument("--device-bandwidth", type=float, default=None,
-                   help="peak memory bandwidth in bytes/s for the MBU metric (default: known devices only)")
+    g.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, how long in-flight requests may take to finish",
+    )
+    g.add_argument(
+        "--device-bandwidth",
+        type=float,
+        default=None,
+        help="peak memory bandwidth in bytes/s for the MBU metric (default: known devices only)",
+    )
     from jaxserve.server.tool_parsers import PARSERS
 
-    g.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
-                   help="read the model's tool calls back into tool_calls when a request's tool_choice is auto (the "
-                        "default when it sends tools), with --tool-call-parser. On by default here; vLLM's default "
-                        "is off: --no-enable-auto-tool-choice answers such requests 400 as vLLM does")
-    g.add_argument("--tool-call-parser", default="hermes", choices=tuple(PARSERS),
-                   help="the format the model writes tool calls in, read back into tool_calls when tool_choice is "
-                        "auto: hermes (<tool_call>{json}</tool_call>; the shipped model's template) or llama3_json "
-                        "(Llama 3.1's {\"name\", \"parameters\"})")
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="read the model's tool calls back into tool_calls when a request's tool_choice is auto (the "
+        "default when it sends tools), with --tool-call-parser. On by default here; vLLM's default "
+        "is off: --no-enable-auto-tool-choice answers such requests 400 as vLLM does",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=tuple(PARSERS),
+        help="the format the model writes tool calls in, read back into tool_calls when tool_choice is "
+        "auto: hermes (<tool_call>{json}</tool_call>; the shipped model's template) or llama3_json "
+        '(Llama 3.1\'s {"name", "parameters"})',
+    )
     from jaxserve.server.reasoning_parsers import REASONING_PARSERS
 
-    g.add_argument("--reasoning-parser", default=None, choices=tuple(REASONING_PARSERS),
-                   help="chat: split a reasoning model's <think>...</think> from its answer (message.reasoning_content "
-                        "apart from content); a constrained request's grammar then applies after </think>. "
-                        "Default: none (the whole output is content)")
-    g.add_argument("--allow-runtime-lora-updating", action="store_true", default=None,
-                   help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (load and unload LoRA "
-                        "adapters while serving; needs --enable-lora). Default: on when the environment sets "
-                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING to 1 or true, as vLLM")
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=tuple(REASONING_PARSERS),
+        help="chat: split a reasoning model's <think>...</think> from its answer (message.reasoning_content "
+        "apart from content); a constrained request's grammar then applies after </think>. "
+        "Default: none (the whole output is content)",
+    )
+    g.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        default=None,
+        help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (load and unload LoRA "
+        "adapters while serving; needs --enable-lora). Default: on when the environment sets "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING to 1 or true, as vLLM",
+    )
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     m = parser.add_argument_group("mock engine (tests, HTTP-layer fuzzing)")
-    m.add_argument("--mock-engine", action="store_true",
-                   help="serve the deterministic mock engine instead of a model (no JAX needed)")
+    m.add_argument(
+        "--mock-engine",
+        action="store_true",
+        help="serve the deterministic mock engine instead of a model (no JAX needed)",
+    )
     m.add_argument("--mock-token-delay", type=float, default=0.002, help="seconds per mock engine step")
     vllm_flags.add_arguments(parser)
     return parser
@@ -150,8 +199,11 @@ def preload_tcmalloc(argv: list[str]) -> None:
     which measured about 2x slower decode steps. JAXSERVE_NO_TCMALLOC=1 opts out."""
     if os.environ.get("JAXSERVE_NO_TCMALLOC") or "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
         return
-    if os.path.exists("/dev/nvidia0") or os.path.exists("/dev/accel0") or \
-            os.environ.get("JAX_PLATFORMS", "cpu").split(",")[0] not in ("", "cpu"):
+    if (
+        os.path.exists("/dev/nvidia0")
+        or os.path.exists("/dev/accel0")
+        or os.environ.get("JAX_PLATFORMS", "cpu").split(",")[0] not in ("", "cpu")
+    ):
         return
     library = next((path for path in TCMALLOC if os.path.exists(path)), None)
     if library is None:
@@ -194,7 +246,8 @@ def check_dummy_weights(ns: argparse.Namespace, config: str | None) -> None:
             f"--config {ns.config} sets load_format: dummy (seeded random weights, for planning and benchmarks) and "
             f"--model {ns.model} is given: that would serve random weights under the model's name. Add "
             "--load-format auto to load the model's own weights with the config's other settings, or "
-            "--load-format dummy if random weights are meant")
+            "--load-format dummy if random weights are meant"
+        )
 
 
 def resolve_settings(ns: argparse.Namespace) -> tuple[EngineConfig, str, str | None]:
@@ -226,9 +279,11 @@ def check_checkpoint_quantization(ns: argparse.Namespace, model: str | None) -> 
     found = fmt.method if fmt is not None else None
     if found != method:
         kind = "a float (or GGUF)" if found is None else f"a {found.upper()}"
-        raise ConfigError(f"--quantization {method}: {model} is {kind} checkpoint, not {method.upper()} (as in vLLM, "
-                          "the method must match the checkpoint's quantization_config); drop the flag, or quantize at "
-                          "load with --quantization int8 or int4")
+        raise ConfigError(
+            f"--quantization {method}: {model} is {kind} checkpoint, not {method.upper()} (as in vLLM, "
+            "the method must match the checkpoint's quantization_config); drop the flag, or quantize at "
+            "load with --quantization int8 or int4"
+        )
 
 
 def build_engine(ns: argparse.Namespace, settings: EngineConfig) -> Any:
@@ -250,12 +305,15 @@ def check_lora_options(ns: argparse.Namespace, settings: EngineConfig, served_na
     """Contradictions between the LoRA flags and the server's (ConfigError: exit 2 before anything loads);
     --lora-modules without --enable-lora is EngineConfig's own error."""
     if ns.allow_runtime_lora_updating and not settings.enable_lora:
-        raise ConfigError("--allow-runtime-lora-updating needs --enable-lora (adapters are loaded into a LoRA-enabled "
-                          "engine)")
+        raise ConfigError(
+            "--allow-runtime-lora-updating needs --enable-lora (adapters are loaded into a LoRA-enabled engine)"
+        )
     taken = sorted({r.lora_name for r in settings.lora_modules} & set(served_names))
     if taken:
-        raise ConfigError(f"--lora-modules: {', '.join(map(repr, taken))} is also a served model name "
-                          "(--served-model-name): requests naming it would never reach the adapter; rename one")
+        raise ConfigError(
+            f"--lora-modules: {', '.join(map(repr, taken))} is also a served model name "
+            "(--served-model-name): requests naming it would never reach the adapter; rename one"
+        )
 
 
 def load_lora_modules(engine: Any, settings: EngineConfig) -> None:
@@ -277,14 +335,22 @@ def run_follower(settings: EngineConfig) -> int:
     from jaxserve.runner import multihost
     from jaxserve.llm_engine import LLMEngine  # lazy: pulls in JAX
 
-    logger.info("process %d of %d: following process 0 (coordinator %s); no HTTP server here",
-                settings.process_id, settings.num_processes, settings.coordinator_address)
+    logger.info(
+        "process %d of %d: following process 0 (coordinator %s); no HTTP server here",
+        settings.process_id,
+        settings.num_processes,
+        settings.coordinator_address,
+    )
     try:
         engine = LLMEngine(settings)
     except BaseException as err:  # noqa: BLE001 - reported; the job cannot run without this process
         message = str(err) if isinstance(err, JaxServeError) else f"{type(err).__name__}: {err}"
-        logger.error("the engine failed to start on process %d: %s", settings.process_id, message,
-                     exc_info=not isinstance(err, JaxServeError))
+        logger.error(
+            "the engine failed to start on process %d: %s",
+            settings.process_id,
+            message,
+            exc_info=not isinstance(err, JaxServeError),
+        )
         logging.shutdown()
         os._exit(1)  # not a normal exit: jax.distributed's shutdown barrier would wait for the others
     return multihost.run_follower(engine)
@@ -314,8 +380,9 @@ def freeze_startup_heap() -> tuple[int, float]:
 def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serve") -> int:
     parser = build_parser(prog)
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, ns.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, ns.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     for line in ns.vllm_notes:  # vLLM flags accepted with no effect here, each with the reason
         logger.info("%s", line)
     try:
@@ -375,13 +442,23 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serv
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not state.draining:
-                logger.info("signal %s: draining (in-flight requests get up to %.0f s), then exiting",
-                            signal.Signals(sig).name, ns.grace_seconds)
+                logger.info(
+                    "signal %s: draining (in-flight requests get up to %.0f s), then exiting",
+                    signal.Signals(sig).name,
+                    ns.grace_seconds,
+                )
             state.draining = True
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, lifespan="on",
-                            timeout_graceful_shutdown=ns.grace_seconds, access_log=not ns.no_access_log)
+    config = uvicorn.Config(
+        app,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=ns.grace_seconds,
+        access_log=not ns.no_access_log,
+    )
     server = Server(config)
     failed: list[str] = []
 
@@ -397,10 +474,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serv
                 engine.shutdown()
                 raise
         except BaseException as err:  # noqa: BLE001 - reported, and the server exits non-zero
-            message = (EngineConfig.cli_message(str(err)) if isinstance(err, JaxServeError)
-                       else f"{type(err).__name__}: {err}")
-            logger.error("the engine failed to start: %s", message,
-                         exc_info=not isinstance(err, JaxServeError))
+            message = (
+                EngineConfig.cli_message(str(err)) if isinstance(err, JaxServeError) else f"{type(err).__name__}: {err}"
+            )
+            logger.error("the engine failed to start: %s", message, exc_info=not isinstance(err, JaxServeError))
             state.load_error = message
             failed.append(message)
             server.should_exit = True
@@ -409,12 +486,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.serv
             engine.shutdown()
             return
         frozen, pause_ms = freeze_startup_heap()
-        logger.info("froze %d start-up objects out of the cyclic garbage collector (a full collection over "
-                    "them took %.0f ms)", frozen, pause_ms)
+        logger.info(
+            "froze %d start-up objects out of the cyclic garbage collector (a full collection over them took %.0f ms)",
+            frozen,
+            pause_ms,
+        )
         state.set_engine(engine)
-        logger.info("engine warm in %.1f s; ready on http://%s:%d (model %r)%s", time.perf_counter() - start,
-                    ns.host, ns.port, options.served_model_names[0],
-                    "; this machine only: --host 0.0.0.0 listens on every interface" if ns.host == "127.0.0.1" else "")
+        logger.info(
+            "engine warm in %.1f s; ready on http://%s:%d (model %r)%s",
+            time.perf_counter() - start,
+            ns.host,
+            ns.port,
+            options.served_model_names[0],
+            "; this machine only: --host 0.0.0.0 listens on every interface" if ns.host == "127.0.0.1" else "",
+        )
 
     loader = threading.Thread(target=load, name="engine-loader", daemon=True)
     loader.start()

@@ -28,8 +28,17 @@ from jaxserve.model.ragged_step import ragged_step
 from jaxserve.model.step_options import StepOptions
 from jaxserve.model.weights import Params
 
-__all__ = ["StepOptions", "decode", "decode_nodonate", "model_step", "prefill", "prefill_nodonate", "ragged",
-           "ragged_nodonate", "rows_as_ragged"]
+__all__ = [
+    "StepOptions",
+    "decode",
+    "decode_nodonate",
+    "model_step",
+    "prefill",
+    "prefill_nodonate",
+    "ragged",
+    "ragged_nodonate",
+    "rows_as_ragged",
+]
 
 
 def rows_as_ragged(batch: StepBatch, page_size: int, all_logits: bool) -> RaggedBatch:
@@ -65,7 +74,11 @@ def rows_as_ragged(batch: StepBatch, page_size: int, all_logits: bool) -> Ragged
 
 
 def model_step(
-    params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig, options: StepOptions = StepOptions(),
+    params: Params,
+    cache: KVCache,
+    batch: StepBatch,
+    cfg: ModelConfig,
+    options: StepOptions = StepOptions(),
     all_logits: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """The rectangle steps' body: `batch`'s rows laid out by `rows_as_ragged`, then `ragged_step`.

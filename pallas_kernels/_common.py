@@ -103,8 +103,10 @@ def check_matmul_blocks(fn_name: str, backend: str | None, x_dtype, **blocks: in
             raise ValueError(f"{fn_name}: {name} must be a positive int, got {b!r}.")
     block_m = blocks.get("block_m")
     if backend == "tpu" and block_m is not None and block_m % tpu_sublane_tile(x_dtype):
-        raise ValueError(f"{fn_name}: on TPU block_m must be a multiple of {tpu_sublane_tile(x_dtype)} for "
-                         f"{jnp.dtype(x_dtype).name} x.")
+        raise ValueError(
+            f"{fn_name}: on TPU block_m must be a multiple of {tpu_sublane_tile(x_dtype)} for "
+            f"{jnp.dtype(x_dtype).name} x."
+        )
     if backend == "gpu":
         for name, b in blocks.items():
             if b is not None and (not is_pow2(b) or b < 16):

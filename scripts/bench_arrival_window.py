@@ -57,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
             late.clear()
             params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
             for i in range(args.streams):
-                engine.add_request(f"{label}-{rnd}-{i}", None, params,
-                                   [10 + (i + j) % 500 for j in range(args.prompt_len)])
+                engine.add_request(
+                    f"{label}-{rnd}-{i}", None, params, [10 + (i + j) % 500 for j in range(args.prompt_len)]
+                )
             for _ in range(8):  # past the prompts: a steady decode from here
                 overlap.step()
             steps, start = engine.counters["steps"], time.perf_counter()
@@ -67,12 +68,20 @@ def main(argv: list[str] | None = None) -> int:
             n = engine.counters["steps"] - steps
             ms = 1e3 * (time.perf_counter() - start) / n
             results[label].append({"ms_per_step": ms, "steps": n, "windows": len(late), "closed_late": sum(late)})
-            print(f"round {rnd} {label:6s}: {ms:6.2f} ms/step over {n} steps"
-                  + (f"; {sum(late)} of {len(late)} windows closed after the step in flight ended"
-                     if label == "window" else ""), flush=True)
+            print(
+                f"round {rnd} {label:6s}: {ms:6.2f} ms/step over {n} steps"
+                + (
+                    f"; {sum(late)} of {len(late)} windows closed after the step in flight ended"
+                    if label == "window"
+                    else ""
+                ),
+                flush=True,
+            )
     med = {k: statistics.median(r["ms_per_step"] for r in v) for k, v in results.items()}
-    print(f"median ms/step: window {med['window']:.2f}, none {med['none']:.2f} "
-          f"({100 * (med['window'] / med['none'] - 1):+.1f}%)  [{platform.processor() or platform.machine()}]")
+    print(
+        f"median ms/step: window {med['window']:.2f}, none {med['none']:.2f} "
+        f"({100 * (med['window'] / med['none'] - 1):+.1f}%)  [{platform.processor() or platform.machine()}]"
+    )
     overlap.close()
     engine.close()
     if args.out:

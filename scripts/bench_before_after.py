@@ -91,8 +91,9 @@ def host_metrics(report: dict) -> dict[str, tuple[float, bool, bool]]:
     return out
 
 
-def summarize(samples: dict[str, dict[str, list[float]]], higher: dict[str, bool],
-              invalid: dict[str, int] | None = None) -> dict[str, dict]:
+def summarize(
+    samples: dict[str, dict[str, list[float]]], higher: dict[str, bool], invalid: dict[str, int] | None = None
+) -> dict[str, dict]:
     """Per metric: both sides' values, medians, spreads and the verdict (naming invalid runs)."""
     rows = {}
     for name, sides in samples.items():
@@ -101,7 +102,8 @@ def summarize(samples: dict[str, dict[str, list[float]]], higher: dict[str, bool
             v = sides[side]
             row[side] = {"values": v, "median": statistics.median(v), "min": min(v), "max": max(v)}
         row["verdict"] = verdict(sides["before"], sides["after"], higher[name]) + (
-            f" ({row['invalid_runs']} invalid runs)" if row["invalid_runs"] else "")
+            f" ({row['invalid_runs']} invalid runs)" if row["invalid_runs"] else ""
+        )
         rows[name] = row
     return rows
 
@@ -119,6 +121,7 @@ def run_in(tree: str, argv: list[str], timeout: float = 3600) -> str:
 def git_commit(tree: str) -> str:
     def git(*a):
         return subprocess.run(["git", "-C", tree, *a], capture_output=True, text=True).stdout.strip()
+
     dirty = git("status", "--porcelain", "--untracked-files=no")  # tracked files changed since the commit
     return git("rev-parse", "--short", "HEAD") + (" (dirty)" if dirty else "")
 
@@ -139,8 +142,11 @@ def bench_once(kind: str, tree: str, args) -> dict[str, tuple[float, bool, bool]
             return host_metrics(report)
         except RuntimeError as err:
             raise SystemExit(f"failed in {tree}: {err}") from None
-    result = json.loads(run_in(tree, ["-c", DECODE_SNIPPET, str(args.new_tokens), str(args.repeats),
-                                      args.batches]).strip().splitlines()[-1])
+    result = json.loads(
+        run_in(tree, ["-c", DECODE_SNIPPET, str(args.new_tokens), str(args.repeats), args.batches])
+        .strip()
+        .splitlines()[-1]
+    )
     if not result["jaxserve"].startswith(tree + os.sep):
         raise SystemExit(f"{tree}: the decode run imported {result['jaxserve']}")
     return {name: (rate, True, True) for name, rate in result["rates"].items()}
@@ -155,10 +161,13 @@ def print_table(report: dict) -> None:
     print(head + "\n" + "-" * len(head))
     for name, r in report["metrics"].items():
         b, a = r["before"], r["after"]
-        print(f"{name:<{w}}  {b['median']:9.1f} {b['min']:9.1f}..{b['max']:<8.1f}  {a['median']:9.1f} "
-              f"{a['min']:9.1f}..{a['max']:<8.1f}  {a['median'] / b['median']:9.3f}  {r['verdict']}")
-    print("tok/s: higher is better; host us/step: lower is better; "
-          "ok = after's median within before's spread or better")
+        print(
+            f"{name:<{w}}  {b['median']:9.1f} {b['min']:9.1f}..{b['max']:<8.1f}  {a['median']:9.1f} "
+            f"{a['min']:9.1f}..{a['max']:<8.1f}  {a['median'] / b['median']:9.3f}  {r['verdict']}"
+        )
+    print(
+        "tok/s: higher is better; host us/step: lower is better; ok = after's median within before's spread or better"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,8 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed generates per decode run (median), after a warm-up")
     ap.add_argument("--batches", default="1,16", help="decode batch sizes")
     ap.add_argument("--skip", default="", help="comma list of host, decode: benchmarks left out")
-    ap.add_argument("--quick", action="store_true",
-                    help=f"checks the script runs: host {HOST_ARGS_QUICK!r}, decode batches 1,2 of 8 tokens, 1 repeat")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"checks the script runs: host {HOST_ARGS_QUICK!r}, decode batches 1,2 of 8 tokens, 1 repeat",
+    )
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -208,12 +220,23 @@ def main(argv: list[str] | None = None) -> int:
     missing = [n for n, s in samples.items() if len(s["before"]) != len(s["after"])]
     if missing:  # e.g. a bench_host_overhead.py whose points differ between the trees
         raise SystemExit(f"metrics measured on one side only: {missing}")
-    report = {"date": date, "cpu": cpu_name(), "cores": os.cpu_count(), "rounds": args.rounds,
-              "before": {"dir": trees["before"], "commit": git_commit(trees["before"])},
-              "after": {"dir": trees["after"], "commit": git_commit(trees["after"])},
-              "settings": {"host_args": args.host_args, "new_tokens": args.new_tokens, "repeats": args.repeats,
-                           "batches": args.batches, "benchmarks": kinds},
-              "metrics": summarize(samples, higher, invalid), "elapsed_s": time.perf_counter() - t0}
+    report = {
+        "date": date,
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "rounds": args.rounds,
+        "before": {"dir": trees["before"], "commit": git_commit(trees["before"])},
+        "after": {"dir": trees["after"], "commit": git_commit(trees["after"])},
+        "settings": {
+            "host_args": args.host_args,
+            "new_tokens": args.new_tokens,
+            "repeats": args.repeats,
+            "batches": args.batches,
+            "benchmarks": kinds,
+        },
+        "metrics": summarize(samples, higher, invalid),
+        "elapsed_s": time.perf_counter() - t0,
+    }
     print_table(report)
     print(f"elapsed {report['elapsed_s']:.0f} s")
     if args.json:

@@ -61,10 +61,20 @@ def git_state(root: str) -> tuple[str | None, bool | None]:
     import subprocess
 
     try:
-        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "jaxserve"],
-                                    capture_output=True, text=True, timeout=10).stdout.strip())
+        commit = (
+            subprocess.run(
+                ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or None
+        )
+        dirty = bool(
+            subprocess.run(
+                ["git", "-C", root, "status", "--porcelain", "--", "jaxserve"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+        )
     except (OSError, subprocess.SubprocessError):
         return None, None
     return commit, dirty
@@ -179,13 +189,21 @@ def bench_jaxserve(args, dtype: str, prompt: list[int]) -> tuple[dict, object, l
     max_len = len(prompt) + n
     # No bucket-table warm-up: the full table is dozens of compilations, while this benchmark runs a
     # handful of shapes; the untimed warm-up generate below compiles exactly those.
-    t_build, llm = timed(lambda: LLM(
-        model=args.model, load_format="dummy", dtype=dtype, seed=args.seed,
-        max_num_seqs=1, max_num_batched_tokens=len(prompt), max_model_len=max_len, warm_up=False,
-        # Every timed run sends the same prompt: with prefix caching its pages would be reused and the
-        # "TTFT" would skip the prefill it is meant to measure.
-        enable_prefix_caching=False,
-    ))
+    t_build, llm = timed(
+        lambda: LLM(
+            model=args.model,
+            load_format="dummy",
+            dtype=dtype,
+            seed=args.seed,
+            max_num_seqs=1,
+            max_num_batched_tokens=len(prompt),
+            max_model_len=max_len,
+            warm_up=False,
+            # Every timed run sends the same prompt: with prefix caching its pages would be reused and the
+            # "TTFT" would skip the prefill it is meant to measure.
+            enable_prefix_caching=False,
+        )
+    )
     logging.getLogger("jaxserve.runner.runner").setLevel(logging.ERROR)  # "compiling unplanned shape"
     runner = llm.runner
     sp1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -256,11 +274,17 @@ def bench_steps(args, llm, token: int, start: int, max_len: int) -> dict:
     r_runner = [runner_loop(steps) for _ in range(args.repeats)]
     r_sync = [step_loop(steps, True) for _ in range(args.repeats)]
     r_async = [step_loop(steps, False) for _ in range(args.repeats)]
-    entry = lambda raw: {"decode_ms_per_token": statistics.median(raw) * 1e3,
-                         "decode_tokens_per_s": 1 / statistics.median(raw), "raw_s": raw}
-    return {"step_shape": list(shape),
-            "runner_execute": entry(r_runner), "compiled_step": entry(r_sync),
-            "compiled_step_pipelined": entry(r_async)}
+    entry = lambda raw: {
+        "decode_ms_per_token": statistics.median(raw) * 1e3,
+        "decode_tokens_per_s": 1 / statistics.median(raw),
+        "raw_s": raw,
+    }
+    return {
+        "step_shape": list(shape),
+        "runner_execute": entry(r_runner),
+        "compiled_step": entry(r_sync),
+        "compiled_step_pipelined": entry(r_async),
+    }
 
 
 def first_token(sampled) -> int:
@@ -275,12 +299,16 @@ def prompt_logits(llm, prompt: list[int], dtype) -> np.ndarray:
     from jaxserve.model.kv_cache import StepBatch, init_cache
 
     need = math.ceil(len(prompt) / llm.memory.page_size)
-    batch = StepBatch(tokens=np.array([[prompt]], np.int32), start_pos=np.zeros((1, 1), np.int32),
-                      num_new=np.full((1, 1), len(prompt), np.int32),
-                      page_table=np.arange(1, need + 1, dtype=np.int32)[None, None])
+    batch = StepBatch(
+        tokens=np.array([[prompt]], np.int32),
+        start_pos=np.zeros((1, 1), np.int32),
+        num_new=np.full((1, 1), len(prompt), np.int32),
+        page_table=np.arange(1, need + 1, dtype=np.int32)[None, None],
+    )
     cache = init_cache(llm.model_config, need + 1, llm.memory.page_size, dtype)
-    logits, _ = steps.prefill_nodonate(llm.runner.params, cache, batch, cfg=llm.model_config,
-                                       options=steps.StepOptions(scan_layers=True))
+    logits, _ = steps.prefill_nodonate(
+        llm.runner.params, cache, batch, cfg=llm.model_config, options=steps.StepOptions(scan_layers=True)
+    )
     return np.asarray(logits, np.float32)[0, 0]
 
 
@@ -300,8 +328,15 @@ def hf_state_dict(params, cfg) -> dict:
     sd = {"model.embed_tokens.weight": t(params.embed), "model.norm.weight": t(params.final_norm)}
     if params.lm_head is not None:
         sd["lm_head.weight"] = t(np.asarray(params.lm_head).T)
-    names = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
-             "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+    names = {
+        "wq": "self_attn.q_proj",
+        "wk": "self_attn.k_proj",
+        "wv": "self_attn.v_proj",
+        "wo": "self_attn.o_proj",
+        "w_gate": "mlp.gate_proj",
+        "w_up": "mlp.up_proj",
+        "w_down": "mlp.down_proj",
+    }
     biases = {"bq": "self_attn.q_proj", "bk": "self_attn.k_proj", "bv": "self_attn.v_proj", "bo": "self_attn.o_proj"}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -346,9 +381,10 @@ def bench_hf(args, model, prompt: list[int]) -> tuple[dict, list[int]]:
 
     def gen(k: int) -> list[int]:
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k,
-                                 do_sample=False, num_beams=1)
-        return out[0, len(prompt):].tolist()
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False, num_beams=1
+            )
+        return out[0, len(prompt) :].tolist()
 
     with torch.inference_mode():
         logits = model(input_ids=ids, attention_mask=mask).logits[0, -1].float().numpy()
@@ -387,29 +423,45 @@ def print_table(report: dict) -> None:
     for dtype, r in report["results"].items():
         pbytes = r["jaxserve"]["param_bytes"]
         hf_ms = r.get("hf", {}).get("hf_generate", {}).get("decode_ms_per_token")
-        labels = {"llm_generate": "jaxserve LLM.generate", "runner_execute": "jaxserve runner.execute",
-                  "compiled_step": "jaxserve compiled step", "compiled_step_pipelined": "jaxserve step pipelined"}
+        labels = {
+            "llm_generate": "jaxserve LLM.generate",
+            "runner_execute": "jaxserve runner.execute",
+            "compiled_step": "jaxserve compiled step",
+            "compiled_step_pipelined": "jaxserve step pipelined",
+        }
         entries = [(label, r["jaxserve"][key]) for key, label in labels.items() if key in r["jaxserve"]]
         if "hf" in r:
             entries.append(("HF transformers generate", r["hf"]["hf_generate"]))
         for name, e in entries:
             ms = e["decode_ms_per_token"]
             gbps = pbytes / (ms / 1e3) / 1e9
-            rows.append((dtype, name, f"{ms:8.2f}", f"{1e3 / ms:7.1f}",
-                         f"{e['ttft_ms']:8.1f}" if "ttft_ms" in e else "       -",
-                         f"{gbps:6.1f}", f"{100 * gbps / bw:5.0f}%" if bw else "    -",
-                         f"{hf_ms / ms:5.2f}x" if hf_ms else "    -"))
+            rows.append(
+                (
+                    dtype,
+                    name,
+                    f"{ms:8.2f}",
+                    f"{1e3 / ms:7.1f}",
+                    f"{e['ttft_ms']:8.1f}" if "ttft_ms" in e else "       -",
+                    f"{gbps:6.1f}",
+                    f"{100 * gbps / bw:5.0f}%" if bw else "    -",
+                    f"{hf_ms / ms:5.2f}x" if hf_ms else "    -",
+                )
+            )
     head = ("dtype", "what", "ms/token", "tok/s", "TTFT ms", "GB/s", "of BW", "vs HF")
     widths = [max(len(str(x[i])) for x in rows + [head]) for i in range(len(head))]
-    line = lambda xs: "  ".join(str(x).rjust(w) if i > 1 else str(x).ljust(w) for i, (x, w) in enumerate(zip(xs, widths)))
+    line = lambda xs: "  ".join(
+        str(x).rjust(w) if i > 1 else str(x).ljust(w) for i, (x, w) in enumerate(zip(xs, widths))
+    )
     print()
     print(line(head))
     print(line(["-" * w for w in widths]))
     for r in rows:
         print(line(r))
     if bw:
-        print(f"\nGB/s = param bytes / decode time; 'of BW' is against the measured read bandwidth {bw} GB/s; "
-              "'vs HF' = HF ms/token / this ms/token (higher is faster).")
+        print(
+            f"\nGB/s = param bytes / decode time; 'of BW' is against the measured read bandwidth {bw} GB/s; "
+            "'vs HF' = HF ms/token / this ms/token (higher is faster)."
+        )
 
 
 def main() -> None:
@@ -431,9 +483,12 @@ def main() -> None:
 
     if not tcmalloc_loaded():
         lib = tcmalloc_path() or "libtcmalloc_minimal.so.4"
-        print(f"hint: tcmalloc is not preloaded; XLA CPU temporaries are slower on glibc malloc. Run with\n"
-              f"  LD_PRELOAD={lib} python {' '.join(sys.argv)}\n"
-              f"  (Debian/Ubuntu: apt-get install libtcmalloc-minimal4)", file=sys.stderr)
+        print(
+            f"hint: tcmalloc is not preloaded; XLA CPU temporaries are slower on glibc malloc. Run with\n"
+            f"  LD_PRELOAD={lib} python {' '.join(sys.argv)}\n"
+            f"  (Debian/Ubuntu: apt-get install libtcmalloc-minimal4)",
+            file=sys.stderr,
+        )
 
     import torch
     from jaxserve.config import ModelConfig
@@ -442,10 +497,14 @@ def main() -> None:
     prompt = np.random.default_rng(args.seed).integers(1, cfg.vocab_size, args.prompt_len).tolist()
     report = {"args": vars(args), "machine": machine_info()}
     m = report["machine"]
-    print(f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; jax {m['jax']}, torch {m['torch']} "
-          f"({m['torch_threads']} threads), transformers {m['transformers']}; tcmalloc preloaded: {m['tcmalloc_preloaded']}")
-    print(f"jaxserve from {m['jaxserve_from']} (commit {m['jaxserve_commit']}{', modified' if m['jaxserve_dirty'] else ''}); "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; jax {m['jax']}, torch {m['torch']} "
+        f"({m['torch_threads']} threads), transformers {m['transformers']}; tcmalloc preloaded: {m['tcmalloc_preloaded']}"
+    )
+    print(
+        f"jaxserve from {m['jaxserve_from']} (commit {m['jaxserve_commit']}{', modified' if m['jaxserve_dirty'] else ''}); "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     report["machine"]["load_average_start"] = os.getloadavg()
     if not args.skip_bandwidth:
         report["bandwidth"] = measure_read_bandwidth()
@@ -459,8 +518,11 @@ def main() -> None:
         if args.skip_hf:
             js.pop("prompt_logits")
         step_ms = js.get("compiled_step", {}).get("decode_ms_per_token", float("nan"))
-        print(f"  generate {js['llm_generate']['decode_ms_per_token']:.2f} ms/token, compiled step {step_ms:.2f} ms; "
-              f"first (compiling) generate {js['warm_up_generate_s']:.1f} s", flush=True)
+        print(
+            f"  generate {js['llm_generate']['decode_ms_per_token']:.2f} ms/token, compiled step {step_ms:.2f} ms; "
+            f"first (compiling) generate {js['warm_up_generate_s']:.1f} s",
+            flush=True,
+        )
         if not args.skip_hf:
             print(f"== {dtype}: HF transformers", flush=True)
             model = build_hf(args, params, dtype)
@@ -471,14 +533,22 @@ def main() -> None:
             gc.collect()
             check = compare_logits(js.pop("prompt_logits"), hf.pop("prompt_logits"))
             entry["logits_check"] = check
-            print(f"  prompt logits vs HF: max |diff| {check['max_abs_diff']:.2e} (logit std {check['ref_std']:.2e}), "
-                  f"top-5 same: {check['top5_same']}", flush=True)
+            print(
+                f"  prompt logits vs HF: max |diff| {check['max_abs_diff']:.2e} (logit std {check['ref_std']:.2e}), "
+                f"top-5 same: {check['top5_same']}",
+                flush=True,
+            )
             k = min(args.check_tokens, len(js_tokens))
             same = agreement(js_tokens, hf_tokens)
             entry.update(hf=hf, hf_tokens=hf_tokens, greedy_agreement=same)
-            status = "OK" if same >= k else ("MISMATCH" if dtype == "float32" else "diverges (expected in low precision)")
-            print(f"  greedy check: first {same} of {len(js_tokens)} tokens agree with HF "
-                  f"(jaxserve {js_tokens[:k]}, HF {hf_tokens[:k]}) -> {status}", flush=True)
+            status = (
+                "OK" if same >= k else ("MISMATCH" if dtype == "float32" else "diverges (expected in low precision)")
+            )
+            print(
+                f"  greedy check: first {same} of {len(js_tokens)} tokens agree with HF "
+                f"(jaxserve {js_tokens[:k]}, HF {hf_tokens[:k]}) -> {status}",
+                flush=True,
+            )
             if dtype == "float32":
                 entry["greedy_check_ok"] = same >= k and check["top5_same"]
         report["results"][dtype] = entry

@@ -74,10 +74,12 @@ JAXSERVE_VARIANTS = {
 def jaxserve_decode(new_tokens: int, repeats: int, settings: dict) -> float:
     from jaxserve import LLM, SamplingParams
 
-    with LLM(max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=128, token_buckets="powers-of-two",
-             **settings) as llm:
-        ids = llm.tokenizer.encode(f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n",
-                                   add_special_tokens=False)
+    with LLM(
+        max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=128, token_buckets="powers-of-two", **settings
+    ) as llm:
+        ids = llm.tokenizer.encode(
+            f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+        )
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, repetition_penalty=1.0)
         best = 0.0
         for _ in range(repeats + 1):  # the first is the warm-up
@@ -93,7 +95,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--int8", action="store_true", help="also jaxserve with int8 weights (--jaxserve float32,int8)")
-    ap.add_argument("--jaxserve", default=None, help=f"jaxserve variants, comma-separated: {', '.join(JAXSERVE_VARIANTS)}")
+    ap.add_argument(
+        "--jaxserve", default=None, help=f"jaxserve variants, comma-separated: {', '.join(JAXSERVE_VARIANTS)}"
+    )
     ap.add_argument("--llama-python", default=None, help="a python with llama_cpp (default: this one, if it has it)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--out", default=None)
@@ -106,16 +110,36 @@ def main() -> int:
     if path is None:
         raise SystemExit(f"the default model is not installed: {resources.DEFAULT_MODEL_INSTALL}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    report = {"cpu": cpu_name(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "commit": commit, "new_tokens": args.new_tokens, "prompt": PROMPT, "jaxserve": {}}
+    report = {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit,
+        "new_tokens": args.new_tokens,
+        "prompt": PROMPT,
+        "jaxserve": {},
+    }
     variants = (args.jaxserve or ("float32,int8" if args.int8 else "float32")).split(",")
     for name in variants:
         report["jaxserve"][name] = round(jaxserve_decode(args.new_tokens, args.repeats, JAXSERVE_VARIANTS[name]), 1)
         print(f"jaxserve {name}:", report["jaxserve"][name], "tokens/s", flush=True)
     python = args.llama_python or sys.executable
     with tempfile.TemporaryDirectory() as work:
-        done = subprocess.run([python, "-c", LLAMA_PART, str(path), work, str(args.new_tokens), str(args.repeats),
-                               str(args.threads), PROMPT], capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                python,
+                "-c",
+                LLAMA_PART,
+                str(path),
+                work,
+                str(args.new_tokens),
+                str(args.repeats),
+                str(args.threads),
+                PROMPT,
+            ],
+            capture_output=True,
+            text=True,
+        )
     if done.returncode:
         print(done.stderr[-3000:], file=sys.stderr)
         report["llama_cpp"] = {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"}

@@ -134,13 +134,17 @@ def time_xgrammar(compiler: GrammarCompiler, tokenizer: Tokenizer, docs: list[st
     vocab_size = compiler.vocab_size
     if tokenizer.kind == "sentencepiece":
         vocab = [b"" if t.startswith(b"\xff") else t for t in sentencepiece_token_bytes(tokenizer)]
-        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
-                                 stop_token_ids=list(tokenizer.eos_token_ids))
+        info = xgr.TokenizerInfo(
+            vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(tokenizer.eos_token_ids)
+        )
     else:
         from transformers import PreTrainedTokenizerFast
 
-        info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend),
-                                                  vocab_size=vocab_size, stop_token_ids=list(tokenizer.eos_token_ids))
+        info = xgr.TokenizerInfo.from_huggingface(
+            PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend),
+            vocab_size=vocab_size,
+            stop_token_ids=list(tokenizer.eos_token_ids),
+        )
     t0 = time.perf_counter()
     cg = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False, separators=(",", ":"))
     compile_ms = (time.perf_counter() - t0) * 1e3
@@ -157,9 +161,13 @@ def time_xgrammar(compiler: GrammarCompiler, tokenizer: Tokenizer, docs: list[st
                 rejected.append(doc)
                 break
     del torch
-    return {"library": "xgrammar", "compile_ms": round(compile_ms, 2), "docs_rejected": len(rejected) // 2,
-            **_summary("mask_us_second_pass", mask_us[len(mask_us) // 2 :]),
-            **_summary("mask_cpu_us_second_pass", mask_cpu_us[len(mask_cpu_us) // 2 :])}
+    return {
+        "library": "xgrammar",
+        "compile_ms": round(compile_ms, 2),
+        "docs_rejected": len(rejected) // 2,
+        **_summary("mask_us_second_pass", mask_us[len(mask_us) // 2 :]),
+        **_summary("mask_cpu_us_second_pass", mask_cpu_us[len(mask_cpu_us) // 2 :]),
+    }
 
 
 def time_apply(vocab_size: int, rows: int) -> dict:
@@ -198,8 +206,16 @@ def time_step_inputs(vocab_size: int, rows: int, iters: int = 2000) -> dict:
 
     R, S, P, history = 1, rows, 64, 64 * 16
     i32 = lambda *shape: np.zeros((R,) + shape, np.int32)  # noqa: E731
-    batch = RaggedBatch(tokens=i32(rows), positions=i32(rows), slots=i32(rows), token_row=i32(rows),
-                        query_start=i32(S + 1), context_lens=i32(S), page_table=i32(S, P), logit_index=i32(rows))
+    batch = RaggedBatch(
+        tokens=i32(rows),
+        positions=i32(rows),
+        slots=i32(rows),
+        token_row=i32(rows),
+        query_start=i32(S + 1),
+        context_lens=i32(S),
+        page_table=i32(S, P),
+        logit_index=i32(rows),
+    )
     st = SamplingTensors.pack([RowSampling(temperature=0.7, seed=i) for i in range(rows)], (R, rows), history)
     no_grammar = TokenMask(np.full((R, rows, -(-vocab_size // 32)), -1, np.int32), np.zeros((R, rows), bool))
     plain, masked = Layout.of((batch, st)), Layout.of((batch, st, TokenMask.spec((R, rows), vocab_size)))
@@ -210,22 +226,31 @@ def time_step_inputs(vocab_size: int, rows: int, iters: int = 2000) -> dict:
         jax.block_until_ready(layout.put(inputs))
         return (time.perf_counter() - t0) * 1e6
 
-    out = {"vocab": vocab_size, "rows": rows, "device": jax.devices()[0].platform,
-           "mask_bytes": rows * ((vocab_size + 31) // 32) * 4 + rows, "inputs_bytes_without": plain.width * 4}
+    out = {
+        "vocab": vocab_size,
+        "rows": rows,
+        "device": jax.devices()[0].platform,
+        "mask_bytes": rows * ((vocab_size + 31) // 32) * 4 + rows,
+        "inputs_bytes_without": plain.width * 4,
+    }
     ts = {False: [], True: []}
     for _ in range(iters):  # interleaved, so drift in the machine's load hits both alike
         for flag, layout in ((False, plain), (True, masked)):
             ts[flag].append(once(layout, flag))
-    out["pack_put_us_without_mask"] = round(statistics.median(ts[False][iters // 10:]), 1)
-    out["pack_put_us_with_mask"] = round(statistics.median(ts[True][iters // 10:]), 1)
+    out["pack_put_us_without_mask"] = round(statistics.median(ts[False][iters // 10 :]), 1)
+    out["pack_put_us_with_mask"] = round(statistics.median(ts[True][iters // 10 :]), 1)
     out["mask_us_per_step"] = round(out["pack_put_us_with_mask"] - out["pack_put_us_without_mask"], 1)
     return out
 
 
 def _summary(name: str, xs: list[float]) -> dict:
     a = np.asarray(xs)
-    return {f"{name}_mean": round(float(a.mean()), 1), f"{name}_p50": round(float(np.median(a)), 1),
-            f"{name}_p99": round(float(np.percentile(a, 99)), 1), f"{name}_n": int(a.size)}
+    return {
+        f"{name}_mean": round(float(a.mean()), 1),
+        f"{name}_p50": round(float(np.median(a)), 1),
+        f"{name}_p99": round(float(np.percentile(a, 99)), 1),
+        f"{name}_n": int(a.size),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,8 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--xgrammar", action="store_true", help="also time xgrammar (needs torch; not a dependency)")
     ap.add_argument("--apply", action="store_true", help="also time apply_token_bitmask at V=49152, 16 rows")
-    ap.add_argument("--step-inputs", action="store_true",
-                    help="only time what the mask adds to a step's host inputs when no row is constrained")
+    ap.add_argument(
+        "--step-inputs",
+        action="store_true",
+        help="only time what the mask adds to a step's host inputs when no row is constrained",
+    )
     args = ap.parse_args(argv)
     if args.step_inputs:
         for vocab, rows in ((8192, 16), (49152, 16), (128256, 16), (128256, 256)):
@@ -248,8 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         compiler = GrammarCompiler(tok)
         bridge_ms = (time.perf_counter() - t0) * 1e3
         docs = sample_documents(compiler, tok, args.docs, args.seed)
-        head = {"tokenizer": tok.kind, "vocab": tok.vocab_size, "bridge_ms": round(bridge_ms, 1),
-                "example": docs[0]}
+        head = {"tokenizer": tok.kind, "vocab": tok.vocab_size, "bridge_ms": round(bridge_ms, 1), "example": docs[0]}
         print(json.dumps({**head, **time_llguidance(compiler, tok, docs)}), flush=True)
         if args.xgrammar:
             print(json.dumps({**head, **time_xgrammar(compiler, tok, docs)}), flush=True)

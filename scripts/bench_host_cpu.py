@@ -63,8 +63,15 @@ def main(argv: list[str] | None = None) -> dict:
     from jaxserve import LLM, SamplingParams
 
     B = args.batch
-    with LLM(args.model, dtype="float32", page_size=16, max_model_len=1024, max_num_seqs=B,
-             max_num_batched_tokens=2048, warm_up=False) as llm:
+    with LLM(
+        args.model,
+        dtype="float32",
+        page_size=16,
+        max_model_len=1024,
+        max_num_seqs=B,
+        max_num_batched_tokens=2048,
+        warm_up=False,
+    ) as llm:
         engine = llm.engine
         if args.no_op_runner:
             engine.runner.prepare_inputs = lambda rows, *_: rows
@@ -81,10 +88,17 @@ def main(argv: list[str] | None = None) -> dict:
             for _ in range(args.steps):
                 steps.step()
             rounds.append(1e6 * (time.thread_time() - t) / args.steps)
-    result = {"batch": B, "no_op_runner": args.no_op_runner, "us_per_step": rounds,
-              "median_us_per_step": statistics.median(rounds)}
-    print(f"batch {B}, {'no-op' if args.no_op_runner else 'real'} runner: step thread CPU us/step per round "
-          + " ".join(f"{x:.0f}" for x in rounds) + f"; median {result['median_us_per_step']:.0f}")
+    result = {
+        "batch": B,
+        "no_op_runner": args.no_op_runner,
+        "us_per_step": rounds,
+        "median_us_per_step": statistics.median(rounds),
+    }
+    print(
+        f"batch {B}, {'no-op' if args.no_op_runner else 'real'} runner: step thread CPU us/step per round "
+        + " ".join(f"{x:.0f}" for x in rounds)
+        + f"; median {result['median_us_per_step']:.0f}"
+    )
     return result
 
 

@@ -108,8 +108,14 @@ def admission_skew(batch: int, budget: int, min_chunk: int) -> int:
     return 2 * math.ceil(batch / per_step) + 2
 
 
-def summarize_point(batch: int, step_s: list[float], round_engine_s: list[float], round_device_s: list[float],
-                    steps: int, phases: list[dict[str, float]]) -> dict:
+def summarize_point(
+    batch: int,
+    step_s: list[float],
+    round_engine_s: list[float],
+    round_device_s: list[float],
+    steps: int,
+    phases: list[dict[str, float]],
+) -> dict:
     """Rates, ratio and mean microseconds per phase from one point's raw timings.
 
     round_engine_s / round_device_s: seconds of `steps` engine steps / device-only calls per round."""
@@ -119,17 +125,23 @@ def summarize_point(batch: int, step_s: list[float], round_engine_s: list[float]
     mean_us = {p: 1e6 * statistics.fmean(ph[p] for ph in phases) for p in PHASES}
     step_us = 1e6 * statistics.fmean(step_s)
     return {
-        "engine_tokens_per_s": statistics.median(engine), "device_tokens_per_s": statistics.median(device),
+        "engine_tokens_per_s": statistics.median(engine),
+        "device_tokens_per_s": statistics.median(device),
         # each round's engine rate over the device-only rate measured right after it: the pairs
         # share the machine's state, so their median is steadier than a ratio of medians
-        "ratio": statistics.median(ratios), "ratio_of_medians": statistics.median(engine) / statistics.median(device),
-        "ratio_range": [min(ratios), max(ratios)], "ratio_per_round": ratios,
-        "engine_tokens_per_s_per_round": engine, "device_tokens_per_s_per_round": device,
-        "step_us": step_us, "step_us_median": 1e6 * statistics.median(step_s),
+        "ratio": statistics.median(ratios),
+        "ratio_of_medians": statistics.median(engine) / statistics.median(device),
+        "ratio_range": [min(ratios), max(ratios)],
+        "ratio_per_round": ratios,
+        "engine_tokens_per_s_per_round": engine,
+        "device_tokens_per_s_per_round": device,
+        "step_us": step_us,
+        "step_us_median": 1e6 * statistics.median(step_s),
         "device_step_us": 1e6 * statistics.median(round_device_s) / steps,
         # host work proper: the step less dispatch and wait (on a CPU the executable's call may run
         # part of the computation before it returns, so dispatch is not counted as host time)
-        "phases_us": mean_us, "host_us": step_us - mean_us["wait"] - mean_us["dispatch"],
+        "phases_us": mean_us,
+        "host_us": step_us - mean_us["wait"] - mean_us["dispatch"],
         "raw_step_s": step_s,
     }
 
@@ -169,7 +181,9 @@ class StepTimer:
                     if keep:
                         self.last[keep] = out
                     return out
+
                 return wrapper
+
             return make
 
         self._patch(eng.scheduler, "schedule", timed("schedule", keep="plan"))
@@ -180,6 +194,7 @@ class StepTimer:
             def wrapper(shape, inputs, *rest):
                 self.last["shape"] = shape
                 return fn(shape, inputs, *rest)
+
             return wrapper
 
         from jaxserve.runner.step_io import PendingSamples
@@ -202,6 +217,7 @@ class StepTimer:
                 host = run.table.layouts[shape].pack(inputs)
                 self._add("pack", pc() - t)
                 return run.put_buffer(host)
+
             return wrapper
 
         def put_buffer(fn):
@@ -211,6 +227,7 @@ class StepTimer:
                 self._add("copy", pc() - t)
                 self.last["host_buffer"], self.last["buffer"] = host, buffer
                 return buffer
+
             return wrapper
 
         self._patch(run, "run_step", run_step)
@@ -226,12 +243,14 @@ class StepTimer:
                 out = fn(*a, **k)
                 self._add("emit", pc() - t)
                 return out
+
             return wrapper
 
         self._patch(eng, "_finish_step", finish_step)
 
         self._executables = dict(run.table.executables)
         for shape, exe in self._executables.items():
+
             def recorder(*a, _exe=exe):
                 t = pc()
                 out = _exe(*a)
@@ -241,6 +260,7 @@ class StepTimer:
                     self.last["host_buffer"] = self.last["buffer"] = a[-1]
                 self.last["fetched_bytes"] = sum(x.nbytes for x in jax.tree.leaves(out[0]))
                 return out
+
             run.table.executables[shape] = recorder
         return self
 
@@ -328,8 +348,9 @@ def measure_point(llm, batch: int, context: int, args, seed: int) -> dict:
             out = None
             t = time.perf_counter()
             for _ in range(args.steps):
-                out, runner.cache, runner.carried = exe(runner.params, runner.cache, runner.carried, runner.last_sparse,
-                                                        buffer)
+                out, runner.cache, runner.carried = exe(
+                    runner.params, runner.cache, runner.carried, runner.last_sparse, buffer
+                )
             jax.block_until_ready((out, runner.cache))
             round_device.append(time.perf_counter() - t)
     finally:
@@ -341,8 +362,15 @@ def measure_point(llm, batch: int, context: int, args, seed: int) -> dict:
             eng.abort_request(rid)
     entries = []
     for mode, run in runs.items():
-        entry = {"batch": batch, "context": context, "async_scheduling": mode, "prompt_tokens": n_prompt,
-                 "preemptions_before_timing": entry_preemptions, "contexts_attended": [lo, hi], "setup_s": setup_s}
+        entry = {
+            "batch": batch,
+            "context": context,
+            "async_scheduling": mode,
+            "prompt_tokens": n_prompt,
+            "preemptions_before_timing": entry_preemptions,
+            "contexts_attended": [lo, hi],
+            "setup_s": setup_s,
+        }
         entry.update(summarize_point(batch, run["step_s"], run["rounds"], round_device, args.steps, run["phases"]))
         shapes = run["shapes"]
         entry["bucket"] = list(next(iter(shapes))) if len(shapes) == 1 else [list(s) for s in sorted(shapes)]
@@ -376,9 +404,16 @@ def build_llm(config: str | None, overrides: dict, batch: int, contexts: Sequenc
     ctx = max(contexts)
     own = math.ceil((span + 2) / page) + 3  # a row's pages past the shared prefix (tail, decode tokens), slack
     settings = base.to_dict()
-    settings.update(max_num_seqs=batch, max_model_len=ctx + page, num_pages=math.ceil(ctx / page) + batch * own + 64,
-                    kv_cache_memory=None, enable_prefix_caching=True, speculative_model=None,
-                    num_speculative_tokens=0, num_scheduler_steps=1)
+    settings.update(
+        max_num_seqs=batch,
+        max_model_len=ctx + page,
+        num_pages=math.ceil(ctx / page) + batch * own + 64,
+        kv_cache_memory=None,
+        enable_prefix_caching=True,
+        speculative_model=None,
+        num_speculative_tokens=0,
+        num_scheduler_steps=1,
+    )
     if args.no_compilation_cache:
         settings["compilation_cache_dir"] = "none"
     model = settings.pop("model")
@@ -387,8 +422,9 @@ def build_llm(config: str | None, overrides: dict, batch: int, contexts: Sequenc
     return llm
 
 
-def bench_model(name: str, config: str | None, overrides: dict, batches: Sequence[int], contexts: Sequence[int],
-                args) -> dict:
+def bench_model(
+    name: str, config: str | None, overrides: dict, batches: Sequence[int], contexts: Sequence[int], args
+) -> dict:
     import jax
 
     from jaxserve.config import EngineConfig, ModelConfig
@@ -408,28 +444,35 @@ def bench_model(name: str, config: str | None, overrides: dict, batches: Sequenc
             if c + page > limit:
                 why = f"context {c} + a page exceeds the model's max_position_embeddings {limit}"
             elif lowest < 2:
-                why = (f"the {span} decode steps measured would start at {lowest} tokens, before the prompt's "
-                       f"first: fewer --steps or --rounds")
+                why = (
+                    f"the {span} decode steps measured would start at {lowest} tokens, before the prompt's "
+                    f"first: fewer --steps or --rounds"
+                )
             elif f"{name}:{b}x{c}" in args.skip:
                 why = "skipped (--skip): machine time"
             (skipped.append({"batch": b, "context": c, "reason": why}) if why else points.append((b, c)))
-    report: dict[str, Any] = {"name": name, "config": config, "overrides": overrides, "points": [],
-                              "skipped": skipped}
+    report: dict[str, Any] = {"name": name, "config": config, "overrides": overrides, "points": [], "skipped": skipped}
     if not points:
         return report
     t = time.perf_counter()
     llm = build_llm(config, overrides, max(b for b, _ in points), [c for _, c in points], span, args)
     runner = llm.runner
-    report.update(model=llm.config.model, dtype=jax.numpy.dtype(runner.params.embed.dtype).name,
-                  param_bytes=param_bytes(runner.params), tokenizer=llm.tokenizer is not None,
-                  page_size=llm.memory.page_size, buckets={"batch": list(runner.buckets.batch_sizes),
-                                                         "pages": list(runner.buckets.page_counts)})
+    report.update(
+        model=llm.config.model,
+        dtype=jax.numpy.dtype(runner.params.embed.dtype).name,
+        param_bytes=param_bytes(runner.params),
+        tokenizer=llm.tokenizer is not None,
+        page_size=llm.memory.page_size,
+        buckets={"batch": list(runner.buckets.batch_sizes), "pages": list(runner.buckets.page_counts)},
+    )
     # The decode buckets of every point, compiled up front in parallel (prefill shapes compile on demand).
     shapes = sorted({pick_step_shape(runner.buckets, b, math.ceil(c / page)) for b, c in points})
     runner.warm_up(shapes, progress=False)
     report["build_and_compile_s"] = time.perf_counter() - t
-    print(f"{name}: engine built, {len(shapes)} decode buckets compiled in {report['build_and_compile_s']:.0f} s",
-          flush=True)
+    print(
+        f"{name}: engine built, {len(shapes)} decode buckets compiled in {report['build_and_compile_s']:.0f} s",
+        flush=True,
+    )
     for i, (b, c) in enumerate(points):
         load = os.getloadavg()[0]
         try:
@@ -439,10 +482,12 @@ def bench_model(name: str, config: str | None, overrides: dict, batches: Sequenc
             print(f"  batch {b:>3} context {c:>5}: failed: {err!r}", file=sys.stderr, flush=True)
         else:
             for entry in entries:
-                print(f"  batch {b:>3} context {c:>5} async {'on ' if entry['async_scheduling'] else 'off'}: engine "
-                      f"{entry['engine_tokens_per_s']:9.1f} tok/s, device-only {entry['device_tokens_per_s']:9.1f}, "
-                      f"ratio {entry['ratio']:.2f}" + ("" if entry["valid"] else f"  INVALID: {entry['problems']}"),
-                      flush=True)
+                print(
+                    f"  batch {b:>3} context {c:>5} async {'on ' if entry['async_scheduling'] else 'off'}: engine "
+                    f"{entry['engine_tokens_per_s']:9.1f} tok/s, device-only {entry['device_tokens_per_s']:9.1f}, "
+                    f"ratio {entry['ratio']:.2f}" + ("" if entry["valid"] else f"  INVALID: {entry['problems']}"),
+                    flush=True,
+                )
         for entry in entries:
             entry["load_average_before"] = load
             report["points"].append(entry)
@@ -464,32 +509,50 @@ def machine_info() -> dict:
     tcmalloc = tcmalloc_loaded()
     import jax
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "backend": jax.default_backend(),
-            "device": jax.devices()[0].device_kind,
-            "jax": jax.__version__, "python": platform.python_version(), "host": platform.node(),
-            "tcmalloc_preloaded": tcmalloc, "commit": commit, "jaxserve_dirty": dirty}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "tcmalloc_preloaded": tcmalloc,
+        "commit": commit,
+        "jaxserve_dirty": dirty,
+    }
 
 
 def print_report(report: dict) -> None:
     m = report["machine"]
-    print(f"\n{report['date']}  commit {m['commit']}{' (dirty)' if m['jaxserve_dirty'] else ''}  {m['cpu']}, "
-          f"{m['cores']} cores [{m['backend']}], jax {m['jax']}, load {report['load_average_start'][0]:.2f} -> "
-          f"{report['load_average_end'][0]:.2f}")
-    print(f"{report['settings']['rounds']} rounds x {report['settings']['steps']} steps per point "
-          f"(+{report['settings']['warmup_steps']} warm-up); host phases in us per step (mean)")
-    head = (f"{'model':>13} {'B':>3} {'ctx':>5} {'async':>5} {'engine':>9} {'device':>9} {'ratio':>5} {'step us':>9} "
-            + " ".join(f"{p[:8]:>8}" for p in PHASES) + f" {'H2D B':>7}")
+    print(
+        f"\n{report['date']}  commit {m['commit']}{' (dirty)' if m['jaxserve_dirty'] else ''}  {m['cpu']}, "
+        f"{m['cores']} cores [{m['backend']}], jax {m['jax']}, load {report['load_average_start'][0]:.2f} -> "
+        f"{report['load_average_end'][0]:.2f}"
+    )
+    print(
+        f"{report['settings']['rounds']} rounds x {report['settings']['steps']} steps per point "
+        f"(+{report['settings']['warmup_steps']} warm-up); host phases in us per step (mean)"
+    )
+    head = (
+        f"{'model':>13} {'B':>3} {'ctx':>5} {'async':>5} {'engine':>9} {'device':>9} {'ratio':>5} {'step us':>9} "
+        + " ".join(f"{p[:8]:>8}" for p in PHASES)
+        + f" {'H2D B':>7}"
+    )
     print(head + "\n" + "-" * len(head))
     for mod in report["models"]:
         for p in mod["points"]:
             if "error" in p:
                 print(f"{mod['name']:>13} {p['batch']:>3} {p['context']:>5}  failed: {p['error']}")
                 continue
-            print(f"{mod['name']:>13} {p['batch']:>3} {p['context']:>5} {'on' if p['async_scheduling'] else 'off':>5} "
-                  f"{p['engine_tokens_per_s']:9.1f} "
-                  f"{p['device_tokens_per_s']:9.1f} {p['ratio']:5.2f} {p['step_us']:9.0f} "
-                  + " ".join(f"{p['phases_us'][ph]:8.0f}" for ph in PHASES)
-                  + f" {p['bytes_to_device_per_step']:7d}" + ("" if p["valid"] else "  INVALID"))
+            print(
+                f"{mod['name']:>13} {p['batch']:>3} {p['context']:>5} {'on' if p['async_scheduling'] else 'off':>5} "
+                f"{p['engine_tokens_per_s']:9.1f} "
+                f"{p['device_tokens_per_s']:9.1f} {p['ratio']:5.2f} {p['step_us']:9.0f} "
+                + " ".join(f"{p['phases_us'][ph]:8.0f}" for ph in PHASES)
+                + f" {p['bytes_to_device_per_step']:7d}"
+                + ("" if p["valid"] else "  INVALID")
+            )
         for s in mod["skipped"]:
             print(f"{mod['name']:>13} {s['batch']:>3} {s['context']:>5}  not run: {s['reason']}")
     print("engine / device = decode tokens/s through LLMEngine.step / of the same executable called back to back")
@@ -505,8 +568,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps before the first round")
     ap.add_argument("--async-scheduling", default="off,on", help="engine modes measured, alternating in each round")
     ap.add_argument("--skip", default="", help="points left out, e.g. smollm2-135m:64x1024,smollm2-135m:16x1024")
-    ap.add_argument("--quick", action="store_true", help="tiny 2-layer dummy model, batches 1,2, contexts 32,64, "
-                                                         "2 rounds of 3 steps: seconds")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny 2-layer dummy model, batches 1,2, contexts 32,64, 2 rounds of 3 steps: seconds",
+    )
     ap.add_argument("--no-compilation-cache", action="store_true", help="do not use the persistent XLA cache")
     ap.add_argument("--out", help="write the JSON report here")
     args = ap.parse_args(argv)
@@ -522,8 +588,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         from roofline import write_tiny_model
 
         tmp = tempfile.TemporaryDirectory()
-        models = [("tiny", None, {"model": write_tiny_model(tmp.name), "load_format": "dummy", "seed": 0,
-                                  "page_size": 16, "max_num_batched_tokens": 64})]
+        models = [
+            (
+                "tiny",
+                None,
+                {
+                    "model": write_tiny_model(tmp.name),
+                    "load_format": "dummy",
+                    "seed": 0,
+                    "page_size": 16,
+                    "max_num_batched_tokens": 64,
+                },
+            )
+        ]
         for name, value in (("batches", "1,2"), ("contexts", "32,64")):
             if getattr(args, name) == ap.get_default(name):
                 setattr(args, name, value)
@@ -547,11 +624,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         "date": date,
         "command": " ".join([os.path.relpath(sys.argv[0])] + list(argv if argv is not None else sys.argv[1:])),
-        "machine": machine_info(), "load_average_start": load_start, "load_average_end": os.getloadavg(),
-        "settings": {"steps": args.steps, "rounds": args.rounds, "warmup_steps": args.warmup_steps,
-                     "async_scheduling": args.modes,
-                     "batches": batches, "contexts": contexts, "skip": sorted(args.skip)},
-        "phases": list(PHASES), "models": results, "elapsed_s": time.perf_counter() - t0,
+        "machine": machine_info(),
+        "load_average_start": load_start,
+        "load_average_end": os.getloadavg(),
+        "settings": {
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "warmup_steps": args.warmup_steps,
+            "async_scheduling": args.modes,
+            "batches": batches,
+            "contexts": contexts,
+            "skip": sorted(args.skip),
+        },
+        "phases": list(PHASES),
+        "models": results,
+        "elapsed_s": time.perf_counter() - t0,
     }
     print_report(report)
     if args.out:

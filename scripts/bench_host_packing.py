@@ -33,10 +33,17 @@ PAGE_SIZE = 16
 def time_packing(batch: int, context: int) -> float:
     """us per pack_ragged call of `batch` decode rows at `context` tokens (the default config's shape)."""
     pages = -(-context // PAGE_SIZE)
-    rows = [RaggedRow([7 + i], context - 1, array("i", range(1 + i * pages, 1 + (i + 1) * pages)))  # as page_ids
-            for i in range(batch)]
-    shape = dict(page_size=PAGE_SIZE, num_tokens=max(4, 1 << (batch - 1).bit_length()), num_rows=64,
-                 max_pages=pages, num_logits=64)
+    rows = [
+        RaggedRow([7 + i], context - 1, array("i", range(1 + i * pages, 1 + (i + 1) * pages)))  # as page_ids
+        for i in range(batch)
+    ]
+    shape = dict(
+        page_size=PAGE_SIZE,
+        num_tokens=max(4, 1 << (batch - 1).bit_length()),
+        num_rows=64,
+        max_pages=pages,
+        num_logits=64,
+    )
     return min(timeit.repeat(lambda: pack_ragged(rows, **shape), number=50, repeat=7)) / 50 * 1e6
 
 

@@ -64,16 +64,22 @@ def skip_compute(runner) -> None:
 
 def run(engine: LLMEngine, prompts, out_lens) -> dict:
     for i, (ids, k) in enumerate(zip(prompts, out_lens)):
-        engine.add_request(f"r{i}", prompt_token_ids=ids,
-                           sampling_params=SamplingParams(max_tokens=k, temperature=0, ignore_eos=True))
+        engine.add_request(
+            f"r{i}", prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
+        )
     steps, running, start = 0, [], time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
         running.append(len(engine.scheduler.running))
-    return dict(steps=steps, seconds=time.perf_counter() - start, preemptions=engine.scheduler.num_preemptions,
-                mean_running=float(np.mean(running)), max_running=int(max(running)),
-                steps_by_kind=engine.stats()["steps_by_kind"])
+    return dict(
+        steps=steps,
+        seconds=time.perf_counter() - start,
+        preemptions=engine.scheduler.num_preemptions,
+        mean_running=float(np.mean(running)),
+        max_running=int(max(running)),
+        steps_by_kind=engine.stats()["steps_by_kind"],
+    )
 
 
 def cpu_name() -> str:
@@ -98,16 +104,34 @@ def main(argv=None) -> dict:
     parser.add_argument("--real", action="store_true", help="run the model (slow) instead of the no-compute runner")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    wl = argparse.Namespace(workload_seed=0, num_requests=args.num_requests, mode="mixed", min_input=32,
-                            max_input=256, min_output=16, max_output=512, vocab_limit=1000)
+    wl = argparse.Namespace(
+        workload_seed=0,
+        num_requests=args.num_requests,
+        mode="mixed",
+        min_input=32,
+        max_input=256,
+        min_output=16,
+        max_output=512,
+        vocab_limit=1000,
+    )
     prompts, out_lens = workload(wl)
     pool = args.num_pages * args.page_size
     bound = max(sum(k * (len(p) + k / 2) for p, k in zip(prompts, out_lens)) / pool, max(out_lens))
-    base = dict(model=args.model, load_format="dummy", dtype="float32", page_size=args.page_size,
-                num_pages=args.num_pages + 1, max_model_len=1024, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=False, compilation_cache_dir="none")
-    modes = {"continuous": dict(scheduling="continuous", preemption_mode="recompute", max_num_seqs=args.max_num_seqs),
-             "static": dict(scheduling="static", preemption_mode="reserve", max_num_seqs=args.max_num_seqs)}
+    base = dict(
+        model=args.model,
+        load_format="dummy",
+        dtype="float32",
+        page_size=args.page_size,
+        num_pages=args.num_pages + 1,
+        max_model_len=1024,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+        compilation_cache_dir="none",
+    )
+    modes = {
+        "continuous": dict(scheduling="continuous", preemption_mode="recompute", max_num_seqs=args.max_num_seqs),
+        "static": dict(scheduling="static", preemption_mode="reserve", max_num_seqs=args.max_num_seqs),
+    }
     from jaxserve.config import EngineConfig
 
     results = {}
@@ -120,9 +144,16 @@ def main(argv=None) -> dict:
         print(f"{name}: {results[name]}", flush=True)
     commit, dirty = git_state(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     report = dict(
-        date=time.strftime("%Y-%m-%d"), cpu=cpu_name(), commit=commit, jaxserve_dirty=dirty,
-        pool_tokens=pool, requests=len(prompts), output_tokens=sum(out_lens), real_model=args.real,
-        lower_bound_steps=math.ceil(bound), **results,
+        date=time.strftime("%Y-%m-%d"),
+        cpu=cpu_name(),
+        commit=commit,
+        jaxserve_dirty=dirty,
+        pool_tokens=pool,
+        requests=len(prompts),
+        output_tokens=sum(out_lens),
+        real_model=args.real,
+        lower_bound_steps=math.ceil(bound),
+        **results,
         continuous_over_bound=results["continuous"]["steps"] / bound,
         static_over_continuous_steps=results["static"]["steps"] / results["continuous"]["steps"],
     )

@@ -34,10 +34,12 @@ VARIANTS = ("auto", "int8", "fp8", "fp8_e5m2")
 
 def step_fn(cfg: ModelConfig):
     """One layer of a decode step: write the rows' new K/V, then attend over their pages."""
+
     def step(cache, q, k, v, batch):
         cache = write_kv_slots(cache, 0, k, v, batch.slots)
         out = attend(ragged_attention_blocked, q, cache, 0, batch, jnp.int32(2**30), jnp.float32(cfg.head_dim**-0.5))
         return out, cache
+
     return jax.jit(step, donate_argnums=0)
 
 
@@ -54,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig(**{**cfg.__dict__, "num_layers": 1})
     R, P, S = args.rows, -(-args.context // args.page_size), args.page_size
     rng = np.random.default_rng(0)
-    rows = [(rng.integers(1, 100, 1).tolist(), args.context - 1, list(range(1 + r * P, 1 + (r + 1) * P)))
-            for r in range(R)]
+    rows = [
+        (rng.integers(1, 100, 1).tolist(), args.context - 1, list(range(1 + r * P, 1 + (r + 1) * P))) for r in range(R)
+    ]
     batch = RaggedBatch.build(rows, page_size=S, num_tokens=R, num_rows=R, max_pages=P, num_logits=R)
     batch = jax.tree.map(jnp.asarray, batch)
     q = jnp.asarray(rng.standard_normal((R, cfg.num_heads, cfg.head_dim)), jnp.float32)
@@ -80,9 +83,11 @@ def main(argv: list[str] | None = None) -> int:
             times[name].append(time.perf_counter() - t)
     base = statistics.median(times["auto"])
     result = {}
-    print(f"{R} decode rows x {args.context} tokens of context, one layer ({cfg.num_heads} heads, "
-          f"{cfg.num_kv_heads} KV heads of {cfg.head_dim}), median of {args.repeats}, jax {jax.__version__} on "
-          f"{jax.default_backend()}")
+    print(
+        f"{R} decode rows x {args.context} tokens of context, one layer ({cfg.num_heads} heads, "
+        f"{cfg.num_kv_heads} KV heads of {cfg.head_dim}), median of {args.repeats}, jax {jax.__version__} on "
+        f"{jax.default_backend()}"
+    )
     for name in VARIANTS:
         ms = 1e3 * statistics.median(times[name])
         nbytes = sum(x.nbytes for x in jax.tree.leaves(caches[name]))

@@ -73,8 +73,16 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
             f.write(blob)
 
 
-def write_peft_adapter(out_dir: str, cfg, *, rank: int, modules: tuple[str, ...], seed: int = 0,
-                       std: float = 0.02, lora_alpha: float | None = None) -> str:
+def write_peft_adapter(
+    out_dir: str,
+    cfg,
+    *,
+    rank: int,
+    modules: tuple[str, ...],
+    seed: int = 0,
+    std: float = 0.02,
+    lora_alpha: float | None = None,
+) -> str:
     """A PEFT LoRA directory for the model `cfg` (jaxserve ModelConfig): every layer's `modules`
     (jaxserve keys: q k v o gate up down) with lora_A [r, in] and lora_B [out, r] drawn from N(0, std)
     (PEFT would start B at zero: an adapter that changes nothing), lora_alpha = r by default (scaling 1)."""
@@ -91,10 +99,19 @@ def write_peft_adapter(out_dir: str, cfg, *, rank: int, modules: tuple[str, ...]
             tensors[f"{prefix}.lora_A.weight"] = (rng.standard_normal((rank, d_in)) * std).astype(np.float32)
             tensors[f"{prefix}.lora_B.weight"] = (rng.standard_normal((d_out, rank)) * std).astype(np.float32)
     os.makedirs(out_dir, exist_ok=True)
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
-              "lora_alpha": float(rank if lora_alpha is None else lora_alpha), "lora_dropout": 0.0, "bias": "none",
-              "use_rslora": False, "use_dora": False, "fan_in_fan_out": False,
-              "target_modules": [PEFT_NAMES[m] for m in modules], "base_model_name_or_path": None}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": float(rank if lora_alpha is None else lora_alpha),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "target_modules": [PEFT_NAMES[m] for m in modules],
+        "base_model_name_or_path": None,
+    }
     with open(os.path.join(out_dir, "adapter_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=1)
     write_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), tensors)
@@ -118,8 +135,17 @@ def bytes_rows(cfg, itemsize: int, points=BYTES_POINTS, bandwidth: float = H100_
     rows = []
     for slots, rank in points:
         extra = lora_bytes(cfg, slots, rank, itemsize)
-        rows.append({"max_loras": slots, "max_lora_rank": rank, "lora_bytes": extra, "base_bytes": base,
-                     "fraction": extra / base, "base_ms": base / bandwidth * 1e3, "extra_ms": extra / bandwidth * 1e3})
+        rows.append(
+            {
+                "max_loras": slots,
+                "max_lora_rank": rank,
+                "lora_bytes": extra,
+                "base_bytes": base,
+                "fraction": extra / base,
+                "base_ms": base / bandwidth * 1e3,
+                "extra_ms": extra / bandwidth * 1e3,
+            }
+        )
     return rows
 
 
@@ -134,6 +160,7 @@ def batch_generate(llm, prompts: list[list[int]], n: int, loras):
     def run():
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, lora_request=loras)
         return [list(o.outputs[0].token_ids) for o in outs]
+
     return run
 
 
@@ -145,8 +172,11 @@ def timed(fn):
 
 def variants(requests: list, single: bool) -> list[tuple[str, bool, object]]:
     """(name, LoRA engine?, adapter of request i: f(i) -> LoRARequest | None)."""
-    out = [("base", False, lambda i: None), ("lora-off", True, lambda i: None),
-           (f"{len(requests)} adapters", True, lambda i: requests[i % len(requests)])]
+    out = [
+        ("base", False, lambda i: None),
+        ("lora-off", True, lambda i: None),
+        (f"{len(requests)} adapters", True, lambda i: requests[i % len(requests)]),
+    ]
     if single and len(requests) > 1:
         out.append(("1 adapter", True, lambda i: requests[0]))
     return out
@@ -163,9 +193,15 @@ def machine() -> dict:
 
     lscpu = run("lscpu").splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in lscpu if line.startswith("Model name")), "unknown")
-    return {"cpu": cpu, "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "commit": run("git", "rev-parse", "--short", "HEAD"), "jax": jax.__version__,
-            "backend": jax.default_backend(), "load_average_start": os.getloadavg()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": run("git", "rev-parse", "--short", "HEAD"),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "load_average_start": os.getloadavg(),
+    }
 
 
 def agreement(tokens: list[list[int]], base: list[list[int]]) -> float:
@@ -177,8 +213,11 @@ def run_bench(args) -> dict:
 
     report = {"args": vars(args), "machine": machine()}
     m = report["machine"]
-    print(f"{m['cpu']}, {m['cores']} cores; jax {m['jax']} ({m['backend']}); commit {m['commit']}; {m['date']}; "
-          f"load average {m['load_average_start'][0]:.1f}", flush=True)
+    print(
+        f"{m['cpu']}, {m['cores']} cores; jax {m['jax']} ({m['backend']}); commit {m['commit']}; {m['date']}; "
+        f"load average {m['load_average_start'][0]:.1f}",
+        flush=True,
+    )
     modules = tuple(x.strip() for x in args.modules.split(",") if x.strip())
     batches = [int(b) for b in args.batch_sizes.split(",")]
     max_loras = args.max_loras or args.adapters
@@ -186,17 +225,33 @@ def run_bench(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as work:
         cfg = None
         for b in batches:
-            common = dict(dtype=args.dtype, seed=args.seed, max_num_seqs=b, max_model_len=args.prompt_len + args.tokens + 8,
-                          max_num_batched_tokens=max(64, b * args.prompt_len), warm_up=False)
+            common = dict(
+                dtype=args.dtype,
+                seed=args.seed,
+                max_num_seqs=b,
+                max_model_len=args.prompt_len + args.tokens + 8,
+                max_num_batched_tokens=max(64, b * args.prompt_len),
+                warm_up=False,
+            )
             t_base, base_llm = timed(lambda: LLM(args.model, **common))
-            t_lora, lora_llm = timed(lambda: LLM(args.model, enable_lora=True, max_loras=max_loras,
-                                                 max_lora_rank=args.rank, **common))
+            t_lora, lora_llm = timed(
+                lambda: LLM(args.model, enable_lora=True, max_loras=max_loras, max_lora_rank=args.rank, **common)
+            )
             engines += [base_llm, lora_llm]
             logging.getLogger("jaxserve.runner.runner").setLevel(logging.ERROR)  # "compiling unplanned shape"
             if cfg is None:
                 cfg = base_llm.model_config
-                paths = [write_peft_adapter(os.path.join(work, f"adapter{i}"), cfg, rank=args.rank, modules=modules,
-                                            seed=args.seed + i, std=args.std) for i in range(args.adapters)]
+                paths = [
+                    write_peft_adapter(
+                        os.path.join(work, f"adapter{i}"),
+                        cfg,
+                        rank=args.rank,
+                        modules=modules,
+                        seed=args.seed + i,
+                        std=args.std,
+                    )
+                    for i in range(args.adapters)
+                ]
                 requests = [LoRARequest(f"bench{i}", i + 1, p) for i, p in enumerate(paths)]
             rng = np.random.default_rng(args.seed + b)  # every variant decodes the same prompts
             prompts = [rng.integers(1, cfg.vocab_size, args.prompt_len).tolist() for _ in range(b)]
@@ -205,11 +260,21 @@ def run_bench(args) -> dict:
                 loras = [adapter(i) for i in range(b)] if uses_lora else None
                 run = batch_generate(llm, prompts, args.tokens, loras)
                 t_first, tokens = timed(lambda: (batch_generate(llm, prompts, 1, loras)(), run())[1])  # compiles
-                runs[name, b] = {"llm": llm, "prompts": prompts, "loras": loras, "tokens": tokens, "t1": [], "tn": [],
-                                 "first_generate_s": t_first}
+                runs[name, b] = {
+                    "llm": llm,
+                    "prompts": prompts,
+                    "loras": loras,
+                    "tokens": tokens,
+                    "t1": [],
+                    "tn": [],
+                    "first_generate_s": t_first,
+                }
             slots = lora_llm.runner.lora
-            print(f"built batch {b}: base {t_base:.0f} s, LoRA {t_lora:.0f} s ({slots.slots} slots of rank {slots.rank}, "
-                  f"{slots.nbytes / 1e6:.1f} MB); {base_llm.memory.describe()}", flush=True)
+            print(
+                f"built batch {b}: base {t_base:.0f} s, LoRA {t_lora:.0f} s ({slots.slots} slots of rank {slots.rank}, "
+                f"{slots.nbytes / 1e6:.1f} MB); {base_llm.memory.describe()}",
+                flush=True,
+            )
         loads = []
         for r in range(args.repeats):
             for (name, b), res in runs.items():
@@ -221,10 +286,16 @@ def run_bench(args) -> dict:
         report["machine"]["load_average_end"] = os.getloadavg()
         itemsize = np.dtype(args.dtype).itemsize
         lora_nbytes = engines[1].runner.lora.nbytes
-        report["bytes"] = {"dtype": args.dtype, "base_weights": step_weight_bytes(cfg, itemsize),
-                           "param_bytes": cfg.param_bytes(itemsize), "lora_stacks": lora_nbytes,
-                           "max_loras": max_loras, "max_lora_rank": args.rank, "modules": list(modules),
-                           "stacked_modules": list(engines[1].runner.lora.dims)}  # every adaptable module, targeted or not
+        report["bytes"] = {
+            "dtype": args.dtype,
+            "base_weights": step_weight_bytes(cfg, itemsize),
+            "param_bytes": cfg.param_bytes(itemsize),
+            "lora_stacks": lora_nbytes,
+            "max_loras": max_loras,
+            "max_lora_rank": args.rank,
+            "modules": list(modules),
+            "stacked_modules": list(engines[1].runner.lora.dims),
+        }  # every adaptable module, targeted or not
         report["bytes"]["fraction"] = lora_nbytes / report["bytes"]["base_weights"]
         for llm in engines:
             llm.close()
@@ -233,11 +304,15 @@ def run_bench(args) -> dict:
         from jaxserve.config import ModelConfig
 
         other = ModelConfig.from_dir(args.bytes_model)
-        report["bytes_model"] = {"model": os.path.relpath(args.bytes_model, ROOT), "dtype": args.bytes_dtype,
-                                 "rows": bytes_rows(other, np.dtype(args.bytes_dtype).itemsize)}
-    report["default_model_bytes"] = [{"model": "the benchmarked model", "dtype": dtype,
-                                      "rows": bytes_rows(cfg, np.dtype(dtype).itemsize)}
-                                     for dtype in dict.fromkeys((args.dtype, "bfloat16"))]
+        report["bytes_model"] = {
+            "model": os.path.relpath(args.bytes_model, ROOT),
+            "dtype": args.bytes_dtype,
+            "rows": bytes_rows(other, np.dtype(args.bytes_dtype).itemsize),
+        }
+    report["default_model_bytes"] = [
+        {"model": "the benchmarked model", "dtype": dtype, "rows": bytes_rows(cfg, np.dtype(dtype).itemsize)}
+        for dtype in dict.fromkeys((args.dtype, "bfloat16"))
+    ]
     return report
 
 
@@ -249,44 +324,67 @@ def summarize(runs: dict, n: int) -> list[dict]:
         base = runs["base", b]
         base_steps = [(tn - t1) / (n - 1) for t1, tn in zip(base["t1"], base["tn"])]
         step = statistics.median(steps)
-        rows.append({"variant": name, "batch": b, "step_ms": step * 1e3, "tokens_per_s": b / step,
-                     "vs_base": statistics.median(bs / s for bs, s in zip(base_steps, steps)),
-                     "vs_base_of_medians": statistics.median(base_steps) / step,
-                     "equal_to_base": agreement(res["tokens"], base["tokens"]),
-                     "step_ms_rounds": [s * 1e3 for s in steps], "first_generate_s": res["first_generate_s"]})
+        rows.append(
+            {
+                "variant": name,
+                "batch": b,
+                "step_ms": step * 1e3,
+                "tokens_per_s": b / step,
+                "vs_base": statistics.median(bs / s for bs, s in zip(base_steps, steps)),
+                "vs_base_of_medians": statistics.median(base_steps) / step,
+                "equal_to_base": agreement(res["tokens"], base["tokens"]),
+                "step_ms_rounds": [s * 1e3 for s in steps],
+                "first_generate_s": res["first_generate_s"],
+            }
+        )
     return rows
 
 
 def markdown(report: dict) -> str:
     a, m, by = report["args"], report["machine"], report["bytes"]
-    lines = [f"{m['cpu']}, {m['cores']} cores, {m['date']}, commit {m['commit']}, jax {m['jax']}; load average "
-             f"{m['load_average_start'][0]:.1f} at start, {min(m['load_average_rounds']):.1f} to "
-             f"{max(m['load_average_rounds']):.1f} over the rounds",
-             f"{a['dtype']}, rank {a['rank']}, modules {a['modules']}, max_loras {by['max_loras']}, "
-             f"prompt {a['prompt_len']} tokens, {a['tokens']} new, {a['repeats']} rounds", "",
-             "| batch | variant | step ms | tok/s | vs base | = base |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"{m['cpu']}, {m['cores']} cores, {m['date']}, commit {m['commit']}, jax {m['jax']}; load average "
+        f"{m['load_average_start'][0]:.1f} at start, {min(m['load_average_rounds']):.1f} to "
+        f"{max(m['load_average_rounds']):.1f} over the rounds",
+        f"{a['dtype']}, rank {a['rank']}, modules {a['modules']}, max_loras {by['max_loras']}, "
+        f"prompt {a['prompt_len']} tokens, {a['tokens']} new, {a['repeats']} rounds",
+        "",
+        "| batch | variant | step ms | tok/s | vs base | = base |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in report["results"]:
-        lines.append(f"| {r['batch']} | {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['vs_base']:.2f}x | {r['equal_to_base']:.3f} |")
-    lines += ["", f"bytes a decode step reads ({by['dtype']}): base weights {by['base_weights'] / 1e6:.1f} MB, "
-              f"resident adapters {by['lora_stacks'] / 1e6:.1f} MB ({by['max_loras']} x rank {by['max_lora_rank']}, "
-              f"stacks for {len(by['stacked_modules'])} modules whatever the adapters target): {by['fraction']:.1%} "
-              f"of the base; a step bound by bytes alone would "
-              f"run at {1 / (1 + by['fraction']):.2f}x"]
+        lines.append(
+            f"| {r['batch']} | {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | "
+            f"{r['vs_base']:.2f}x | {r['equal_to_base']:.3f} |"
+        )
+    lines += [
+        "",
+        f"bytes a decode step reads ({by['dtype']}): base weights {by['base_weights'] / 1e6:.1f} MB, "
+        f"resident adapters {by['lora_stacks'] / 1e6:.1f} MB ({by['max_loras']} x rank {by['max_lora_rank']}, "
+        f"stacks for {len(by['stacked_modules'])} modules whatever the adapters target): {by['fraction']:.1%} "
+        f"of the base; a step bound by bytes alone would "
+        f"run at {1 / (1 + by['fraction']):.2f}x",
+    ]
     for t in report["default_model_bytes"] + ([report["bytes_model"]] if "bytes_model" in report else []):
-        lines += ["", f"{t['model']} ({t['dtype']}), all seven modules adapted:",
-                  "| max_loras | max_lora_rank | adapters MB | base MB | of base | H100 ms base | + adapters |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"{t['model']} ({t['dtype']}), all seven modules adapted:",
+            "| max_loras | max_lora_rank | adapters MB | base MB | of base | H100 ms base | + adapters |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in t["rows"]:
-            lines.append(f"| {r['max_loras']} | {r['max_lora_rank']} | {r['lora_bytes'] / 1e6:.1f} | "
-                         f"{r['base_bytes'] / 1e6:.1f} | {r['fraction']:.1%} | {r['base_ms']:.3f} | "
-                         f"+{r['extra_ms']:.3f} |")
+            lines.append(
+                f"| {r['max_loras']} | {r['max_lora_rank']} | {r['lora_bytes'] / 1e6:.1f} | "
+                f"{r['base_bytes'] / 1e6:.1f} | {r['fraction']:.1%} | {r['base_ms']:.3f} | "
+                f"+{r['extra_ms']:.3f} |"
+            )
     return "\n".join(lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None, help="model directory or GGUF file (default: the default model)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batch-sizes", default="1,16")
@@ -300,8 +398,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--std", type=float, default=0.02, help="std of the random lora_A / lora_B values")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-single", dest="single", action="store_false", help="skip the one-adapter variant")
-    ap.add_argument("--bytes-model", default=os.path.join(ROOT, "configs", "models", "llama3-8b"),
-                    help="a model config for the bytes table ('' for none)")
+    ap.add_argument(
+        "--bytes-model",
+        default=os.path.join(ROOT, "configs", "models", "llama3-8b"),
+        help="a model config for the bytes table ('' for none)",
+    )
     ap.add_argument("--bytes-dtype", default="bfloat16")
     ap.add_argument("--json", default=None, help="write the report here")
     args = ap.parse_args(argv)

@@ -45,8 +45,15 @@ MODULES = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def module_shapes(hidden: int, kv: int, intermediate: int) -> dict[str, tuple[int, int]]:
-    return {"q": (hidden, hidden), "k": (hidden, kv), "v": (hidden, kv), "o": (hidden, hidden),
-            "gate": (hidden, intermediate), "up": (hidden, intermediate), "down": (intermediate, hidden)}
+    return {
+        "q": (hidden, hidden),
+        "k": (hidden, kv),
+        "v": (hidden, kv),
+        "o": (hidden, hidden),
+        "gate": (hidden, intermediate),
+        "up": (hidden, intermediate),
+        "down": (intermediate, hidden),
+    }
 
 
 def machine() -> dict:
@@ -61,9 +68,15 @@ def machine() -> dict:
     lscpu = run("lscpu").splitlines()
     field = lambda name: next((l.split(":", 1)[1].strip() for l in lscpu if l.startswith(name)), "")  # noqa: E731
     flags = [f for f in field("Flags").split() if f.startswith(("avx512", "amx")) or f == "avx2"]
-    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                commit=run("git", "rev-parse", "--short", "HEAD"), cpu=field("Model name") or platform.processor(),
-                cpu_flags=" ".join(flags), cores=os.cpu_count(), jax=jax.__version__, backend=jax.default_backend())
+    return dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        commit=run("git", "rev-parse", "--short", "HEAD"),
+        cpu=field("Model name") or platform.processor(),
+        cpu_flags=" ".join(flags),
+        cores=os.cpu_count(),
+        jax=jax.__version__,
+        backend=jax.default_backend(),
+    )
 
 
 def make_fns(modules: tuple[str, ...], rank: int, adapters: int):
@@ -117,8 +130,9 @@ def timed_round_robin(calls: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
-def bench(tokens: int, adapters: int, rank: int, modules: tuple[str, ...], shapes: dict, rounds: int,
-          rng: np.random.Generator) -> dict:
+def bench(
+    tokens: int, adapters: int, rank: int, modules: tuple[str, ...], shapes: dict, rounds: int, rng: np.random.Generator
+) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -130,8 +144,10 @@ def bench(tokens: int, adapters: int, rank: int, modules: tuple[str, ...], shape
         a = rng.standard_normal((adapters, d_in, rank)).astype(np.float32) * 0.05
         b = rng.standard_normal((adapters, rank, d_out)).astype(np.float32) * 0.05
         stacked[m] = (jnp.asarray(a), jnp.asarray(b))
-        side_by_side[m] = (jnp.asarray(a.transpose(1, 0, 2).reshape(d_in, adapters * rank)),
-                           jnp.asarray(b.reshape(adapters * rank, d_out)))
+        side_by_side[m] = (
+            jnp.asarray(a.transpose(1, 0, 2).reshape(d_in, adapters * rank)),
+            jnp.asarray(b.reshape(adapters * rank, d_out)),
+        )
     weights = {"dense": side_by_side, "gather": stacked, "ragged_dot": stacked}
     slots = jnp.asarray(np.arange(tokens) % adapters, jnp.int32)  # spread evenly over the M adapters
     mixed = jnp.asarray(np.where(np.arange(tokens) % 3 == 0, -1, np.arange(tokens) % adapters), jnp.int32)
@@ -142,8 +158,13 @@ def bench(tokens: int, adapters: int, rank: int, modules: tuple[str, ...], shape
         for name in ("gather", "ragged_dot"):
             got = fns[name](xs, check, weights[name])
             for m in modules:
-                np.testing.assert_allclose(np.asarray(got[m]), np.asarray(ref[m]), rtol=2e-4, atol=2e-4,
-                                           err_msg=f"{name} != dense: N={tokens} M={adapters} R={rank} module {m}")
+                np.testing.assert_allclose(
+                    np.asarray(got[m]),
+                    np.asarray(ref[m]),
+                    rtol=2e-4,
+                    atol=2e-4,
+                    err_msg=f"{name} != dense: N={tokens} M={adapters} R={rank} module {m}",
+                )
         zero = np.asarray(check) < 0
         assert all(not np.asarray(ref[m])[zero].any() for m in modules), "base tokens got an update"
 
@@ -164,8 +185,14 @@ def table(rows: list[dict], first: str) -> str:
     head = f"| {first} | N | M | R | empty call us | base us | dense us (x base) | gather us (x base) | ragged_dot us (x base) |"
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
-        cells = [r["modules"] if first == "module" else "layer", r["tokens"], r["adapters"], r["rank"],
-                 f"{r['empty_us']:,.1f}", f"{r['base_us']:,.1f}"]
+        cells = [
+            r["modules"] if first == "module" else "layer",
+            r["tokens"],
+            r["adapters"],
+            r["rank"],
+            f"{r['empty_us']:,.1f}",
+            f"{r['base_us']:,.1f}",
+        ]
         cells += [f"{r[k + '_us']:,.1f} ({r[k + '_x_base']:.2f})" for k in ("dense", "gather", "ragged_dot")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
@@ -186,8 +213,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     info = machine()
-    print(f"CPU: {info['cpu']} ({info['cores']} cores; {info['cpu_flags']}), {info['date']}, commit {info['commit']}, "
-          f"jax {info['jax']} ({info['backend']}), float32", flush=True)
+    print(
+        f"CPU: {info['cpu']} ({info['cores']} cores; {info['cpu_flags']}), {info['date']}, commit {info['commit']}, "
+        f"jax {info['jax']} ({info['backend']}), float32",
+        flush=True,
+    )
     shapes = module_shapes(args.hidden, args.kv, args.intermediate)
     rng = np.random.default_rng(0)
     start = time.perf_counter()
@@ -201,17 +231,27 @@ def main(argv=None) -> int:
                     for mod in MODULES:
                         per_module.append(bench(n, m, r, (mod,), shapes, args.rounds, rng))
                         print(json.dumps(per_module[-1]), flush=True)
-    print(f"\n{time.perf_counter() - start:.0f} s. Layer = the seven modules "
-          f"({', '.join(f'{k} {a}x{b}' for k, (a, b) in shapes.items())}) in one jitted function each; "
-          f"median of {args.rounds}, in microseconds, on {info['cpu']}:\n")
+    print(
+        f"\n{time.perf_counter() - start:.0f} s. Layer = the seven modules "
+        f"({', '.join(f'{k} {a}x{b}' for k, (a, b) in shapes.items())}) in one jitted function each; "
+        f"median of {args.rounds}, in microseconds, on {info['cpu']}:\n"
+    )
     print(table(layer, "scope"))
     if per_module:
         print()
         print(table(per_module, "module"))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"machine": info, "args": {k: v for k, v in vars(args).items() if k != "out"},
-                       "layer": layer, "per_module": per_module}, f, indent=1)
+            json.dump(
+                {
+                    "machine": info,
+                    "args": {k: v for k, v in vars(args).items() if k != "out"},
+                    "layer": layer,
+                    "per_module": per_module,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -43,15 +43,40 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 def model_configs(hidden: int, layers: int, experts: int, expert_mlp: int, top_k: int, vocab: int) -> dict:
     """HF config.json dicts of the MoE and of its dense twin (MLP k * F_e wide)."""
     common = {
-        "attention_bias": False, "head_dim": 64, "hidden_act": "silu", "hidden_size": hidden,
-        "max_position_embeddings": 4096, "num_attention_heads": hidden // 64, "num_key_value_heads": max(1, hidden // 128),
-        "num_hidden_layers": layers, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
-        "vocab_size": vocab, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "float32",
+        "attention_bias": False,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "max_position_embeddings": 4096,
+        "num_attention_heads": hidden // 64,
+        "num_key_value_heads": max(1, hidden // 128),
+        "num_hidden_layers": layers,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "tie_word_embeddings": False,
+        "vocab_size": vocab,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "torch_dtype": "float32",
     }
-    moe = {**common, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": experts,
-           "num_experts_per_tok": top_k, "moe_intermediate_size": expert_mlp, "intermediate_size": top_k * expert_mlp,
-           "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
-    dense = {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "intermediate_size": top_k * expert_mlp}
+    moe = {
+        **common,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": expert_mlp,
+        "intermediate_size": top_k * expert_mlp,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+    dense = {
+        **common,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "intermediate_size": top_k * expert_mlp,
+    }
     return {"moe": moe, "dense": dense}
 
 
@@ -73,9 +98,18 @@ def bench_engine(name: str, model_dir: str, args) -> list[dict]:
     from jaxserve import LLM
 
     rows = []
-    with LLM(model=model_dir, load_format="dummy", dtype="float32", page_size=16, max_num_seqs=max(args.batches),
-             max_model_len=args.prompt_len + args.new_tokens + 16, max_num_batched_tokens=256,
-             mesh_shape=args.mesh_shape, moe_parallelism=args.moe_parallelism, warm_up=False) as llm:
+    with LLM(
+        model=model_dir,
+        load_format="dummy",
+        dtype="float32",
+        page_size=16,
+        max_num_seqs=max(args.batches),
+        max_model_len=args.prompt_len + args.new_tokens + 16,
+        max_num_batched_tokens=256,
+        mesh_shape=args.mesh_shape,
+        moe_parallelism=args.moe_parallelism,
+        warm_up=False,
+    ) as llm:
         cfg = llm.model_config
         for batch in args.batches:
             rng = np.random.RandomState(batch)
@@ -83,8 +117,14 @@ def bench_engine(name: str, model_dir: str, args) -> list[dict]:
             t1 = time_generate(llm, prompts, 1, args.repeats)
             tn = time_generate(llm, prompts, args.new_tokens, args.repeats)
             step = (tn - t1) / (args.new_tokens - 1)
-            row = dict(model=name, batch=batch, params=cfg.num_params(), active_params=cfg.active_params(),
-                       step_ms=round(step * 1e3, 3), decode_tokens_per_s=round(batch / step, 1))
+            row = dict(
+                model=name,
+                batch=batch,
+                params=cfg.num_params(),
+                active_params=cfg.active_params(),
+                step_ms=round(step * 1e3, 3),
+                decode_tokens_per_s=round(batch / step, 1),
+            )
             if cfg.is_moe:
                 row["assignments"] = batch * cfg.num_experts_per_tok
                 row["path"] = "gathered" if batch * cfg.num_experts_per_tok <= cfg.num_experts else "grouped"
@@ -117,8 +157,15 @@ def bench_ragged_dot(rows: int, hidden: int, expert_mlp: int, experts: list[int]
         sizes = np.full(e, rows // e, np.int32)
         sizes[: rows - sizes.sum()] += 1
         ms = timed(jax.jit(jax.lax.ragged_dot), x, w, jnp.asarray(sizes)) * 1e3
-        row = dict(rows=rows, hidden=hidden, expert_mlp=expert_mlp, experts=e, ragged_dot_ms=round(ms, 3),
-                   dense_one_expert_ms=round(dense_ms, 3), ratio=round(ms / dense_ms, 2))
+        row = dict(
+            rows=rows,
+            hidden=hidden,
+            expert_mlp=expert_mlp,
+            experts=e,
+            ragged_dot_ms=round(ms, 3),
+            dense_one_expert_ms=round(dense_ms, 3),
+            ratio=round(ms / dense_ms, 2),
+        )
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
@@ -133,8 +180,12 @@ def bench_mlp(hidden: int, experts: int, expert_mlp: int, top_k: int, batches: l
 
     rng = np.random.default_rng(1)
     f = lambda *shape: jnp.asarray(rng.standard_normal(shape) * 0.05, jnp.float32)  # noqa: E731
-    p = moe.MoEParams(router=f(hidden, experts), w_gate=f(experts, hidden, expert_mlp),
-                      w_up=f(experts, hidden, expert_mlp), w_down=f(experts, expert_mlp, hidden))
+    p = moe.MoEParams(
+        router=f(hidden, experts),
+        w_gate=f(experts, hidden, expert_mlp),
+        w_up=f(experts, hidden, expert_mlp),
+        w_down=f(experts, expert_mlp, hidden),
+    )
     dense_w = (f(hidden, top_k * expert_mlp), f(hidden, top_k * expert_mlp), f(top_k * expert_mlp, hidden))
 
     def gathered(x, p):
@@ -157,10 +208,15 @@ def bench_mlp(hidden: int, experts: int, expert_mlp: int, top_k: int, batches: l
     out = []
     for b in batches:
         x = f(b, hidden)
-        row = dict(tokens=b, assignments=b * top_k, experts=experts,
-                   chosen="gathered" if b * top_k <= experts else "grouped",
-                   gathered_ms=timed(jax.jit(gathered), x, p), grouped_ms=timed(jax.jit(grouped), x, p),
-                   dense_twin_ms=timed(jax.jit(lambda x, w: swiglu(x[None], *w)[0]), x, dense_w))
+        row = dict(
+            tokens=b,
+            assignments=b * top_k,
+            experts=experts,
+            chosen="gathered" if b * top_k <= experts else "grouped",
+            gathered_ms=timed(jax.jit(gathered), x, p),
+            grouped_ms=timed(jax.jit(grouped), x, p),
+            dense_twin_ms=timed(jax.jit(lambda x, w: swiglu(x[None], *w)[0]), x, dense_w),
+        )
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
@@ -175,11 +231,19 @@ def machine() -> dict:
         except (OSError, subprocess.CalledProcessError):
             return None
 
-    cpu = next((line.split(":", 1)[1].strip() for line in (run("lscpu") or "").splitlines()
-                if line.startswith("Model name")), platform.processor())
-    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                commit=run("git", "rev-parse", "--short", "HEAD"), cpu=cpu, cores=os.cpu_count(),
-                jax=jax.__version__, backend=jax.default_backend(), devices=len(jax.devices()))
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in (run("lscpu") or "").splitlines() if line.startswith("Model name")),
+        platform.processor(),
+    )
+    return dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        commit=run("git", "rev-parse", "--short", "HEAD"),
+        cpu=cpu,
+        cores=os.cpu_count(),
+        jax=jax.__version__,
+        backend=jax.default_backend(),
+        devices=len(jax.devices()),
+    )
 
 
 def main(argv=None) -> int:
@@ -207,15 +271,17 @@ def main(argv=None) -> int:
     if not args.skip_engine:
         with tempfile.TemporaryDirectory() as tmp:
             result["engine"] = []
-            for name, config in model_configs(args.hidden, args.layers, args.experts, args.expert_mlp, args.top_k,
-                                              args.vocab).items():
+            for name, config in model_configs(
+                args.hidden, args.layers, args.experts, args.expert_mlp, args.top_k, args.vocab
+            ).items():
                 d = os.path.join(tmp, name)
                 os.makedirs(d)
                 with open(os.path.join(d, "config.json"), "w") as f:
                     json.dump(config, f)
                 result["engine"] += bench_engine(name, d, args)
-    result["ragged_dot"] = bench_ragged_dot(args.sweep_rows, args.hidden, args.expert_mlp, args.sweep_experts,
-                                            args.repeats)
+    result["ragged_dot"] = bench_ragged_dot(
+        args.sweep_rows, args.hidden, args.expert_mlp, args.sweep_experts, args.repeats
+    )
     result["moe_mlp"] = bench_mlp(args.hidden, args.experts, args.expert_mlp, args.top_k, args.batches, args.repeats)
     if args.out:
         with open(args.out, "w") as f:

@@ -65,11 +65,17 @@ class Layout:
         def i32(*dims):
             return S((1,) + dims, jnp.int32)
 
-        batch = RaggedBatch(tokens=i32(N), positions=i32(N), slots=i32(N), token_row=i32(N),
-                            query_start=i32(rows + 1), context_lens=i32(rows), page_table=i32(rows, P),
-                            logit_index=i32(rows))
-        return (batch, SamplingTensors.spec((1, rows), self.history_len),
-                TokenMask.spec((1, rows), self.vocab_size))
+        batch = RaggedBatch(
+            tokens=i32(N),
+            positions=i32(N),
+            slots=i32(N),
+            token_row=i32(N),
+            query_start=i32(rows + 1),
+            context_lens=i32(rows),
+            page_table=i32(rows, P),
+            logit_index=i32(rows),
+        )
+        return (batch, SamplingTensors.spec((1, rows), self.history_len), TokenMask.spec((1, rows), self.vocab_size))
 
 
 def decode_step_inputs(batch, pages, page_size, vocab_size, rng):
@@ -82,10 +88,11 @@ def decode_step_inputs(batch, pages, page_size, vocab_size, rng):
 
     used = rng.integers(int(0.4 * pages), int(0.9 * pages), batch)
     start = used * page_size - rng.integers(1, page_size, batch)
-    rows = [RaggedRow([int(rng.integers(0, vocab_size))], int(s), rng.choice(np.arange(1, 8 * pages), n, replace=False))
-            for s, n in zip(start, used)]
-    arrays = pack_ragged(rows, page_size=page_size, num_tokens=batch, num_rows=batch, max_pages=pages,
-                         num_logits=batch)
+    rows = [
+        RaggedRow([int(rng.integers(0, vocab_size))], int(s), rng.choice(np.arange(1, 8 * pages), n, replace=False))
+        for s, n in zip(start, used)
+    ]
+    arrays = pack_ragged(rows, page_size=page_size, num_tokens=batch, num_rows=batch, max_pages=pages, num_logits=batch)
     ragged = RaggedBatch(**{name: value[None] for name, value in vars(arrays).items()})
     sampling = [RowSampling(temperature=0.7, top_p=0.95, seed=int(rng.integers(2**31)), step=int(s)) for s in start]
     st = SamplingTensors.pack(sampling, (1, batch), pages * page_size)
@@ -156,11 +163,15 @@ def worker(args) -> None:
         follower = json.loads(client.blocking_key_value_get("bench/decode", 60_000))
         result = dict(
             machine=dict(cpus=os.cpu_count(), jax=jax.__version__, load_average=os.getloadavg()),
-            message=dict(batch=args.batch, pages=args.pages, page_size=args.page_size, bytes=size,
-                         unpacked_bytes=full_bytes),
+            message=dict(
+                batch=args.batch, pages=args.pages, page_size=args.page_size, bytes=size, unpacked_bytes=full_bytes
+            ),
             iters=args.iters,
-            encode=summary(timings["encode"]), send=summary(timings["send"]), round=summary(timings["round"]),
-            decode=follower, broadcast_one_to_all=dict(buffer_bytes=len(buffer), **summary(broadcast)),
+            encode=summary(timings["encode"]),
+            send=summary(timings["send"]),
+            round=summary(timings["round"]),
+            decode=follower,
+            broadcast_one_to_all=dict(buffer_bytes=len(buffer), **summary(broadcast)),
         )
         print(json.dumps(result, indent=2))
         if args.json:
@@ -179,8 +190,13 @@ def main(argv=None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = argv if argv is not None else sys.argv[1:]
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--process-id", str(i),
-                               "--port", str(port)], stderr=subprocess.DEVNULL if i else None) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), *argv, "--process-id", str(i), "--port", str(port)],
+            stderr=subprocess.DEVNULL if i else None,
+        )
+        for i in range(2)
+    ]
     try:
         codes = [p.wait(timeout=600) for p in procs]
     finally:

@@ -66,10 +66,12 @@ DTYPE_GGUF = {v: k for k, v in GGUF_DTYPES.items()}
 # Metrics: (section, key, label, better). "higher": tokens/s; "lower": latency.
 BATCH1_METRICS = (("decode_tokens_per_s", "decode tok/s", "higher"), ("ttft_ms", "TTFT ms", "lower"))
 BATCH16_METRICS = (("output_tokens_per_s", "output tok/s", "higher"),)
-SERVER_METRICS = (("output_throughput", "output tok/s", "higher"), ("p50_ttft_ms", "TTFT p50 ms", "lower"),
-                  ("p50_tpot_ms", "TPOT p50 ms", "lower"))
-TARGETS = {"batch1_decode_vs_llamacpp": 1.0, "server_throughput_vs_llama_server": 2.0,
-           "batch16_vs_hf": 5.0}
+SERVER_METRICS = (
+    ("output_throughput", "output tok/s", "higher"),
+    ("p50_ttft_ms", "TTFT p50 ms", "lower"),
+    ("p50_tpot_ms", "TPOT p50 ms", "lower"),
+)
+TARGETS = {"batch1_decode_vs_llamacpp": 1.0, "server_throughput_vs_llama_server": 2.0, "batch16_vs_hf": 5.0}
 
 
 # ---- pure report arithmetic (tests/test_bench_peers.py) ------------------------------------------
@@ -120,13 +122,25 @@ def comparisons(report: dict) -> list[dict]:
     rows = []
 
     def add(section, metric, label, better, ours, peer, peer_name, setting):
-        rows.append({"section": section, "metric": metric, "label": label, "better": better,
-                     "dtype": ours.get("dtype"), "peer": peer_name, "peer_setting": setting,
-                     "jaxserve": ours.get(metric), "peer_value": peer.get(metric),
-                     "ratio": ratio(ours.get(metric), peer.get(metric))})
+        rows.append(
+            {
+                "section": section,
+                "metric": metric,
+                "label": label,
+                "better": better,
+                "dtype": ours.get("dtype"),
+                "peer": peer_name,
+                "peer_setting": setting,
+                "jaxserve": ours.get(metric),
+                "peer_value": peer.get(metric),
+                "ratio": ratio(ours.get(metric), peer.get(metric)),
+            }
+        )
 
-    for section, metrics, peers in (("batch1", BATCH1_METRICS, ("llama.cpp", "hf")),
-                                    ("batch16", BATCH16_METRICS, ("hf",))):
+    for section, metrics, peers in (
+        ("batch1", BATCH1_METRICS, ("llama.cpp", "hf")),
+        ("batch16", BATCH16_METRICS, ("hf",)),
+    ):
         for ours in _entries(report, section, "jaxserve"):
             for peer_name in peers:
                 for peer in _entries(report, section, peer_name):
@@ -137,8 +151,16 @@ def comparisons(report: dict) -> list[dict]:
     for ours in _entries(report, "server", "jaxserve"):
         for peer in _entries(report, "server", "llama-server"):
             for metric, label, better in SERVER_METRICS:
-                add("server", metric, label, better, ours, peer, "llama-server",
-                    f"{peer.get('dtype')}, -np {peer.get('slots')}")
+                add(
+                    "server",
+                    metric,
+                    label,
+                    better,
+                    ours,
+                    peer,
+                    "llama-server",
+                    f"{peer.get('dtype')}, -np {peer.get('slots')}",
+                )
     return rows
 
 
@@ -150,9 +172,16 @@ def evaluate_targets(report: dict) -> list[dict]:
         peer = next((p for p in _entries(report, "batch1", "llama.cpp") if p.get("dtype") == ours.get("dtype")), None)
         r = ratio(ours.get("decode_tokens_per_s"), (peer or {}).get("decode_tokens_per_s"))
         need = TARGETS["batch1_decode_vs_llamacpp"]
-        out.append({"target": "batch1_decode_vs_llamacpp", "dtype": ours.get("dtype"), "threshold": need,
-                    "ratio": r, "met": None if r is None else r >= need,
-                    "text": f"batch-1 decode tok/s >= {need:g}x llama.cpp ({ours.get('dtype')})"})
+        out.append(
+            {
+                "target": "batch1_decode_vs_llamacpp",
+                "dtype": ours.get("dtype"),
+                "threshold": need,
+                "ratio": r,
+                "met": None if r is None else r >= need,
+                "text": f"batch-1 decode tok/s >= {need:g}x llama.cpp ({ours.get('dtype')})",
+            }
+        )
     # 2. server output throughput >= 2x llama-server's best setting, at no worse p50 TTFT and TPOT.
     ours = best_entry(_entries(report, "server", "jaxserve"), "output_throughput")
     peer = best_entry(_entries(report, "server", "llama-server"), "output_throughput")
@@ -161,19 +190,35 @@ def evaluate_targets(report: dict) -> list[dict]:
     r_ttft = ratio((ours or {}).get("p50_ttft_ms"), (peer or {}).get("p50_ttft_ms"))
     r_tpot = ratio((ours or {}).get("p50_tpot_ms"), (peer or {}).get("p50_tpot_ms"))
     met = None if None in (r, r_ttft, r_tpot) else (r >= need and r_ttft <= 1.0 and r_tpot <= 1.0)
-    out.append({"target": "server_throughput_vs_llama_server", "dtype": (ours or {}).get("dtype"),
-                "threshold": need, "ratio": r, "ttft_p50_ratio": r_ttft, "tpot_p50_ratio": r_tpot,
-                "peer_setting": None if peer is None else f"{peer.get('dtype')}, -np {peer.get('slots')}",
-                "met": met, "text": f"server output tok/s >= {need:g}x llama-server (best setting), "
-                                    "p50 TTFT and TPOT no worse"})
+    out.append(
+        {
+            "target": "server_throughput_vs_llama_server",
+            "dtype": (ours or {}).get("dtype"),
+            "threshold": need,
+            "ratio": r,
+            "ttft_p50_ratio": r_ttft,
+            "tpot_p50_ratio": r_tpot,
+            "peer_setting": None if peer is None else f"{peer.get('dtype')}, -np {peer.get('slots')}",
+            "met": met,
+            "text": f"server output tok/s >= {need:g}x llama-server (best setting), p50 TTFT and TPOT no worse",
+        }
+    )
     # 3. batch-16 output throughput >= 5x HF generate at batch 16 (against HF's faster dtype).
     ours = best_entry(_entries(report, "batch16", "jaxserve"), "output_tokens_per_s")
     peer = best_entry(_entries(report, "batch16", "hf"), "output_tokens_per_s")
     need = TARGETS["batch16_vs_hf"]
     r = ratio((ours or {}).get("output_tokens_per_s"), (peer or {}).get("output_tokens_per_s"))
-    out.append({"target": "batch16_vs_hf", "dtype": (ours or {}).get("dtype"), "threshold": need, "ratio": r,
-                "peer_setting": (peer or {}).get("dtype"), "met": None if r is None else r >= need,
-                "text": f"batch-16 output tok/s >= {need:g}x HF generate batch 16 (HF's faster dtype)"})
+    out.append(
+        {
+            "target": "batch16_vs_hf",
+            "dtype": (ours or {}).get("dtype"),
+            "threshold": need,
+            "ratio": r,
+            "peer_setting": (peer or {}).get("dtype"),
+            "met": None if r is None else r >= need,
+            "text": f"batch-16 output tok/s >= {need:g}x HF generate batch 16 (HF's faster dtype)",
+        }
+    )
     return out
 
 
@@ -191,12 +236,21 @@ def format_table(rows: list[dict], targets: list[dict] | None = None) -> str:
     body = []
     for r in rows:
         arrow = "^" if r["better"] == "higher" else "v"
-        body.append((r["section"], f"{r['label']} ({arrow})", r.get("dtype") or "-",
-                     f"{r['peer']} ({r['peer_setting']})", _fmt(r["jaxserve"]), _fmt(r["peer_value"]),
-                     "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"))
+        body.append(
+            (
+                r["section"],
+                f"{r['label']} ({arrow})",
+                r.get("dtype") or "-",
+                f"{r['peer']} ({r['peer_setting']})",
+                _fmt(r["jaxserve"]),
+                _fmt(r["peer_value"]),
+                "-" if r["ratio"] is None else f"{r['ratio']:.2f}x",
+            )
+        )
     widths = [max(len(str(x[i])) for x in body + [head]) for i in range(len(head))]
-    line = lambda xs: "  ".join(str(x).rjust(w) if i > 3 else str(x).ljust(w)
-                                for i, (x, w) in enumerate(zip(xs, widths)))
+    line = lambda xs: "  ".join(
+        str(x).rjust(w) if i > 3 else str(x).ljust(w) for i, (x, w) in enumerate(zip(xs, widths))
+    )
     out = [line(head), line(["-" * w for w in widths])] + [line(b) for b in body]
     out.append("(^: higher is better, jaxserve/peer > 1 wins; v: lower is better, jaxserve/peer < 1 wins)")
     for t in targets or []:
@@ -210,20 +264,26 @@ def format_table(rows: list[dict], targets: list[dict] | None = None) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     """The same rows as a Markdown table (docs/BENCHMARKS.md)."""
-    out = ["| section | metric | dtype | peer (setting) | jaxserve | peer | jaxserve/peer |",
-           "|---|---|---|---|---:|---:|---:|"]
+    out = [
+        "| section | metric | dtype | peer (setting) | jaxserve | peer | jaxserve/peer |",
+        "|---|---|---|---|---:|---:|---:|",
+    ]
     for r in rows:
         arrow = "higher better" if r["better"] == "higher" else "lower better"
         ratio_s = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        out.append(f"| {r['section']} | {r['label']} ({arrow}) | {r.get('dtype') or '-'} | {r['peer']} "
-                   f"({r['peer_setting']}) | {_fmt(r['jaxserve'])} | {_fmt(r['peer_value'])} | {ratio_s} |")
+        out.append(
+            f"| {r['section']} | {r['label']} ({arrow}) | {r.get('dtype') or '-'} | {r['peer']} "
+            f"({r['peer_setting']}) | {_fmt(r['jaxserve'])} | {_fmt(r['peer_value'])} | {ratio_s} |"
+        )
     return "\n".join(out)
 
 
 REPORT_KEYS = ("schema", "config", "machine", "weights", "batch1", "batch16", "server", "comparisons", "targets")
-ENTRY_KEYS = {"batch1": ("engine", "dtype", "ttft_ms", "decode_tokens_per_s"),
-              "batch16": ("engine", "dtype", "batch", "output_tokens_per_s"),
-              "server": ("engine", "dtype", "slots", "output_throughput", "p50_ttft_ms", "p50_tpot_ms")}
+ENTRY_KEYS = {
+    "batch1": ("engine", "dtype", "ttft_ms", "decode_tokens_per_s"),
+    "batch16": ("engine", "dtype", "batch", "output_tokens_per_s"),
+    "server": ("engine", "dtype", "slots", "output_throughput", "p50_ttft_ms", "p50_tpot_ms"),
+}
 
 
 def validate_report(report: dict) -> list[str]:
@@ -342,8 +402,18 @@ def convert_gguf(llama_cpp: Path, hf_dir: Path, out: Path, outtype: str) -> Path
         return out
     log(f"converting {hf_dir} -> {out} ({outtype}) with {llama_cpp / 'convert_hf_to_gguf.py'}")
     tmp = out.with_name(out.name + ".tmp")
-    subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(tmp),
-                    "--outtype", outtype], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(llama_cpp / "convert_hf_to_gguf.py"),
+            str(hf_dir),
+            "--outfile",
+            str(tmp),
+            "--outtype",
+            outtype,
+        ],
+        check=True,
+    )
     tmp.rename(out)
     return out
 
@@ -355,9 +425,16 @@ def jaxserve_llm(args, settings: dict, dtype: str, batch: int):
     from jaxserve import LLM
 
     if batch == 1:  # as scripts/bench_decode.py: one row, one prefill chunk, just long enough
-        llm = LLM(model=settings["model"], load_format="dummy", dtype=dtype, seed=args.seed, max_num_seqs=1,
-                  max_num_batched_tokens=args.prompt_len, max_model_len=args.prompt_len + args.new_tokens,
-                  warm_up=False)
+        llm = LLM(
+            model=settings["model"],
+            load_format="dummy",
+            dtype=dtype,
+            seed=args.seed,
+            max_num_seqs=1,
+            max_num_batched_tokens=args.prompt_len,
+            max_model_len=args.prompt_len + args.new_tokens,
+            warm_up=False,
+        )
     else:  # the serving configuration (its buckets are in the persistent compile cache after a server run)
         s = dict(settings, dtype=dtype, seed=args.seed, load_format="dummy")
         s["max_num_seqs"] = max(int(s.get("max_num_seqs", batch)), batch)
@@ -395,10 +472,16 @@ def hf_gen(model):
     def gen(prompts: list[list[int]], k: int) -> list[int]:
         ids = torch.tensor(prompts, dtype=torch.long)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=k,
-                                 min_new_tokens=k, do_sample=False, num_beams=1)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=k,
+                min_new_tokens=k,
+                do_sample=False,
+                num_beams=1,
+            )
         assert out.shape[1] == ids.shape[1] + k
-        return out[0, ids.shape[1]:].tolist()
+        return out[0, ids.shape[1] :].tolist()
 
     return gen
 
@@ -416,9 +499,18 @@ def llama_cpp_model(gguf: Path, args, kv_type: str):
 
     bf16 = getattr(llama_cpp, "GGML_TYPE_BF16", 30)  # ggml.h's value; the bindings do not export it
     kv = {"f32": llama_cpp.GGML_TYPE_F32, "f16": llama_cpp.GGML_TYPE_F16, "bf16": bf16}[kv_type]
-    return llama_cpp.Llama(model_path=str(gguf), n_ctx=args.prompt_len + args.new_tokens + 16, n_batch=512,
-                           n_ubatch=512, n_threads=args.threads, n_threads_batch=args.threads, type_k=kv, type_v=kv,
-                           seed=args.seed, verbose=False)
+    return llama_cpp.Llama(
+        model_path=str(gguf),
+        n_ctx=args.prompt_len + args.new_tokens + 16,
+        n_batch=512,
+        n_ubatch=512,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        type_k=kv,
+        type_v=kv,
+        seed=args.seed,
+        verbose=False,
+    )
 
 
 def llama_cpp_gen(llm):
@@ -442,8 +534,12 @@ def llama_cpp_logits(llm, prompt: list[int]) -> np.ndarray:
 
 def logits_check(ours: np.ndarray, theirs: np.ndarray, k: int = 5) -> dict:
     top = lambda x: np.argsort(-x)[:k].tolist()
-    return {"max_abs_diff": float(np.max(np.abs(ours - theirs))), "logit_std": float(np.std(theirs)),
-            f"top{k}_same": top(ours) == top(theirs), "top1": [int(np.argmax(ours)), int(np.argmax(theirs))]}
+    return {
+        "max_abs_diff": float(np.max(np.abs(ours - theirs))),
+        "logit_std": float(np.std(theirs)),
+        f"top{k}_same": top(ours) == top(theirs),
+        "top1": [int(np.argmax(ours)), int(np.argmax(theirs))],
+    }
 
 
 # ---- servers -------------------------------------------------------------------------------------
@@ -479,10 +575,30 @@ def serving_load(args, url: str, label: str, vocab: int) -> dict:
     then the load; the summary also under the keys this report used before (duration_s)."""
     from jaxserve.bench import serve as bench_serve
 
-    common = ["--base-url", url, "--label", label, "--random-input-len", str(args.prompt_len),
-              "--random-token-range", f"10:{vocab}", "--temperature", "0", "--max-concurrency", str(args.concurrency),
-              "--request-rate", "inf", "--ignore-eos", "--metric-percentiles", "50,90,99",
-              "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm", "--ready-check-timeout-sec", "60"]
+    common = [
+        "--base-url",
+        url,
+        "--label",
+        label,
+        "--random-input-len",
+        str(args.prompt_len),
+        "--random-token-range",
+        f"10:{vocab}",
+        "--temperature",
+        "0",
+        "--max-concurrency",
+        str(args.concurrency),
+        "--request-rate",
+        "inf",
+        "--ignore-eos",
+        "--metric-percentiles",
+        "50,90,99",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--disable-tqdm",
+        "--ready-check-timeout-sec",
+        "60",
+    ]
 
     def run(flags: list[str]) -> dict:
         parser = bench_serve.build_parser()
@@ -490,22 +606,41 @@ def serving_load(args, url: str, label: str, vocab: int) -> dict:
         return asyncio.run(bench_serve.benchmark(ns, bench_serve.checked(ns, parser)))
 
     run(["--num-prompts", str(min(args.concurrency, 8)), "--random-output-len", "8", "--seed", str(args.seed + 1000)])
-    summary = run(["--num-prompts", str(args.num_prompts), "--random-output-len", str(args.new_tokens),
-                   "--seed", str(args.seed)])
+    summary = run(
+        ["--num-prompts", str(args.num_prompts), "--random-output-len", str(args.new_tokens), "--seed", str(args.seed)]
+    )
     summary["duration_s"] = summary["duration"]
     if summary["failed"]:
         raise RuntimeError(f"{label}: {summary['failed']} requests failed: {summary.get('error_kinds')}")
     if summary["total_output_tokens"] != args.num_prompts * args.new_tokens:
-        raise RuntimeError(f"{label}: {summary['total_output_tokens']} output tokens, expected "
-                           f"{args.num_prompts * args.new_tokens}")
+        raise RuntimeError(
+            f"{label}: {summary['total_output_tokens']} output tokens, expected {args.num_prompts * args.new_tokens}"
+        )
     return summary
 
 
 def server_entry(engine: str, dtype: str, slots: int, summary: dict, **extra) -> dict:
-    keys = ("output_throughput", "p50_ttft_ms", "p50_tpot_ms", "p90_ttft_ms", "p90_tpot_ms", "p99_tpot_ms",
-            "mean_ttft_ms", "mean_tpot_ms", "duration_s", "completed", "total_output_tokens")
-    return {"engine": engine, "dtype": dtype, "slots": slots, **{k: summary[k] for k in keys},
-            "summary": summary, **extra}
+    keys = (
+        "output_throughput",
+        "p50_ttft_ms",
+        "p50_tpot_ms",
+        "p90_ttft_ms",
+        "p90_tpot_ms",
+        "p99_tpot_ms",
+        "mean_ttft_ms",
+        "mean_tpot_ms",
+        "duration_s",
+        "completed",
+        "total_output_tokens",
+    )
+    return {
+        "engine": engine,
+        "dtype": dtype,
+        "slots": slots,
+        **{k: summary[k] for k in keys},
+        "summary": summary,
+        **extra,
+    }
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -518,9 +653,16 @@ def run(args) -> dict:
 
     cfg = ModelConfig.from_dir(settings["model"])
     vocab = cfg.vocab_size
-    report: dict[str, Any] = {"schema": SCHEMA, "config": {k: v for k, v in vars(args).items()},
-                              "machine": bd.machine_info(), "weights": {}, "batch1": [], "batch16": [],
-                              "server": [], "notes": []}
+    report: dict[str, Any] = {
+        "schema": SCHEMA,
+        "config": {k: v for k, v in vars(args).items()},
+        "machine": bd.machine_info(),
+        "weights": {},
+        "batch1": [],
+        "batch16": [],
+        "server": [],
+        "notes": [],
+    }
     m = report["machine"]
     m["load_average_start"] = os.getloadavg()
     try:
@@ -529,9 +671,11 @@ def run(args) -> dict:
         m["llama_cpp_python"] = llama_cpp.__version__
     except ImportError:
         llama_cpp = None
-    log(f"{m['cpu']}, {m['cores']} cores; jax {m['jax']}, torch {m['torch']}, transformers {m['transformers']}, "
+    log(
+        f"{m['cpu']}, {m['cores']} cores; jax {m['jax']}, torch {m['torch']}, transformers {m['transformers']}, "
         f"llama-cpp-python {m.get('llama_cpp_python', 'missing')}; tcmalloc {m['tcmalloc_preloaded']}; "
-        f"load {m['load_average_start'][0]:.1f}")
+        f"load {m['load_average_start'][0]:.1f}"
+    )
     prompts = Prompts(args.seed, args.prompt_len, vocab)
     check_prompt = prompts.take(1)[0]
     logits: dict[str, np.ndarray] = {}
@@ -569,8 +713,12 @@ def run(args) -> dict:
     else:
         for t in sorted(set(gguf_types) | {args.server_gguf}):
             ggufs[t] = convert_gguf(llama_dir, hf_dir, work / f"{hf_dir.name}-{t}.gguf", t)
-    report["weights"] = {"hf_dir": str(hf_dir), "gguf": {k: str(v) for k, v in ggufs.items()},
-                         "seed": args.seed, "llama_cpp_dir": str(llama_dir)}
+    report["weights"] = {
+        "hf_dir": str(hf_dir),
+        "gguf": {k: str(v) for k, v in ggufs.items()},
+        "seed": args.seed,
+        "llama_cpp_dir": str(llama_dir),
+    }
     if args.prepare_only:
         return report
 
@@ -606,8 +754,17 @@ def run(args) -> dict:
                 logits["llama.cpp"] = llama_cpp_logits(llm, check_prompt)
             if not args.skip_batch1:
                 entry = time_generate(llama_cpp_gen(llm), prompts, 1, args.new_tokens, args.repeats)
-                report["batch1"].append({"engine": "llama.cpp", "dtype": GGUF_DTYPES[t], "gguf": t, "kv_cache": kv,
-                                         "what": "llama-cpp-python Llama.generate", "threads": args.threads, **entry})
+                report["batch1"].append(
+                    {
+                        "engine": "llama.cpp",
+                        "dtype": GGUF_DTYPES[t],
+                        "gguf": t,
+                        "kv_cache": kv,
+                        "what": "llama-cpp-python Llama.generate",
+                        "threads": args.threads,
+                        **entry,
+                    }
+                )
                 log(f"  decode {entry['decode_tokens_per_s']:.1f} tok/s, TTFT {entry['ttft_ms']:.0f} ms")
             llm.close() if hasattr(llm, "close") else None
             del llm
@@ -616,7 +773,8 @@ def run(args) -> dict:
     # same weights? last-position logits of one prompt in float32
     if "jaxserve" in logits:
         report["weights"]["logits_check_vs_jaxserve_f32"] = {
-            k: logits_check(logits["jaxserve"], v) for k, v in logits.items() if k != "jaxserve"}
+            k: logits_check(logits["jaxserve"], v) for k, v in logits.items() if k != "jaxserve"
+        }
         log(f"logits check (float32, vs jaxserve): {report['weights']['logits_check_vs_jaxserve_f32']}")
 
     # -- jaxserve batch 16 (the serving configuration, offline) --
@@ -633,13 +791,28 @@ def run(args) -> dict:
     if not args.skip_server:
         slots = int(settings.get("max_num_seqs", 16))
         env = dict(os.environ)
-        srv = Server("jaxserve", [sys.executable, "-m", "jaxserve.serve", "--config", str(args.config),
-                                  "--port", str(args.port), "--no-access-log"], args.port,
-                     work / "jaxserve-server.log", env)
+        srv = Server(
+            "jaxserve",
+            [
+                sys.executable,
+                "-m",
+                "jaxserve.serve",
+                "--config",
+                str(args.config),
+                "--port",
+                str(args.port),
+                "--no-access-log",
+            ],
+            args.port,
+            work / "jaxserve-server.log",
+            env,
+        )
         try:
             up = srv.wait_healthy(args.server_timeout)
-            log(f"jaxserve server healthy after {up:.0f} s; load: {args.num_prompts} requests, "
-                f"concurrency {args.concurrency}")
+            log(
+                f"jaxserve server healthy after {up:.0f} s; load: {args.num_prompts} requests, "
+                f"concurrency {args.concurrency}"
+            )
             summary = serving_load(args, srv.url, "jaxserve", vocab)
             report["server"].append(server_entry("jaxserve", "float32", slots, summary, startup_s=up))
         except Exception as err:  # keep the rest of the report
@@ -657,17 +830,46 @@ def run(args) -> dict:
             kv = args.server_gguf if args.llama_kv == "same" else args.llama_kv
             for np_slots in [slots] + [s for s in map(int, split(args.llama_server_extra_slots)) if s != slots]:
                 ctx = np_slots * args.ctx_per_slot
-                cmd = [llama_server, "-m", str(ggufs[args.server_gguf]), "--host", "127.0.0.1", "--port",
-                       str(args.port + 1), "-np", str(np_slots), "-c", str(ctx), "-t", str(args.threads), "-tb",
-                       str(args.threads), "-ctk", kv, "-ctv", kv, "--no-webui"]
-                srv = Server(f"llama-server -np {np_slots}", cmd, args.port + 1,
-                             work / f"llama-server-np{np_slots}.log", env)
+                cmd = [
+                    llama_server,
+                    "-m",
+                    str(ggufs[args.server_gguf]),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(args.port + 1),
+                    "-np",
+                    str(np_slots),
+                    "-c",
+                    str(ctx),
+                    "-t",
+                    str(args.threads),
+                    "-tb",
+                    str(args.threads),
+                    "-ctk",
+                    kv,
+                    "-ctv",
+                    kv,
+                    "--no-webui",
+                ]
+                srv = Server(
+                    f"llama-server -np {np_slots}", cmd, args.port + 1, work / f"llama-server-np{np_slots}.log", env
+                )
                 try:
                     up = srv.wait_healthy(args.server_timeout)
                     summary = serving_load(args, srv.url, f"llama-server-np{np_slots}", vocab)
-                    report["server"].append(server_entry("llama-server", GGUF_DTYPES[args.server_gguf], np_slots,
-                                                         summary, ctx=ctx, kv_cache=kv, startup_s=up,
-                                                         threads=args.threads))
+                    report["server"].append(
+                        server_entry(
+                            "llama-server",
+                            GGUF_DTYPES[args.server_gguf],
+                            np_slots,
+                            summary,
+                            ctx=ctx,
+                            kv_cache=kv,
+                            startup_s=up,
+                            threads=args.threads,
+                        )
+                    )
                 except Exception as err:
                     report["server"].append({"engine": "llama-server", "slots": np_slots, "error": repr(err)})
                     log(f"llama-server -np {np_slots} failed: {err!r}")
@@ -682,12 +884,16 @@ def split(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="jaxserve YAML (model, serving settings)")
     p.add_argument("--work-dir", default=str(DEFAULT_WORK), help="exports, GGUF files, logs (outside the repo)")
-    p.add_argument("--llama-cpp-dir", default=None,
-                   help="llama.cpp sources with convert_hf_to_gguf.py; default: the sdist unpacked in --work-dir")
+    p.add_argument(
+        "--llama-cpp-dir",
+        default=None,
+        help="llama.cpp sources with convert_hf_to_gguf.py; default: the sdist unpacked in --work-dir",
+    )
     p.add_argument("--llama-server", default=str(DEFAULT_WORK / "build-server" / "bin" / "llama-server"))
     p.add_argument("--seed", type=int, default=0, help="dummy weights' seed; prompts are drawn from it too")
     p.add_argument("--prompt-len", type=int, default=128)

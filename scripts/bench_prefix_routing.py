@@ -34,17 +34,26 @@ def workload(args: argparse.Namespace) -> tuple[list, list]:
     """(firsts, rest): (group, prompt ids) pairs; `rest` shuffled across groups."""
     rng = random.Random(args.seed)
     prefixes = [[rng.randrange(3, 8000) for _ in range(args.prefix)] for _ in range(args.groups)]
-    reqs = [(g, prefixes[g] + [rng.randrange(3, 8000) for _ in range(rng.randrange(1, 40))])
-            for g in range(args.groups) for _ in range(args.per_group)]
+    reqs = [
+        (g, prefixes[g] + [rng.randrange(3, 8000) for _ in range(rng.randrange(1, 40))])
+        for g in range(args.groups)
+        for _ in range(args.per_group)
+    ]
     rest = [r for i, r in enumerate(reqs) if i % args.per_group]
     rng.shuffle(rest)
-    return reqs[::args.per_group], rest
+    return reqs[:: args.per_group], rest
 
 
 def stream(client: httpx.Client, model: str, ids: list[int], max_tokens: int) -> tuple[str, float, int]:
     """(replica, TTFT in s, completion tokens) of one streamed completion."""
-    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0, ttft, tokens = time.perf_counter(), None, 0
     with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -78,8 +87,17 @@ def run_router(router: str, args: argparse.Namespace, url: str) -> dict:
     from jaxserve.serving.ray.cli import build_parser, spec_from_namespace
     from jaxserve.serving.ray.deployments import build_application
 
-    flags = ["--config", "small", "--model", args.model, "--num-replicas", "2", "--enable-prefix-caching",
-             "--router", router]
+    flags = [
+        "--config",
+        "small",
+        "--model",
+        args.model,
+        "--num-replicas",
+        "2",
+        "--enable-prefix-caching",
+        "--router",
+        router,
+    ]
     spec = spec_from_namespace(build_parser().parse_args(flags))
     t0 = time.perf_counter()
     serve.run(build_application(spec), name=APP, route_prefix="/")
@@ -103,27 +121,42 @@ def run_router(router: str, args: argparse.Namespace, url: str) -> dict:
         b = before.get(rid, {})
         prompt = s["prompt_tokens_total"] - b.get("prompt_tokens_total", 0)
         computed = s["prefill_tokens_computed"] - b.get("prefill_tokens_computed", 0)
-        replicas[rid] = {"requests": sum(c[rid] for c in by_group.values()), "prompt_tokens": prompt,
-                         "prefilled_tokens": computed, "cached_share": 1 - computed / prompt if prompt else None,
-                         "engine_prefix_cache_hit_rate": s["prefix_cache_hit_rate"]}
-    return {"router": router, "startup_s": round(startup, 1),
-            "group_top_share": [round(by_group[g].most_common(1)[0][1] / sum(by_group[g].values()), 3)
-                                for g in sorted(by_group)],
-            "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1), "ttft_p90_ms": round(1000 * q[8], 1),
-            "mean_completion_tokens": round(statistics.mean(t for *_, t in first + shuffled), 1),
-            "replicas_seen_in_stats": len(after), "replicas": replicas}
+        replicas[rid] = {
+            "requests": sum(c[rid] for c in by_group.values()),
+            "prompt_tokens": prompt,
+            "prefilled_tokens": computed,
+            "cached_share": 1 - computed / prompt if prompt else None,
+            "engine_prefix_cache_hit_rate": s["prefix_cache_hit_rate"],
+        }
+    return {
+        "router": router,
+        "startup_s": round(startup, 1),
+        "group_top_share": [
+            round(by_group[g].most_common(1)[0][1] / sum(by_group[g].values()), 3) for g in sorted(by_group)
+        ],
+        "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
+        "ttft_p90_ms": round(1000 * q[8], 1),
+        "mean_completion_tokens": round(statistics.mean(t for *_, t in first + shuffled), 1),
+        "replicas_seen_in_stats": len(after),
+        "replicas": replicas,
+    }
 
 
 def table(results: list[dict]) -> str:
     pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
-    lines = ["| router | requests of a group on its top replica | TTFT p50 | TTFT p90 | prompt tokens from the "
-             "prefix cache, per replica (requests) |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| router | requests of a group on its top replica | TTFT p50 | TTFT p90 | prompt tokens from the "
+        "prefix cache, per replica (requests) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         reps = ", ".join(f"{pct(v['cached_share'])} ({v['requests']})" for v in r["replicas"].values())
         if r["replicas_seen_in_stats"] < 2:
             reps += " (stats reached only one replica)"
-        lines.append(f"| {r['router']} | {', '.join(pct(s) for s in r['group_top_share'])} | "
-                     f"{r['ttft_p50_ms']:.0f} ms | {r['ttft_p90_ms']:.0f} ms | {reps} |")
+        lines.append(
+            f"| {r['router']} | {', '.join(pct(s) for s in r['group_top_share'])} | "
+            f"{r['ttft_p50_ms']:.0f} ms | {r['ttft_p90_ms']:.0f} ms | {reps} |"
+        )
     return "\n".join(lines)
 
 
@@ -147,8 +180,9 @@ def main() -> int:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     # 4 logical CPUs: two engine replicas of one CPU each and the ingress fit on a 2-core machine.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}})
+    ray.init(
+        num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}}
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         results = [run_router(r, args, f"http://127.0.0.1:{port}") for r in args.routers.split(",")]

@@ -77,9 +77,17 @@ def build(args, dtype: str, settings: dict, compiler_options: dict | None, promp
 
     from jaxserve import LLM
 
-    llm = LLM(model=args.model, load_format="dummy", dtype=dtype, seed=args.seed, max_num_seqs=1,
-              max_num_batched_tokens=len(prompt), max_model_len=len(prompt) + args.new_tokens, warm_up=False,
-              **settings)
+    llm = LLM(
+        model=args.model,
+        load_format="dummy",
+        dtype=dtype,
+        seed=args.seed,
+        max_num_seqs=1,
+        max_num_batched_tokens=len(prompt),
+        max_model_len=len(prompt) + args.new_tokens,
+        warm_up=False,
+        **settings,
+    )
     logging.getLogger("jaxserve.runner.runner").setLevel(logging.ERROR)  # "compiling unplanned shape"
     if compiler_options is not None:
         llm.runner.compiler_options = compiler_options
@@ -90,8 +98,10 @@ def generate_fn(llm, prompt: list[int], n: int):
     from jaxserve import SamplingParams
 
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
     def run():
         return llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs[0].token_ids
+
     return run
 
 
@@ -102,10 +112,17 @@ def capacity(cfg, dtype: str, kv_cache_dtype: str, budget: int, context: int, pa
     from jaxserve.config import EngineConfig
     from jaxserve.planning.memory import plan_memory
 
-    plan = plan_memory(cfg, EngineConfig(page_size=page_size, kv_cache_memory=budget, max_model_len=context,
-                                         kv_cache_dtype=kv_cache_dtype), jnp.dtype(dtype))
-    return {"kv_bytes_per_token": plan.kv_bytes_per_token, "pages": plan.num_pages,
-            "tokens": plan.tokens_that_fit, "max_sequences": (plan.num_pages - 1) // math.ceil(context / page_size)}
+    plan = plan_memory(
+        cfg,
+        EngineConfig(page_size=page_size, kv_cache_memory=budget, max_model_len=context, kv_cache_dtype=kv_cache_dtype),
+        jnp.dtype(dtype),
+    )
+    return {
+        "kv_bytes_per_token": plan.kv_bytes_per_token,
+        "pages": plan.num_pages,
+        "tokens": plan.tokens_that_fit,
+        "max_sequences": (plan.num_pages - 1) // math.ceil(context / page_size),
+    }
 
 
 def variant(name: str) -> tuple[str, dict, dict | None]:
@@ -126,17 +143,32 @@ def bench_default_model(args, variants: list[str]) -> dict:
     for name in variants:
         dtype, settings, _ = variant(name)
         for b in batches:
-            t_build, llm = bench_decode.timed(lambda: LLM(
-                dtype=dtype, seed=args.seed, max_num_seqs=b, max_num_batched_tokens=max(64, b * args.prompt_len),
-                max_model_len=args.prompt_len + args.new_tokens + 8, warm_up=False, **settings))
+            t_build, llm = bench_decode.timed(
+                lambda: LLM(
+                    dtype=dtype,
+                    seed=args.seed,
+                    max_num_seqs=b,
+                    max_num_batched_tokens=max(64, b * args.prompt_len),
+                    max_model_len=args.prompt_len + args.new_tokens + 8,
+                    warm_up=False,
+                    **settings,
+                )
+            )
             logging.getLogger("jaxserve.runner.runner").setLevel(logging.ERROR)
             rng = np.random.default_rng(args.seed + b)  # every variant decodes the same prompts
             prompts = [rng.integers(1, llm.model_config.vocab_size, args.prompt_len).tolist() for _ in range(b)]
             llms[name, b] = (llm, prompts)
             run = _batch_generate(llm, prompts, args.new_tokens)
             t_first, tokens = bench_decode.timed(lambda: (_batch_generate(llm, prompts, 1)(), run())[1])
-            results[name, b] = {"param_bytes": llm.memory.param_bytes, "plan": llm.memory.describe(),
-                                "build_s": t_build, "first_generate_s": t_first, "tokens": tokens, "t1": [], "tn": []}
+            results[name, b] = {
+                "param_bytes": llm.memory.param_bytes,
+                "plan": llm.memory.describe(),
+                "build_s": t_build,
+                "first_generate_s": t_first,
+                "tokens": tokens,
+                "t1": [],
+                "tn": [],
+            }
             print(f"built {name} batch {b} in {t_build:.0f} s; {llm.memory.describe()}", flush=True)
     for r in range(args.repeats):
         for (name, b), (llm, prompts) in llms.items():
@@ -145,7 +177,9 @@ def bench_default_model(args, variants: list[str]) -> dict:
             res["tn"].append(bench_decode.timed(_batch_generate(llm, prompts, args.new_tokens))[0])
         print(f"round {r + 1}/{args.repeats} done; load average {os.getloadavg()[0]:.1f}", flush=True)
     out = {}
-    print(f"\n{'variant':8} {'batch':>5} {'param MB':>9} {'step ms':>8} {'tok/s':>8} {'vs f32':>7} {'greedy = f32':>13}")
+    print(
+        f"\n{'variant':8} {'batch':>5} {'param MB':>9} {'step ms':>8} {'tok/s':>8} {'vs f32':>7} {'greedy = f32':>13}"
+    )
     for (name, b), res in results.items():
         summary = bench_decode.summarize(res.pop("t1"), res.pop("tn"), args.new_tokens)
         step = summary["decode_ms_per_token"]
@@ -154,11 +188,17 @@ def bench_default_model(args, variants: list[str]) -> dict:
     for (name, b), res in results.items():
         base = results.get(("float32", b))
         ratio = res["tok_s"] / base["tok_s"] if base else float("nan")
-        agree = sum(x == y for t, u in zip(res["tokens"], base["tokens"]) for x, y in zip(t, u)) / sum(
-            len(t) for t in base["tokens"]) if base else float("nan")
+        agree = (
+            sum(x == y for t, u in zip(res["tokens"], base["tokens"]) for x, y in zip(t, u))
+            / sum(len(t) for t in base["tokens"])
+            if base
+            else float("nan")
+        )
         res["vs_float32"], res["greedy_agreement"] = ratio, agree
-        print(f"{name:8} {b:5d} {res['param_bytes'] / 1e6:9.1f} {res['decode_ms_per_token']:8.2f} "
-              f"{res['tok_s']:8.1f} {ratio:6.2f}x {agree:13.3f}")
+        print(
+            f"{name:8} {b:5d} {res['param_bytes'] / 1e6:9.1f} {res['decode_ms_per_token']:8.2f} "
+            f"{res['tok_s']:8.1f} {ratio:6.2f}x {agree:13.3f}"
+        )
     return out
 
 
@@ -166,9 +206,11 @@ def _batch_generate(llm, prompts: list[list[int]], n: int):
     from jaxserve import SamplingParams
 
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
     def run():
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
+
     return run
 
 
@@ -193,8 +235,9 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     if not bench_decode.tcmalloc_loaded():
-        print(f"hint: run with LD_PRELOAD={bench_decode.tcmalloc_path() or 'libtcmalloc_minimal.so.4'}",
-              file=sys.stderr)
+        print(
+            f"hint: run with LD_PRELOAD={bench_decode.tcmalloc_path() or 'libtcmalloc_minimal.so.4'}", file=sys.stderr
+        )
 
     if args.default_model:
         report = {"args": vars(args), "machine": bench_decode.machine_info()}
@@ -213,35 +256,57 @@ def main() -> None:
     prompt = np.random.default_rng(args.seed).integers(1, cfg.vocab_size, args.prompt_len).tolist()
     report = {"args": vars(args), "machine": bench_decode.machine_info()}
     m = report["machine"]
-    print(f"{m['cpu']}, {m['cores']} cores; jax {m['jax']}; tcmalloc preloaded: {m['tcmalloc_preloaded']}; "
-          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        f"{m['cpu']}, {m['cores']} cores; jax {m['jax']}; tcmalloc preloaded: {m['tcmalloc_preloaded']}; "
+        f"load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     report["machine"]["load_average_start"] = os.getloadavg()
 
     report["capacity"] = {
-        f"{dtype} KV" if kv == "auto" else "int8 KV": capacity(cfg, dtype, kv, args.kv_budget, args.context,
-                                                                 args.page_size)
+        f"{dtype} KV" if kv == "auto" else "int8 KV": capacity(
+            cfg, dtype, kv, args.kv_budget, args.context, args.page_size
+        )
         for dtype, kv in (("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8"))
     }
     report["param_bytes"] = {
         f"{dtype}{' + int8 weights' if q == 'int8' else ''}": cfg.param_bytes(b, q)
-        for dtype, b, q in (("float32", 4, "none"), ("bfloat16", 2, "none"), ("float32", 4, "int8"),
-                            ("bfloat16", 2, "int8"))
+        for dtype, b, q in (
+            ("float32", 4, "none"),
+            ("bfloat16", 2, "none"),
+            ("float32", 4, "int8"),
+            ("bfloat16", 2, "int8"),
+        )
     }
     # All variants are built first, then timed round-robin (one repeat of each per round), so that
     # the load of a shared machine falls on all of them alike.
     llms, results = {}, {}
     for name in variants:
         dtype, settings, options = variant(name)
-        print(f"== building {name}: dtype {dtype}, settings {settings}"
-              f"{', XLA default CPU scheduler' if options == {} else ''}", flush=True)
+        print(
+            f"== building {name}: dtype {dtype}, settings {settings}"
+            f"{', XLA default CPU scheduler' if options == {} else ''}",
+            flush=True,
+        )
         t_build, llm = bench_decode.timed(lambda: build(args, dtype, settings, options, prompt))
-        t_compile, tokens = bench_decode.timed(lambda: (generate_fn(llm, prompt, 1)(),
-                                                        generate_fn(llm, prompt, args.new_tokens)())[1])
+        t_compile, tokens = bench_decode.timed(
+            lambda: (generate_fn(llm, prompt, 1)(), generate_fn(llm, prompt, args.new_tokens)())[1]
+        )
         llms[name] = llm
-        results[name] = {"dtype": dtype, "settings": settings, "xla_default_scheduler": options == {},
-                         "plan": llm.memory.describe(), "param_bytes": param_bytes(llm.runner.params),
-                         "kv_bytes_per_token": llm.memory.kv_bytes_per_token, "build_s": t_build,
-                         "first_generate_s": t_compile, "tokens": tokens, "t1": [], "tn": [], "step": []}
+        results[name] = {
+            "dtype": dtype,
+            "settings": settings,
+            "xla_default_scheduler": options == {},
+            "plan": llm.memory.describe(),
+            "param_bytes": param_bytes(llm.runner.params),
+            "kv_bytes_per_token": llm.memory.kv_bytes_per_token,
+            "build_s": t_build,
+            "first_generate_s": t_compile,
+            "tokens": tokens,
+            "t1": [],
+            "tn": [],
+            "step": [],
+        }
         print(f"  {results[name]['plan']}", flush=True)
     one = argparse.Namespace(**{**vars(args), "repeats": 1})
     for r in range(args.repeats):
@@ -260,19 +325,25 @@ def main() -> None:
     report["machine"]["load_average_end"] = os.getloadavg()
 
     base = report["results"].get("float32", {}).get("tokens")
-    print(f"\n{'variant':22} {'param MB':>9} {'generate ms':>12} {'tok/s':>7} {'step ms':>8} {'tok/s':>7}"
-          f" {'vs bf16':>8} {'greedy = f32':>13}")
+    print(
+        f"\n{'variant':22} {'param MB':>9} {'generate ms':>12} {'tok/s':>7} {'step ms':>8} {'tok/s':>7}"
+        f" {'vs bf16':>8} {'greedy = f32':>13}"
+    )
     bf16 = report["results"].get("bfloat16", {}).get("compiled_step", {}).get("decode_ms_per_token")
     for name, r in report["results"].items():
         gen = r["llm_generate"]["decode_ms_per_token"]
         step = r.get("compiled_step", {}).get("decode_ms_per_token", float("nan"))
         agree = bench_decode.agreement(r["tokens"], base) if base else None
-        print(f"{name:22} {r['param_bytes'] / 1e6:9.1f} {gen:12.2f} {1e3 / gen:7.1f} {step:8.2f} {1e3 / step:7.1f}"
-              f" {bf16 / step if bf16 else float('nan'):7.2f}x {agree if agree is not None else '-':>13}")
+        print(
+            f"{name:22} {r['param_bytes'] / 1e6:9.1f} {gen:12.2f} {1e3 / gen:7.1f} {step:8.2f} {1e3 / step:7.1f}"
+            f" {bf16 / step if bf16 else float('nan'):7.2f}x {agree if agree is not None else '-':>13}"
+        )
     print(f"\nKV capacity at {args.context} tokens in {args.kv_budget / 2**30:.2f} GiB:")
     for name, c in report["capacity"].items():
-        print(f"  {name:14} {c['kv_bytes_per_token']:6d} bytes/token  {c['tokens']:8d} tokens  "
-              f"{c['max_sequences']:4d} sequences")
+        print(
+            f"  {name:14} {c['kv_bytes_per_token']:6d} bytes/token  {c['tokens']:8d} tokens  "
+            f"{c['max_sequences']:4d} sequences"
+        )
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)

@@ -29,15 +29,17 @@ def main() -> None:
     from jaxserve import LLM, SamplingParams
     from jaxserve.model import quant
 
-    defaults = {name: getattr(quant, name) for name in ("CHUNK_BYTES", "COLUMN_CHUNK_BYTES", "CHUNK_MAX_ROWS",
-                                                         "WIDE_RATIO")}
+    defaults = {
+        name: getattr(quant, name) for name in ("CHUNK_BYTES", "COLUMN_CHUNK_BYTES", "CHUNK_MAX_ROWS", "WIDE_RATIO")
+    }
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 40000, 32).tolist() for _ in range(args.batch)]
 
     def generate(llm, n: int) -> float:
         start = time.perf_counter()
-        llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=n, temperature=0,
-                                                                              ignore_eos=True))
+        llm.generate(
+            prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        )
         return time.perf_counter() - start
 
     llms = {}
@@ -58,8 +60,14 @@ def main() -> None:
             else:
                 attr = {"cb": "CHUNK_BYTES", "hb": "COLUMN_CHUNK_BYTES", "mr": "CHUNK_MAX_ROWS"}[knob[:2]]
                 setattr(quant, attr, int(knob[2:]) * (1024 if knob[:2] in ("cb", "hb") else 1))
-        llm = LLM(dtype="float32", max_num_seqs=args.batch, max_num_batched_tokens=max(64, 32 * args.batch),
-                  max_model_len=96, warm_up=False, **settings)
+        llm = LLM(
+            dtype="float32",
+            max_num_seqs=args.batch,
+            max_num_batched_tokens=max(64, 32 * args.batch),
+            max_model_len=96,
+            warm_up=False,
+            **settings,
+        )
         generate(llm, 1), generate(llm, args.new_tokens)  # compiled here, with this variant's constants
         llms[name] = llm
     steps: dict[str, list[float]] = {name: [] for name in llms}
@@ -70,8 +78,11 @@ def main() -> None:
     base = float(np.median(steps[args.variants[0]]))
     for name, times in steps.items():
         step = float(np.median(times))
-        print(f"{name:28s} batch {args.batch}: step {step:6.2f} ms  {args.batch * 1e3 / step:7.1f} tok/s  "
-              f"{base / step:5.2f}x", flush=True)
+        print(
+            f"{name:28s} batch {args.batch}: step {step:6.2f} ms  {args.batch * 1e3 / step:7.1f} tok/s  "
+            f"{base / step:5.2f}x",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -64,9 +64,19 @@ def make_workload(args: argparse.Namespace, run: int | str = 0) -> list[Request]
     lengths and shared prefix; each `run` (a sweep's rate index, a warm-up) draws its own prompt bodies,
     so that a run after the first does not hit the prefix cache on the prompts sent before it."""
     text = args.prompt_format == "text" or args.endpoint.endswith("chat/completions")
-    return random_requests(args.num_prompts, args.input_len, args.output_len, args.input_len_range,
-                           args.shared_prefix_len, args.seed, run, text=text, token_low=args.token_id_low,
-                           token_high=args.token_id_high, output_range_ratio=args.output_len_range)
+    return random_requests(
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.input_len_range,
+        args.shared_prefix_len,
+        args.seed,
+        run,
+        text=text,
+        token_low=args.token_id_low,
+        token_high=args.token_id_high,
+        output_range_ratio=args.output_len_range,
+    )
 
 
 # ---- one run at one rate -------------------------------------------------------------------------
@@ -120,10 +130,13 @@ def token_costs(summary: dict, cost_per_device_hour: float, num_devices: int = 1
         return cost_per_million_tokens(cost_per_device_hour, num_devices, tokens / duration)
 
     inputs, outputs = summary.get("total_input_tokens", 0), summary.get("total_output_tokens", 0)
-    return {"cost_per_hour": cost_per_device_hour * num_devices, "num_devices": num_devices,
-            "usd_per_million_input_tokens": per_million(inputs),
-            "usd_per_million_output_tokens": per_million(outputs),
-            "usd_per_million_tokens": per_million(inputs + outputs)}
+    return {
+        "cost_per_hour": cost_per_device_hour * num_devices,
+        "num_devices": num_devices,
+        "usd_per_million_input_tokens": per_million(inputs),
+        "usd_per_million_output_tokens": per_million(outputs),
+        "usd_per_million_tokens": per_million(inputs + outputs),
+    }
 
 
 async def step_metrics(client: Client) -> dict | None:
@@ -149,8 +162,11 @@ async def step_metrics(client: Client) -> dict | None:
             joined = float(line.rsplit(" ", 1)[1])
         elif line.startswith("process_cpu_seconds_total "):  # the server process: host and XLA threads
             cpu = float(line.rsplit(" ", 1)[1])
-    return {"steps": kinds, "buckets": buckets, "tokens": total, "cpu_seconds": cpu, "arrivals_joined": joined} \
-        if kinds else None
+    return (
+        {"steps": kinds, "buckets": buckets, "tokens": total, "cpu_seconds": cpu, "arrivals_joined": joined}
+        if kinds
+        else None
+    )
 
 
 def step_composition(before: dict | None, after: dict | None) -> dict:
@@ -173,10 +189,15 @@ def step_composition(before: dict | None, after: dict | None) -> dict:
     def change(key):  # a counter's increase over the run; None where the server lacks it
         return None if before.get(key) is None or after.get(key) is None else after[key] - before[key]
 
-    return {"steps_by_kind": steps, "step_tokens": tokens, "step_token_slots": slots,
-            "token_slot_fill": tokens / slots if slots else None, "server_cpu_seconds": change("cpu_seconds"),
-            # requests that joined a step held back for them (async scheduling)
-            "arrivals_joined": change("arrivals_joined")}
+    return {
+        "steps_by_kind": steps,
+        "step_tokens": tokens,
+        "step_token_slots": slots,
+        "token_slot_fill": tokens / slots if slots else None,
+        "server_cpu_seconds": change("cpu_seconds"),
+        # requests that joined a step held back for them (async scheduling)
+        "arrivals_joined": change("arrivals_joined"),
+    }
 
 
 async def run_rate(base_url: str, args: argparse.Namespace, rate: float, workload: list[Request]) -> dict:
@@ -190,15 +211,31 @@ async def run_rate(base_url: str, args: argparse.Namespace, rate: float, workloa
         if warm:
             await run_load(client, warm, args.endpoint, model, float("inf"), max_concurrency=1, **options)
         metrics_before = await step_metrics(client)
-        results, duration = await run_load(client, workload, args.endpoint, model, rate,
-                                           max_concurrency=args.max_concurrency, seed=args.seed + 1, **options)
+        results, duration = await run_load(
+            client,
+            workload,
+            args.endpoint,
+            model,
+            rate,
+            max_concurrency=args.max_concurrency,
+            seed=args.seed + 1,
+            **options,
+        )
         composition = step_composition(metrics_before, await step_metrics(client))
     summary = summarize(list(results), duration, args)
     summary.update(composition)
     if composition.get("server_cpu_seconds") is not None and summary.get("total_output_tokens"):
-        summary["server_cpu_seconds_per_output_token"] = composition["server_cpu_seconds"] / summary["total_output_tokens"]
-    summary.update({"request_rate": rate if math.isfinite(rate) else "inf", "base_url": base_url, "model": model,
-                    "max_concurrency": args.max_concurrency})
+        summary["server_cpu_seconds_per_output_token"] = (
+            composition["server_cpu_seconds"] / summary["total_output_tokens"]
+        )
+    summary.update(
+        {
+            "request_rate": rate if math.isfinite(rate) else "inf",
+            "base_url": base_url,
+            "model": model,
+            "max_concurrency": args.max_concurrency,
+        }
+    )
     if args.save_requests:
         summary["requests"] = [asdict(r) for r in results]
     return summary
@@ -207,29 +244,40 @@ async def run_rate(base_url: str, args: argparse.Namespace, rate: float, workloa
 def print_summary(label: str, s: dict) -> None:
     print(f"==== {label}  rate={s['request_rate']}  concurrency={s['max_concurrency']} ====")
     print(f"  completed {s['completed']}  failed {s['failed']}  duration {s['duration_s']:.2f} s")
-    print(f"  request throughput {s['request_throughput']:.2f} req/s   output {s['output_throughput']:.1f} tok/s   "
-          f"total {s['total_token_throughput']:.1f} tok/s")
+    print(
+        f"  request throughput {s['request_throughput']:.2f} req/s   output {s['output_throughput']:.1f} tok/s   "
+        f"total {s['total_token_throughput']:.1f} tok/s"
+    )
     for name in ("ttft", "tpot", "itl", "e2el"):
-        print(f"  {name.upper():5s} ms  mean {s[f'mean_{name}_ms']:9.2f}  p50 {s[f'p50_{name}_ms']:9.2f}  "
-              f"p90 {s[f'p90_{name}_ms']:9.2f}  p99 {s[f'p99_{name}_ms']:9.2f}")
+        print(
+            f"  {name.upper():5s} ms  mean {s[f'mean_{name}_ms']:9.2f}  p50 {s[f'p50_{name}_ms']:9.2f}  "
+            f"p90 {s[f'p90_{name}_ms']:9.2f}  p99 {s[f'p99_{name}_ms']:9.2f}"
+        )
     if "goodput" in s:
         print(f"  goodput {s['goodput']:.2f} req/s  (SLO attainment {100 * s['slo_attainment']:.1f}%)")
     if s.get("cost_per_hour") is not None:
+
         def usd(x):
             return "n/a" if x is None else f"${x:.4f}"
-        print(f"  cost ${s['cost_per_hour']:.2f}/hour ({s['num_devices']} device(s)): "
-              f"{usd(s['usd_per_million_input_tokens'])} per M input tokens, "
-              f"{usd(s['usd_per_million_output_tokens'])} per M output tokens, "
-              f"{usd(s['usd_per_million_tokens'])} per M tokens of both")
+
+        print(
+            f"  cost ${s['cost_per_hour']:.2f}/hour ({s['num_devices']} device(s)): "
+            f"{usd(s['usd_per_million_input_tokens'])} per M input tokens, "
+            f"{usd(s['usd_per_million_output_tokens'])} per M output tokens, "
+            f"{usd(s['usd_per_million_tokens'])} per M tokens of both"
+        )
     if s.get("steps_by_kind"):
         fill = s["token_slot_fill"]
-        print(f"  steps {s['steps_by_kind']}  real tokens in "
-              f"{'n/a' if fill is None else f'{100 * fill:.0f}%'} of the token slots"
-              + ("" if s.get("arrivals_joined") is None
-                 else f"; {s['arrivals_joined']:.0f} arrivals joined a held step"))
+        print(
+            f"  steps {s['steps_by_kind']}  real tokens in "
+            f"{'n/a' if fill is None else f'{100 * fill:.0f}%'} of the token slots"
+            + ("" if s.get("arrivals_joined") is None else f"; {s['arrivals_joined']:.0f} arrivals joined a held step")
+        )
     if s.get("server_cpu_seconds_per_output_token") is not None:
-        print(f"  server CPU {1e3 * s['server_cpu_seconds_per_output_token']:.2f} ms per output token "
-              f"({s['server_cpu_seconds']:.1f} s, all threads)")
+        print(
+            f"  server CPU {1e3 * s['server_cpu_seconds_per_output_token']:.2f} ms per output token "
+            f"({s['server_cpu_seconds']:.1f} s, all threads)"
+        )
     for err in s.get("errors", []):
         print(f"  error: {err}")
 
@@ -245,7 +293,7 @@ def plot(runs: dict[str, list[dict]], path: str) -> None:
     for label, summaries in runs.items():
         rates = [s["request_rate"] for s in summaries]
         finite = [r for r in rates if r != "inf"]
-        inf_x = (max(finite) * 2 if finite else 1.0)
+        inf_x = max(finite) * 2 if finite else 1.0
         xs = [inf_x if r == "inf" else r for r in rates]
         for ax, (name, title) in zip(axes, panels):
             ax.plot(xs, [s[f"p50_{name}_ms"] for s in summaries], marker="o", label=f"{label} p50")
@@ -272,10 +320,15 @@ def parse_rates(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--base-url", action="append", default=None,
-                   help="server URL (repeat to compare servers); default http://127.0.0.1:8000")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--base-url",
+        action="append",
+        default=None,
+        help="server URL (repeat to compare servers); default http://127.0.0.1:8000",
+    )
     p.add_argument("--label", action="append", default=None, help="a name per --base-url for the report and plot")
     p.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"))
     p.add_argument("--model", default=None, help="model name; default: the first of GET /v1/models")
@@ -291,16 +344,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-id-high", type=int, default=250)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (lengths then vary)")
-    p.add_argument("--request-rate", type=parse_rates, default=[float("inf")],
-                   help="requests/s of the Poisson arrivals, or inf; a comma list sweeps the rates")
+    p.add_argument(
+        "--request-rate",
+        type=parse_rates,
+        default=[float("inf")],
+        help="requests/s of the Poisson arrivals, or inf; a comma list sweeps the rates",
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     p.add_argument("--warmup", type=int, default=0, help="requests sent one by one before measuring")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
     p.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO on TTFT, ms")
     p.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO on TPOT, ms")
-    p.add_argument("--cost-per-hour", type=float, default=None,
-                   help="USD per device-hour: report cost per million input / output tokens at the measured throughput")
+    p.add_argument(
+        "--cost-per-hour",
+        type=float,
+        default=None,
+        help="USD per device-hour: report cost per million input / output tokens at the measured throughput",
+    )
     p.add_argument("--num-devices", type=int, default=1, help="devices the server uses (for --cost-per-hour)")
     p.add_argument("--result-json", default=None, help="write every run's summary here")
     p.add_argument("--save-requests", action="store_true", help="include per-request records in the JSON")

@@ -87,8 +87,12 @@ def spec_settings(method: str, args) -> dict:
     if name == "off":
         settings = {}
     elif name == "ngram":
-        settings = dict(speculative_method="ngram", num_speculative_tokens=args.k_ngram,
-                        prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max)
+        settings = dict(
+            speculative_method="ngram",
+            num_speculative_tokens=args.k_ngram,
+            prompt_lookup_min=args.lookup_min,
+            prompt_lookup_max=args.lookup_max,
+        )
     elif name == "draft":
         settings = dict(speculative_model=args.draft, num_speculative_tokens=args.k_draft)
     else:
@@ -121,8 +125,9 @@ def step_cost(llm, batch: int, pages: int) -> float:
     from jaxserve import steps
     from jaxserve.model.kv_cache import StepBatch
 
-    return _time_decode(steps, StepBatch, jax, llm.runner.params, llm.runner.cache, llm.model_config,
-                        llm.runner.options, batch, pages)
+    return _time_decode(
+        steps, StepBatch, jax, llm.runner.params, llm.runner.cache, llm.model_config, llm.runner.options, batch, pages
+    )
 
 
 def draft_step_cost(llm, batch: int, pages: int) -> float:
@@ -132,8 +137,9 @@ def draft_step_cost(llm, batch: int, pages: int) -> float:
     from jaxserve.model.kv_cache import StepBatch
 
     spec = llm.engine.spec
-    return _time_decode(steps, StepBatch, jax, spec.draft_params, spec.draft_cache, spec.draft_cfg,
-                        llm.runner.options, batch, pages)
+    return _time_decode(
+        steps, StepBatch, jax, spec.draft_params, spec.draft_cache, spec.draft_cfg, llm.runner.options, batch, pages
+    )
 
 
 def verify_step_cost(llm, batch: int, pages: int, k: int) -> float:
@@ -143,15 +149,28 @@ def verify_step_cost(llm, batch: int, pages: int, k: int) -> float:
     from jaxserve import steps
     from jaxserve.model.kv_cache import StepBatch
 
-    return _time_decode(steps, StepBatch, jax, llm.runner.params, llm.runner.cache, llm.model_config,
-                        llm.runner.options, batch, pages, tokens=k + 1)
+    return _time_decode(
+        steps,
+        StepBatch,
+        jax,
+        llm.runner.params,
+        llm.runner.cache,
+        llm.model_config,
+        llm.runner.options,
+        batch,
+        pages,
+        tokens=k + 1,
+    )
 
 
 def _time_decode(steps, StepBatch, jax, params, cache, cfg, options, batch, pages, iters=30, tokens=1) -> float:
     table = np.tile(np.arange(1, pages + 1, dtype=np.int32), (1, batch, 1))
-    step = StepBatch(tokens=np.ones((1, batch, tokens), np.int32),
-                     start_pos=np.full((1, batch), pages * 8 - tokens, np.int32),
-                     num_new=np.full((1, batch), tokens, np.int32), page_table=table)
+    step = StepBatch(
+        tokens=np.ones((1, batch, tokens), np.int32),
+        start_pos=np.full((1, batch), pages * 8 - tokens, np.int32),
+        num_new=np.full((1, batch), tokens, np.int32),
+        page_table=table,
+    )
     step = jax.device_put(step)
     fn = steps.decode_nodonate if tokens == 1 else steps.prefill_nodonate
     run = lambda: jax.block_until_ready(fn(params, cache, step, cfg=cfg, options=options))  # noqa: E731
@@ -171,9 +190,13 @@ def machine() -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return dict(cpu=cpu, cores=os.cpu_count(), load_average=os.getloadavg(),
-                tcmalloc=("tcmalloc" in open("/proc/self/maps").read()) if os.path.exists("/proc/self/maps") else None,
-                date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
+    return dict(
+        cpu=cpu,
+        cores=os.cpu_count(),
+        load_average=os.getloadavg(),
+        tcmalloc=("tcmalloc" in open("/proc/self/maps").read()) if os.path.exists("/proc/self/maps") else None,
+        date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    )
 
 
 def main() -> None:
@@ -182,9 +205,12 @@ def main() -> None:
     ap.add_argument("--draft", default="checkpoints/small-draft", help="draft model directory ('' to skip)")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--methods", default="ngram,draft",
-                    help="compared with speculation off: ngram, draft, each with optional overrides of the "
-                         "flags, :k=N (ngram also :min=N, :max=N), e.g. ngram,ngram:k=8:min=1")
+    ap.add_argument(
+        "--methods",
+        default="ngram,draft",
+        help="compared with speculation off: ngram, draft, each with optional overrides of the "
+        "flags, :k=N (ngram also :min=N, :max=N), e.g. ngram,ngram:k=8:min=1",
+    )
     ap.add_argument("--workloads", default="copy,natural,random")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per (workload, batch size)")
@@ -210,15 +236,22 @@ def main() -> None:
     workloads = args.workloads.split(",")
     # Warmed up like a server: adaptive speculation picks (tokens, pages) buckets as it goes, and
     # a timed pass must never compile.
-    common = dict(load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
-                  max_num_seqs=max(batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens, warm_up=True,
-                  # Off: a timed pass would hit the prefix cache of the untimed one, and run (and compile)
-                  # shorter prefill chunks than it did.
-                  enable_prefix_caching=False)
+    common = dict(
+        load_format=args.load_format,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max(batch_sizes),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        warm_up=True,
+        # Off: a timed pass would hit the prefix cache of the untimed one, and run (and compile)
+        # shorter prefill chunks than it did.
+        enable_prefix_caching=False,
+    )
     engines = {m: LLM(args.model, **common, **spec_settings(m, args)) for m in methods}
     base = engines["off"]
-    prompt_sets = {w: make_prompts(w, base.tokenizer, base.model_config.vocab_size, args.prompts, args.seed)
-                   for w in workloads}
+    prompt_sets = {
+        w: make_prompts(w, base.tokenizer, base.model_config.vocab_size, args.prompts, args.seed) for w in workloads
+    }
 
     results = []
     for workload in workloads:
@@ -235,29 +268,51 @@ def main() -> None:
                     times[m].append(seconds)
                     after = engines[m].engine.stats()
                     if m != "off":
-                        spec_stats[m] = {k: after[k] - before[k] for k in
-                                         ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-                                          "spec_decode_num_verify_steps", "spec_decode_num_steps")}
+                        spec_stats[m] = {
+                            k: after[k] - before[k]
+                            for k in (
+                                "spec_decode_num_draft_tokens",
+                                "spec_decode_num_accepted_tokens",
+                                "spec_decode_num_verify_steps",
+                                "spec_decode_num_steps",
+                            )
+                        }
                         spec_stats[m]["engine_steps"] = engines[m].engine.counters["steps"]
             tokens = sum(len(o) for o in outputs["off"])
             for m in methods:
-                row = dict(workload=workload, batch=batch, method=m, tokens=tokens,
-                           seconds=statistics.median(times[m]), all_seconds=times[m],
-                           tok_per_s=tokens / statistics.median(times[m]),
-                           speedup=statistics.median(times["off"]) / statistics.median(times[m]),
-                           same_tokens=outputs[m] == outputs["off"],
-                           timed_compiles=engines[m].engine.stats()["compiles_after_warmup"] - compiles[m])
+                row = dict(
+                    workload=workload,
+                    batch=batch,
+                    method=m,
+                    tokens=tokens,
+                    seconds=statistics.median(times[m]),
+                    all_seconds=times[m],
+                    tok_per_s=tokens / statistics.median(times[m]),
+                    speedup=statistics.median(times["off"]) / statistics.median(times[m]),
+                    same_tokens=outputs[m] == outputs["off"],
+                    timed_compiles=engines[m].engine.stats()["compiles_after_warmup"] - compiles[m],
+                )
                 if m != "off":
                     s = spec_stats[m]
-                    proposed, accepted, verified = (s["spec_decode_num_draft_tokens"],
-                                                    s["spec_decode_num_accepted_tokens"],
-                                                    s["spec_decode_num_verify_steps"])
-                    row.update(acceptance_rate=accepted / proposed if proposed else 0.0,
-                               mean_accepted_length=(accepted + verified) / verified if verified else 0.0,
-                               draft_tokens=proposed, verify_steps=verified, spec_steps=s["spec_decode_num_steps"])
+                    proposed, accepted, verified = (
+                        s["spec_decode_num_draft_tokens"],
+                        s["spec_decode_num_accepted_tokens"],
+                        s["spec_decode_num_verify_steps"],
+                    )
+                    row.update(
+                        acceptance_rate=accepted / proposed if proposed else 0.0,
+                        mean_accepted_length=(accepted + verified) / verified if verified else 0.0,
+                        draft_tokens=proposed,
+                        verify_steps=verified,
+                        spec_steps=s["spec_decode_num_steps"],
+                    )
                 results.append(row)
-                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
-                                  if k != "all_seconds"}), flush=True)
+                print(
+                    json.dumps(
+                        {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "all_seconds"}
+                    ),
+                    flush=True,
+                )
 
     costs = {}
     for batch in batch_sizes:  # compiled steps alone (no engine): a decode step, a verify pass, a draft step
@@ -281,8 +336,10 @@ def main() -> None:
     for r in results:
         acc = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "–"
         length = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "–"
-        print(f"| {r['workload']} | {r['batch']} | {r['method']} | {r['tok_per_s']:.1f} | {r['speedup']:.2f}x | "
-              f"{acc} | {length} | {r['same_tokens']} |")
+        print(
+            f"| {r['workload']} | {r['batch']} | {r['method']} | {r['tok_per_s']:.1f} | {r['speedup']:.2f}x | "
+            f"{acc} | {length} | {r['same_tokens']} |"
+        )
 
 
 if __name__ == "__main__":

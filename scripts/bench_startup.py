@@ -35,8 +35,16 @@ def peak_rss_mib(pid: int) -> float | None:
 
 
 def start_once(server_args: list[str], cache_dir: str, port: int, timeout_s: float) -> dict:
-    cmd = [sys.executable, "-m", "jaxserve.serve", "--port", str(port), "--compilation-cache-dir", cache_dir,
-           *server_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxserve.serve",
+        "--port",
+        str(port),
+        "--compilation-cache-dir",
+        cache_dir,
+        *server_args,
+    ]
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -83,8 +91,14 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="jaxserve-startup-") as cache:
         cold = start_once(server_args, cache, args.port, args.timeout)
         warm = start_once(server_args, cache, args.port, args.timeout)
-    result = dict(label=args.label, server_args=server_args, cold=cold, warm=warm, date=time.strftime("%Y-%m-%d %H:%M"),
-                  load_avg=os.getloadavg())
+    result = dict(
+        label=args.label,
+        server_args=server_args,
+        cold=cold,
+        warm=warm,
+        date=time.strftime("%Y-%m-%d %H:%M"),
+        load_avg=os.getloadavg(),
+    )
     print(json.dumps(result))
     if args.out:
         with open(args.out, "a") as f:

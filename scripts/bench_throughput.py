@@ -42,8 +42,9 @@ def workload(args) -> tuple[list[list[int]], list[int]]:
 
 def run(engine: LLMEngine, prompts: list[list[int]], out_lens: list[int]) -> dict:
     for i, (ids, k) in enumerate(zip(prompts, out_lens)):
-        engine.add_request(f"r{i}", prompt_token_ids=ids,
-                           sampling_params=SamplingParams(max_tokens=k, temperature=0, ignore_eos=True))
+        engine.add_request(
+            f"r{i}", prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
+        )
     utilisation, steps, overlap = [], 0, Overlap(engine)  # async scheduling's steps in flight, as LLM.generate
     start = time.perf_counter()
     while overlap.has_unfinished_requests():
@@ -72,15 +73,22 @@ def shared_prefix_ttft(engine: LLMEngine, args) -> dict:
         suffix = rng.integers(1, args.vocab_limit, args.input_len).tolist()
         before = engine.counters["prefill_tokens_computed"]
         start = time.perf_counter()
-        engine.add_request(f"p{i}", prompt_token_ids=prefix + suffix,
-                           sampling_params=SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        engine.add_request(
+            f"p{i}",
+            prompt_token_ids=prefix + suffix,
+            sampling_params=SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+        )
         while overlap.has_unfinished_requests():
             overlap.step()
         ttfts.append(time.perf_counter() - start)
         prefilled.append(engine.counters["prefill_tokens_computed"] - before)
     later = ttfts[1:] or ttfts
-    return dict(first_ttft_s=ttfts[0], mean_ttft_s_after_first=float(np.mean(later)),
-                median_ttft_s_after_first=float(np.median(later)), prefilled_tokens=prefilled)
+    return dict(
+        first_ttft_s=ttfts[0],
+        mean_ttft_s_after_first=float(np.mean(later)),
+        median_ttft_s_after_first=float(np.median(later)),
+        prefilled_tokens=prefilled,
+    )
 
 
 def run_once(settings: EngineConfig, args, prompts, out_lens) -> dict:
@@ -97,9 +105,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--mode", choices=("fixed", "mixed", "shared-prefix"), default="mixed")
     parser.add_argument("--prefix-len", type=int, default=512, help="shared-prefix mode: prefix tokens")
-    parser.add_argument("--compare", choices=("continuous,static", "prefix-caching"), default=None,
-                        help="run twice in this process (continuous vs static scheduling, or prefix caching "
-                             "on vs off) and report the ratio")
+    parser.add_argument(
+        "--compare",
+        choices=("continuous,static", "prefix-caching"),
+        default=None,
+        help="run twice in this process (continuous vs static scheduling, or prefix caching "
+        "on vs off) and report the ratio",
+    )
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--min-input", type=int, default=32)
@@ -114,21 +126,40 @@ def main(argv=None) -> dict:
     settings = EngineConfig.from_yaml(args.config, values) if args.config else EngineConfig.from_dict(values)
 
     prompts, out_lens = workload(args)
-    result = dict(settings=settings.to_dict(), workload=dict(mode=args.mode, num_requests=args.num_requests,
-                                                              input_tokens=sum(map(len, prompts)),
-                                                              output_tokens=sum(out_lens)))
+    result = dict(
+        settings=settings.to_dict(),
+        workload=dict(
+            mode=args.mode,
+            num_requests=args.num_requests,
+            input_tokens=sum(map(len, prompts)),
+            output_tokens=sum(out_lens),
+        ),
+    )
     if args.compare is None:
         result.update(run_once(settings, args, prompts, out_lens))
     elif args.compare == "continuous,static":
-        runs = {mode: run_once(settings.replace(scheduling=mode), args, prompts, out_lens)
-                for mode in ("continuous", "static")}
-        result.update(runs=runs, continuous_over_static_output_tokens_per_s=(
-            runs["continuous"]["output_tokens_per_s"] / runs["static"]["output_tokens_per_s"]))
+        runs = {
+            mode: run_once(settings.replace(scheduling=mode), args, prompts, out_lens)
+            for mode in ("continuous", "static")
+        }
+        result.update(
+            runs=runs,
+            continuous_over_static_output_tokens_per_s=(
+                runs["continuous"]["output_tokens_per_s"] / runs["static"]["output_tokens_per_s"]
+            ),
+        )
     else:
-        runs = {name: run_once(settings.replace(enable_prefix_caching=on), args, prompts, out_lens)
-                for name, on in (("prefix_caching_on", True), ("prefix_caching_off", False))}
-        result.update(runs=runs, ttft_off_over_on=(runs["prefix_caching_off"]["mean_ttft_s_after_first"]
-                                                   / runs["prefix_caching_on"]["mean_ttft_s_after_first"]))
+        runs = {
+            name: run_once(settings.replace(enable_prefix_caching=on), args, prompts, out_lens)
+            for name, on in (("prefix_caching_on", True), ("prefix_caching_off", False))
+        }
+        result.update(
+            runs=runs,
+            ttft_off_over_on=(
+                runs["prefix_caching_off"]["mean_ttft_s_after_first"]
+                / runs["prefix_caching_on"]["mean_ttft_s_after_first"]
+            ),
+        )
     print(json.dumps({k: v for k, v in result.items() if k != "settings"}, indent=2))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -75,10 +75,14 @@ class GetTime(BaseModel):
     offset_hours: int = Field(ge=-12, le=12)
 
 
-FUNCTIONS = {"get_weather": (GetWeather, "The weather in a city for the next days"),
-             "get_time": (GetTime, "The current time in a time zone")}
-TOOLS = [{"type": "function", "function": {"name": name, "description": doc, "parameters": model.model_json_schema()}}
-         for name, (model, doc) in FUNCTIONS.items()]
+FUNCTIONS = {
+    "get_weather": (GetWeather, "The weather in a city for the next days"),
+    "get_time": (GetTime, "The current time in a time zone"),
+}
+TOOLS = [
+    {"type": "function", "function": {"name": name, "description": doc, "parameters": model.model_json_schema()}}
+    for name, (model, doc) in FUNCTIONS.items()
+]
 REGEX = r"[A-Z]{2}\d{3}"
 CHOICES = ["red", "green", "blue", "yellow"]
 
@@ -115,9 +119,16 @@ def check_parse(client: openai.OpenAI, n: int, workers: int) -> dict:
     def one(seed: int):
         try:
             completion = client.chat.completions.parse(
-                model=MODEL, messages=[{"role": "system", "content": "Answer in JSON."},
-                                       {"role": "user", "content": "Make up a user profile."}],
-                response_format=User, max_tokens=400, temperature=1.0, seed=seed)
+                model=MODEL,
+                messages=[
+                    {"role": "system", "content": "Answer in JSON."},
+                    {"role": "user", "content": "Make up a user profile."},
+                ],
+                response_format=User,
+                max_tokens=400,
+                temperature=1.0,
+                seed=seed,
+            )
         except openai.LengthFinishReasonError:
             return False, "cut by max_tokens"
         except (openai.APIError, ValidationError, ValueError) as err:
@@ -135,8 +146,9 @@ def check_completions(client: openai.OpenAI, n: int, workers: int, field: str) -
     value = REGEX if field == "guided_regex" else CHOICES
 
     def one(seed: int):
-        r = client.completions.create(model=MODEL, prompt="The code is", max_tokens=16, temperature=1.0, seed=seed,
-                                      extra_body={field: value})
+        r = client.completions.create(
+            model=MODEL, prompt="The code is", max_tokens=16, temperature=1.0, seed=seed, extra_body={field: value}
+        )
         text = r.choices[0].text
         ok = re.fullmatch(REGEX, text) is not None if field == "guided_regex" else text in CHOICES
         return ok, text
@@ -149,8 +161,15 @@ def check_tools(client: openai.OpenAI, n: int, workers: int, stream: bool) -> di
     messages = [{"role": "user", "content": "What is the weather in Oslo, and what time is it in Tokyo?"}]
 
     def one(seed: int):
-        kwargs = dict(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=400,
-                      temperature=1.0, seed=(2000 if stream else 1000) + seed)
+        kwargs = dict(
+            model=MODEL,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=400,
+            temperature=1.0,
+            seed=(2000 if stream else 1000) + seed,
+        )
         if stream:
             calls: dict[int, dict] = {}
             reason = None
@@ -160,8 +179,13 @@ def check_tools(client: openai.OpenAI, n: int, workers: int, stream: bool) -> di
                 choice = chunk.choices[0]
                 for tc in choice.delta.tool_calls or []:
                     if tc.index not in calls:
-                        if not (tc.id and tc.id.startswith("call_") and tc.type == "function" and tc.function.name
-                                and tc.function.arguments == ""):
+                        if not (
+                            tc.id
+                            and tc.id.startswith("call_")
+                            and tc.type == "function"
+                            and tc.function.name
+                            and tc.function.arguments == ""
+                        ):
                             return False, f"first delta of call {tc.index} is not OpenAI's header: {tc}"
                         calls[tc.index] = {"name": tc.function.name, "arguments": ""}
                     else:
@@ -171,8 +195,10 @@ def check_tools(client: openai.OpenAI, n: int, workers: int, stream: bool) -> di
         else:
             r = client.chat.completions.create(**kwargs)
             reason = r.choices[0].finish_reason
-            got = [{"name": c.function.name, "arguments": c.function.arguments}
-                   for c in r.choices[0].message.tool_calls or []]
+            got = [
+                {"name": c.function.name, "arguments": c.function.arguments}
+                for c in r.choices[0].message.tool_calls or []
+            ]
         if reason != "tool_calls" or not got:
             return False, f"finish_reason {reason}, {len(got)} calls"
         problems = [p for c in got if (p := check(c["name"], c["arguments"]))]
@@ -191,24 +217,51 @@ def check_bad_input(base_url: str) -> dict:
     """Each bad request is a 400 whose message names the problem, and a good request still answers."""
     msgs = [{"role": "user", "content": "Hi"}]
     cases = {
-        "invalid schema": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "object", "properties": {"a": {"type": "bogus"}}}}}}, "bogus"),
+        "invalid schema": (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "bogus"}}}},
+                }
+            },
+            "bogus",
+        ),
         "unsupported regex feature": ({"guided_regex": r"(a)\1"}, "backreference"),
-        "tool without a name": ({"tools": [{"type": "function", "function": {"parameters": {"type": "object"}}}]},
-                                "function.name"),
-        "tool_choice naming an unknown function": ({"tools": TOOLS, "tool_choice": {
-            "type": "function", "function": {"name": "get_stock"}}}, "get_stock"),
+        "tool without a name": (
+            {"tools": [{"type": "function", "function": {"parameters": {"type": "object"}}}]},
+            "function.name",
+        ),
+        "tool_choice naming an unknown function": (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}},
+            "get_stock",
+        ),
         "tool_choice required without tools": ({"tool_choice": "required"}, "needs tools"),
-        "invalid parameter schema": ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"a": {"type": "bogus"}}}}}]}, "bogus"),
+        "invalid parameter schema": (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"type": "bogus"}}},
+                        },
+                    }
+                ]
+            },
+            "bogus",
+        ),
     }
     results, passed = {}, 0
     for label, (extra, needle) in cases.items():
-        r = httpx.post(base_url + "/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 8,
-                                                             **extra}, timeout=120)
+        r = httpx.post(
+            base_url + "/chat/completions",
+            json={"model": MODEL, "messages": msgs, "max_tokens": 8, **extra},
+            timeout=120,
+        )
         ok_error = r.status_code == 400 and needle in r.json()["error"]["message"]
-        after = httpx.post(base_url + "/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 4},
-                           timeout=120)
+        after = httpx.post(
+            base_url + "/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 4}, timeout=120
+        )
         ok = ok_error and after.status_code == 200
         passed += ok
         results[label] = f"{r.status_code} {r.json()['error']['message'] if r.status_code != 200 else ''}"[:200]
@@ -227,19 +280,34 @@ def _scrape(base_url: str) -> dict[str, float]:
 
 
 def check_throughput(client: openai.OpenAI, base_url: str, batch: int, requests_per_client: int) -> dict:
-    messages = [{"role": "system", "content": "Answer in JSON."},
-                {"role": "user", "content": "Make up a user profile."}]
+    messages = [
+        {"role": "system", "content": "Answer in JSON."},
+        {"role": "user", "content": "Make up a user profile."},
+    ]
 
     def run(constrained: bool, free_tokens: int = 128) -> dict:
         def one(i: int) -> int:
             if constrained:
                 r = client.chat.completions.create(
-                    model=MODEL, messages=messages, max_tokens=400, temperature=1.0, seed=i,
-                    response_format={"type": "json_schema", "json_schema": {
-                        "name": "User", "schema": User.model_json_schema(), "strict": True}})
+                    model=MODEL,
+                    messages=messages,
+                    max_tokens=400,
+                    temperature=1.0,
+                    seed=i,
+                    response_format={
+                        "type": "json_schema",
+                        "json_schema": {"name": "User", "schema": User.model_json_schema(), "strict": True},
+                    },
+                )
             else:
-                r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=free_tokens,
-                                                   temperature=1.0, seed=i, extra_body={"ignore_eos": True})
+                r = client.chat.completions.create(
+                    model=MODEL,
+                    messages=messages,
+                    max_tokens=free_tokens,
+                    temperature=1.0,
+                    seed=i,
+                    extra_body={"ignore_eos": True},
+                )
             return r.usage.completion_tokens
 
         before = _scrape(base_url)
@@ -248,22 +316,32 @@ def check_throughput(client: openai.OpenAI, base_url: str, batch: int, requests_
             tokens = sum(pool.map(one, range(batch * requests_per_client)))
         seconds = time.perf_counter() - start
         after = _scrape(base_url)
+
         def grew(key: str) -> float:
             return after.get(key, 0.0) - before.get(key, 0.0)
 
         steps = grew("steps")
         mask = grew("jaxserve:grammar_mask_seconds_total")
         rows = grew("jaxserve:grammar_masked_rows_total")
-        return {"requests": batch * requests_per_client, "output_tokens": tokens, "seconds": round(seconds, 2),
-                "tokens_per_s": round(tokens / seconds, 1),
-                "steps": int(steps), "mask_us_per_step": round(1e6 * mask / steps, 1) if steps else None,
-                "mask_us_per_masked_row": round(1e6 * mask / rows, 1) if rows else None}
+        return {
+            "requests": batch * requests_per_client,
+            "output_tokens": tokens,
+            "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds, 1),
+            "steps": int(steps),
+            "mask_us_per_step": round(1e6 * mask / steps, 1) if steps else None,
+            "mask_us_per_masked_row": round(1e6 * mask / rows, 1) if rows else None,
+        }
 
     run(True)  # warm: the schema compiled and cached, the buckets touched
     schema = run(True)
     free = run(False, free_tokens=max(1, round(schema["output_tokens"] / schema["requests"])))
-    return {"batch": batch, "free": free, "json_schema": schema,
-            "ratio": round(schema["tokens_per_s"] / free["tokens_per_s"], 2)}
+    return {
+        "batch": batch,
+        "free": free,
+        "json_schema": schema,
+        "ratio": round(schema["tokens_per_s"] / free["tokens_per_s"], 2),
+    }
 
 
 def _tally(fn, items, workers: int) -> dict:
@@ -272,8 +350,13 @@ def _tally(fn, items, workers: int) -> dict:
         results = list(pool.map(fn, items))
     passed = sum(ok for ok, _ in results)
     failures = [detail for ok, detail in results if not ok]
-    return {"passed": passed, "total": len(results), "seconds": round(time.perf_counter() - start, 1),
-            "failures": failures[:5], "example": next((d for ok, d in results if ok), None)}
+    return {
+        "passed": passed,
+        "total": len(results),
+        "seconds": round(time.perf_counter() - start, 1),
+        "failures": failures[:5],
+        "example": next((d for ok, d in results if ok), None),
+    }
 
 
 # ---- the server -------------------------------------------------------------------------------------
@@ -289,10 +372,14 @@ def _free_port() -> int:
 def served(args: list[str], timeout: float):
     port = _free_port()
     log = tempfile.NamedTemporaryFile("w+b", prefix="check_structured-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "jaxserve.serve", "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
-           *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
+    cmd = [sys.executable, "-m", "jaxserve.serve", "--host", "127.0.0.1", "--port", str(port), "--no-access-log", *args]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")},
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
@@ -336,11 +423,11 @@ def main(argv=None) -> int:
             url, command = args.url, None
         else:
             url, command = stack.enter_context(served(args.server_args.split(), args.startup_timeout))
-        client = openai.OpenAI(base_url=url, api_key=os.environ.get("JAXSERVE_API_KEY", "none"), timeout=600,
-                               max_retries=0)
+        client = openai.OpenAI(
+            base_url=url, api_key=os.environ.get("JAXSERVE_API_KEY", "none"), timeout=600, max_retries=0
+        )
         MODEL = client.models.list().data[0].id
-        report = {"server": command or url, "model": MODEL, "openai": openai.__version__,
-                  "validator": validator()[1]}
+        report = {"server": command or url, "model": MODEL, "openai": openai.__version__, "validator": validator()[1]}
         report["bad_input"] = check_bad_input(url)
         report["parse"] = check_parse(client, args.parse, args.workers)
         for field in ("guided_regex", "guided_choice"):

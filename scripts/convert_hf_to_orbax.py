@@ -15,8 +15,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-COPIED = ("config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-          "generation_config.json")
+COPIED = (
+    "config.json",
+    "tokenizer.model",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 
 
 def convert(src: str, out: str, dtype: str | None = None) -> Path:
@@ -42,8 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", help="Hugging Face model directory (config.json + safetensors)")
     ap.add_argument("out", help="output directory")
-    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                    help="stored dtype (default: the checkpoint's, else float32)")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="stored dtype (default: the checkpoint's, else float32)",
+    )
     args = ap.parse_args(argv)
     print(f"wrote {convert(args.src, args.out, args.dtype)}")
     return 0

@@ -25,12 +25,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def export(rev: str | None, dest: str) -> None:
     """jaxserve/ and pyproject.toml of `rev` (None: the working tree) into `dest`."""
     if rev is None:
-        shutil.copytree(os.path.join(ROOT, "jaxserve"), os.path.join(dest, "jaxserve"),
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        shutil.copytree(
+            os.path.join(ROOT, "jaxserve"),
+            os.path.join(dest, "jaxserve"),
+            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+        )
         shutil.copy(os.path.join(ROOT, "pyproject.toml"), dest)
         return
-    archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "jaxserve", "pyproject.toml"], check=True,
-                             capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", ROOT, "archive", rev, "jaxserve", "pyproject.toml"], check=True, capture_output=True
+    ).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(dest, filter="data")
 

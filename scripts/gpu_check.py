@@ -60,26 +60,49 @@ DEFAULT_MODEL = os.path.join(REPO, "configs", "models", "llama3-8b")
 
 # Llama-3-8B attention and MLP shapes (bench); the dry run shrinks every dimension.
 FULL = dict(
-    num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-    decode_batch=32, decode_context=2048,
-    prefill_seqs=4, prefill_tokens=512,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    page_size=16,
+    decode_batch=32,
+    decode_context=2048,
+    prefill_seqs=4,
+    prefill_tokens=512,
     matmul=[(16, 4096, 14336), (2048, 4096, 14336)],  # (m, k, n): decode rows and a prefill chunk, MLP up
     copy_elements=1 << 30,  # bf16: 2 GiB read + 2 GiB written
-    back_to_back=20, repeats=5,
+    back_to_back=20,
+    repeats=5,
 )
 TINY = dict(
-    num_heads=4, num_kv_heads=2, head_dim=16, page_size=16,
-    decode_batch=2, decode_context=40,
-    prefill_seqs=2, prefill_tokens=8,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    page_size=16,
+    decode_batch=2,
+    decode_context=40,
+    prefill_seqs=2,
+    prefill_tokens=8,
     matmul=[(4, 64, 64)],
     copy_elements=1 << 20,
-    back_to_back=2, repeats=2,
+    back_to_back=2,
+    repeats=2,
 )
 TINY_MODEL = dict(  # the dry run's server model
-    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
-    num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=512,
-    max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-    bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    vocab_size=512,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="bfloat16",
 )
 
 
@@ -97,7 +120,8 @@ class Report:
         self.path = path
         self.start = time.perf_counter()
         self.data: dict = {
-            "schema": 1, "dry_run": dry_run,
+            "schema": 1,
+            "dry_run": dry_run,
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host": {"python": sys.version.split()[0], "platform": platform.platform(), "nvidia_smi": nvidia_smi()},
             "errors": [],
@@ -113,8 +137,9 @@ class Report:
                 raise
             if isinstance(err, SectionFailed):
                 self.data[name] = err.partial
-            self.data["errors"].append({"section": name, "error": f"{type(err).__name__}: {err}",
-                                        "traceback": traceback.format_exc()[-4000:]})
+            self.data["errors"].append(
+                {"section": name, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-4000:]}
+            )
             print(f"   {name} failed: {type(err).__name__}: {err}", flush=True)
         self.data.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 2)
         self.write()
@@ -133,7 +158,9 @@ def nvidia_smi() -> str | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.max.memory", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30,
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         return out.stdout.strip() or out.stderr.strip()
     except (OSError, subprocess.SubprocessError) as err:
@@ -203,22 +230,36 @@ def copy_bandwidth(scale: dict, dtype) -> dict:
     fn = jax.jit(lambda a: a + jnp.asarray(1, dtype))  # reads and writes every byte once
     seconds, _ = timed(fn, (x,), max(2, scale["back_to_back"] // 4), scale["repeats"])
     moved = 2 * x.size * x.dtype.itemsize
-    return {"bytes_moved": moved, "seconds": seconds, "bytes_per_second": moved / seconds,
-            "gb_per_s": round(moved / seconds / 1e9, 2), "how": "jit(x + 1) over a bf16 array: bytes read + written"}
+    return {
+        "bytes_moved": moved,
+        "seconds": seconds,
+        "bytes_per_second": moved / seconds,
+        "gb_per_s": round(moved / seconds / 1e9, 2),
+        "how": "jit(x + 1) over a bf16 array: bytes read + written",
+    }
 
 
 def kernel_row(name: str, shape: dict, bytes_read: int, bandwidth: float, m: Measurements, flops: int) -> dict:
     bound = bytes_read / bandwidth
-    row = {"kernel": name, "shape": shape, "bytes_read": bytes_read, "flops": flops, "bound_seconds": bound,
-           "seconds": m.times, "max_abs_error_vs": m.errors_vs_kernel()}
+    row = {
+        "kernel": name,
+        "shape": shape,
+        "bytes_read": bytes_read,
+        "flops": flops,
+        "bound_seconds": bound,
+        "seconds": m.times,
+        "max_abs_error_vs": m.errors_vs_kernel(),
+    }
     kernel = m.times.get("kernel")
     if kernel:
-        row.update({
-            "fraction_of_bandwidth_bound": round(bound / kernel, 3),
-            "achieved_gb_per_s": round(bytes_read / kernel / 1e9, 2),
-            "achieved_tflop_per_s": round(flops / kernel / 1e12, 3),
-            "speedup_vs": {k: round(v / kernel, 3) for k, v in m.times.items() if k != "kernel"},
-        })
+        row.update(
+            {
+                "fraction_of_bandwidth_bound": round(bound / kernel, 3),
+                "achieved_gb_per_s": round(bytes_read / kernel / 1e9, 2),
+                "achieved_tflop_per_s": round(flops / kernel / 1e12, 3),
+                "speedup_vs": {k: round(v / kernel, 3) for k, v in m.times.items() if k != "kernel"},
+            }
+        )
     return row
 
 
@@ -234,7 +275,7 @@ def random_paged_cache(rng, *, num_kv_heads, head_dim, page_size, lens, dtype):
     table = np.zeros((len(lens), max_pages), np.int32)
     cursor = 0
     for b, n in enumerate(per_seq):
-        table[b, :n] = ids[cursor: cursor + n]
+        table[b, :n] = ids[cursor : cursor + n]
         cursor += n
     shape = (num_kv_heads, num_pages, page_size, head_dim)
     k = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
@@ -248,8 +289,14 @@ def bench(dry_run: bool) -> dict:
     import numpy as np
 
     from jaxserve.model.layers import ragged_attention_blocked
-    from pallas_kernels import (int4_matmul, int8_matmul, ragged_paged_attention, reference_int4_matmul,
-                                reference_int8_matmul, reference_ragged_paged_attention)
+    from pallas_kernels import (
+        int4_matmul,
+        int8_matmul,
+        ragged_paged_attention,
+        reference_int4_matmul,
+        reference_int8_matmul,
+        reference_ragged_paged_attention,
+    )
     from pallas_kernels.int4_matmul import dequantize_int4
 
     scale = TINY if dry_run else FULL
@@ -263,9 +310,14 @@ def bench(dry_run: bool) -> dict:
     rep = dict(back_to_back=scale["back_to_back"], repeats=scale["repeats"])
     dev = jax.devices()[0]
     result = {
-        "jax": jax.__version__, "platform": platform_name, "device": str(dev),
-        "device_kind": getattr(dev, "device_kind", None), "num_devices": jax.device_count(),
-        "backend": backend, "interpret": interpret, "dtype": "bfloat16",
+        "jax": jax.__version__,
+        "platform": platform_name,
+        "device": str(dev),
+        "device_kind": getattr(dev, "device_kind", None),
+        "num_devices": jax.device_count(),
+        "backend": backend,
+        "interpret": interpret,
+        "dtype": "bfloat16",
         "timing": f"median of {rep['repeats']} runs of {rep['back_to_back']} back-to-back calls, per call",
     }
     bw = copy_bandwidth(scale, dtype)
@@ -279,8 +331,9 @@ def bench(dry_run: bool) -> dict:
 
     # The engine's attention call: the whole stacked cache (one layer here) and the layer index.
     def kernel_call(q, k, v, t, c, s, n):
-        return ragged_paged_attention(q, k, v, t, c, s, jnp.int32(n), layer=jnp.int32(0), backend=backend,
-                                      interpret=interpret)
+        return ragged_paged_attention(
+            q, k, v, t, c, s, jnp.int32(n), layer=jnp.int32(0), backend=backend, interpret=interpret
+        )
 
     def engine_reference(q, k, v, t, c, s, positions):  # the plain-JAX attention the engine runs without kernels
         return ragged_attention_blocked(q, k, v, jnp.int32(0), positions, s, c, t)
@@ -293,17 +346,24 @@ def bench(dry_run: bool) -> dict:
     ctx = jnp.full((B,), C, jnp.int32)
     qsl = jnp.arange(B + 1, dtype=jnp.int32)
     kernel = jax.jit(lambda q, k, v, t, c, s: kernel_call(q, k, v, t, c, s, B))
-    ref = jax.jit(lambda q, k, v, t, c, s: reference_ragged_paged_attention(q, k, v, t, c, s, jnp.int32(B),
-                                                                           layer=jnp.int32(0)))
+    ref = jax.jit(
+        lambda q, k, v, t, c, s: reference_ragged_paged_attention(q, k, v, t, c, s, jnp.int32(B), layer=jnp.int32(0))
+    )
     engine_ref = jax.jit(lambda q, k, v, t, c, s: engine_reference(q, k, v, t, c, s, c - 1))
     name = "ragged_paged_attention (decode)"
     m = Measurements((q, k, v, table, ctx, qsl), rep, errors)
     for label, fn in (("kernel", kernel), ("kernel_reference", ref), ("engine_reference", engine_ref)):
         m.run(name, label, fn)
-    rows.append(kernel_row(
-        name, dict(batch=B, context=C, num_heads=N, num_kv_heads=K, head_dim=H, page_size=S),
-        2 * B * C * K * H * itemsize + 2 * q.size * itemsize, bandwidth, m, 4 * B * C * N * H,
-    ))
+    rows.append(
+        kernel_row(
+            name,
+            dict(batch=B, context=C, num_heads=N, num_kv_heads=K, head_dim=H, page_size=S),
+            2 * B * C * K * H * itemsize + 2 * q.size * itemsize,
+            bandwidth,
+            m,
+            4 * B * C * N * H,
+        )
+    )
     print(f"   {name}: {m.times}, bound {rows[-1]['bound_seconds']:.3g} s", flush=True)
     del k, v, m
 
@@ -322,12 +382,20 @@ def bench(dry_run: bool) -> dict:
     for label, fn in (("kernel", kernel), ("engine_reference", engine_ref)):
         m.run(name, label, fn)
     causal_pairs = P * T * (T + 1) // 2
-    rows.append(kernel_row(
-        name, dict(seqs=P, tokens_per_seq=T, num_heads=N, num_kv_heads=K, head_dim=H, page_size=S),
-        2 * P * T * K * H * itemsize + 2 * q.size * itemsize, bandwidth, m, 4 * causal_pairs * N * H,
-    ))
-    rows[-1]["note"] = ("compute bound: compare achieved_tflop_per_s with the device's peak; the pallas_kernels "
-                        "reference is not timed (it materializes K/V per query token)")
+    rows.append(
+        kernel_row(
+            name,
+            dict(seqs=P, tokens_per_seq=T, num_heads=N, num_kv_heads=K, head_dim=H, page_size=S),
+            2 * P * T * K * H * itemsize + 2 * q.size * itemsize,
+            bandwidth,
+            m,
+            4 * causal_pairs * N * H,
+        )
+    )
+    rows[-1]["note"] = (
+        "compute bound: compare achieved_tflop_per_s with the device's peak; the pallas_kernels "
+        "reference is not timed (it materializes K/V per query token)"
+    )
     print(f"   {name}: {m.times}", flush=True)
     del k, v, m
 
@@ -338,20 +406,29 @@ def bench(dry_run: bool) -> dict:
             w = jnp.asarray(rng.integers(-127, 128, size=(kk, n), dtype=np.int8))
             s = jnp.asarray(rng.uniform(1e-3, 1e-2, size=(kk // g, n)).astype(np.float32))
             w_bf16 = (w.astype(jnp.float32) * jnp.repeat(s, g, axis=0)).astype(dtype)
-            kernel = jax.jit(lambda x, w, s, g=g: int8_matmul(x, w, s, group_size=g, backend=backend,
-                                                              interpret=interpret))
+            kernel = jax.jit(
+                lambda x, w, s, g=g: int8_matmul(x, w, s, group_size=g, backend=backend, interpret=interpret)
+            )
             name = f"int8_matmul m={rows_} group_size={g}"
             m = Measurements((x, w, s), rep, errors)
             m.run(name, "kernel", kernel)
             m.run(name, "reference", jax.jit(lambda x, w, s, g=g: reference_int8_matmul(x, w, s, group_size=g)))
             m.run(name, "bf16_matmul", jax.jit(jnp.matmul), (x, w_bf16))
-            rows.append(kernel_row(
-                "int8_matmul", dict(m=rows_, k=kk, n=n, group_size=g),
-                kk * n + 4 * (kk // g) * n + (rows_ * kk + rows_ * n) * itemsize, bandwidth, m, 2 * rows_ * kk * n,
-            ))
-            rows[-1]["note"] = ("bytes_read: int8 values + f32 scales + x and the output; group_size = k is "
-                                "per-column scales; bf16_matmul: the same product with bf16 weights (twice the "
-                                "weight bytes)")
+            rows.append(
+                kernel_row(
+                    "int8_matmul",
+                    dict(m=rows_, k=kk, n=n, group_size=g),
+                    kk * n + 4 * (kk // g) * n + (rows_ * kk + rows_ * n) * itemsize,
+                    bandwidth,
+                    m,
+                    2 * rows_ * kk * n,
+                )
+            )
+            rows[-1]["note"] = (
+                "bytes_read: int8 values + f32 scales + x and the output; group_size = k is "
+                "per-column scales; bf16_matmul: the same product with bf16 weights (twice the "
+                "weight bytes)"
+            )
             print(f"   {name}: {m.times}", flush=True)
             del x, w, s, w_bf16, m
 
@@ -363,20 +440,26 @@ def bench(dry_run: bool) -> dict:
         s = jnp.asarray(rng.uniform(1e-3, 1e-2, size=(kk // g, n)).astype(np.float32))
         b = -8 * s
         w_bf16 = jax.jit(lambda v, s, b: dequantize_int4(v, s, b, g).astype(dtype))(v, s, b)
-        kernel = jax.jit(lambda x, v, s, b: int4_matmul(x, v, s, b, group_size=g, backend=backend,
-                                                        interpret=interpret))
+        kernel = jax.jit(lambda x, v, s, b: int4_matmul(x, v, s, b, group_size=g, backend=backend, interpret=interpret))
         name = f"int4_matmul m={rows_}"
         m = Measurements((x, v, s, b), rep, errors)
         m.run(name, "kernel", kernel)
         m.run(name, "reference", jax.jit(lambda x, v, s, b: reference_int4_matmul(x, v, s, b, group_size=g)))
         m.run(name, "bf16_matmul", jax.jit(jnp.matmul), (x, w_bf16))
-        rows.append(kernel_row(
-            "int4_matmul", dict(m=rows_, k=kk, n=n, group_size=g),
-            kk * n // 2 + 2 * 4 * (kk // g) * n + (rows_ * kk + rows_ * n) * itemsize, bandwidth, m,
-            2 * rows_ * kk * n,
-        ))
-        rows[-1]["note"] = ("bytes_read: packed codes + f32 scales and biases + x and the output; "
-                            "bf16_matmul: the same product with bf16 weights (four times the code bytes)")
+        rows.append(
+            kernel_row(
+                "int4_matmul",
+                dict(m=rows_, k=kk, n=n, group_size=g),
+                kk * n // 2 + 2 * 4 * (kk // g) * n + (rows_ * kk + rows_ * n) * itemsize,
+                bandwidth,
+                m,
+                2 * rows_ * kk * n,
+            )
+        )
+        rows[-1]["note"] = (
+            "bytes_read: packed codes + f32 scales and biases + x and the output; "
+            "bf16_matmul: the same product with bf16 weights (four times the code bytes)"
+        )
         print(f"   {name}: {m.times}", flush=True)
         del x, v, s, b, w_bf16, m
     if errors:
@@ -388,12 +471,22 @@ def bench(dry_run: bool) -> dict:
 def run_kernel_tests(dry_run: bool, target: str | None, extra: list[str], timeout: float, out_dir: str) -> dict:
     target = target or ("tests/kernels/test_kernel_api.py" if dry_run else "tests/kernels")
     junit = os.path.join(out_dir, "gpu_check_kernel_tests.xml")
-    cmd = [sys.executable, "-m", "pytest", *target.split(), "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-           *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *target.split(),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        *extra,
+    ]
     env = child_env(dry_run, **({} if dry_run else {"PALLAS_TESTS_NATIVE": "1"}))
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=timeout)
         timed_out = False
@@ -401,8 +494,14 @@ def run_kernel_tests(dry_run: bool, target: str | None, extra: list[str], timeou
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         timed_out = True
-    result = {"cmd": " ".join(cmd), "native": not dry_run, "returncode": proc.returncode, "timed_out": timed_out,
-              "seconds": round(time.perf_counter() - t0, 2), "output_tail": (output or "")[-6000:]}
+    result = {
+        "cmd": " ".join(cmd),
+        "native": not dry_run,
+        "returncode": proc.returncode,
+        "timed_out": timed_out,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "output_tail": (output or "")[-6000:],
+    }
     if os.path.exists(junit):
         result.update(parse_junit(junit))
     return result
@@ -418,8 +517,13 @@ def parse_junit(path: str) -> dict:
         for tag in ("failure", "error"):
             node = case.find(tag)
             if node is not None:
-                failed.append({"test": f"{case.get('classname')}::{case.get('name')}", "kind": tag,
-                               "message": (node.get("message") or "")[:500]})
+                failed.append(
+                    {
+                        "test": f"{case.get('classname')}::{case.get('name')}",
+                        "kind": tag,
+                        "message": (node.get("message") or "")[:500],
+                    }
+                )
     counts["failed_tests"] = failed[:100]
     return counts
 
@@ -440,10 +544,18 @@ def http_json(url: str, body: dict | None = None, timeout: float = 30.0):
 
 def stream_completion(base: str, model: str, prompt: list[int], max_tokens: int, timeout: float) -> dict:
     """One streamed completion; times to the first and the last token chunk."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = urllib.request.Request(
+        base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     t0 = time.perf_counter()
     first = last = None
     chunks, tokens = 0, None
@@ -452,7 +564,7 @@ def stream_completion(base: str, model: str, prompt: list[int], max_tokens: int,
             line = raw.decode("utf-8", "replace").strip()
             if not line.startswith("data: "):
                 continue
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             if payload == "[DONE]":
                 break
             data = json.loads(payload)
@@ -469,8 +581,13 @@ def stream_completion(base: str, model: str, prompt: list[int], max_tokens: int,
         raise RuntimeError("no tokens received")
     tokens = tokens if tokens is not None else chunks
     decode = (last - first) / (tokens - 1) if tokens > 1 and last > first else None
-    return {"prompt_tokens": len(prompt), "completion_tokens": tokens, "ttft_s": round(first - t0, 4),
-            "e2e_s": round(last - t0, 4), "decode_s_per_token": decode}
+    return {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": tokens,
+        "ttft_s": round(first - t0, 4),
+        "e2e_s": round(last - t0, 4),
+        "decode_s_per_token": decode,
+    }
 
 
 def server_smoke(dry_run: bool, model: str | None, extra: list[str], timeout: float, out_dir: str) -> dict:
@@ -484,24 +601,56 @@ def server_smoke(dry_run: bool, model: str | None, extra: list[str], timeout: fl
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise FileNotFoundError(f"{model}/config.json not found (pass --model DIR)")
     if dry_run:  # a handful of small ragged buckets (tokens 1 .. 16, 4 pages)
-        limits = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, prompt_len=8, max_tokens=4,
-                      concurrency=[1, 2])
+        limits = dict(
+            max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, prompt_len=8, max_tokens=4, concurrency=[1, 2]
+        )
     else:  # 64 sequence slots: the streams of every concurrency level decode in one step
-        limits = dict(max_model_len=256, max_num_seqs=64, max_num_batched_tokens=256, prompt_len=64,
-                      max_tokens=64, concurrency=[1, 4, 16, 64])
+        limits = dict(
+            max_model_len=256,
+            max_num_seqs=64,
+            max_num_batched_tokens=256,
+            prompt_len=64,
+            max_tokens=64,
+            concurrency=[1, 4, 16, 64],
+        )
     port = free_port()
-    cmd = [sys.executable, "-m", "jaxserve.serve", "--model", model, "--load-format", "dummy", "--dtype", "bfloat16",
-           "--max-model-len", str(limits["max_model_len"]), "--max-num-seqs", str(limits["max_num_seqs"]),
-           "--max-num-batched-tokens", str(limits["max_num_batched_tokens"]), "--page-size", "16",
-           "--kv-cache-memory", "2GiB" if not dry_run else "16MiB", "--scan-layers", "true",
-           "--host", "127.0.0.1", "--port", str(port), "--no-access-log", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxserve.serve",
+        "--model",
+        model,
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(limits["max_model_len"]),
+        "--max-num-seqs",
+        str(limits["max_num_seqs"]),
+        "--max-num-batched-tokens",
+        str(limits["max_num_batched_tokens"]),
+        "--page-size",
+        "16",
+        "--kv-cache-memory",
+        "2GiB" if not dry_run else "16MiB",
+        "--scan-layers",
+        "true",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--no-access-log",
+        *extra,
+    ]
     log_path = os.path.join(out_dir, "gpu_check_server.log")
     result = {"cmd": " ".join(cmd), "model": model, "limits": limits, "log": log_path}
     base = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(dry_run), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=child_env(dry_run), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             while True:
                 if proc.poll() is not None:
@@ -519,37 +668,48 @@ def server_smoke(dry_run: bool, model: str | None, extra: list[str], timeout: fl
             with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
                 vocab = json.load(f)["vocab_size"]
             levels = limits["concurrency"]
-            prompts = [[(7 + 13 * i + 31 * j) % (vocab - 10) + 5 for j in range(limits["prompt_len"])]
-                       for i in range(1 + sum(levels))]
+            prompts = [
+                [(7 + 13 * i + 31 * j) % (vocab - 10) + 5 for j in range(limits["prompt_len"])]
+                for i in range(1 + sum(levels))
+            ]
             request_timeout = max(60.0, timeout / 2)
             # The first request runs alone (its TTFT is a prefill on an idle server); then each concurrency
             # level sends that many streams at once (fresh prompts: no prefix-cache hits).
             result["single"] = stream_completion(base, served, prompts[0], limits["max_tokens"], request_timeout)
             result["concurrency"], used = [], 1
             for level in levels:
-                batch_prompts, used = prompts[used: used + level], used + level
+                batch_prompts, used = prompts[used : used + level], used + level
                 c0 = time.perf_counter()
                 with ThreadPoolExecutor(level) as pool:
-                    batch = list(pool.map(lambda p: stream_completion(base, served, p, limits["max_tokens"],
-                                                                      request_timeout), batch_prompts))
+                    batch = list(
+                        pool.map(
+                            lambda p: stream_completion(base, served, p, limits["max_tokens"], request_timeout),
+                            batch_prompts,
+                        )
+                    )
                 wall = time.perf_counter() - c0
                 decode = [r["decode_s_per_token"] for r in batch if r["decode_s_per_token"]]
-                result["concurrency"].append({
-                    "streams": level, "wall_s": round(wall, 3),
-                    "output_tokens_per_s": round(sum(r["completion_tokens"] for r in batch) / wall, 2),
-                    "ttft_s_median": statistics.median(r["ttft_s"] for r in batch),
-                    "ttft_s_max": max(r["ttft_s"] for r in batch),
-                    "tpot_s_median": statistics.median(decode) if decode else None,
-                })
+                result["concurrency"].append(
+                    {
+                        "streams": level,
+                        "wall_s": round(wall, 3),
+                        "output_tokens_per_s": round(sum(r["completion_tokens"] for r in batch) / wall, 2),
+                        "ttft_s_median": statistics.median(r["ttft_s"] for r in batch),
+                        "ttft_s_max": max(r["ttft_s"] for r in batch),
+                        "tpot_s_median": statistics.median(decode) if decode else None,
+                    }
+                )
             result["concurrent"] = dict(result["concurrency"][-1], requests=levels[-1])
             one = result["concurrency"][0]["output_tokens_per_s"]
-            result["throughput_vs_one_stream"] = {c["streams"]: round(c["output_tokens_per_s"] / one, 2)
-                                                  for c in result["concurrency"]}
+            result["throughput_vs_one_stream"] = {
+                c["streams"]: round(c["output_tokens_per_s"] / one, 2) for c in result["concurrency"]
+            }
             try:
                 with urllib.request.urlopen(base + "/metrics", timeout=10) as resp:
                     text = resp.read().decode()
-                result["metrics_excerpt"] = [ln for ln in text.splitlines()
-                                             if ln.startswith(("jaxserve", "vllm:")) and "_bucket" not in ln][:60]
+                result["metrics_excerpt"] = [
+                    ln for ln in text.splitlines() if ln.startswith(("jaxserve", "vllm:")) and "_bucket" not in ln
+                ][:60]
             except (urllib.error.URLError, OSError) as err:
                 result["metrics_excerpt"] = f"unavailable: {err}"
         except Exception as err:  # noqa: BLE001 - re-raised with the server log attached
@@ -634,30 +794,46 @@ def step_copies(dry_run: bool, model: str | None) -> dict:
     num_pages = rows * pages_per_row + 1
     sds = jax.ShapeDtypeStruct
     stacked = map_specs(lambda a: sds(a.shape, dtype), cfg)
-    unrolled = stacked.replace(layers=tuple(jax.tree.map(lambda a: sds(a.shape[1:], a.dtype), stacked.layers)
-                                            for _ in range(cfg.num_layers)))
+    unrolled = stacked.replace(
+        layers=tuple(jax.tree.map(lambda a: sds(a.shape[1:], a.dtype), stacked.layers) for _ in range(cfg.num_layers))
+    )
     kv = sds((1, cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim), dtype)
     cache = KVCache(k=kv, v=kv)
     i32 = lambda *d: sds((1,) + d, jnp.int32)  # noqa: E731
-    batch = RaggedBatch(tokens=i32(rows), positions=i32(rows), slots=i32(rows), token_row=i32(rows),
-                        query_start=i32(rows + 1), context_lens=i32(rows), page_table=i32(rows, pages_per_row),
-                        logit_index=i32(rows))
+    batch = RaggedBatch(
+        tokens=i32(rows),
+        positions=i32(rows),
+        slots=i32(rows),
+        token_row=i32(rows),
+        query_start=i32(rows + 1),
+        context_lens=i32(rows),
+        page_table=i32(rows, pages_per_row),
+        logit_index=i32(rows),
+    )
     impl = "pallas_gpu" if gpu else "reference"
-    result = {"model": model or DEFAULT_MODEL, "rows": rows,
-              "context_per_row": pages_per_row * page_size, "attention": impl,
-              "cache_bytes": 2 * kv.size * 2, "variants": {}}
+    result = {
+        "model": model or DEFAULT_MODEL,
+        "rows": rows,
+        "context_per_row": pages_per_row * page_size,
+        "attention": impl,
+        "cache_bytes": 2 * kv.size * 2,
+        "variants": {},
+    }
     for scan in (True, False):
         options = steps.StepOptions(scan_layers=scan, attention_backend=impl)
         params = stacked if scan else unrolled
         lowered = steps.ragged.trace(params, cache, batch, cfg=cfg, options=options).lower()
-        for fusion in ((False, True) if gpu else (None,)):
+        for fusion in (False, True) if gpu else (None,):
             opts = {} if fusion is None else {"xla_gpu_enable_dynamic_slice_fusion": fusion}
             t0 = time.perf_counter()
             compiled = lowered.compile(opts)
-            name = ("scanned" if scan else "unrolled") + ("" if fusion is None else
-                                                        f", dynamic_slice_fusion={str(fusion).lower()}")
-            result["variants"][name] = {"compile_s": round(time.perf_counter() - t0, 2),
-                                        **hlo_copy_census(compiled.as_text())}
+            name = ("scanned" if scan else "unrolled") + (
+                "" if fusion is None else f", dynamic_slice_fusion={str(fusion).lower()}"
+            )
+            result["variants"][name] = {
+                "compile_s": round(time.perf_counter() - t0, 2),
+                **hlo_copy_census(compiled.as_text()),
+            }
     return result
 
 
@@ -683,21 +859,32 @@ def weight_read_bound(data: dict, model: str | None, dry_run: bool) -> dict | No
     specs = jax.tree.leaves(param_specs(cfg), is_leaf=lambda x: hasattr(x, "axes"))
     weight_bytes = 2 * sum(math.prod(s.shape) for s in specs)
     bound = weight_bytes / bandwidth
-    return {"weight_bytes": weight_bytes, "bound_s_per_token": bound, "tpot_s": tpot,
-            "fraction_of_bound": round(bound / tpot, 3)}
+    return {
+        "weight_bytes": weight_bytes,
+        "bound_s_per_token": bound,
+        "tpot_s": tpot,
+        "fraction_of_bound": round(bound / tpot, 3),
+    }
 
 
 # ---- main ----------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     default_out = os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else "gpu_check.json"
     p.add_argument("--out", default=default_out, help="the JSON report (default: $OUT/gpu_check.json if $OUT is set)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from {SECTIONS}")
-    p.add_argument("--dry-run", action="store_true",
-                   help="run everything on CPU with tiny shapes, kernels in interpret mode (checks the script)")
-    p.add_argument("--tests", default=None,
-                   help="pytest target(s), space-separated (default: tests/kernels; dry run: test_kernel_api.py)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run everything on CPU with tiny shapes, kernels in interpret mode (checks the script)",
+    )
+    p.add_argument(
+        "--tests",
+        default=None,
+        help="pytest target(s), space-separated (default: tests/kernels; dry run: test_kernel_api.py)",
+    )
     p.add_argument("--pytest-args", default="", help="extra pytest arguments, e.g. \"-k 'gpu and not lowers'\"")
     p.add_argument("--tests-timeout", type=float, default=420.0, help="seconds for the kernel tests")
     p.add_argument("--model", default=None, help=f"model directory for the server (default: {DEFAULT_MODEL})")
@@ -728,13 +915,27 @@ def main(argv: list[str] | None = None) -> int:
         if name == "bench":
             report.section("bench", bench, args.dry_run)
         elif name == "tests":
-            report.section("tests", run_kernel_tests, args.dry_run, args.tests, shlex.split(args.pytest_args),
-                           args.tests_timeout, out_dir)
+            report.section(
+                "tests",
+                run_kernel_tests,
+                args.dry_run,
+                args.tests,
+                shlex.split(args.pytest_args),
+                args.tests_timeout,
+                out_dir,
+            )
         elif name == "copies":
             report.section("copies", step_copies, args.dry_run, args.model)
         elif name == "server":
-            report.section("server", server_smoke, args.dry_run, args.model, shlex.split(args.server_args),
-                           args.server_timeout, out_dir)
+            report.section(
+                "server",
+                server_smoke,
+                args.dry_run,
+                args.model,
+                shlex.split(args.server_args),
+                args.server_timeout,
+                out_dir,
+            )
     bound = weight_read_bound(report.data, args.model, args.dry_run)
     if bound is not None:
         report.data["batch1_vs_weight_read_bound"] = bound

@@ -39,14 +39,15 @@ def main() -> None:
     from jaxserve.model.weights import param_bytes
 
     start = time.perf_counter()
-    llm = LLM(args.model, quantization=args.quantization, warm_up=False, max_model_len=256, max_num_seqs=1,
-              num_pages=4)
+    llm = LLM(args.model, quantization=args.quantization, warm_up=False, max_model_len=256, max_num_seqs=1, num_pages=4)
     seconds = time.perf_counter() - start
     served = param_bytes(llm.runner.params) / 2**20
     peak = status_mib("VmHWM:")
-    print(f"quantization={args.quantization}: served params {served:.0f} MiB; RSS before {before:.0f} MiB, "
-          f"peak {peak:.0f} MiB (+{peak - before:.0f} MiB = {(peak - before) / served:.2f}x the served bytes), "
-          f"after {status_mib('VmRSS:'):.0f} MiB; load {seconds:.1f} s")
+    print(
+        f"quantization={args.quantization}: served params {served:.0f} MiB; RSS before {before:.0f} MiB, "
+        f"peak {peak:.0f} MiB (+{peak - before:.0f} MiB = {(peak - before) / served:.2f}x the served bytes), "
+        f"after {status_mib('VmRSS:'):.0f} MiB; load {seconds:.1f} s"
+    )
 
 
 if __name__ == "__main__":

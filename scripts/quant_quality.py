@@ -64,13 +64,26 @@ def _nll_sum(params, cache, batch, target, cfg, matmul_backend="reference"):
     nll = -jnp.take_along_axis(logp, jnp.maximum(target, 0)[..., None], axis=-1)[..., 0]
     scored = target >= 0
     top2 = jax.lax.top_k(logits, 2)[0]
-    return (jnp.sum(jnp.where(scored, nll, 0.0)), jnp.sum(scored), jnp.argmax(logits, axis=-1).astype(jnp.int32),
-            top2[..., 0] - top2[..., 1], cache)
+    return (
+        jnp.sum(jnp.where(scored, nll, 0.0)),
+        jnp.sum(scored),
+        jnp.argmax(logits, axis=-1).astype(jnp.int32),
+        top2[..., 0] - top2[..., 1],
+        cache,
+    )
 
 
-def score(params, cfg, windows: np.ndarray, dtype, kv_cache_dtype: str = "auto", batch_size: int = 8,
-          page_size: int = 16, matmul_backend: str = "reference",
-          chunk: int | None = None) -> tuple[float, np.ndarray, np.ndarray]:
+def score(
+    params,
+    cfg,
+    windows: np.ndarray,
+    dtype,
+    kv_cache_dtype: str = "auto",
+    batch_size: int = 8,
+    page_size: int = 16,
+    matmul_backend: str = "reference",
+    chunk: int | None = None,
+) -> tuple[float, np.ndarray, np.ndarray]:
     """Mean next-token NLL (nats) of `windows` i32[n, T], each prefilled from position 0 through a
     fresh paged cache of `kv_cache_dtype` (in one chunk, or in chunks of `chunk` tokens as the engine
     prefills a prompt longer than max_num_batched_tokens), the argmax next-token predictions
@@ -91,10 +104,15 @@ def score(params, cfg, windows: np.ndarray, dtype, kv_cache_dtype: str = "auto",
         tops, gaps = [], []
         for lo in range(0, T, chunk):
             hi = min(lo + chunk, T)
-            batch = StepBatch(tokens=rows[None, :, lo:hi], start_pos=np.full((1, b), lo, np.int32),
-                              num_new=np.full((1, b), hi - lo, np.int32), page_table=page_table)
-            s, c, top, gap, cache = _nll_sum(params, cache, batch, targets[None, :, lo:hi], cfg=cfg,
-                                             matmul_backend=matmul_backend)
+            batch = StepBatch(
+                tokens=rows[None, :, lo:hi],
+                start_pos=np.full((1, b), lo, np.int32),
+                num_new=np.full((1, b), hi - lo, np.int32),
+                page_table=page_table,
+            )
+            s, c, top, gap, cache = _nll_sum(
+                params, cache, batch, targets[None, :, lo:hi], cfg=cfg, matmul_backend=matmul_backend
+            )
             total, count = total + float(s), count + int(c)
             tops.append(np.asarray(top)[0])
             gaps.append(np.asarray(gap)[0])
@@ -103,8 +121,9 @@ def score(params, cfg, windows: np.ndarray, dtype, kv_cache_dtype: str = "auto",
     return total / count, np.concatenate(argmax), np.concatenate(margins)
 
 
-def mean_nll(params, cfg, windows: np.ndarray, dtype, kv_cache_dtype: str = "auto", batch_size: int = 8,
-             page_size: int = 16) -> float:
+def mean_nll(
+    params, cfg, windows: np.ndarray, dtype, kv_cache_dtype: str = "auto", batch_size: int = 8, page_size: int = 16
+) -> float:
     """Mean next-token NLL (nats) of `windows` i32[n, T] (see `score`)."""
     return score(params, cfg, windows, dtype, kv_cache_dtype, batch_size, page_size)[0]
 
@@ -138,22 +157,35 @@ def text_windows(model_dir: str, path: str, num_windows: int | None, window_len:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="checkpoints/small",
-                    help="a model directory, a GGUF file, a Hugging Face ID, or SmolLM2-135M-Instruct (the default model)")
+    ap.add_argument(
+        "--model",
+        default="checkpoints/small",
+        help="a model directory, a GGUF file, a Hugging Face ID, or SmolLM2-135M-Instruct (the default model)",
+    )
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--text", help="score this file's tokens instead of the corpus' held-out split")
     ap.add_argument("--windows", type=int, help="how many windows (default: 64; with --text, all that fit)")
     ap.add_argument("--window-len", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--prefill-chunk", type=int,
-                    help="prefill each window in chunks of this many tokens (the engine's max_num_batched_tokens, "
-                         "512 by default); default: the whole window in one chunk")
-    ap.add_argument("--margin", type=float, default=0.5,
-                    help="also report the top-1 agreement where the first variant's top-2 logit margin is at least "
-                         "this (no near-tie)")
-    ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help=f"comma-separated names of {', '.join(VARIANTS)}; NAME@gN sets quantization_group_size=N "
-                         "(int8: 0 = a scale per output channel), e.g. 'int8 weights@g32'")
+    ap.add_argument(
+        "--prefill-chunk",
+        type=int,
+        help="prefill each window in chunks of this many tokens (the engine's max_num_batched_tokens, "
+        "512 by default); default: the whole window in one chunk",
+    )
+    ap.add_argument(
+        "--margin",
+        type=float,
+        default=0.5,
+        help="also report the top-1 agreement where the first variant's top-2 logit margin is at least "
+        "this (no near-tie)",
+    )
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated names of {', '.join(VARIANTS)}; NAME@gN sets quantization_group_size=N "
+        "(int8: 0 = a scale per output channel), e.g. 'int8 weights@g32'",
+    )
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -170,10 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         windows = heldout_windows(model_dir, 64 if args.windows is None else args.windows, args.window_len)
     scored = windows.shape[0] * (windows.shape[1] - 1)
-    print(f"model {args.model} ({model_dir}); {windows.shape[0]} windows of {windows.shape[1]} tokens"
-          + (f" from {args.text} ({file_tokens} tokens)" if args.text else " (held-out split)")
-          + f"; {scored} next-token predictions scored; prefilled in "
-          + (f"chunks of {args.prefill_chunk} tokens" if args.prefill_chunk else "one chunk"), flush=True)
+    print(
+        f"model {args.model} ({model_dir}); {windows.shape[0]} windows of {windows.shape[1]} tokens"
+        + (f" from {args.text} ({file_tokens} tokens)" if args.text else " (held-out split)")
+        + f"; {scored} next-token predictions scored; prefilled in "
+        + (f"chunks of {args.prefill_chunk} tokens" if args.prefill_chunk else "one chunk"),
+        flush=True,
+    )
     dtype = jnp.dtype(args.dtype)
     targets = windows[:, 1:]
     loaded: dict[str, object] = {}
@@ -184,13 +219,22 @@ def main(argv: list[str] | None = None) -> int:
         group_size = int(group) if group else (0 if base_variant == "w8a8" else None)
         activations = "int8" if base_variant == "w8a8" else "none"
         if (quantization, group_size) not in loaded:
-            settings = EngineConfig(model=model_dir, dtype=args.dtype, quantization=quantization,
-                                    quantization_group_size=group_size)
+            settings = EngineConfig(
+                model=model_dir, dtype=args.dtype, quantization=quantization, quantization_group_size=group_size
+            )
             loaded[quantization, group_size] = load_model(settings, make_mesh((1, 1)), stacked=True)
         model = loaded[quantization, group_size]
         matmul = resolve_quantized_matmul("auto", jax.default_backend(), (1, 1), quantization, activations)
-        nll, argmax, margin = score(model.params, model.cfg, windows, dtype, kv, args.batch_size,
-                                    matmul_backend=matmul, chunk=args.prefill_chunk)
+        nll, argmax, margin = score(
+            model.params,
+            model.cfg,
+            windows,
+            dtype,
+            kv,
+            args.batch_size,
+            matmul_backend=matmul,
+            chunk=args.prefill_chunk,
+        )
         results[name] = {"nll": nll, "perplexity": math.exp(nll), "top1_accuracy": float(np.mean(argmax == targets))}
         line = f"{name:14} perplexity {math.exp(nll):8.4f}  top-1 accuracy {100 * results[name]['top1_accuracy']:6.2f}%"
         if base_name is None:
@@ -203,14 +247,26 @@ def main(argv: list[str] | None = None) -> int:
             results[name]["top1_agreement_no_near_tie"] = float(np.mean(agree[clear]))
             results[name]["positions_no_near_tie"] = int(np.sum(clear))
             base = results[base_name]["perplexity"]
-            line += (f"  ({100 * (math.exp(nll) / base - 1):+.2f}% perplexity vs {base_name}; top-1 agreement "
-                     f"{100 * np.mean(agree):.2f}%, {int(np.sum(~agree))} of {agree.size} positions differ; "
-                     f"{100 * np.mean(agree[clear]):.2f}% at the {int(np.sum(clear))} of margin >= {args.margin:g})")
+            line += (
+                f"  ({100 * (math.exp(nll) / base - 1):+.2f}% perplexity vs {base_name}; top-1 agreement "
+                f"{100 * np.mean(agree):.2f}%, {int(np.sum(~agree))} of {agree.size} positions differ; "
+                f"{100 * np.mean(agree[clear]):.2f}% at the {int(np.sum(clear))} of margin >= {args.margin:g})"
+            )
         print(line, flush=True)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"args": vars(args), "model_dir": model_dir, "file_tokens": file_tokens,
-                       "tokens": int(windows.size), "scored": scored, "results": results}, f, indent=1)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "model_dir": model_dir,
+                    "file_tokens": file_tokens,
+                    "tokens": int(windows.size),
+                    "scored": scored,
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

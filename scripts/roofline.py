@@ -49,9 +49,18 @@ if ROOT not in sys.path:  # jaxserve and pallas_kernels from this checkout when 
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "smollm2-135m-dummy.yaml")
 KNEE_FACTOR = 2.0  # the measured turn: where the step takes this many times its batch-1 time
 TINY_MODEL = {  # --quick: a 2-layer Llama, compiles in a second or two
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
-    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
     "torch_dtype": "float32",
 }
 
@@ -62,8 +71,14 @@ def range_summary(samples: Sequence[float]) -> dict:
     xs = sorted(float(x) for x in samples)
     if not xs:
         raise ValueError("no samples")
-    return {"n": len(xs), "min": xs[0], "median": statistics.median(xs), "max": xs[-1],
-            "spread_pct": 100.0 * (xs[-1] / xs[0] - 1.0) if xs[0] > 0 else float("inf"), "samples": list(samples)}
+    return {
+        "n": len(xs),
+        "min": xs[0],
+        "median": statistics.median(xs),
+        "max": xs[-1],
+        "spread_pct": 100.0 * (xs[-1] / xs[0] - 1.0) if xs[0] > 0 else float("inf"),
+        "samples": list(samples),
+    }
 
 
 def fraction_of_bound(bound_s: float, achieved_s: float) -> float:
@@ -97,11 +112,16 @@ def decode_bound(roof: Roof, batch: int, context: int) -> dict:
     """The planner's decode bound (`plan.decode_bound`) for `batch` sequences attending to `context` tokens."""
     from jaxserve.planning import roofline as plan
 
-    b = plan.decode_bound(roof.cfg, _target(roof), roof.param_bytes, roof.kv_bytes_per_token, batch, context,
-                          roof.activation_bytes)
-    return _bound_dict(b.memory_s, b.compute_s, b.seconds,
-                       bytes_read=roof.param_bytes + batch * context * roof.kv_bytes_per_token,
-                       flops=b.compute_s * roof.peak_flops)
+    b = plan.decode_bound(
+        roof.cfg, _target(roof), roof.param_bytes, roof.kv_bytes_per_token, batch, context, roof.activation_bytes
+    )
+    return _bound_dict(
+        b.memory_s,
+        b.compute_s,
+        b.seconds,
+        bytes_read=roof.param_bytes + batch * context * roof.kv_bytes_per_token,
+        flops=b.compute_s * roof.peak_flops,
+    )
 
 
 def prefill_bound(roof: Roof, batch: int, prompt_len: int) -> dict:
@@ -112,15 +132,22 @@ def prefill_bound(roof: Roof, batch: int, prompt_len: int) -> dict:
     cfg, tokens = roof.cfg, batch * prompt_len
     bytes_read = roof.param_bytes + tokens * roof.kv_bytes_per_token
     flops = plan.matmul_flops(plan.matmul_params(cfg), tokens) + plan.attention_flops(
-        cfg.num_heads, cfg.head_dim, cfg.num_layers, tokens, (prompt_len + 1) / 2)
+        cfg.num_heads, cfg.head_dim, cfg.num_layers, tokens, (prompt_len + 1) / 2
+    )
     memory_s = plan.memory_bound_seconds(bytes_read, roof.bandwidth)
     compute_s = plan.compute_bound_seconds(flops, roof.peak_flops)
     return _bound_dict(memory_s, compute_s, plan.step_seconds(memory_s, compute_s, 0.0), bytes_read, flops)
 
 
 def _bound_dict(memory_s: float, compute_s: float, bound_s: float, bytes_read: float, flops: float) -> dict:
-    return {"memory_s": memory_s, "compute_s": compute_s, "bound_s": bound_s,
-            "bound_by": "compute" if compute_s > memory_s else "memory", "bytes_read": bytes_read, "flops": flops}
+    return {
+        "memory_s": memory_s,
+        "compute_s": compute_s,
+        "bound_s": bound_s,
+        "bound_by": "compute" if compute_s > memory_s else "memory",
+        "bytes_read": bytes_read,
+        "flops": flops,
+    }
 
 
 def crossover_batch(roof: Roof, context: int) -> float | None:
@@ -131,7 +158,8 @@ def crossover_batch(roof: Roof, context: int) -> float | None:
 
     cfg = roof.cfg
     flops_per_seq = plan.matmul_flops(plan.matmul_params(cfg), 1) + plan.attention_flops(
-        cfg.num_heads, cfg.head_dim, cfg.num_layers, 1, context)
+        cfg.num_heads, cfg.head_dim, cfg.num_layers, 1, context
+    )
     per_seq = flops_per_seq / roof.peak_flops - context * roof.kv_bytes_per_token / roof.bandwidth
     if per_seq <= 0:
         return None
@@ -184,8 +212,9 @@ def breakdown(times_s: dict) -> list[dict]:
     total = times_s[present[-1][0]] if present else 0.0
     for key, what in present:
         part = times_s[key] - prev
-        rows.append({"variant": key, "part": what, "ms": part * 1e3,
-                     "share": part / total if total > 0 else float("nan")})
+        rows.append(
+            {"variant": key, "part": what, "ms": part * 1e3, "share": part / total if total > 0 else float("nan")}
+        )
         prev = times_s[key]
     return rows
 
@@ -239,8 +268,9 @@ class Machine:
         entry["jax_sum_gbps"] = nbytes / self._best(lambda: self._sum(self._data)) / 1e9
         entry["jax_matvec_gbps"] = nbytes / self._best(lambda: self._matvec(self._row, self._data)) / 1e9
         if self.backend == "cpu":
-            entry["numpy_threads_sum_gbps"] = nbytes / self._best(
-                lambda: sum(self._pool.map(np.sum, self._chunks))) / 1e9
+            entry["numpy_threads_sum_gbps"] = (
+                nbytes / self._best(lambda: sum(self._pool.map(np.sum, self._chunks))) / 1e9
+            )
             # the planner's own measurement (devices.measure_copy_bandwidth: read + write), for reference
             from jaxserve.planning.devices import measure_copy_bandwidth
 
@@ -295,13 +325,19 @@ def build_llm(args, batches: Sequence[int], contexts: Sequence[int], prefill_poi
     base = EngineConfig.from_yaml(args.config, overrides) if args.config else EngineConfig.from_dict(overrides)
     page = base.page_size
     max_ctx = max(list(contexts) + [c for _, c in prefill_points])
-    pages = max(max(batches) * math.ceil(max(contexts) / page),
-                max([b * math.ceil(c / page) for b, c in prefill_points] or [0]))
+    pages = max(
+        max(batches) * math.ceil(max(contexts) / page), max([b * math.ceil(c / page) for b, c in prefill_points] or [0])
+    )
     settings = base.to_dict()
     settings.update(
-        max_num_seqs=max(list(batches) + [b for b, _ in prefill_points]), max_model_len=max_ctx,
-        max_num_batched_tokens=max([c for _, c in prefill_points] or [16]), num_pages=pages + 1,
-        kv_cache_memory=None, enable_prefix_caching=False, speculative_model=None, num_speculative_tokens=0,
+        max_num_seqs=max(list(batches) + [b for b, _ in prefill_points]),
+        max_model_len=max_ctx,
+        max_num_batched_tokens=max([c for _, c in prefill_points] or [16]),
+        num_pages=pages + 1,
+        kv_cache_memory=None,
+        enable_prefix_caching=False,
+        speculative_model=None,
+        num_speculative_tokens=0,
     )
     if args.no_compilation_cache:
         settings["compilation_cache_dir"] = "none"
@@ -324,8 +360,10 @@ def prefill_rows(batch: int, prompt_len: int, page_size: int, vocab: int, seed: 
 
     n = math.ceil(prompt_len / page_size)
     rng = np.random.default_rng(seed)
-    return [RowWork(rng.integers(1, vocab, prompt_len).tolist(), 0, list(range(1 + b * n, 1 + (b + 1) * n)))
-            for b in range(batch)]
+    return [
+        RowWork(rng.integers(1, vocab, prompt_len).tolist(), 0, list(range(1 + b * n, 1 + (b + 1) * n)))
+        for b in range(batch)
+    ]
 
 
 def shape_of(runner, rows) -> tuple[int, int]:
@@ -346,8 +384,13 @@ def time_point(runner, rows, args) -> dict:
     start = time.perf_counter()
     while len(times) < args.min_iters or (time.perf_counter() - start < args.min_time and len(times) < args.max_iters):
         times += time_step(runner, step, 1)
-    return {"shape": list(step.shape), "seconds": statistics.median(times), "min_s": min(times),
-            "iters": len(times), "raw_s": times}
+    return {
+        "shape": list(step.shape),
+        "seconds": statistics.median(times),
+        "min_s": min(times),
+        "iters": len(times),
+        "raw_s": times,
+    }
 
 
 # ---- the batch-1 decode profile ----------------------------------------------------------------------
@@ -396,12 +439,22 @@ def profile_decode(llm, context: int, args) -> dict:
         return quant.matmul(x, params.lm_head, preferred_element_type=jnp.float32)
 
     # the weight matmuls alone at batch 1 and at a few larger batches (how XLA's dot scales with rows)
-    xs = {b: jnp.ones((1, b, cfg.hidden_size), runner.params.embed.dtype) for b in (1, 2, 4, 8)
-          if b == 1 or b in args.profile_matmul_batches}
+    xs = {
+        b: jnp.ones((1, b, cfg.hidden_size), runner.params.embed.dtype)
+        for b in (1, 2, 4, 8)
+        if b == 1 or b in args.profile_matmul_batches
+    }
     matmuls_by_batch = {b: jax.jit(weight_matmuls).trace(runner.params, x).lower().compile(opts) for b, x in xs.items()}
     matmuls, x0 = matmuls_by_batch[1], xs[1]
-    read_weights = jax.jit(lambda p: sum(jnp.sum(w.astype(jnp.float32)) if w.dtype.itemsize < 4 else jnp.sum(w)
-                                         for w in jax.tree.leaves(p))).lower(runner.params).compile(opts)
+    read_weights = (
+        jax.jit(
+            lambda p: sum(
+                jnp.sum(w.astype(jnp.float32)) if w.dtype.itemsize < 4 else jnp.sum(w) for w in jax.tree.leaves(p)
+            )
+        )
+        .lower(runner.params)
+        .compile(opts)
+    )
 
     def pipelined(call):
         def run() -> float:  # mean seconds per call of `iters` calls queued back to back
@@ -411,12 +464,14 @@ def profile_decode(llm, context: int, args) -> dict:
                 out = call()
             jax.block_until_ready(out)
             return (time.perf_counter() - t) / iters
+
         return run
 
     def run_model(exe):
         def call():
             out, runner.cache = exe(runner.params, runner.cache, batch)
             return out
+
         return call
 
     variants = {
@@ -447,11 +502,21 @@ def profile_decode(llm, context: int, args) -> dict:
             for _ in range(4):
                 runner.execute_rows(rows)
     pbytes = param_bytes(runner.params)
-    return {"batch": 1, "context": context, "times_s": times, "breakdown": breakdown(times),
-            "weights_read_s": weights_read, "weights_read_gbps": pbytes / weights_read / 1e9,
-            "weight_matmuls_gbps": pbytes / times["weight_matmuls"] / 1e9, "param_bytes": pbytes,
-            "weight_matmuls_by_batch_s": by_batch, "rounds": args.profile_rounds, "iters_per_round": iters,
-            "samples_s": samples, "trace_dir": args.trace}
+    return {
+        "batch": 1,
+        "context": context,
+        "times_s": times,
+        "breakdown": breakdown(times),
+        "weights_read_s": weights_read,
+        "weights_read_gbps": pbytes / weights_read / 1e9,
+        "weight_matmuls_gbps": pbytes / times["weight_matmuls"] / 1e9,
+        "param_bytes": pbytes,
+        "weight_matmuls_by_batch_s": by_batch,
+        "rounds": args.profile_rounds,
+        "iters_per_round": iters,
+        "samples_s": samples,
+        "trace_dir": args.trace,
+    }
 
 
 # ---- report ------------------------------------------------------------------------------------------
@@ -482,9 +547,12 @@ def plot(report: dict, path: str) -> None:
     ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("decode batch (sequences per step)")
     ax.set_ylabel("step time (ms)")
-    ax.set_title(f"{os.path.basename(report['model'].rstrip('/'))} {report['dtype']} decode on {m['device']}\n"
-                 f"bandwidth {m['bandwidth_gbps']['max']:.1f} GB/s (range {m['bandwidth_gbps']['min']:.1f}-"
-                 f"{m['bandwidth_gbps']['max']:.1f}), peak {m['peak_gflops']:.0f} GFLOP/s", fontsize=10)
+    ax.set_title(
+        f"{os.path.basename(report['model'].rstrip('/'))} {report['dtype']} decode on {m['device']}\n"
+        f"bandwidth {m['bandwidth_gbps']['max']:.1f} GB/s (range {m['bandwidth_gbps']['min']:.1f}-"
+        f"{m['bandwidth_gbps']['max']:.1f}), peak {m['peak_gflops']:.0f} GFLOP/s",
+        fontsize=10,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -496,11 +564,15 @@ def print_report(report: dict) -> None:
     m = report["machine"]
     bw = m["bandwidth_gbps"]
     print(f"\n{report['model']} ({report['dtype']}), {m['device']} [{m['backend']}], jax {m['jax']}")
-    print(f"param bytes {report['param_bytes'] / 2**20:.1f} MiB, KV {report['kv_bytes_per_token']} B/token; "
-          f"read bandwidth {bw['min']:.1f}-{bw['max']:.1f} GB/s over {bw['n']} samples (median {bw['median']:.1f}; "
-          f"bounds use the max), matmul peak {m['peak_gflops']:.1f} GFLOP/s")
-    head = f"{'kind':>7} {'batch':>5} {'ctx':>5} {'bucket':>13} {'ms':>9} {'mem ms':>8} {'cmp ms':>8} {'bound':>7} " \
-           f"{'of bound':>8} {'tok/s':>9}"
+    print(
+        f"param bytes {report['param_bytes'] / 2**20:.1f} MiB, KV {report['kv_bytes_per_token']} B/token; "
+        f"read bandwidth {bw['min']:.1f}-{bw['max']:.1f} GB/s over {bw['n']} samples (median {bw['median']:.1f}; "
+        f"bounds use the max), matmul peak {m['peak_gflops']:.1f} GFLOP/s"
+    )
+    head = (
+        f"{'kind':>7} {'batch':>5} {'ctx':>5} {'bucket':>13} {'ms':>9} {'mem ms':>8} {'cmp ms':>8} {'bound':>7} "
+        f"{'of bound':>8} {'tok/s':>9}"
+    )
     print("\n" + head + "\n" + "-" * len(head))
     for kind in ("decode", "prefill"):
         for p in report[kind]:
@@ -508,26 +580,36 @@ def print_report(report: dict) -> None:
                 print(f"{kind:>7} {p['batch']:>5} {p['context']:>5}  failed: {p.get('error')}")
                 continue
             toks = p["batch"] * (1 if kind == "decode" else p["context"]) / p["seconds"]
-            print(f"{kind:>7} {p['batch']:>5} {p['context']:>5} {str(tuple(p['shape'])):>13} {p['seconds'] * 1e3:9.2f} "
-                  f"{p['memory_s'] * 1e3:8.2f} {p['compute_s'] * 1e3:8.2f} {p['bound_by']:>7} "
-                  f"{100 * p['fraction']:7.1f}% {toks:9.1f}")
+            print(
+                f"{kind:>7} {p['batch']:>5} {p['context']:>5} {str(tuple(p['shape'])):>13} {p['seconds'] * 1e3:9.2f} "
+                f"{p['memory_s'] * 1e3:8.2f} {p['compute_s'] * 1e3:8.2f} {p['bound_by']:>7} "
+                f"{100 * p['fraction']:7.1f}% {toks:9.1f}"
+            )
     for ctx, c in report["crossover"].items():
         b, knee = c["bound_batch"], c["measured_knee"]
         b = f"batch {b:.1f}" if b else "no batch (its KV reads grow faster than its FLOPs)"
         knee = f"batch {knee:.1f}" if knee else "no batch measured"
-        print(f"context {ctx}: decode turns compute-bound at {b} by the bounds; the measured step time "
-              f"reaches {KNEE_FACTOR:g}x its batch-1 time at {knee}")
+        print(
+            f"context {ctx}: decode turns compute-bound at {b} by the bounds; the measured step time "
+            f"reaches {KNEE_FACTOR:g}x its batch-1 time at {knee}"
+        )
     prof = report.get("profile")
     if prof:
-        print(f"\nbatch-1 decode at context {prof['context']}: where the time goes "
-              f"(bound {prof['bound_s'] * 1e3:.2f} ms = {100 * prof['fraction_synced']:.1f}% of the compiled step, "
-              f"{100 * prof['fraction_engine']:.1f}% of engine execute)")
+        print(
+            f"\nbatch-1 decode at context {prof['context']}: where the time goes "
+            f"(bound {prof['bound_s'] * 1e3:.2f} ms = {100 * prof['fraction_synced']:.1f}% of the compiled step, "
+            f"{100 * prof['fraction_engine']:.1f}% of engine execute)"
+        )
         for r in prof["breakdown"]:
             print(f"  {r['ms']:8.2f} ms {100 * r['share']:5.1f}%  {r['part']}")
-        print(f"  weights read alone (sum over params): {prof['weights_read_s'] * 1e3:.2f} ms "
-              f"= {prof['weights_read_gbps']:.1f} GB/s; weight matmuls alone {prof['weight_matmuls_gbps']:.1f} GB/s")
-        print("  weight matmuls alone by batch: " + ", ".join(
-            f"{b}: {t * 1e3:.2f} ms" for b, t in prof["weight_matmuls_by_batch_s"].items()))
+        print(
+            f"  weights read alone (sum over params): {prof['weights_read_s'] * 1e3:.2f} ms "
+            f"= {prof['weights_read_gbps']:.1f} GB/s; weight matmuls alone {prof['weight_matmuls_gbps']:.1f} GB/s"
+        )
+        print(
+            "  weight matmuls alone by batch: "
+            + ", ".join(f"{b}: {t * 1e3:.2f} ms" for b, t in prof["weight_matmuls_by_batch_s"].items())
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -552,8 +634,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--bandwidth-mib", type=int, help="array size of the bandwidth samples (default 512; 2048 on GPU)")
     ap.add_argument("--bandwidth-repeats", type=int, default=3, help="best of this many sums per sample")
     ap.add_argument("--matmul-size", type=int, help="n of the n x n peak matmul (default 2048; 8192 on accelerators)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: a tiny 2-layer model (unless --model/--config), "
-                                                         "batches 1,2, contexts 32,64, short timings")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: a tiny 2-layer model (unless --model/--config), batches 1,2, contexts 32,64, short timings",
+    )
     ap.add_argument("--no-compilation-cache", action="store_true", help="do not use the persistent XLA cache")
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "out", "roofline"))
     ap.add_argument("--png", help="plot path (default OUT_DIR/roofline_<backend>_<dtype>.png)")
@@ -577,15 +662,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]
     batches, contexts = sorted(set(ints(args.batches))), ints(args.contexts)
     args.profile_matmul_batches = [b for b in batches if b in (2, 4, 8)]
-    prefill_points = [(b, c) for c in contexts for b in sorted(set(ints(args.prefill_batches)))
-                      if b * c <= args.prefill_max_tokens]
+    prefill_points = [
+        (b, c) for c in contexts for b in sorted(set(ints(args.prefill_batches))) if b * c <= args.prefill_max_tokens
+    ]
 
     try:
         from bench_decode import tcmalloc_loaded, tcmalloc_path
 
         if not tcmalloc_loaded() and tcmalloc_path():
-            print(f"hint: preload tcmalloc for faster XLA:CPU temporaries: LD_PRELOAD={tcmalloc_path()}",
-                  file=sys.stderr)
+            print(
+                f"hint: preload tcmalloc for faster XLA:CPU temporaries: LD_PRELOAD={tcmalloc_path()}", file=sys.stderr
+            )
     except ImportError:
         tcmalloc_loaded = lambda: None  # noqa: E731
 
@@ -606,15 +693,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     pbytes = plan.param_bytes_per_device(cfg, b, settings.quantization, settings.quantize_lm_head, 1)
     kv = cfg.kv_bytes_per_token(b, settings.kv_cache_dtype)
     if settings.quantization == "none" and tree_bytes(runner.params) != pbytes:
-        print(f"note: the engine holds {tree_bytes(runner.params)} param bytes, the planner counts {pbytes}",
-              file=sys.stderr)
+        print(
+            f"note: the engine holds {tree_bytes(runner.params)} param bytes, the planner counts {pbytes}",
+            file=sys.stderr,
+        )
 
-    machine = Machine(args.bandwidth_mib or (2048 if accel else 512), args.bandwidth_repeats,
-                      args.matmul_size or (8192 if accel else 2048), dtype)
+    machine = Machine(
+        args.bandwidth_mib or (2048 if accel else 512),
+        args.bandwidth_repeats,
+        args.matmul_size or (8192 if accel else 2048),
+        dtype,
+    )
     machine.sample_bandwidth("start")
     machine.sample_peak()
-    print(f"bandwidth {machine.bandwidth_samples[-1]['gbps']:.1f} GB/s, matmul peak "
-          f"{machine.peak_samples[-1] / 1e9:.1f} GFLOP/s ({dtype}, n={machine.matmul_n})", flush=True)
+    print(
+        f"bandwidth {machine.bandwidth_samples[-1]['gbps']:.1f} GB/s, matmul peak "
+        f"{machine.peak_samples[-1] / 1e9:.1f} GFLOP/s ({dtype}, n={machine.matmul_n})",
+        flush=True,
+    )
 
     # Every bucket up front, in parallel (the engine's own warm-up), so nothing compiles while timed.
     page = llm.memory.page_size
@@ -665,31 +761,58 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "seconds" in p:
                 p["fraction"] = fraction_of_bound(p["bound_s"], p["seconds"])
                 # with the lowest bandwidth sample: the fraction's range from the drift alone
-                p["fraction_at_min_bandwidth"] = fraction_of_bound(bound_fn(roof_low, p["batch"], p["context"])["bound_s"],
-                                                                   p["seconds"])
+                p["fraction_at_min_bandwidth"] = fraction_of_bound(
+                    bound_fn(roof_low, p["batch"], p["context"])["bound_s"], p["seconds"]
+                )
     crossover = {}
     for c in contexts:
         pts = [p for p in decode if p["context"] == c and "seconds" in p]
-        crossover[str(c)] = {"bound_batch": crossover_batch(roof, c), "first_measured_compute_bound": first_compute_bound(pts),
-                             "measured_knee": measured_knee([p["batch"] for p in pts], [p["seconds"] for p in pts])}
+        crossover[str(c)] = {
+            "bound_batch": crossover_batch(roof, c),
+            "first_measured_compute_bound": first_compute_bound(pts),
+            "measured_knee": measured_knee([p["batch"] for p in pts], [p["seconds"] for p in pts]),
+        }
     if profile and "times_s" in profile:
         bound = decode_bound(roof, 1, profile["context"])["bound_s"]
-        profile.update(bound_s=bound, fraction_synced=fraction_of_bound(bound, profile["times_s"]["step_synced"]),
-                       fraction_engine=fraction_of_bound(bound, profile["times_s"]["engine_execute"]),
-                       fraction_pipelined=fraction_of_bound(bound, profile["times_s"]["step_pipelined"]))
+        profile.update(
+            bound_s=bound,
+            fraction_synced=fraction_of_bound(bound, profile["times_s"]["step_synced"]),
+            fraction_engine=fraction_of_bound(bound, profile["times_s"]["engine_execute"]),
+            fraction_pipelined=fraction_of_bound(bound, profile["times_s"]["step_pipelined"]),
+        )
 
     dev = jax.devices()[0]
     report = {
-        "date": date, "command": " ".join([os.path.relpath(sys.argv[0])] + list(argv if argv is not None else sys.argv[1:])),
-        "model": settings.model or "", "dtype": dtype, "config": args.config,
-        "attention": runner.options.attention_backend, "param_bytes": pbytes, "kv_bytes_per_token": kv,
-        "machine": {"backend": backend, "device": dev.device_kind, "devices": jax.device_count(), "jax": jax.__version__,
-                    "cpu_cores": os.cpu_count(), "host": platform.node(), "tcmalloc_preloaded": tcmalloc_loaded(),
-                    "bandwidth_gbps": bw_range, "bandwidth_samples": machine.bandwidth_samples,
-                    "peak_gflops": peak / 1e9, "peak_samples_gflops": [x / 1e9 for x in machine.peak_samples],
-                    "matmul_n": machine.matmul_n, "load_average_end": os.getloadavg()},
-        "bound_bandwidth_gbps": bw_best / 1e9, "compile_s": compile_s, "decode": decode, "prefill": prefill,
-        "crossover": crossover, "profile": profile, "elapsed_s": time.perf_counter() - t_start,
+        "date": date,
+        "command": " ".join([os.path.relpath(sys.argv[0])] + list(argv if argv is not None else sys.argv[1:])),
+        "model": settings.model or "",
+        "dtype": dtype,
+        "config": args.config,
+        "attention": runner.options.attention_backend,
+        "param_bytes": pbytes,
+        "kv_bytes_per_token": kv,
+        "machine": {
+            "backend": backend,
+            "device": dev.device_kind,
+            "devices": jax.device_count(),
+            "jax": jax.__version__,
+            "cpu_cores": os.cpu_count(),
+            "host": platform.node(),
+            "tcmalloc_preloaded": tcmalloc_loaded(),
+            "bandwidth_gbps": bw_range,
+            "bandwidth_samples": machine.bandwidth_samples,
+            "peak_gflops": peak / 1e9,
+            "peak_samples_gflops": [x / 1e9 for x in machine.peak_samples],
+            "matmul_n": machine.matmul_n,
+            "load_average_end": os.getloadavg(),
+        },
+        "bound_bandwidth_gbps": bw_best / 1e9,
+        "compile_s": compile_s,
+        "decode": decode,
+        "prefill": prefill,
+        "crossover": crossover,
+        "profile": profile,
+        "elapsed_s": time.perf_counter() - t_start,
     }
     machine.release()
     print_report(report)

@@ -49,9 +49,26 @@ DEFAULT_CONFIG = "configs/small.yaml"
 DRAFT_MODEL = "checkpoints/small-draft"
 # A short, fixed workload: 48 streamed requests, a 64-token prefix shared by all (so prefix caching
 # has something to find), 48-144 + 64 prompt tokens, 24-72 output tokens (EOS ignored), two rates.
-DEFAULT_WORKLOAD = ("--num-prompts", "48", "--input-len", "96", "--input-len-range", "0.5",
-                    "--shared-prefix-len", "64", "--output-len", "48", "--output-len-range", "0.5",
-                    "--request-rate", "4,inf", "--warmup", "2", "--seed", "0")
+DEFAULT_WORKLOAD = (
+    "--num-prompts",
+    "48",
+    "--input-len",
+    "96",
+    "--input-len-range",
+    "0.5",
+    "--shared-prefix-len",
+    "64",
+    "--output-len",
+    "48",
+    "--output-len-range",
+    "0.5",
+    "--request-rate",
+    "4,inf",
+    "--warmup",
+    "2",
+    "--seed",
+    "0",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,24 +85,53 @@ class Knob:
         return "--" + self.name.replace("_", "-")
 
 
-KNOBS: dict[str, Knob] = {k.name: k for k in (
-    Knob("max_num_seqs", 16, (4, 32)),
-    Knob("max_num_batched_tokens", 256, (64, 512)),
-    Knob("page_size", 16, (8, 32)),
-    Knob("num_scheduler_steps", 1, (4, 8)),
-    Knob("enable_prefix_caching", True, (False,)),
-    Knob("quantization", "none", ("int8",)),
-    Knob("kv_cache_dtype", "auto", ("int8",)),
-    Knob("num_speculative_tokens", 0, (4,), extra=("--speculative-model", DRAFT_MODEL)),
-)}
+KNOBS: dict[str, Knob] = {
+    k.name: k
+    for k in (
+        Knob("max_num_seqs", 16, (4, 32)),
+        Knob("max_num_batched_tokens", 256, (64, 512)),
+        Knob("page_size", 16, (8, 32)),
+        Knob("num_scheduler_steps", 1, (4, 8)),
+        Knob("enable_prefix_caching", True, (False,)),
+        Knob("quantization", "none", ("int8",)),
+        Knob("kv_cache_dtype", "auto", ("int8",)),
+        Knob("num_speculative_tokens", 0, (4,), extra=("--speculative-model", DRAFT_MODEL)),
+    )
+}
 
 CSV_COLUMNS = (
-    "knob", "value", "is_default", "server_flags", "request_rate", "completed", "failed", "duration_s",
-    "request_throughput", "output_throughput", "total_token_throughput",
-    "mean_ttft_ms", "p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
-    "mean_tpot_ms", "p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms", "p99_e2el_ms",
-    "kv_usage_mean", "kv_usage_max", "kv_pages_used_max", "kv_pages_total", "prefix_cache_hit_rate",
-    "spec_acceptance_rate", "preemptions", "server_start_s", "server_peak_rss_mib", "busy_cores_before", "note",
+    "knob",
+    "value",
+    "is_default",
+    "server_flags",
+    "request_rate",
+    "completed",
+    "failed",
+    "duration_s",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "mean_ttft_ms",
+    "p50_ttft_ms",
+    "p90_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "p50_tpot_ms",
+    "p99_tpot_ms",
+    "p50_itl_ms",
+    "p99_itl_ms",
+    "p99_e2el_ms",
+    "kv_usage_mean",
+    "kv_usage_max",
+    "kv_pages_used_max",
+    "kv_pages_total",
+    "prefix_cache_hit_rate",
+    "spec_acceptance_rate",
+    "preemptions",
+    "server_start_s",
+    "server_peak_rss_mib",
+    "busy_cores_before",
+    "note",
 )
 
 
@@ -124,8 +170,10 @@ def plan_points(knob_names: Sequence[str], supported: set[str]) -> tuple[list[tu
             raise SystemExit(f"error: unknown knob {name!r}; known: {', '.join(KNOBS)}")
         knob = KNOBS[name]
         if name not in supported:
-            notes.append(f"skipping {name}: this checkout's server does not accept {knob.flag} (not an EngineConfig "
-                         f"setting yet); re-run later with --knobs {name}")
+            notes.append(
+                f"skipping {name}: this checkout's server does not accept {knob.flag} (not an EngineConfig "
+                f"setting yet); re-run later with --knobs {name}"
+            )
             continue
         points += [(name, v) for v in knob.values]
     return points, notes
@@ -156,8 +204,11 @@ def kv_summary(samples: list[dict[str, float]]) -> dict[str, float]:
     busy = [s for s in samples if s.get("jaxserve:num_requests_running", 0) > 0] or samples
     usage = [s["jaxserve:kv_cache_usage_perc"] for s in busy if "jaxserve:kv_cache_usage_perc" in s]
     used = [s["jaxserve:kv_pages_used"] for s in samples if "jaxserve:kv_pages_used" in s]
-    total = [s["jaxserve:kv_pages_used"] + s["jaxserve:kv_pages_free"] for s in samples
-             if "jaxserve:kv_pages_used" in s and "jaxserve:kv_pages_free" in s]
+    total = [
+        s["jaxserve:kv_pages_used"] + s["jaxserve:kv_pages_free"]
+        for s in samples
+        if "jaxserve:kv_pages_used" in s and "jaxserve:kv_pages_free" in s
+    ]
     nan = float("nan")
     return {
         "kv_usage_mean": sum(usage) / len(usage) if usage else nan,
@@ -194,8 +245,19 @@ class Server:
     def __init__(self, config: str, flags: list[str], log_path: str, python: str = sys.executable):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [python, "-m", "jaxserve.serve", "--config", config, "--port", str(self.port),
-                        "--no-access-log", "--log-level", "warning", *flags]
+        self.command = [
+            python,
+            "-m",
+            "jaxserve.serve",
+            "--config",
+            config,
+            "--port",
+            str(self.port),
+            "--no-access-log",
+            "--log-level",
+            "warning",
+            *flags,
+        ]
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
@@ -238,11 +300,13 @@ async def scrape(url: str) -> dict[str, float]:
 def busy_cores(window: float = 2.0) -> float:
     """Cores busy over `window` seconds, from /proc/stat (nan where there is none). Before a run our
     server idles, so this is other people's work on a shared machine."""
+
     def read() -> tuple[int, int]:
         with open("/proc/stat", encoding="utf-8") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
         idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
         return sum(fields), idle
+
     try:
         total0, idle0 = read()
         time.sleep(window)
@@ -265,8 +329,9 @@ def wait_for_quiet(max_busy: float, max_wait: float) -> float:
     return busy
 
 
-async def measure(url: str, bench_args: argparse.Namespace, interval: float, max_busy: float = float("inf"),
-                  max_wait: float = 0.0) -> list[dict]:
+async def measure(
+    url: str, bench_args: argparse.Namespace, interval: float, max_busy: float = float("inf"), max_wait: float = 0.0
+) -> list[dict]:
     """bench_serving's workload at each of its rates against `url`, with /metrics scraped meanwhile."""
     rows = []
     for i, rate in enumerate(bench_args.request_rate):
@@ -298,7 +363,8 @@ async def measure(url: str, bench_args: argparse.Namespace, interval: float, max
         summary["prefix_cache_hit_rate"] = after.get("jaxserve:prefix_cache_hit_rate", float("nan"))
         summary["spec_acceptance_rate"] = after.get("jaxserve:spec_decode_acceptance_rate", float("nan"))
         summary["preemptions"] = counter(after, "jaxserve:num_preemptions") - counter(
-            before, "jaxserve:num_preemptions")
+            before, "jaxserve:num_preemptions"
+        )
         summary["metrics_scrapes"] = len(samples)
         summary["busy_cores_before"] = busy
         bench_serving.print_summary(url, summary)
@@ -311,16 +377,22 @@ def run_point(knob: str, value: Any, args: argparse.Namespace, bench_args: argpa
     pid = point_id(knob, value)
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     server = Server(args.config, flags, os.path.join(args.out, "logs", pid + ".log"))
-    record: dict[str, Any] = {"knob": knob, "value": None if value is None else format_value(value),
-                              "server_flags": " ".join(flags), "command": " ".join(server.command[1:]),
-                              "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                              "runs": [], "note": ""}
+    record: dict[str, Any] = {
+        "knob": knob,
+        "value": None if value is None else format_value(value),
+        "server_flags": " ".join(flags),
+        "command": " ".join(server.command[1:]),
+        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "runs": [],
+        "note": "",
+    }
     print(f"---- {pid}: {' '.join(server.command[1:])}", flush=True)
     try:
         record["server_start_s"] = server.start(args.server_timeout)
         print(f"     healthy after {record['server_start_s']:.1f} s", flush=True)
-        record["runs"] = asyncio.run(measure(server.url, bench_args, args.scrape_interval,
-                                             args.max_busy, args.max_busy_wait))
+        record["runs"] = asyncio.run(
+            measure(server.url, bench_args, args.scrape_interval, args.max_busy, args.max_busy_wait)
+        )
         record["server_peak_rss_mib"] = peak_rss_mib(server.proc.pid)
     except RuntimeError as err:
         unknown = "unrecognized arguments" in str(err)
@@ -341,9 +413,15 @@ def rows_from_records(records: dict[str, dict]) -> list[dict]:
         runs = record.get("runs") or [{}]
         for run in runs:
             row = {c: run.get(c, "") for c in CSV_COLUMNS}
-            row.update(knob=knob, value=value, is_default=int(is_default), server_flags=record.get("server_flags", ""),
-                       server_start_s=record.get("server_start_s", ""),
-                       server_peak_rss_mib=record.get("server_peak_rss_mib", ""), note=record.get("note", ""))
+            row.update(
+                knob=knob,
+                value=value,
+                is_default=int(is_default),
+                server_flags=record.get("server_flags", ""),
+                server_start_s=record.get("server_start_s", ""),
+                server_peak_rss_mib=record.get("server_peak_rss_mib", ""),
+                note=record.get("note", ""),
+            )
             row["request_rate"] = run.get("request_rate", "")
             rows.append(row)
 
@@ -397,12 +475,15 @@ def knob_curves(rows: list[dict], rate: str) -> dict[str, list[tuple[str, float,
 
 def effects_table(rows: list[dict], rate: str = "inf") -> str:
     """Markdown: each knob value's figures at one request rate, and its ratio to the knob's default."""
+
     def ratio(x: float, base: float) -> str:
         return f" ({x / base:.2f}x)" if base and not math.isnan(x) and not math.isnan(base) else ""
 
-    lines = ["| knob | value | output tok/s | TTFT p50 (ms) | TPOT p99 (ms) | ITL p99 (ms) | KV pages used (peak / pool) "
-             "| page fill (mean) | peak RSS (MiB) | start (s) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| knob | value | output tok/s | TTFT p50 (ms) | TPOT p99 (ms) | ITL p99 (ms) | KV pages used (peak / pool) "
+        "| page fill (mean) | peak RSS (MiB) | start (s) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     defaults = {r["knob"]: r for r in rows if str(r["request_rate"]) == rate and str(r["is_default"]) == "1"}
     for r in rows:
         if r["knob"] == "baseline" or (r["note"] and str(r["request_rate"]) == ""):
@@ -412,9 +493,20 @@ def effects_table(rows: list[dict], rate: str = "inf") -> str:
         if str(r["request_rate"]) != rate:
             continue
         d = defaults.get(r["knob"], {})
-        f = {k: _float(r.get(k)) for k in ("output_throughput", "p50_ttft_ms", "p99_tpot_ms", "p99_itl_ms",
-                                           "kv_pages_used_max", "kv_pages_total", "kv_usage_mean",
-                                           "server_peak_rss_mib", "server_start_s")}
+        f = {
+            k: _float(r.get(k))
+            for k in (
+                "output_throughput",
+                "p50_ttft_ms",
+                "p99_tpot_ms",
+                "p99_itl_ms",
+                "kv_pages_used_max",
+                "kv_pages_total",
+                "kv_usage_mean",
+                "server_peak_rss_mib",
+                "server_start_s",
+            )
+        }
         b = {k: _float(d.get(k)) for k in f}
         mark = " (default)" if str(r["is_default"]) == "1" else ""
         lines.append(
@@ -423,7 +515,8 @@ def effects_table(rows: list[dict], rate: str = "inf") -> str:
             f"{f['p50_ttft_ms']:.0f}{ratio(f['p50_ttft_ms'], b['p50_ttft_ms']) if not mark else ''} | "
             f"{f['p99_tpot_ms']:.1f}{ratio(f['p99_tpot_ms'], b['p99_tpot_ms']) if not mark else ''} | "
             f"{f['p99_itl_ms']:.0f} | {f['kv_pages_used_max']:.0f} / {f['kv_pages_total']:.0f} | "
-            f"{f['kv_usage_mean']:.2f} | {f['server_peak_rss_mib']:.0f} | {f['server_start_s']:.0f} |")
+            f"{f['kv_usage_mean']:.2f} | {f['server_peak_rss_mib']:.0f} | {f['server_start_s']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -444,8 +537,15 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
                 ax.annotate(value, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
         base = [r for r in rows if r["knob"] == "baseline" and str(r["request_rate"]) == rate]
         if base:
-            ax.scatter([_float(base[0]["p99_tpot_ms"])], [_float(base[0]["output_throughput"])], s=160,
-                       facecolors="none", edgecolors="black", zorder=5, label="baseline (config defaults)")
+            ax.scatter(
+                [_float(base[0]["p99_tpot_ms"])],
+                [_float(base[0]["output_throughput"])],
+                s=160,
+                facecolors="none",
+                edgecolors="black",
+                zorder=5,
+                label="baseline (config defaults)",
+            )
         ax.set_xlabel("p99 TPOT (ms)")
         ax.set_ylabel("output throughput (tokens/s)")
         ax.set_title(f"request rate {rate} req/s" + (f" - {title}" if title else ""))
@@ -522,9 +622,17 @@ def predict(device: str, num_devices: int, scenario: Scenario = Scenario()) -> l
 
     def bounds(**over: Any) -> dict:
         v = {**base, **over}
-        plan = P.make_plan(cfg, target, dtype=scenario.dtype, quantization=v["quantization"],
-                           kv_cache_dtype=v["kv_cache_dtype"], page_size=v["page_size"], context=scenario.context,
-                           batch=v["max_num_seqs"], batch_is_required=False)
+        plan = P.make_plan(
+            cfg,
+            target,
+            dtype=scenario.dtype,
+            quantization=v["quantization"],
+            kv_cache_dtype=v["kv_cache_dtype"],
+            page_size=v["page_size"],
+            context=scenario.context,
+            batch=v["max_num_seqs"],
+            batch_is_required=False,
+        )
         params, kv = plan.param_bytes_per_device, plan.kv_bytes_per_token_per_device
         batch, chunk = v["max_num_seqs"], v["max_num_batched_tokens"]
         decode = P.decode_bound(cfg, target, params, kv, batch, scenario.context, b)
@@ -537,17 +645,26 @@ def predict(device: str, num_devices: int, scenario: Scenario = Scenario()) -> l
             a = scenario.acceptance
             n = batch * (k + 1)
             flops = P.matmul_flops(P.matmul_params(cfg), n) + P.attention_flops(
-                cfg.num_heads, cfg.head_dim, cfg.num_layers, n, scenario.context)
-            verify = P.step_seconds(decode.memory_s, P.compute_bound_seconds(flops / num_devices, target.peak_flops),
-                                    P.tp_allreduce_seconds(n, cfg.hidden_size, b, cfg.num_layers, num_devices,
-                                                           target.allreduce_bandwidth))
+                cfg.num_heads, cfg.head_dim, cfg.num_layers, n, scenario.context
+            )
+            verify = P.step_seconds(
+                decode.memory_s,
+                P.compute_bound_seconds(flops / num_devices, target.peak_flops),
+                P.tp_allreduce_seconds(n, cfg.hidden_size, b, cfg.num_layers, num_devices, target.allreduce_bandwidth),
+            )
             per_step = (1 - a ** (k + 1)) / (1 - a)  # expected tokens per verify step
             tpot = (verify + k * scenario.draft_cost * decode.seconds) / per_step
             tokens_per_s = batch / tpot
-        return {"ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3, "decode_tok_s": tokens_per_s,
-                "chunk_stall_ms": chunk_step.seconds * 1e3,
-                "memory_gib": (params + batch * scenario.context * kv) / 2**30, "max_seqs": plan.max_batch,
-                "page_waste_tokens": (v["page_size"] - 1) / 2, "fits": plan.max_batch >= 1}
+        return {
+            "ttft_ms": ttft * 1e3,
+            "tpot_ms": tpot * 1e3,
+            "decode_tok_s": tokens_per_s,
+            "chunk_stall_ms": chunk_step.seconds * 1e3,
+            "memory_gib": (params + batch * scenario.context * kv) / 2**30,
+            "max_seqs": plan.max_batch,
+            "page_waste_tokens": (v["page_size"] - 1) / 2,
+            "fits": plan.max_batch >= 1,
+        }
 
     default = bounds()
     rows = [{"knob": "baseline", "value": "", **default}]
@@ -561,50 +678,68 @@ def predict(device: str, num_devices: int, scenario: Scenario = Scenario()) -> l
 def format_predictions(device: str, num_devices: int, scenario: Scenario = Scenario()) -> str:
     rows = predict(device, num_devices, scenario)
     base = rows[0]
-    lines = [f"### {num_devices} x {device}: {scenario.model}, {scenario.dtype}, context {scenario.context}, "
-             f"{scenario.prompt_len}-token prompt ({scenario.shared_prefix} shared), speculation acceptance "
-             f"{scenario.acceptance:g} with a draft step at {scenario.draft_cost:g} of a target step",
-             "",
-             "| knob | value | TTFT >= (ms) | TPOT >= (ms) | decode tok/s <= | one chunk stalls decode (ms) | "
-             "memory/device (GiB) | seqs that fit | page waste (tokens/seq) | vs default: TTFT / TPOT / tok/s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"### {num_devices} x {device}: {scenario.model}, {scenario.dtype}, context {scenario.context}, "
+        f"{scenario.prompt_len}-token prompt ({scenario.shared_prefix} shared), speculation acceptance "
+        f"{scenario.acceptance:g} with a draft step at {scenario.draft_cost:g} of a target step",
+        "",
+        "| knob | value | TTFT >= (ms) | TPOT >= (ms) | decode tok/s <= | one chunk stalls decode (ms) | "
+        "memory/device (GiB) | seqs that fit | page waste (tokens/seq) | vs default: TTFT / TPOT / tok/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows[1:]:
         if r["knob"] == "num_scheduler_steps":
-            lines.append(f"| {r['knob']} | {r['value']} | - | - | - | - | - | - | - | host overhead only: not in "
-                         "the roofline |")
+            lines.append(
+                f"| {r['knob']} | {r['value']} | - | - | - | - | - | - | - | host overhead only: not in the roofline |"
+            )
             continue
-        rel = (f"{r['ttft_ms'] / base['ttft_ms']:.2f}x / {r['tpot_ms'] / base['tpot_ms']:.2f}x / "
-               f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x")
-        lines.append(f"| {r['knob']} | {r['value']} | {r['ttft_ms']:.2f} | {r['tpot_ms']:.2f} | "
-                     f"{r['decode_tok_s']:,.0f} | {r['chunk_stall_ms']:.2f} | {r['memory_gib']:.2f} | "
-                     f"{r['max_seqs']:,} | {r['page_waste_tokens']:.1f} | {rel} |")
+        rel = (
+            f"{r['ttft_ms'] / base['ttft_ms']:.2f}x / {r['tpot_ms'] / base['tpot_ms']:.2f}x / "
+            f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x"
+        )
+        lines.append(
+            f"| {r['knob']} | {r['value']} | {r['ttft_ms']:.2f} | {r['tpot_ms']:.2f} | "
+            f"{r['decode_tok_s']:,.0f} | {r['chunk_stall_ms']:.2f} | {r['memory_gib']:.2f} | "
+            f"{r['max_seqs']:,} | {r['page_waste_tokens']:.1f} | {rel} |"
+        )
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Flags after -- go to bench_serving.py.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Flags after -- go to bench_serving.py.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--config", default=DEFAULT_CONFIG, help="the servers' settings YAML (the baseline)")
     p.add_argument("--knobs", default=",".join(KNOBS), help="comma list of knobs to sweep")
     p.add_argument("--out", default="out/sweep_knobs", help="folder for points/, logs/, the CSV and the plot")
     p.add_argument("--plot", default=None, help="PNG path (default OUT/sweep_knobs.png; 'none' for no plot)")
     p.add_argument("--server-timeout", type=float, default=900.0, help="seconds a server may take to get healthy")
     p.add_argument("--scrape-interval", type=float, default=0.5, help="seconds between /metrics scrapes")
-    p.add_argument("--max-busy", type=float, default=0.7,
-                   help="before each run wait until fewer cores than this are busy (others' work on a shared machine)")
+    p.add_argument(
+        "--max-busy",
+        type=float,
+        default=0.7,
+        help="before each run wait until fewer cores than this are busy (others' work on a shared machine)",
+    )
     p.add_argument("--max-busy-wait", type=float, default=30.0, help="most seconds to wait for that")
     p.add_argument("--force", action="store_true", help="re-run points already recorded under OUT/points")
     p.add_argument("--report-only", action="store_true", help="only rebuild the CSV and plot from OUT/points")
     p.add_argument("--dry-run", action="store_true", help="print the servers that would run, and exit")
-    p.add_argument("--predict", default=None, metavar="DEVICE[:N],...",
-                   help="print the planner's predicted effect of each knob on these devices (e.g. h100,tpu-v5e:4: "
-                        "N devices on the model axis) as Markdown, and exit; runs no server")
+    p.add_argument(
+        "--predict",
+        default=None,
+        metavar="DEVICE[:N],...",
+        help="print the planner's predicted effect of each knob on these devices (e.g. h100,tpu-v5e:4: "
+        "N devices on the model axis) as Markdown, and exit; runs no server",
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    own, bench = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    own, bench = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = build_parser().parse_args(own)
     if args.predict:
         for item in args.predict.split(","):
@@ -622,9 +757,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(point_id(knob, value), " ".join([] if knob == "baseline" else server_flags(KNOBS[knob], value)))
         return 0
     if not args.report_only:
-        meta = {"config": args.config, "workload": [*DEFAULT_WORKLOAD, *bench], "host": platform.node(),
-                "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                "argv": ["scripts/sweep_knobs.py", *argv]}
+        meta = {
+            "config": args.config,
+            "workload": [*DEFAULT_WORKLOAD, *bench],
+            "host": platform.node(),
+            "machine": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "argv": ["scripts/sweep_knobs.py", *argv],
+        }
         with open(os.path.join(args.out, "meta.json"), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2)
         for knob, value in points:

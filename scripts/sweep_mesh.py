@@ -33,7 +33,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from jaxserve.config import EngineConfig  # noqa: E402  (no jax import: safe before XLA_FLAGS)
 from jaxserve.errors import ConfigError  # noqa: E402
 from jaxserve.config.settings import (  # noqa: E402
-    Settings, choice, optional, parse_int, parse_int_tuple, parse_size, parse_str, setting,
+    Settings,
+    choice,
+    optional,
+    parse_int,
+    parse_int_tuple,
+    parse_size,
+    parse_str,
+    setting,
 )
 
 
@@ -43,8 +50,9 @@ class Workload(Settings):
 
     name: str = setting("workload", "label in the table", parse_str)
     num_requests: int = setting(16, "requests, all submitted at once", parse_int)
-    mode: str = setting("mixed", "fixed (input_len/output_len) or mixed (uniform in the min/max ranges)",
-                        choice("fixed", "mixed"))
+    mode: str = setting(
+        "mixed", "fixed (input_len/output_len) or mixed (uniform in the min/max ranges)", choice("fixed", "mixed")
+    )
     input_len: int = setting(32, "prompt tokens (mode fixed)", parse_int)
     output_len: int = setting(16, "new tokens (mode fixed)", parse_int)
     min_input: int = setting(16, "shortest prompt (mode mixed)", parse_int)
@@ -125,8 +133,7 @@ def run_one(sweep: Sweep, mesh: tuple[int, int], load: Workload, reference: dict
     from jaxserve.sampling.params import SamplingParams
 
     data, model = mesh
-    row: dict[str, Any] = dict(workload=load.name, mesh=f"{data}x{model}", data=data, model=model,
-                               devices=data * model)
+    row: dict[str, Any] = dict(workload=load.name, mesh=f"{data}x{model}", data=data, model=model, devices=data * model)
     if data * model > len(jax.devices()):
         return dict(row, status=f"skipped: needs {data * model} devices, {len(jax.devices())} available")
     settings = sweep.base.replace(mesh_shape=mesh)
@@ -236,8 +243,12 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
     ok = [r for r in rows if r["status"] == "ok"]
     labels = [r["mesh"] + ("" if len({x["workload"] for x in rows}) == 1 else f"\n{r['workload']}") for r in ok]
-    panels = [("output_tokens_per_s", "output tokens/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
-              ("tpot_p50_ms", "TPOT p50 (ms)"), ("compile_s", "compile (s)")]
+    panels = [
+        ("output_tokens_per_s", "output tokens/s"),
+        ("ttft_p50_ms", "TTFT p50 (ms)"),
+        ("tpot_p50_ms", "TPOT p50 (ms)"),
+        ("compile_s", "compile (s)"),
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6))
     for ax, (key, name) in zip(axes, panels):
         ax.bar(labels, [r.get(key) or 0 for r in ok], color="#4c72b0")
@@ -285,8 +296,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_throughput's workload()
 
     info = machine()
-    print(f"# mesh sweep {args.config}: {len(info['devices'])} {info['devices'][0].split(':')[0]} devices, "
-          f"{info['host_cpus']} host CPUs, {info['date']}", flush=True)
+    print(
+        f"# mesh sweep {args.config}: {len(info['devices'])} {info['devices'][0].split(':')[0]} devices, "
+        f"{info['host_cpus']} host CPUs, {info['date']}",
+        flush=True,
+    )
     rows = []
     for load in sweep.workloads:
         reference = None
@@ -303,10 +317,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_csv(rows, args.out + ".csv")
     with open(args.out + ".json", "w") as f:
-        json.dump(dict(machine=info, config=args.config, sweep=dict(
-            base=sweep.base.to_dict(), kv_cache_memory_per_device=sweep.kv_cache_memory_per_device,
-            workloads=[w.to_dict() for w in sweep.workloads]),
-            rows=[{k: v for k, v in r.items() if k != "tokens"} for r in rows]), f, indent=2)
+        json.dump(
+            dict(
+                machine=info,
+                config=args.config,
+                sweep=dict(
+                    base=sweep.base.to_dict(),
+                    kv_cache_memory_per_device=sweep.kv_cache_memory_per_device,
+                    workloads=[w.to_dict() for w in sweep.workloads],
+                ),
+                rows=[{k: v for k, v in r.items() if k != "tokens"} for r in rows],
+            ),
+            f,
+            indent=2,
+        )
     plot(rows, args.out + ".png", f"{sweep.base.model} on {len(info['devices'])} {info['device_kind']} devices")
     print(f"\nwrote {args.out}.csv, {args.out}.json, {args.out}.png")
     return rows

@@ -89,12 +89,14 @@ class ModelShape:
 # lower held-out loss than a deeper one. The draft is ~4x cheaper per token.
 SHAPES = {
     "small": ModelShape("small", layers=4, hidden=256, heads=4, kv_heads=2, ffn=768, steps=2000, peak_lr=3e-3),
-    "small-draft": ModelShape("small-draft", layers=1, hidden=128, heads=2, kv_heads=1, ffn=384, steps=2000,
-                                peak_lr=3e-3),
+    "small-draft": ModelShape(
+        "small-draft", layers=1, hidden=128, heads=2, kv_heads=1, ffn=384, steps=2000, peak_lr=3e-3
+    ),
 }
 
 
 # ----------------------------------------------------------------------------- data
+
 
 def build_tokenizer(work: Path, max_bytes: int) -> Path:
     from tokenizer_training import train_tokenizer
@@ -161,8 +163,9 @@ def copy_examples(sp, split: str, max_tokens: int, seed: int) -> list[np.ndarray
     return found
 
 
-def copy_batch_at(examples: list[np.ndarray], stream: np.ndarray, step: int, batch: int, seq: int,
-                  seed: int, repeats: int = 0) -> np.ndarray:
+def copy_batch_at(
+    examples: list[np.ndarray], stream: np.ndarray, step: int, batch: int, seq: int, seed: int, repeats: int = 0
+) -> np.ndarray:
     """Copy batch `step`: each row a copy example preceded by a random window of plain text up to seq+1
     tokens, except the last `repeats` rows, which are repeat_row's; a pure function of (seed, step)
     like batch_at (the function rows do not depend on `repeats`)."""
@@ -222,6 +225,7 @@ def copy_accuracy(cfg, params, examples: list[np.ndarray], length: int) -> float
 
 # ----------------------------------------------------------------------------- training
 
+
 def make_fns(cfg, shape: ModelShape, args):
     import jax
     import jax.numpy as jnp
@@ -234,8 +238,9 @@ def make_fns(cfg, shape: ModelShape, args):
     schedule = lambda count: jnp.where(count < shape.steps, main_schedule(count), shape.copy_lr)  # noqa: E731
     # Decay matrices only: norms (1-D) keep their scale.
     decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
-    opt = optax.chain(optax.clip_by_global_norm(1.0),
-                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask))
+    opt = optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask)
+    )
 
     def loss_fn(params, tokens):
         logits = forward_dense(params, tokens[:, :-1], cfg=cfg)
@@ -252,8 +257,15 @@ def make_fns(cfg, shape: ModelShape, args):
     return opt, train_step, jax.jit(loss_fn)
 
 
-def train_model(shape: ModelShape, train: np.ndarray, heldout: np.ndarray, copies: list[np.ndarray],
-                heldout_copies: list[np.ndarray], work: Path, args) -> tuple:
+def train_model(
+    shape: ModelShape,
+    train: np.ndarray,
+    heldout: np.ndarray,
+    copies: list[np.ndarray],
+    heldout_copies: list[np.ndarray],
+    work: Path,
+    args,
+) -> tuple:
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
@@ -266,8 +278,9 @@ def train_model(shape: ModelShape, train: np.ndarray, heldout: np.ndarray, copie
     params = unstack_layers(init_dummy_params(cfg, args.seed, jnp.float32, std=0.02))
     state = {"params": params, "opt_state": opt.init(params), "step": 0}
     log: list[dict] = []
-    manager = ocp.CheckpointManager((work / shape.name / "state").absolute(),
-                                    options=ocp.CheckpointManagerOptions(max_to_keep=1))
+    manager = ocp.CheckpointManager(
+        (work / shape.name / "state").absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=1)
+    )
     if manager.latest_step() is not None:
         state = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(state))
         log = json.loads((work / shape.name / "log.json").read_text())
@@ -275,37 +288,53 @@ def train_model(shape: ModelShape, train: np.ndarray, heldout: np.ndarray, copie
     windows = eval_windows(heldout, args.eval_windows, args.seq)
 
     def evaluate(params) -> float:
-        return float(np.mean([eval_loss(params, jnp.asarray(windows[i:i + args.batch]))
-                              for i in range(0, len(windows), args.batch)]))
+        return float(
+            np.mean(
+                [
+                    eval_loss(params, jnp.asarray(windows[i : i + args.batch]))
+                    for i in range(0, len(windows), args.batch)
+                ]
+            )
+        )
 
     params, opt_state, step = state["params"], state["opt_state"], int(state["step"])
     n_params = sum(x.size for x in jax.tree.leaves(params))
     total = shape.steps + shape.copy_steps
     copy_shape = f"{args.batch // 2}x{2 * args.seq}"
-    print(f"{shape.name}: {n_params / 1e6:.2f}M params, {shape.steps} steps of {args.batch}x{args.seq} tokens"
-          + (f", one in {shape.copy_every} a copy batch of {copy_shape}" if shape.copy_every else "")
-          + (f" then {shape.copy_steps} copy-stage steps of {copy_shape}" if shape.copy_steps else ""))
+    print(
+        f"{shape.name}: {n_params / 1e6:.2f}M params, {shape.steps} steps of {args.batch}x{args.seq} tokens"
+        + (f", one in {shape.copy_every} a copy batch of {copy_shape}" if shape.copy_every else "")
+        + (f" then {shape.copy_steps} copy-stage steps of {copy_shape}" if shape.copy_steps else "")
+    )
     t0, losses = time.time(), []
     while step < total:
         mixed_in = shape.copy_every and step % shape.copy_every == shape.copy_every - 1
         if step < shape.steps and not mixed_in:
             tokens = jnp.asarray(batch_at(train, step, args.batch, args.seq, args.seed))
         else:  # same tokens per step: half the rows, twice as long (a function and its copy fit)
-            tokens = jnp.asarray(copy_batch_at(copies, train, step, args.batch // 2, 2 * args.seq, args.seed,
-                                               shape.copy_repeats))
+            tokens = jnp.asarray(
+                copy_batch_at(copies, train, step, args.batch // 2, 2 * args.seq, args.seed, shape.copy_repeats)
+            )
         params, opt_state, loss = train_step(params, opt_state, tokens)
         losses.append(loss)
         step += 1
         if step % args.eval_every == 0 or step in (shape.steps, total):
-            entry = {"step": step, "train_loss": float(np.mean([float(x) for x in losses])),
-                     "heldout_loss": evaluate(params), "seconds": round(time.time() - t0, 1)}
+            entry = {
+                "step": step,
+                "train_loss": float(np.mean([float(x) for x in losses])),
+                "heldout_loss": evaluate(params),
+                "seconds": round(time.time() - t0, 1),
+            }
             if copies:  # the copying curve, when copying is trained
                 entry["copy_accuracy"] = copy_accuracy(cfg, params, heldout_copies, 2 * args.seq)
             losses = []
             log.append(entry)
-            print(f"{shape.name} step {step}: train {entry['train_loss']:.3f} heldout {entry['heldout_loss']:.3f} "
-                  + (f"copying {100 * entry['copy_accuracy']:.1f}% " if copies else "")
-                  + f"({entry['seconds']:.0f}s this session)", flush=True)
+            print(
+                f"{shape.name} step {step}: train {entry['train_loss']:.3f} heldout {entry['heldout_loss']:.3f} "
+                + (f"copying {100 * entry['copy_accuracy']:.1f}% " if copies else "")
+                + f"({entry['seconds']:.0f}s this session)",
+                flush=True,
+            )
             manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state, "step": step}))
             manager.wait_until_finished()
             (work / shape.name / "log.json").write_text(json.dumps(log, indent=1))
@@ -314,6 +343,7 @@ def train_model(shape: ModelShape, train: np.ndarray, heldout: np.ndarray, copie
 
 
 # ----------------------------------------------------------------------------- export
+
 
 def mean_loss(cfg, params, windows: np.ndarray, batch: int) -> float:
     """Mean next-token loss (f32) over rows of token ids (all the same length)."""
@@ -327,7 +357,7 @@ def mean_loss(cfg, params, windows: np.ndarray, batch: int) -> float:
         logp = jax.nn.log_softmax(forward_dense(params, tokens[:, :-1], cfg=cfg))
         return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
 
-    return float(np.mean([loss(params, jnp.asarray(windows[i:i + batch])) for i in range(0, len(windows), batch)]))
+    return float(np.mean([loss(params, jnp.asarray(windows[i : i + batch])) for i in range(0, len(windows), batch)]))
 
 
 def greedy_agreement(cfg_a, params_a, cfg_b, params_b, windows: np.ndarray, batch: int) -> float:
@@ -343,8 +373,11 @@ def greedy_agreement(cfg_a, params_a, cfg_b, params_b, windows: np.ndarray, batc
         a = jnp.argmax(forward_dense(pa, tokens, cfg=cfg_a), axis=-1)
         return jnp.mean((a == jnp.argmax(forward_dense(pb, tokens, cfg=cfg_b), axis=-1)).astype(jnp.float32))
 
-    return float(np.mean([same(params_a, params_b, jnp.asarray(windows[i:i + batch, :-1]))
-                          for i in range(0, len(windows), batch)]))
+    return float(
+        np.mean(
+            [same(params_a, params_b, jnp.asarray(windows[i : i + batch, :-1])) for i in range(0, len(windows), batch)]
+        )
+    )
 
 
 def as_shipped(params):
@@ -366,17 +399,30 @@ def export(shape: ModelShape, cfg, params, log, tokenizer_dir: Path, out: Path, 
     out.mkdir(parents=True)
     hf = shape.hf_config(args.max_len)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": 3, "do_sample": False}, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": 3, "do_sample": False}, indent=2) + "\n"
+    )
     for name in ("tokenizer.model", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, out / name)
-    save_params(str(out), jax.tree.map(lambda x: x.astype(jnp.bfloat16), params),
-                stored_dtypes=["bfloat16"], trained_steps=log[-1]["step"])
+    save_params(
+        str(out),
+        jax.tree.map(lambda x: x.astype(jnp.bfloat16), params),
+        stored_dtypes=["bfloat16"],
+        trained_steps=log[-1]["step"],
+    )
     final = log[-1]
-    copy_mix = (f"; one step in {shape.copy_every} a copy batch ({shape.copy_repeats} of its {args.batch // 2} rows "
-                f"repeated random segments)" if shape.copy_every else "")
-    copy_stage = copy_mix + (f"; then a copy stage of {shape.copy_steps} steps x {args.batch // 2} x {2 * args.seq} "
-                             f"tokens at lr {shape.copy_lr:g}" if shape.copy_steps else "")
+    copy_mix = (
+        f"; one step in {shape.copy_every} a copy batch ({shape.copy_repeats} of its {args.batch // 2} rows "
+        f"repeated random segments)"
+        if shape.copy_every
+        else ""
+    )
+    copy_stage = copy_mix + (
+        f"; then a copy stage of {shape.copy_steps} steps x {args.batch // 2} x {2 * args.seq} "
+        f"tokens at lr {shape.copy_lr:g}"
+        if shape.copy_steps
+        else ""
+    )
     (out / "README.md").write_text(f"""# {shape.name}
 
 A Llama-architecture model trained by jaxserve on the Python standard library sources of CPython
@@ -388,10 +434,10 @@ see `scripts/corpus.py`), with jaxserve's own model code.
 | parameters | {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.2f}M ({shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, {shape.kv_heads} KV heads, FFN {shape.ffn}, tied embeddings) |
 | tokenizer | sentencepiece BPE, {VOCAB_SIZE} pieces, byte fallback |
 | training | {shape.steps} steps x {args.batch} x {args.seq} tokens, AdamW, peak lr {shape.peak_lr}, f32{copy_stage} |
-| held-out loss | {final['heldout_loss']:.4f} nats/token (perplexity {math.exp(final['heldout_loss']):.2f}) on {args.eval_windows} fixed windows of {args.seq} tokens |
+| held-out loss | {final["heldout_loss"]:.4f} nats/token (perplexity {math.exp(final["heldout_loss"]):.2f}) on {args.eval_windows} fixed windows of {args.seq} tokens |
 | weights | bfloat16, orbax (`params/`), layout version in `jaxserve_checkpoint.json` |
 {extra_readme}
-Made by: `python scripts/train_small_model.py {' '.join(args.argv)}`
+Made by: `python scripts/train_small_model.py {" ".join(args.argv)}`
 """)
 
 
@@ -431,10 +477,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="override both models' step counts (smoke runs)")
     ap.add_argument("--copy-steps", type=int, default=None, help="override both models' copy-stage steps")
     ap.add_argument("--copy-lr", type=float, default=None, help="override both models' copy-stage learning rate")
-    ap.add_argument("--copy-every", type=int, default=None,
-                    help="override both models' copy mix: every N-th main-run step is a copy batch (0: none)")
-    ap.add_argument("--copy-repeats", type=int, default=None,
-                    help="override both models' number of repeated-random-segment rows per copy batch")
+    ap.add_argument(
+        "--copy-every",
+        type=int,
+        default=None,
+        help="override both models' copy mix: every N-th main-run step is a copy batch (0: none)",
+    )
+    ap.add_argument(
+        "--copy-repeats",
+        type=int,
+        default=None,
+        help="override both models' number of repeated-random-segment rows per copy batch",
+    )
     ap.add_argument("--only", choices=sorted(SHAPES), default=None, help="train just this model")
     args = ap.parse_args(argv)
     args.argv = argv
@@ -457,16 +511,19 @@ def main(argv: list[str] | None = None) -> int:
 
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / "tokenizer.model"))
     copy_len = 2 * args.seq
-    copies = (copy_examples(sp, "train", copy_len - 32, args.seed)  # at least 33 tokens of plain text first
-              if any(s.copy_steps or s.copy_every for s in shapes) else [])
+    copies = (
+        copy_examples(sp, "train", copy_len - 32, args.seed)  # at least 33 tokens of plain text first
+        if any(s.copy_steps or s.copy_every for s in shapes)
+        else []
+    )
     heldout_copies = copy_examples(sp, "heldout", copy_len, args.seed)
     results = {s.name: train_model(s, train, heldout, copies, heldout_copies, work, args) for s in shapes}
 
     out = Path(args.out)
     # The score file: the first held-out file of 500-1500 tokens (the checkpoint test scores it).
     score_key, score_text, score_ids = next(
-        (k, t, ids) for k, t in iter_texts("heldout")
-        if 500 <= len(ids := [BOS] + sp.encode(t) + [EOS]) <= 1500)
+        (k, t, ids) for k, t in iter_texts("heldout") if 500 <= len(ids := [BOS] + sp.encode(t) + [EOS]) <= 1500
+    )
     windows = eval_windows(heldout, args.eval_windows, args.seq)
     agreement = None
     if {"small", "small-draft"} <= set(results):
@@ -478,20 +535,26 @@ def main(argv: list[str] | None = None) -> int:
         score = mean_loss(cfg, shipped, np.asarray([score_ids]), 1)
         shipped_heldout = mean_loss(cfg, shipped, windows, args.batch)
         copying = copy_accuracy(cfg, shipped, heldout_copies, copy_len)
-        extra = (f"| held-out loss of the stored bf16 weights | {shipped_heldout:.4f} (perplexity "
-                 f"{math.exp(shipped_heldout):.2f}) |\n"
-                 f"| `default/{SCORE_FILE}` | the held-out stdlib file `{score_key}`, {len(score_ids)} tokens with <s> and "
-                 f"</s>: mean loss {score:.4f} (stored weights, scored in float32) |\n"
-                 f"| copying | {100 * copying:.1f}% of the tokens of {len(heldout_copies)} held-out functions re-typed "
-                 f"after a copy prompt predicted exactly (greedy, teacher-forced; `copy_accuracy`) |\n")
+        extra = (
+            f"| held-out loss of the stored bf16 weights | {shipped_heldout:.4f} (perplexity "
+            f"{math.exp(shipped_heldout):.2f}) |\n"
+            f"| `default/{SCORE_FILE}` | the held-out stdlib file `{score_key}`, {len(score_ids)} tokens with <s> and "
+            f"</s>: mean loss {score:.4f} (stored weights, scored in float32) |\n"
+            f"| copying | {100 * copying:.1f}% of the tokens of {len(heldout_copies)} held-out functions re-typed "
+            f"after a copy prompt predicted exactly (greedy, teacher-forced; `copy_accuracy`) |\n"
+        )
         if agreement is not None:
-            extra += (f"| greedy agreement of the draft with the target | {100 * agreement:.1f}% of next-token "
-                      f"argmaxes on the held-out windows (the draft's expected greedy acceptance rate) |\n")
+            extra += (
+                f"| greedy agreement of the draft with the target | {100 * agreement:.1f}% of next-token "
+                f"argmaxes on the held-out windows (the draft's expected greedy acceptance rate) |\n"
+            )
         export(shape, cfg, params, log, tokenizer_dir, out / shape.name, args, extra)
         if shape.name == "small":  # one copy, shipped with the target; the draft's README points at it
             (out / shape.name / SCORE_FILE).write_text(score_text)
-        print(f"{shape.name}: wrote {out / shape.name} (held-out loss {shipped_heldout:.4f} as stored, "
-              f"{SCORE_FILE} loss {score:.4f})")
+        print(
+            f"{shape.name}: wrote {out / shape.name} (held-out loss {shipped_heldout:.4f} as stored, "
+            f"{SCORE_FILE} loss {score:.4f})"
+        )
     plot({s.name: results[s.name][2] for s in shapes}, out / "training_loss.png")
     (out / "training_log.json").write_text(json.dumps({s.name: results[s.name][2] for s in shapes}, indent=1))
     print(f"done in {time.time() - t_start:.0f}s")

@@ -23,32 +23,67 @@ ARCHS = {
     "llama3_rope": (
         "LlamaConfig",
         "LlamaForCausalLM",
-        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-         "rope_theta": 500000.0, "tie_word_embeddings": True},
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": True,
+        },
     ),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24, "head_dim": 16}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     # use_sliding_window: layer 0 global, layer 1 windowed (max_window_layers 1), a window of 12 keys
     # shorter than the parity prompts
-    "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM", {
-        "tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1}),
+    "qwen2_window": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1},
+    ),
     # head_dim 32 is not hidden / heads (16): the q/k norms and the projections must use the explicit one
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": True, "head_dim": 32}),
     # Local and global layers (window 8, shorter than the test prompts), each with its own RoPE base (the
     # global one linearly scaled), a softmax scale of query_pre_attn_scalar 24 != head_dim 32.
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
-        "num_hidden_layers": 4, "head_dim": 32, "sliding_window": 8, "query_pre_attn_scalar": 24,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        "rope_theta": 100000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
-        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 32,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 24,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            "rope_theta": 100000.0,
+            "rope_local_base_freq": 10000.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            "hidden_activation": "gelu_pytorch_tanh",
+            "tie_word_embeddings": True,
+        },
+    ),
     # Mixtures of experts: 8 experts of 32 with top-2 and the softmax over all experts (Qwen3-MoE's
     # norm_topk_prob False), and Mixtral's 4 experts of 128 (intermediate_size), top-2 renormalised.
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
-        "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
-        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
 }
 # Gemma's norms scale by (1 + weight): centred on 0, they spread as the others' centred on 1 do.
 NORM_CENTRE = {"gemma3": 0.0}
@@ -97,7 +132,7 @@ def hf_greedy(model, prompt, steps_):
             top2 = np.sort(logits)[-2:]
             gaps.append(top2[1] - top2[0])
             ids.append(int(np.argmax(logits)))
-    return ids[len(prompt):], gaps
+    return ids[len(prompt) :], gaps
 
 
 def assert_same_greedy(ours, ref, gaps, label):

@@ -20,9 +20,12 @@ def hf_logits(model, ids):
 def step_batch(tokens, start, pages):
     """One row of `tokens` from position `start` on `pages`, as the rectangle steps take it."""
     n = len(tokens)
-    return StepBatch(tokens=jnp.asarray(np.asarray(tokens, np.int32)[None, None]),
-                     start_pos=jnp.full((1, 1), start, jnp.int32), num_new=jnp.full((1, 1), n, jnp.int32),
-                     page_table=jnp.asarray(np.asarray(pages, np.int32)[None, None]))
+    return StepBatch(
+        tokens=jnp.asarray(np.asarray(tokens, np.int32)[None, None]),
+        start_pos=jnp.full((1, 1), start, jnp.int32),
+        num_new=jnp.full((1, 1), n, jnp.int32),
+        page_table=jnp.asarray(np.asarray(pages, np.int32)[None, None]),
+    )
 
 
 def check_paged_and_dense_logits_match(cfg, params, full, prompt_len: int, ref, pages, page_size: int) -> None:
@@ -34,12 +37,12 @@ def check_paged_and_dense_logits_match(cfg, params, full, prompt_len: int, ref, 
 
     prompt = full[:prompt_len]
     cache = init_cache(cfg, num_pages=max(pages) + 1, page_size=page_size, dtype=jnp.float32)
-    logits, cache = steps.prefill(params, cache, step_batch(prompt, 0, pages), cfg=cfg,
-                                  all_logits=True)
+    logits, cache = steps.prefill(params, cache, step_batch(prompt, 0, pages), cfg=cfg, all_logits=True)
     np.testing.assert_allclose(np.asarray(logits[0, 0]), ref[:prompt_len], atol=1e-4, rtol=0)
     for pos in range(prompt_len, len(full)):
-        logits, cache = steps.decode(params, cache, step_batch([full[pos]], pos, pages), cfg=cfg,
-                                     options=steps.StepOptions())
+        logits, cache = steps.decode(
+            params, cache, step_batch([full[pos]], pos, pages), cfg=cfg, options=steps.StepOptions()
+        )
         np.testing.assert_allclose(np.asarray(logits[0, 0]), ref[pos], atol=1e-4, rtol=0, err_msg=f"decode {pos}")
     dense = jax.jit(forward_dense, static_argnames="cfg")(params, jnp.asarray([full], jnp.int32), cfg=cfg)
     np.testing.assert_allclose(np.asarray(dense[0]), ref, atol=1e-4, rtol=0)
@@ -52,22 +55,25 @@ def check_mixed_ragged_step_matches_hf(cfg, params, model, scan: bool, page_size
     starts NaN, so a stray read or a write to the wrong slot shows. `assert_close(got, want, ids,
     label)` compares one position's logits (default: atol 1e-4)."""
     if assert_close is None:
+
         def assert_close(got, want, ids, label):
             np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0, err_msg=label)
+
     params = params if scan else unstack_layers(params)
     rng = np.random.RandomState(4)
     seqs = [rng.randint(0, cfg.vocab_size, 17).tolist(), rng.randint(0, cfg.vocab_size, 10).tolist()]
     cached = [11, 9]
     need = [-(-len(s) // page_size) for s in seqs]
     ids = rng.permutation(np.arange(1, 1 + sum(need))).tolist()  # page 0 unused
-    pages = [ids[: need[0]], ids[need[0]:]]
+    pages = [ids[: need[0]], ids[need[0] :]]
     shape = cache_shape(cfg, 1 + sum(need), page_size)[1:]  # one replica
     cache = KVCache(k=jnp.full(shape, jnp.nan, jnp.float32), v=jnp.full(shape, jnp.nan, jnp.float32))
     step = jax.jit(forward_ragged, static_argnames=("cfg", "scan_layers"))
 
     def run(rows, cache):
-        batch = RaggedBatch.build(rows, page_size=page_size, num_tokens=32, num_rows=4, max_pages=max(need),
-                                  num_logits=8)
+        batch = RaggedBatch.build(
+            rows, page_size=page_size, num_tokens=32, num_rows=4, max_pages=max(need), num_logits=8
+        )
         return step(params, cache, batch, cfg=cfg, scan_layers=scan)
 
     _, cache = run([RaggedRow(s[:c], 0, pg, 0) for s, c, pg in zip(seqs, cached, pages)], cache)
@@ -81,8 +87,9 @@ def check_mixed_ragged_step_matches_hf(cfg, params, model, scan: bool, page_size
             at += 1
 
 
-def check_greedy_through_engine(llm, model, vocab_size: int, label: str, page_size: int, first_lengths,
-                                expect_preemption: bool) -> None:
+def check_greedy_through_engine(
+    llm, model, vocab_size: int, label: str, page_size: int, first_lengths, expect_preemption: bool
+) -> None:
     """Greedy tokens through `llm.generate` equal HF's (near-ties excused): prompts of `first_lengths`
     batched together (`expect_preemption`: the pool is too small for all, so one is preempted and
     recomputed, asserted), then two that share the first one's first two pages (served from the

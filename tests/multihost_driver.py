@@ -18,8 +18,15 @@ import sys
 import time
 
 # Few buckets (5 shapes), all compiled at start-up as a server does (compile time dominates these jobs).
-SETTINGS = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
-                warm_up=True, compilation_cache_dir="none")
+SETTINGS = dict(
+    dtype="float32",
+    page_size=8,
+    max_model_len=64,
+    max_num_seqs=2,
+    max_num_batched_tokens=16,
+    warm_up=True,
+    compilation_cache_dir="none",
+)
 # Not adaptive: every row with a proposal speculates, whatever the (machine-dependent) step times. Two
 # tokens: verify widths 1 and 2 only (every executable is compiled on both processes of a 2-core box).
 SPECULATION = dict(num_speculative_tokens=2, speculative_adaptive=False)
@@ -45,8 +52,7 @@ def workload(small: bool = False):
     if small:
         return requests[:1]
     requests.append((prompts[1], SamplingParams(max_tokens=8, temperature=0.8, seed=7, n=2, ignore_eos=True)))
-    requests.append((prompts[2], SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.3,
-                                                ignore_eos=True)))
+    requests.append((prompts[2], SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.3, ignore_eos=True)))
     return requests
 
 
@@ -79,15 +85,25 @@ def main() -> int:
     from jaxserve import LLM
     from jaxserve.runner import multihost
 
-    llm = LLM(args.model, mesh_shape=tuple(int(x) for x in args.mesh.split(",")),
-              coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.num_processes,
-              process_id=args.process_id, distributed_timeout=10, **SETTINGS, **speculation(args.speculate, args.model))
+    llm = LLM(
+        args.model,
+        mesh_shape=tuple(int(x) for x in args.mesh.split(",")),
+        coordinator_address=f"127.0.0.1:{args.port}",
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        distributed_timeout=10,
+        **SETTINGS,
+        **speculation(args.speculate, args.model),
+    )
     ready = time.perf_counter()
     if args.process_id != 0:
         return multihost.run_follower(llm.engine)
     tokens = run(llm, small=args.forever is not None)
-    print(f"driver: engine ready in {ready - start:.1f} s, workload in {time.perf_counter() - ready:.1f} s",
-          file=sys.stderr, flush=True)
+    print(
+        f"driver: engine ready in {ready - start:.1f} s, workload in {time.perf_counter() - ready:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(tokens=tokens, stats=llm.engine.stats()), f)

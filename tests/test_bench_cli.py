@@ -30,10 +30,29 @@ def mock_server(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(tmp_path_factory.mktemp("mock") / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.serve", "--mock-engine", "--mock-token-delay", "0.002",
-                             "--port", str(port), "--no-access-log", "--max-model-len", str(MAX_MODEL_LEN),
-                             "--num-pages", "2048", "--max-num-seqs", "8"],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxserve.serve",
+            "--mock-engine",
+            "--mock-token-delay",
+            "0.002",
+            "--port",
+            str(port),
+            "--no-access-log",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--num-pages",
+            "2048",
+            "--max-num-seqs",
+            "8",
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
@@ -54,17 +73,43 @@ def bench_serve(*argv: str) -> int:
 
 def test_serve_random_counts_and_result_keys(mock_server, tmp_path):
     out = tmp_path / "result.json"
-    rc = bench_serve("--base-url", mock_server, "--num-prompts", "12", "--random-input-len", "20",
-                     "--random-output-len", "6", "--ignore-eos", "--request-rate", "100", "--max-concurrency", "4",
-                     "--goodput", "ttft:60000", "tpot:60000", "--percentile-metrics", "ttft,tpot,itl,e2el",
-                     "--metric-percentiles", "50,90,99.9", "--save-result", "--result-filename", str(out),
-                     "--metadata", "machine=ci")
+    rc = bench_serve(
+        "--base-url",
+        mock_server,
+        "--num-prompts",
+        "12",
+        "--random-input-len",
+        "20",
+        "--random-output-len",
+        "6",
+        "--ignore-eos",
+        "--request-rate",
+        "100",
+        "--max-concurrency",
+        "4",
+        "--goodput",
+        "ttft:60000",
+        "tpot:60000",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99.9",
+        "--save-result",
+        "--result-filename",
+        str(out),
+        "--metadata",
+        "machine=ci",
+    )
     assert rc == 0
     r = json.loads(out.read_text())
     assert (r["completed"], r["failed"], r["num_prompts"]) == (12, 0, 12)
     assert r["total_input_tokens"] == 12 * 20 and r["total_output_tokens"] == 12 * 6  # ids: exact lengths
-    assert (r["model_id"], r["endpoint"], r["request_rate"], r["max_concurrency"]) == ("mock", "/v1/completions",
-                                                                                      100.0, 4)
+    assert (r["model_id"], r["endpoint"], r["request_rate"], r["max_concurrency"]) == (
+        "mock",
+        "/v1/completions",
+        100.0,
+        4,
+    )
     assert r["machine"] == "ci" and r["goodput_slo_ms"] == {"ttft": 60000.0, "tpot": 60000.0}
     assert r["request_throughput"] == pytest.approx(12 / r["duration"])
     assert r["output_throughput"] == pytest.approx(72 / r["duration"])
@@ -80,9 +125,27 @@ def test_serve_random_counts_and_result_keys(mock_server, tmp_path):
 def test_serve_chat_dataset_detailed(mock_server, tmp_path):
     """The chat set on /v1/chat/completions: every request's max_tokens generated (EOS ignored), the
     server's prompt counts taken from its usage."""
-    rc = bench_serve("--base-url", mock_server, "--backend", "openai-chat", "--dataset-name", "chat",
-                     "--chat-input-len", "12", "--chat-output-len", "5", "--num-prompts", "6", "--ignore-eos",
-                     "--seed", "3", "--save-detailed", "--save-result", "--result-dir", str(tmp_path))
+    rc = bench_serve(
+        "--base-url",
+        mock_server,
+        "--backend",
+        "openai-chat",
+        "--dataset-name",
+        "chat",
+        "--chat-input-len",
+        "12",
+        "--chat-output-len",
+        "5",
+        "--num-prompts",
+        "6",
+        "--ignore-eos",
+        "--seed",
+        "3",
+        "--save-detailed",
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
+    )
     assert rc == 0
     (path,) = tmp_path.glob("openai-chat-infqps-concurrencyinf-mock-*.json")
     r = json.loads(path.read_text())
@@ -94,26 +157,63 @@ def test_serve_chat_dataset_detailed(mock_server, tmp_path):
 
 
 def test_serve_counts_failures_and_sharegpt_file(mock_server, tmp_path):
-    too_long = bench_serve("--base-url", mock_server, "--num-prompts", "3", "--random-input-len",
-                           str(MAX_MODEL_LEN + 10), "--random-output-len", "4", "--save-result", "--result-filename",
-                           str(tmp_path / "failed.json"))
+    too_long = bench_serve(
+        "--base-url",
+        mock_server,
+        "--num-prompts",
+        "3",
+        "--random-input-len",
+        str(MAX_MODEL_LEN + 10),
+        "--random-output-len",
+        "4",
+        "--save-result",
+        "--result-filename",
+        str(tmp_path / "failed.json"),
+    )
     assert too_long == 1  # nothing completed
     r = json.loads((tmp_path / "failed.json").read_text())
     assert (r["completed"], r["failed"]) == (0, 3) and "HTTP 400" in r["error_kinds"][0]
-    conversations = [{"conversations": [{"from": "human", "value": f"question {i} " * 8},
-                                        {"from": "gpt", "value": "answer " * (4 + i)}]} for i in range(5)]
+    conversations = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"question {i} " * 8},
+                {"from": "gpt", "value": "answer " * (4 + i)},
+            ]
+        }
+        for i in range(5)
+    ]
     data = tmp_path / "sharegpt.json"
     data.write_text(json.dumps(conversations))
-    rc = bench_serve("--base-url", mock_server, "--backend", "openai-chat", "--dataset-name", "sharegpt",
-                     "--dataset-path", str(data), "--num-prompts", "4", "--ignore-eos", "--save-result",
-                     "--result-filename", str(tmp_path / "sharegpt-result.json"))
+    rc = bench_serve(
+        "--base-url",
+        mock_server,
+        "--backend",
+        "openai-chat",
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        str(data),
+        "--num-prompts",
+        "4",
+        "--ignore-eos",
+        "--save-result",
+        "--result-filename",
+        str(tmp_path / "sharegpt-result.json"),
+    )
     r = json.loads((tmp_path / "sharegpt-result.json").read_text())
     expected = datasets.sharegpt_requests(str(data), 4)
     assert rc == 0 and r["completed"] == 4 and r["total_output_tokens"] == sum(q.output_len for q in expected)
 
 
-@pytest.mark.parametrize("argv", [["--goodput", "latency:5"], ["--dataset-name", "sharegpt"],
-                                  ["--percentile-metrics", "ttft,speed"], ["--request-rate", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--goodput", "latency:5"],
+        ["--dataset-name", "sharegpt"],
+        ["--percentile-metrics", "ttft,speed"],
+        ["--request-rate", "0"],
+    ],
+)
 def test_serve_refuses_bad_flags(argv):
     with pytest.raises(SystemExit) as err:
         bench_serve(*argv)
@@ -122,9 +222,18 @@ def test_serve_refuses_bad_flags(argv):
 
 def test_metrics_match_numpy_and_vllm_definitions():
     rng = np.random.default_rng(0)
-    results = [RequestResult(i, ok=True, input_len=10, output_tokens=int(n), ttft=float(t),
-                             e2el=float(t + 0.01 * (n - 1)), itl=[0.01] * (int(n) - 1))
-               for i, (n, t) in enumerate(zip(rng.integers(1, 20, 30), rng.uniform(0.01, 0.5, 30)))]
+    results = [
+        RequestResult(
+            i,
+            ok=True,
+            input_len=10,
+            output_tokens=int(n),
+            ttft=float(t),
+            e2el=float(t + 0.01 * (n - 1)),
+            itl=[0.01] * (int(n) - 1),
+        )
+        for i, (n, t) in enumerate(zip(rng.integers(1, 20, 30), rng.uniform(0.01, 0.5, 30)))
+    ]
     results.append(RequestResult(30, error="HTTP 500"))
     s = summarize(results, 2.0, (25, 50, 99), ("ttft", "tpot", "e2el"), {"ttft": 300.0})
     ttfts = np.array([r.ttft for r in results[:30]]) * 1e3
@@ -167,8 +276,20 @@ class _Shared:
         return None
 
 
-ENGINE_FLAGS = ["--dtype", "float32", "--page-size", "8", "--max-model-len", "64", "--max-num-seqs", "4",
-                "--max-num-batched-tokens", "32", "--compilation-cache-dir", "none"]
+ENGINE_FLAGS = [
+    "--dtype",
+    "float32",
+    "--page-size",
+    "8",
+    "--max-model-len",
+    "64",
+    "--max-num-seqs",
+    "4",
+    "--max-num-batched-tokens",
+    "32",
+    "--compilation-cache-dir",
+    "none",
+]
 
 
 @pytest.fixture(scope="module")
@@ -185,17 +306,54 @@ def test_latency_and_throughput_offline(shared_llm, tmp_path, monkeypatch):
     shared = _Shared(llm)
     monkeypatch.setattr(offline, "build_llm", shared.build)
     latency = tmp_path / "latency.json"
-    assert cli.main(["bench", "latency", *flags, "--input-len", "8", "--output-len", "4", "--batch-size", "3",
-                     "--num-iters-warmup", "1", "--num-iters", "3", "--disable-tqdm", "--output-json",
-                     str(latency)]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "latency",
+                *flags,
+                "--input-len",
+                "8",
+                "--output-len",
+                "4",
+                "--batch-size",
+                "3",
+                "--num-iters-warmup",
+                "1",
+                "--num-iters",
+                "3",
+                "--disable-tqdm",
+                "--output-json",
+                str(latency),
+            ]
+        )
+        == 0
+    )
     r = json.loads(latency.read_text())
     assert len(r["latencies"]) == 3 and r["avg_latency"] == pytest.approx(sum(r["latencies"]) / 3)
     assert list(r["percentiles"]) == ["10", "25", "50", "75", "90", "99"]
     assert r["percentiles"]["10"] <= r["percentiles"]["99"] <= max(r["latencies"])
     assert (r["batch_size"], r["settings"]["max_num_seqs"], r["settings"]["page_size"]) == (3, 4, 8)
     throughput = tmp_path / "throughput.json"
-    assert cli.main(["bench", "throughput", *flags, "--num-prompts", "5", "--input-len", "12", "--output-len", "3",
-                     "--disable-tqdm", "--output-json", str(throughput)]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "throughput",
+                *flags,
+                "--num-prompts",
+                "5",
+                "--input-len",
+                "12",
+                "--output-len",
+                "3",
+                "--disable-tqdm",
+                "--output-json",
+                str(throughput),
+            ]
+        )
+        == 0
+    )
     t = json.loads(throughput.read_text())
     assert (t["num_requests"], t["total_prompt_tokens"], t["total_output_tokens"]) == (5, 60, 15)
     assert t["total_num_tokens"] == 75 and t["requests_per_second"] == pytest.approx(5 / t["elapsed_time"])

@@ -28,7 +28,8 @@ def test_quick_report_structure_and_numbers(report):
     s = report["settings"]
     points = model["points"]
     assert [(p["batch"], p["context"], p["async_scheduling"]) for p in points] == [
-        (b, c, m) for c in s["contexts"] for b in s["batches"] for m in (False, True)]
+        (b, c, m) for c in s["contexts"] for b in s["batches"] for m in (False, True)
+    ]
     for p in points:
         where = f"batch {p['batch']} context {p['context']}"
         assert "error" not in p, where
@@ -70,8 +71,7 @@ def test_larger_batches_copy_more_bytes(report):
 
 
 def test_phase_split_and_prompt_length():
-    marks = {"schedule": 1.0, "pack": 2.0, "copy": 0.5, "dispatch": 0.5, "wait": 3.0, "postprocess": 1.0,
-             "emit": 1.0}
+    marks = {"schedule": 1.0, "pack": 2.0, "copy": 0.5, "dispatch": 0.5, "wait": 3.0, "postprocess": 1.0, "emit": 1.0}
     ph = bho.phase_split(marks, 10.0)
     assert ph["other"] == pytest.approx(1.0) and list(ph) == list(bho.PHASES)
     assert bho.phase_split({}, 2.0)["other"] == 2.0
@@ -81,12 +81,10 @@ def test_phase_split_and_prompt_length():
 
 def test_summarize_point_rates():
     # 2 rounds of 4 steps at batch 8: engine 0.4 s / round, device 0.2 s / round
-    s = bho.summarize_point(8, [0.1] * 8, [0.4, 0.4], [0.2, 0.25], 4,
-                            [bho.phase_split({"wait": 0.06}, 0.1)] * 8)
+    s = bho.summarize_point(8, [0.1] * 8, [0.4, 0.4], [0.2, 0.25], 4, [bho.phase_split({"wait": 0.06}, 0.1)] * 8)
     assert s["engine_tokens_per_s"] == pytest.approx(80.0)
     assert s["device_tokens_per_s"] == pytest.approx(statistics.median([160.0, 128.0]))
     assert s["ratio_range"] == pytest.approx([0.5, 0.625])
     assert s["phases_us"]["wait"] == pytest.approx(6e4) and s["host_us"] == pytest.approx(4e4)
     s = bho.summarize_point(1, [0.1], [0.1], [0.05], 1, [bho.phase_split({"wait": 0.05, "dispatch": 0.01}, 0.1)])
     assert s["host_us"] == pytest.approx(4e4)  # neither wait nor dispatch is host work
-

@@ -8,8 +8,22 @@ import bench_host_packing as bhp
 
 def test_small_run_reports_every_point(tmp_path):
     out = tmp_path / "report.json"
-    bhp.main(["--batches", "1,9", "--contexts", "32", "--lengths", "4", "--logprobs", "none,2", "--steps", "3",
-              "--out", str(out)])
+    bhp.main(
+        [
+            "--batches",
+            "1,9",
+            "--contexts",
+            "32",
+            "--lengths",
+            "4",
+            "--logprobs",
+            "none,2",
+            "--steps",
+            "3",
+            "--out",
+            str(out),
+        ]
+    )
     report = json.loads(out.read_text())
     assert [(p["batch"], p["context"]) for p in report["packing"]] == [(1, 32), (9, 32)]  # the loop and the arrays
     assert [(r["batch"], r["logprobs"]) for r in report["outputs"]] == [(1, None), (1, 2), (9, None), (9, 2)]

@@ -42,9 +42,32 @@ def test_bytes_rows_are_lora_bytes_against_the_weights_a_step_reads():
 def test_tiny_run_reports_every_variant(hf_model_dir, tmp_path):
     model_dir, _ = hf_model_dir("llama")
     out = tmp_path / "report.json"
-    report = bl.main(["--model", model_dir, "--batch-sizes", "3", "--adapters", "2", "--rank", "4",
-                      "--tokens", "3", "--prompt-len", "5", "--repeats", "1", "--std", "0.2", "--modules", "q,v,down",
-                      "--bytes-model", "", "--json", str(out)])
+    report = bl.main(
+        [
+            "--model",
+            model_dir,
+            "--batch-sizes",
+            "3",
+            "--adapters",
+            "2",
+            "--rank",
+            "4",
+            "--tokens",
+            "3",
+            "--prompt-len",
+            "5",
+            "--repeats",
+            "1",
+            "--std",
+            "0.2",
+            "--modules",
+            "q,v,down",
+            "--bytes-model",
+            "",
+            "--json",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text())["results"] == report["results"]
     rows = {r["variant"]: r for r in report["results"]}
     assert list(rows) == ["base", "lora-off", "2 adapters", "1 adapter"]

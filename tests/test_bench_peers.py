@@ -11,7 +11,11 @@ import pytest
 
 def _report(**over) -> dict:
     report = {
-        "schema": bp.SCHEMA, "config": {}, "machine": {}, "weights": {}, "notes": [],
+        "schema": bp.SCHEMA,
+        "config": {},
+        "machine": {},
+        "weights": {},
+        "notes": [],
         "batch1": [
             {"engine": "jaxserve", "dtype": "float32", "ttft_ms": 200.0, "decode_tokens_per_s": 20.0},
             {"engine": "jaxserve", "dtype": "bfloat16", "ttft_ms": 400.0, "decode_tokens_per_s": 5.0},
@@ -25,12 +29,30 @@ def _report(**over) -> dict:
             {"engine": "hf", "dtype": "float32", "batch": 16, "output_tokens_per_s": 30.0},
         ],
         "server": [
-            {"engine": "jaxserve", "dtype": "float32", "slots": 16, "output_throughput": 100.0,
-             "p50_ttft_ms": 1000.0, "p50_tpot_ms": 200.0},
-            {"engine": "llama-server", "dtype": "float32", "slots": 16, "output_throughput": 40.0,
-             "p50_ttft_ms": 2000.0, "p50_tpot_ms": 300.0},
-            {"engine": "llama-server", "dtype": "float32", "slots": 32, "output_throughput": 50.0,
-             "p50_ttft_ms": 900.0, "p50_tpot_ms": 400.0},
+            {
+                "engine": "jaxserve",
+                "dtype": "float32",
+                "slots": 16,
+                "output_throughput": 100.0,
+                "p50_ttft_ms": 1000.0,
+                "p50_tpot_ms": 200.0,
+            },
+            {
+                "engine": "llama-server",
+                "dtype": "float32",
+                "slots": 16,
+                "output_throughput": 40.0,
+                "p50_ttft_ms": 2000.0,
+                "p50_tpot_ms": 300.0,
+            },
+            {
+                "engine": "llama-server",
+                "dtype": "float32",
+                "slots": 32,
+                "output_throughput": 50.0,
+                "p50_ttft_ms": 900.0,
+                "p50_tpot_ms": 400.0,
+            },
             {"engine": "llama-server", "slots": 64, "error": "RuntimeError('boom')"},
         ],
     }
@@ -63,10 +85,14 @@ def test_comparisons_same_dtype_and_direction():
     rows = bp.comparisons(_report())
     b1 = [r for r in rows if r["section"] == "batch1"]
     # jaxserve f32 vs llama.cpp f32 and HF f32; jaxserve bf16 vs llama.cpp bf16 (no HF bf16 at batch 1)
-    assert {(r["dtype"], r["peer"]) for r in b1} == {("float32", "llama.cpp"), ("float32", "hf"),
-                                                     ("bfloat16", "llama.cpp")}
-    dec = next(r for r in b1 if r["metric"] == "decode_tokens_per_s" and r["peer"] == "llama.cpp"
-               and r["dtype"] == "float32")
+    assert {(r["dtype"], r["peer"]) for r in b1} == {
+        ("float32", "llama.cpp"),
+        ("float32", "hf"),
+        ("bfloat16", "llama.cpp"),
+    }
+    dec = next(
+        r for r in b1 if r["metric"] == "decode_tokens_per_s" and r["peer"] == "llama.cpp" and r["dtype"] == "float32"
+    )
     assert dec["ratio"] == pytest.approx(0.8) and dec["better"] == "higher"
     ttft = next(r for r in b1 if r["metric"] == "ttft_ms" and r["peer"] == "hf")
     assert ttft["ratio"] == pytest.approx(0.4) and ttft["better"] == "lower"

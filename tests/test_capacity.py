@@ -43,8 +43,9 @@ def test_bench_summary_reports_costs_only_when_priced():
 
 def test_plan_input_and_output_costs():
     cfg = ModelConfig.from_dir(str(REPO / "configs" / "models" / "llama3-8b"))
-    plan = roofline.make_plan(cfg, roofline.Target.build(get_device("h100"), (1, 1)), context=4096, batch=16,
-                             prompt_len=2048)
+    plan = roofline.make_plan(
+        cfg, roofline.Target.build(get_device("h100"), (1, 1)), context=4096, batch=16, prompt_len=2048
+    )
     assert plan.usd_per_million_input_tokens == pytest.approx(plan.prefill.usd_per_million_tokens)
     out = next(d for d in plan.decode if d.batch == 16)
     assert plan.usd_per_million_output_tokens == pytest.approx(out.usd_per_million_tokens)
@@ -55,8 +56,9 @@ def test_plan_input_and_output_costs():
 
 
 def test_capacity_plan_by_hand():
-    c = capacity.capacity_plan(10.0, 3.0, devices_per_replica=2, cost_per_device_hour=4.0,
-                              mean_input_tokens=500, mean_output_tokens=100)
+    c = capacity.capacity_plan(
+        10.0, 3.0, devices_per_replica=2, cost_per_device_hour=4.0, mean_input_tokens=500, mean_output_tokens=100
+    )
     assert (c.replicas, c.devices) == (4, 8)  # ceil(10 / 3)
     assert c.utilisation == pytest.approx(10 / 12) and c.cost_per_hour == 32.0
     # $32/h over 10 req/s x 100 output tokens = 1000 tok/s: 32 / 3600 / 1000 * 1e6.
@@ -75,10 +77,12 @@ def request(ttft, e2el, n, ok=True):
 
 
 def test_request_goodput():
-    reqs = [request(0.1, 1.1, 11),  # TPOT 100 ms
-            request(0.5, 1.0, 11),  # TTFT 500 ms, TPOT 50 ms
-            request(0.1, 3.1, 11),  # TPOT 300 ms
-            request(0.0, 0.0, 0, ok=False)]
+    reqs = [
+        request(0.1, 1.1, 11),  # TPOT 100 ms
+        request(0.5, 1.0, 11),  # TTFT 500 ms, TPOT 50 ms
+        request(0.1, 3.1, 11),  # TPOT 300 ms
+        request(0.0, 0.0, 0, ok=False),
+    ]
     assert capacity.request_goodput(reqs, 2.0) == (1.5, 0.75)  # no SLO: every success
     assert capacity.request_goodput(reqs, 2.0, slo_ttft_ms=200) == (1.0, 0.5)
     assert capacity.request_goodput(reqs, 2.0, slo_tpot_ms=150) == (1.0, 0.5)
@@ -86,9 +90,17 @@ def test_request_goodput():
 
 
 def run(rate, goodput, attainment, completed=10):
-    return {"request_rate": rate, "completed": completed, "goodput": goodput, "slo_attainment": attainment,
-            "total_input_tokens": 100 * completed, "total_output_tokens": 20 * completed, "duration_s": 5.0,
-            "p99_tpot_ms": 50.0, "p99_ttft_ms": 300.0}
+    return {
+        "request_rate": rate,
+        "completed": completed,
+        "goodput": goodput,
+        "slo_attainment": attainment,
+        "total_input_tokens": 100 * completed,
+        "total_output_tokens": 20 * completed,
+        "duration_s": 5.0,
+        "p99_tpot_ms": 50.0,
+        "p99_ttft_ms": 300.0,
+    }
 
 
 def test_replica_capacity_takes_the_best_rate_within_the_slo():
@@ -117,8 +129,10 @@ def test_replica_capacity_recomputes_goodput_from_requests():
 
 
 def test_capacity_cli(tmp_path, capsys):
-    report = {"config": {"num_devices": 2, "cost_per_hour": None, "slo_ttft": 1000, "slo_tpot": 100},
-              "runs": {"server": [run(1.0, 1.0, 1.0), run(2.0, 1.9, 0.95), run("inf", 2.2, 0.4)]}}
+    report = {
+        "config": {"num_devices": 2, "cost_per_hour": None, "slo_ttft": 1000, "slo_tpot": 100},
+        "runs": {"server": [run(1.0, 1.0, 1.0), run(2.0, 1.9, 0.95), run("inf", 2.2, 0.4)]},
+    }
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(report))
     assert planner.main(["capacity", str(path), "--target-rate", "10", "--device", "h100"]) == 0

@@ -26,9 +26,24 @@ def test_cli_passes_on_correct_model(hf_model_dir, tmp_path):
     prompts.write_text("".join(f"ids: {', '.join(map(str, p))}\n" for p in PROMPTS))
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxserve.compare_hf", path, "--prompts", str(prompts), "--max-new-tokens", "4",
-         "--page-size", "8", "--json", str(out), *(f"--setting={k}={v}" for k, v in ENGINE.items())],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "jaxserve.compare_hf",
+            path,
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "4",
+            "--page-size",
+            "8",
+            "--json",
+            str(out),
+            *(f"--setting={k}={v}" for k, v in ENGINE.items()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "overall: PASS" in proc.stdout
@@ -144,8 +159,12 @@ def test_checker_and_server_return_the_same_scores_from_the_same_executables(hf_
     engine.start()
     try:
         with TestClient(create_app(ServerOptions(served_model_names=("tiny",)), engine)) as client:
-            r = client.post("/v1/completions", json=dict(model="tiny", prompt=full, max_tokens=1, temperature=0,
-                                                         prompt_logprobs=top_n, logprobs=top_n))
+            r = client.post(
+                "/v1/completions",
+                json=dict(
+                    model="tiny", prompt=full, max_tokens=1, temperature=0, prompt_logprobs=top_n, logprobs=top_n
+                ),
+            )
         assert CompileCounter.requests == compiles and llm.engine.num_executables() == executables
     finally:
         engine.shutdown()

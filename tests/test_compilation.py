@@ -24,8 +24,10 @@ def test_no_compilation_after_warm_up(hf_model_dir):
     rng = np.random.RandomState(0)
     for batch in (1, 3, 4, 2):  # varied batch sizes, prompt lengths and output lengths
         prompts = [rng.randint(0, 512, size=rng.randint(1, 40)).tolist() for _ in range(batch)]
-        params = [SamplingParams(max_tokens=int(rng.randint(1, 20)), temperature=float(rng.choice([0, 0.8])))
-                  for _ in range(batch)]
+        params = [
+            SamplingParams(max_tokens=int(rng.randint(1, 20)), temperature=float(rng.choice([0, 0.8])))
+            for _ in range(batch)
+        ]
         llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert CompileCounter.requests == before
     assert llm.runner.unplanned_compiles == 0
@@ -51,8 +53,13 @@ def test_second_start_compiles_nothing(hf_model_dir, tmp_path):
     path, _ = hf_model_dir("llama")
 
     def start():
-        out = subprocess.run([sys.executable, "-c", SECOND_START, path, str(tmp_path / "xla")],
-                             capture_output=True, text=True, timeout=600, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", SECOND_START, path, str(tmp_path / "xla")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     first, second = start(), start()

@@ -52,10 +52,16 @@ def test_unknown_key_is_named(tmp_path):
     assert path in str(err.value) and "max_num_seqs" in str(err.value)  # the file, and the known keys
 
 
-@pytest.mark.parametrize("line,setting", [
-    ("page_size: 12", "page_size"), ("dtype: fp8", "dtype"), ("mesh_shape: [1, 0]", "mesh_shape"),
-    ("kv_cache_memory: lots", "kv_cache_memory"), ("quantization: int3", "quantization"),
-])
+@pytest.mark.parametrize(
+    "line,setting",
+    [
+        ("page_size: 12", "page_size"),
+        ("dtype: fp8", "dtype"),
+        ("mesh_shape: [1, 0]", "mesh_shape"),
+        ("kv_cache_memory: lots", "kv_cache_memory"),
+        ("quantization: int3", "quantization"),
+    ],
+)
 def test_bad_value_is_named(tmp_path, line, setting):
     with pytest.raises(ConfigError, match=setting):
         EngineConfig.from_yaml(write(tmp_path, line + "\n"))
@@ -76,12 +82,15 @@ def test_sweep_validates(path):
     assert sweep.base.model is not None
 
 
-@pytest.mark.parametrize("text,named", [
-    ("meshes: [[1, 1]]\nmeshs: [[1, 2]]\n", "'meshs'"),
-    ("base: {max_num_seq: 4}\n", "'max_num_seq'"),
-    ("workloads: [{num_request: 4}]\n", "'num_request'"),
-    ("meshes: [[1, 2, 3]]\n", "two positive sizes"),
-])
+@pytest.mark.parametrize(
+    "text,named",
+    [
+        ("meshes: [[1, 1]]\nmeshs: [[1, 2]]\n", "'meshs'"),
+        ("base: {max_num_seq: 4}\n", "'max_num_seq'"),
+        ("workloads: [{num_request: 4}]\n", "'num_request'"),
+        ("meshes: [[1, 2, 3]]\n", "two positive sizes"),
+    ],
+)
 def test_bad_sweep_is_named(tmp_path, text, named):
     from sweep_mesh import load_sweep
 

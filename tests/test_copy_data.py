@@ -44,7 +44,7 @@ def test_copy_batches_end_with_an_example_after_plain_text_and_are_a_function_of
     batch = train.copy_batch_at(examples, stream, step=7, batch=6, seq=63, seed=0)
     assert batch.shape == (6, 64) and batch.dtype == np.int32
     for row in batch:
-        ex = next(e for e in examples if np.array_equal(row[-len(e):], e))
+        ex = next(e for e in examples if np.array_equal(row[-len(e) :], e))
         plain = row[: -len(ex)]
         assert np.all(plain >= 5000) and np.all(np.diff(plain) == 1)  # one contiguous window of the stream
     np.testing.assert_array_equal(batch, train.copy_batch_at(examples, stream, 7, 6, 63, 0))

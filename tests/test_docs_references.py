@@ -15,9 +15,17 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 # Flags of other programs the docs show in their commands, each with the program: not jaxserve's to define.
 OTHER_PROGRAMS = {
-    "--no-deps": "pip", "--dry-run": "pip", "--no-cache-dir": "pip", "--help": "every command",
-    "--durations": "pytest", "--short": "git rev-parse", "--zone": "gcloud", "--worker": "gcloud",
-    "--command": "gcloud", "--head": "ray start", "--build-arg": "docker build",
+    "--no-deps": "pip",
+    "--dry-run": "pip",
+    "--no-cache-dir": "pip",
+    "--help": "every command",
+    "--durations": "pytest",
+    "--short": "git rev-parse",
+    "--zone": "gcloud",
+    "--worker": "gcloud",
+    "--command": "gcloud",
+    "--head": "ray start",
+    "--build-arg": "docker build",
     "--profile": "vllm bench serve (docs/bench.md: a flag jaxserve bench does not have)",
 }
 # Not flags: words the docs write with two dashes.
@@ -43,8 +51,13 @@ def parser_flags() -> set[str]:
     from jaxserve.bench import offline as bench_offline, serve as bench_serve
     from jaxserve.serving.ray import cli as ray_cli
 
-    parsers = [serve.build_parser(), ray_cli.build_parser(), plan.build_parser(), plan.build_capacity_parser(),
-               bench_serve.build_parser()]
+    parsers = [
+        serve.build_parser(),
+        ray_cli.build_parser(),
+        plan.build_parser(),
+        plan.build_capacity_parser(),
+        bench_serve.build_parser(),
+    ]
     parsers += [bench_offline.build_latency_parser(), bench_offline.build_throughput_parser()]
     flags = {"--version"}  # jaxserve --version (cli.py)
     for parser in parsers:
@@ -104,7 +117,7 @@ def test_the_vllm_page_names_only_flags_jaxserve_serve_takes():
 
     taken = set(serve.build_parser()._option_string_actions)
     text = (REPO / "docs" / "coming-from-vllm.md").read_text(encoding="utf-8")
-    table = text[text.index("## The flag map"):text.index("## Benchmarks")]
+    table = text[text.index("## The flag map") : text.index("## Benchmarks")]
     named = {f.replace("_", "-") for f in re.findall(r"(?<![\w-])--[a-z][\w-]*", table)} - {"--help"}
     assert len(named) > 60 and not sorted(named - taken)
 
@@ -144,7 +157,7 @@ def anchors(path: pathlib.Path) -> set[str]:
 def test_benchmarks_summary_lines_name_machine_and_date():
     text = (REPO / "docs" / "BENCHMARKS.md").read_text(encoding="utf-8")
     assert text.startswith("# Benchmarks\n\n## Summary (")
-    summary = text[text.index("## Summary"):text.index("\n## ", text.index("## Summary") + 5)]
+    summary = text[text.index("## Summary") : text.index("\n## ", text.index("## Summary") + 5)]
     rows = [l for l in summary.splitlines() if l.startswith("| ") and not l.startswith("| what") and "---" not in l]
     assert len(rows) >= 5
     for row in rows:
@@ -163,5 +176,5 @@ def test_no_placeholders_and_no_registry_install():
         text = path.read_text(encoding="utf-8")
         assert "YOUR_ORG" not in text and "YOUR-ORG" not in text, path
         for match in re.finditer(r"pip install (?:-\S+ )*[\"']?jaxserve(\[[\w,]*\])?[\"']?( @)?", text):
-            said_not_to = "never `" in text[max(0, match.start() - 8):match.start()]  # "never `pip install jaxserve`"
+            said_not_to = "never `" in text[max(0, match.start() - 8) : match.start()]  # "never `pip install jaxserve`"
             assert match.group(2) or said_not_to, f"{path.relative_to(REPO)}: {match.group(0)}"

@@ -12,8 +12,16 @@ from jaxserve.errors import ConfigError, ModelLoadError, RequestError, Unsupport
 @pytest.fixture(scope="module")
 def llm(hf_model_dir):
     path, _ = hf_model_dir("llama")
-    return LLM(path, dtype="float32", page_size=8, max_model_len=64, max_num_seqs=2,
-               max_num_batched_tokens=32, num_pages=5, warm_up=False)
+    return LLM(
+        path,
+        dtype="float32",
+        page_size=8,
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        num_pages=5,
+        warm_up=False,
+    )
 
 
 def copy_model(hf_model_dir, tmp_path):

@@ -12,8 +12,10 @@ SCRIPT = os.path.join(REPO, "scripts", "gpu_check.py")
 
 
 def test_help_and_import_need_no_jax():
-    code = ("import sys; sys.path.insert(0, 'scripts'); import gpu_check; gpu_check.build_parser(); "
-            "assert 'jax' not in sys.modules, 'gpu_check imports jax at module level'")
+    code = (
+        "import sys; sys.path.insert(0, 'scripts'); import gpu_check; gpu_check.build_parser(); "
+        "assert 'jax' not in sys.modules, 'gpu_check imports jax at module level'"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
     out = subprocess.run([sys.executable, SCRIPT, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--dry-run" in out.stdout
@@ -24,15 +26,25 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # one CPU device, as on a plain machine
-    proc = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--out", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--dry-run", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     report = json.loads(out.read_text())
     assert report["errors"] == [], report["errors"]
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert report["dry_run"] and report["ok"]
     kernels = {row["kernel"] for row in report["bench"]["kernels"]}
-    assert kernels == {"ragged_paged_attention (decode)", "ragged_paged_attention (prefill)", "int8_matmul",
-                       "int4_matmul"}
+    assert kernels == {
+        "ragged_paged_attention (decode)",
+        "ragged_paged_attention (prefill)",
+        "int8_matmul",
+        "int4_matmul",
+    }
     for row in report["bench"]["kernels"]:
         assert row["seconds"]["kernel"] > 0 and row["bound_seconds"] > 0
         reference = "reference" if row["kernel"] in ("int8_matmul", "int4_matmul") else "engine_reference"
@@ -53,6 +65,7 @@ def test_dry_run_writes_a_complete_report(tmp_path):
 
 def test_copy_census_reads_unfused_ops_only():
     import sys as _sys
+
     _sys.path.insert(0, os.path.join(REPO, "scripts"))
     import gpu_check
 
@@ -70,6 +83,9 @@ ENTRY %main (a: bf16[1024,1024]) -> bf16[1024,1024] {
 }
 """
     census = gpu_check.hlo_copy_census(hlo)
-    assert census["copy"] == {"count": 1, "bytes": 2 << 20, "large": [
-        {"shape": "bf16[1024,1024]", "bytes": 2 << 20, "in": "main"}]}
+    assert census["copy"] == {
+        "count": 1,
+        "bytes": 2 << 20,
+        "large": [{"shape": "bf16[1024,1024]", "bytes": 2 << 20, "in": "main"}],
+    }
     assert census["gather"]["count"] == 1 and "dynamic-slice" not in census

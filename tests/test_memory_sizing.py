@@ -40,20 +40,29 @@ def test_8b_on_an_80gb_gpu_gets_vllms_pool_not_16k_tokens():
     # 0.9 x 80 GiB - 14.96 GiB of weights - ~1.2 GiB reserve = ~55.9 GiB of 128 KiB tokens
     assert 440_000 < plan.tokens_that_fit < 470_000
     assert plan.num_pages == (int(0.9 * 80 * GIB) - WEIGHTS_8B - activation_reserve(LLAMA_8B, settings, 2)) // (
-        LLAMA_8B.kv_bytes_per_token(2) * 16)
+        LLAMA_8B.kv_bytes_per_token(2) * 16
+    )
     line = plan.capacity_line()
-    assert line == (f"KV cache: {plan.tokens_that_fit:,} tokens; maximum concurrency for 8,192 tokens per request: "
-                    f"{plan.tokens_that_fit / 8192:.2f}x")
+    assert line == (
+        f"KV cache: {plan.tokens_that_fit:,} tokens; maximum concurrency for 8,192 tokens per request: "
+        f"{plan.tokens_that_fit / 8192:.2f}x"
+    )
     assert "maximum concurrency for 8,192 tokens per request: 55." in line
     assert "0.9 x 80.00 GiB of gpu memory - 14.96 GiB in use (weights)" in plan.describe()
 
 
 def test_the_utilization_scales_the_pool():
-    low = plan_memory(LLAMA_8B, EngineConfig(max_model_len=8192, gpu_memory_utilization=0.5), jnp.bfloat16,
-                      device_memory=gpu(fraction=0.5))
+    low = plan_memory(
+        LLAMA_8B,
+        EngineConfig(max_model_len=8192, gpu_memory_utilization=0.5),
+        jnp.bfloat16,
+        device_memory=gpu(fraction=0.5),
+    )
     high = plan_memory(LLAMA_8B, EngineConfig(max_model_len=8192), jnp.bfloat16, device_memory=gpu())
     per_page = LLAMA_8B.kv_bytes_per_token(2) * 16
-    assert high.num_pages - low.num_pages in range(int(0.4 * 80 * GIB) // per_page - 1, int(0.4 * 80 * GIB) // per_page + 2)
+    assert high.num_pages - low.num_pages in range(
+        int(0.4 * 80 * GIB) // per_page - 1, int(0.4 * 80 * GIB) // per_page + 2
+    )
 
 
 def test_jax_allocators_smaller_pool_caps_it():
@@ -64,8 +73,10 @@ def test_jax_allocators_smaller_pool_caps_it():
     assert plan.num_pages == (int(0.75 * 80 * GIB) - WEIGHTS_8B - reserve) // (LLAMA_8B.kv_bytes_per_token(2) * 16)
     assert "capped at JAX's allocator pool of 60.00 GiB (0.75 of the device" in plan.describe()
     # the same pool at the utilization it was started with: no cap mentioned
-    assert "capped" not in plan_memory(LLAMA_8B, EngineConfig(max_model_len=8192), jnp.bfloat16,
-                                       device_memory=gpu()).describe()
+    assert (
+        "capped"
+        not in plan_memory(LLAMA_8B, EngineConfig(max_model_len=8192), jnp.bfloat16, device_memory=gpu()).describe()
+    )
 
 
 def test_tensor_parallel_splits_weights_and_kv_heads():
@@ -76,16 +87,23 @@ def test_tensor_parallel_splits_weights_and_kv_heads():
     assert eight.num_pages == budget * 8 // (LLAMA_8B.kv_bytes_per_token(2) * 16)  # 8 KV heads over 8 devices
     assert eight.num_pages > 8 * one.num_pages
     # 16 devices do not divide 8 KV heads: each device of the replica holds them all
-    sixteen = plan_memory(LLAMA_8B, EngineConfig(max_model_len=8192, tensor_parallel_size=16), jnp.bfloat16,
-                          device_memory=gpu(in_use=WEIGHTS_8B // 16))
+    sixteen = plan_memory(
+        LLAMA_8B,
+        EngineConfig(max_model_len=8192, tensor_parallel_size=16),
+        jnp.bfloat16,
+        device_memory=gpu(in_use=WEIGHTS_8B // 16),
+    )
     assert sixteen.num_pages < eight.num_pages / 7
 
 
 def test_data_parallel_replicas_each_get_the_pool():
-    plan = plan_memory(LLAMA_8B, EngineConfig(max_model_len=8192, data_parallel_size=2), jnp.bfloat16,
-                       device_memory=gpu())
-    assert plan.num_pages == plan_memory(LLAMA_8B, EngineConfig(max_model_len=8192), jnp.bfloat16,
-                                         device_memory=gpu()).num_pages
+    plan = plan_memory(
+        LLAMA_8B, EngineConfig(max_model_len=8192, data_parallel_size=2), jnp.bfloat16, device_memory=gpu()
+    )
+    assert (
+        plan.num_pages
+        == plan_memory(LLAMA_8B, EngineConfig(max_model_len=8192), jnp.bfloat16, device_memory=gpu()).num_pages
+    )
     assert f"(per data-parallel replica; 2 replicas hold {2 * plan.tokens_that_fit:,} tokens)" in plan.capacity_line()
 
 
@@ -93,13 +111,16 @@ def test_weights_count_even_when_read_before_loading_and_across_hosts():
     before = plan_memory(LLAMA_8B, EngineConfig(max_model_len=8192), jnp.bfloat16, device_memory=gpu(in_use=0))
     after = plan_memory(LLAMA_8B, EngineConfig(max_model_len=8192), jnp.bfloat16, device_memory=gpu())
     assert before.num_pages == after.num_pages
-    busy = plan_memory(LLAMA_8B, EngineConfig(max_model_len=8192), jnp.bfloat16,
-                       device_memory=gpu(in_use=WEIGHTS_8B + 4 * GIB))  # something else holds 4 GiB
+    busy = plan_memory(
+        LLAMA_8B, EngineConfig(max_model_len=8192), jnp.bfloat16, device_memory=gpu(in_use=WEIGHTS_8B + 4 * GIB)
+    )  # something else holds 4 GiB
     assert after.num_pages - busy.num_pages == 4 * GIB // (LLAMA_8B.kv_bytes_per_token(2) * 16)
     # several processes must allocate the same pages: the weights' share stands in for the measured use
     hosts = EngineConfig(max_model_len=8192, num_processes=2, coordinator_address="h:1")
-    assert plan_memory(LLAMA_8B, hosts, jnp.bfloat16, device_memory=gpu(in_use=WEIGHTS_8B + 4 * GIB)).num_pages \
+    assert (
+        plan_memory(LLAMA_8B, hosts, jnp.bfloat16, device_memory=gpu(in_use=WEIGHTS_8B + 4 * GIB)).num_pages
         == after.num_pages
+    )
 
 
 def test_a_tpu_limit_is_its_memory():
@@ -110,18 +131,24 @@ def test_a_tpu_limit_is_its_memory():
 
 def test_too_little_memory_says_what_to_do():
     with pytest.raises(ConfigError, match="no device memory is left for the KV cache.*gpu_memory_utilization"):
-        plan_memory(LLAMA_8B, EngineConfig(max_model_len=8192), jnp.bfloat16,
-                    device_memory=gpu(total_gib=16, fraction=0.9))
+        plan_memory(
+            LLAMA_8B, EngineConfig(max_model_len=8192), jnp.bfloat16, device_memory=gpu(total_gib=16, fraction=0.9)
+        )
     with pytest.raises(ConfigError, match="fewer than one sequence of max_model_len=8192"):
-        plan_memory(LLAMA_8B, EngineConfig(max_model_len=8192), jnp.bfloat16,
-                    device_memory=DeviceMemory(int(18.5 * GIB), WEIGHTS_8B, platform="tpu"))
+        plan_memory(
+            LLAMA_8B,
+            EngineConfig(max_model_len=8192),
+            jnp.bfloat16,
+            device_memory=DeviceMemory(int(18.5 * GIB), WEIGHTS_8B, platform="tpu"),
+        )
 
 
 def test_num_pages_and_kv_cache_memory_override_the_device():
     pages = plan_memory(LLAMA_8B, EngineConfig(max_model_len=8192, num_pages=100), jnp.bfloat16, device_memory=gpu())
     assert pages.num_pages == 100 and "num_pages as set" in pages.describe()
-    sized = plan_memory(LLAMA_8B, EngineConfig(max_model_len=8192, kv_cache_memory="4GiB"), jnp.bfloat16,
-                        device_memory=gpu())
+    sized = plan_memory(
+        LLAMA_8B, EngineConfig(max_model_len=8192, kv_cache_memory="4GiB"), jnp.bfloat16, device_memory=gpu()
+    )
     assert sized.num_pages == 4 * GIB // (LLAMA_8B.kv_bytes_per_token(2) * 16)
 
 
@@ -141,8 +168,12 @@ def test_cpu_keeps_the_fixed_pool_and_says_the_utilization_is_ignored():
 def test_an_accelerator_without_figures_falls_back_loudly(caplog):
     small = ModelConfig.from_dir("configs/models/smollm2-135m")
     with caplog.at_level(logging.WARNING):
-        plan = plan_memory(small, EngineConfig(max_model_len=2048, max_num_seqs=4), jnp.bfloat16,
-                           device_memory=DeviceMemory(None, platform="gpu"))
+        plan = plan_memory(
+            small,
+            EngineConfig(max_model_len=2048, max_num_seqs=4),
+            jnp.bfloat16,
+            device_memory=DeviceMemory(None, platform="gpu"),
+        )
     assert plan.num_pages == 4 * 2048 // 16 + 1
     assert "reports no memory figures" in caplog.text and "XLA_PYTHON_CLIENT_ALLOCATOR=platform" in caplog.text
 
@@ -172,8 +203,15 @@ def test_the_allocator_fraction_is_set_before_the_backend_starts(monkeypatch):
 
 def test_backend_initialized_is_a_cheap_check():
     """It neither imports jax nor starts a backend, and tells the two states apart."""
-    code = ("import sys; from jaxserve.planning.memory import backend_initialized as b; r = [b(), 'jax' in sys.modules]; "
-            "import jax; r.append(b()); jax.devices(); r.append(b()); print(r)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    code = (
+        "import sys; from jaxserve.planning.memory import backend_initialized as b; r = [b(), 'jax' in sys.modules]; "
+        "import jax; r.append(b()); jax.devices(); r.append(b()); print(r)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
     assert out.stdout.strip() == "[False, False, False, True]", out.stderr

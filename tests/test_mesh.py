@@ -13,8 +13,9 @@ from jaxserve.model.attention_dispatch import ragged_attention_impl, shard_ragge
 from jaxserve.model.layers import ragged_attention_reference
 from jaxserve.model.sharding import make_mesh, make_shardings
 
-SETTINGS = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-                warm_up=False)
+SETTINGS = dict(
+    dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False
+)
 PROMPTS = [np.random.RandomState(i).randint(0, 512, size=5 + 7 * i).tolist() for i in range(5)]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -65,8 +66,9 @@ def test_mesh_that_does_not_divide_heads_is_refused(hf_model_dir):
 
 # ---------------------------------------------------------------- Pallas kernels per device (shard_map)
 # Interpret mode is slow on CPU: two short prompts, a few tokens, a single prefill bucket.
-PALLAS_SETTINGS = dict(dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16,
-                       warm_up=False)
+PALLAS_SETTINGS = dict(
+    dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16, warm_up=False
+)
 PALLAS_PROMPTS = [np.random.RandomState(10 + i).randint(0, 512, size=n).tolist() for i, n in enumerate((5, 9))]
 PALLAS_GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
@@ -90,18 +92,46 @@ def test_pallas_mesh_matches_reference(hf_model_dir, small_reference_tokens, mes
     assert _greedy(llm) == small_reference_tokens
 
 
-def _dequantizing_reference(q, k_cache, v_cache, layer, positions, query_start, context_lens, page_table,
-                            sliding_window=None, sm_scale=None, *, k_scale=None, v_scale=None):
+def _dequantizing_reference(
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    positions,
+    query_start,
+    context_lens,
+    page_table,
+    sliding_window=None,
+    sm_scale=None,
+    *,
+    k_scale=None,
+    v_scale=None,
+):
     # Stands in for a kernel taking int8-style scales [L, K, NP, S]: checks they follow their KV heads.
-    return ragged_attention_reference(q, k_cache * k_scale[..., None], v_cache * v_scale[..., None], layer,
-                                      positions, query_start, context_lens, page_table, sliding_window, sm_scale)
+    return ragged_attention_reference(
+        q,
+        k_cache * k_scale[..., None],
+        v_cache * v_scale[..., None],
+        layer,
+        positions,
+        query_start,
+        context_lens,
+        page_table,
+        sliding_window,
+        sm_scale,
+    )
 
 
 # (query heads, KV heads) on a (1, 4) mesh: KV heads replicated; one KV head per device (4, 2), or a device's
 # query heads spanning two KV heads (12, 3: the per-query-head gather).
-@pytest.mark.parametrize("num_heads,num_kv_heads,impl", [
-    (4, 2, "pallas_interpret"), (4, 2, "scaled_reference"), (12, 3, "scaled_reference"),
-])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,impl",
+    [
+        (4, 2, "pallas_interpret"),
+        (4, 2, "scaled_reference"),
+        (12, 3, "scaled_reference"),
+    ],
+)
 def test_shard_ragged_attention_with_replicated_kv_heads(num_heads, num_kv_heads, impl):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -109,8 +139,9 @@ def test_shard_ragged_attention_with_replicated_kv_heads(num_heads, num_kv_heads
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((R, N, num_heads, H)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((R, L, num_kv_heads, NP, S, H)), jnp.float32) for _ in range(2))
-    scales = {n: jnp.asarray(rng.uniform(0.5, 2.0, (R, L, num_kv_heads, NP, S)), jnp.float32)
-              for n in ("k_scale", "v_scale")}
+    scales = {
+        n: jnp.asarray(rng.uniform(0.5, 2.0, (R, L, num_kv_heads, NP, S)), jnp.float32) for n in ("k_scale", "v_scale")
+    }
     page_table = jnp.asarray([[[1, 4], [2, 5]]], jnp.int32)
     context_lens = jnp.asarray([[11, 6]], jnp.int32)
     positions = context_lens - 1
@@ -124,8 +155,10 @@ def test_shard_ragged_attention_with_replicated_kv_heads(num_heads, num_kv_heads
     def run(fn, spmd):
         def per_replica(q, k, v, pos, qs, cl, pt, ex):
             return fn(q, k, v, jnp.int32(1), pos, qs, cl, pt, jnp.int32(64), jnp.float32(H**-0.5), **ex)
-        return jax.jit(jax.vmap(per_replica, spmd_axis_name=spmd))(q, k, v, positions, query_start, context_lens,
-                                                                   page_table, extra)
+
+        return jax.jit(jax.vmap(per_replica, spmd_axis_name=spmd))(
+            q, k, v, positions, query_start, context_lens, page_table, extra
+        )
 
     want = run(inner, None)
     q = jax.device_put(q, NamedSharding(mesh, P("data", None, "model")))

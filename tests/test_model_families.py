@@ -25,8 +25,12 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 MODELS = REPO / "configs" / "models"
 NEW = ("qwen3-8b", "gemma-3-12b", "qwen3-30b-a3b", "mixtral-8x7b")
 # Published totals (model cards): (total, active) parameters; Gemma-3-12B's text tower only.
-PUBLISHED = {"qwen3-8b": (8.2e9, 8.2e9), "gemma-3-12b": (11.8e9, 11.8e9),
-             "qwen3-30b-a3b": (30.5e9, 3.3e9), "mixtral-8x7b": (46.7e9, 12.9e9)}
+PUBLISHED = {
+    "qwen3-8b": (8.2e9, 8.2e9),
+    "gemma-3-12b": (11.8e9, 11.8e9),
+    "qwen3-30b-a3b": (30.5e9, 3.3e9),
+    "mixtral-8x7b": (46.7e9, 12.9e9),
+}
 
 
 def planned(name: str) -> ModelConfig:
@@ -45,7 +49,12 @@ def test_architecture_lists_are_split():
 def test_qwen3_parses():
     cfg = planned("qwen3-8b")
     assert (cfg.architecture, cfg.qk_norm, cfg.qkv_bias, cfg.o_bias, cfg.hidden_act) == (
-        "Qwen3ForCausalLM", True, False, False, "silu")
+        "Qwen3ForCausalLM",
+        True,
+        False,
+        False,
+        "silu",
+    )
     assert (cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.rope_theta, cfg.rms_norm_eps) == (128, 32, 8, 1e6, 1e-6)
     assert cfg.sliding_window is None and not cfg.is_moe and not cfg.tie_word_embeddings
 
@@ -57,7 +66,11 @@ def test_gemma3_nested_text_config_parses():
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (3840, 48, 16, 8, 256)
     assert (cfg.vocab_size, cfg.tie_word_embeddings, cfg.hidden_act) == (262208, True, "gelu_pytorch_tanh")
     assert (cfg.sliding_window, cfg.rope_theta, cfg.rope_local_theta, cfg.query_pre_attn_scalar) == (
-        1024, 1e6, 1e4, 256.0)
+        1024,
+        1e6,
+        1e4,
+        256.0,
+    )
     assert cfg.rope_scaling.kind == "linear" and cfg.rope_scaling.factor == 8.0
     assert cfg.scale_embeddings and cfg.sandwich_norms and cfg.qk_norm and cfg.norm_weight_offset == 1.0
     assert cfg.eos_token_ids == (1, 106) and cfg.bos_token_id == 2
@@ -73,25 +86,39 @@ def test_gemma3_flat_and_transformers5_forms_agree():
     assert a.num_params() == b.num_params() and a.layer_types == b.layer_types
     assert b.architecture == "Gemma3ForCausalLM"
     # transformers >= 5 writes explicit layer_types and rope_parameters per layer type
-    v5 = {**flat, "layer_types": list(a.layer_types), "rope_parameters": {
-        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    v5 = {
+        **flat,
+        "layer_types": list(a.layer_types),
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    }
     v5.pop("rope_scaling")
     c = ModelConfig.from_hf_dict(v5, plan_only=True)
     assert (c.rope_theta, c.rope_local_theta, c.rope_scaling, c.layer_types) == (
-        a.rope_theta, a.rope_local_theta, a.rope_scaling, a.layer_types)
+        a.rope_theta,
+        a.rope_local_theta,
+        a.rope_scaling,
+        a.layer_types,
+    )
 
 
 def test_moe_families_parse():
     qwen = planned("qwen3-30b-a3b")
     assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size, qwen.norm_topk_prob) == (
-        128, 8, 768, True)
+        128,
+        8,
+        768,
+        True,
+    )
     assert qwen.qk_norm and qwen.dense_layers == () and qwen.num_moe_layers == 48
     mixtral = planned("mixtral-8x7b")
     assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (8, 2, 14336)
     assert mixtral.norm_topk_prob and not mixtral.qk_norm and mixtral.num_moe_layers == 32
-    sparse = ModelConfig.from_hf_dict({**hf_json("qwen3-30b-a3b"), "decoder_sparse_step": 2, "mlp_only_layers": [1]},
-                                      plan_only=True)
+    sparse = ModelConfig.from_hf_dict(
+        {**hf_json("qwen3-30b-a3b"), "decoder_sparse_step": 2, "mlp_only_layers": [1]}, plan_only=True
+    )
     assert set(sparse.dense_layers) == {*range(0, 48, 2), 1}  # (i + 1) % step != 0, or listed
     assert sparse.num_moe_layers == 23
 
@@ -131,8 +158,13 @@ def test_gemma3_is_served():
     cfg = ModelConfig.from_dir(str(MODELS / "gemma-3-12b"))
     assert cfg.servable and cfg.sandwich_norms and cfg == planned("gemma-3-12b")
     with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
-        ModelConfig.from_hf_dict({**hf_json("gemma-3-12b")["text_config"], "architectures": ["Gemma3ForCausalLM"],
-                                  "use_bidirectional_attention": True})
+        ModelConfig.from_hf_dict(
+            {
+                **hf_json("gemma-3-12b")["text_config"],
+                "architectures": ["Gemma3ForCausalLM"],
+                "use_bidirectional_attention": True,
+            }
+        )
 
 
 def test_the_engine_refuses_an_unservable_model(hf_model_dir, tmp_path):
@@ -142,8 +174,14 @@ def test_the_engine_refuses_an_unservable_model(hf_model_dir, tmp_path):
     dest = tmp_path / "model"
     shutil.copytree(path, dest)
     config = json.loads((dest / "config.json").read_text())
-    config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
-                  num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2)
+    config.update(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=2,
+    )
     (dest / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="dense MLP layers among the expert layers"):
         LLM(str(dest), warm_up=False)
@@ -169,8 +207,9 @@ def test_parameter_counts_equal_transformers_meta_models():
         if arch == "Gemma3ForConditionalGeneration":  # the text tower, as jaxserve counts it
             config, cls = transformers.Gemma3Config(**hf).text_config, transformers.Gemma3ForCausalLM
         else:
-            config = transformers.AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items()
-                                                                             if k != "model_type"})
+            config = transformers.AutoConfig.for_model(
+                hf["model_type"], **{k: v for k, v in hf.items() if k != "model_type"}
+            )
             cls = getattr(transformers, arch)
         with torch.device("meta"):
             model = cls(config)
@@ -213,8 +252,10 @@ def test_planner_moe_decode_reads_topk_at_batch_1_and_nearly_all_at_large_batch(
     assert by_batch[1].memory_s < 0.4 * by_batch[64].memory_s
     # compute counts only the routed experts: 2 · active matmul params per token
     assert by_batch[1].compute_s == pytest.approx(
-        (2 * (cfg.active_params() - cfg.vocab_size * cfg.hidden_size) + 4 * 32 * 128 * 32 * 4096) / 2
-        / target.peak_flops)
+        (2 * (cfg.active_params() - cfg.vocab_size * cfg.hidden_size) + 4 * 32 * 128 * 32 * 4096)
+        / 2
+        / target.peak_flops
+    )
     # expert-parallel over 8: at batch 1 the busiest device reads one whole expert per layer (of k = 2)
     ep = make_plan(cfg, Target.build(get_device("h100"), (1, 8)), context=4096, batch=16, expert_parallel=True)
     tp = make_plan(cfg, Target.build(get_device("h100"), (1, 8)), context=4096, batch=16)
@@ -251,14 +292,32 @@ def test_cli_plans_the_new_families(name, capsys):
     assert planner.main(["--model", str(REPO / path), "--device", "tpu-v5e"]) == planner.EXIT_DOES_NOT_FIT
     assert "the parameters alone need at least" in capsys.readouterr().out
     for device in ("h100", "tpu-v5e"):
-        assert planner.main(["--model", str(REPO / path), "--device", device, "--devices", "8", "--context", "8192",
-                             "--suggest-mesh"]) == 0
+        assert (
+            planner.main(
+                [
+                    "--model",
+                    str(REPO / path),
+                    "--device",
+                    device,
+                    "--devices",
+                    "8",
+                    "--context",
+                    "8192",
+                    "--suggest-mesh",
+                ]
+            )
+            == 0
+        )
         captured = capsys.readouterr()
         data, model = map(int, captured.out.strip().split(","))
         assert data * model == 8
         assert ("experts: " in captured.err) == cfg.is_moe
-        assert planner.main(["--model", str(REPO / path), "--device", device, "--devices", "8", "--context", "8192",
-                             "--json"]) == 0
+        assert (
+            planner.main(
+                ["--model", str(REPO / path), "--device", device, "--devices", "8", "--context", "8192", "--json"]
+            )
+            == 0
+        )
         out = json.loads(capsys.readouterr().out)
         assert out["active_params"] == cfg.active_params() and out["fits"]
 

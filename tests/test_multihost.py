@@ -33,8 +33,9 @@ def test_distributed_settings_are_checked():
         EngineConfig(num_processes=2, process_id=2, coordinator_address="h:1")
     # Speculative decoding runs on every process like any step.
     EngineConfig(num_processes=2, coordinator_address="h:1", speculative_method="ngram", num_speculative_tokens=2)
-    settings = EngineConfig.from_cli(["--coordinator-address", "10.0.0.1:1234", "--num-processes", "4",
-                                      "--process-id", "3"])
+    settings = EngineConfig.from_cli(
+        ["--coordinator-address", "10.0.0.1:1234", "--num-processes", "4", "--process-id", "3"]
+    )
     assert (settings.coordinator_address, settings.num_processes, settings.process_id) == ("10.0.0.1:1234", 4, 3)
     assert multihost.initialize(EngineConfig()) is False  # one process: nothing to do
 
@@ -44,8 +45,9 @@ def llm(hf_model_dir):
     from jaxserve import LLM
 
     path, _ = hf_model_dir("llama")
-    return LLM(path, dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-               warm_up=False)
+    return LLM(
+        path, dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False
+    )
 
 
 def _packed(runner, shape, rng, dense):
@@ -58,7 +60,7 @@ def _packed(runner, shape, rng, dense):
     for full, dtype in specs:
         a = rng.integers(0, 100, full).astype(dtype)
         if len(full) == 3:
-            a[..., full[-1] // 2:] = -1
+            a[..., full[-1] // 2 :] = -1
             if dense:
                 a[0, 0, :] = rng.integers(1, 100, full[-1])
         leaves.append(a)
@@ -71,13 +73,30 @@ def draft_llm(hf_model_dir):
     from jaxserve import LLM
 
     path, _ = hf_model_dir("llama")
-    return LLM(path, dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-               warm_up=False, speculative_model=path, num_speculative_tokens=3)
+    return LLM(
+        path,
+        dtype="float32",
+        page_size=8,
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        warm_up=False,
+        speculative_model=path,
+        num_speculative_tokens=3,
+    )
 
 
-@pytest.mark.parametrize("engine, shape", [("llm", (4, 8)), ("llm", (32, 8)), ("llm", (32, 8, "score")),
-                                           ("llm", (4, 8, "multi-step")), ("draft_llm", (4, 8)),
-                                           ("draft_llm", (32, 8))])
+@pytest.mark.parametrize(
+    "engine, shape",
+    [
+        ("llm", (4, 8)),
+        ("llm", (32, 8)),
+        ("llm", (32, 8, "score")),
+        ("llm", (4, 8, "multi-step")),
+        ("draft_llm", (4, 8)),
+        ("draft_llm", (32, 8)),
+    ],
+)
 def test_step_message_round_trip(request, engine, shape):
     import jax
 
@@ -112,8 +131,12 @@ def test_decode_step_message_is_small(llm):
 
     llm.runner.peers = Recorder()
     try:
-        llm.runner.execute_rows([RowWork([7], 20 + i, [1 + 3 * i, 2 + 3 * i, 3 + 3 * i],
-                                    RowSampling(temperature=0.7, seed=i)) for i in range(4)])
+        llm.runner.execute_rows(
+            [
+                RowWork([7], 20 + i, [1 + 3 * i, 2 + 3 * i, 3 + 3 * i], RowSampling(temperature=0.7, seed=i))
+                for i in range(4)
+            ]
+        )
     finally:
         llm.runner.peers = NoPeers()
     assert len(sent) == 1 and len(sent[0]) < 600, len(sent[0])
@@ -153,7 +176,9 @@ def test_processes_started_differently_are_refused(llm, monkeypatch):
     theirs["settings"]["max_num_seqs"] += 1
     theirs["num_pages"] += 1
     store.kv["jaxserve/fingerprint/0"] = json.dumps(theirs)
-    with pytest.raises(ConfigError, match=r"process 0 was started differently from process 1 \(max_num_seqs, num_pages\)"):
+    with pytest.raises(
+        ConfigError, match=r"process 0 was started differently from process 1 \(max_num_seqs, num_pages\)"
+    ):
         multihost.check_consistent(llm.engine)
 
 
@@ -198,8 +223,12 @@ def _launch(model, port, process_id, log_dir, *extra):
     """One driver process; stderr (JAX's logging, chatty) goes to a file so a full pipe never blocks it."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     stderr = open(log_dir / f"process{process_id}.err", "w+")
-    proc = subprocess.Popen([sys.executable, DRIVER, "--model", model, "--port", str(port), "--process-id",
-                             str(process_id), *extra], stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, DRIVER, "--model", model, "--port", str(port), "--process-id", str(process_id), *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+        env=env,
+    )
     proc.stderr_file = stderr
     return proc
 
@@ -244,8 +273,10 @@ def test_two_processes_match_one(hf_model_dir, single_process_tokens, tmp_path, 
     path, _ = hf_model_dir("llama")
     port, out = _free_port(), tmp_path / "out.json"
     mesh_arg = ",".join(map(str, mesh))
-    procs = [_launch(path, port, 0, tmp_path, "--mesh", mesh_arg, "--out", str(out)),
-             _launch(path, port, 1, tmp_path, "--mesh", mesh_arg)]
+    procs = [
+        _launch(path, port, 0, tmp_path, "--mesh", mesh_arg, "--out", str(out)),
+        _launch(path, port, 1, tmp_path, "--mesh", mesh_arg),
+    ]
     start = time.monotonic()
     codes = _finish(procs, JOB_TIMEOUT)
     print(f"2-process job on a {mesh} mesh: {time.monotonic() - start:.1f} s")
@@ -270,8 +301,10 @@ def test_two_processes_speculate(hf_model_dir, single_process_tokens, tmp_path, 
 
     path, _ = hf_model_dir("llama")
     port, out = _free_port(), tmp_path / "out.json"
-    procs = [_launch(path, port, 0, tmp_path, "--mesh", "2,2", "--speculate", method, "--out", str(out)),
-             _launch(path, port, 1, tmp_path, "--mesh", "2,2", "--speculate", method)]
+    procs = [
+        _launch(path, port, 0, tmp_path, "--mesh", "2,2", "--speculate", method, "--out", str(out)),
+        _launch(path, port, 1, tmp_path, "--mesh", "2,2", "--speculate", method),
+    ]
     start = time.monotonic()
     # The draft method compiles the most: verify steps with the draft's loop and its prefill buckets.
     codes = _finish(procs, JOB_TIMEOUT * (2 if method == "draft" else 1))
@@ -342,11 +375,42 @@ def test_serve_on_two_processes(hf_model_dir, tmp_path):
     for i in range(2):
         stderr = open(tmp_path / f"serve{i}.err", "w+")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve.serve", "--model", path, "--dtype", "float32", "--mesh-shape", "1,4",
-             "--page-size", "8", "--max-model-len", "64", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
-             "--compilation-cache-dir", "none", "--coordinator-address", f"127.0.0.1:{coordinator}",
-             "--num-processes", "2", "--process-id", str(i), "--distributed-timeout", "10", "--port", str(http),
-             "--no-access-log"], stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+            [
+                sys.executable,
+                "-m",
+                "jaxserve.serve",
+                "--model",
+                path,
+                "--dtype",
+                "float32",
+                "--mesh-shape",
+                "1,4",
+                "--page-size",
+                "8",
+                "--max-model-len",
+                "64",
+                "--max-num-seqs",
+                "2",
+                "--max-num-batched-tokens",
+                "16",
+                "--compilation-cache-dir",
+                "none",
+                "--coordinator-address",
+                f"127.0.0.1:{coordinator}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--distributed-timeout",
+                "10",
+                "--port",
+                str(http),
+                "--no-access-log",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=env,
+        )
         proc.stderr_file = stderr
         procs.append(proc)
     url = f"http://127.0.0.1:{http}"

@@ -64,8 +64,11 @@ def _edges(module: str) -> tuple[set[str], bool]:
             device |= name.split(".")[0] in DEVICE_ROOTS
             target = _longest_module(name) if name.startswith("jaxserve") else None
             # a package's __init__ runs on the way to its modules: not an edge of its own
-            if target and target != module and not (module.startswith(target + ".")
-                                                     and MODULES[target].name == "__init__.py"):
+            if (
+                target
+                and target != module
+                and not (module.startswith(target + ".") and MODULES[target].name == "__init__.py")
+            ):
                 edges.add(target)
     return edges, device
 
@@ -96,8 +99,10 @@ def test_host_packages_reach_no_module_that_imports_jax():
 
 
 def test_importing_the_engine_core_and_server_loads_no_jax():
-    code = ("import sys, jaxserve.engine.core, jaxserve.engine.async_engine, jaxserve.server.api; "
-            "print(sorted(m for m in ('jax', 'jaxlib', 'flax') if m in sys.modules))")
+    code = (
+        "import sys, jaxserve.engine.core, jaxserve.engine.async_engine, jaxserve.server.api; "
+        "print(sorted(m for m in ('jax', 'jaxlib', 'flax') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 

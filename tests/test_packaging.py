@@ -20,8 +20,11 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def source_packages() -> set[str]:
-    return {".".join(p.parent.relative_to(ROOT).parts) for top in ("jaxserve", "pallas_kernels")
-            for p in (ROOT / top).rglob("__init__.py")}
+    return {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for top in ("jaxserve", "pallas_kernels")
+        for p in (ROOT / top).rglob("__init__.py")
+    }
 
 
 def test_every_source_package_is_listed():
@@ -34,20 +37,32 @@ def test_every_source_package_is_listed():
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(ROOT)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (path,) = out.glob("jaxserve-*.whl")
     return zipfile.ZipFile(path)
 
 
 def test_wheel_carries_the_default_model_and_configs(wheel):
     names = set(wheel.namelist())
-    shipped = {f"jaxserve/_checkpoints/{p.relative_to(ROOT / 'checkpoints')}"
-               for p in (ROOT / "checkpoints").rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    shipped = {
+        f"jaxserve/_checkpoints/{p.relative_to(ROOT / 'checkpoints')}"
+        for p in (ROOT / "checkpoints").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
     assert shipped <= names, sorted(shipped - names)[:5]
-    for need in ("jaxserve/_configs/default.yaml", "jaxserve/_configs/small.yaml",
-                 "jaxserve/_configs/models/smollm2-135m/config.json", "jaxserve/_checkpoints/small/generation_config.json",
-                 "jaxserve/_checkpoints/default/generation_config.json", "jaxserve/cli.py"):
+    for need in (
+        "jaxserve/_configs/default.yaml",
+        "jaxserve/_configs/small.yaml",
+        "jaxserve/_configs/models/smollm2-135m/config.json",
+        "jaxserve/_checkpoints/small/generation_config.json",
+        "jaxserve/_checkpoints/default/generation_config.json",
+        "jaxserve/cli.py",
+    ):
         assert need in names
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
     entry_points = wheel.read([n for n in names if n.endswith("entry_points.txt")][0]).decode()

@@ -80,14 +80,41 @@ def test_8bit_kv_cache_halves_kv_and_fits_more(kv, per_head):
 
 
 def test_planner_names_the_fp8_cache(capsys):
-    assert planner.main(["--model", "configs/models/llama3-70b", "--device", "h100", "--devices", "8",
-                         "--kv-cache-dtype", "fp8_e5m2", "--context", "8192"]) == 0
+    assert (
+        planner.main(
+            [
+                "--model",
+                "configs/models/llama3-70b",
+                "--device",
+                "h100",
+                "--devices",
+                "8",
+                "--kv-cache-dtype",
+                "fp8_e5m2",
+                "--context",
+                "8192",
+            ]
+        )
+        == 0
+    )
     assert "KV cache float8 e5m2 (+ f32 scales per layer)" in capsys.readouterr().out
 
 
 def test_refuses_parameters_that_do_not_fit(capsys):
-    code = planner.main(["--model", "configs/models/llama3-70b", "--device", "h100", "--devices", "1",
-                         "--dtype", "bfloat16", "--context", "8192"])
+    code = planner.main(
+        [
+            "--model",
+            "configs/models/llama3-70b",
+            "--device",
+            "h100",
+            "--devices",
+            "1",
+            "--dtype",
+            "bfloat16",
+            "--context",
+            "8192",
+        ]
+    )
     assert code == planner.EXIT_DOES_NOT_FIT
     err = capsys.readouterr().err
     # 70.55 B parameters x 2 bytes = 131.42 GiB against 0.9 x 80 GiB = 72 GiB usable.
@@ -103,8 +130,12 @@ def test_refuses_a_batch_that_does_not_fit(capsys):
 def test_refuses_a_context_longer_than_the_cache():
     # SmolLM2-135M in bf16 on a 300 MiB device: 256.6 MiB of parameters leave 13.4 MiB of the 270 MiB
     # usable, and one 8192-token sequence needs 512 pages x 16 tokens x 22.5 KiB = 180 MiB.
-    plan = make_plan(model("smollm2-135m"), Target.build(get_device("h100"), (1, 1), device_memory=300 * 2**20),
-                     dtype="bfloat16", context=8192)
+    plan = make_plan(
+        model("smollm2-135m"),
+        Target.build(get_device("h100"), (1, 1), device_memory=300 * 2**20),
+        dtype="bfloat16",
+        context=8192,
+    )
     assert not plan.fits and plan.max_batch == 0 and not plan.decode
     assert "one sequence of 8192 tokens needs 180.00 MiB of KV per device" in plan.problems[0]
     budget = int(0.9 * 300 * 2**20) - plan.param_bytes_per_device
@@ -120,13 +151,15 @@ def test_model_axis_must_divide_the_heads():
 @pytest.mark.parametrize("name", ["smollm2-135m", "llama3-8b"])
 def test_one_device_holds_model_config_param_bytes(name, quantization, quantize_lm_head):
     cfg = model(name)
-    assert param_bytes_per_device(cfg, 2, quantization, quantize_lm_head, 1) == \
-        cfg.param_bytes(2, quantization, quantize_lm_head)
+    assert param_bytes_per_device(cfg, 2, quantization, quantize_lm_head, 1) == cfg.param_bytes(
+        2, quantization, quantize_lm_head
+    )
 
 
 # A tiny model with 4 query heads and 2 KV heads: on a model axis of 4 its KV heads are replicated.
-TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=16)
+TINY = ModelConfig(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+)
 
 
 @pytest.mark.parametrize("quantization,quantize_lm_head", [("none", False), ("int8", False), ("int8", True)])
@@ -144,10 +177,13 @@ def test_bytes_per_device_match_the_engine_shardings(mesh_shape, quantization, q
         return quant.quantize_params(params, quantize_lm_head, "int8", group) if quantization == "int8" else params
 
     shapes = jax.tree.leaves(jax.eval_shape(abstract_params))
-    shardings = make_shardings(TINY, make_mesh(mesh_shape), quantization=quantization,
-                               quantize_lm_head=quantize_lm_head)
-    on_device = sum(x.dtype.itemsize * math.prod(sh.shard_shape(x.shape))
-                    for x, sh in zip(shapes, jax.tree.leaves(shardings.params), strict=True))
+    shardings = make_shardings(
+        TINY, make_mesh(mesh_shape), quantization=quantization, quantize_lm_head=quantize_lm_head
+    )
+    on_device = sum(
+        x.dtype.itemsize * math.prod(sh.shard_shape(x.shape))
+        for x, sh in zip(shapes, jax.tree.leaves(shardings.params), strict=True)
+    )
     data, size = mesh_shape
     assert on_device == param_bytes_per_device(TINY, 4, quantization, quantize_lm_head, model_size=size)
     num_pages, page_size = 8, 4
@@ -161,8 +197,9 @@ def test_roofline_functions_by_hand():
     assert roofline.ring_allreduce_seconds(1e6, 1, 1e9) == 0
     assert roofline.ring_allreduce_seconds(1e6, 8, 1e9) == pytest.approx(2 * 7 / 8 * 1e-3)
     # Two all-reduces of [B, D] per layer: 32 layers x 2 x ring(16 x 4096 x 2 bytes) over 8 devices.
-    assert roofline.tp_allreduce_seconds(16, 4096, 2, 32, 8, 450e9) == \
-        pytest.approx(64 * 2 * 7 / 8 * 16 * 4096 * 2 / 450e9)
+    assert roofline.tp_allreduce_seconds(16, 4096, 2, 32, 8, 450e9) == pytest.approx(
+        64 * 2 * 7 / 8 * 16 * 4096 * 2 / 450e9
+    )
     assert roofline.matmul_flops(8e9, 4) == 6.4e10
     assert roofline.attention_flops(32, 128, 32, 2, 1000) == 4 * 32 * 128 * 32 * 2 * 1000
     assert roofline.step_seconds(2.0, 1.0, 0.5) == 2.5
@@ -208,20 +245,50 @@ def test_cli_prints_the_plan(capsys):
     assert planner.main(["--config", "configs/llama3-70b-tp8-int8.yaml", "--device", "h100"]) == 0
     out = capsys.readouterr().out
     assert "9.46 GiB" in out and "40.00 KiB" in out and "200" in out and "$/M tokens" in out
-    assert planner.main(["--model", "configs/models/llama3-8b", "--device", "tpu-v6e", "--devices", "4",
-                         "--context", "8192", "--json"]) == 0
+    assert (
+        planner.main(
+            [
+                "--model",
+                "configs/models/llama3-8b",
+                "--device",
+                "tpu-v6e",
+                "--devices",
+                "4",
+                "--context",
+                "8192",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert '"fits": true' in capsys.readouterr().out
     assert planner.main(["--model", "configs/models/llama3-8b", "--device", "nope"]) == 1
     assert "unknown device" in capsys.readouterr().err
     assert math.isfinite(Target.build(get_device("h100"), (1, 1)).bandwidth)
 
 
-@pytest.mark.parametrize("argv,mesh", [
-    (["--model", "configs/models/smollm2-135m", "--device", "tpu-v5e", "--devices", "8"], "8,1"),  # 9 heads: DP
-    (["--model", "configs/models/llama3-70b", "--quantization", "int8", "--device", "tpu-v5e", "--devices", "8",
-      "--context", "8192"], "1,8"),
-    (["--model", "configs/models/llama3-70b", "--device", "tpu-v5e", "--devices", "8", "--context", "8192"], None),
-])
+@pytest.mark.parametrize(
+    "argv,mesh",
+    [
+        (["--model", "configs/models/smollm2-135m", "--device", "tpu-v5e", "--devices", "8"], "8,1"),  # 9 heads: DP
+        (
+            [
+                "--model",
+                "configs/models/llama3-70b",
+                "--quantization",
+                "int8",
+                "--device",
+                "tpu-v5e",
+                "--devices",
+                "8",
+                "--context",
+                "8192",
+            ],
+            "1,8",
+        ),
+        (["--model", "configs/models/llama3-70b", "--device", "tpu-v5e", "--devices", "8", "--context", "8192"], None),
+    ],
+)
 def test_suggest_mesh(argv, mesh, capsys):
     code = planner.main(argv + ["--suggest-mesh"])
     out = capsys.readouterr().out
@@ -236,8 +303,11 @@ def test_readme_planner_commands_run(capsys):
     import shlex
 
     readme = (REPO / "README.md").read_text()
-    commands = [line.split("python -m jaxserve.plan", 1)[1] for line in readme.splitlines()
-                if line.startswith("python -m jaxserve.plan") and "--measure-bandwidth" not in line]
+    commands = [
+        line.split("python -m jaxserve.plan", 1)[1]
+        for line in readme.splitlines()
+        if line.startswith("python -m jaxserve.plan") and "--measure-bandwidth" not in line
+    ]
     assert len(commands) >= 3
     for command in commands:
         assert planner.main(shlex.split(command)) == 0, command

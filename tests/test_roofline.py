@@ -73,7 +73,10 @@ def test_crossover_batch_is_where_the_bounds_meet(cfg):
     for context in (1, 128):
         b = roofline.crossover_batch(roof, context)
         assert b is not None and b > 0
-        lo, hi = roofline.decode_bound(roof, math.floor(b), context), roofline.decode_bound(roof, math.ceil(b) + 1, context)
+        lo, hi = (
+            roofline.decode_bound(roof, math.floor(b), context),
+            roofline.decode_bound(roof, math.ceil(b) + 1, context),
+        )
         assert lo["bound_by"] == "memory" and hi["bound_by"] == "compute"
         # exactly equal at the (fractional) crossover
         memory = (roof.param_bytes + b * context * roof.kv_bytes_per_token) / roof.bandwidth
@@ -96,8 +99,12 @@ def test_crossover_scales_with_the_ridge(cfg):
 
 
 def test_first_compute_bound():
-    pts = [{"batch": 1, "bound_by": "memory"}, {"batch": 16, "bound_by": "compute"},
-           {"batch": 8, "bound_by": "compute"}, {"batch": 4, "bound_by": "memory"}]
+    pts = [
+        {"batch": 1, "bound_by": "memory"},
+        {"batch": 16, "bound_by": "compute"},
+        {"batch": 8, "bound_by": "compute"},
+        {"batch": 4, "bound_by": "memory"},
+    ]
     assert roofline.first_compute_bound(pts) == 8
     assert roofline.first_compute_bound(pts[:1]) is None
 
@@ -116,8 +123,14 @@ def test_measured_knee():
 
 
 def test_breakdown_splits_nested_variants():
-    times = {"weight_matmuls": 0.040, "model_no_attention": 0.045, "model": 0.050, "step_pipelined": 0.052,
-             "step_synced": 0.053, "engine_execute": 0.060}
+    times = {
+        "weight_matmuls": 0.040,
+        "model_no_attention": 0.045,
+        "model": 0.050,
+        "step_pipelined": 0.052,
+        "step_synced": 0.053,
+        "engine_execute": 0.060,
+    }
     rows = roofline.breakdown(times)
     assert [r["variant"] for r in rows] == [k for k, _ in roofline.PROFILE_PARTS]
     assert [round(r["ms"], 6) for r in rows] == [40.0, 5.0, 5.0, 2.0, 1.0, 7.0]

@@ -69,17 +69,23 @@ def ref_distribution(logits, temperature, top_k, top_p, min_p):
 
 
 # ---- filtering -----------------------------------------------------------------------------------
-row_params = st.fixed_dictionaries({
-    "temperature": st.floats(0.05, 3.0),
-    "top_k": st.one_of(st.just(0), st.integers(1, V + 5)),
-    "top_p": st.one_of(st.just(1.0), st.floats(0.01, 1.0)),
-    "min_p": st.one_of(st.just(0.0), st.floats(0.0, 0.95)),
-})
+row_params = st.fixed_dictionaries(
+    {
+        "temperature": st.floats(0.05, 3.0),
+        "top_k": st.one_of(st.just(0), st.integers(1, V + 5)),
+        "top_p": st.one_of(st.just(1.0), st.floats(0.01, 1.0)),
+        "min_p": st.one_of(st.just(0.0), st.floats(0.0, 0.95)),
+    }
+)
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(params=st.lists(row_params, min_size=4, max_size=4), seed=st.integers(0, 2**32 - 1),
-       scale=st.floats(0.1, 20.0), quantum=st.sampled_from([0.0, 0.5]))
+@given(
+    params=st.lists(row_params, min_size=4, max_size=4),
+    seed=st.integers(0, 2**32 - 1),
+    scale=st.floats(0.1, 20.0),
+    quantum=st.sampled_from([0.0, 0.5]),
+)
 def test_filters_never_emit_a_disallowed_token(params, seed, scale, quantum):
     """Four parameter sets x 16 rows each (different steps = independent draws) in one batch."""
     rng = np.random.default_rng(seed % 2**32)
@@ -99,8 +105,20 @@ def test_one_compilation_serves_every_parameter_mix():
     mixes = [
         [RowSampling()] * 64,
         [RowSampling(temperature=1.0, seed=i) for i in range(64)],
-        [RowSampling(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.3,
-                     presence_penalty=0.5, frequency_penalty=0.2, prompt_ids=[1, 2], output_ids=[3])] * 64,
+        [
+            RowSampling(
+                temperature=0.7,
+                top_k=5,
+                top_p=0.9,
+                min_p=0.1,
+                repetition_penalty=1.3,
+                presence_penalty=0.5,
+                frequency_penalty=0.2,
+                prompt_ids=[1, 2],
+                output_ids=[3],
+            )
+        ]
+        * 64,
     ]
     run(logits, mixes[0])
     compiled = sample_jit._cache_size()
@@ -135,11 +153,20 @@ def test_same_seed_and_step_give_the_same_token_in_any_batch():
     target_logits = rng.normal(size=V).astype(np.float32) * 2
 
     def other_rows(n):
-        return [RowSampling(temperature=float(rng.choice([0.0, 1.3])), top_k=int(rng.choice([0, 7])),
-                            top_p=float(rng.choice([1.0, 0.6])), min_p=float(rng.choice([0.0, 0.2])),
-                            repetition_penalty=float(rng.choice([1.0, 1.5])), seed=int(rng.integers(2**32)),
-                            step=int(rng.integers(100)), prompt_ids=[1, 2, 3], output_ids=[4])
-                for _ in range(n)]
+        return [
+            RowSampling(
+                temperature=float(rng.choice([0.0, 1.3])),
+                top_k=int(rng.choice([0, 7])),
+                top_p=float(rng.choice([1.0, 0.6])),
+                min_p=float(rng.choice([0.0, 0.2])),
+                repetition_penalty=float(rng.choice([1.0, 1.5])),
+                seed=int(rng.integers(2**32)),
+                step=int(rng.integers(100)),
+                prompt_ids=[1, 2, 3],
+                output_ids=[4],
+            )
+            for _ in range(n)
+        ]
 
     for target_params in (dict(temperature=0.9), dict(temperature=1.1, top_k=9, top_p=0.8, min_p=0.02)):
         seen = []
@@ -162,21 +189,26 @@ def test_same_seed_and_step_give_the_same_token_in_any_batch():
 
 
 # ---- distributions -------------------------------------------------------------------------------
-@pytest.mark.parametrize("params", [
-    dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
-    dict(temperature=0.5, top_k=5, top_p=1.0, min_p=0.0),
-    dict(temperature=1.5, top_k=0, top_p=0.8, min_p=0.05),
-    dict(temperature=1.0, top_k=6, top_p=0.7, min_p=0.0),  # top-p over the renormalised top-k mass
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+        dict(temperature=0.5, top_k=5, top_p=1.0, min_p=0.0),
+        dict(temperature=1.5, top_k=0, top_p=0.8, min_p=0.05),
+        dict(temperature=1.0, top_k=6, top_p=0.7, min_p=0.0),  # top-p over the renormalised top-k mass
+    ],
+)
 def test_empirical_distribution_matches_softmax(params):
     n, vocab = 64 * 64, 16
     # The other V - 16 entries are masked (-inf), as padded vocabularies are: they must never come out.
     logits = np.full(V, -np.inf, np.float32)
     logits[:vocab] = np.random.default_rng(4).normal(size=vocab)
-    tokens = np.concatenate([
-        run(np.tile(logits, (64, 1)), [RowSampling(**params, seed=77, step=s) for s in range(i, i + 64)]).tokens
-        for i in range(0, n, 64)
-    ])
+    tokens = np.concatenate(
+        [
+            run(np.tile(logits, (64, 1)), [RowSampling(**params, seed=77, step=s) for s in range(i, i + 64)]).tokens
+            for i in range(0, n, 64)
+        ]
+    )
     expected = ref_distribution(logits, **params)
     counts = np.bincount(tokens, minlength=V)
     assert counts[expected == 0].sum() == 0
@@ -196,16 +228,27 @@ def test_penalties_match_numpy_reference():
     for b in range(B):
         prompt = rng.integers(0, V - 1, size=int(rng.integers(0, 8))).tolist()
         output = rng.integers(0, 12, size=int(rng.integers(0, 9))).tolist()  # small ids: repeats
-        rows.append(RowSampling(repetition_penalty=float(rng.choice([1.0, 0.7, 1.8])),
-                                presence_penalty=float(rng.choice([0.0, 0.5, -1.0])),
-                                frequency_penalty=float(rng.choice([0.0, 0.3, -0.4])),
-                                prompt_ids=prompt, output_ids=output))
+        rows.append(
+            RowSampling(
+                repetition_penalty=float(rng.choice([1.0, 0.7, 1.8])),
+                presence_penalty=float(rng.choice([0.0, 0.5, -1.0])),
+                frequency_penalty=float(rng.choice([0.0, 0.3, -0.4])),
+                prompt_ids=prompt,
+                output_ids=output,
+            )
+        )
     rows[0] = dataclass_replace(rows[0], repetition_penalty=1.5, presence_penalty=0.25, frequency_penalty=0.5)
     st_ = SamplingTensors.pack(rows, B, Lh)
     got = np.asarray(penalties_jit(logits, st_))
     for b, r in enumerate(rows):
-        want = ref_penalties(logits[b], list(r.prompt_ids), list(r.output_ids), r.repetition_penalty,
-                             r.presence_penalty, r.frequency_penalty)
+        want = ref_penalties(
+            logits[b],
+            list(r.prompt_ids),
+            list(r.output_ids),
+            r.repetition_penalty,
+            r.presence_penalty,
+            r.frequency_penalty,
+        )
         np.testing.assert_allclose(got[b], want, rtol=1e-6, atol=1e-6, err_msg=f"row {b}: {r}")
     # Greedy decoding sees the penalised logits; logprobs stay those of the raw model output.
     out = run(logits, rows, history_len=Lh, want_logprobs=MAX_LOGPROBS)
@@ -217,14 +260,16 @@ def test_penalty_semantics_by_hand():
     logits = np.zeros((1, V), np.float32)
     logits[0, :4] = [2.0, -2.0, 2.0, 2.0]
     # token 0 in the prompt only; 1 in the prompt; 2 twice in the output; 3 never seen.
-    row = RowSampling(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25,
-                      prompt_ids=[0, 1], output_ids=[2, 2])
+    row = RowSampling(
+        repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25, prompt_ids=[0, 1], output_ids=[2, 2]
+    )
     got = np.asarray(penalties_jit(np.tile(logits, (64, 1)), SamplingTensors.pack([row], 64, 16)))[0, :4]
     np.testing.assert_allclose(got, [1.0, -4.0, 1.0 - 0.5 - 0.5, 2.0])
 
 
 def dataclass_replace(row, **changes):
     import dataclasses
+
     return dataclasses.replace(row, **changes)
 
 
@@ -233,9 +278,18 @@ def dataclass_replace(row, **changes):
 def test_logprobs_of_chosen_and_top_n(n):
     rng = np.random.default_rng(6)
     logits = (rng.normal(size=(64, V)) * 4).astype(np.float32)
-    rows = [RowSampling(temperature=float(t), top_k=10, seed=3, step=i, repetition_penalty=1.2, prompt_ids=[5],
-                        logprobs=n if i == 5 else 0)  # one row asking computes the top-N of every row
-            for i, t in enumerate(np.linspace(0, 2, 64))]
+    rows = [
+        RowSampling(
+            temperature=float(t),
+            top_k=10,
+            seed=3,
+            step=i,
+            repetition_penalty=1.2,
+            prompt_ids=[5],
+            logprobs=n if i == 5 else 0,
+        )  # one row asking computes the top-N of every row
+        for i, t in enumerate(np.linspace(0, 2, 64))
+    ]
     out = run(logits, rows, want_logprobs=n)
     ref = log_softmax(logits)
     np.testing.assert_allclose(out.logprobs, ref[np.arange(64), out.tokens], atol=1e-5)
@@ -256,8 +310,13 @@ def test_top_logprobs_are_skipped_when_no_row_asks():
 
 # ---- packing -------------------------------------------------------------------------------------
 def test_pack_layout_padding_and_batch_shapes():
-    rows = [RowSampling(temperature=0.5, top_k=-1, seed=2**32 - 1, step=3, frequency_penalty=0.1,
-                        prompt_ids=[7, 8], output_ids=[9]), None, RowSampling(prompt_ids=[1] * 50)]
+    rows = [
+        RowSampling(
+            temperature=0.5, top_k=-1, seed=2**32 - 1, step=3, frequency_penalty=0.1, prompt_ids=[7, 8], output_ids=[9]
+        ),
+        None,
+        RowSampling(prompt_ids=[1] * 50),
+    ]
     st_ = SamplingTensors.pack(rows, (2, 3), history_len=4)
     assert st_.temperature.shape == (2, 3) and st_.history.shape == (2, 3, 4)
     assert st_.top_k[0, 0] == 0 and st_.seed[0, 0] == 2**32 - 1 and st_.seed.dtype == np.uint32
@@ -276,10 +335,12 @@ def test_pack_layout_padding_and_batch_shapes():
 def test_leading_batch_dims_equal_flat_batch():
     rng = np.random.default_rng(7)
     logits = rng.normal(size=(4, 16, V)).astype(np.float32)
-    rows = [RowSampling(temperature=1.0, top_p=0.9, seed=i, step=i, presence_penalty=0.3, output_ids=[1])
-            for i in range(64)]
-    nested = jax.tree.map(np.asarray, sample_jit(logits, SamplingTensors.pack(rows, (4, 16), 16),
-                                                 want_logprobs=MAX_LOGPROBS))
+    rows = [
+        RowSampling(temperature=1.0, top_p=0.9, seed=i, step=i, presence_penalty=0.3, output_ids=[1]) for i in range(64)
+    ]
+    nested = jax.tree.map(
+        np.asarray, sample_jit(logits, SamplingTensors.pack(rows, (4, 16), 16), want_logprobs=MAX_LOGPROBS)
+    )
     flat = run(logits.reshape(64, V), rows, want_logprobs=MAX_LOGPROBS)
     assert nested.tokens.shape == (4, 16) and nested.top_ids.shape == (4, 16, MAX_LOGPROBS)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a.reshape(b.shape), b), nested, flat)
@@ -323,10 +384,17 @@ def test_logit_bias_pack_layout():
     assert row.logit_bias == {4: 2.0}
 
 
-@pytest.mark.parametrize("bias,needle", [
-    ({1: 100.5}, r"\[-100, 100\]"), ({1: float("nan")}, r"\[-100, 100\]"), ({"a": 1}, "token ids"),
-    ({-1: 1}, "negative"), ({i: 0 for i in range(301)}, "at most 300"), ([1, 2], "map"),
-])
+@pytest.mark.parametrize(
+    "bias,needle",
+    [
+        ({1: 100.5}, r"\[-100, 100\]"),
+        ({1: float("nan")}, r"\[-100, 100\]"),
+        ({"a": 1}, "token ids"),
+        ({-1: 1}, "negative"),
+        ({i: 0 for i in range(301)}, "at most 300"),
+        ([1, 2], "map"),
+    ],
+)
 def test_logit_bias_validation(bias, needle):
     from jaxserve.errors import RequestError
 

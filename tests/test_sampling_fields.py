@@ -60,21 +60,24 @@ def test_sampling_params_refuses_out_of_range_values_naming_the_field(field):
             SamplingParams(**{field.name: value})
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
-    ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
-    ({"top_k": -5}, "top_k must be 0 or -1 (no limit) or a positive integer, got -5"),
-    ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
-    ({"seed": 2**32}, "seed must be in [0, 2**32), got 4294967296"),
-    ({"n": 0}, "n must be an integer >= 1, got 0"),
-    ({"min_tokens": -1}, "min_tokens must be an integer >= 0, got -1"),
-    ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5"),
-    ({"repetition_penalty": 0}, "repetition_penalty must be > 0, got 0"),
-    ({"presence_penalty": 3}, "presence_penalty must be in [-2, 2], got 3"),
-    ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2], got -3"),
-    ({"logprobs": 21}, "logprobs must be an integer in [0, 20], got 21"),
-    ({"prompt_logprobs": -1}, "prompt_logprobs must be an integer in [0, 20], got -1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
+        ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
+        ({"top_k": -5}, "top_k must be 0 or -1 (no limit) or a positive integer, got -5"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+        ({"seed": 2**32}, "seed must be in [0, 2**32), got 4294967296"),
+        ({"n": 0}, "n must be an integer >= 1, got 0"),
+        ({"min_tokens": -1}, "min_tokens must be an integer >= 0, got -1"),
+        ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be > 0, got 0"),
+        ({"presence_penalty": 3}, "presence_penalty must be in [-2, 2], got 3"),
+        ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2], got -3"),
+        ({"logprobs": 21}, "logprobs must be an integer in [0, 20], got 21"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs must be an integer in [0, 20], got -1"),
+    ],
+)
 def test_messages_are_those_of_before_the_table(kwargs, message):
     with pytest.raises(RequestError) as err:
         SamplingParams(**kwargs)
@@ -111,11 +114,24 @@ def test_api_bounds_are_validation_errors_and_params_bounds_are_request_errors()
 def test_server_hands_the_table_request_fields_to_sampling_params():
     table = {f.name for f in FIELDS if f.request}
     assert set(requests._SAMPLING_FIELDS) == table | {"logit_bias"}
-    body = protocol.CompletionRequest(prompt="x", temperature=0.5, top_k=3, presence_penalty=1.0, ignore_eos=True,
-                                      prompt_logprobs=2, logit_bias={"7": 1.0})
+    body = protocol.CompletionRequest(
+        prompt="x",
+        temperature=0.5,
+        top_k=3,
+        presence_penalty=1.0,
+        ignore_eos=True,
+        prompt_logprobs=2,
+        logit_bias={"7": 1.0},
+    )
     params = SamplingParams(**requests._sampling_values(body))
-    assert (params.temperature, params.top_k, params.presence_penalty, params.ignore_eos, params.prompt_logprobs,
-            params.logit_bias) == (0.5, 3, 1.0, True, 2, {7: 1.0})
+    assert (
+        params.temperature,
+        params.top_k,
+        params.presence_penalty,
+        params.ignore_eos,
+        params.prompt_logprobs,
+        params.logit_bias,
+    ) == (0.5, 3, 1.0, True, 2, {7: 1.0})
 
 
 def test_generation_config_reads_the_table_config_keys():
@@ -139,9 +155,14 @@ def test_sampling_tensors_carry_the_table_device_fields():
     for field in DEVICE_FIELDS:
         assert row_fields[field.name].default == field.device.idle, field.name  # a padding row is idle
         assert ROW_SCALARS[field.name] == (field.device.dtype, field.device.idle)
-    packed = SamplingTensors.pack([RowSampling.from_params(SamplingParams(temperature=0.5, top_k=7, min_p=0.1,
-                                                                          frequency_penalty=0.5), seed=3, step=2)],
-                                  (2,))
+    packed = SamplingTensors.pack(
+        [
+            RowSampling.from_params(
+                SamplingParams(temperature=0.5, top_k=7, min_p=0.1, frequency_penalty=0.5), seed=3, step=2
+            )
+        ],
+        (2,),
+    )
     spec = SamplingTensors.spec((2,), 1)
     for name, (dtype, idle) in ROW_SCALARS.items():
         array = getattr(packed, name)
@@ -152,7 +173,9 @@ def test_sampling_tensors_carry_the_table_device_fields():
 
 
 def test_server_path_imports_no_jax():
-    code = ("import sys, jaxserve.sampling.fields, jaxserve.sampling.params, jaxserve.server.protocol, "
-            "jaxserve.server.requests, jaxserve.config.generation_config; "
-            "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m and 'jaxserve' not in m)")
+    code = (
+        "import sys, jaxserve.sampling.fields, jaxserve.sampling.params, jaxserve.server.protocol, "
+        "jaxserve.server.requests, jaxserve.config.generation_config; "
+        "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m and 'jaxserve' not in m)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

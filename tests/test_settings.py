@@ -7,9 +7,19 @@ from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
 
 CUSTOM = dict(
-    model="/models/x", tokenizer="/tok", dtype="bfloat16", load_format="dummy", seed=7, page_size=32,
-    kv_cache_memory="4GiB", max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=1024,
-    mesh_shape=[2, 4], scan_layers=True, attention_backend="reference",
+    model="/models/x",
+    tokenizer="/tok",
+    dtype="bfloat16",
+    load_format="dummy",
+    seed=7,
+    page_size=32,
+    kv_cache_memory="4GiB",
+    max_model_len=4096,
+    max_num_seqs=64,
+    max_num_batched_tokens=1024,
+    mesh_shape=[2, 4],
+    scan_layers=True,
+    attention_backend="reference",
 )
 
 
@@ -19,11 +29,38 @@ def test_keywords_yaml_and_cli_round_trip(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg.to_dict()))
     assert EngineConfig.from_yaml(str(path)) == cfg
-    assert EngineConfig.from_cli([
-        "--model", "/models/x", "--tokenizer", "/tok", "--dtype", "bfloat16", "--load-format", "dummy", "--seed", "7",
-        "--page-size", "32", "--kv-cache-memory", "4GiB", "--max-model-len", "4096", "--max-num-seqs", "64",
-        "--max-num-batched-tokens", "1024", "--mesh-shape", "2,4", "--scan-layers", "--attention-backend",
-        "reference"]) == cfg
+    assert (
+        EngineConfig.from_cli(
+            [
+                "--model",
+                "/models/x",
+                "--tokenizer",
+                "/tok",
+                "--dtype",
+                "bfloat16",
+                "--load-format",
+                "dummy",
+                "--seed",
+                "7",
+                "--page-size",
+                "32",
+                "--kv-cache-memory",
+                "4GiB",
+                "--max-model-len",
+                "4096",
+                "--max-num-seqs",
+                "64",
+                "--max-num-batched-tokens",
+                "1024",
+                "--mesh-shape",
+                "2,4",
+                "--scan-layers",
+                "--attention-backend",
+                "reference",
+            ]
+        )
+        == cfg
+    )
     assert EngineConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -95,8 +132,10 @@ def test_cli_spelling_leaves_prose_alone():
 
     names = ["model", "max_model_len", "seed"]
     assert cli_spelling("the model directory 'x' has no config", names) == "the model directory 'x' has no config"
-    assert cli_spelling("max_model_len (4096) exceeds the model's limit", names) == \
-        "--max-model-len (4096) exceeds the model's limit"
+    assert (
+        cli_spelling("max_model_len (4096) exceeds the model's limit", names)
+        == "--max-model-len (4096) exceeds the model's limit"
+    )
     assert cli_spelling("setting 'seed': expected an integer", names) == "--seed: expected an integer"
 
 
@@ -114,12 +153,19 @@ def test_help_is_grouped():
 # ---- vLLM's spellings: tensor_parallel_size / data_parallel_size fold into mesh_shape ---------------------
 def test_parallel_sizes_are_mesh_shape():
     cfg = EngineConfig(tensor_parallel_size=4)
-    assert cfg.mesh_shape == (1, 4) and cfg == EngineConfig(mesh_shape=(1, 4)) and hash(cfg) == hash(
-        EngineConfig(mesh_shape=(1, 4)))
+    assert (
+        cfg.mesh_shape == (1, 4)
+        and cfg == EngineConfig(mesh_shape=(1, 4))
+        and hash(cfg) == hash(EngineConfig(mesh_shape=(1, 4)))
+    )
     assert cfg.tensor_parallel_size is None  # folded: mesh_shape is the one source of truth
     assert EngineConfig(tensor_parallel_size=2, data_parallel_size=3).mesh_shape == (3, 2)
     assert EngineConfig(mesh_shape=(2, 4), tensor_parallel_size=4).mesh_shape == (2, 4)  # agreeing is fine
-    for argv in (["-tp", "4", "-dp", "2"], ["--tensor-parallel-size", "4", "--data-parallel-size=2"], ["-tp=4", "-dp=2"]):
+    for argv in (
+        ["-tp", "4", "-dp", "2"],
+        ["--tensor-parallel-size", "4", "--data-parallel-size=2"],
+        ["-tp=4", "-dp=2"],
+    ):
         assert EngineConfig.from_cli(argv).mesh_shape == (2, 4)
 
 
@@ -154,10 +200,14 @@ def test_parallel_sizes_round_trip_as_mesh_shape(tmp_path):
 
 
 def test_hub_and_memory_settings():
-    cfg = EngineConfig.from_cli(["--revision", "refs/pr/3", "--download-dir", "/cache", "--gpu-memory-utilization",
-                                 "0.8"])
+    cfg = EngineConfig.from_cli(
+        ["--revision", "refs/pr/3", "--download-dir", "/cache", "--gpu-memory-utilization", "0.8"]
+    )
     assert (cfg.revision, cfg.download_dir, cfg.gpu_memory_utilization) == ("refs/pr/3", "/cache", 0.8)
-    assert EngineConfig().gpu_memory_utilization == 0.9 and EngineConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1
+    assert (
+        EngineConfig().gpu_memory_utilization == 0.9
+        and EngineConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1
+    )
     for bad in (0, 1.5, -0.1):
         with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
             EngineConfig(gpu_memory_utilization=bad)
@@ -167,15 +217,31 @@ def test_hub_and_memory_settings():
 def test_list_setting_takes_several_values_after_its_flag(tmp_path):
     """--lora-modules (vLLM's spelling): several NAME=PATH or JSON values after one flag, a repeated flag
     adds to them, and flags replace the YAML's list."""
-    cfg = EngineConfig.from_cli(["--enable-lora", "--lora-modules", "a=/p/a", "b=/p/b",
-                                 '{"name": "c", "path": "/p/c", "base_model_name": "base"}',
-                                 "--lora-modules", "d=/p/d", "--max-loras", "2"])
+    cfg = EngineConfig.from_cli(
+        [
+            "--enable-lora",
+            "--lora-modules",
+            "a=/p/a",
+            "b=/p/b",
+            '{"name": "c", "path": "/p/c", "base_model_name": "base"}',
+            "--lora-modules",
+            "d=/p/d",
+            "--max-loras",
+            "2",
+        ]
+    )
     assert [(r.lora_name, r.lora_int_id, r.lora_path, r.base_model_name) for r in cfg.lora_modules] == [
-        ("a", 1, "/p/a", None), ("b", 2, "/p/b", None), ("c", 3, "/p/c", "base"), ("d", 4, "/p/d", None)]
+        ("a", 1, "/p/a", None),
+        ("b", 2, "/p/b", None),
+        ("c", 3, "/p/c", "base"),
+        ("d", 4, "/p/d", None),
+    ]
     assert cfg.max_loras == 2
     path = tmp_path / "c.yaml"
     path.write_text("enable_lora: true\nlora_modules: [x=/p/x, {name: y, path: /p/y}]\n")
     assert [r.lora_name for r in EngineConfig.from_cli(["--config", str(path)]).lora_modules] == ["x", "y"]
-    assert [r.lora_name for r in EngineConfig.from_cli(["--config", str(path), "--lora-modules", "z=/p/z"]).lora_modules] == ["z"]
+    assert [
+        r.lora_name for r in EngineConfig.from_cli(["--config", str(path), "--lora-modules", "z=/p/z"]).lora_modules
+    ] == ["z"]
     with pytest.raises(SystemExit):  # a list flag needs at least one value
         EngineConfig.from_cli(["--enable-lora", "--lora-modules"])

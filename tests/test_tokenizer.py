@@ -48,8 +48,14 @@ REAL_STRINGS = [
 # Code point ranges random strings draw from: ASCII (twice as likely), Latin, Greek/Cyrillic,
 # CJK, Hangul, emoji, and a rarely-seen astral block (always byte fallback).
 _RANGES = [
-    (0x20, 0x7E), (0x20, 0x7E), (0xA0, 0x24F), (0x370, 0x4FF), (0x4E00, 0x9FFF),
-    (0xAC00, 0xD7A3), (0x1F300, 0x1FAFF), (0x10000, 0x1007F),
+    (0x20, 0x7E),
+    (0x20, 0x7E),
+    (0xA0, 0x24F),
+    (0x370, 0x4FF),
+    (0x4E00, 0x9FFF),
+    (0xAC00, 0xD7A3),
+    (0x1F300, 0x1FAFF),
+    (0x10000, 0x1007F),
 ]
 
 
@@ -175,7 +181,7 @@ def test_shipped_smollm2_shape_tokenizer():
     text = "def f(x):\n    return x  # héllo 🎉\n"
     assert tok.decode(tok.encode(text)) == text
     every = list(range(model_vocab))
-    assert tok.decode(every) == tok.decode(every[:tok.vocab_size])
+    assert tok.decode(every) == tok.decode(every[: tok.vocab_size])
     _check_stream(tok, every[::-97], random.Random(5), skip=False)
 
 
@@ -215,9 +221,21 @@ def test_cli_and_script_function(tmp_path):
     script = REPO / "scripts" / "make_tokenizer.py"
     # The CLI runs in a fresh process (new hash seed), so this also checks cross-process determinism.
     subprocess.run(
-        [sys.executable, str(script), "--kind", "bytelevel", "--vocab-size", "600",
-         "--max-bytes", "200000", "--out", str(tmp_path / "cli")],
-        check=True, capture_output=True, cwd=tmp_path,
+        [
+            sys.executable,
+            str(script),
+            "--kind",
+            "bytelevel",
+            "--vocab-size",
+            "600",
+            "--max-bytes",
+            "200000",
+            "--out",
+            str(tmp_path / "cli"),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
     )
     make_tokenizer.make_tokenizer(tmp_path / "fn", 600, "bytelevel", max_bytes=200_000)
     assert _digest(tmp_path / "cli") == _digest(tmp_path / "fn")
@@ -272,15 +290,20 @@ def _hf_dir(tmp_path: Path, tok_dirs, name: str, files: dict[str, dict]) -> Path
 def test_eos_bos_discovery_from_config_files(tmp_path, tok_dirs):
     # Llama-3-style: tokenizer_config names one EOS (old AddedToken-dict form), generation_config
     # lists several; all are stop tokens, the tokenizer's own comes first.
-    d = _hf_dir(tmp_path, tok_dirs, "gen", {
-        "tokenizer_config.json": {
-            "eos_token": {"__type": "AddedToken", "content": "<|im_end|>", "special": True},
-            "bos_token": "<|im_start|>",
-            "add_bos_token": True,
+    d = _hf_dir(
+        tmp_path,
+        tok_dirs,
+        "gen",
+        {
+            "tokenizer_config.json": {
+                "eos_token": {"__type": "AddedToken", "content": "<|im_end|>", "special": True},
+                "bos_token": "<|im_start|>",
+                "add_bos_token": True,
+            },
+            "generation_config.json": {"bos_token_id": 0, "eos_token_id": [0, 3]},
+            "config.json": {"eos_token_id": 1},
         },
-        "generation_config.json": {"bos_token_id": 0, "eos_token_id": [0, 3]},
-        "config.json": {"eos_token_id": 1},
-    })
+    )
     tok = load_tokenizer(d)
     assert tok.eos_token_ids == (3, 0, 1) and tok.eos_token_id == 3
     assert tok.bos_token_id == 2 and tok.add_bos_token
@@ -290,7 +313,9 @@ def test_eos_bos_discovery_from_config_files(tmp_path, tok_dirs):
     d = _hf_dir(tmp_path, tok_dirs, "map", {"special_tokens_map.json": {"eos_token": "<|im_end|>"}})
     tok = load_tokenizer(d)
     assert tok.eos_token_ids == (3,) and tok.bos_token_id is None and not tok.add_bos_token
-    d = _hf_dir(tmp_path, tok_dirs, "cfg", {"config.json": {"text_config": {"eos_token_id": [3, 0], "bos_token_id": 2}}})
+    d = _hf_dir(
+        tmp_path, tok_dirs, "cfg", {"config.json": {"text_config": {"eos_token_id": [3, 0], "bos_token_id": 2}}}
+    )
     tok = load_tokenizer(d)
     assert tok.eos_token_ids == (3, 0) and tok.bos_token_id == 2 and not tok.add_bos_token
 
@@ -386,11 +411,11 @@ def _check_stream(tok, ids, rng, skip=True, prompt_ids=None):
         both = tok.decode(list(prompt_ids) + list(ids), skip_special_tokens=skip)
         prefix = tok.decode(prompt_ids, skip_special_tokens=skip)
         assert both.startswith(prefix)
-        full = both[len(prefix):]
+        full = both[len(prefix) :]
     pieces, i = [], 0
     while i < len(ids):
         k = rng.choice((1, 1, 1, 2, 3))
-        delta = det.add(ids[i:i + k] if k > 1 else ids[i])
+        delta = det.add(ids[i : i + k] if k > 1 else ids[i])
         if "\ufffd" not in full:
             assert "\ufffd" not in delta
         pieces.append(delta)
@@ -446,7 +471,7 @@ def test_incremental_leading_space(toks):
     det = IncrementalDetokenizer(tok)
     assert "".join(det.add(i) for i in ids) + det.flush() == "alpha beta  gamma\n delta"
     prompt = tok.encode("Say:")
-    gen = tok.encode("Say: hello", add_special_tokens=False)[len(prompt) - 1:]
+    gen = tok.encode("Say: hello", add_special_tokens=False)[len(prompt) - 1 :]
     det = IncrementalDetokenizer(tok, prompt_ids=prompt)
     assert "".join(det.add(i) for i in gen) == " hello"
 

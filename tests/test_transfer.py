@@ -13,11 +13,26 @@ from jaxserve.model.transfer import Layout, from_buffer
 
 def inputs(R=2, B=3, T=4, P=5):
     rng = np.random.RandomState(0)
-    batch = StepBatch(tokens=rng.randint(-2**31, 2**31 - 1, size=(R, B, T)).astype(np.int32),
-                      start_pos=rng.randint(0, 100, size=(R, B)).astype(np.int32),
-                      num_new=np.ones((R, B), np.int32), page_table=rng.randint(0, 9, size=(R, B, P)).astype(np.int32))
-    rows = [RowSampling(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=2**32 - 1, step=3,
-                        presence_penalty=-1.5, repetition_penalty=1.2, prompt_ids=[1, 2], output_ids=[3])] * (R * B - 1)
+    batch = StepBatch(
+        tokens=rng.randint(-(2**31), 2**31 - 1, size=(R, B, T)).astype(np.int32),
+        start_pos=rng.randint(0, 100, size=(R, B)).astype(np.int32),
+        num_new=np.ones((R, B), np.int32),
+        page_table=rng.randint(0, 9, size=(R, B, P)).astype(np.int32),
+    )
+    rows = [
+        RowSampling(
+            temperature=0.7,
+            top_k=5,
+            top_p=0.9,
+            min_p=0.05,
+            seed=2**32 - 1,
+            step=3,
+            presence_penalty=-1.5,
+            repetition_penalty=1.2,
+            prompt_ids=[1, 2],
+            output_ids=[3],
+        )
+    ] * (R * B - 1)
     sampling = SamplingTensors.pack(rows + [None], (R, B), history_len=8)
     flags = rng.rand(R, B) > 0.5
     return batch, sampling, flags

@@ -30,11 +30,11 @@ def serve_argv(line: str) -> list[str]:
     words = shlex.split(line)
     for i, word in enumerate(words):
         if word == "serve" and i and words[i - 1] == "vllm":
-            return words[i + 1:]
+            return words[i + 1 :]
         if word in ENTRY_POINTS and words[i - 1] == "-m":
-            return words[i + 1:]
+            return words[i + 1 :]
         if word.startswith("vllm/vllm-openai"):
-            return words[i + 1:]
+            return words[i + 1 :]
     raise AssertionError(f"no vLLM server command in {line!r}")
 
 
@@ -72,12 +72,32 @@ def test_published_vllm_line(entry, capsys, monkeypatch):
 
 # ---- vLLM's meaning ---------------------------------------------------------------------------------------
 
+
 def test_mapped_flags_set_our_settings():
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4})
-    ns, s = launch(["org/m", "--block-size", "32", "--num-gpu-blocks-override", "900", "--dtype", "half",
-                    "--enable_expert_parallel", "--speculative-config", spec, "--max-model-len", "32K",
-                    "--max_num_seqs=64", "-q", "int8", "--max-logprobs", "5", "--enforce-eager",
-                    "--disable-uvicorn-access-log"])
+    ns, s = launch(
+        [
+            "org/m",
+            "--block-size",
+            "32",
+            "--num-gpu-blocks-override",
+            "900",
+            "--dtype",
+            "half",
+            "--enable_expert_parallel",
+            "--speculative-config",
+            spec,
+            "--max-model-len",
+            "32K",
+            "--max_num_seqs=64",
+            "-q",
+            "int8",
+            "--max-logprobs",
+            "5",
+            "--enforce-eager",
+            "--disable-uvicorn-access-log",
+        ]
+    )
     assert (s.page_size, s.num_pages, s.dtype, s.moe_parallelism) == (32, 900, "float16", "expert")
     assert (s.speculation, s.num_speculative_tokens, s.prompt_lookup_max) == ("ngram", 5, 4)
     assert (s.max_model_len, s.max_num_seqs, s.quantization, s.max_logprobs) == (32768, 64, "int8", 5)
@@ -94,35 +114,41 @@ def test_a_mapped_flag_and_its_setting_must_agree():
         launch(["org/m", "--block-size", "32", "--page-size", "16"])
 
 
-@pytest.mark.parametrize("argv, reason", [
-    (["--trust-remote-code"], "no remote code runs here"),
-    (["--disable-log-requests"], "does not log prompts or outputs"),
-    (["--swap-space", "16"], "recomputed, never swapped"),
-    (["--pipeline-parallel-size", "1"], "one pipeline stage"),
-    (["--no-enable-chunked-prefill"], "always prefilled in chunks"),
-    (["-O3"], "XLA compiles every step bucket"),
-    (["--task", "generate"], "text generation"),
-    (["--calculate-kv-scales"], "k_scale / v_scale"),
-])
+@pytest.mark.parametrize(
+    "argv, reason",
+    [
+        (["--trust-remote-code"], "no remote code runs here"),
+        (["--disable-log-requests"], "does not log prompts or outputs"),
+        (["--swap-space", "16"], "recomputed, never swapped"),
+        (["--pipeline-parallel-size", "1"], "one pipeline stage"),
+        (["--no-enable-chunked-prefill"], "always prefilled in chunks"),
+        (["-O3"], "XLA compiles every step bucket"),
+        (["--task", "generate"], "text generation"),
+        (["--calculate-kv-scales"], "k_scale / v_scale"),
+    ],
+)
 def test_no_op_flags_log_one_line_saying_why(argv, reason, monkeypatch, caplog):
     monkeypatch.chdir(REPO)
     ns, _ = launch(["org/m", *argv])
     assert len(ns.vllm_notes) == 1 and reason in ns.vllm_notes[0] and "no effect" in ns.vllm_notes[0]
 
 
-@pytest.mark.parametrize("argv, reason", [
-    (["-pp", "2"], "--tensor-parallel-size"),
-    (["--quantization", "fp8"], "--quantization int8"),
-    (["--quantization", "bitsandbytes"], "--quantization int8"),
-    (["--load-format", "pt"], "pickle"),
-    (["--cpu-offload-gb", "8"], "-tp N"),
-    (["--speculative-config", '{"method": "eagle", "model": "x", "num_speculative_tokens": 2}'], "EAGLE"),
-    (["--tokenizer-mode", "mistral"], "tokenizer.json"),
-    (["--ssl-keyfile", "k.pem"], "plain HTTP"),
-    (["--task", "embed"], "text generation only"),
-    (["--api-server-count", "4"], "serve-ray"),
-    (["--default-chat-template-kwargs", '{"enable_thinking": false}'], "chat_template_kwargs"),
-])
+@pytest.mark.parametrize(
+    "argv, reason",
+    [
+        (["-pp", "2"], "--tensor-parallel-size"),
+        (["--quantization", "fp8"], "--quantization int8"),
+        (["--quantization", "bitsandbytes"], "--quantization int8"),
+        (["--load-format", "pt"], "pickle"),
+        (["--cpu-offload-gb", "8"], "-tp N"),
+        (["--speculative-config", '{"method": "eagle", "model": "x", "num_speculative_tokens": 2}'], "EAGLE"),
+        (["--tokenizer-mode", "mistral"], "tokenizer.json"),
+        (["--ssl-keyfile", "k.pem"], "plain HTTP"),
+        (["--task", "embed"], "text generation only"),
+        (["--api-server-count", "4"], "serve-ray"),
+        (["--default-chat-template-kwargs", '{"enable_thinking": false}'], "chat_template_kwargs"),
+    ],
+)
 def test_refused_flags_exit_2_naming_what_to_use(argv, reason, capsys):
     with pytest.raises(SystemExit) as caught:
         launch(["org/m", *argv])
@@ -139,8 +165,9 @@ def test_max_logprobs_above_what_is_compiled_is_refused():
 def test_quantization_awq_must_match_the_checkpoint(tmp_path):
     awq, plain = tmp_path / "awq", tmp_path / "plain"
     awq.mkdir(), plain.mkdir()
-    (awq / "config.json").write_text(json.dumps({"quantization_config": {
-        "quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}}))
+    (awq / "config.json").write_text(
+        json.dumps({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}})
+    )
     (plain / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     ns, settings = launch([str(awq), "--quantization", "awq_marlin"])
     assert settings.quantization == "none"  # the checkpoint's own int4 weights decide (implied_quantization)
@@ -163,6 +190,7 @@ def test_auto_tool_choice_off_answers_auto_400_as_vllm():
 
 
 # ---- traps ------------------------------------------------------------------------------------------------
+
 
 def test_model_beside_a_dummy_config_is_refused_unless_load_format_says(monkeypatch):
     monkeypatch.chdir(REPO)

@@ -8,17 +8,26 @@ from typing import Sequence
 
 # benchmark -> (module, its main function, one-line description)
 BENCHMARKS = {
-    "serve": ("jaxserve.bench.serve", "main",
-              "streamed load against an OpenAI-compatible server: TTFT/TPOT/ITL percentiles, goodput, JSON"),
-    "latency": ("jaxserve.bench.offline", "latency_main",
-                "offline: one batch through LLM.generate, latency percentiles"),
+    "serve": (
+        "jaxserve.bench.serve",
+        "main",
+        "streamed load against an OpenAI-compatible server: TTFT/TPOT/ITL percentiles, goodput, JSON",
+    ),
+    "latency": (
+        "jaxserve.bench.offline",
+        "latency_main",
+        "offline: one batch through LLM.generate, latency percentiles",
+    ),
     "throughput": ("jaxserve.bench.offline", "throughput_main", "offline: N prompts through LLM.generate, tokens/s"),
 }
 
 
 def usage(prog: str) -> str:
-    lines = [f"usage: {prog} {{{','.join(BENCHMARKS)}}} [flags]   ({prog} BENCHMARK --help for its flags)", "",
-             "benchmarks:"]
+    lines = [
+        f"usage: {prog} {{{','.join(BENCHMARKS)}}} [flags]   ({prog} BENCHMARK --help for its flags)",
+        "",
+        "benchmarks:",
+    ]
     lines += [f"  {name:<10}  {about}" for name, (_, _, about) in BENCHMARKS.items()]
     return "\n".join(lines)
 

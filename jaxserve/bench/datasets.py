@@ -17,12 +17,14 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-         "government company number group problem fact water room mother area money story month lot right study "
-         "book job word business issue side kind head house service friend father power hour game line end member "
-         "law car city community name president team minute idea kid body information back parent face others level "
-         "office door health art war history party result change morning reason research girl guy moment air "
-         "teacher force education").split()
+WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work week case point "
+    "government company number group problem fact water room mother area money story month lot right study "
+    "book job word business issue side kind head house service friend father power hour game line end member "
+    "law car city community name president team minute idea kid body information back parent face others level "
+    "office door health art war history party result change morning reason research girl guy moment air "
+    "teacher force education"
+).split()
 TOKENS_PER_WORD = 1.3  # English words per BPE token, roughly: only an estimate until the server counts them
 
 SYSTEM_PROMPTS = (
@@ -41,11 +43,28 @@ TASKS = (
     "Answer the question below about {topic}, with reasons.",
     "Draft an email to my team about {topic}.",
 )
-TOPICS = ("renewable energy", "learning a second language", "the history of the printing press", "remote work",
-          "a city garden", "saving for retirement", "training for a marathon", "database indexes",
-          "the water cycle", "a small bakery", "public transport", "sleep and memory", "chess openings",
-          "moving to a new country", "volcanoes", "caching in web services", "a school science fair",
-          "the first moon landing", "composting at home", "writing clean code")
+TOPICS = (
+    "renewable energy",
+    "learning a second language",
+    "the history of the printing press",
+    "remote work",
+    "a city garden",
+    "saving for retirement",
+    "training for a marathon",
+    "database indexes",
+    "the water cycle",
+    "a small bakery",
+    "public transport",
+    "sleep and memory",
+    "chess openings",
+    "moving to a new country",
+    "volcanoes",
+    "caching in web services",
+    "a school science fair",
+    "the first moon landing",
+    "composting at home",
+    "writing clean code",
+)
 
 
 @dataclass
@@ -64,10 +83,19 @@ def _lengths(rng: random.Random, mean: int, range_ratio: float, n: int) -> list[
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
-def random_requests(num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    prefix_len: int = 0, seed: int = 0, run: int | str = 0, text: bool = False,
-                    token_low: int = 10, token_high: int = 250,
-                    output_range_ratio: float | None = None) -> list[SampleRequest]:
+def random_requests(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    prefix_len: int = 0,
+    seed: int = 0,
+    run: int | str = 0,
+    text: bool = False,
+    token_low: int = 10,
+    token_high: int = 250,
+    output_range_ratio: float | None = None,
+) -> list[SampleRequest]:
     """Seeded random prompts: `prefix_len` shared tokens (or words, `text`) then input_len·(1 ± range_ratio)
     more, and output_len·(1 ± output_range_ratio, default range_ratio) tokens to generate. Each `run` (a
     sweep's rate, a warm-up) draws its own prompt bodies with the same lengths and prefix, so a run after
@@ -75,8 +103,7 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, range_rat
     lengths' generator. Token ids come from [token_low, token_high)."""
     rng = random.Random(seed)
     inputs = _lengths(rng, input_len, range_ratio, num_prompts)
-    outputs = _lengths(rng, output_len, range_ratio if output_range_ratio is None else output_range_ratio,
-                       num_prompts)
+    outputs = _lengths(rng, output_len, range_ratio if output_range_ratio is None else output_range_ratio, num_prompts)
 
     def make(n: int, rng: random.Random):
         if text:
@@ -108,8 +135,9 @@ def _prose(rng: random.Random, words: int) -> str:
     return " ".join(out)
 
 
-def chat_requests(num_prompts: int, input_len: int = 96, output_len: int = 128, seed: int = 0,
-                  run: int | str = 0) -> list[SampleRequest]:
+def chat_requests(
+    num_prompts: int, input_len: int = 96, output_len: int = 128, seed: int = 0, run: int | str = 0
+) -> list[SampleRequest]:
     """Seeded chat conversations: a system prompt for half of them, up to two earlier user/assistant turns
     (40%), and a final user request of a task, a topic and a body of about `input_len` words (median;
     log-normal, sigma 0.8); max_tokens log-normal around `output_len` (sigma 0.6, at least 4)."""
@@ -121,21 +149,43 @@ def chat_requests(num_prompts: int, input_len: int = 96, output_len: int = 128, 
             messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
         for _ in range(rng.choices((0, 1, 2), weights=(60, 25, 15))[0]):
             topic = rng.choice(TOPICS)
-            messages.append({"role": "user", "content": rng.choice(TASKS).format(topic=topic) + " "
-                             + _prose(rng, _lognormal(rng, max(4, input_len / 3), 0.6, 4, 4 * input_len))})
-            messages.append({"role": "assistant",
-                             "content": _prose(rng, _lognormal(rng, max(4, output_len / 2), 0.6, 4, 4 * output_len))})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": rng.choice(TASKS).format(topic=topic)
+                    + " "
+                    + _prose(rng, _lognormal(rng, max(4, input_len / 3), 0.6, 4, 4 * input_len)),
+                }
+            )
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": _prose(rng, _lognormal(rng, max(4, output_len / 2), 0.6, 4, 4 * output_len)),
+                }
+            )
         task = rng.choice(TASKS).format(topic=rng.choice(TOPICS))
         body = _prose(rng, _lognormal(rng, input_len, 0.8, 4, 8 * input_len))
         messages.append({"role": "user", "content": f"{task}\n\n{body}"})
         words = sum(len(m["content"].split()) for m in messages)
-        requests.append(SampleRequest(i, messages, int(words * TOKENS_PER_WORD) + 4 * len(messages),
-                                      _lognormal(rng, output_len, 0.6, 4, 4 * output_len)))
+        requests.append(
+            SampleRequest(
+                i,
+                messages,
+                int(words * TOKENS_PER_WORD) + 4 * len(messages),
+                _lognormal(rng, output_len, 0.6, 4, 4 * output_len),
+            )
+        )
     return requests
 
 
-def sharegpt_requests(path: str, num_prompts: int, seed: int = 0, output_len: int | None = None,
-                      max_input_len: int = 1024, max_total_len: int = 2048) -> list[SampleRequest]:
+def sharegpt_requests(
+    path: str,
+    num_prompts: int,
+    seed: int = 0,
+    output_len: int | None = None,
+    max_input_len: int = 1024,
+    max_total_len: int = 2048,
+) -> list[SampleRequest]:
     """The first user turn of ShareGPT conversations (a JSON list of {"conversations": [{"from", "value"}]}),
     shuffled by `seed`; max_tokens is the length of the recorded reply (or `output_len`). Lengths are
     estimated at four characters a token; conversations past `max_input_len` or `max_total_len`

@@ -83,8 +83,13 @@ class Response:
 class Client:
     """Requests to one server (`base_url`: http[s]://host[:port][/prefix]) over pooled keep-alive connections."""
 
-    def __init__(self, base_url: str, headers: dict[str, str] | None = None, timeout: float = 600.0,
-                 connect_timeout: float = 30.0):
+    def __init__(
+        self,
+        base_url: str,
+        headers: dict[str, str] | None = None,
+        timeout: float = 600.0,
+        connect_timeout: float = 30.0,
+    ):
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
@@ -105,16 +110,21 @@ class Client:
             if not reader.at_eof() and not writer.is_closing():
                 return reader, writer
             writer.close()
-        return await asyncio.wait_for(asyncio.open_connection(self.host, self.port, ssl=self.ssl, limit=2**20),
-                                      self.connect_timeout)
+        return await asyncio.wait_for(
+            asyncio.open_connection(self.host, self.port, ssl=self.ssl, limit=2**20), self.connect_timeout
+        )
 
     @contextlib.asynccontextmanager
     async def request(self, method: str, path: str, body: Any = None) -> AsyncIterator[Response]:
         """Send one request (`body`: JSON-encoded when given) and yield the response once its head has
         arrived; the body is the caller's to read. Raises HTTPError (or OSError) when the connection fails."""
         payload = b"" if body is None else json.dumps(body).encode()
-        head = [f"{method} {self.prefix}{path} HTTP/1.1", f"Host: {self.host_header}", "Accept: */*",
-                "User-Agent: jaxserve-bench"]
+        head = [
+            f"{method} {self.prefix}{path} HTTP/1.1",
+            f"Host: {self.host_header}",
+            "Accept: */*",
+            "User-Agent: jaxserve-bench",
+        ]
         head += [f"{k}: {v}" for k, v in self.headers.items()]
         if body is not None:
             head += ["Content-Type: application/json", f"Content-Length: {len(payload)}"]

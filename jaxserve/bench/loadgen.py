@@ -23,10 +23,22 @@ from jaxserve.bench.metrics import RequestResult
 CHAT = "/v1/chat/completions"
 
 
-def request_body(req: SampleRequest, endpoint: str, model: str, *, ignore_eos: bool = False,
-                 temperature: float = 0.0, extra: dict | None = None) -> dict:
-    body: dict[str, Any] = {"model": model, "max_tokens": req.output_len, "stream": True,
-                            "stream_options": {"include_usage": True}, "temperature": temperature}
+def request_body(
+    req: SampleRequest,
+    endpoint: str,
+    model: str,
+    *,
+    ignore_eos: bool = False,
+    temperature: float = 0.0,
+    extra: dict | None = None,
+) -> dict:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": req.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": temperature,
+    }
     if ignore_eos:
         body["ignore_eos"] = True  # vLLM's, jaxserve's and llama-server's extension of the protocol
     if endpoint.endswith("chat/completions"):
@@ -98,10 +110,20 @@ def arrival_gaps(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) ->
     return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
 
 
-async def run_load(client: Client, requests: Sequence[SampleRequest], endpoint: str, model: str, rate: float,
-                   *, burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
-                   timeout: float = 600.0, on_done: Callable[[RequestResult], None] | None = None,
-                   **body_options: Any) -> tuple[list[RequestResult], float]:
+async def run_load(
+    client: Client,
+    requests: Sequence[SampleRequest],
+    endpoint: str,
+    model: str,
+    rate: float,
+    *,
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    timeout: float = 600.0,
+    on_done: Callable[[RequestResult], None] | None = None,
+    **body_options: Any,
+) -> tuple[list[RequestResult], float]:
     """Send `requests` at `rate` (requests/s or inf), at most `max_concurrency` in flight; returns the
     results in request order and the wall time from the first send to the last reply, in seconds.
     `body_options`: request_body's ignore_eos, temperature, extra."""

@@ -79,8 +79,13 @@ def meets_slo(result: RequestResult, slo: dict[str, float]) -> bool:
     return not ("e2el" in slo and result.e2el * 1e3 > slo["e2el"])
 
 
-def summarize(results: Sequence[RequestResult], duration: float, percentiles: Sequence[float] = (99,),
-              metrics: Sequence[str] = ("ttft", "tpot", "itl"), goodput: dict[str, float] | None = None) -> dict:
+def summarize(
+    results: Sequence[RequestResult],
+    duration: float,
+    percentiles: Sequence[float] = (99,),
+    metrics: Sequence[str] = ("ttft", "tpot", "itl"),
+    goodput: dict[str, float] | None = None,
+) -> dict:
     """The run's figures under vLLM's keys: counts, token totals, throughputs, and per metric the mean,
     median, standard deviation and each percentile (ms). With `goodput` SLOs also request_goodput
     (requests/s within them) and slo_attainment (their share of all requests, failed ones included)."""
@@ -92,10 +97,15 @@ def summarize(results: Sequence[RequestResult], duration: float, percentiles: Se
         return x / duration if duration > 0 else 0.0
 
     summary: dict = {
-        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
-        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-        "request_throughput": per_s(len(ok)), "request_goodput": None,
-        "output_throughput": per_s(out_tokens), "total_token_throughput": per_s(in_tokens + out_tokens),
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": per_s(len(ok)),
+        "request_goodput": None,
+        "output_throughput": per_s(out_tokens),
+        "total_token_throughput": per_s(in_tokens + out_tokens),
     }
     if goodput:
         good = sum(meets_slo(r, goodput) for r in results)
@@ -112,8 +122,9 @@ def summarize(results: Sequence[RequestResult], duration: float, percentiles: Se
         mean = sum(values) / len(values) if values else float("nan")
         summary[f"mean_{name}_ms"] = mean
         summary[f"median_{name}_ms"] = percentile(values, 50)
-        summary[f"std_{name}_ms"] = (math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-                                     if values else float("nan"))
+        summary[f"std_{name}_ms"] = (
+            math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) if values else float("nan")
+        )
         for q in percentiles:
             summary[percentile_key(name, q)] = percentile(values, q)
     return summary

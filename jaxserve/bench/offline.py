@@ -33,11 +33,15 @@ LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
 def _engine_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", default=None,
-                   help="YAML of engine settings or a shipped config's name, as `jaxserve serve --config`; "
-                        "default: configs/default.yaml when no --model is given")
+    p = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="YAML of engine settings or a shipped config's name, as `jaxserve serve --config`; "
+        "default: configs/default.yaml when no --model is given",
+    )
     EngineConfig.add_cli_arguments(p, title_prefix="engine: ")
     return p
 
@@ -58,8 +62,12 @@ def build_latency_parser(prog: str = "jaxserve bench latency") -> argparse.Argum
 def build_throughput_parser(prog: str = "jaxserve bench throughput") -> argparse.ArgumentParser:
     p = _engine_parser(prog, "Offline throughput: every prompt at once through LLM.generate.")
     b = p.add_argument_group("benchmark")
-    b.add_argument("--dataset-name", default="random", choices=("random", "chat"),
-                   help="random: token ids of --input-len; chat: the built-in chat-like conversations (LLM.chat)")
+    b.add_argument(
+        "--dataset-name",
+        default="random",
+        choices=("random", "chat"),
+        help="random: token ids of --input-len; chat: the built-in chat-like conversations (LLM.chat)",
+    )
     b.add_argument("--num-prompts", type=int, default=200)
     b.add_argument("--input-len", type=int, default=256, help="random: prompt tokens (chat: median words)")
     b.add_argument("--output-len", type=int, default=128, help="random: generated tokens (chat: median)")
@@ -107,10 +115,16 @@ def run_latency(llm: Any, args: argparse.Namespace) -> dict:
     for _ in tqdm(range(args.num_iters_warmup), desc="warm-up", disable=args.disable_tqdm):
         once()
     latencies = [once() for _ in tqdm(range(args.num_iters), desc="timed", disable=args.disable_tqdm)]
-    return {"avg_latency": sum(latencies) / len(latencies), "latencies": latencies,
-            "percentiles": {str(q): percentile(latencies, q) for q in LATENCY_PERCENTILES},
-            "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
-            "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup}
+    return {
+        "avg_latency": sum(latencies) / len(latencies),
+        "latencies": latencies,
+        "percentiles": {str(q): percentile(latencies, q) for q in LATENCY_PERCENTILES},
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "num_iters": args.num_iters,
+        "num_iters_warmup": args.num_iters_warmup,
+    }
 
 
 def run_throughput(llm: Any, args: argparse.Namespace) -> dict:
@@ -123,29 +137,46 @@ def run_throughput(llm: Any, args: argparse.Namespace) -> dict:
         outputs = llm.chat([r.prompt for r in requests], params, use_tqdm=not args.disable_tqdm)
     else:
         vocab = llm.model_config.vocab_size
-        requests = datasets.random_requests(args.num_prompts, args.input_len, args.output_len,
-                                            args.random_range_ratio, seed=args.seed, token_low=min(10, vocab - 1),
-                                            token_high=vocab)
+        requests = datasets.random_requests(
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            args.random_range_ratio,
+            seed=args.seed,
+            token_low=min(10, vocab - 1),
+            token_high=vocab,
+        )
         params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0) for r in requests]
         start = time.perf_counter()
-        outputs = llm.generate(prompt_token_ids=[r.prompt for r in requests], sampling_params=params,
-                               use_tqdm=not args.disable_tqdm)
+        outputs = llm.generate(
+            prompt_token_ids=[r.prompt for r in requests], sampling_params=params, use_tqdm=not args.disable_tqdm
+        )
     elapsed = time.perf_counter() - start
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"elapsed_time": elapsed, "num_requests": len(outputs), "total_num_tokens": prompt_tokens + output_tokens,
-            "total_prompt_tokens": prompt_tokens, "total_output_tokens": output_tokens,
-            "requests_per_second": len(outputs) / elapsed,
-            "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
-            "output_tokens_per_second": output_tokens / elapsed, "dataset_name": args.dataset_name}
+    return {
+        "elapsed_time": elapsed,
+        "num_requests": len(outputs),
+        "total_num_tokens": prompt_tokens + output_tokens,
+        "total_prompt_tokens": prompt_tokens,
+        "total_output_tokens": output_tokens,
+        "requests_per_second": len(outputs) / elapsed,
+        "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
+        "output_tokens_per_second": output_tokens / elapsed,
+        "dataset_name": args.dataset_name,
+    }
 
 
 def _finish(result: dict, settings: EngineConfig, args: argparse.Namespace) -> None:
     import jax
 
-    result.update(date=datetime.now().strftime("%Y%m%d-%H%M%S"), model=settings.model,
-                  device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
-                  settings=settings.to_dict())
+    result.update(
+        date=datetime.now().strftime("%Y%m%d-%H%M%S"),
+        model=settings.model,
+        device=str(jax.devices()[0].device_kind),
+        jax_version=jax.__version__,
+        settings=settings.to_dict(),
+    )
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2, default=str)
@@ -173,9 +204,11 @@ def _run(kind: str, argv: Sequence[str] | None, prog: str) -> int:
         for q, value in result["percentiles"].items():
             print(f"{q}% percentile latency: {value:.4f} seconds")
     else:
-        print(f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} "
-              f"total tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s "
-              f"({result['num_requests']} requests in {result['elapsed_time']:.2f} s)")
+        print(
+            f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} "
+            f"total tokens/s, {result['output_tokens_per_second']:.2f} output tokens/s "
+            f"({result['num_requests']} requests in {result['elapsed_time']:.2f} s)"
+        )
     return 0
 
 

@@ -82,8 +82,9 @@ def parse_override(value: Any) -> str | None:
         try:
             value = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ConfigError(f"expected a JSON object such as '{{\"temperature\": 0.5}}', got {text!r} ({err})") \
-                from None
+            raise ConfigError(
+                f"expected a JSON object such as '{{\"temperature\": 0.5}}', got {text!r} ({err})"
+            ) from None
     if not isinstance(value, Mapping):
         raise ConfigError(f"expected a JSON object such as '{{\"temperature\": 0.5}}', got {value!r}")
     unknown = sorted(set(value) - set(OVERRIDE_KEYS))
@@ -117,8 +118,10 @@ class GenerationDefaults:
         if not self.values:
             return f"default sampling parameters: {self.source} (temperature 1, no top-k/top-p/min-p limit)"
         shown = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(self.values.items()))
-        return (f"default sampling parameters of requests that do not set them: {shown} (from {self.source}; "
-                "--generation-config vllm ignores the model's file)")
+        return (
+            f"default sampling parameters of requests that do not set them: {shown} (from {self.source}; "
+            "--generation-config vllm ignores the model's file)"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {"source": self.source, "values": dict(self.values)}
@@ -176,8 +179,10 @@ def load_generation_defaults(settings: Any, log: bool = True) -> GenerationDefau
         else:
             path = mode if os.path.isfile(mode) else os.path.join(mode, GENERATION_CONFIG_FILE)
             if not os.path.isfile(path):
-                raise ConfigError(f"generation_config {mode!r}: no {GENERATION_CONFIG_FILE} there (give 'auto', "
-                                  f"'vllm', or a directory holding a {GENERATION_CONFIG_FILE})")
+                raise ConfigError(
+                    f"generation_config {mode!r}: no {GENERATION_CONFIG_FILE} there (give 'auto', "
+                    f"'vllm', or a directory holding a {GENERATION_CONFIG_FILE})"
+                )
         if path is None:
             file_values, source = {}, "jaxserve's built-in defaults (the model has no generation_config.json)"
         else:

@@ -9,13 +9,26 @@ import os
 from typing import Any, Iterable, Mapping
 
 from jaxserve.config.engine_config import FP8_KV_CACHE_DTYPES
-from jaxserve.config.hf_fields import (GEMMA3_TEXT_DEFAULTS, RopeScaling, arch_from_model_type, family_fields,
-                                       qwen_sliding_window, rope_scaling)
+from jaxserve.config.hf_fields import (
+    GEMMA3_TEXT_DEFAULTS,
+    RopeScaling,
+    arch_from_model_type,
+    family_fields,
+    qwen_sliding_window,
+    rope_scaling,
+)
 from jaxserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",  # Gemma 3: its text tower
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",  # Gemma 3: its text tower
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+)
 # Architectures whose config jaxserve reads and plans (`jaxserve plan`) but cannot serve (empty: every one it
 # plans, it serves); the planner and its errors keep the distinction for a family read before its layers exist.
 PLAN_ONLY_ARCHITECTURES: tuple[str, ...] = ()
@@ -74,7 +87,8 @@ class ModelConfig:
             )
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise UnsupportedModelError(
-                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})")
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})"
+            )
 
     @property
     def servable(self) -> bool:
@@ -86,14 +100,16 @@ class ModelConfig:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"architecture {self.architecture!r} is not supported for serving yet: jaxserve can plan it "
-                f"(`jaxserve plan --model DIR`) but not run it; served: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"(`jaxserve plan --model DIR`) but not run it; served: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         if not self.servable:
             # The layers are one stack (scanned): a dense MLP in some and experts in others would need two
             # stacks or both MLPs' weights in every layer. No released Qwen3-MoE has dense layers.
             raise UnsupportedModelError(
                 f"{self.architecture} with dense MLP layers among the expert layers (mlp_only_layers / "
                 f"decoder_sparse_step: dense layers {list(self.dense_layers)}) is not supported for serving; "
-                "jaxserve can plan it (`jaxserve plan --model DIR`)")
+                "jaxserve can plan it (`jaxserve plan --model DIR`)"
+            )
 
     @property
     def is_moe(self) -> bool:
@@ -171,15 +187,20 @@ class ModelConfig:
         """Elements of the weights int8 quantization replaces (q/k/v/o, gate/up/down of the dense MLPs and
         of every expert; not lm_head, not the routers)."""
         d, f = self.hidden_size, self.intermediate_size
-        return (self.num_layers * self._attn_weights() + self._dense_mlp_layers() * 3 * d * f
-                + self.num_moe_layers * self.num_experts * self.expert_params())
+        return (
+            self.num_layers * self._attn_weights()
+            + self._dense_mlp_layers() * 3 * d * f
+            + self.num_moe_layers * self.num_experts * self.expert_params()
+        )
 
     def linear_out_channels(self) -> int:
         """Output channels of those weights: one f32 scale each when quantized."""
         d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
-        return (self.num_layers * (h * (self.num_heads + 2 * self.num_kv_heads) + d)
-                + self._dense_mlp_layers() * (2 * f + d)
-                + self.num_moe_layers * self.num_experts * (2 * self.moe_intermediate_size + d))
+        return (
+            self.num_layers * (h * (self.num_heads + 2 * self.num_kv_heads) + d)
+            + self._dense_mlp_layers() * (2 * f + d)
+            + self.num_moe_layers * self.num_experts * (2 * self.moe_intermediate_size + d)
+        )
 
     def expert_bytes(self, bytes_per_element: int, quantization: str = "none", group_size: int | None = None) -> int:
         """Bytes of one expert of one layer (int8: 1 byte per element + an f32 scale per output channel;
@@ -194,16 +215,21 @@ class ModelConfig:
     def expert_bytes_read(self, batch: float, bytes_per_element: int, quantization: str = "none") -> float:
         """Expert weight bytes a decode step of `batch` rows reads, all MoE layers together:
         layers · E·(1 − (1 − k/E)^B) · bytes per expert, under uniform routing (`expected_experts_read`)."""
-        return self.num_moe_layers * self.expected_experts_read(batch) * self.expert_bytes(
-            bytes_per_element, quantization)
+        return (
+            self.num_moe_layers * self.expected_experts_read(batch) * self.expert_bytes(bytes_per_element, quantization)
+        )
 
-    def param_bytes_read(self, batch: float, bytes_per_element: int, quantization: str = "none",
-                         quantize_lm_head: bool = False) -> float:
+    def param_bytes_read(
+        self, batch: float, bytes_per_element: int, quantization: str = "none", quantize_lm_head: bool = False
+    ) -> float:
         """Parameter bytes a decode step of `batch` rows reads: param_bytes less the experts no row is
         routed to (expected, uniform routing). Equals param_bytes for a dense model."""
         all_experts = self.num_moe_layers * self.num_experts * self.expert_bytes(bytes_per_element, quantization)
-        return (self.param_bytes(bytes_per_element, quantization, quantize_lm_head) - all_experts
-                + self.expert_bytes_read(batch, bytes_per_element, quantization))
+        return (
+            self.param_bytes(bytes_per_element, quantization, quantize_lm_head)
+            - all_experts
+            + self.expert_bytes_read(batch, bytes_per_element, quantization)
+        )
 
     def kv_bytes_per_sequence(self, context: int, bytes_per_element: int, kv_cache_dtype: str = "auto") -> int:
         """KV bytes one sequence of `context` tokens needs when each sliding layer keeps only its window
@@ -212,8 +238,13 @@ class ModelConfig:
         window = min(context, self.sliding_window or context)
         return per_layer * (self.num_sliding_layers * window + (self.num_layers - self.num_sliding_layers) * context)
 
-    def param_bytes(self, bytes_per_element: int, quantization: str = "none", quantize_lm_head: bool = False,
-                    group_size: int | None = None) -> int:
+    def param_bytes(
+        self,
+        bytes_per_element: int,
+        quantization: str = "none",
+        quantize_lm_head: bool = False,
+        group_size: int | None = None,
+    ) -> int:
         """Bytes of all parameters; with quantization="int8" the linear layers take 1 byte + an f32 scale
         per group of `group_size` inputs (0: per output channel; None: `default_group_size`; experts:
         always per channel); with
@@ -243,18 +274,23 @@ class ModelConfig:
         archs = hf.get("architectures") or [arch_from_model_type(hf.get("model_type"))]
         arch = archs[0]
         if arch not in PLANNABLE_ARCHITECTURES:
-            planned = f" (planned only, not served yet: {', '.join(PLAN_ONLY_ARCHITECTURES)})" if (
-                PLAN_ONLY_ARCHITECTURES) else ""
+            planned = (
+                f" (planned only, not served yet: {', '.join(PLAN_ONLY_ARCHITECTURES)})"
+                if (PLAN_ONLY_ARCHITECTURES)
+                else ""
+            )
             raise UnsupportedModelError(
-                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}{planned}")
+                f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}{planned}"
+            )
         outer = hf
         if arch.startswith("Gemma3"):  # the text tower; the checkpoints leave Gemma3TextConfig's defaults out
             hf = {**GEMMA3_TEXT_DEFAULTS, **(hf["text_config"] if "text_config" in hf else hf)}
         extra = family_fields(arch, hf)
         act = extra.get("hidden_act", hf.get("hidden_act", "silu"))
         if act not in ("silu", "gelu_pytorch_tanh") and arch in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu' / SwiGLU and "
-                                        "'gelu_pytorch_tanh' / GeGLU)")
+            raise UnsupportedModelError(
+                f"hidden_act {act!r} is not supported (only 'silu' / SwiGLU and 'gelu_pytorch_tanh' / GeGLU)"
+            )
         if hf.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias=True is not supported")
         num_heads = int(hf["num_attention_heads"])
@@ -339,8 +375,7 @@ def default_group_size(cfg: "ModelConfig", quantization: str, model_parallel: in
     return group_size_fitting(quantization, _quantized_rows(cfg, model_parallel, quantization).values())
 
 
-def resolved_group_size(cfg: "ModelConfig", quantization: str, group_size: int | None,
-                        model_parallel: int = 1) -> int:
+def resolved_group_size(cfg: "ModelConfig", quantization: str, group_size: int | None, model_parallel: int = 1) -> int:
     """`group_size` as `quantization` reads it (quantization_group_size), or, when None, the model's
     default on a model axis of `model_parallel` devices (default_group_size)."""
     if group_size is None:
@@ -364,13 +399,16 @@ def check_group_fits(cfg: "ModelConfig", quantization: str, group_size: int, mod
     bad = _undivided_rows(cfg, group_size, model_parallel, quantization) if group_size > 0 else {}
     if bad:
         where = ", ".join(f"{name} ({rows} rows per device)" for name, rows in bad.items())
-        raise ConfigError(f"quantization_group_size {group_size} does not divide the input rows of {where}; "
-                          f"choose a divisor such as {default_group_size(cfg, quantization, model_parallel)}"
-                          + (" or 0 (a scale per output channel)" if quantization == "int8" else ""))
+        raise ConfigError(
+            f"quantization_group_size {group_size} does not divide the input rows of {where}; "
+            f"choose a divisor such as {default_group_size(cfg, quantization, model_parallel)}"
+            + (" or 0 (a scale per output channel)" if quantization == "int8" else "")
+        )
 
 
-def _undivided_rows(cfg: "ModelConfig", group_size: int, model_parallel: int,
-                    quantization: str = "int8") -> dict[str, int]:
+def _undivided_rows(
+    cfg: "ModelConfig", group_size: int, model_parallel: int, quantization: str = "int8"
+) -> dict[str, int]:
     rows = _quantized_rows(cfg, model_parallel, quantization)
     return {name: r for name, r in rows.items() if r % group_size}
 

@@ -14,9 +14,20 @@ from typing import Any, Callable, Mapping, Sequence
 from jaxserve.errors import ConfigError
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 
 
@@ -128,8 +139,15 @@ def choice(*options: str) -> Callable[[Any], str]:
     return parse_choice
 
 
-def setting(default: Any, help: str, parse: Callable[[Any], Any], group: str = "other", short: str | None = None,
-            alias_of: tuple[str, int] | None = None, nargs: str | None = None):
+def setting(
+    default: Any,
+    help: str,
+    parse: Callable[[Any], Any],
+    group: str = "other",
+    short: str | None = None,
+    alias_of: tuple[str, int] | None = None,
+    nargs: str | None = None,
+):
     """A dataclass field that knows how to parse itself from YAML and the CLI.
 
     `group` titles the section of `--help` the flag is listed in (model, cache, scheduling, ...); `short`
@@ -138,8 +156,10 @@ def setting(default: Any, help: str, parse: Callable[[Any], Any], group: str = "
     it defaults to None, is folded into the target when the object is built and reads None afterwards,
     so the target is the one source of truth (`fold_aliases`). `nargs="+"` makes the flag take one or
     more values (a list setting; the default for a setting whose default is an empty tuple: `cli_nargs`)."""
-    return dataclasses.field(default=default, metadata={"help": help, "parse": parse, "group": group, "short": short,
-                                                        "alias_of": alias_of, "nargs": nargs})
+    return dataclasses.field(
+        default=default,
+        metadata={"help": help, "parse": parse, "group": group, "short": short, "alias_of": alias_of, "nargs": nargs},
+    )
 
 
 def cli_nargs(field: dataclasses.Field) -> str | None:
@@ -202,8 +222,9 @@ class Settings:
             if given[target] != _field(type(self), target).default and given[target][index] != value:
                 raise ConfigError(
                     f"{alias}={value} conflicts with {target}={given[target]} ({target}[{index}] is "
-                    f"{given[target][index]}): give one of them, or make them agree")
-            object.__setattr__(self, target, current[:index] + (value,) + current[index + 1:])
+                    f"{given[target][index]}): give one of them, or make them agree"
+                )
+            object.__setattr__(self, target, current[:index] + (value,) + current[index + 1 :])
             object.__setattr__(self, alias, None)
 
     def validate(self) -> None:
@@ -216,8 +237,11 @@ class Settings:
     @classmethod
     def aliases(cls) -> dict[str, tuple[str, int]]:
         """alias name -> (target setting, element index)."""
-        return {f.name: f.metadata["alias_of"] for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-                if f.metadata.get("alias_of")}
+        return {
+            f.name: f.metadata["alias_of"]
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+            if f.metadata.get("alias_of")
+        }
 
     @classmethod
     def merge(cls, base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -304,15 +328,35 @@ class Settings:
             flag = flag_name(field.name)
             flags = [flag] + ([field.metadata["short"]] if field.metadata.get("short") else [])
             if is_bool_parser(parse):
-                group.add_argument(flag, dest=field.name, default=argparse.SUPPRESS, nargs="?", const="true",
-                                   metavar="BOOL", help=help_text + f"; {flag} alone means true")
-                group.add_argument("--no-" + flag[2:], dest=field.name, default=argparse.SUPPRESS,
-                                   action="store_const", const="false", help=f"same as {flag} false")
+                group.add_argument(
+                    flag,
+                    dest=field.name,
+                    default=argparse.SUPPRESS,
+                    nargs="?",
+                    const="true",
+                    metavar="BOOL",
+                    help=help_text + f"; {flag} alone means true",
+                )
+                group.add_argument(
+                    "--no-" + flag[2:],
+                    dest=field.name,
+                    default=argparse.SUPPRESS,
+                    action="store_const",
+                    const="false",
+                    help=f"same as {flag} false",
+                )
                 continue
             nargs = cli_nargs(field)
             if nargs is not None:
-                group.add_argument(*flags, dest=field.name, default=argparse.SUPPRESS, choices=options, help=help_text,
-                                   nargs=nargs, action="extend")
+                group.add_argument(
+                    *flags,
+                    dest=field.name,
+                    default=argparse.SUPPRESS,
+                    choices=options,
+                    help=help_text,
+                    nargs=nargs,
+                    action="extend",
+                )
                 continue
             group.add_argument(*flags, dest=field.name, default=argparse.SUPPRESS, choices=options, help=help_text)
 
@@ -331,8 +375,9 @@ class Settings:
         return cls.from_namespace(namespace, namespace.config)
 
     @classmethod
-    def from_namespace(cls, namespace: argparse.Namespace, config: str | None = None,
-                       defaults: Mapping[str, Any] | None = None):
+    def from_namespace(
+        cls, namespace: argparse.Namespace, config: str | None = None, defaults: Mapping[str, Any] | None = None
+    ):
         """From parsed flags over `config` (YAML) over `defaults`; a ConfigError spells settings as flags."""
         values = cls.merge(defaults or {}, cls.cli_values(namespace))
         try:

@@ -27,8 +27,10 @@ from typing import Any, Callable
 
 from jaxserve.errors import ConfigError
 
-MULTIHOST = "several hosts are one job of --num-processes N --process-id I --coordinator-address HOST:PORT " \
-            "(docs/multihost.md), or replicas on Ray Serve (jaxserve serve-ray, docs/scale-out.md)"
+MULTIHOST = (
+    "several hosts are one job of --num-processes N --process-id I --coordinator-address HOST:PORT "
+    "(docs/multihost.md), or replicas on Ray Serve (jaxserve serve-ray, docs/scale-out.md)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,7 @@ def _above(limit: float) -> Callable[[Any], bool]:
             return float(value) > limit
         except ValueError:
             return True
+
     return check
 
 
@@ -64,82 +67,171 @@ def _not_in(*accepted: str) -> Callable[[Any], bool]:
 _ALWAYS = lambda value: True  # noqa: E731 - a refusal whatever the value
 
 FLAGS = (
-    Flag(("--trust-remote-code",), "no remote code runs here: jaxserve implements each model family itself "
-         "(config.json's architecture picks it)", switch=True),
-    Flag(("--disable-log-requests",), "jaxserve does not log prompts or outputs (the access log lists method and "
-         "path only; --no-access-log drops it)", switch=True),
+    Flag(
+        ("--trust-remote-code",),
+        "no remote code runs here: jaxserve implements each model family itself (config.json's architecture picks it)",
+        switch=True,
+    ),
+    Flag(
+        ("--disable-log-requests",),
+        "jaxserve does not log prompts or outputs (the access log lists method and "
+        "path only; --no-access-log drops it)",
+        switch=True,
+    ),
     Flag(("--enable-log-requests",), "jaxserve does not log prompts or outputs", switch=True),
     Flag(("--enable-log-outputs",), "jaxserve does not log prompts or outputs", switch=True),
     Flag(("--max-log-len",), "jaxserve does not log prompts or outputs"),
     Flag(("--disable-log-stats",), "jaxserve logs no periodic stats; /metrics serves them", switch=True),
-    Flag(("--enable-chunked-prefill",), "prompts are always prefilled in chunks beside the decodes, within "
-         "--max-num-batched-tokens per step (the ragged step)", switch=True),
+    Flag(
+        ("--enable-chunked-prefill",),
+        "prompts are always prefilled in chunks beside the decodes, within "
+        "--max-num-batched-tokens per step (the ragged step)",
+        switch=True,
+    ),
     Flag(("--use-v2-block-manager",), "an old vLLM flag: KV pages are always paged", switch=True),
     Flag(("--swap-space",), "preempted sequences are recomputed, never swapped to host memory"),
     Flag(("--disable-custom-all-reduce",), "collectives are XLA's", switch=True),
     Flag(("--distributed-executor-backend",), "one process drives every local device; " + MULTIHOST),
     Flag(("--max-parallel-loading-workers",), "weights load one file at a time, memory-mapped"),
-    Flag(("--disable-frontend-multiprocessing",), "the HTTP server and the engine share one process (the engine "
-         "steps in its own thread)", switch=True),
-    Flag(("--max-seq-len-to-capture",), "no CUDA graphs: XLA compiles every step bucket "
-         "(see --enforce-eager)"),
+    Flag(
+        ("--disable-frontend-multiprocessing",),
+        "the HTTP server and the engine share one process (the engine steps in its own thread)",
+        switch=True,
+    ),
+    Flag(("--max-seq-len-to-capture",), "no CUDA graphs: XLA compiles every step bucket (see --enforce-eager)"),
     Flag(("--cuda-graph-sizes",), "no CUDA graphs: XLA compiles every step bucket (see --enforce-eager)"),
-    Flag(("--compilation-config", "-O"), "no torch.compile or CUDA graphs: XLA compiles every step bucket at "
-         "start-up (--enforce-eager: on first use instead)"),
+    Flag(
+        ("--compilation-config", "-O"),
+        "no torch.compile or CUDA graphs: XLA compiles every step bucket at "
+        "start-up (--enforce-eager: on first use instead)",
+    ),
     Flag(("--guided-decoding-backend",), "structured output always runs on llguidance"),
     Flag(("--structured-outputs-config",), "structured output always runs on llguidance"),
-    Flag(("--enable-reasoning",), "--reasoning-parser alone turns reasoning output on, as in current vLLM",
-         switch=True),
+    Flag(
+        ("--enable-reasoning",), "--reasoning-parser alone turns reasoning output on, as in current vLLM", switch=True
+    ),
     Flag(("--limit-mm-per-prompt",), "jaxserve serves text only: requests with images or audio are refused"),
     Flag(("--model-impl",), "jaxserve runs its own JAX implementation of each model family"),
-    Flag(("--disable-sliding-window",), "a model's sliding window stays (a model without one, such as Llama, is "
-         "unaffected); cap --max-model-len at the window for vLLM's behaviour", switch=True),
+    Flag(
+        ("--disable-sliding-window",),
+        "a model's sliding window stays (a model without one, such as Llama, is "
+        "unaffected); cap --max-model-len at the window for vLLM's behaviour",
+        switch=True,
+    ),
     Flag(("--fully-sharded-loras",), "LoRA stacks are sharded as their base weights are", switch=True),
     Flag(("--lora-dtype",), "adapters run in the model's dtype"),
     Flag(("--uvicorn-log-level",), "use --log-level (debug, info, warning, error)"),
-    Flag(("--tokenizer-mode",), "the tokenizer is the model's tokenizer.json or tokenizer.model",
-         refuse=_not_in("auto", "hf", "slow"),
-         refusal="jaxserve reads Hugging Face's tokenizer.json or tokenizer.model, not Mistral's tekken files: serve "
-                 "a checkpoint in Hugging Face's layout (or a GGUF file) and drop the flag"),
-    Flag(("--config-format",), "config.json is read (Hugging Face's layout)", refuse=_not_in("auto", "hf"),
-         refusal="jaxserve reads config.json (Hugging Face's layout) or a GGUF file's metadata: serve such a "
-                 "checkpoint and drop the flag"),
-    Flag(("--scheduling-policy",), "requests are served first come, first served", refuse=_not_in("fcfs"),
-         refusal="requests are served first come, first served (no priorities): drop the flag"),
-    Flag(("--task",), "text generation is what jaxserve serves", refuse=_not_in("auto", "generate"),
-         refusal="jaxserve serves text generation only: no pooling, embedding or scoring models"),
-    Flag(("--runner",), "text generation is what jaxserve serves", refuse=_not_in("auto", "generate"),
-         refusal="jaxserve serves text generation only: no pooling, embedding or scoring models"),
+    Flag(
+        ("--tokenizer-mode",),
+        "the tokenizer is the model's tokenizer.json or tokenizer.model",
+        refuse=_not_in("auto", "hf", "slow"),
+        refusal="jaxserve reads Hugging Face's tokenizer.json or tokenizer.model, not Mistral's tekken files: serve "
+        "a checkpoint in Hugging Face's layout (or a GGUF file) and drop the flag",
+    ),
+    Flag(
+        ("--config-format",),
+        "config.json is read (Hugging Face's layout)",
+        refuse=_not_in("auto", "hf"),
+        refusal="jaxserve reads config.json (Hugging Face's layout) or a GGUF file's metadata: serve such a "
+        "checkpoint and drop the flag",
+    ),
+    Flag(
+        ("--scheduling-policy",),
+        "requests are served first come, first served",
+        refuse=_not_in("fcfs"),
+        refusal="requests are served first come, first served (no priorities): drop the flag",
+    ),
+    Flag(
+        ("--task",),
+        "text generation is what jaxserve serves",
+        refuse=_not_in("auto", "generate"),
+        refusal="jaxserve serves text generation only: no pooling, embedding or scoring models",
+    ),
+    Flag(
+        ("--runner",),
+        "text generation is what jaxserve serves",
+        refuse=_not_in("auto", "generate"),
+        refusal="jaxserve serves text generation only: no pooling, embedding or scoring models",
+    ),
     Flag(("--language-model-only",), "jaxserve serves text only", switch=True),
-    Flag(("--calculate-kv-scales",), "an fp8 KV cache's scales are the checkpoint's k_scale / v_scale, else 1.0; "
-         "none are computed from the first batch", switch=True),
-    Flag(("--api-server-count", "-asc"), "one HTTP server process", refuse=_above(1),
-         refusal="one HTTP server process per engine: more of both are replicas on Ray Serve (jaxserve serve-ray, "
-                 "docs/scale-out.md)"),
-    Flag(("--default-chat-template-kwargs",), "", refuse=_ALWAYS,
-         refusal="no server-wide template arguments: send chat_template_kwargs with each request (e.g. "
-                 "{\"enable_thinking\": false}), or give --chat-template a template with the default you want"),
-    Flag(("--pipeline-parallel-size", "-pp"), "one pipeline stage is what jaxserve runs", refuse=_above(1),
-         refusal="no pipeline parallelism: split the model over devices with --tensor-parallel-size (-tp), and "
-                 "across hosts by making the mesh span them: " + MULTIHOST),
-    Flag(("--cpu-offload-gb",), "no weights are offloaded", refuse=_above(0),
-         refusal="weights stay in device memory: shard them over more devices (-tp N) or store them smaller "
-                 "(--quantization int8 or int4)"),
-    Flag(("--enable-sleep-mode",), "", switch=True, refuse=lambda value: value,
-         refusal="no sleep mode: stop the server to free the devices"),
-    Flag(("--kv-transfer-config",), "", refuse=_ALWAYS,
-         refusal="no KV connectors or disaggregated prefill: prefill and decode share each step here"),
-    Flag(("--hf-overrides",), "", refuse=_ALWAYS, refusal="edit the model's config.json instead (a copy of the "
-         "model directory)"),
-    Flag(("--tool-parser-plugin",), "", refuse=_ALWAYS,
-         refusal="tool-call parsers are built in (--tool-call-parser hermes or llama3_json); no plugins are loaded"),
-    Flag(("--ssl-keyfile",), "", refuse=_ALWAYS, refusal="jaxserve serves plain HTTP: terminate TLS in front of it "
-         "(a reverse proxy or the load balancer)"),
-    Flag(("--ssl-certfile",), "", refuse=_ALWAYS, refusal="jaxserve serves plain HTTP: terminate TLS in front of it "
-         "(a reverse proxy or the load balancer)"),
+    Flag(
+        ("--calculate-kv-scales",),
+        "an fp8 KV cache's scales are the checkpoint's k_scale / v_scale, else 1.0; "
+        "none are computed from the first batch",
+        switch=True,
+    ),
+    Flag(
+        ("--api-server-count", "-asc"),
+        "one HTTP server process",
+        refuse=_above(1),
+        refusal="one HTTP server process per engine: more of both are replicas on Ray Serve (jaxserve serve-ray, "
+        "docs/scale-out.md)",
+    ),
+    Flag(
+        ("--default-chat-template-kwargs",),
+        "",
+        refuse=_ALWAYS,
+        refusal="no server-wide template arguments: send chat_template_kwargs with each request (e.g. "
+        '{"enable_thinking": false}), or give --chat-template a template with the default you want',
+    ),
+    Flag(
+        ("--pipeline-parallel-size", "-pp"),
+        "one pipeline stage is what jaxserve runs",
+        refuse=_above(1),
+        refusal="no pipeline parallelism: split the model over devices with --tensor-parallel-size (-tp), and "
+        "across hosts by making the mesh span them: " + MULTIHOST,
+    ),
+    Flag(
+        ("--cpu-offload-gb",),
+        "no weights are offloaded",
+        refuse=_above(0),
+        refusal="weights stay in device memory: shard them over more devices (-tp N) or store them smaller "
+        "(--quantization int8 or int4)",
+    ),
+    Flag(
+        ("--enable-sleep-mode",),
+        "",
+        switch=True,
+        refuse=lambda value: value,
+        refusal="no sleep mode: stop the server to free the devices",
+    ),
+    Flag(
+        ("--kv-transfer-config",),
+        "",
+        refuse=_ALWAYS,
+        refusal="no KV connectors or disaggregated prefill: prefill and decode share each step here",
+    ),
+    Flag(
+        ("--hf-overrides",),
+        "",
+        refuse=_ALWAYS,
+        refusal="edit the model's config.json instead (a copy of the model directory)",
+    ),
+    Flag(
+        ("--tool-parser-plugin",),
+        "",
+        refuse=_ALWAYS,
+        refusal="tool-call parsers are built in (--tool-call-parser hermes or llama3_json); no plugins are loaded",
+    ),
+    Flag(
+        ("--ssl-keyfile",),
+        "",
+        refuse=_ALWAYS,
+        refusal="jaxserve serves plain HTTP: terminate TLS in front of it (a reverse proxy or the load balancer)",
+    ),
+    Flag(
+        ("--ssl-certfile",),
+        "",
+        refuse=_ALWAYS,
+        refusal="jaxserve serves plain HTTP: terminate TLS in front of it (a reverse proxy or the load balancer)",
+    ),
     Flag(("--headless",), "", switch=True, refuse=lambda value: value, refusal="no headless engines: " + MULTIHOST),
-    Flag(("--data-parallel-address",), "", refuse=_ALWAYS, refusal="no multi-node data parallelism of vLLM's kind: "
-         + MULTIHOST),
+    Flag(
+        ("--data-parallel-address",),
+        "",
+        refuse=_ALWAYS,
+        refusal="no multi-node data parallelism of vLLM's kind: " + MULTIHOST,
+    ),
     Flag(("--nnodes",), "one node is what a jaxserve process spans", refuse=_above(1), refusal=MULTIHOST),
 )
 
@@ -149,30 +241,51 @@ DTYPE_SPELLINGS = {"half": "float16", "float": "float32"}
 # vLLM's --quantization methods: the checkpoint method each one names (served as int4 as stored), or None
 # for a refusal (the sentence beside it).
 QUANTIZATION = {
-    "awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq",
-    "gguf": None, "fp8": None, "fbgemm_fp8": None, "ptpc_fp8": None, "modelopt": None, "modelopt_fp4": None,
-    "mxfp4": None, "bitsandbytes": None, "compressed-tensors": None, "experts_int8": None,
+    "awq": "awq",
+    "awq_marlin": "awq",
+    "gptq": "gptq",
+    "gptq_marlin": "gptq",
+    "gguf": None,
+    "fp8": None,
+    "fbgemm_fp8": None,
+    "ptpc_fp8": None,
+    "modelopt": None,
+    "modelopt_fp4": None,
+    "mxfp4": None,
+    "bitsandbytes": None,
+    "compressed-tensors": None,
+    "experts_int8": None,
 }
 _QUANT_REFUSALS = {
     "gguf": "a GGUF file loads without it (its Q8_0 weights as int8 with --quantization int8, Q4_0/Q4_1 as int4 "
-            "with --quantization int4); drop the flag",
+    "with --quantization int4); drop the flag",
     "bitsandbytes": "jaxserve quantizes at load itself: --quantization int8 (weight-only) or int4",
     "compressed-tensors": "compressed-tensors checkpoints are not read; AWQ and GPTQ 4-bit ones are "
-                          "(docs/quantized_checkpoints.md), and a float checkpoint quantizes at load with "
-                          "--quantization int8 or int4",
+    "(docs/quantized_checkpoints.md), and a float checkpoint quantizes at load with "
+    "--quantization int8 or int4",
     "experts_int8": "--quantization int8 quantizes every linear layer, experts included",
 }
-_FP_REFUSAL = ("no fp8/fp4 weights here: --quantization int8 (weight-only int8, about the same bytes as fp8) or "
-               "int4; an fp8 KV cache is --kv-cache-dtype")
+_FP_REFUSAL = (
+    "no fp8/fp4 weights here: --quantization int8 (weight-only int8, about the same bytes as fp8) or "
+    "int4; an fp8 KV cache is --kv-cache-dtype"
+)
 
 # vLLM's --load-format values that are not ours: our value, or None for a refusal.
-LOAD_FORMATS = {"gguf": "auto", "pt": None, "npcache": None, "bitsandbytes": None, "mistral": None,
-                "tensorizer": None, "runai_streamer": None, "sharded_state": None}
+LOAD_FORMATS = {
+    "gguf": "auto",
+    "pt": None,
+    "npcache": None,
+    "bitsandbytes": None,
+    "mistral": None,
+    "tensorizer": None,
+    "runai_streamer": None,
+    "sharded_state": None,
+}
 _LOAD_REFUSALS = {
     "pt": "pickle weights (*.bin, *.pt) are refused: loading them runs code; use the model's safetensors",
     "bitsandbytes": "jaxserve quantizes at load itself: --quantization int8 or int4 with the float checkpoint",
     "mistral": "jaxserve reads Hugging Face's layout (config.json + safetensors) or a GGUF file, not Mistral's "
-               "consolidated files",
+    "consolidated files",
 }
 
 SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
@@ -181,30 +294,73 @@ SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """vLLM's flags that are not settings, in one `--help` group, and vLLM's extra values of shared flags."""
     g = parser.add_argument_group(
-        "vLLM flags (docs/coming-from-vllm.md): mapped onto settings, accepted with no effect, or refused")
+        "vLLM flags (docs/coming-from-vllm.md): mapped onto settings, accepted with no effect, or refused"
+    )
     for flag in FLAGS:
         if flag.switch:
-            g.add_argument(*flag.flags, dest=flag.dest, default=argparse.SUPPRESS,
-                           action=argparse.BooleanOptionalAction, help=flag.refusal or f"no effect: {flag.why}")
+            g.add_argument(
+                *flag.flags,
+                dest=flag.dest,
+                default=argparse.SUPPRESS,
+                action=argparse.BooleanOptionalAction,
+                help=flag.refusal or f"no effect: {flag.why}",
+            )
         else:
-            g.add_argument(*flag.flags, dest=flag.dest, default=argparse.SUPPRESS, metavar="VALUE",
-                           help=(f"refused: {flag.refusal}" if flag.refuse is _ALWAYS else f"no effect: {flag.why}"
-                                 + (f"; refused otherwise: {flag.refusal}" if flag.refusal else "")))
-    g.add_argument("--block-size", dest="vllm_block_size", default=argparse.SUPPRESS, metavar="N",
-                   help="vLLM's name of --page-size (tokens per KV-cache page)")
-    g.add_argument("--num-gpu-blocks-override", dest="vllm_num_gpu_blocks_override", default=argparse.SUPPRESS,
-                   metavar="N", help="vLLM's name of --num-pages (KV-cache pages per replica)")
-    g.add_argument("--kv-cache-memory-bytes", dest="vllm_kv_cache_memory_bytes", default=argparse.SUPPRESS,
-                   metavar="BYTES", help="vLLM's name of --kv-cache-memory (the KV cache's bytes per replica)")
-    g.add_argument("--enable-expert-parallel", dest="vllm_enable_expert_parallel", default=argparse.SUPPRESS,
-                   action=argparse.BooleanOptionalAction,
-                   help="vLLM's spelling of --moe-parallelism expert (whole experts per device)")
-    g.add_argument("--speculative-config", dest="vllm_speculative_config", default=argparse.SUPPRESS, metavar="JSON",
-                   help="vLLM's speculative decoding as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                        "\"prompt_lookup_max\": 4} or {\"model\": DRAFT, \"num_speculative_tokens\": 4}; sets the "
-                        "--speculative-* settings (other methods, such as eagle or mtp, are refused)")
-    g.add_argument("--disable-uvicorn-access-log", dest="no_access_log", action="store_true",
-                   default=argparse.SUPPRESS, help="vLLM's spelling of --no-access-log")
+            g.add_argument(
+                *flag.flags,
+                dest=flag.dest,
+                default=argparse.SUPPRESS,
+                metavar="VALUE",
+                help=(
+                    f"refused: {flag.refusal}"
+                    if flag.refuse is _ALWAYS
+                    else f"no effect: {flag.why}" + (f"; refused otherwise: {flag.refusal}" if flag.refusal else "")
+                ),
+            )
+    g.add_argument(
+        "--block-size",
+        dest="vllm_block_size",
+        default=argparse.SUPPRESS,
+        metavar="N",
+        help="vLLM's name of --page-size (tokens per KV-cache page)",
+    )
+    g.add_argument(
+        "--num-gpu-blocks-override",
+        dest="vllm_num_gpu_blocks_override",
+        default=argparse.SUPPRESS,
+        metavar="N",
+        help="vLLM's name of --num-pages (KV-cache pages per replica)",
+    )
+    g.add_argument(
+        "--kv-cache-memory-bytes",
+        dest="vllm_kv_cache_memory_bytes",
+        default=argparse.SUPPRESS,
+        metavar="BYTES",
+        help="vLLM's name of --kv-cache-memory (the KV cache's bytes per replica)",
+    )
+    g.add_argument(
+        "--enable-expert-parallel",
+        dest="vllm_enable_expert_parallel",
+        default=argparse.SUPPRESS,
+        action=argparse.BooleanOptionalAction,
+        help="vLLM's spelling of --moe-parallelism expert (whole experts per device)",
+    )
+    g.add_argument(
+        "--speculative-config",
+        dest="vllm_speculative_config",
+        default=argparse.SUPPRESS,
+        metavar="JSON",
+        help='vLLM\'s speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4} or {"model": DRAFT, "num_speculative_tokens": 4}; sets the '
+        "--speculative-* settings (other methods, such as eagle or mtp, are refused)",
+    )
+    g.add_argument(
+        "--disable-uvicorn-access-log",
+        dest="no_access_log",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="vLLM's spelling of --no-access-log",
+    )
     _widen(parser, "--dtype", DTYPE_SPELLINGS)
     _widen(parser, "--quantization", QUANTIZATION)
     _widen(parser, "--load-format", LOAD_FORMATS)
@@ -251,9 +407,14 @@ def apply(ns: argparse.Namespace) -> list[str]:
     load_format = getattr(ns, "load_format", None)
     if load_format in LOAD_FORMATS:
         if LOAD_FORMATS[load_format] is None:
-            raise ConfigError(f"--load-format {load_format}: " + _LOAD_REFUSALS.get(
-                load_format, "not a format jaxserve reads: auto (safetensors or orbax; a GGUF file by its name), "
-                             "safetensors, orbax or dummy"))
+            raise ConfigError(
+                f"--load-format {load_format}: "
+                + _LOAD_REFUSALS.get(
+                    load_format,
+                    "not a format jaxserve reads: auto (safetensors or orbax; a GGUF file by its name), "
+                    "safetensors, orbax or dummy",
+                )
+            )
         ns.load_format = LOAD_FORMATS[load_format]
     return notes
 
@@ -284,23 +445,28 @@ def _speculative(ns: argparse.Namespace, text: str) -> None:
     except json.JSONDecodeError as err:
         raise ConfigError(f"--speculative-config is not JSON: {err}") from None
     if not isinstance(config, dict):
-        raise ConfigError("--speculative-config takes a JSON object such as {\"method\": \"ngram\", "
-                          "\"num_speculative_tokens\": 4}")
+        raise ConfigError(
+            '--speculative-config takes a JSON object such as {"method": "ngram", "num_speculative_tokens": 4}'
+        )
     unknown = sorted(set(config) - set(SPECULATIVE_KEYS))
     if unknown:
-        raise ConfigError(f"--speculative-config: {', '.join(map(repr, unknown))} not served here; the keys read are "
-                          f"{', '.join(SPECULATIVE_KEYS)}")
+        raise ConfigError(
+            f"--speculative-config: {', '.join(map(repr, unknown))} not served here; the keys read are "
+            f"{', '.join(SPECULATIVE_KEYS)}"
+        )
     method = config.get("method") or ("draft_model" if config.get("model") else None)
     if method == "ngram":
         values = {"speculative_method": "ngram"}
     elif method in ("draft_model", "draft"):
         if not config.get("model"):
-            raise ConfigError("--speculative-config: a draft model needs \"model\": a directory or Hugging Face ID")
+            raise ConfigError('--speculative-config: a draft model needs "model": a directory or Hugging Face ID')
         values = {"speculative_method": "draft", "speculative_model": str(config["model"])}
     else:
-        raise ConfigError(f"--speculative-config method {method!r}: jaxserve speculates with a draft model "
-                          "({\"model\": DRAFT, ...}) or n-gram prompt lookup ({\"method\": \"ngram\", ...}); EAGLE, "
-                          "MTP, Medusa and suffix decoding are not implemented")
+        raise ConfigError(
+            f"--speculative-config method {method!r}: jaxserve speculates with a draft model "
+            '({"model": DRAFT, ...}) or n-gram prompt lookup ({"method": "ngram", ...}); EAGLE, '
+            "MTP, Medusa and suffix decoding are not implemented"
+        )
     for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
         if key in config:
             values[key] = str(config[key])
@@ -319,4 +485,3 @@ def _quantization(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--quantization {value}: " + _QUANT_REFUSALS.get(value, _FP_REFUSAL))
     del ns.quantization  # the checkpoint decides (implied_quantization); the method is checked against it
     ns.vllm_quantization_method = method
-

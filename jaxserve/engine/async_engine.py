@@ -148,13 +148,19 @@ class AsyncLLMEngine:
         self.engine.intake.put(request)
         self.start()
 
-    async def generate(self, request_id: str | None = None, prompt: str | None = None,
-                       sampling_params: SamplingParams | None = None,
-                       prompt_token_ids: list[int] | None = None, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        lora_request: Any = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yields the request's delta each time it advances (sum them with OutputAccumulator for whole
         outputs); aborts the request if the caller stops early. `lora_request`: its adapter (None: the base)."""
-        request = self.processor.process(request_id or f"req-{next(self._ids)}", prompt, sampling_params,
-                                         prompt_token_ids, lora_request=lora_request)
+        request = self.processor.process(
+            request_id or f"req-{next(self._ids)}", prompt, sampling_params, prompt_token_ids, lora_request=lora_request
+        )
         async for delta in stream_deltas(self, request):
             yield delta
 

@@ -203,9 +203,11 @@ class BlockManager:
 
     def stats(self) -> dict[str, int]:
         """Counters for metrics: prefix-cache lookups and hits (tokens), window-released pages."""
-        return {"prefix_queried_tokens": self.num_prefix_queried_tokens,
-                "prefix_hit_tokens": self.num_prefix_hit_tokens,
-                "window_released_pages": self.num_window_released_pages}
+        return {
+            "prefix_queried_tokens": self.num_prefix_queried_tokens,
+            "prefix_hit_tokens": self.num_prefix_hit_tokens,
+            "window_released_pages": self.num_window_released_pages,
+        }
 
     def num_free_pages(self, replica: int = 0) -> int:
         """Pages that can be handed out now: free ones plus evictable cached ones."""
@@ -248,7 +250,10 @@ class BlockManager:
     # ---------------------------------------------------------------- admission
 
     def can_admit(
-        self, replica: int, num_prompt_tokens: int, prompt_token_ids: Sequence[int] | None = None,
+        self,
+        replica: int,
+        num_prompt_tokens: int,
+        prompt_token_ids: Sequence[int] | None = None,
         root: bytes = _ROOT_KEY,
     ) -> bool:
         """Whether a prompt's pages fit while leaving the watermark free.
@@ -268,8 +273,14 @@ class BlockManager:
             hits, _ = self._match_prefix(pool, prompt_token_ids, root)
         return self._fits(pool, num_prompt_tokens, hits)
 
-    def admit(self, seq_id: Hashable, replica: int, prompt_token_ids: Sequence[int], reuse_prefix: bool = True,
-              root: bytes = _ROOT_KEY) -> int:
+    def admit(
+        self,
+        seq_id: Hashable,
+        replica: int,
+        prompt_token_ids: Sequence[int],
+        reuse_prefix: bool = True,
+        root: bytes = _ROOT_KEY,
+    ) -> int:
         """Give a new sequence pages for its whole prompt, reusing cached prefix pages (unless
         `reuse_prefix` is False: a request for prompt logprobs must compute every position).
         `root` starts the sequence's chain of page keys: sequences of another root (a LoRA adapter's,
@@ -410,7 +421,12 @@ class BlockManager:
             copies.append((parent.pages[full], dst))
             pages.append(dst)
         self._seqs[child_id] = _Seq(
-            parent.replica, pages, parent.num_computed, parent.num_hashed, parent.last_key, parent.cacheable,
+            parent.replica,
+            pages,
+            parent.num_computed,
+            parent.num_hashed,
+            parent.last_key,
+            parent.cacheable,
             parent.num_released,
         )
         return copies

@@ -31,7 +31,6 @@ def powers_of_two(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
-
 TOKEN_LADDERS = ("powers-of-two", "fine", "auto")
 
 
@@ -85,8 +84,9 @@ class BucketTable:
     token_counts: tuple[int, ...] = ()
 
     @classmethod
-    def build(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int,
-              ladder: str = "powers-of-two") -> "BucketTable":
+    def build(
+        cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int, ladder: str = "powers-of-two"
+    ) -> "BucketTable":
         return cls(
             batch_sizes=powers_of_two(1, max_num_seqs),
             chunk_sizes=powers_of_two(min(16, max_num_batched_tokens), max_num_batched_tokens),
@@ -106,9 +106,12 @@ class BucketTable:
         for token_buckets=auto only)."""
         # The budget is the step's, over all its rows: it may exceed max_model_len (many rows, or
         # decodes verifying drafts), though no single prompt chunk can.
-        return cls.build(settings.max_num_seqs, settings.max_num_batched_tokens,
-                         math.ceil(max_model_len / settings.page_size),
-                         resolve_token_ladder(settings, platform))
+        return cls.build(
+            settings.max_num_seqs,
+            settings.max_num_batched_tokens,
+            math.ceil(max_model_len / settings.page_size),
+            resolve_token_ladder(settings, platform),
+        )
 
 
 def step_shapes(buckets: BucketTable, num_scheduler_steps: int = 1) -> list[tuple]:
@@ -166,13 +169,15 @@ class ExecutableCounts:
         return sum(dataclasses.astuple(self))
 
     def describe(self) -> str:
-        parts = [f"{f.name.replace('_', ' ')} {v}" for f, v in zip(dataclasses.fields(self), dataclasses.astuple(self))
-                 if v]
+        parts = [
+            f"{f.name.replace('_', ' ')} {v}" for f, v in zip(dataclasses.fields(self), dataclasses.astuple(self)) if v
+        ]
         return f"{self.total} executables ({', '.join(parts)})"
 
 
-def executable_counts(settings: Any, max_model_len: int | None = None,
-                      num_replicas: int | None = None, platform: str | None = None) -> ExecutableCounts:
+def executable_counts(
+    settings: Any, max_model_len: int | None = None, num_replicas: int | None = None, platform: str | None = None
+) -> ExecutableCounts:
     """The executables an engine with `settings` (an EngineConfig) compiles at start-up, from the
     bucket table alone. `max_model_len`: the resolved one when the setting is unset (the model's
     max_position_embeddings); `num_replicas`: the mesh's data axis (mesh_shape[0]); `platform`: jax's

@@ -67,8 +67,16 @@ class EngineCore:
     `speculation` makes the SpeculativeDecoder (`jaxserve.spec_decode`) once the block manager exists:
     the scheduler is built with its drafts as its lookahead."""
 
-    def __init__(self, config: EngineConfig, runner: Any, *, model_config: ModelConfig, memory: Any,
-                 tokenizer: Any = None, speculation: Callable[[], Any] | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Any,
+        *,
+        model_config: ModelConfig,
+        memory: Any,
+        tokenizer: Any = None,
+        speculation: Callable[[], Any] | None = None,
+    ):
         self.config = s = config
         self.runner = runner
         self.model_config = cfg = model_config
@@ -76,14 +84,18 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.buckets = runner.buckets
         self.num_replicas = runner.num_replicas
-        eos = (tokenizer.eos_token_ids if tokenizer is not None and tokenizer.eos_token_ids else cfg.eos_token_ids)
+        eos = tokenizer.eos_token_ids if tokenizer is not None and tokenizer.eos_token_ids else cfg.eos_token_ids
         self.outputs = OutputProcessor(tokenizer, eos, memory.max_model_len)
         # Every layer windowed (Mistral): pages wholly behind the window go back to the pool. Not with a
         # draft model, whose cache shares the page ids and need not be windowed.
         windowed = cfg.sliding_window and cfg.num_sliding_layers == cfg.num_layers and s.speculation != "draft"
-        self.blocks = BlockManager(memory.num_pages, s.page_size, self.num_replicas,
-                                   enable_prefix_caching=s.enable_prefix_caching,
-                                   sliding_window=cfg.sliding_window if windowed else None)
+        self.blocks = BlockManager(
+            memory.num_pages,
+            s.page_size,
+            self.num_replicas,
+            enable_prefix_caching=s.enable_prefix_caching,
+            sliding_window=cfg.sliding_window if windowed else None,
+        )
         self.spec: Any = speculation() if speculation is not None else None  # the SpeculativeDecoder
         lookahead, later_steps = None, False
         if self.spec is not None:  # drafts to verify, in the step's token budget
@@ -92,9 +104,16 @@ class EngineCore:
             # A step of decodes alone runs them num_scheduler_steps in one call; a step holding a
             # prompt chunk is one plain mixed ragged step, as in every engine.
             lookahead, later_steps = self._multi_step_lookahead, True
-        self.scheduler = Scheduler(self.blocks, s.max_num_seqs, s.max_num_batched_tokens,
-                                   memory.max_model_len, scheduling=s.scheduling, preemption_mode=s.preemption_mode,
-                                   lookahead=lookahead, lookahead_steps=later_steps)
+        self.scheduler = Scheduler(
+            self.blocks,
+            s.max_num_seqs,
+            s.max_num_batched_tokens,
+            memory.max_model_len,
+            scheduling=s.scheduling,
+            preemption_mode=s.preemption_mode,
+            lookahead=lookahead,
+            lookahead_steps=later_steps,
+        )
         if s.async_scheduling and not self.can_overlap:
             logger.info("async scheduling off: speculative and multi-step engines run each step to completion first")
         self.intake = Intake()
@@ -103,8 +122,9 @@ class EngineCore:
         self._grammar_compiler = None  # structured output: made on the first constrained request
         self._grammar_lock = threading.Lock()
         self._seed_stream = np.random.default_rng(s.seed)
-        self.counters = dict(prompt_tokens=0, generation_tokens=0, prefill_tokens_computed=0, steps=0,
-                             arrivals_joined=0)
+        self.counters = dict(
+            prompt_tokens=0, generation_tokens=0, prefill_tokens_computed=0, steps=0, arrivals_joined=0
+        )
         self.composition = StepComposition(self.buckets.token_counts, memory.param_bytes, memory.kv_bytes_per_token)
         self.last_step_seconds = 0.0
         self._step_started = 0.0  # time.perf_counter() of the last schedule()
@@ -123,16 +143,23 @@ class EngineCore:
         if self.config.speculation:
             # Verification would need the grammar's masks at every drafted position (and a rollback
             # of rejected drafts); until the speculative step takes them, the two are exclusive.
-            refusal = ("structured output is not supported with speculative decoding "
-                       f"(speculation={self.config.speculation!r}); start the engine without it")
+            refusal = (
+                "structured output is not supported with speculative decoding "
+                f"(speculation={self.config.speculation!r}); start the engine without it"
+            )
         elif self.tokenizer is None:
             refusal = "structured output needs the model's tokenizer (start with tokenizer=PATH)"
-        return Limits(vocab_size=self.model_config.vocab_size, max_model_len=self.memory.max_model_len,
-                      page_size=self.blocks.page_size,
-                      usable_pages=self.memory.num_pages - 1 - self.blocks.watermark_pages,
-                      max_num_seqs=self.config.max_num_seqs, sliding_window=self.blocks.sliding_window,
-                      structured_refusal=refusal, prompt_logprobs=self.config.enable_prompt_logprobs,
-                      max_logprobs=self.config.max_logprobs)
+        return Limits(
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.memory.max_model_len,
+            page_size=self.blocks.page_size,
+            usable_pages=self.memory.num_pages - 1 - self.blocks.watermark_pages,
+            max_num_seqs=self.config.max_num_seqs,
+            sliding_window=self.blocks.sliding_window,
+            structured_refusal=refusal,
+            prompt_logprobs=self.config.enable_prompt_logprobs,
+            max_logprobs=self.config.max_logprobs,
+        )
 
     # ---- release -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -177,14 +204,24 @@ class EngineCore:
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab_size=self.model_config.vocab_size)
             return self._grammar_compiler
 
-    def add_request(self, request_id: str, prompt: str | None = None, sampling_params: SamplingParams | None = None,
-                    prompt_token_ids: list[int] | None = None, grammar=None, lora_request: Any = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        grammar=None,
+        lora_request: Any = None,
+    ) -> None:
         """Check (`processor.process`) and queue a request (with `lora_request`, a `LoRARequest`, under
         that adapter). `grammar`: its CompiledGrammar when the caller compiled `structured` already;
         otherwise it is compiled (cached by spec), and a spec the grammar library rejects raises GrammarError."""
         self._check_open()
-        self.admit(self.processor.process(request_id, prompt, sampling_params, prompt_token_ids,
-                                          lora_request=lora_request, grammar=grammar))
+        self.admit(
+            self.processor.process(
+                request_id, prompt, sampling_params, prompt_token_ids, lora_request=lora_request, grammar=grammar
+            )
+        )
 
     def admit(self, request: EngineRequest) -> None:
         """Queue a request the processor made (checked there); here only what depends on the engine now."""
@@ -198,10 +235,19 @@ class EngineCore:
             elif isinstance(grammar, Future):  # compiling on the compiler's thread
                 grammar = grammar.result()
         base_seed = params.seed if params.seed is not None else int(self._seed_stream.integers(2**32))
-        seqs = [Sequence(seq_id=f"{request_id}#{i}", request_id=request_id, index=i, prompt_token_ids=ids,
-                         params=params, seed=(base_seed + 0x9E3779B9 * i) % 2**32,
-                         detokenizer=self.outputs.detokenizer(ids, params), lora=adapter)
-                for i in range(params.n)]
+        seqs = [
+            Sequence(
+                seq_id=f"{request_id}#{i}",
+                request_id=request_id,
+                index=i,
+                prompt_token_ids=ids,
+                params=params,
+                seed=(base_seed + 0x9E3779B9 * i) % 2**32,
+                detokenizer=self.outputs.detokenizer(ids, params),
+                lora=adapter,
+            )
+            for i in range(params.n)
+        ]
         seqs[0].num_siblings_to_fork = params.n - 1
         if params.structured is not None:
             seqs[0].grammar = grammar.matcher()
@@ -245,8 +291,9 @@ class EngineCore:
             self.admit(request)
             return True
         except Exception as err:  # noqa: BLE001 - checked at intake; a late refusal fails this request only
-            self._outbox.append(RequestFailure(request.request_id, err if isinstance(err, RequestError)
-                                               else RequestError(str(err))))
+            self._outbox.append(
+                RequestFailure(request.request_id, err if isinstance(err, RequestError) else RequestError(str(err)))
+            )
             return False
 
     def has_unfinished_requests(self) -> bool:
@@ -312,11 +359,19 @@ class EngineCore:
         logprobs = any(row.seq.params.logprobs is not None for row in batch.rows)
         pending = self.runner.execute(works, logprobs=logprobs)  # laid out, dispatched, not waited for
         dispatched_at = time.perf_counter()
-        return InFlightStep(batch, self._dispatched_rows(batch, works, pending, serial), pending, serial, verifies,
-                            any(w.grammar is not None for w in works), dispatched_at)
+        return InFlightStep(
+            batch,
+            self._dispatched_rows(batch, works, pending, serial),
+            pending,
+            serial,
+            verifies,
+            any(w.grammar is not None for w in works),
+            dispatched_at,
+        )
 
-    def _dispatched_rows(self, batch: SchedulerOutput, works: list[RowWork], pending: Any,
-                         serial: bool) -> list[DispatchedRow]:
+    def _dispatched_rows(
+        self, batch: SchedulerOutput, works: list[RowWork], pending: Any, serial: bool
+    ) -> list[DispatchedRow]:
         """Each row's record of what its update owes it. A plain step's bookkeeping is done here, at
         dispatch: each row's tokens count as computed, and each row that samples holds a placeholder
         of its token until the step is processed (a serial step's rows append their runs then)."""
@@ -413,13 +468,25 @@ class EngineCore:
             if n == 1 and start >= len(prompt):  # a decode row (most rows, every step): its one token by index
                 tokens = [output[start - len(prompt)]]
             else:
-                tokens = seq.token_view[start: start + n]
+                tokens = seq.token_view[start : start + n]
             samples = start + n == len(prompt) + len(output)  # ScheduledRow.samples
             pages, version = live_page_ids(seq.seq_id)
             targets = None if seq.prompt_logprobs is None else self.outputs.prompt_targets(seq, start, n)
-            work.append(RowWork(tokens, start, pages, seq.row_sampling or self._row_sampling(seq), seq.replica,
-                                targets, samples, seq.grammar if samples else None, step=len(output),
-                                pages_version=version, lora_slot=-1 if seq.lora is None else seq.lora.slot))
+            work.append(
+                RowWork(
+                    tokens,
+                    start,
+                    pages,
+                    seq.row_sampling or self._row_sampling(seq),
+                    seq.replica,
+                    targets,
+                    samples,
+                    seq.grammar if samples else None,
+                    step=len(output),
+                    pages_version=version,
+                    lora_slot=-1 if seq.lora is None else seq.lora.slot,
+                )
+            )
         return work
 
     @staticmethod
@@ -427,8 +494,9 @@ class EngineCore:
         """The sequence's sampling row, built once: its params and seed are fixed, and its prompt and
         output lists are read where they stand when a step is packed (the step index goes apart)."""
         if seq.row_sampling is None:
-            seq.row_sampling = RowSampling.from_params(seq.params, seed=seq.seed, step=0,
-                                                       prompt_ids=seq.prompt_token_ids, output_ids=seq.output_token_ids)
+            seq.row_sampling = RowSampling.from_params(
+                seq.params, seed=seq.seed, step=0, prompt_ids=seq.prompt_token_ids, output_ids=seq.output_token_ids
+            )
         return seq.row_sampling
 
     def _multi_step_lookahead(self, seq: Sequence, batch_size: int) -> int:
@@ -437,9 +505,14 @@ class EngineCore:
         next mask needs the token it samples now (it runs its one step inside the multi-step call)."""
         if seq.grammar is not None:
             return 0
-        return max(0, min(self.config.num_scheduler_steps - 1,
-                          seq.params.max_tokens - len(seq.output_token_ids) - 1,
-                          self.memory.max_model_len - seq.num_tokens - 1))
+        return max(
+            0,
+            min(
+                self.config.num_scheduler_steps - 1,
+                seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                self.memory.max_model_len - seq.num_tokens - 1,
+            ),
+        )
 
     def _finish_step(self, advanced: dict[str, Request]) -> list[RequestOutput]:
         """The delta of each request that advanced (a finished one leaves the engine); the step's

@@ -50,8 +50,15 @@ class LoRAManager:
     one into a device slot (the runner's `write_lora`); `live()` gives the adapters that running or
     waiting requests use (their weights stay in host memory)."""
 
-    def __init__(self, *, max_loras: int, max_cpu_loras: int | None, load: Callable[[LoRARequest], Any],
-                 write: Callable[[int, Any], None], live: Callable[[], set]):
+    def __init__(
+        self,
+        *,
+        max_loras: int,
+        max_cpu_loras: int | None,
+        load: Callable[[LoRARequest], Any],
+        write: Callable[[int, Any], None],
+        live: Callable[[], set],
+    ):
         self.max_loras = max_loras
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self._load, self._write, self._live = load, write, live
@@ -109,8 +116,10 @@ class LoRAManager:
             return self.add(request)
         known = adapter.request
         if request.lora_int_id != known.lora_int_id or (request.lora_path and request.lora_path != known.lora_path):
-            raise LoRAError(f"the LoRA adapter {request.lora_name!r} is loaded as id {known.lora_int_id} from "
-                            f"{known.lora_path!r}, not id {request.lora_int_id} from {request.lora_path!r}")
+            raise LoRAError(
+                f"the LoRA adapter {request.lora_name!r} is loaded as id {known.lora_int_id} from "
+                f"{known.lora_path!r}, not id {request.lora_int_id} from {request.lora_path!r}"
+            )
         if adapter.weights is None:
             adapter.weights = self._load(adapter.request)
         self._hold(adapter)
@@ -130,8 +139,11 @@ class LoRAManager:
 
     def _place(self, adapter: Adapter, step: set) -> None:
         free = [i for i, held in enumerate(self.slots) if held is None]
-        slot = free[0] if free else min((i for i, held in enumerate(self.slots) if held not in step),
-                                        key=self._slot_used.__getitem__)
+        slot = (
+            free[0]
+            if free
+            else min((i for i, held in enumerate(self.slots) if held not in step), key=self._slot_used.__getitem__)
+        )
         old = self.slots[slot]
         if old is not None:
             old.slot = None
@@ -163,10 +175,16 @@ class LoRAManager:
     # ---- observability -------------------------------------------------------------------------
     def stats(self, running: Iterable[Adapter | None], waiting: Iterable[Adapter | None]) -> dict:
         """vLLM's lora_requests_info (requests per adapter, running and waiting) and the tiers' contents."""
+
         def count(adapters):
             return dict(collections.Counter(a.name for a in adapters if a is not None))
 
-        return {"max_loras": self.max_loras, "running": count(running), "waiting": count(waiting),
-                "resident": [a.name for a in self.slots if a is not None],
-                "cpu_cached": [a.name for a in self._host], "loads_total": self.loads_total,
-                "evictions_total": self.evictions_total}
+        return {
+            "max_loras": self.max_loras,
+            "running": count(running),
+            "waiting": count(waiting),
+            "resident": [a.name for a in self.slots if a is not None],
+            "cpu_cached": [a.name for a in self._host],
+            "loads_total": self.loads_total,
+            "evictions_total": self.evictions_total,
+        }

@@ -70,8 +70,9 @@ class OutputProcessor:
             return None
         from jaxserve.loading.tokenizer import IncrementalDetokenizer
 
-        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
-                                      prompt_ids=prompt_ids)
+        return IncrementalDetokenizer(
+            self.tokenizer, skip_special_tokens=params.skip_special_tokens, prompt_ids=prompt_ids
+        )
 
     def resolve_token(self, seq: Sequence, index: int, token: int) -> str | None:
         """`token` is output `index` of `seq` (a placeholder until now, or just appended): detokenize
@@ -188,8 +189,13 @@ class OutputProcessor:
         seqs = request.seqs
         if len(seqs) == 1:  # the usual request: its one sample's times, as the general case gives them
             s = seqs[0]
-            return RequestMetrics(request.arrival_time, s.first_scheduled_time or None, s.first_token_time or None,
-                                  (s.finished_time or 0.0) if finished else None, **(spec_metrics or {}))
+            return RequestMetrics(
+                request.arrival_time,
+                s.first_scheduled_time or None,
+                s.first_token_time or None,
+                (s.finished_time or 0.0) if finished else None,
+                **(spec_metrics or {}),
+            )
         return RequestMetrics(
             arrival_time=request.arrival_time,
             first_scheduled_time=min((t for t in (s.first_scheduled_time for s in seqs) if t), default=None),
@@ -212,7 +218,10 @@ class OutputProcessor:
             return None
         want_logprobs = seq.params.logprobs is not None
         out = CompletionOutput(
-            seq.index, ids[seq.ids_emitted : end], seq.text[seq.text_emitted : text_end], seq.finish_reason,
+            seq.index,
+            ids[seq.ids_emitted : end],
+            seq.text[seq.text_emitted : text_end],
+            seq.finish_reason,
             seq.logprobs[seq.ids_emitted : end] if want_logprobs else None,
             seq.cumulative_logprob if want_logprobs else None,
         )
@@ -233,13 +242,15 @@ class OutputAccumulator:
         total = self.outputs.get(delta.request_id)
         if total is None:
             total = self.outputs[delta.request_id] = RequestOutput(
-                delta.request_id, delta.prompt, delta.prompt_token_ids, [], delta.finished)
+                delta.request_id, delta.prompt, delta.prompt_token_ids, [], delta.finished
+            )
         by_index = {o.index: o for o in total.outputs}
         for new in delta.outputs:
             old = by_index.get(new.index)
             if old is None:
                 old = by_index[new.index] = CompletionOutput(
-                    new.index, [], "", None, [] if new.logprobs is not None else None)
+                    new.index, [], "", None, [] if new.logprobs is not None else None
+                )
                 total.outputs.append(old)
             old.token_ids.extend(new.token_ids)
             old.text += new.text

@@ -33,6 +33,7 @@ from jaxserve.engine.arrival_window import ArrivalWindow
 from jaxserve.engine.in_flight import InFlightStep
 from jaxserve.engine.scheduler import SchedulerOutput
 
+
 class Overlap:
     """Drives an `EngineCore` one or two steps deep; not thread-safe (one step thread). Set
     `async_scheduling` to switch the depth between steps: a step left in flight is processed by the

@@ -80,8 +80,9 @@ class EngineRequest:
 def check_open(closed: bool) -> None:
     """The one "engine closed" refusal."""
     if closed:
-        raise EngineClosedError("this engine is closed (its executables, weights and KV cache are released); "
-                                "build a new one")
+        raise EngineClosedError(
+            "this engine is closed (its executables, weights and KV cache are released); build a new one"
+        )
 
 
 def claim(request_id: str, live: Container[str], closed: bool = False) -> None:
@@ -97,8 +98,7 @@ class Processor:
     grammar (the engine's GrammarCompiler.submit), or None to leave compiling to the engine. Reads only
     fixed things (limits, tokenizer), so any thread may call it."""
 
-    def __init__(self, limits: Limits, tokenizer: Any = None,
-                 grammars: Callable[[Any], Any] | None = None):
+    def __init__(self, limits: Limits, tokenizer: Any = None, grammars: Callable[[Any], Any] | None = None):
         self.limits = limits
         self.tokenizer = tokenizer
         self.grammars = grammars
@@ -110,28 +110,46 @@ class Processor:
             raise PromptError("give exactly one of prompt or prompt_token_ids")
         if text is not None:
             if self.tokenizer is None:
-                raise PromptError("this model has no tokenizer: pass the prompt as token ids, or start with "
-                                  "tokenizer=PATH", code="no_tokenizer")
+                raise PromptError(
+                    "this model has no tokenizer: pass the prompt as token ids, or start with tokenizer=PATH",
+                    code="no_tokenizer",
+                )
             return Prompt(_as_list(self.tokenizer.encode(text)), text)
         return Prompt([int(t) for t in token_ids])
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], renderer: Any, *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-                    documents: Any = None, chat_template_kwargs: Mapping[str, Any] | None = None) -> Prompt:
+    def chat_prompt(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        renderer: Any,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        documents: Any = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Prompt:
         """A conversation rendered with `renderer` (server.chat.ChatRenderer: the template
         /v1/chat/completions and LLM.chat share) and tokenized without special tokens (the template
         writes its own BOS)."""
         if self.tokenizer is None:
-            raise PromptError("this model has no tokenizer, so chat is not available: send the prompt as token ids, "
-                              "or start with tokenizer=PATH", code="no_tokenizer")
+            raise PromptError(
+                "this model has no tokenizer, so chat is not available: send the prompt as token ids, "
+                "or start with tokenizer=PATH",
+                code="no_tokenizer",
+            )
         if continue_final_message and add_generation_prompt:
             raise PromptError("continue_final_message and add_generation_prompt cannot both be true")
         if not messages:
             raise PromptError("chat needs at least one message", code="empty_prompt")
         try:
-            text = renderer.render([chat_message(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                                   continue_final_message=continue_final_message, tools=tools, documents=documents,
-                                   chat_template_kwargs=chat_template_kwargs)
+            text = renderer.render(
+                [chat_message(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                documents=documents,
+                chat_template_kwargs=chat_template_kwargs,
+            )
         except ValueError as err:  # ChatTemplateError: the template refused the conversation
             raise PromptError(str(err), code="chat_template_error") from None
         return Prompt(_as_list(self.tokenizer.encode(text, add_special_tokens=False)), text)
@@ -142,9 +160,17 @@ class Processor:
         return max(1, self.limits.max_model_len - len(prompt.token_ids))
 
     # ---- the request ------------------------------------------------------------------------------
-    def process(self, request_id: str, prompt: str | Prompt | None = None, params: SamplingParams | None = None,
-                prompt_token_ids: Sequence[int] | None = None, *, lora_request: Any = None,
-                arrival_time: float | None = None, grammar: Any = None) -> EngineRequest:
+    def process(
+        self,
+        request_id: str,
+        prompt: str | Prompt | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        *,
+        lora_request: Any = None,
+        arrival_time: float | None = None,
+        grammar: Any = None,
+    ) -> EngineRequest:
         """The checked EngineRequest (PromptError / RequestError for what could never be served);
         its grammar's compilation started when `grammars` was given."""
         if not isinstance(prompt, Prompt):
@@ -155,8 +181,15 @@ class Processor:
         self.check(prompt.token_ids, params)
         if grammar is None and params.structured is not None and self.grammars is not None:
             grammar = self.grammars(params.structured)
-        return EngineRequest(request_id, prompt.token_ids, params, prompt.text, grammar, lora_request,
-                             time.monotonic() if arrival_time is None else arrival_time)
+        return EngineRequest(
+            request_id,
+            prompt.token_ids,
+            params,
+            prompt.text,
+            grammar,
+            lora_request,
+            time.monotonic() if arrival_time is None else arrival_time,
+        )
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
         """Raise PromptError for a request that could never be served: every rule, once."""
@@ -174,9 +207,11 @@ class Processor:
         limit, n_prompt = limits.max_model_len, len(ids)
         need = n_prompt + params.max_tokens
         if need > limit:
-            raise PromptError(f"this model's maximum context length is {limit} tokens; the request asks for {need} "
-                              f"({n_prompt} in the prompt, {params.max_tokens} to generate)",
-                              code="context_length_exceeded")
+            raise PromptError(
+                f"this model's maximum context length is {limit} tokens; the request asks for {need} "
+                f"({n_prompt} in the prompt, {params.max_tokens} to generate)",
+                code="context_length_exceeded",
+            )
         needed = limits.pages_for(need)
         if limits.sliding_window is not None:  # decode pages behind the window go back to the pool
             needed = min(needed, limits.pages_for(n_prompt) + limits.pages_for(limits.sliding_window) + 1)
@@ -187,8 +222,10 @@ class Processor:
             raise PromptError(f"n={params.n} exceeds max_num_seqs={limits.max_num_seqs}")
         forked = limits.pages_for(n_prompt) + params.n - 1  # the n samples fork with a page each
         if forked > usable:
-            raise PromptError(f"n={params.n} samples of a {n_prompt}-token prompt need {forked} KV pages to start; "
-                              f"a replica's cache has {usable}")
+            raise PromptError(
+                f"n={params.n} samples of a {n_prompt}-token prompt need {forked} KV pages to start; "
+                f"a replica's cache has {usable}"
+            )
         if params.structured is not None and limits.structured_refusal is not None:
             raise PromptError(limits.structured_refusal)
         for name in ("logprobs", "prompt_logprobs"):
@@ -196,8 +233,10 @@ class Processor:
             if asked is not None and asked > limits.max_logprobs:
                 raise PromptError(f"{name}={asked} is more than max_logprobs={limits.max_logprobs} (--max-logprobs)")
         if params.prompt_logprobs is not None and not limits.prompt_logprobs:
-            raise PromptError("prompt_logprobs needs the engine started with enable_prompt_logprobs=True "
-                              "(--enable-prompt-logprobs), which compiles the scoring steps")
+            raise PromptError(
+                "prompt_logprobs needs the engine started with enable_prompt_logprobs=True "
+                "(--enable-prompt-logprobs), which compiles the scoring steps"
+            )
 
 
 def _as_list(ids: Sequence[int]) -> list[int]:

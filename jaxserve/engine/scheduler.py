@@ -112,8 +112,13 @@ class Scheduler:
         decoding = [s for s in self.running if s.compute_target - s.num_computed == 1 and self._can_run(s)]
         rows, preempted = self._schedule_decode(decoding)
         if self.lookahead is not None and not self.lookahead_steps:  # drafts: in the budget
-            self._give_lookahead(rows, [self.max_num_batched_tokens - sum(r.seq.replica == rep for r in rows)
-                                        for rep in range(self.blocks.num_replicas)])
+            self._give_lookahead(
+                rows,
+                [
+                    self.max_num_batched_tokens - sum(r.seq.replica == rep for r in rows)
+                    for rep in range(self.blocks.num_replicas)
+                ],
+            )
         decodes = len(rows)
         rows += self._prompt_chunks(rows)
         if not rows:
@@ -129,9 +134,13 @@ class Scheduler:
     def takes_arrivals(self, batch: SchedulerOutput) -> bool:
         """Whether a request arriving now could still join `batch` (`top_up`): nobody waits ahead of
         it, and some replica has a free seat and tokens left in the batch's budget."""
-        if (not batch.rows or self.waiting or self.lookahead is not None
-                or (self.scheduling == "static" and self.running)
-                or self._prompt_work_in_flight() >= self.max_num_batched_tokens):
+        if (
+            not batch.rows
+            or self.waiting
+            or self.lookahead is not None
+            or (self.scheduling == "static" and self.running)
+            or self._prompt_work_in_flight() >= self.max_num_batched_tokens
+        ):
             return False
         budget, seats = self._budget_left(batch.rows), self._seats_left()
         return any(b > 0 and n > 0 for b, n in zip(budget, seats))
@@ -210,8 +219,10 @@ class Scheduler:
             while self.blocks.num_free_pages(parent.replica) < need:
                 others = [s for s in self.running if s is not parent and s.replica == parent.replica]
                 if not others:
-                    raise OutOfPagesError(f"replica {parent.replica}: no pages to fork {len(children)} samples of "
-                                          f"{parent.seq_id!r} with nothing left to preempt")
+                    raise OutOfPagesError(
+                        f"replica {parent.replica}: no pages to fork {len(children)} samples of "
+                        f"{parent.seq_id!r} with nothing left to preempt"
+                    )
                 self._preempt(others[-1])
             for child in children:
                 pairs = self.blocks.fork(parent.seq_id, child.seq_id)
@@ -242,8 +253,12 @@ class Scheduler:
         passed_over = 0
         while len(self.waiting) > passed_over and (static or pending_tokens < self.max_num_batched_tokens):
             seq = self.waiting[passed_over]
-            if adapters is not None and seq.lora is not None and seq.lora not in adapters \
-                    and len(adapters) >= self.max_loras:
+            if (
+                adapters is not None
+                and seq.lora is not None
+                and seq.lora not in adapters
+                and len(adapters) >= self.max_loras
+            ):
                 passed_over += 1
                 continue
             # Preempted with its token in flight (async scheduling): it waits until that token is on

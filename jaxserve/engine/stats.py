@@ -33,8 +33,11 @@ def engine_stats(core: Any) -> dict:
         **core.composition.as_stats(),
         **(core.spec.stats() if core.spec is not None else {}),
         **(core.multihost.stats() if core.multihost is not None else {}),
-        **({} if core.lora is None else {"lora": core.lora.stats(
-            (q.lora for q in s.running), (q.lora for q in s.waiting))}),
+        **(
+            {}
+            if core.lora is None
+            else {"lora": core.lora.stats((q.lora for q in s.running), (q.lora for q in s.waiting))}
+        ),
     )
 
 
@@ -44,6 +47,8 @@ def spec_metrics(spec: Any, seqs: list) -> dict:
     if spec is None:
         return {}
     states = [s.spec for s in seqs if s.spec is not None]
-    return dict(spec_draft_tokens=sum(st.proposed for st in states),
-                spec_accepted_tokens=sum(st.accepted for st in states),
-                spec_verify_steps=sum(st.verify_steps for st in states))
+    return dict(
+        spec_draft_tokens=sum(st.proposed for st in states),
+        spec_accepted_tokens=sum(st.accepted for st in states),
+        spec_verify_steps=sum(st.verify_steps for st in states),
+    )

@@ -54,6 +54,11 @@ class StepComposition:
         return kind
 
     def as_stats(self) -> dict:
-        return {"steps_by_kind": dict(self.steps),
-                "iteration_tokens": {"bounds": list(self.bounds), "counts": list(self.bucket_counts),
-                                     "sum": self.token_sum}}
+        return {
+            "steps_by_kind": dict(self.steps),
+            "iteration_tokens": {
+                "bounds": list(self.bounds),
+                "counts": list(self.bucket_counts),
+                "sum": self.token_sum,
+            },
+        }

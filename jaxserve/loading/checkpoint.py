@@ -30,8 +30,16 @@ from jaxserve.errors import ModelLoadError
 from jaxserve.model.weights import LayerParams, Params, param_specs
 
 _SAFETENSORS_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -87,8 +95,12 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
             raise ModelLoadError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
         start, end = info["data_offsets"]
         dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
-        yield name, np.frombuffer(mapped, dtype=dtype, count=(end - start) // dtype.itemsize,
-                                  offset=base + start).reshape(info["shape"])
+        yield (
+            name,
+            np.frombuffer(mapped, dtype=dtype, count=(end - start) // dtype.itemsize, offset=base + start).reshape(
+                info["shape"]
+            ),
+        )
 
 
 def iter_checkpoint_tensors(model_dir: str) -> Iterator[tuple[str, str, np.ndarray]]:
@@ -137,9 +149,14 @@ _SANDWICH_NAMES = {
 # mlp.experts.gate_up_proj [E, 2F, D] gate half first, mlp.experts.down_proj [E, D, F]).
 _ROUTER_NAMES = {"mlp.gate.weight": ("router", True), "block_sparse_moe.gate.weight": ("router", True)}
 _EXPERT_PREFIXES = ("mlp.experts.", "block_sparse_moe.experts.")
-_SPLIT_EXPERT_NAMES = {"gate_proj.weight": "expert_gate", "up_proj.weight": "expert_up",
-                       "down_proj.weight": "expert_down", "w1.weight": "expert_gate", "w3.weight": "expert_up",
-                       "w2.weight": "expert_down"}
+_SPLIT_EXPERT_NAMES = {
+    "gate_proj.weight": "expert_gate",
+    "up_proj.weight": "expert_up",
+    "down_proj.weight": "expert_down",
+    "w1.weight": "expert_gate",
+    "w3.weight": "expert_up",
+    "w2.weight": "expert_down",
+}
 _TOP_NAMES = {
     "model.embed_tokens.weight": ("embed", False),
     "model.norm.weight": ("final_norm", False),
@@ -148,8 +165,12 @@ _TOP_NAMES = {
 # KV cache scales (vLLM's names after "model.layers.{i}." -> which: "kv" is both) are read on their own
 # for an fp8 cache (loading/kv_scales.py), never as weights.
 KV_SCALE_NAMES = {
-    "self_attn.k_scale": "k", "self_attn.v_scale": "v", "self_attn.attn.k_scale": "k",
-    "self_attn.attn.v_scale": "v", "self_attn.k_proj.output_scale": "k", "self_attn.v_proj.output_scale": "v",
+    "self_attn.k_scale": "k",
+    "self_attn.v_scale": "v",
+    "self_attn.attn.k_scale": "k",
+    "self_attn.attn.v_scale": "v",
+    "self_attn.k_proj.output_scale": "k",
+    "self_attn.v_proj.output_scale": "v",
     "self_attn.kv_scale": "kv",
 }
 KV_SCALE_SUFFIXES = tuple("." + name for name in KV_SCALE_NAMES)
@@ -157,8 +178,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", *KV_SCALE_SUFFIXES)
 # Gemma3ForConditionalGeneration: the text tower under its prefix (transformers >= 5 first, then the
 # layout the published checkpoints have), mapped to Gemma3ForCausalLM's names; the vision tower and
 # projector are not read.
-_TEXT_TOWER_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                        ("language_model.lm_head.", "lm_head."))
+_TEXT_TOWER_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
 _VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
 
 
@@ -174,11 +198,13 @@ def _expert_parts(rest: str, tensor: np.ndarray) -> list[tuple[str, int | None, 
     prefix = next((p for p in _EXPERT_PREFIXES if rest.startswith(p)), None)
     if prefix is None:
         return None
-    name = rest[len(prefix):]
+    name = rest[len(prefix) :]
     if name == "gate_up_proj":  # f[E, 2F, D]
         half = tensor.shape[1] // 2
-        return [("expert_gate", None, tensor[:, :half].swapaxes(1, 2)),
-                ("expert_up", None, tensor[:, half:].swapaxes(1, 2))]
+        return [
+            ("expert_gate", None, tensor[:, :half].swapaxes(1, 2)),
+            ("expert_up", None, tensor[:, half:].swapaxes(1, 2)),
+        ]
     if name == "down_proj":  # f[E, D, F]
         return [("expert_down", None, tensor.swapaxes(1, 2))]
     index, _, weight = name.partition(".")
@@ -195,7 +221,7 @@ def _text_tower_name(name: str, cfg: ModelConfig) -> str | None:
         return None
     for prefix, replacement in _TEXT_TOWER_PREFIXES:
         if name.startswith(prefix):
-            return replacement + name[len(prefix):]
+            return replacement + name[len(prefix) :]
     return name
 
 
@@ -222,8 +248,14 @@ class _PerLayer:
 
 
 def load_hf_params(
-    model_dir: str, cfg: ModelConfig, dtype: Any, shardings: Params | None = None, stacked: bool = True,
-    quantization: str = "none", quantize_lm_head: bool = False, group_size: int | None = None,
+    model_dir: str,
+    cfg: ModelConfig,
+    dtype: Any,
+    shardings: Params | None = None,
+    stacked: bool = True,
+    quantization: str = "none",
+    quantize_lm_head: bool = False,
+    group_size: int | None = None,
 ) -> Params:
     """Read every tensor once, check it against the expected shape, stack layers, place on devices.
 
@@ -261,6 +293,7 @@ def load_hf_params(
             if stacked or field not in layer_specs:
                 host[field] = buffer(field, shape)
             else:
+
                 def place_layer(i: int, value: Any, field: str = field) -> Any:
                     return _put(value, getattr(shardings.layers[i], field) if shardings is not None else None)
 
@@ -277,7 +310,7 @@ def load_hf_params(
         if name is None or name.endswith(_IGNORED_SUFFIXES):
             continue
         if name.startswith("model.layers."):
-            index_str, _, rest = name[len("model.layers."):].partition(".")
+            index_str, _, rest = name[len("model.layers.") :].partition(".")
             parts = _expert_parts(rest, tensor) if cfg.is_moe else None
             if parts is not None:
                 _copy_experts(target, layer_specs, int(index_str), parts, filled, cfg, stored_name)
@@ -318,15 +351,20 @@ def load_hf_params(
 
     if stacked:
         layer_shardings = shardings.layers if shardings is not None else None
-        layers = LayerParams(**{
-            f: place(f, getattr(layer_shardings, f) if layer_shardings is not None else None)
-            if spec is not None else None
-            for f, spec in layer_specs.items()
-        })
+        layers = LayerParams(
+            **{
+                f: place(f, getattr(layer_shardings, f) if layer_shardings is not None else None)
+                if spec is not None
+                else None
+                for f, spec in layer_specs.items()
+            }
+        )
     else:  # every layer was placed as it completed
         per_layer = {f: host.pop(f).placed for f, spec in layer_specs.items() if spec is not None}
-        layers = tuple(LayerParams(**{f: per_layer[f][i] if f in per_layer else None for f in layer_specs})
-                       for i in range(cfg.num_layers))
+        layers = tuple(
+            LayerParams(**{f: per_layer[f][i] if f in per_layer else None for f in layer_specs})
+            for i in range(cfg.num_layers)
+        )
     report.log()
     return Params(embed=top["embed"], layers=layers, final_norm=top["final_norm"], lm_head=top.get("lm_head"))
 
@@ -337,14 +375,14 @@ def _put(value: np.ndarray | QuantizedHost, sharding: Any) -> Any:
     return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
 
 
-def _copy_experts(target, layer_specs, layer: int, parts, filled: dict[str, set], cfg: ModelConfig,
-                  name: str) -> None:
+def _copy_experts(target, layer_specs, layer: int, parts, filled: dict[str, set], cfg: ModelConfig, name: str) -> None:
     """Copy one layer's expert tensor(s) into the stacked f[L, E, ...] arrays; `filled` gets (layer, expert)."""
     for field, expert, array in parts:
         spec = layer_specs[field]
         if layer >= cfg.num_layers or (expert is not None and expert >= cfg.num_experts):
-            raise ModelLoadError(f"unexpected tensor {name} for this config ({cfg.num_layers} layers, "
-                                 f"{cfg.num_experts} experts)")
+            raise ModelLoadError(
+                f"unexpected tensor {name} for this config ({cfg.num_layers} layers, {cfg.num_experts} experts)"
+            )
         dest = target(field, spec.shape)
         if isinstance(array, Int4Tensor) and array.perm is not None:  # act-order: experts' layout has no perm
             array = array.dequantize()
@@ -354,8 +392,9 @@ def _copy_experts(target, layer_specs, layer: int, parts, filled: dict[str, set]
             dest.done(layer, cfg.num_experts if expert is None else 1)
 
 
-def _copy_into(dest: np.ndarray, layer: int | None, tensor: np.ndarray, transpose: bool,
-               name: str) -> tuple[float, float] | None:
+def _copy_into(
+    dest: np.ndarray, layer: int | None, tensor: np.ndarray, transpose: bool, name: str
+) -> tuple[float, float] | None:
     """Copy (or quantize) one tensor into its slot; the squared error and norm of what was requantized."""
     src = tensor.T if transpose else tensor
     slot = dest if layer is None else dest[layer]
@@ -364,7 +403,9 @@ def _copy_into(dest: np.ndarray, layer: int | None, tensor: np.ndarray, transpos
     if isinstance(src, Int8Tensor) and type(slot) is not QuantizedHost:
         src = src.dequantize()  # a Q8_0 tensor where the model keeps floats (or int4)
     if src.shape != slot.shape:
-        raise ModelLoadError(f"tensor {name} has shape {tensor.shape}, config implies {slot.shape[::-1] if transpose else slot.shape}")
+        raise ModelLoadError(
+            f"tensor {name} has shape {tensor.shape}, config implies {slot.shape[::-1] if transpose else slot.shape}"
+        )
     if isinstance(slot, QuantizedHost):
         return slot.assign(src)
     slot[...] = src  # casts to the target dtype
@@ -381,8 +422,11 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
     arrays = []
     for name, array in tensors.items():
         array = np.ascontiguousarray(array)
-        header[name] = {"dtype": _DTYPE_NAMES[array.dtype], "shape": list(array.shape),
-                        "data_offsets": [offset, offset + array.nbytes]}
+        header[name] = {
+            "dtype": _DTYPE_NAMES[array.dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
         offset += array.nbytes
         arrays.append(array)
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -397,8 +441,11 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
 def hf_tensors(params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """The params under Hugging Face names and layouts ([out, in] linear weights): the inverse of loading."""
     layers = params.layers
-    per_layer = layers if isinstance(layers, tuple) else [
-        jax.tree.map(lambda w, i=i: w[i], layers) for i in range(cfg.num_layers)]
+    per_layer = (
+        layers
+        if isinstance(layers, tuple)
+        else [jax.tree.map(lambda w, i=i: w[i], layers) for i in range(cfg.num_layers)]
+    )
     out: dict[str, np.ndarray] = {}
     for name, (field, transpose) in _TOP_NAMES.items():
         value = getattr(params, field)
@@ -406,9 +453,15 @@ def hf_tensors(params: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
             out[name] = np.asarray(value).T if transpose else np.asarray(value)
     mixtral = cfg.architecture == "MixtralForCausalLM"
     router_name = "block_sparse_moe.gate.weight" if mixtral else "mlp.gate.weight"
-    expert_names = (("block_sparse_moe.experts.{}.w1.weight", "block_sparse_moe.experts.{}.w3.weight",
-                     "block_sparse_moe.experts.{}.w2.weight") if mixtral else
-                    ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.up_proj.weight", "mlp.experts.{}.down_proj.weight"))
+    expert_names = (
+        (
+            "block_sparse_moe.experts.{}.w1.weight",
+            "block_sparse_moe.experts.{}.w3.weight",
+            "block_sparse_moe.experts.{}.w2.weight",
+        )
+        if mixtral
+        else ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.up_proj.weight", "mlp.experts.{}.down_proj.weight")
+    )
     for i, lp in enumerate(per_layer):
         for name, (field, transpose) in _layer_names(cfg).items():
             value = getattr(lp, field)

@@ -14,8 +14,14 @@ from typing import Any, Mapping
 from jaxserve.errors import UnsupportedModelError
 
 # GGUF architecture -> HF model_type (before the expert / sliding-window refinements below).
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
+    "gemma3": "gemma3_text",
+}
 SUPPORTED_GGUF_ARCHITECTURES = tuple(_MODEL_TYPES)
 
 # Gemma 3 facts llama.cpp hard-codes rather than reads (src/llama-model.cpp, LLM_ARCH_GEMMA3).
@@ -26,8 +32,9 @@ _GEMMA3_SLIDING_PATTERN = 6  # every 6th layer global
 def gguf_architecture(metadata: Mapping[str, Any]) -> str:
     arch = metadata.get("general.architecture")
     if arch not in _MODEL_TYPES:
-        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; supported: "
-                                    f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
     return arch
 
 
@@ -76,8 +83,9 @@ def hf_config(metadata: Mapping[str, Any], tensor_names: set[str]) -> dict[str, 
     if arch in ("llama", "mistral"):
         experts = int(get("expert_count") or 0)
         if experts:  # Mixtral is written as llama with experts
-            cfg.update(model_type="mixtral", num_local_experts=experts,
-                       num_experts_per_tok=int(need("expert_used_count")))
+            cfg.update(
+                model_type="mixtral", num_local_experts=experts, num_experts_per_tok=int(need("expert_used_count"))
+            )
         elif window:
             cfg["model_type"] = "mistral"
         if window:  # Mistral's window survives only where the converter wrote it
@@ -85,9 +93,14 @@ def hf_config(metadata: Mapping[str, Any], tensor_names: set[str]) -> dict[str, 
     elif arch == "qwen2":
         cfg["attention_bias"] = True
     elif arch == "qwen3moe":
-        cfg.update(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
-                   moe_intermediate_size=int(need("expert_feed_forward_length")), norm_topk_prob=True,
-                   decoder_sparse_step=1, mlp_only_layers=[])
+        cfg.update(
+            num_experts=int(need("expert_count")),
+            num_experts_per_tok=int(need("expert_used_count")),
+            moe_intermediate_size=int(need("expert_feed_forward_length")),
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     elif arch == "gemma3":
         cfg.update(_gemma3_fields(get, cfg))
     return cfg
@@ -98,9 +111,15 @@ def _gemma3_fields(get, cfg: Mapping[str, Any]) -> dict[str, Any]:
     layers) and by 1/sqrt(head_dim) otherwise, which is what each checkpoint's query_pre_attn_scalar says."""
     layers = cfg["num_hidden_layers"]
     scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if layers == 62 else cfg["head_dim"]
-    return {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": int(get("attention.sliding_window") or 4096),
-            "sliding_window_pattern": _GEMMA3_SLIDING_PATTERN, "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_BASE,
-            "query_pre_attn_scalar": scalar, "final_logit_softcapping": None, "attn_logit_softcapping": None}
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(get("attention.sliding_window") or 4096),
+        "sliding_window_pattern": _GEMMA3_SLIDING_PATTERN,
+        "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_BASE,
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
 
 
 def _rope_scaling(get) -> dict[str, Any] | None:

@@ -80,16 +80,24 @@ def describe(path: Path) -> dict[str, str]:
     if "rope_freqs.weight" in tensors and config["model_type"] in ("llama", "mistral", "mixtral"):
         from jaxserve.loading.gguf_weights import dequantize, llama3_rope_scaling
 
-        config["rope_scaling"] = llama3_rope_scaling(dequantize(tensors["rope_freqs.weight"]),
-                                                     config["head_dim"], config["rope_theta"])
+        config["rope_scaling"] = llama3_rope_scaling(
+            dequantize(tensors["rope_freqs.weight"]), config["head_dim"], config["rope_theta"]
+        )
     files = dict(tokenizer_files(metadata))
     files["config.json"] = json.dumps(config, indent=2)
     # Where each tensor's bytes are: loading then maps the file without parsing its header again
     # (the reader spends seconds on a large vocabulary's token list, which loading does not need).
-    index = [[t.name, int(t.tensor_type), t.data.dtype.str, list(t.data.shape), int(t.data_offset)]
-             for t in reader.tensors]
-    files[SOURCE_FILE] = json.dumps({"file": str(path), "architecture": metadata["general.architecture"],
-                                     "size": path.stat().st_size, "tensors": index})
+    index = [
+        [t.name, int(t.tensor_type), t.data.dtype.str, list(t.data.shape), int(t.data_offset)] for t in reader.tensors
+    ]
+    files[SOURCE_FILE] = json.dumps(
+        {
+            "file": str(path),
+            "architecture": metadata["general.architecture"],
+            "size": path.stat().st_size,
+            "tensors": index,
+        }
+    )
     return files
 
 
@@ -113,9 +121,12 @@ def iter_gguf_tensors(model_dir: str) -> Iterator[tuple[str, str, np.ndarray]]:
     if path.stat().st_size != source["size"]:
         raise ModelLoadError(f"{path} changed since {model_dir} was made from it; start again to re-read it")
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
-    tensors = [_IndexedTensor(name, GGMLQuantizationType(kind),
-                              np.ndarray(tuple(shape), np.dtype(dtype), buffer=mapped, offset=offset))
-               for name, kind, dtype, shape, offset in source["tensors"]]
+    tensors = [
+        _IndexedTensor(
+            name, GGMLQuantizationType(kind), np.ndarray(tuple(shape), np.dtype(dtype), buffer=mapped, offset=offset)
+        )
+        for name, kind, dtype, shape, offset in source["tensors"]
+    ]
     for name, values in iter_hf_tensors(source["architecture"], tensors, config):
         yield str(path), name, values
 

@@ -47,18 +47,24 @@ _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
 
 _P_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_P_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_P_LLAMA3 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _P_QWEN2 = _P_LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
 # llama.cpp writes GPT-4o's and Tekken's \p{Lu}/\p{Ll} classes as "a letter but not a-z" / "a letter but
 # not A-Z" (its regex engine has no case classes), so outside ASCII either class takes any letter.
 # The same lookaheads are used here, to split where llama.cpp splits.
 _UPPERISH, _LOWERISH = r"((?=[\p{L}])([^a-z]))", r"((?=[\p{L}])([^A-Z]))"
-_P_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}*{_LOWERISH}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}+{_LOWERISH}*"
-             r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_P_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}*{_LOWERISH}+{_CONTRACTIONS}?"
-            rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}+{_LOWERISH}*{_CONTRACTIONS}?"
-            r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_P_TEKKEN = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}*{_LOWERISH}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}+{_LOWERISH}*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_P_GPT4O = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}*{_LOWERISH}+{_CONTRACTIONS}?"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}+{_LOWERISH}*{_CONTRACTIONS}?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _P_BLOOM = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"
 _DEEPSEEK_LETTERS = (  # written with escapes: several of these characters change under NFC
     "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
@@ -93,16 +99,48 @@ _DEEPSEEK_LLM = (
 # names llama.cpp gives it. ignore_merges: a word that is itself in the vocabulary is one token.
 _FAMILIES: list[tuple[tuple[str, ...], bool, bool, tuple[str, ...]]] = [
     ((r"[\p{P}\$\+<=>\^~\|]+", _P_GPT2, r"\p{N}+", "[0-9][0-9][0-9]"), False, False, ("default",)),
-    ((_P_GPT2,), False, False, ("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es",
-                                "jina-v2-de", "a.x-4.0", "mellum", "modern-bert", "mpt", "olmo", "jais",
-                                "trillion", "granite-docling", "exaone4")),
-    ((r"\p{N}", _P_GPT2), False, False, ("smollm", "starcoder", "refact", "command-r", "codeshell",
-                                         "exaone", "minerva-7b", "mellum2")),
-    ((_P_LLAMA3,), True, True, ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
-                                "midm-2.0", "lfm2", "jina-v5-nano")),
+    (
+        (_P_GPT2,),
+        False,
+        False,
+        (
+            "gpt-2",
+            "phi-2",
+            "jina-es",
+            "jina-de",
+            "gigachat",
+            "jina-v2-es",
+            "jina-v2-de",
+            "a.x-4.0",
+            "mellum",
+            "modern-bert",
+            "mpt",
+            "olmo",
+            "jais",
+            "trillion",
+            "granite-docling",
+            "exaone4",
+        ),
+    ),
+    (
+        (r"\p{N}", _P_GPT2),
+        False,
+        False,
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
+    ),
+    (
+        (_P_LLAMA3,),
+        True,
+        True,
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"),
+    ),
     ((_P_LLAMA3,), False, False, ("dbrx", "smaug-bpe")),
-    ((_P_QWEN2,), False, False, ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2",
-                                 "hunyuan", "solar-open")),
+    (
+        (_P_QWEN2,),
+        False,
+        False,
+        ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open"),
+    ),
     ((_P_GPT4O,), False, False, ("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2")),
     ((_P_TEKKEN,), True, True, ("tekken",)),
     ((r"[\p{P}\$\+<=>\^~\|`]+", _P_GPT2, "[0-9][0-9][0-9]"), False, False, ("falcon",)),
@@ -118,12 +156,32 @@ SUPPORTED_PRE_TOKENIZERS: tuple[str, ...] = tuple(sorted(_PRE))
 
 # Token texts llama.cpp treats as end-of-generation whatever the file says, and as control tokens
 # (so they are parsed as special tokens) even when the file types them normal.
-_EOG_TEXTS = frozenset((
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<｜end▁of▁sentence｜>", "[e~[",
-))
+_EOG_TEXTS = frozenset(
+    (
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<|flush|>",
+        "<|calls|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "</s>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "[EOT]",
+        "[EOS]",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+        "<eos>",
+        "<turn|>",
+        "<|tool_response>",
+        "<｜end▁of▁sentence｜>",
+        "[e~[",
+    )
+)
 
 
 def _vocab(md: Mapping[str, Any]) -> tuple[list[str], list[int]]:
@@ -181,8 +239,9 @@ def _post_processor(tokens: list[str], bos: int | None, eos: int | None, add_bos
         pieces.append(tokens[eos])
         special.append((tokens[eos], eos))
     pair = pieces + [p if p != "$A" else "$B" for p in pieces]
-    return processors.TemplateProcessing(single=" ".join(pieces), pair=" ".join(pair),
-                                         special_tokens=list(dict.fromkeys(special)))
+    return processors.TemplateProcessing(
+        single=" ".join(pieces), pair=" ".join(pair), special_tokens=list(dict.fromkeys(special))
+    )
 
 
 def _bpe_tokenizer(md: Mapping[str, Any], tokens: list[str]) -> tokenizers.Tokenizer:
@@ -197,7 +256,7 @@ def _bpe_tokenizer(md: Mapping[str, Any], tokens: list[str]) -> tokenizers.Token
     merges = []
     for m in md.get("tokenizer.ggml.merges") or ():
         k = m.find(" ", 1)  # llama.cpp splits at the first space after the first character
-        a, b = m[:k], m[k + 1:]
+        a, b = m[:k], m[k + 1 :]
         # A merge whose parts or result are not tokens cannot yield a token; `tokenizers` rejects it.
         if k > 0 and a in vocab and b in vocab and a + b in vocab:
             merges.append((a, b))
@@ -225,10 +284,15 @@ def _spm_tokenizer(md: Mapping[str, Any], tokens: list[str]) -> tokenizers.Token
     ranked.sort()
     merges = [(tokens[i][:k], tokens[i][k:]) for _, i, k in ranked]
     unk = _special_id(md, "unknown_token_id", 0, len(tokens))
-    tok = tokenizers.Tokenizer(models.BPE(
-        vocab=vocab, merges=merges, unk_token=tokens[unk] if unk is not None else None,
-        fuse_unk=True, byte_fallback=True,
-    ))
+    tok = tokenizers.Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=tokens[unk] if unk is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
     prefix = md.get("tokenizer.ggml.add_space_prefix", True)
     steps = [normalizers.Prepend("▁")] if prefix else []
     tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
@@ -269,8 +333,10 @@ def eog_token_ids(metadata: Mapping[str, Any]) -> list[int]:
     tokens, _ = _vocab(metadata)
     n = len(tokens)
     _, eos, _, _ = _bos_eos(metadata, n)
-    ids = [eos] + [_special_id(metadata, k, None, n) for k in (
-        "eot_token_id", "eom_token_id", "fim_pad_token_id", "fim_rep_token_id", "fim_sep_token_id")]
+    ids = [eos] + [
+        _special_id(metadata, k, None, n)
+        for k in ("eot_token_id", "eom_token_id", "fim_pad_token_id", "fim_rep_token_id", "fim_sep_token_id")
+    ]
     ids += [i for i, t in enumerate(tokens) if t in _EOG_TEXTS]
     return list(dict.fromkeys(i for i in ids if i is not None))
 
@@ -312,8 +378,11 @@ def tokenizer_files(metadata: Mapping[str, Any]) -> dict[str, str]:
     # form tokenizer_config.json uses for several templates.
     template = metadata.get("tokenizer.chat_template")
     prefix = "tokenizer.chat_template."
-    named = [{"name": k[len(prefix):], "template": v} for k, v in metadata.items()
-             if k.startswith(prefix) and isinstance(v, str)]
+    named = [
+        {"name": k[len(prefix) :], "template": v}
+        for k, v in metadata.items()
+        if k.startswith(prefix) and isinstance(v, str)
+    ]
     if named:
         default = [{"name": "default", "template": template}] if isinstance(template, str) else []
         config["chat_template"] = default + named

@@ -31,20 +31,35 @@ from jaxserve.loading.int8_tensor import Int8Tensor, int8_tensor
 
 # llama.cpp block tensor -> transformers name after "model.layers.{i}." (llama / qwen / mistral).
 _BLOCK_NAMES = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
 }
 # Gemma 3's sandwich norms: ffn_norm is the MLP's pre-norm there.
-_GEMMA3_NAMES = {**_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
-                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_GEMMA3_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # Mixtral (llama with experts) keeps its router and experts under block_sparse_moe.
 _MIXTRAL_NAMES = {**_BLOCK_NAMES, "ffn_gate_inp": "block_sparse_moe.gate"}
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _MIXTRAL_EXPERT_NAMES = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
-_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _NORMS = ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm", "attn_q_norm", "attn_k_norm")
 _BLOCK = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Tensors llama.cpp files carry that hold nothing transformers' model needs: rope_freqs is folded
@@ -60,8 +75,9 @@ def dequantize(tensor: Any) -> np.ndarray:
     try:
         values = quants.dequantize(tensor.data, kind)
     except NotImplementedError:
-        raise UnsupportedModelError(f"tensor {tensor.name} is of GGML type {kind.name}, which the gguf "
-                                    "library cannot dequantize") from None
+        raise UnsupportedModelError(
+            f"tensor {tensor.name} is of GGML type {kind.name}, which the gguf library cannot dequantize"
+        ) from None
     if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
         values = values.astype(np.float32, copy=False)
     return values
@@ -96,9 +112,13 @@ def int4_tensor(tensor: Any) -> Int4Tensor | None:
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # u8[out, in // 2]
     # the library's own dequantization is the reference: Q4_0's (q - 8) * d rounds once, q * d - 8d may
     # differ by an ulp
-    return Int4Tensor(values=np.ascontiguousarray(packed.T), scales=np.ascontiguousarray(d.T),
-                      biases=np.ascontiguousarray(m.T), group_size=GGUF_GROUP,
-                      reference=functools.partial(dequantize, tensor))
+    return Int4Tensor(
+        values=np.ascontiguousarray(packed.T),
+        scales=np.ascontiguousarray(d.T),
+        biases=np.ascontiguousarray(m.T),
+        group_size=GGUF_GROUP,
+        reference=functools.partial(dequantize, tensor),
+    )
 
 
 def _packed(tensor: Any) -> Int4Tensor | Int8Tensor | None:
@@ -170,8 +190,13 @@ def llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> dic
     over an 8192-token original context, so those are tried and checked against the tensor."""
     factors = np.asarray(factors, np.float64).reshape(-1)
     factor = float(factors.max())
-    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     expected = []
     low_wavelen, high_wavelen = 8192 / 1.0, 8192 / 4.0
     for i in range(0, head_dim, 2):
@@ -184,7 +209,9 @@ def llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> dic
             smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
             expected.append(1 / ((1 - smooth) / factor + smooth))
     if factors.shape != (head_dim // 2,) or not np.allclose(factors, expected, rtol=1e-4):
-        raise UnsupportedModelError("the GGUF file's rope_freqs are not Llama 3's rope scaling (factor "
-                                    f"{factor:g}, low/high 1/4, original context 8192); jaxserve cannot "
-                                    "serve per-frequency RoPE factors of another origin")
+        raise UnsupportedModelError(
+            "the GGUF file's rope_freqs are not Llama 3's rope scaling (factor "
+            f"{factor:g}, low/high 1/4, original context 8192); jaxserve cannot "
+            "serve per-frequency RoPE factors of another origin"
+        )
     return scaling

@@ -50,8 +50,12 @@ def looks_like_repo_id(name: str) -> bool:
     if not isinstance(name, str) or name.count("/") != 1 or os.path.exists(os.path.expanduser(name)):
         return False
     org, repo = name.split("/")
-    return (all(_NAME.fullmatch(part) for part in (org, repo)) and "--" not in name and ".." not in name
-            and not repo.endswith(".git"))
+    return (
+        all(_NAME.fullmatch(part) for part in (org, repo))
+        and "--" not in name
+        and ".." not in name
+        and not repo.endswith(".git")
+    )
 
 
 def download_model(repo_id: str, revision: str | None = None, download_dir: str | None = None) -> str:
@@ -71,8 +75,12 @@ def download_model(repo_id: str, revision: str | None = None, download_dir: str 
         logger.info("resolving %s on the Hugging Face Hub (cache: %s)", where, cache)
     try:
         path = huggingface_hub.snapshot_download(
-            repo_id, revision=revision, cache_dir=download_dir, allow_patterns=list(ALLOW_PATTERNS),
-            ignore_patterns=list(IGNORE_PATTERNS))
+            repo_id,
+            revision=revision,
+            cache_dir=download_dir,
+            allow_patterns=list(ALLOW_PATTERNS),
+            ignore_patterns=list(IGNORE_PATTERNS),
+        )
     except Exception as err:  # noqa: BLE001 - every huggingface_hub failure becomes a ModelLoadError
         raise _load_error(err, repo_id, revision, cache) from err
     _check_snapshot(str(path), repo_id, revision)
@@ -89,40 +97,52 @@ def _load_error(err: Exception, repo_id: str, revision: str | None, cache: str) 
         return ModelLoadError(
             f"{repo_id} is a gated model: log in at {page}, accept its licence there, then give this process "
             "a token of that account: set HF_TOKEN (https://huggingface.co/settings/tokens) or run "
-            "`hf auth login`")
+            "`hf auth login`"
+        )
     if isinstance(err, errors.RepositoryNotFoundError):
         return ModelLoadError(
             f"no model {repo_id!r} on the Hugging Face Hub, and no local path of that name: check the spelling "
             "(a model ID is ORG/NAME, e.g. Qwen/Qwen3-0.6B); if the repository is private, set HF_TOKEN to a "
-            "token that can read it")
+            "token that can read it"
+        )
     if isinstance(err, errors.RevisionNotFoundError):
         return ModelLoadError(
             f"{repo_id} has no revision {revision!r} (a branch, tag or commit hash): its branches and tags "
-            f"are listed at {page}/tree/main; drop --revision for main")
+            f"are listed at {page}/tree/main; drop --revision for main"
+        )
     if isinstance(err, errors.LocalEntryNotFoundError):
         incomplete = type(err).__name__ == "IncompleteSnapshotError"  # huggingface_hub >= 2
-        what = (f"the cached snapshot of {repo_id} in {cache} is incomplete ({err})" if incomplete
-                else f"{repo_id}" + (f" at revision {revision!r}" if revision else "")
-                + f" is not in the local cache ({cache})")
+        what = (
+            f"the cached snapshot of {repo_id} in {cache} is incomplete ({err})"
+            if incomplete
+            else f"{repo_id}"
+            + (f" at revision {revision!r}" if revision else "")
+            + f" is not in the local cache ({cache})"
+        )
         if constants.HF_HUB_OFFLINE:
             return ModelLoadError(
                 f"HF_HUB_OFFLINE is set and {what}: download it once with network access (unset "
-                "HF_HUB_OFFLINE), or give --download-dir the cache that holds it")
+                "HF_HUB_OFFLINE), or give --download-dir the cache that holds it"
+            )
         return ModelLoadError(
             f"cannot reach the Hugging Face Hub ({_cause(err)}) and {what}: check the network (and HF_ENDPOINT, "
-            "HTTPS_PROXY); once a model is cached, HF_HUB_OFFLINE=1 serves it without the network")
+            "HTTPS_PROXY); once a model is cached, HF_HUB_OFFLINE=1 serves it without the network"
+        )
     if isinstance(err, errors.HfHubHTTPError):
         status = getattr(getattr(err, "response", None), "status_code", None)
         if status == 401:
-            return ModelLoadError(f"the Hugging Face Hub refused the token for {repo_id} (401): HF_TOKEN (or "
-                                  "the stored login) is invalid or expired; set a valid one, or unset it for a "
-                                  "public model")
+            return ModelLoadError(
+                f"the Hugging Face Hub refused the token for {repo_id} (401): HF_TOKEN (or "
+                "the stored login) is invalid or expired; set a valid one, or unset it for a "
+                "public model"
+            )
         return ModelLoadError(f"the Hugging Face Hub failed for {repo_id} (HTTP {status}): {err}")
     if isinstance(err, errors.HFValidationError):
         return ModelLoadError(f"{repo_id!r} is not a valid Hugging Face model ID: {err}")
     return ModelLoadError(
         f"cannot download {repo_id} from the Hugging Face Hub ({type(err).__name__}: {err}); with the model "
-        f"already in the cache ({cache}), HF_HUB_OFFLINE=1 serves it without the network")
+        f"already in the cache ({cache}), HF_HUB_OFFLINE=1 serves it without the network"
+    )
 
 
 def _cause(err: BaseException) -> str:
@@ -136,8 +156,10 @@ def _check_snapshot(path: str, repo_id: str, revision: str | None) -> None:
     files = os.listdir(path)
     if any(f.endswith(".safetensors") for f in files):
         if "config.json" not in files:
-            raise ModelLoadError(f"{repo_id} has safetensors weights but no config.json at its top level; "
-                                 "jaxserve reads the Hugging Face transformers layout (config.json + weights)")
+            raise ModelLoadError(
+                f"{repo_id} has safetensors weights but no config.json at its top level; "
+                "jaxserve reads the Hugging Face transformers layout (config.json + weights)"
+            )
         return
     listed = _repo_files(repo_id, revision)
     ggufs = sorted(f for f in listed if f.endswith(".gguf"))
@@ -146,20 +168,25 @@ def _check_snapshot(path: str, repo_id: str, revision: str | None) -> None:
     if ggufs:
         raise ModelLoadError(
             f"{repo_id} holds GGUF files, not safetensors ({_some(ggufs)}): download the one you want, e.g. "
-            f"`hf download {repo_id} {ggufs[0]}` (prints its path), and pass that .gguf file as the model")
+            f"`hf download {repo_id} {ggufs[0]}` (prints its path), and pass that .gguf file as the model"
+        )
     if pickles:
         raise ModelLoadError(
             f"{repo_id} holds only pickle weights ({_some(pickles)}); jaxserve loads safetensors only, because "
             "unpickling runs code. Look for a safetensors conversion among its pull requests (pass "
             "--revision refs/pr/N), or convert once with transformers: AutoModelForCausalLM.from_pretrained"
-            f"('{repo_id}').save_pretrained(DIR, safe_serialization=True), and pass DIR")
+            f"('{repo_id}').save_pretrained(DIR, safe_serialization=True), and pass DIR"
+        )
     if mistral:
         raise ModelLoadError(
             f"{repo_id} holds Mistral's own checkpoint format ({_some(mistral)}, params.json); jaxserve reads "
-            "the Hugging Face transformers layout (config.json + model*.safetensors)")
+            "the Hugging Face transformers layout (config.json + model*.safetensors)"
+        )
     known = "" if listed else " (the file list could not be read: offline?)"
-    raise ModelLoadError(f"{repo_id} has no safetensors weights at its top level{known}; jaxserve loads a "
-                         "transformers-layout checkpoint (config.json + *.safetensors) or a .gguf file")
+    raise ModelLoadError(
+        f"{repo_id} has no safetensors weights at its top level{known}; jaxserve loads a "
+        "transformers-layout checkpoint (config.json + *.safetensors) or a .gguf file"
+    )
 
 
 def _repo_files(repo_id: str, revision: str | None) -> list[str]:

@@ -74,8 +74,10 @@ def read_int4_format(model_dir: str) -> Int4Format | None:
     method = str(qc.get("quant_method", "")).lower()
     where = f"{model_dir}: quantization_config"
     if method not in _PARTS:
-        raise ConfigError(f"{where} has quant_method {method or 'unset'!r}; jaxserve loads AWQ and GPTQ 4-bit "
-                          "checkpoints only (or a float checkpoint, quantized at load with --quantization)")
+        raise ConfigError(
+            f"{where} has quant_method {method or 'unset'!r}; jaxserve loads AWQ and GPTQ 4-bit "
+            "checkpoints only (or a float checkpoint, quantized at load with --quantization)"
+        )
     bits = qc.get("bits", qc.get("w_bit"))
     if bits != 4:
         raise ConfigError(f"{where}: {method.upper()} with {bits} bits; jaxserve's int4 path loads 4-bit only")
@@ -86,8 +88,10 @@ def read_int4_format(model_dir: str) -> Int4Format | None:
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
-            raise ConfigError(f"{where}: AWQ version {version!r}; jaxserve reads the GEMM layout only "
-                              "(GEMV, GEMV-fast, Marlin, exllama and IPEX layouts are not supported)")
+            raise ConfigError(
+                f"{where}: AWQ version {version!r}; jaxserve reads the GEMM layout only "
+                "(GEMV, GEMV-fast, Marlin, exllama and IPEX layouts are not supported)"
+            )
         if not qc.get("zero_point", True):
             raise ConfigError(f"{where}: AWQ without zero points (zero_point false) is not supported")
         if group_size is None:
@@ -95,11 +99,15 @@ def read_int4_format(model_dir: str) -> Int4Format | None:
         return Int4Format("awq", group_size)
     fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
     if fmt not in _GPTQ_FORMATS:
-        raise ConfigError(f"{where}: GPTQ checkpoint_format {fmt!r}; jaxserve reads 'gptq' (v1) and 'gptq_v2' "
-                          "(not Marlin, BitBLAS or other repacked formats)")
+        raise ConfigError(
+            f"{where}: GPTQ checkpoint_format {fmt!r}; jaxserve reads 'gptq' (v1) and 'gptq_v2' "
+            "(not Marlin, BitBLAS or other repacked formats)"
+        )
     if qc.get("lm_head"):
-        raise ConfigError(f"{where}: a GPTQ-quantized lm_head is not supported (serve the float lm_head, "
-                          "optionally with quantize_lm_head)")
+        raise ConfigError(
+            f"{where}: a GPTQ-quantized lm_head is not supported (serve the float lm_head, "
+            "optionally with quantize_lm_head)"
+        )
     return Int4Format("gptq", group_size, bool(qc.get("desc_act", False)), _GPTQ_FORMATS[fmt])
 
 
@@ -113,15 +121,22 @@ def implied_quantization(settings: Any) -> Any:
     if fmt is None:
         return settings
     if settings.quantization == "int8":
-        raise ConfigError(f"{settings.model} is an {fmt.describe()} checkpoint: quantization='int8' would "
-                          "requantize 4-bit weights; leave quantization unset (or 'int4') to serve them as stored")
-    logger.info("%s is an %s checkpoint: its weights load into quantization=int4 as stored%s", settings.model,
-                fmt.describe(), "" if settings.quantization == "int4" else " (quantization 'none' overridden)")
+        raise ConfigError(
+            f"{settings.model} is an {fmt.describe()} checkpoint: quantization='int8' would "
+            "requantize 4-bit weights; leave quantization unset (or 'int4') to serve them as stored"
+        )
+    logger.info(
+        "%s is an %s checkpoint: its weights load into quantization=int4 as stored%s",
+        settings.model,
+        fmt.describe(),
+        "" if settings.quantization == "int4" else " (quantization 'none' overridden)",
+    )
     return settings.replace(quantization="int4")
 
 
-def iter_int4_checkpoint(tensors: Iterator[tuple[str, str, np.ndarray]], fmt: Int4Format
-                         ) -> Iterator[tuple[str, str, Any]]:
+def iter_int4_checkpoint(
+    tensors: Iterator[tuple[str, str, np.ndarray]], fmt: Int4Format
+) -> Iterator[tuple[str, str, Any]]:
     """(file, name, tensor) of a checkpoint with every quantized linear layer's parts turned into one
     `{prefix}.weight` Int4Tensor ([out, in], as a float weight would stand). Other tensors pass as they
     come; the parts (memory-mapped, read only when used) are held until the end, then converted one
@@ -138,8 +153,10 @@ def iter_int4_checkpoint(tensors: Iterator[tuple[str, str, np.ndarray]], fmt: In
         held = parts[prefix]
         missing = [s for s in suffixes if s not in held and s != "g_idx"]
         if missing:
-            raise ModelLoadError(f"{held['qweight'][0] if 'qweight' in held else prefix}: {prefix} lacks "
-                                 f"{', '.join(missing)} of its {fmt.method.upper()} weight")
+            raise ModelLoadError(
+                f"{held['qweight'][0] if 'qweight' in held else prefix}: {prefix} lacks "
+                f"{', '.join(missing)} of its {fmt.method.upper()} weight"
+            )
         arrays = {s: t for s, (_, t) in held.items()}
         unpack = unpack_awq if fmt.method == "awq" else unpack_gptq
         yield held["qweight"][0], f"{prefix}.weight", unpack(arrays, fmt, prefix)
@@ -159,18 +176,22 @@ def _awq_columns(packed: np.ndarray) -> np.ndarray:
     return out.reshape(packed.shape[0], -1)
 
 
-def _to_int4(codes: np.ndarray, zeros: np.ndarray, scales: np.ndarray, group: int,
-             perm: np.ndarray | None, name: str) -> Int4Tensor:
+def _to_int4(
+    codes: np.ndarray, zeros: np.ndarray, scales: np.ndarray, group: int, perm: np.ndarray | None, name: str
+) -> Int4Tensor:
     """Codes u8[in, out] (stored order), zero points [in / G, out] and f16 scales as an Int4Tensor:
     scale s, bias -z * s (both exact in float32)."""
     k, n = codes.shape
     if k % group or k % 2 or scales.shape != (k // group, n) or zeros.shape != scales.shape:
-        raise ModelLoadError(f"{name}: scales {scales.shape} and zero points {zeros.shape} do not fit "
-                             f"{k} input rows in groups of {group} and {n} outputs")
+        raise ModelLoadError(
+            f"{name}: scales {scales.shape} and zero points {zeros.shape} do not fit "
+            f"{k} input rows in groups of {group} and {n} outputs"
+        )
     s = scales.astype(np.float32)
     packed = codes[0::2] | (codes[1::2] << 4)
-    return Int4Tensor(values=np.ascontiguousarray(packed), scales=s, biases=-zeros.astype(np.float32) * s,
-                      group_size=group, perm=perm)
+    return Int4Tensor(
+        values=np.ascontiguousarray(packed), scales=s, biases=-zeros.astype(np.float32) * s, group_size=group, perm=perm
+    )
 
 
 def unpack_awq(parts: dict[str, np.ndarray], fmt: Int4Format, name: str) -> Int4Tensor:
@@ -189,14 +210,20 @@ def unpack_gptq(parts: dict[str, np.ndarray], fmt: Int4Format, name: str) -> Int
     if g_idx is None or np.array_equal(g_idx, plain):
         # groups already runs of rows; an act-order layout still carries a perm (the identity), as
         # every weight of a stacked field has one
-        return _to_int4(codes, zeros, parts["scales"], group, np.arange(k, dtype=np.int32) if fmt.act_order
-                        else None, name)
+        return _to_int4(
+            codes, zeros, parts["scales"], group, np.arange(k, dtype=np.int32) if fmt.act_order else None, name
+        )
     if not fmt.act_order:
-        raise ModelLoadError(f"{name}: g_idx assigns rows to groups out of order, but the quantization_config "
-                             "says desc_act false")
+        raise ModelLoadError(
+            f"{name}: g_idx assigns rows to groups out of order, but the quantization_config says desc_act false"
+        )
     g_idx = np.asarray(g_idx, np.int64)
-    if (g_idx.shape != (k,) or g_idx.min() < 0 or g_idx.max() >= k // group
-            or np.any(np.bincount(g_idx, minlength=k // group) != group)):
+    if (
+        g_idx.shape != (k,)
+        or g_idx.min() < 0
+        or g_idx.max() >= k // group
+        or np.any(np.bincount(g_idx, minlength=k // group) != group)
+    ):
         raise ModelLoadError(f"{name}: g_idx does not put {group} rows in each of {k // group} groups")
     perm = np.argsort(g_idx, kind="stable").astype(np.int32)  # stored row j is weight row perm[j]
     return _to_int4(codes[perm], zeros, parts["scales"], group, perm, name)

@@ -44,8 +44,13 @@ class Int4Tensor:
     def take_out(self, index: np.ndarray) -> "Int4Tensor":
         """The tensor with its output channels (the [out, in] weight's rows) reordered: out[i] = self[index[i]]."""
         order = index if self.out_index is None else self.out_index[index]
-        return dataclasses.replace(self, values=self.values[:, index], scales=self.scales[:, index],
-                                   biases=self.biases[:, index], out_index=order)
+        return dataclasses.replace(
+            self,
+            values=self.values[:, index],
+            scales=self.scales[:, index],
+            biases=self.biases[:, index],
+            out_index=order,
+        )
 
     def dequantize(self) -> np.ndarray:
         """The float32 weight in this orientation (rows in the weight's own order)."""

@@ -62,5 +62,9 @@ def int8_tensor(tensor: Any, dequantize: Callable[[Any], np.ndarray]) -> Int8Ten
     blocks = raw.reshape(raw.shape[0], -1, 2 + Q8_0_GROUP)  # [out, in // 32, block bytes]
     d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)  # [out, in // 32]
     q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(raw.shape[0], -1)  # [out, in]
-    return Int8Tensor(values=np.ascontiguousarray(q.T), scales=np.ascontiguousarray(d.T), group_size=Q8_0_GROUP,
-                      reference=functools.partial(dequantize, tensor))
+    return Int8Tensor(
+        values=np.ascontiguousarray(q.T),
+        scales=np.ascontiguousarray(d.T),
+        group_size=Q8_0_GROUP,
+        reference=functools.partial(dequantize, tensor),
+    )

@@ -38,16 +38,20 @@ def read_kv_scales(model_dir: str, cfg: ModelConfig) -> tuple[np.ndarray, np.nda
             layer, which = int(match.group(1)), KV_SCALE_NAMES[match.group(2)]
             value = np.asarray(tensor, np.float32).reshape(-1)
             if layer >= L or value.size not in (1, K):
-                raise ModelLoadError(f"{path}: {name} has {value.size} values for layer {layer}; expected 1 or "
-                                     f"{K} (one per KV head) in a model of {L} layers")
+                raise ModelLoadError(
+                    f"{path}: {name} has {value.size} values for layer {layer}; expected 1 or "
+                    f"{K} (one per KV head) in a model of {L} layers"
+                )
             for key in ("k", "v") if which == "kv" else (which,):
                 found[key][layer] = np.broadcast_to(value, (K,))
     if not found["k"] and not found["v"]:
         return None
     missing = {key: sorted(set(range(L)) - set(found[key])) for key in ("k", "v")}
     if any(missing.values()):
-        raise ModelLoadError(f"{model_dir}: the checkpoint's KV cache scales are incomplete (layers without a "
-                             f"k_scale: {missing['k']}, without a v_scale: {missing['v']})")
+        raise ModelLoadError(
+            f"{model_dir}: the checkpoint's KV cache scales are incomplete (layers without a "
+            f"k_scale: {missing['k']}, without a v_scale: {missing['v']})"
+        )
     k, v = (np.stack([found[key][i] for i in range(L)]).astype(np.float32) for key in ("k", "v"))
     if not (np.all(np.isfinite(k) & (k > 0)) and np.all(np.isfinite(v) & (v > 0))):
         raise ModelLoadError(f"{model_dir}: the checkpoint's KV cache scales must be positive and finite")
@@ -64,9 +68,19 @@ def _scale_tensors(path: str):
 def log_kv_scales(kv_cache_dtype: str, scales: tuple[np.ndarray, np.ndarray] | None) -> None:
     """The start-up line vLLM also prints: which scales an fp8 cache uses."""
     if scales is None:
-        logger.info("%s KV cache: scales 1.0 (the checkpoint gives no k_scale / v_scale); values beyond the "
-                    "format's range saturate", kv_cache_dtype)
+        logger.info(
+            "%s KV cache: scales 1.0 (the checkpoint gives no k_scale / v_scale); values beyond the "
+            "format's range saturate",
+            kv_cache_dtype,
+        )
     else:
         k, v = scales
-        logger.info("%s KV cache: the checkpoint's scales, k_scale %.4g..%.4g, v_scale %.4g..%.4g over %d layers",
-                    kv_cache_dtype, k.min(), k.max(), v.min(), v.max(), k.shape[0])
+        logger.info(
+            "%s KV cache: the checkpoint's scales, k_scale %.4g..%.4g, v_scale %.4g..%.4g over %d layers",
+            kv_cache_dtype,
+            k.min(),
+            k.max(),
+            v.min(),
+            v.max(),
+            k.shape[0],
+        )

@@ -70,8 +70,10 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
     int4_format = read_int4_format(model_dir) if settings.load_format in ("auto", "safetensors") else None
     if int4_format is not None and int4_format.group_size is not None and settings.quantization == "int4":
         if settings.quantization_group_size not in (None, int4_format.group_size):
-            raise ConfigError(f"{model_dir} is an {int4_format.describe()} checkpoint: quantization_group_size "
-                              f"{settings.quantization_group_size} would requantize it; leave it unset")
+            raise ConfigError(
+                f"{model_dir} is an {int4_format.describe()} checkpoint: quantization_group_size "
+                f"{settings.quantization_group_size} would requantize it; leave it unset"
+            )
         settings = settings.replace(quantization_group_size=int4_format.group_size)  # the checkpoint's groups
     if settings.quantization in ("int8", "int4") and settings.quantization_group_size is None:
         w8a8 = settings.activation_quantization == "int8"  # per-channel weight scales (quant._w8a8_matmul)
@@ -81,8 +83,16 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
         check_group_fits(cfg, settings.quantization, settings.quantization_group_size, mesh.shape[MODEL])
     moe = settings.moe_parallelism
     act_order = int4_format is not None and int4_format.act_order and settings.quantization == "int4"
-    shardings = make_shardings(cfg, mesh, stacked, settings.quantization, settings.quantize_lm_head, moe, act_order,
-                               settings.quantization_group_size)
+    shardings = make_shardings(
+        cfg,
+        mesh,
+        stacked,
+        settings.quantization,
+        settings.quantize_lm_head,
+        moe,
+        act_order,
+        settings.quantization_group_size,
+    )
     quantized = settings.quantization in ("int8", "int4")
     float_shardings = make_shardings(cfg, mesh, stacked, moe_parallelism=moe) if quantized else shardings
     dtype = resolve_dtype(settings, model_dir)
@@ -90,6 +100,7 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
     if fmt == "auto":
         fmt = "orbax" if is_orbax_checkpoint(model_dir) else "safetensors"
     if fmt == "dummy":
+
         def init(cfg, seed, dtype):
             params = init_dummy_params(cfg, seed, dtype)
             return params if stacked else unstack_layers(params)
@@ -98,28 +109,62 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
         params = init(cfg, settings.seed, dtype)
     elif fmt == "orbax":
         stored = read_manifest(model_dir).get("quantization", "none")
-        params = load_orbax_params(model_dir, cfg, dtype, mesh, shardings if stored != "none" else float_shardings,
-                                   stacked, settings.quantization, settings.quantize_lm_head, moe,
-                                   settings.quantization_group_size)
+        params = load_orbax_params(
+            model_dir,
+            cfg,
+            dtype,
+            mesh,
+            shardings if stored != "none" else float_shardings,
+            stacked,
+            settings.quantization,
+            settings.quantize_lm_head,
+            moe,
+            settings.quantization_group_size,
+        )
         quantized &= stored == "none"  # an int8 checkpoint is restored as int8: nothing left to quantize
     else:  # safetensors, or a GGUF file behind the directory: int8 quantized tensor by tensor as read
-        params = load_hf_params(model_dir, cfg, dtype, shardings.params, stacked, settings.quantization,
-                                settings.quantize_lm_head, settings.quantization_group_size)
+        params = load_hf_params(
+            model_dir,
+            cfg,
+            dtype,
+            shardings.params,
+            stacked,
+            settings.quantization,
+            settings.quantize_lm_head,
+            settings.quantization_group_size,
+        )
         quantized = False
     if quantized:
-        params = quant.quantize_params_placed(params, shardings.params, settings.quantize_lm_head,
-                                              settings.quantization, settings.quantization_group_size)
+        params = quant.quantize_params_placed(
+            params, shardings.params, settings.quantize_lm_head, settings.quantization, settings.quantization_group_size
+        )
     kv_scales = None
     if settings.kv_cache_dtype in FP8_KV_CACHE_DTYPES:  # vLLM reads them for an fp8 cache only
         kv_scales = read_kv_scales(model_dir, cfg) if fmt == "safetensors" else None
         log_kv_scales(settings.kv_cache_dtype, kv_scales)
-    return LoadedModel(cfg=cfg, params=params, dtype=dtype, model_dir=model_dir, shardings=shardings,
-                       group_size=settings.quantization_group_size, kv_scales=kv_scales)
+    return LoadedModel(
+        cfg=cfg,
+        params=params,
+        dtype=dtype,
+        model_dir=model_dir,
+        shardings=shardings,
+        group_size=settings.quantization_group_size,
+        kv_scales=kv_scales,
+    )
 
 
-def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: Any, mesh: Mesh, shardings: Shardings,
-                      stacked: bool, quantization: str = "none", quantize_lm_head: bool = False,
-                      moe_parallelism: str = "tensor", group_size: int | None = None) -> Params:
+def load_orbax_params(
+    model_dir: str,
+    cfg: ModelConfig,
+    dtype: Any,
+    mesh: Mesh,
+    shardings: Shardings,
+    stacked: bool,
+    quantization: str = "none",
+    quantize_lm_head: bool = False,
+    moe_parallelism: str = "tensor",
+    group_size: int | None = None,
+) -> Params:
     """Restore a jaxserve orbax checkpoint straight onto the mesh, cast to `dtype` by orbax.
 
     An int8 checkpoint (manifest quantization="int8") needs the same `quantization` and
@@ -131,21 +176,31 @@ def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: Any, mesh: Mesh, 
     stored = manifest.get("quantization", "none")
     stored_head = bool(manifest.get("quantize_lm_head", False))
     if stored != "none" and (stored != quantization or stored_head != quantize_lm_head):
-        raise ModelLoadError(f"{model_dir} holds {stored}-quantized params (quantize_lm_head={stored_head}); "
-                             f"load it with quantization={stored!r}, quantize_lm_head={stored_head}")
+        raise ModelLoadError(
+            f"{model_dir} holds {stored}-quantized params (quantize_lm_head={stored_head}); "
+            f"load it with quantization={stored!r}, quantize_lm_head={stored_head}"
+        )
     if stored != "none":
         stored_group = manifest.get("quantization_group_size")
         if stored_group is None:
-            raise ModelLoadError(f"{model_dir} holds int8 params with one scale per output channel in an older "
-                                 "layout; quantize the model again with scripts/quantize.py")
+            raise ModelLoadError(
+                f"{model_dir} holds int8 params with one scale per output channel in an older "
+                "layout; quantize the model again with scripts/quantize.py"
+            )
         if stored_group != quant.quantization_group_size(stored, group_size):
-            raise ModelLoadError(f"{model_dir} holds {stored} params in groups of {stored_group} input rows; "
-                                 f"load it with quantization_group_size={stored_group}")
+            raise ModelLoadError(
+                f"{model_dir} holds {stored} params in groups of {stored_group} input rows; "
+                f"load it with quantization_group_size={stored_group}"
+            )
         group_size = stored_group
-    stacked_shardings = shardings.params if stacked else make_shardings(
-        cfg, mesh, True, stored, quantize_lm_head, moe_parallelism, group_size=group_size).params
-    params = restore_params(model_dir, abstract_params(cfg, dtype, stacked_shardings, stored, quantize_lm_head,
-                                                       group_size))
+    stacked_shardings = (
+        shardings.params
+        if stacked
+        else make_shardings(cfg, mesh, True, stored, quantize_lm_head, moe_parallelism, group_size=group_size).params
+    )
+    params = restore_params(
+        model_dir, abstract_params(cfg, dtype, stacked_shardings, stored, quantize_lm_head, group_size)
+    )
     if stacked:
         return params
     # Slicing a stacked weight on its replicated layer axis keeps each device's own shard.

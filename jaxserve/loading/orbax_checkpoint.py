@@ -69,15 +69,26 @@ def save_params(model_dir: str, params: Params, **manifest_extra: Any) -> None:
     checkpointer.save(target, _stacked(params), force=True)
     checkpointer.wait_until_finished()
     dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)})
-    manifest = {"format": FORMAT, "layout_version": LAYOUT_VERSION, "quantization": "none",
-                "stored_dtypes": dtypes, **manifest_extra}
+    manifest = {
+        "format": FORMAT,
+        "layout_version": LAYOUT_VERSION,
+        "quantization": "none",
+        "stored_dtypes": dtypes,
+        **manifest_extra,
+    }
     with open(os.path.join(model_dir, MANIFEST), "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=2, sort_keys=True)
         f.write("\n")
 
 
-def abstract_params(cfg: ModelConfig, dtype: Any, shardings: Params | None, quantization: str = "none",
-                    quantize_lm_head: bool = False, group_size: int | None = None) -> Params:
+def abstract_params(
+    cfg: ModelConfig,
+    dtype: Any,
+    shardings: Params | None,
+    quantization: str = "none",
+    quantize_lm_head: bool = False,
+    group_size: int | None = None,
+) -> Params:
     """The stacked params as ShapeDtypeStructs with their target shardings: what restore fills.
 
     quantization="int8" (a checkpoint saved with QuantArray leaves, manifest quantization="int8"):

@@ -24,6 +24,7 @@ from jaxserve.model import quant
 
 logger = logging.getLogger(__name__)
 
+
 class QuantizedHost:
     """A stacked weight quantized as it is read: int8 values and f32 scales per group of input rows on
     the host, each tensor quantized alone (by quant.quantize, on the host's CPU device) as it arrives,
@@ -76,6 +77,8 @@ _quantize_jit = jax.jit(quant.quantize, static_argnums=1)
 def _squared_error(w: jax.Array, back: jax.Array) -> tuple[float, float]:
     w32 = w.astype(jnp.float32)
     return float(jnp.sum(jnp.square(back - w32))), float(jnp.sum(jnp.square(w32)))
+
+
 _quantize_int4_jit = jax.jit(quant.quantize_int4, static_argnums=1)
 
 
@@ -85,8 +88,9 @@ class Int4Host(QuantizedHost):
     permutation). A GGUF Q4_0/Q4_1 or AWQ/GPTQ tensor arrives already in that form (Int4Tensor) and is
     copied, never through float; a float one is quantized."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, group_size: int = quant.INT4_GROUP_SIZE,
-                 permuted: bool = False):
+    def __init__(
+        self, shape: tuple[int, ...], dtype: np.dtype, group_size: int = quant.INT4_GROUP_SIZE, permuted: bool = False
+    ):
         *lead, k, n = shape
         if k % group_size:
             raise ModelLoadError(f"int4 groups of {group_size} rows do not divide a weight's {k} input rows")
@@ -135,17 +139,25 @@ class Int4Host(QuantizedHost):
         else:
             rows = 2 * sharding.values.shard_shape(self.values.shape)[-2]
             if rows % self.group_size:
-                raise ConfigError(f"int4 groups of {self.group_size} input rows cannot be split over the mesh: a "
-                                  f"device would hold {rows} rows of a weight; choose a model axis that divides "
-                                  "the weight's groups")
+                raise ConfigError(
+                    f"int4 groups of {self.group_size} input rows cannot be split over the mesh: a "
+                    f"device would hold {rows} rows of a weight; choose a model axis that divides "
+                    "the weight's groups"
+                )
             targets = (sharding.values, sharding.scales, sharding.biases, sharding.perm)
             placed = [jax.device_put(a, sh) for a, sh in zip(arrays, targets)]
-        return quant.Int4Array(values=placed[0], scales=placed[1], biases=placed[2],
-                               perm=placed[3] if len(placed) > 3 else None, group_size=self.group_size)
+        return quant.Int4Array(
+            values=placed[0],
+            scales=placed[1],
+            biases=placed[2],
+            perm=placed[3] if len(placed) > 3 else None,
+            group_size=self.group_size,
+        )
 
 
-def int4_buffer(field: str, shape: tuple[int, ...], dtype: np.dtype, fmt: Int4Format | None,
-                group_size: int) -> Int4Host:
+def int4_buffer(
+    field: str, shape: tuple[int, ...], dtype: np.dtype, fmt: Int4Format | None, group_size: int
+) -> Int4Host:
     """An int4 field's host buffer: in the checkpoint's own groups for the layers an AWQ / GPTQ
     checkpoint quantizes (the dense linear ones), else in `group_size`."""
     if fmt is None or field not in quant.DENSE_FIELDS:
@@ -184,8 +196,10 @@ class RequantizationReport:
 
     def describe(self) -> str:
         groups = f"groups of {self.group_size}" if self.group_size else "a scale per output channel"
-        return (f"quantized {self.count} tensors to {self.quantization} ({groups}) from float values: relative "
-                f"RMS error {100 * self.relative_rms:.2f}% (worst {self.worst[1]}: {100 * self.worst[0]:.2f}%)")
+        return (
+            f"quantized {self.count} tensors to {self.quantization} ({groups}) from float values: relative "
+            f"RMS error {100 * self.relative_rms:.2f}% (worst {self.worst[1]}: {100 * self.worst[0]:.2f}%)"
+        )
 
     def log(self) -> None:
         if self.count:

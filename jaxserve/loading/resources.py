@@ -69,7 +69,7 @@ def resolve_config(path: str) -> str:
     so that the YAML loader's error names what the user typed."""
     if Path(path).is_file():
         return path
-    name = path[len("configs/"):] if path.startswith("configs/") else path
+    name = path[len("configs/") :] if path.startswith("configs/") else path
     shipped = shipped_config(name)
     return str(shipped) if shipped.is_file() else path
 

@@ -36,9 +36,7 @@ class _HFBackend:
         vocab = tok.get_vocab(with_added_tokens=True)
         # Added tokens may leave holes in the id space, so the size a model must cover is max id + 1.
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
-        self.special_ids = frozenset(
-            i for i, t in tok.get_added_tokens_decoder().items() if t.special
-        )
+        self.special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -71,9 +69,7 @@ class _SPBackend:
         self.vocab_size = self.sp.vocab_size()
         sp = self.sp
         self.special_ids = frozenset(
-            i
-            for i in range(self.vocab_size)
-            if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)
+            i for i in range(self.vocab_size) if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)
         )
         # sentencepiece itself never parses "<s>" etc. in input text; HF's slow tokenizers do, and
         # chat templates rely on it, so special pieces are split out before encoding.
@@ -337,8 +333,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
                 break
         else:
             raise FileNotFoundError(
-                f"no tokenizer found in directory {str(p)!r}: looked for "
-                + " and ".join(TOKENIZER_FILES)
+                f"no tokenizer found in directory {str(p)!r}: looked for " + " and ".join(TOKENIZER_FILES)
             )
         d = p
     elif p.is_file():
@@ -486,11 +481,7 @@ class IncrementalDetokenizer:
             return ""
         self._ids.extend(new)
         text = self._decode(self._ids[self._prefix :])
-        if (
-            len(text) <= len(self._prefix_text)
-            or text.endswith(_REPLACEMENT)
-            or not text.startswith(self._prefix_text)
-        ):
+        if len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT) or not text.startswith(self._prefix_text):
             return ""
         delta = text[len(self._prefix_text) :]
         self._commit(delta, text)

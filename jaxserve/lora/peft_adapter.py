@@ -33,7 +33,8 @@ _SEVEN = " ".join(PEFT_NAMES.values())
 _TENSOR_NAME = re.compile(
     r"^(?:base_model\.model\.)?"
     r"(?P<module>(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(?P<layer>\d+)\.(?P<block>\w+)\.(?P<proj>\w+))"
-    r"\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$")
+    r"\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$"
+)
 # Config options whose adapters compute something other than x @ A @ B added to a linear layer's output.
 _UNSUPPORTED_OPTIONS = {
     "layer_replication": "it repeats base-model layers",
@@ -81,8 +82,10 @@ def served_module_dims(cfg: ModelConfig, targets: tuple[str, ...] = ()) -> dict[
     if cfg.is_moe:
         experts = sorted(set(targets) & {"gate", "up", "down"})
         if experts:
-            raise LoRAError(f"lora_target_modules: {', '.join(experts)} of a mixture of experts cannot be adapted "
-                            "(its MLP is experts); choose among q_proj k_proj v_proj o_proj")
+            raise LoRAError(
+                f"lora_target_modules: {', '.join(experts)} of a mixture of experts cannot be adapted "
+                "(its MLP is experts); choose among q_proj k_proj v_proj o_proj"
+            )
         dims = {m: d for m, d in dims.items() if m in ("q", "k", "v", "o")}
     return {m: d for m, d in dims.items() if not targets or m in targets}
 
@@ -106,8 +109,10 @@ def load_peft_adapter(path: str, cfg: ModelConfig, *, max_rank: int, served: tup
     rank = max(ranks.values())
     if rank > max_rank:
         worst = max(ranks, key=ranks.get)
-        raise LoRAError(f"{path}: adapter rank {rank} ({worst}) is above --max-lora-rank {max_rank}; "
-                        f"start the server with --max-lora-rank {rank} or more to serve it")
+        raise LoRAError(
+            f"{path}: adapter rank {rank} ({worst}) is above --max-lora-rank {max_rank}; "
+            f"start the server with --max-lora-rank {rank} or more to serve it"
+        )
     dims = lora_module_dims(cfg)
     modules: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for key, (ours, layer, a_name, b_name) in sorted(pairs.items()):
@@ -117,18 +122,26 @@ def load_peft_adapter(path: str, cfg: ModelConfig, *, max_rank: int, served: tup
         lora_b = _checked(tensors, b_name, (d_out, r), path)  # [out, r]
         alpha = float(_pattern_value(conf.get("alpha_pattern"), key, conf["lora_alpha"]))
         if ours not in modules:
-            modules[ours] = (np.zeros((cfg.num_layers, d_in, rank), np.float32),
-                             np.zeros((cfg.num_layers, rank, d_out), np.float32))
+            modules[ours] = (
+                np.zeros((cfg.num_layers, d_in, rank), np.float32),
+                np.zeros((cfg.num_layers, rank, d_out), np.float32),
+            )
         a, b = modules[ours]
         a[layer, :, :r] = lora_a.T
         b[layer, :r, :] = lora_b.T * _scaling(alpha, r, conf)
     outside = [m for m in LORA_MODULES if m in modules and served and m not in served]
     if outside:
-        raise LoRAError(f"{path}: the adapter targets {', '.join(PEFT_NAMES[m] for m in outside)}; this engine "
-                        f"adapts {', '.join(PEFT_NAMES[m] for m in served)} only (--lora-target-modules)")
-    return PeftAdapter(rank=rank, scaling=_scaling(float(conf["lora_alpha"]), int(conf["r"]), conf),
-                       modules={m: modules[m] for m in LORA_MODULES if m in modules}, path=path,
-                       target_modules=tuple(m for m in LORA_MODULES if m in modules))
+        raise LoRAError(
+            f"{path}: the adapter targets {', '.join(PEFT_NAMES[m] for m in outside)}; this engine "
+            f"adapts {', '.join(PEFT_NAMES[m] for m in served)} only (--lora-target-modules)"
+        )
+    return PeftAdapter(
+        rank=rank,
+        scaling=_scaling(float(conf["lora_alpha"]), int(conf["r"]), conf),
+        modules={m: modules[m] for m in LORA_MODULES if m in modules},
+        path=path,
+        target_modules=tuple(m for m in LORA_MODULES if m in modules),
+    )
 
 
 def _scaling(alpha: float, r: int, conf: Mapping[str, Any]) -> float:
@@ -158,21 +171,29 @@ def _check_options(conf: Mapping[str, Any], path: str, cfg: ModelConfig) -> None
         raise LoRAError(f"{path}: peft_type {peft_type!r} is not LORA; jaxserve serves LoRA adapters only")
     r, alpha = conf.get("r"), conf.get("lora_alpha")
     if isinstance(r, bool) or not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
-        raise LoRAError(f"{path}: adapter_config.json needs a positive integer r and a number lora_alpha, "
-                        f"got r={r!r}, lora_alpha={alpha!r}")
+        raise LoRAError(
+            f"{path}: adapter_config.json needs a positive integer r and a number lora_alpha, "
+            f"got r={r!r}, lora_alpha={alpha!r}"
+        )
     if conf.get("use_dora"):
-        raise LoRAError(f"{path}: DoRA adapters (use_dora: true) are not supported; serve a plain LoRA, "
-                        "or merge the DoRA adapter into the base model")
+        raise LoRAError(
+            f"{path}: DoRA adapters (use_dora: true) are not supported; serve a plain LoRA, "
+            "or merge the DoRA adapter into the base model"
+        )
     if conf.get("fan_in_fan_out"):
         raise LoRAError(f"{path}: fan_in_fan_out: true (GPT-2's Conv1D layers) does not fit jaxserve's models")
     if conf.get("bias", "none") != "none":
-        raise LoRAError(f"{path}: bias {conf['bias']!r} is not supported (only bias: \"none\"): the adapter "
-                        "retrains the base model's biases")
+        raise LoRAError(
+            f'{path}: bias {conf["bias"]!r} is not supported (only bias: "none"): the adapter '
+            "retrains the base model's biases"
+        )
     if conf.get("lora_bias"):
         raise LoRAError(f"{path}: lora_bias: true (a bias on lora_B) is not supported")
     if conf.get("modules_to_save"):
-        raise LoRAError(f"{path}: modules_to_save {list(conf['modules_to_save'])} is not supported: the "
-                        "adapter replaces whole modules of the base model, which jaxserve cannot swap per request")
+        raise LoRAError(
+            f"{path}: modules_to_save {list(conf['modules_to_save'])} is not supported: the "
+            "adapter replaces whole modules of the base model, which jaxserve cannot swap per request"
+        )
     for option, why in _UNSUPPORTED_OPTIONS.items():
         if conf.get(option):
             raise LoRAError(f"{path}: {option} is not supported ({why})")
@@ -195,25 +216,34 @@ def _config_targets(target_modules: Any, path: str, cfg: ModelConfig) -> set[str
     if target_modules is None or target_modules == "all-linear":
         return set()
     if isinstance(target_modules, str):
-        probes = {f"model.layers.{i}.{block}.{name}": name
-                  for i in range(cfg.num_layers) for name, (block, _) in _PEFT_MODULES.items()}
+        probes = {
+            f"model.layers.{i}.{block}.{name}": name
+            for i in range(cfg.num_layers)
+            for name, (block, _) in _PEFT_MODULES.items()
+        }
         others = [n for n in ("lm_head", "model.embed_tokens", "model.norm") if re.fullmatch(target_modules, n)]
         if others:
-            raise LoRAError(f"{path}: target_modules {target_modules!r} also selects {', '.join(others)}; "
-                            f"jaxserve adapts only {_SEVEN}")
+            raise LoRAError(
+                f"{path}: target_modules {target_modules!r} also selects {', '.join(others)}; "
+                f"jaxserve adapts only {_SEVEN}"
+            )
         return {name for probe, name in probes.items() if re.fullmatch(target_modules, probe)}
     names = {str(entry).rsplit(".", 1)[-1]: str(entry) for entry in target_modules}
     others = sorted(entry for name, entry in names.items() if name not in _PEFT_MODULES)
     if others:
-        raise LoRAError(f"{path}: target_modules {others} are not supported; jaxserve adapts only {_SEVEN} "
-                        "(not the embeddings, lm_head or other layers)")
+        raise LoRAError(
+            f"{path}: target_modules {others} are not supported; jaxserve adapts only {_SEVEN} "
+            "(not the embeddings, lm_head or other layers)"
+        )
     return set(names)
 
 
 def _moe_message(path: str, cfg: ModelConfig, mlp: list[str]) -> str:
-    return (f"{path}: the adapter targets the MLP ({', '.join(mlp)}) of a mixture-of-experts model "
-            f"({cfg.architecture}, {cfg.num_experts} experts); jaxserve adapts only the attention "
-            "(q_proj k_proj v_proj o_proj) of MoE models")
+    return (
+        f"{path}: the adapter targets the MLP ({', '.join(mlp)}) of a mixture-of-experts model "
+        f"({cfg.architecture}, {cfg.num_experts} experts); jaxserve adapts only the attention "
+        "(q_proj k_proj v_proj o_proj) of MoE models"
+    )
 
 
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
@@ -223,7 +253,8 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
             raise LoRAError(
                 f"{path} holds only adapter_model.bin (a pickle, which jaxserve does not load: unpickling "
                 "executes code); convert it to safetensors once with PEFT: "
-                "PeftModel.from_pretrained(base, dir).save_pretrained(dir, safe_serialization=True)")
+                "PeftModel.from_pretrained(base, dir).save_pretrained(dir, safe_serialization=True)"
+            )
         raise LoRAError(f"{path} has no adapter_model.safetensors")
     return _read_safetensors(weights)
 
@@ -235,7 +266,7 @@ def _read_safetensors(file: str) -> dict[str, np.ndarray]:
         data = f.read()
     try:
         (header_len,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8:8 + header_len])
+        header = json.loads(data[8 : 8 + header_len])
         out = {}
         for name, info in header.items():
             if name == "__metadata__":
@@ -244,15 +275,17 @@ def _read_safetensors(file: str) -> dict[str, np.ndarray]:
                 raise LoRAError(f"{file}: tensor {name} has dtype {info['dtype']}, not a float type")
             dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
             start, end = info["data_offsets"]
-            out[name] = np.frombuffer(data, dtype, (end - start) // dtype.itemsize,
-                                      8 + header_len + start).reshape(info["shape"])
+            out[name] = np.frombuffer(data, dtype, (end - start) // dtype.itemsize, 8 + header_len + start).reshape(
+                info["shape"]
+            )
         return out
     except (struct.error, ValueError, KeyError, TypeError) as err:
         raise LoRAError(f"{file} is not a valid safetensors file ({err})") from None
 
 
-def _pair_tensors(tensors: Mapping[str, np.ndarray], path: str,
-                  cfg: ModelConfig) -> dict[str, tuple[str, int, str, str]]:
+def _pair_tensors(
+    tensors: Mapping[str, np.ndarray], path: str, cfg: ModelConfig
+) -> dict[str, tuple[str, int, str, str]]:
     """module name (as PEFT's patterns see it) -> (jaxserve key, layer, lora_A name, lora_B name)."""
     found: dict[str, dict[str, str]] = {}
     where: dict[str, tuple[str, int]] = {}
@@ -262,14 +295,18 @@ def _pair_tensors(tensors: Mapping[str, np.ndarray], path: str,
         if m is None or proj not in _PEFT_MODULES or _PEFT_MODULES[proj][0] != m["block"]:
             if cfg.is_moe and (".mlp." in name or "block_sparse_moe" in name):
                 raise LoRAError(_moe_message(path, cfg, [name]))
-            raise LoRAError(f"{path}: tensor {name} adapts a module jaxserve cannot; it adapts only the "
-                            f"decoder layers' {_SEVEN} (not the embeddings, lm_head or other layers)")
+            raise LoRAError(
+                f"{path}: tensor {name} adapts a module jaxserve cannot; it adapts only the "
+                f"decoder layers' {_SEVEN} (not the embeddings, lm_head or other layers)"
+            )
         if proj in _MLP and cfg.is_moe:
             raise LoRAError(_moe_message(path, cfg, [name]))
         layer = int(m["layer"])
         if layer >= cfg.num_layers:
-            raise LoRAError(f"{path}: tensor {name} is for layer {layer}, but the base model has "
-                            f"{cfg.num_layers} layers (0..{cfg.num_layers - 1})")
+            raise LoRAError(
+                f"{path}: tensor {name} is for layer {layer}, but the base model has "
+                f"{cfg.num_layers} layers (0..{cfg.num_layers - 1})"
+            )
         sides = found.setdefault(m["module"], {})
         if m["ab"] in sides:
             raise LoRAError(f"{path}: lora_{m['ab']} of {m['module']} is stored twice ({sides[m['ab']]}, {name})")
@@ -278,7 +315,7 @@ def _pair_tensors(tensors: Mapping[str, np.ndarray], path: str,
     pairs = {}
     for module, sides in found.items():
         if len(sides) < 2:
-            (have, name), = sides.items()
+            ((have, name),) = sides.items()
             raise LoRAError(f"{path}: tensor {name} has no lora_{'B' if have == 'A' else 'A'} beside it")
         pairs[module] = (*where[module], sides["A"], sides["B"])
     if not pairs:
@@ -298,6 +335,8 @@ def _pattern_value(patterns: Mapping[str, Any] | None, module: str, default: Any
 def _checked(tensors: Mapping[str, np.ndarray], name: str, shape: tuple[int, int], path: str) -> np.ndarray:
     tensor = tensors[name]
     if tensor.shape != shape:
-        raise LoRAError(f"{path}: tensor {name} has shape {list(tensor.shape)}, but the base model and the "
-                        f"adapter's rank need {list(shape)}: was the adapter trained on another model?")
+        raise LoRAError(
+            f"{path}: tensor {name} has shape {list(tensor.shape)}, but the base model and the "
+            f"adapter's rank need {list(shape)}: was the adapter trained on another model?"
+        )
     return tensor.astype(np.float32)

@@ -7,8 +7,15 @@ from typing import Any
 
 # The modules an adapter may target, by jaxserve's keys, and their PEFT / transformers names.
 LORA_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
-PEFT_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
-              "down": "down_proj"}
+PEFT_NAMES = {
+    "q": "q_proj",
+    "k": "k_proj",
+    "v": "v_proj",
+    "o": "o_proj",
+    "gate": "gate_proj",
+    "up": "up_proj",
+    "down": "down_proj",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +95,8 @@ def parse_lora_target_modules(value: Any) -> tuple[str, ...]:
     keys = {by_name.get(n, n) for n in names}
     unknown = sorted(keys - set(LORA_MODULES))
     if unknown:
-        raise ConfigError(f"lora_target_modules: {', '.join(map(repr, unknown))} is not one of "
-                          f"{' '.join(PEFT_NAMES.values())} (or all)")
+        raise ConfigError(
+            f"lora_target_modules: {', '.join(map(repr, unknown))} is not one of "
+            f"{' '.join(PEFT_NAMES.values())} (or all)"
+        )
     return tuple(m for m in LORA_MODULES if m in keys)

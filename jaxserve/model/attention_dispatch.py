@@ -36,9 +36,23 @@ def ragged_attention_impl(impl: str, mesh: Mesh | None = None):
     raise ValueError(f"unknown attention implementation {impl!r}; expected one of {ATTENTION_IMPLS}")
 
 
-def pallas_ragged_attention(q, k_cache, v_cache, layer, positions, query_start, context_lens, page_table,
-                            sliding_window=None, sm_scale=None, *, backend: str, interpret: bool, k_scale=None,
-                            v_scale=None):
+def pallas_ragged_attention(
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    positions,
+    query_start,
+    context_lens,
+    page_table,
+    sliding_window=None,
+    sm_scale=None,
+    *,
+    backend: str,
+    interpret: bool,
+    k_scale=None,
+    v_scale=None,
+):
     """The ragged step's attention on the ragged kernel, which takes the whole stacked cache (k, v
     f[L, K, NP, S, H], int8 scales f32[L, K, NP, S]) and indexes it with `layer` itself.
     Every row slot is a kernel sequence (padding rows have no tokens); the kernel derives each
@@ -47,8 +61,19 @@ def pallas_ragged_attention(q, k_cache, v_cache, layer, positions, query_start, 
 
     del positions
     return ragged_paged_attention(
-        q, k_cache, v_cache, page_table, context_lens, query_start, page_table.shape[0], k_scale=k_scale,
-        v_scale=v_scale, sm_scale=sm_scale, sliding_window=sliding_window, layer=layer, backend=backend,
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        context_lens,
+        query_start,
+        page_table.shape[0],
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        layer=layer,
+        backend=backend,
         interpret=interpret,
     )
 
@@ -64,8 +89,20 @@ def shard_ragged_attention(attention, mesh: Mesh):
     model = mesh.shape[MODEL]
     whole, heads = PartitionSpec(), PartitionSpec(None, MODEL, None)
 
-    def wrapped(q, k_cache, v_cache, layer, positions, query_start, context_lens, page_table,
-                sliding_window=None, sm_scale=None, k_scale=None, v_scale=None):
+    def wrapped(
+        q,
+        k_cache,
+        v_cache,
+        layer,
+        positions,
+        query_start,
+        context_lens,
+        page_table,
+        sliding_window=None,
+        sm_scale=None,
+        k_scale=None,
+        v_scale=None,
+    ):
         # q f[N, heads, H]; k_cache, v_cache f[L, K, NP, S, H]; k_scale, v_scale f32[L, K, NP, S] | None
         num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
         if num_heads % model:
@@ -74,21 +111,35 @@ def shard_ragged_attention(attention, mesh: Mesh):
         kv_spec = PartitionSpec(None, MODEL if kv_split else None)
         scales = () if k_scale is None else (k_scale, v_scale)
 
-        def per_device(q, k_cache, v_cache, layer, positions, query_start, context_lens, page_table, window,
-                       scale, *scales):
+        def per_device(
+            q, k_cache, v_cache, layer, positions, query_start, context_lens, page_table, window, scale, *scales
+        ):
             kv = (k_cache, v_cache, *scales)
             if not kv_split:
-                kv = tuple(a[None] for a in local_kv_heads(tuple(a[layer] for a in kv), num_heads // model,
-                                                           num_heads // num_kv_heads))
+                kv = tuple(
+                    a[None]
+                    for a in local_kv_heads(tuple(a[layer] for a in kv), num_heads // model, num_heads // num_kv_heads)
+                )
                 layer = jnp.int32(0)
             kw = {} if not scales else dict(k_scale=kv[2], v_scale=kv[3])
-            return attention(q, kv[0], kv[1], layer, positions, query_start, context_lens, page_table, window,
-                             scale, **kw)
+            return attention(
+                q, kv[0], kv[1], layer, positions, query_start, context_lens, page_table, window, scale, **kw
+            )
 
         in_specs = (heads, kv_spec, kv_spec, *(whole,) * 7, *(kv_spec for _ in scales))
         # check_vma=False: a pallas_call's outputs carry no varying-axes type (jax asks kernels to declare it).
         return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)(
-            q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), positions, query_start, context_lens, page_table,
-            sliding_window, sm_scale, *scales)
+            q,
+            k_cache,
+            v_cache,
+            jnp.asarray(layer, jnp.int32),
+            positions,
+            query_start,
+            context_lens,
+            page_table,
+            sliding_window,
+            sm_scale,
+            *scales,
+        )
 
     return wrapped

@@ -144,15 +144,22 @@ class RaggedBatch:
     row_lora: jax.Array | None = None  # i32[S]
 
     @classmethod
-    def build(cls, rows, *, page_size: int, num_tokens: int, num_rows: int, max_pages: int,
-              num_logits: int) -> "RaggedBatch":
+    def build(
+        cls, rows, *, page_size: int, num_tokens: int, num_rows: int, max_pages: int, num_logits: int
+    ) -> "RaggedBatch":
         """From `ragged.RaggedRow`s (or (tokens, start, pages[, num_logits]) tuples), via the host
         packer `ragged.pack_ragged` (numpy arrays; the step moves them to the device)."""
         from jaxserve.model.ragged import RaggedRow, pack_ragged
 
         rows = [r if isinstance(r, RaggedRow) else RaggedRow(*r) for r in rows]
-        arrays = pack_ragged(rows, page_size=page_size, num_tokens=num_tokens, num_rows=num_rows,
-                             max_pages=max_pages, num_logits=num_logits)
+        arrays = pack_ragged(
+            rows,
+            page_size=page_size,
+            num_tokens=num_tokens,
+            num_rows=num_rows,
+            max_pages=max_pages,
+            num_logits=num_logits,
+        )
         return cls(**{f.name: getattr(arrays, f.name) for f in dataclasses.fields(arrays)})
 
     @classmethod
@@ -172,8 +179,15 @@ FP8_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2
 
 
 def init_cache(
-    cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, num_replicas: int = 1, sharding: Any = None,
-    kv_cache_dtype: str = "auto", scale_sharding: Any = None, kv_scales: tuple[Any, Any] | None = None,
+    cfg: ModelConfig,
+    num_pages: int,
+    page_size: int,
+    dtype: Any,
+    num_replicas: int = 1,
+    sharding: Any = None,
+    kv_cache_dtype: str = "auto",
+    scale_sharding: Any = None,
+    kv_scales: tuple[Any, Any] | None = None,
 ) -> KVCache:
     """Allocate the whole cache once (zeros). Called at start-up; never again.
 
@@ -199,11 +213,14 @@ def init_cache(
         s = np.ones((L, K), np.float32) if s is None else np.asarray(s, np.float32)
         s = np.broadcast_to(s[:, None] if s.shape == (L,) else s, (L, K)) if s.shape in ((L,), (L, K)) else s
         if s.shape != (L, K) or not np.all(np.isfinite(s) & (s > 0)):
-            raise ValueError(f"{name} must be positive finite scales per layer [{L}] or per layer and KV head "
-                             f"[{L}, {K}], got shape {s.shape}")
+            raise ValueError(
+                f"{name} must be positive finite scales per layer [{L}] or per layer and KV head "
+                f"[{L}, {K}], got shape {s.shape}"
+            )
         scales.append(np.ascontiguousarray(s))
-    per_replica = jax.jit(lambda s: jnp.tile(s[None, :, :, None, None], (num_replicas, 1, 1, 1, 1)),
-                          out_shardings=scale_sharding)
+    per_replica = jax.jit(
+        lambda s: jnp.tile(s[None, :, :, None, None], (num_replicas, 1, 1, 1, 1)), out_shardings=scale_sharding
+    )
     return KVCache(k=zeros(), v=zeros(), k_scale=per_replica(scales[0]), v_scale=per_replica(scales[1]))
 
 
@@ -213,8 +230,9 @@ def cache_shardings(shardings: Any, kv_cache_dtype: str = "auto") -> KVCache:
     `Shardings.cache_scale` for them: int8's f32[R, L, K, NP, S] and float8's f32[R, L, K, 1, 1] are
     split alike (replicas on `data`, KV heads on `model`)."""
     if kv_cache_dtype == "int8" or kv_cache_dtype in FP8_DTYPES:
-        return KVCache(k=shardings.cache, v=shardings.cache, k_scale=shardings.cache_scale,
-                       v_scale=shardings.cache_scale)
+        return KVCache(
+            k=shardings.cache, v=shardings.cache, k_scale=shardings.cache_scale, v_scale=shardings.cache_scale
+        )
     return KVCache(k=shardings.cache, v=shardings.cache)
 
 
@@ -263,13 +281,19 @@ def write_kv_slots(
         return from_bytes(flat.reshape(pages.shape), pages.dtype)
 
     if cache.fp8:
-        return cache.replace(k=scatter(cache.k, _to_fp8(k_new, _head_scales(cache.k_scale, layer), cache.k.dtype)),
-                             v=scatter(cache.v, _to_fp8(v_new, _head_scales(cache.v_scale, layer), cache.v.dtype)))
+        return cache.replace(
+            k=scatter(cache.k, _to_fp8(k_new, _head_scales(cache.k_scale, layer), cache.k.dtype)),
+            v=scatter(cache.v, _to_fp8(v_new, _head_scales(cache.v_scale, layer), cache.v.dtype)),
+        )
     if not cache.quantized:
         return cache.replace(k=scatter(cache.k, k_new), v=scatter(cache.v, v_new))
     (kq, ks), (vq, vs) = quantize_kv(k_new), quantize_kv(v_new)  # i8[N, K, H], f32[N, K]
-    return KVCache(k=scatter(cache.k, kq), v=scatter(cache.v, vq), k_scale=scatter(cache.k_scale, ks),
-                   v_scale=scatter(cache.v_scale, vs))
+    return KVCache(
+        k=scatter(cache.k, kq),
+        v=scatter(cache.v, vq),
+        k_scale=scatter(cache.k_scale, ks),
+        v_scale=scatter(cache.v_scale, vs),
+    )
 
 
 def is_fp8(dtype: Any) -> bool:
@@ -300,8 +324,15 @@ def _to_fp8(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     return jnp.clip(x.astype(jnp.float32) / scale[:, None], -big, big).astype(dtype)
 
 
-def attend(attention: Any, q: jax.Array, cache: KVCache, layer: jax.Array | int, batch: RaggedBatch,
-           window: jax.Array, sm_scale: jax.Array) -> jax.Array:
+def attend(
+    attention: Any,
+    q: jax.Array,
+    cache: KVCache,
+    layer: jax.Array | int,
+    batch: RaggedBatch,
+    window: jax.Array,
+    sm_scale: jax.Array,
+) -> jax.Array:
     """`attention` (`llama.RaggedAttentionFn`) of q f[N, heads, H] over one replica's cache at `layer`,
     read as the cache stores it: int8 pages with their per-slot scales, which the attention applies;
     float8 pages with each KV head's K scale multiplied into its query heads and its V scale into their
@@ -309,24 +340,47 @@ def attend(attention: Any, q: jax.Array, cache: KVCache, layer: jax.Array | int,
     reference, the Pallas kernels, per shard under shard_map) sees scale-free float8 pages."""
     if not cache.fp8:
         kw = dict(k_scale=cache.k_scale, v_scale=cache.v_scale) if cache.quantized else {}
-        return attention(q, cache.k, cache.v, layer, batch.positions, batch.query_start, batch.context_lens,
-                         batch.page_table, window, sm_scale, **kw)
+        return attention(
+            q,
+            cache.k,
+            cache.v,
+            layer,
+            batch.positions,
+            batch.query_start,
+            batch.context_lens,
+            batch.page_table,
+            window,
+            sm_scale,
+            **kw,
+        )
     group = q.shape[1] // cache.k.shape[1]
 
     def per_head(x, scale):  # x f[N, heads, H] times its KV head's scale, in f32
         return (x.astype(jnp.float32) * jnp.repeat(_head_scales(scale, layer), group)[:, None]).astype(x.dtype)
 
-    out = attention(per_head(q, cache.k_scale), cache.k, cache.v, layer, batch.positions, batch.query_start,
-                    batch.context_lens, batch.page_table, window, sm_scale)
+    out = attention(
+        per_head(q, cache.k_scale),
+        cache.k,
+        cache.v,
+        layer,
+        batch.positions,
+        batch.query_start,
+        batch.context_lens,
+        batch.page_table,
+        window,
+        sm_scale,
+    )
     return per_head(out, cache.v_scale)
 
 
 def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array, replica: int = 0) -> KVCache:
     """Copy whole pages (all layers and heads, and an int8 cache's scales) src[i] -> dst[i]:
     copy-on-write for forked sequences. A float8 cache's per-layer scales stay as they are."""
+
     def copy(x):
         b = as_bytes(x)
         return from_bytes(b.at[replica, :, :, dst].set(b[replica, :, :, src]), x.dtype)
+
     if not cache.quantized or cache.fp8:
         return cache.replace(k=copy(cache.k), v=copy(cache.v))
     return KVCache(k=copy(cache.k), v=copy(cache.v), k_scale=copy(cache.k_scale), v_scale=copy(cache.v_scale))

@@ -245,8 +245,12 @@ def ragged_attention_reference(
     key_pos = jnp.arange(P * PS, dtype=jnp.int32)
     key_valid = key_pos[None, :] < context_lens[row][:, None]  # bool[W, P*S]
     v = jnp.where(key_valid[None, :, :, None], v, jnp.zeros((), v.dtype))
-    mask = (tok_valid[:, :, None] & key_valid[:, None, :] & (key_pos[None, None, :] <= pos[:, :, None])
-            & (pos[:, :, None] - key_pos[None, None, :] < window))  # bool[W, Q, P*S]
+    mask = (
+        tok_valid[:, :, None]
+        & key_valid[:, None, :]
+        & (key_pos[None, None, :] <= pos[:, :, None])
+        & (pos[:, :, None] - key_pos[None, None, :] < window)
+    )  # bool[W, Q, P*S]
     qg = q[tok].reshape(W, Q, K, G, H)
     scores = jnp.einsum("wqkgh,kwsh->wkgqs", qg, k, preferred_element_type=jnp.float32) * sm_scale
     if k_scale is not None:
@@ -339,8 +343,12 @@ def ragged_attention_blocked(
         key_valid = live[:, None] & (key_pos < ctx[it][:, None])
         v = jnp.where(key_valid[None, :, :, None], v, jnp.zeros((), v.dtype))
         p = pos[it]  # i32[T, Q]
-        mask = (tok_valid[it][:, :, None] & key_valid[:, None, :] & (key_pos[:, None, :] <= p[:, :, None])
-                & (p[:, :, None] - key_pos[:, None, :] < window))  # bool[T, Q, B]
+        mask = (
+            tok_valid[it][:, :, None]
+            & key_valid[:, None, :]
+            & (key_pos[:, None, :] <= p[:, :, None])
+            & (p[:, :, None] - key_pos[:, None, :] < window)
+        )  # bool[T, Q, B]
         scores = jnp.einsum("tqkgh,ktbh->tkgqb", q_items[it], k, preferred_element_type=jnp.float32) * sm_scale
         if k_scale is not None:
             scores = scores * _layer_page_scales(k_scale, layer, pages)
@@ -356,8 +364,12 @@ def ragged_attention_blocked(
         acc = (acc * rescale[..., None]).at[dest].add(pv, mode="drop")
         return i + 1, m_new, l, acc
 
-    init = (jnp.int32(0), jnp.full((W, K, G, Q), -jnp.inf, jnp.float32), jnp.zeros((W, K, G, Q), jnp.float32),
-            jnp.zeros((W, K, G, Q, H), jnp.float32))
+    init = (
+        jnp.int32(0),
+        jnp.full((W, K, G, Q), -jnp.inf, jnp.float32),
+        jnp.zeros((W, K, G, Q), jnp.float32),
+        jnp.zeros((W, K, G, Q, H), jnp.float32),
+    )
     _, _, l, acc = jax.lax.while_loop(lambda c: c[0] * T < total, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # items of no key (padding) stay zero
     return items.scatter(out.transpose(0, 3, 1, 2, 4).reshape(W * Q, NH, H), q)

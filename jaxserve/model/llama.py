@@ -50,8 +50,14 @@ def _norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
     return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_weight_offset)
 
 
-def _project_qkv(cfg: ModelConfig, lp: LayerParams, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 lora_columns: jax.Array | None = None):
+def _project_qkv(
+    cfg: ModelConfig,
+    lp: LayerParams,
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    lora_columns: jax.Array | None = None,
+):
     """Pre-norm, q/k/v projections (each with its rows' LoRA updates, `model/lora.py`), per-head q/k
     norms (Qwen3, Gemma 3) and rotary embeddings: q f[B,T,N,H], k and v f[B,T,K,H]."""
     B, T, _ = x.shape
@@ -70,8 +76,14 @@ def _project_qkv(cfg: ModelConfig, lp: LayerParams, x: jax.Array, cos: jax.Array
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _output_and_mlp(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.Array,
-                    expert_parallel: ExpertParallelFn | None = None, lora_columns: jax.Array | None = None) -> jax.Array:
+def _output_and_mlp(
+    cfg: ModelConfig,
+    lp: LayerParams,
+    x: jax.Array,
+    attn: jax.Array,
+    expert_parallel: ExpertParallelFn | None = None,
+    lora_columns: jax.Array | None = None,
+) -> jax.Array:
     """Output projection and residual, then the pre-norm gated MLP (SwiGLU, Gemma's GeGLU, or a mixture
     of SwiGLU experts over the flattened tokens) and its residual; with Gemma 3's sandwich norms each block's output is normalised before its residual add."""
     B, T, N, H = attn.shape
@@ -83,15 +95,25 @@ def _output_and_mlp(cfg: ModelConfig, lp: LayerParams, x: jax.Array, attn: jax.A
     h = _norm(cfg, x, lp.mlp_norm)
     if lp.router is not None:  # a mixture of experts: every token (padding too: harmless) routed on its own
         experts = MoEParams(router=lp.router, w_gate=lp.expert_gate, w_up=lp.expert_up, w_down=lp.expert_down)
-        out = moe_mlp(h.reshape(B * T, -1), experts, top_k=cfg.num_experts_per_tok,
-                      normalize=cfg.norm_topk_prob, expert_parallel=expert_parallel).reshape(h.shape)
+        out = moe_mlp(
+            h.reshape(B * T, -1),
+            experts,
+            top_k=cfg.num_experts_per_tok,
+            normalize=cfg.norm_topk_prob,
+            expert_parallel=expert_parallel,
+        ).reshape(h.shape)
     else:
         mlp = geglu if cfg.hidden_act == "gelu_pytorch_tanh" else swiglu
         if lp.lora is None or lora_columns is None:
             out = mlp(h, lp.w_gate, lp.w_up, lp.w_down)
         else:  # each projection with its rows' LoRA updates
-            out = mlp(h, lp.w_gate, lp.w_up, lp.w_down,
-                      lambda x, w, name: lora_ops.apply(quant.matmul(x, w), x, lp.lora, name, lora_columns))
+            out = mlp(
+                h,
+                lp.w_gate,
+                lp.w_up,
+                lp.w_down,
+                lambda x, w, name: lora_ops.apply(quant.matmul(x, w), x, lp.lora, name, lora_columns),
+            )
     if lp.post_mlp_norm is not None:
         out = _norm(cfg, out, lp.post_mlp_norm)
     return x + out
@@ -148,8 +170,12 @@ def layer_attention_params(cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     if not cfg.layer_types:  # every layer alike: the program the other families have always had
         windows = jnp.full((cfg.num_layers,), window, jnp.int32)
     else:
-        windows = jnp.asarray(np.asarray([window if _layer_window(cfg, i) is not None else NO_SLIDING_WINDOW
-                                          for i in range(cfg.num_layers)], np.int32))
+        windows = jnp.asarray(
+            np.asarray(
+                [window if _layer_window(cfg, i) is not None else NO_SLIDING_WINDOW for i in range(cfg.num_layers)],
+                np.int32,
+            )
+        )
     return windows, jnp.full((cfg.num_layers,), scale, jnp.float32)
 
 
@@ -208,18 +234,43 @@ def forward_ragged(
 
     def run(lp, layer, x, cache):
         kind = None if kinds is None else int(kinds[layer])
-        return _ragged_layer_traced_once(cfg, attention, lp, layer, windows[layer], sm_scales[layer], x, cache,
-                                         *_layer_rope(cos, sin, kind), batch, expert_parallel, lora_columns)
+        return _ragged_layer_traced_once(
+            cfg,
+            attention,
+            lp,
+            layer,
+            windows[layer],
+            sm_scales[layer],
+            x,
+            cache,
+            *_layer_rope(cos, sin, kind),
+            batch,
+            expert_parallel,
+            lora_columns,
+        )
 
     if isinstance(params.layers, tuple):
         for layer, lp in enumerate(params.layers):
             x, cache = run(lp, layer, x, cache)
     elif scan_layers:
+
         def body(carry, xs):
             lp, layer, window, sm_scale, kind = xs
             x, cache = carry
-            return _ragged_layer(cfg, attention, lp, layer, window, sm_scale, x, cache,
-                                 *_layer_rope(cos, sin, kind), batch, expert_parallel, lora_columns), None
+            return _ragged_layer(
+                cfg,
+                attention,
+                lp,
+                layer,
+                window,
+                sm_scale,
+                x,
+                cache,
+                *_layer_rope(cos, sin, kind),
+                batch,
+                expert_parallel,
+                lora_columns,
+            ), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         xs = (params.layers, layer_ids, windows, sm_scales, None if kinds is None else jnp.asarray(kinds))
@@ -257,8 +308,9 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return logits if cap is None else jnp.tanh(logits / cap) * cap
 
 
-def forward_dense(params: Params, tokens: jax.Array, *, cfg: ModelConfig,
-                  expert_parallel: ExpertParallelFn | None = None) -> jax.Array:
+def forward_dense(
+    params: Params, tokens: jax.Array, *, cfg: ModelConfig, expert_parallel: ExpertParallelFn | None = None
+) -> jax.Array:
     """Logits f32[B, T, V] of whole sequences from position 0, without a KV cache (training, scoring).
 
     The same layers as `forward_ragged`, with dense causal attention; `layers` may be stacked (scanned)

@@ -20,6 +20,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+
 @flax.struct.dataclass
 class LoRAModule:
     """One module's resident adapters: a f[..., in, M * R], b f[..., M * R, out] (a leading layer

@@ -54,8 +54,12 @@ class MoEParams:
         `experts.gate_up_proj [E, 2F, D]` with the gate half first, `experts.down_proj [E, D, F]`)."""
         router, gate_up, down = (jnp.asarray(x) for x in (router, gate_up_proj, down_proj))
         F = gate_up.shape[1] // 2
-        return cls(router=router.T, w_gate=jnp.swapaxes(gate_up[:, :F], 1, 2),
-                   w_up=jnp.swapaxes(gate_up[:, F:], 1, 2), w_down=jnp.swapaxes(down, 1, 2))
+        return cls(
+            router=router.T,
+            w_gate=jnp.swapaxes(gate_up[:, :F], 1, 2),
+            w_up=jnp.swapaxes(gate_up[:, F:], 1, 2),
+            w_down=jnp.swapaxes(down, 1, 2),
+        )
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -73,9 +77,15 @@ def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool) -> tuple
 ExpertParallelFn = Callable[[Callable[..., jax.Array]], Callable[[jax.Array, MoEParams], jax.Array]]
 
 
-def moe_mlp(x: jax.Array, p: MoEParams, *, top_k: int, normalize: bool,
-            act: Callable[[jax.Array], jax.Array] = jax.nn.silu,
-            expert_parallel: ExpertParallelFn | None = None) -> jax.Array:
+def moe_mlp(
+    x: jax.Array,
+    p: MoEParams,
+    *,
+    top_k: int,
+    normalize: bool,
+    act: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+    expert_parallel: ExpertParallelFn | None = None,
+) -> jax.Array:
     """The MoE MLP of tokens x f[T, D] -> f[T, D].
 
     Under `jax.vmap` over x alone (the engine's step maps its forward over replicas, the weights
@@ -92,8 +102,9 @@ def moe_mlp(x: jax.Array, p: MoEParams, *, top_k: int, normalize: bool,
 
 
 @functools.lru_cache(maxsize=None)
-def _batchable(top_k: int, normalize: bool, act: Callable[[jax.Array], jax.Array],
-               expert_parallel: ExpertParallelFn | None):
+def _batchable(
+    top_k: int, normalize: bool, act: Callable[[jax.Array], jax.Array], expert_parallel: ExpertParallelFn | None
+):
     """`_moe_tokens` (or its expert-parallel form) with a vmap rule that flattens a mapped x's batch
     into its tokens."""
     if expert_parallel is None:
@@ -123,8 +134,9 @@ def _moe_tokens(x: jax.Array, p: MoEParams, top_k: int, normalize: bool, act) ->
     return _grouped_experts(x, p, weights, experts, E, act).astype(x.dtype)
 
 
-def moe_local(x: jax.Array, p: MoEParams, first_expert: jax.Array, *, top_k: int, normalize: bool,
-              act=jax.nn.silu) -> jax.Array:
+def moe_local(
+    x: jax.Array, p: MoEParams, first_expert: jax.Array, *, top_k: int, normalize: bool, act=jax.nn.silu
+) -> jax.Array:
     """One device's share of the MoE MLP of x f[T, D] under expert parallelism: f32[T, D], the sum over
     each token's assignments to experts first_expert .. first_expert + E_here - 1 only.
 

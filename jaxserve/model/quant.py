@@ -26,8 +26,12 @@ import jax
 import jax.numpy as jnp
 
 # the default group sizes are re-exported here, beside the formats they size
-from jaxserve.config.model_config import (INT4_GROUP_SIZE, INT8_GROUP_SIZE,  # noqa: F401
-                                          group_size_fitting, quantization_group_size)
+from jaxserve.config.model_config import (
+    INT4_GROUP_SIZE,
+    INT8_GROUP_SIZE,  # noqa: F401
+    group_size_fitting,
+    quantization_group_size,
+)
 from jaxserve.model.weights import LayerParams, Params
 
 INT8_MAX = 127
@@ -73,8 +77,10 @@ class QuantArray:
 
 def check_group_size(k: int, group_size: int, what: str = "the weight") -> None:
     if group_size < 0 or (group_size and k % group_size):
-        raise ValueError(f"quantization group size {group_size} must divide the input dimension {k} of {what} "
-                         "(or be 0: per output channel)")
+        raise ValueError(
+            f"quantization group size {group_size} must divide the input dimension {k} of {what} "
+            "(or be 0: per output channel)"
+        )
 
 
 def quantize(w: jax.Array, group_size: int = 0) -> QuantArray:
@@ -132,8 +138,10 @@ def _w8a8_matmul(x: jax.Array, w: QuantArray) -> jax.Array:
     (docs/BENCHMARKS.md), so it is an option (activation_quantization="int8"), with per-channel
     weights: a group scale would split the integer dot into one per group."""
     if w.group_size:
-        raise ValueError("W8A8 multiplies int8 weights with one scale per output channel (group_size 0), "
-                         f"not groups of {w.group_size}")
+        raise ValueError(
+            "W8A8 multiplies int8 weights with one scale per output channel (group_size 0), "
+            f"not groups of {w.group_size}"
+        )
     sx = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True) / INT8_MAX  # f32[..., 1]
     xq = jnp.clip(jnp.round(x / jnp.where(sx > 0, sx, 1.0)), -INT8_MAX, INT8_MAX).astype(jnp.int8)
     y = jnp.matmul(xq, w.values, preferred_element_type=jnp.int32).astype(jnp.float32)
@@ -223,8 +231,14 @@ def _pallas_matmul(x: jax.Array, w: QuantArray) -> jax.Array:
         raise ValueError(f"unknown matmul implementation {w.kernel!r}; expected one of {MATMUL_IMPLS}")
     backend = "tpu" if w.kernel == "pallas_tpu" else "gpu"
     lead, k = x.shape[:-1], x.shape[-1]
-    y = int8_matmul(x.reshape(-1, k), w.values, w.scales, group_size=w.group_size or k, backend=backend,
-                    interpret=w.kernel == "pallas_interpret")
+    y = int8_matmul(
+        x.reshape(-1, k),
+        w.values,
+        w.scales,
+        group_size=w.group_size or k,
+        backend=backend,
+        interpret=w.kernel == "pallas_interpret",
+    )
     return y.reshape(*lead, w.values.shape[-1])
 
 
@@ -343,8 +357,15 @@ def _pallas_int4_matmul(x: jax.Array, w: Int4Array) -> jax.Array:
         raise ValueError(f"unknown matmul implementation {w.kernel!r}; expected one of {MATMUL_IMPLS}")
     backend = "tpu" if w.kernel == "pallas_tpu" else "gpu"
     lead, k = x.shape[:-1], x.shape[-1]
-    y = kernel(x.reshape(-1, k), w.values, w.scales, w.biases, group_size=w.group_size, backend=backend,
-               interpret=w.kernel == "pallas_interpret")
+    y = kernel(
+        x.reshape(-1, k),
+        w.values,
+        w.scales,
+        w.biases,
+        group_size=w.group_size,
+        backend=backend,
+        interpret=w.kernel == "pallas_interpret",
+    )
     return y.reshape(*lead, w.values.shape[-1]).astype(jnp.float32)
 
 
@@ -386,8 +407,9 @@ def quantized_fields(quantization: str) -> tuple[str, ...]:
     return LINEAR_FIELDS if quantization in ("int8", "int4") else ()
 
 
-def map_linear(params: Params, fn: Callable[[Any], Any], quantize_lm_head: bool = False,
-               fields: tuple[str, ...] = LINEAR_FIELDS) -> Params:
+def map_linear(
+    params: Params, fn: Callable[[Any], Any], quantize_lm_head: bool = False, fields: tuple[str, ...] = LINEAR_FIELDS
+) -> Params:
     """Apply `fn` to every linear weight (of `fields`) of a Params-shaped tree (arrays, axis names,
     shardings, ...).
 
@@ -395,6 +417,7 @@ def map_linear(params: Params, fn: Callable[[Any], Any], quantize_lm_head: bool 
     are; lm_head is included when `quantize_lm_head`, and a tied head (lm_head None) is the embedding
     table, then quantized as the head [D, V] (`fn` of it transposed; `embed_rows` reads it).
     """
+
     def one(lp: LayerParams) -> LayerParams:  # a family's absent weights (None) stay absent
         return lp.replace(**{f: fn(getattr(lp, f)) for f in fields if getattr(lp, f) is not None})
 
@@ -443,8 +466,7 @@ def int4_axes(axes: tuple[str | None, ...], permuted: bool = False, group_size: 
     """Logical axes of an int4 weight: packed values and per-group scales and biases keep the weight's
     (a device holding some input rows holds their bytes and their groups'); a `perm` (`permuted`)
     follows the `in` axis, so a device holds the indices of its stored rows."""
-    return Int4Array(values=axes, scales=axes, biases=axes, perm=axes[:-1] if permuted else None,
-                     group_size=group_size)
+    return Int4Array(values=axes, scales=axes, biases=axes, perm=axes[:-1] if permuted else None, group_size=group_size)
 
 
 def _per_field(quantization: str, group_size: int | None) -> tuple[Callable, Callable]:
@@ -457,8 +479,9 @@ def _per_field(quantization: str, group_size: int | None) -> tuple[Callable, Cal
     return (lambda w: quantize(w, g)), (lambda a: quantized_axes(a, g))
 
 
-def quantized_layout(params: Params, quantization: str, quantize_lm_head: bool = False,
-                     group_size: int | None = None) -> Params:
+def quantized_layout(
+    params: Params, quantization: str, quantize_lm_head: bool = False, group_size: int | None = None
+) -> Params:
     """A Params-shaped tree of logical axes in the layout of `quantization` ("none" leaves it)."""
     if quantization not in ("int8", "int4"):
         return params
@@ -467,22 +490,29 @@ def quantized_layout(params: Params, quantization: str, quantize_lm_head: bool =
     return map_linear(axes, quantized_axes if quantization == "int8" else axes_fn, fields=EXPERT_FIELDS)
 
 
-def quantize_params(params: Params, quantize_lm_head: bool = False, quantization: str = "int8",
-                    group_size: int | None = None) -> Params:
+def quantize_params(
+    params: Params, quantize_lm_head: bool = False, quantization: str = "int8", group_size: int | None = None
+) -> Params:
     """The params with their linear weights quantized; group_size None: the largest default that divides
     every quantized weight's input rows (config.default_group_size's rule on one device)."""
     if group_size is None:
         layer = params.layers[0] if isinstance(params.layers, tuple) else params.layers
         grouped = LINEAR_FIELDS if quantization == "int4" else DENSE_FIELDS  # int8 experts: per channel
-        group_size = group_size_fitting(quantization, (getattr(layer, f).shape[-2] for f in grouped
-                                                       if getattr(layer, f) is not None))
+        group_size = group_size_fitting(
+            quantization, (getattr(layer, f).shape[-2] for f in grouped if getattr(layer, f) is not None)
+        )
     dense_fn = _per_field(quantization, group_size)[0]
     q = map_linear(params, dense_fn, quantize_lm_head, DENSE_FIELDS)
     return map_linear(q, quantize if quantization == "int8" else dense_fn, fields=EXPERT_FIELDS)
 
 
-def quantize_params_placed(params: Params, shardings: Params, quantize_lm_head: bool = False,
-                           quantization: str = "int8", group_size: int | None = None) -> Params:
+def quantize_params_placed(
+    params: Params,
+    shardings: Params,
+    quantize_lm_head: bool = False,
+    quantization: str = "int8",
+    group_size: int | None = None,
+) -> Params:
     """Quantize params already on their devices, one weight at a time, each result on its sharding.
 
     Consumes `params`: each float weight is deleted as soon as its int8 form exists, so device memory
@@ -505,8 +535,10 @@ def quantize_params_placed(params: Params, shardings: Params, quantize_lm_head: 
     leaves, treedef = jax.tree.flatten(params)
     targets = jax.tree.leaves(shardings, is_leaf=is_quant)
     tied = quantize_lm_head and params.lm_head is None
-    out = [quantize_one(w, sh, tied and w is params.embed, mark == "expert") if mark else w
-           for w, mark, sh in zip(leaves, jax.tree.leaves(marks), targets)]
+    out = [
+        quantize_one(w, sh, tied and w is params.embed, mark == "expert") if mark else w
+        for w, mark, sh in zip(leaves, jax.tree.leaves(marks), targets)
+    ]
     return jax.tree.unflatten(treedef, out)  # a QuantArray stands where its float weight stood
 
 

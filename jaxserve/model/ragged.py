@@ -71,7 +71,13 @@ LOOP_MAX_ROWS = 8  # up to this many rows a loop over rows packs fastest; beyond
 
 
 def pack_ragged(
-    rows: Sequence[RaggedRow], *, page_size: int, num_tokens: int, num_rows: int, max_pages: int, num_logits: int,
+    rows: Sequence[RaggedRow],
+    *,
+    page_size: int,
+    num_tokens: int,
+    num_rows: int,
+    max_pages: int,
+    num_logits: int,
 ) -> RaggedArrays:
     """Pack rows into a step padded to `num_tokens` (N), `num_rows` (S), `max_pages` (P) and
     `num_logits` (L). Padding tokens sit after the last row: token 0 at position 0, slot PAD_SLOT,
@@ -83,19 +89,28 @@ def pack_ragged(
     NumPy ~30 us a step plus ~2 us a row (measured: 1 row 10 vs 32 us, 64 rows 374 vs 139 us), so
     few rows take the loop and many the arrays; the two agree exactly (tests/model/test_ragged_forward.py)."""
     pack = _pack_by_row if len(rows) <= LOOP_MAX_ROWS else _pack_by_array
-    return pack(rows, page_size=page_size, num_tokens=num_tokens, num_rows=num_rows, max_pages=max_pages,
-                num_logits=num_logits)
+    return pack(
+        rows, page_size=page_size, num_tokens=num_tokens, num_rows=num_rows, max_pages=max_pages, num_logits=num_logits
+    )
 
 
 def _pack_by_row(
-    rows: Sequence[RaggedRow], *, page_size: int, num_tokens: int, num_rows: int, max_pages: int, num_logits: int,
+    rows: Sequence[RaggedRow],
+    *,
+    page_size: int,
+    num_tokens: int,
+    num_rows: int,
+    max_pages: int,
+    num_logits: int,
 ) -> RaggedArrays:
     """pack_ragged, one row at a time."""
     n_real = sum(len(r.tokens) for r in rows)
     n_logits = sum(r.num_logits for r in rows)
     if len(rows) > num_rows or n_real > num_tokens or n_logits > num_logits:
-        raise ValueError(f"{len(rows)} rows, {n_real} tokens, {n_logits} logits do not fit a step of "
-                         f"{num_rows} rows, {num_tokens} tokens, {num_logits} logits")
+        raise ValueError(
+            f"{len(rows)} rows, {n_real} tokens, {n_logits} logits do not fit a step of "
+            f"{num_rows} rows, {num_tokens} tokens, {num_logits} logits"
+        )
     tokens = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     slots = np.full(num_tokens, PAD_SLOT, np.int32)
@@ -110,24 +125,32 @@ def _pack_by_row(
         if not 0 <= row.num_logits <= n:
             raise ValueError(f"row {r}: num_logits {row.num_logits} outside 0..{n} (its tokens)")
         if len(row.pages) > max_pages or -(-end // page_size) > len(row.pages):
-            raise ValueError(f"row {r}: {end} tokens need {-(-end // page_size)} pages; it has "
-                             f"{len(row.pages)}, a step holds {max_pages}")
+            raise ValueError(
+                f"row {r}: {end} tokens need {-(-end // page_size)} pages; it has "
+                f"{len(row.pages)}, a step holds {max_pages}"
+            )
         pages = np.asarray(row.pages, np.int32)
         pos = np.arange(row.start, end, dtype=np.int32)
-        tokens[t: t + n] = row.tokens
-        positions[t: t + n] = pos
-        slots[t: t + n] = pages[pos // page_size] * page_size + pos % page_size
-        token_row[t: t + n] = r
+        tokens[t : t + n] = row.tokens
+        positions[t : t + n] = pos
+        slots[t : t + n] = pages[pos // page_size] * page_size + pos % page_size
+        token_row[t : t + n] = r
         query_start[r] = t
         context_lens[r] = end
         page_table[r, : len(pages)] = pages
-        logit_index[li: li + row.num_logits] = np.arange(t + n - row.num_logits, t + n)
+        logit_index[li : li + row.num_logits] = np.arange(t + n - row.num_logits, t + n)
         t, li = t + n, li + row.num_logits
     return RaggedArrays(tokens, positions, slots, token_row, query_start, context_lens, page_table, logit_index)
 
 
 def _pack_by_array(
-    rows: Sequence[RaggedRow], *, page_size: int, num_tokens: int, num_rows: int, max_pages: int, num_logits: int,
+    rows: Sequence[RaggedRow],
+    *,
+    page_size: int,
+    num_tokens: int,
+    num_rows: int,
+    max_pages: int,
+    num_logits: int,
 ) -> RaggedArrays:
     """pack_ragged as whole-array NumPy work plus one pass over the rows' tokens and pages."""
     count = len(rows)
@@ -137,8 +160,10 @@ def _pack_by_array(
     pages_per_row = np.fromiter((len(r.pages) for r in rows), np.int64, count)
     n_real, n_logits = int(lens.sum()), int(logits_per_row.sum())
     if count > num_rows or n_real > num_tokens or n_logits > num_logits:
-        raise ValueError(f"{count} rows, {n_real} tokens, {n_logits} logits do not fit a step of "
-                         f"{num_rows} rows, {num_tokens} tokens, {num_logits} logits")
+        raise ValueError(
+            f"{count} rows, {n_real} tokens, {n_logits} logits do not fit a step of "
+            f"{num_rows} rows, {num_tokens} tokens, {num_logits} logits"
+        )
     ends = starts + lens
     bad = np.flatnonzero((logits_per_row < 0) | (logits_per_row > lens))
     if bad.size:
@@ -148,8 +173,10 @@ def _pack_by_array(
     bad = np.flatnonzero((pages_per_row > max_pages) | (needed > pages_per_row))
     if bad.size:
         r = int(bad[0])
-        raise ValueError(f"row {r}: {int(ends[r])} tokens need {int(needed[r])} pages; it has "
-                         f"{int(pages_per_row[r])}, a step holds {max_pages}")
+        raise ValueError(
+            f"row {r}: {int(ends[r])} tokens need {int(needed[r])} pages; it has "
+            f"{int(pages_per_row[r])}, a step holds {max_pages}"
+        )
 
     page_table = np.full((num_rows, max_pages), PADDING_PAGE, np.int32)
     page_rows = np.repeat(np.arange(count), pages_per_row)

@@ -28,7 +28,11 @@ def expert_parallel_impl(cfg: ModelConfig, options: StepOptions) -> ExpertParall
 
 
 def ragged_step(
-    params: Params, cache: KVCache, batch: RaggedBatch, cfg: ModelConfig, options: StepOptions = StepOptions(),
+    params: Params,
+    cache: KVCache,
+    batch: RaggedBatch,
+    cfg: ModelConfig,
+    options: StepOptions = StepOptions(),
     hidden: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """One ragged step of every replica (`batch`: `RaggedBatch.stack` of one per replica): prompt
@@ -43,9 +47,15 @@ def ragged_step(
     free when each device holds one replica (the size-1 axis of its scalar-prefetch operands is
     squeezed away), while several replicas on one device make Pallas loop over them, slicing each
     replica's cache (correct, not fast)."""
-    fwd = functools.partial(forward_ragged, cfg=cfg, scan_layers=options.scan_layers, matmul=options.matmul_backend,
-                            attention=ragged_attention_impl(options.attention_backend, options.mesh),
-                            expert_parallel=expert_parallel_impl(cfg, options), hidden=hidden)
+    fwd = functools.partial(
+        forward_ragged,
+        cfg=cfg,
+        scan_layers=options.scan_layers,
+        matmul=options.matmul_backend,
+        attention=ragged_attention_impl(options.attention_backend, options.mesh),
+        expert_parallel=expert_parallel_impl(cfg, options),
+        hidden=hidden,
+    )
     # A shard_map inside the vmap maps the replica axis onto `data` through spmd_axis_name.
     spmd = DATA if runs_per_shard(options.attention_backend, options.mesh) else None
     return jax.vmap(fwd, in_axes=(None, 0, 0), spmd_axis_name=spmd)(params, cache, batch)

@@ -58,8 +58,13 @@ class SamplingTensors:
     num_top_logprobs: jax.Array  # i32[B]  top logprobs the row returns; 0 in every row: the top-k is skipped
 
     @classmethod
-    def pack(cls, rows: Sequence[RowSampling | None], batch: int | tuple[int, ...],
-             history_len: int = 1, steps: Sequence[int] | None = None) -> SamplingTensors:
+    def pack(
+        cls,
+        rows: Sequence[RowSampling | None],
+        batch: int | tuple[int, ...],
+        history_len: int = 1,
+        steps: Sequence[int] | None = None,
+    ) -> SamplingTensors:
         """NumPy tensors for `rows` laid out row-major over `batch`; missing or None rows are padding.
 
         `history_len` (Lh) is part of the compiled shape, so it should come from a fixed bucket. The
@@ -101,12 +106,15 @@ class SamplingTensors:
     @classmethod
     def spec(cls, batch: tuple[int, ...], history_len: int) -> SamplingTensors:
         """ShapeDtypeStructs of packed tensors, for ahead-of-time lowering."""
+
         def s(dtype, extra=()):
             return jax.ShapeDtypeStruct(tuple(batch) + extra, np.dtype(dtype))
+
         return cls(
             **{name: s(dtype) for name, (dtype, _) in ROW_SCALARS.items()},
             history=s(np.int32, (history_len,)),
-            bias_ids=s(np.int32, (MAX_LOGIT_BIAS,)), bias_values=s(np.float32, (MAX_LOGIT_BIAS,)),
+            bias_ids=s(np.int32, (MAX_LOGIT_BIAS,)),
+            bias_values=s(np.float32, (MAX_LOGIT_BIAS,)),
         )
 
     def advanced(self, tokens: jax.Array) -> SamplingTensors:
@@ -223,7 +231,7 @@ def sample(logits: jax.Array, st: SamplingTensors, *, want_logprobs: int = 0) ->
     """
     batch, V = logits.shape[:-1], logits.shape[-1]
     raw = logits.reshape(-1, V).astype(jnp.float32)
-    st = jax.tree.map(lambda x: x.reshape((raw.shape[0],) + x.shape[len(batch):]), st)
+    st = jax.tree.map(lambda x: x.reshape((raw.shape[0],) + x.shape[len(batch) :]), st)
 
     processed = penalise(raw, st)
 
@@ -246,7 +254,9 @@ def sample(logits: jax.Array, st: SamplingTensors, *, want_logprobs: int = 0) ->
             return values - lse[:, None], ids
 
         def none():
-            return jnp.zeros((raw.shape[0], want_logprobs), jnp.float32), jnp.zeros((raw.shape[0], want_logprobs), jnp.int32)
+            return jnp.zeros((raw.shape[0], want_logprobs), jnp.float32), jnp.zeros(
+                (raw.shape[0], want_logprobs), jnp.int32
+            )
 
         top_logprobs, top_ids = jax.lax.cond(jnp.any(st.num_top_logprobs > 0), top, none)
     else:

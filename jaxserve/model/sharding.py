@@ -57,7 +57,8 @@ def logical_rules(cfg: ModelConfig, model_size: int, moe_parallelism: str = "ten
         raise ConfigError(
             f"expert parallelism: the model axis ({model_size} devices) must divide the {cfg.num_experts} "
             f"experts; choose mesh_shape[1] among "
-            f"{[d for d in range(1, cfg.num_experts + 1) if cfg.num_experts % d == 0]}, or moe_parallelism='tensor'")
+            f"{[d for d in range(1, cfg.num_experts + 1) if cfg.num_experts % d == 0]}, or moe_parallelism='tensor'"
+        )
     if cfg.num_heads % model_size:
         raise ConfigError(
             f"the model axis ({model_size} devices) must divide the {cfg.num_heads} query heads; "
@@ -104,9 +105,16 @@ class Shardings:
         return self.mesh.shape[DATA]
 
 
-def make_shardings(cfg: ModelConfig, mesh: Mesh, stacked: bool = True, quantization: str = "none",
-                   quantize_lm_head: bool = False, moe_parallelism: str = "tensor",
-                   act_order: bool = False, group_size: int | None = None) -> Shardings:
+def make_shardings(
+    cfg: ModelConfig,
+    mesh: Mesh,
+    stacked: bool = True,
+    quantization: str = "none",
+    quantize_lm_head: bool = False,
+    moe_parallelism: str = "tensor",
+    act_order: bool = False,
+    group_size: int | None = None,
+) -> Shardings:
     """`stacked=False` gives the shardings of params whose layers are a tuple (weights.unstack_layers);
     quantization="int8" / "int4" those of the quantized layout (a QuantArray / Int4Array of shardings per
     quantized weight, its scales in groups of `group_size` inputs: quant.quantized_layout); `act_order` (an
@@ -118,7 +126,9 @@ def make_shardings(cfg: ModelConfig, mesh: Mesh, stacked: bool = True, quantizat
         group_size = resolved_group_size(cfg, quantization, group_size, mesh.shape[MODEL])
     axes = quant.quantized_layout(axes, quantization, quantize_lm_head, group_size)
     if act_order and quantization == "int4":
-        axes = quant.map_linear(axes, lambda a: quant.int4_axes(a.values, True, a.group_size), fields=quant.DENSE_FIELDS)
+        axes = quant.map_linear(
+            axes, lambda a: quant.int4_axes(a.values, True, a.group_size), fields=quant.DENSE_FIELDS
+        )
     params = jax.tree.map(lambda axes: NamedSharding(mesh, spec_for(axes, rules)), axes, is_leaf=is_axes)
     if not stacked:
         one_layer = jax.tree.map(lambda sh: NamedSharding(mesh, PartitionSpec(*sh.spec[1:])), params.layers)
@@ -139,8 +149,15 @@ def make_shardings(cfg: ModelConfig, mesh: Mesh, stacked: bool = True, quantizat
 # whole and split `b` like the weight's columns, and the update lands split as the base output does;
 # row-parallel ones (o, down: input split) split `a` like the weight's rows and keep `b` whole, so x a
 # is one small all-reduce of [N, M * R] partial sums, and the update is whole like the base output.
-LORA_BASE_AXES = {"q": ("embed", "heads"), "k": ("embed", "kv_heads"), "v": ("embed", "kv_heads"),
-                  "o": ("heads", "embed"), "gate": ("embed", "mlp"), "up": ("embed", "mlp"), "down": ("mlp", "embed")}
+LORA_BASE_AXES = {
+    "q": ("embed", "heads"),
+    "k": ("embed", "kv_heads"),
+    "v": ("embed", "kv_heads"),
+    "o": ("heads", "embed"),
+    "gate": ("embed", "mlp"),
+    "up": ("embed", "mlp"),
+    "down": ("mlp", "embed"),
+}
 
 
 def lora_shardings(cfg: ModelConfig, mesh: Mesh, lora: Any, stacked: bool) -> Any:
@@ -153,8 +170,10 @@ def lora_shardings(cfg: ModelConfig, mesh: Mesh, lora: Any, stacked: bool) -> An
         if m is None:
             return None
         in_axis, out_axis = LORA_BASE_AXES[name]
-        return m.replace(a=NamedSharding(mesh, spec_for(lead + (in_axis, None), rules)),
-                         b=NamedSharding(mesh, spec_for(lead + (None, out_axis), rules)))
+        return m.replace(
+            a=NamedSharding(mesh, spec_for(lead + (in_axis, None), rules)),
+            b=NamedSharding(mesh, spec_for(lead + (None, out_axis), rules)),
+        )
 
     return lora.replace(**{name: module(name, getattr(lora, name)) for name in LORA_BASE_AXES})
 

@@ -72,8 +72,10 @@ class Layout:
             leaf = np.asarray(leaf)
             # dtype objects compared, not their names: numpy's dtype.name costs ~4 us, 23 leaves a step
             if leaf.shape[1:] != shape or leaf.shape[0] != self.replicas or leaf.dtype != expected:
-                raise ValueError(f"input {leaf.dtype}{list(leaf.shape)} does not match the compiled layout "
-                                 f"{dtype}{[self.replicas, *shape]}")
+                raise ValueError(
+                    f"input {leaf.dtype}{list(leaf.shape)} does not match the compiled layout "
+                    f"{dtype}{[self.replicas, *shape]}"
+                )
             flat = np.ascontiguousarray(leaf).reshape(self.replicas, -1)
             words.append(flat.view(_WORD) if leaf.dtype in _BITCAST else flat.astype(_WORD))
         return np.concatenate(words, axis=1)
@@ -83,7 +85,9 @@ class Layout:
         a leaf writes the buffer (`jaxserve.runner.input_batch` keeps one per bucket). float32 and
         uint32 leaves are seen bit-cast; bool leaves as their int32 words (0/1)."""
         if buffer.shape != (self.replicas, self.width) or buffer.dtype != _WORD:
-            raise ValueError(f"a buffer of int32[{self.replicas}, {self.width}] is needed, got {buffer.dtype}{list(buffer.shape)}")
+            raise ValueError(
+                f"a buffer of int32[{self.replicas}, {self.width}] is needed, got {buffer.dtype}{list(buffer.shape)}"
+            )
         leaves, at = [], 0
         for (shape, _), dtype in zip(self.fields, self._dtypes):
             size = math.prod(shape)
@@ -122,6 +126,7 @@ def from_buffer(step: Callable, num_leading: int) -> Callable:
     """`step(*leading, *inputs, **static)` as `run(*leading, buffer, layout=..., **static)`: the inputs
     after the first `num_leading` arguments (params, caches) arrive packed in one buffer, whose layout
     is that of the tuple `inputs`."""
+
     def run(*args, layout: Layout, **static):
         if len(args) != num_leading + 1:
             raise TypeError(f"expected {num_leading} arguments and the packed buffer, got {len(args)}")

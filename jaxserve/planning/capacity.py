@@ -14,8 +14,9 @@ from jaxserve.planning.roofline import cost_per_million_tokens
 
 
 # ---- capacity: replicas for a request rate under a latency SLO, from a measured replica --------------
-def request_goodput(requests: Sequence[dict], duration_s: float, slo_ttft_ms: float | None = None,
-                    slo_tpot_ms: float | None = None) -> tuple[float, float]:
+def request_goodput(
+    requests: Sequence[dict], duration_s: float, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None
+) -> tuple[float, float]:
     """(goodput in requests/s, SLO attainment) of bench_serving's per-request records (--save-requests:
     ok, ttft and e2el in seconds, output_tokens): the requests that succeeded with TTFT <= slo_ttft_ms
     and TPOT = (e2el - ttft) / (output_tokens - 1) <= slo_tpot_ms (an SLO left None is not checked),
@@ -48,8 +49,12 @@ class ReplicaCapacity:
     saturated: bool = False  # the run served under 90% of its offered rate: a queue was building up
 
 
-def replica_capacity(runs: Sequence[dict], min_attainment: float = 0.9, slo_ttft_ms: float | None = None,
-                     slo_tpot_ms: float | None = None) -> ReplicaCapacity:
+def replica_capacity(
+    runs: Sequence[dict],
+    min_attainment: float = 0.9,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+) -> ReplicaCapacity:
     """One replica's capacity from bench_serving run summaries (one per request rate): the highest
     goodput among the runs where at least `min_attainment` of requests met the SLO (past that rate,
     queueing breaks the SLO). With an SLO given here the goodput is recomputed from each run's
@@ -62,25 +67,34 @@ def replica_capacity(runs: Sequence[dict], min_attainment: float = 0.9, slo_ttft
             continue
         if slo_ttft_ms is not None or slo_tpot_ms is not None:
             if "requests" not in run:
-                raise ConfigError("an SLO given to the capacity planner needs per-request records: run "
-                                  "bench_serving.py with --save-requests (or give the SLO to bench_serving.py instead)")
+                raise ConfigError(
+                    "an SLO given to the capacity planner needs per-request records: run "
+                    "bench_serving.py with --save-requests (or give the SLO to bench_serving.py instead)"
+                )
             goodput, attainment = request_goodput(run["requests"], run["duration_s"], slo_ttft_ms, slo_tpot_ms)
         elif "goodput" in run:
             goodput, attainment = run["goodput"], run["slo_attainment"]
         else:
-            raise ConfigError("the benchmark has no goodput: run bench_serving.py with --slo-ttft/--slo-tpot "
-                              "(or --save-requests and give the SLO here)")
+            raise ConfigError(
+                "the benchmark has no goodput: run bench_serving.py with --slo-ttft/--slo-tpot "
+                "(or --save-requests and give the SLO here)"
+            )
         measured.append((goodput, attainment, run))
     if not measured:
         raise ConfigError("the benchmark has no run with a completed request")
     meeting = [m for m in measured if m[1] >= min_attainment]
     goodput, attainment, run = max(meeting or measured, key=lambda m: m[0])
     return ReplicaCapacity(
-        requests_per_s=goodput, attainment=attainment, offered_rate=run.get("request_rate", "inf"),
+        requests_per_s=goodput,
+        attainment=attainment,
+        offered_rate=run.get("request_rate", "inf"),
         mean_input_tokens=run["total_input_tokens"] / run["completed"],
         mean_output_tokens=run["total_output_tokens"] / run["completed"],
-        p99_tpot_ms=run.get("p99_tpot_ms", float("nan")), p99_ttft_ms=run.get("p99_ttft_ms", float("nan")),
-        meets_attainment=bool(meeting), saturated=_saturated(run))
+        p99_tpot_ms=run.get("p99_tpot_ms", float("nan")),
+        p99_ttft_ms=run.get("p99_ttft_ms", float("nan")),
+        meets_attainment=bool(meeting),
+        saturated=_saturated(run),
+    )
 
 
 def _saturated(run: dict) -> bool:
@@ -105,9 +119,15 @@ class CapacityPlan:
     usd_per_million_output_tokens: float | None  # ... or to output tokens
 
 
-def capacity_plan(target_rate: float, per_replica_rate: float, devices_per_replica: int = 1,
-                  cost_per_device_hour: float | None = None, headroom: float = 0.0,
-                  mean_input_tokens: float | None = None, mean_output_tokens: float | None = None) -> CapacityPlan:
+def capacity_plan(
+    target_rate: float,
+    per_replica_rate: float,
+    devices_per_replica: int = 1,
+    cost_per_device_hour: float | None = None,
+    headroom: float = 0.0,
+    mean_input_tokens: float | None = None,
+    mean_output_tokens: float | None = None,
+) -> CapacityPlan:
     """Replicas = ceil(target_rate · (1 + headroom) / per_replica_rate); devices = replicas ·
     devices_per_replica; cost = devices · cost_per_device_hour. Token costs at the target rate:
     cost_per_million_tokens(cost, devices, target_rate · mean tokens per request)."""
@@ -124,6 +144,15 @@ def capacity_plan(target_rate: float, per_replica_rate: float, devices_per_repli
             return None
         return cost_per_million_tokens(cost_per_device_hour, devices, target_rate * tokens_per_request)
 
-    return CapacityPlan(target_rate, per_replica_rate, headroom, replicas, devices_per_replica, devices,
-                        target_rate / (replicas * per_replica_rate), cost, per_million(mean_input_tokens),
-                        per_million(mean_output_tokens))
+    return CapacityPlan(
+        target_rate,
+        per_replica_rate,
+        headroom,
+        replicas,
+        devices_per_replica,
+        devices,
+        target_rate / (replicas * per_replica_rate),
+        cost,
+        per_million(mean_input_tokens),
+        per_million(mean_output_tokens),
+    )

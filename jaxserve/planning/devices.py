@@ -38,14 +38,30 @@ DEVICES: dict[str, DeviceSpec] = {
     for spec in (
         # TPU all-reduce bandwidth: the pod's all-reduce bandwidth / chips (v4: 1.1 PB/s / 4096; v5e:
         # 51.2 TB/s / 256; v6e: 102.4 TB/s / 256), or half the bidirectional ICI figure (v5p: 1200 GB/s).
-        DeviceSpec("tpu-v4", "TPU v4 (one chip, 2 TensorCores as a megacore)", 32 * GiB, 1200e9, 275e12,
-                   268e9, 3.22, ("tpu v4",)),
-        DeviceSpec("tpu-v5e", "TPU v5e (v5 lite)", 16 * GiB, 819e9, 197e12, 200e9, 1.20,
-                   ("tpu v5 lite", "tpu v5e")),
-        DeviceSpec("tpu-v5p", "TPU v5p (one chip, megacore)", 95 * GiB, 2765e9, 459e12, 600e9, 4.20,
-                   ("tpu v5p", "tpu v5")),
-        DeviceSpec("tpu-v6e", "TPU v6e (Trillium, v6 lite)", 32 * GiB, 1640e9, 918e12, 400e9, 2.70,
-                   ("tpu v6 lite", "tpu v6e", "tpu v6")),
+        DeviceSpec(
+            "tpu-v4",
+            "TPU v4 (one chip, 2 TensorCores as a megacore)",
+            32 * GiB,
+            1200e9,
+            275e12,
+            268e9,
+            3.22,
+            ("tpu v4",),
+        ),
+        DeviceSpec("tpu-v5e", "TPU v5e (v5 lite)", 16 * GiB, 819e9, 197e12, 200e9, 1.20, ("tpu v5 lite", "tpu v5e")),
+        DeviceSpec(
+            "tpu-v5p", "TPU v5p (one chip, megacore)", 95 * GiB, 2765e9, 459e12, 600e9, 4.20, ("tpu v5p", "tpu v5")
+        ),
+        DeviceSpec(
+            "tpu-v6e",
+            "TPU v6e (Trillium, v6 lite)",
+            32 * GiB,
+            1640e9,
+            918e12,
+            400e9,
+            2.70,
+            ("tpu v6 lite", "tpu v6e", "tpu v6"),
+        ),
         # NVLink all-reduce bandwidth: half the bidirectional NVLink figure (A100 600 GB/s, H100/H200 900 GB/s;
         # the PCIe cards' NVLink bridges 600 GB/s; L4 has none: PCIe 4.0 x16, 32 GB/s each way). An entry
         # whose pattern another's contains comes first ("h100 pcie" before "h100").
@@ -62,8 +78,15 @@ DEVICES: dict[str, DeviceSpec] = {
     )
 }
 
-ALIASES = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5litepod": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e",
-           "a100-80gb": "a100", "h100-80gb": "h100"}
+ALIASES = {
+    "v4": "tpu-v4",
+    "v5e": "tpu-v5e",
+    "v5litepod": "tpu-v5e",
+    "v5p": "tpu-v5p",
+    "v6e": "tpu-v6e",
+    "a100-80gb": "a100",
+    "h100-80gb": "h100",
+}
 
 
 def get_device(name: str) -> DeviceSpec:
@@ -123,10 +146,12 @@ def measure_matmul_flops(n: int = 1024, repeats: int = 3) -> float:
 
 
 def cpu_spec(bandwidth: float | None = None, peak_flops: float | None = None) -> DeviceSpec:
-    """"This CPU": host memory, and bandwidth / FLOPs as given or measured now (about a second)."""
+    """ "This CPU": host memory, and bandwidth / FLOPs as given or measured now (about a second)."""
     bandwidth = bandwidth or measure_copy_bandwidth()
     return dataclasses.replace(
-        DEVICES["cpu"], memory_bytes=host_memory_bytes(), hbm_bandwidth=bandwidth,
+        DEVICES["cpu"],
+        memory_bytes=host_memory_bytes(),
+        hbm_bandwidth=bandwidth,
         peak_flops=peak_flops or measure_matmul_flops(),
         allreduce_bandwidth=bandwidth / 2,  # an all-reduce between virtual devices is memory copies
     )

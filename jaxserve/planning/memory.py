@@ -79,8 +79,10 @@ def apply_memory_utilization(utilization: float, environ: MutableMapping[str, st
         if environ.get(name):
             return f"{name}={environ[name]} (set by the user) kept for JAX's GPU allocator"
     if backend_initialized():
-        return (f"JAX's backend is already initialised: its GPU allocator keeps the fraction it started with "
-                f"({XLA_DEFAULT_MEM_FRACTION:g} unless set), not gpu_memory_utilization={utilization:g}")
+        return (
+            f"JAX's backend is already initialised: its GPU allocator keeps the fraction it started with "
+            f"({XLA_DEFAULT_MEM_FRACTION:g} unless set), not gpu_memory_utilization={utilization:g}"
+        )
     environ[SET_FRACTION_VAR] = f"{utilization:g}"
     return f"{SET_FRACTION_VAR}={utilization:g}: JAX's GPU allocator may take that share of each GPU"
 
@@ -116,8 +118,7 @@ def query_device_memory(num_devices: int | None = None) -> DeviceMemory:
     device's memory. A CPU, or a device whose allocator reports no `bytes_limit`, gives total=None."""
     import jax
 
-    devices = [d for d in jax.devices()[:num_devices] if d.process_index == jax.process_index()] or \
-        jax.local_devices()
+    devices = [d for d in jax.devices()[:num_devices] if d.process_index == jax.process_index()] or jax.local_devices()
     platform = devices[0].platform
     if platform == "cpu":
         return CPU
@@ -169,7 +170,9 @@ class MemoryPlan:
     kv_bytes_per_token_model_dtype: int | None = None  # what a cache in the model dtype would take
     draft_kv_bytes_per_token: int = 0  # speculative decoding: the draft's cache, in the same pages
     num_layers: int = 0
-    num_sliding_layers: int = 0  # layers that see only the last `sliding_window` keys (Mistral: all; Gemma 3: the local ones)
+    num_sliding_layers: int = (
+        0  # layers that see only the last `sliding_window` keys (Mistral: all; Gemma 3: the local ones)
+    )
     sliding_window: int | None = None
     num_replicas: int = 1  # data-parallel replicas, each with num_pages pages
     sizing: str = ""  # how num_pages was chosen, in words (the start-up log)
@@ -205,11 +208,14 @@ class MemoryPlan:
         """vLLM's start-up line: the pool in tokens and how many requests of max_model_len it holds at once,
         e.g. `KV cache: 462,144 tokens; maximum concurrency for 8,192 tokens per request: 56.41x`."""
         tokens = self.tokens_that_fit
-        text = (f"KV cache: {tokens:,} tokens; maximum concurrency for {self.max_model_len:,} tokens per request: "
-                f"{tokens / self.max_model_len:.2f}x")
+        text = (
+            f"KV cache: {tokens:,} tokens; maximum concurrency for {self.max_model_len:,} tokens per request: "
+            f"{tokens / self.max_model_len:.2f}x"
+        )
         if self.num_replicas > 1:
-            text += (f" (per data-parallel replica; {self.num_replicas} replicas hold "
-                     f"{tokens * self.num_replicas:,} tokens)")
+            text += (
+                f" (per data-parallel replica; {self.num_replicas} replicas hold {tokens * self.num_replicas:,} tokens)"
+            )
         return text
 
     def describe_weights(self) -> str:
@@ -221,8 +227,11 @@ class MemoryPlan:
             what = "int4 linear layers (experts included)" if self.has_experts else "int4 dense linear layers"
         what += " and the head" if self.quantize_lm_head else ""
         if self.quantization == "int8" and not self.quantization_group_size:
-            w8a8 = (", each matmul's input quantized to int8 per token (W8A8)"
-                    if self.activation_quantization == "int8" else "")
+            w8a8 = (
+                ", each matmul's input quantized to int8 per token (W8A8)"
+                if self.activation_quantization == "int8"
+                else ""
+            )
             return f"{what}, a scale per output channel{w8a8}"
         how = "a scale" if self.quantization == "int8" else "a scale and a bias"
         return f"{what}, {how} per {self.quantization_group_size} input rows"
@@ -251,26 +260,41 @@ class MemoryPlan:
             text += f"; pool: {self.sizing}"
         if self.draft_kv_bytes_per_token:
             draft = self.num_pages * self.page_size * self.draft_kv_bytes_per_token
-            text += (f"; draft model KV {self.draft_kv_bytes_per_token} bytes/token in the same pages "
-                     f"(+{draft / gib:.3f} GiB)")
+            text += (
+                f"; draft model KV {self.draft_kv_bytes_per_token} bytes/token in the same pages "
+                f"(+{draft / gib:.3f} GiB)"
+            )
         if self.window_unread_bytes:
             every = self.num_sliding_layers == self.num_layers
-            fate = ("the block manager can release the pages behind it" if every
-                    else "one pool for local and global layers holds them anyway")
+            fate = (
+                "the block manager can release the pages behind it"
+                if every
+                else "one pool for local and global layers holds them anyway"
+            )
             who = "every layer sees" if every else f"{self.num_sliding_layers} of {self.num_layers} layers see"
-            text += (f"; {who} only the last {self.sliding_window} tokens: at max_model_len "
-                     f"{self.window_unread_bytes / gib:.3f} GiB of this cache is never read ({fate})")
+            text += (
+                f"; {who} only the last {self.sliding_window} tokens: at max_model_len "
+                f"{self.window_unread_bytes / gib:.3f} GiB of this cache is never read ({fate})"
+            )
         if self.kv_cache_dtype != "auto" and self.kv_bytes_per_token_model_dtype:
             base = self.tokens_in_model_dtype
             more = self.tokens_that_fit - base
             ratio = f", {self.tokens_that_fit / base:.2f}x" if base else ""
-            text += (f"; {self.kv_cache_dtype} KV: {more} more tokens fit than in {self.dtype} "
-                     f"({self.kv_bytes_per_token_model_dtype} bytes/token: {base} tokens in these bytes{ratio})")
+            text += (
+                f"; {self.kv_cache_dtype} KV: {more} more tokens fit than in {self.dtype} "
+                f"({self.kv_bytes_per_token_model_dtype} bytes/token: {base} tokens in these bytes{ratio})"
+            )
         return text
 
 
-def plan_memory(cfg: ModelConfig, settings: EngineConfig, dtype: Any, param_bytes: int | None = None,
-                draft_kv_bytes_per_token: int = 0, device_memory: DeviceMemory | None = None) -> MemoryPlan:
+def plan_memory(
+    cfg: ModelConfig,
+    settings: EngineConfig,
+    dtype: Any,
+    param_bytes: int | None = None,
+    draft_kv_bytes_per_token: int = 0,
+    device_memory: DeviceMemory | None = None,
+) -> MemoryPlan:
     """Pages per replica and the byte figures; `param_bytes` defaults to ModelConfig's arithmetic for
     the settings' quantization (the engine checks it against the loaded params). A speculative draft
     model keeps its K/V in the same pages, so a memory budget buys pages of both.
@@ -288,11 +312,18 @@ def plan_memory(cfg: ModelConfig, settings: EngineConfig, dtype: Any, param_byte
     page_size = settings.page_size
     itemsize = jnp.dtype(dtype).itemsize
     kv_per_token = cfg.kv_bytes_per_token(itemsize, settings.kv_cache_dtype)
-    lora_bytes = (lora_stack_bytes(cfg, settings.max_loras, settings.max_lora_rank, itemsize,
-                                   settings.lora_target_modules) if settings.enable_lora else 0)
+    lora_bytes = (
+        lora_stack_bytes(cfg, settings.max_loras, settings.max_lora_rank, itemsize, settings.lora_target_modules)
+        if settings.enable_lora
+        else 0
+    )
     if param_bytes is None:
-        param_bytes = cfg.param_bytes(itemsize, settings.quantization, settings.quantize_lm_head,
-                                      settings.quantization_group_size) + lora_bytes
+        param_bytes = (
+            cfg.param_bytes(
+                itemsize, settings.quantization, settings.quantize_lm_head, settings.quantization_group_size
+            )
+            + lora_bytes
+        )
     max_pages_per_seq = math.ceil(max_model_len / page_size)
     page_bytes = (kv_per_token + draft_kv_bytes_per_token) * page_size
     if settings.num_pages is not None:
@@ -311,25 +342,38 @@ def plan_memory(cfg: ModelConfig, settings: EngineConfig, dtype: Any, param_byte
                 raise ConfigError(
                     f"the KV cache would hold {(num_pages - RESERVED_PAGES) * page_size} tokens ({sizing}), fewer "
                     f"than one sequence of max_model_len={max_model_len}: raise gpu_memory_utilization, lower "
-                    "max_model_len, or spread the model over more devices (tensor_parallel_size)")
+                    "max_model_len, or spread the model over more devices (tensor_parallel_size)"
+                )
     if num_pages <= RESERVED_PAGES:
         raise ConfigError(
             f"the KV cache would hold {num_pages} page(s) of {page_size} tokens; at least 2 are needed "
             "(page 0 is reserved): raise num_pages or kv_cache_memory"
         )
-    return MemoryPlan(param_bytes, kv_per_token, page_size, int(num_pages), max_model_len, max_pages_per_seq,
-                      dtype=jnp.dtype(dtype).name, quantization=settings.quantization,
-                      quantization_group_size=resolved_group_size(cfg, settings.quantization,
-                                                                  settings.quantization_group_size,
-                                                                  settings.mesh_shape[1]),
-                      quantize_lm_head=settings.quantize_lm_head and settings.quantization in ("int8", "int4"),
-                      has_experts=cfg.is_moe,
-                      activation_quantization=settings.activation_quantization,
-                      kv_cache_dtype=settings.kv_cache_dtype,
-                      kv_bytes_per_token_model_dtype=cfg.kv_bytes_per_token(itemsize),
-                      draft_kv_bytes_per_token=draft_kv_bytes_per_token, num_layers=cfg.num_layers,
-                      num_sliding_layers=cfg.num_sliding_layers, sliding_window=cfg.sliding_window,
-                      num_replicas=settings.mesh_shape[0], sizing=sizing, lora_bytes=lora_bytes)
+    return MemoryPlan(
+        param_bytes,
+        kv_per_token,
+        page_size,
+        int(num_pages),
+        max_model_len,
+        max_pages_per_seq,
+        dtype=jnp.dtype(dtype).name,
+        quantization=settings.quantization,
+        quantization_group_size=resolved_group_size(
+            cfg, settings.quantization, settings.quantization_group_size, settings.mesh_shape[1]
+        ),
+        quantize_lm_head=settings.quantize_lm_head and settings.quantization in ("int8", "int4"),
+        has_experts=cfg.is_moe,
+        activation_quantization=settings.activation_quantization,
+        kv_cache_dtype=settings.kv_cache_dtype,
+        kv_bytes_per_token_model_dtype=cfg.kv_bytes_per_token(itemsize),
+        draft_kv_bytes_per_token=draft_kv_bytes_per_token,
+        num_layers=cfg.num_layers,
+        num_sliding_layers=cfg.num_sliding_layers,
+        sliding_window=cfg.sliding_window,
+        num_replicas=settings.mesh_shape[0],
+        sizing=sizing,
+        lora_bytes=lora_bytes,
+    )
 
 
 def _default_pool(settings: EngineConfig, platform: str, page_bytes: int, max_pages_per_seq: int) -> tuple[int, str]:
@@ -338,18 +382,22 @@ def _default_pool(settings: EngineConfig, platform: str, page_bytes: int, max_pa
     cap = settings.max_num_seqs * max_pages_per_seq + RESERVED_PAGES
     capped = f", capped at max_num_seqs x max_model_len ({cap} pages)" if cap < pages else ""
     if platform == "cpu":
-        why = ("the CPU default; gpu_memory_utilization applies to accelerators only and is ignored here")
+        why = "the CPU default; gpu_memory_utilization applies to accelerators only and is ignored here"
     else:
-        why = (f"the fixed default: the {platform}'s allocator reports no memory figures (memory_stats() has no "
-               "bytes_limit, e.g. under XLA_PYTHON_CLIENT_ALLOCATOR=platform), so gpu_memory_utilization "
-               "cannot be applied")
+        why = (
+            f"the fixed default: the {platform}'s allocator reports no memory figures (memory_stats() has no "
+            "bytes_limit, e.g. under XLA_PYTHON_CLIENT_ALLOCATOR=platform), so gpu_memory_utilization "
+            "cannot be applied"
+        )
         logger.warning("KV cache: %s; set kv_cache_memory or num_pages to size it", why)
-    return min(pages, cap), (f"{DEFAULT_KV_CACHE_MEMORY / GIB:g} GiB per replica{capped} ({why}; kv_cache_memory "
-                             "or num_pages sets it)")
+    return min(pages, cap), (
+        f"{DEFAULT_KV_CACHE_MEMORY / GIB:g} GiB per replica{capped} ({why}; kv_cache_memory or num_pages sets it)"
+    )
 
 
-def _device_pool(cfg: ModelConfig, settings: EngineConfig, device: DeviceMemory, itemsize: int, param_bytes: int,
-                 page_bytes: int) -> tuple[int, str]:
+def _device_pool(
+    cfg: ModelConfig, settings: EngineConfig, device: DeviceMemory, itemsize: int, param_bytes: int, page_bytes: int
+) -> tuple[int, str]:
     """Pages per replica from gpu_memory_utilization x device memory - bytes in use - reserve, per device.
 
     A replica's pages are split over its model axis when that divides the KV heads (else every device
@@ -370,19 +418,24 @@ def _device_pool(cfg: ModelConfig, settings: EngineConfig, device: DeviceMemory,
     allowed = int(utilization * device.total)
     cap = ""
     if device.limit is not None and device.limit < allowed - 2**20:  # not just rounding: a smaller pool
-        cap = (f", capped at JAX's allocator pool of {device.limit / GIB:.2f} GiB ({device.limit / device.total:.2f} "
-               "of the device: XLA_PYTHON_CLIENT_MEM_FRACTION)")
+        cap = (
+            f", capped at JAX's allocator pool of {device.limit / GIB:.2f} GiB ({device.limit / device.total:.2f} "
+            "of the device: XLA_PYTHON_CLIENT_MEM_FRACTION)"
+        )
     if device.limit is not None:
         allowed = min(allowed, device.limit)
     reserve = activation_reserve(cfg, settings, itemsize)
     budget = allowed - used - reserve
     weights_text = "weights" + (" + draft" if draft else "")
-    formula = (f"{utilization:g} x {device.total / GIB:.2f} GiB of {device.platform} memory{cap} - "
-               f"{used / GIB:.2f} GiB in use ({weights_text}) - {reserve / GIB:.2f} GiB reserve (activations, "
-               f"XLA workspaces)")
+    formula = (
+        f"{utilization:g} x {device.total / GIB:.2f} GiB of {device.platform} memory{cap} - "
+        f"{used / GIB:.2f} GiB in use ({weights_text}) - {reserve / GIB:.2f} GiB reserve (activations, "
+        f"XLA workspaces)"
+    )
     if budget < page_bytes // shards * (RESERVED_PAGES + 1):
         raise ConfigError(
             f"no device memory is left for the KV cache: {formula} = {budget / GIB:.2f} GiB per device. Raise "
             "gpu_memory_utilization, spread the model over more devices (tensor_parallel_size), quantize the "
-            "weights (quantization=int8), or set kv_cache_memory")
+            "weights (quantization=int8), or set kv_cache_memory"
+        )
     return budget * shards // page_bytes, f"{formula} = {budget / GIB:.2f} GiB per device"

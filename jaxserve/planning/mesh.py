@@ -33,9 +33,16 @@ def configured_pages(cfg: ModelConfig, settings: EngineConfig, dtype: str, param
     return plan_memory(cfg, settings, dtype, param_bytes).num_pages
 
 
-def plan_from_settings(settings: EngineConfig, target: Target, *, context: int | None = None, batch: int | None = None,
-                       memory_fraction: float = 0.9, prompt_len: int | None = None,
-                       expert_parallel: bool = False) -> Plan:
+def plan_from_settings(
+    settings: EngineConfig,
+    target: Target,
+    *,
+    context: int | None = None,
+    batch: int | None = None,
+    memory_fraction: float = 0.9,
+    prompt_len: int | None = None,
+    expert_parallel: bool = False,
+) -> Plan:
     """The plan for an EngineConfig: its model, dtype, quantization, page size and KV sizing.
 
     context defaults to max_model_len (else the model's limit); batch to max_num_seqs, which only
@@ -49,17 +56,36 @@ def plan_from_settings(settings: EngineConfig, target: Target, *, context: int |
     if settings.num_pages is not None or settings.kv_cache_memory is not None:
         engine_pages = configured_pages(cfg, settings, dtype, 0)
     return make_plan(
-        cfg, target, dtype=dtype, quantization=settings.quantization, quantize_lm_head=settings.quantize_lm_head,
-        kv_cache_dtype=settings.kv_cache_dtype, page_size=settings.page_size, context=context,
-        batch=batch or settings.max_num_seqs, batch_is_required=batch is not None, memory_fraction=memory_fraction,
-        prompt_len=prompt_len, engine_pages=engine_pages, model=model_dir, expert_parallel=expert_parallel,
+        cfg,
+        target,
+        dtype=dtype,
+        quantization=settings.quantization,
+        quantize_lm_head=settings.quantize_lm_head,
+        kv_cache_dtype=settings.kv_cache_dtype,
+        page_size=settings.page_size,
+        context=context,
+        batch=batch or settings.max_num_seqs,
+        batch_is_required=batch is not None,
+        memory_fraction=memory_fraction,
+        prompt_len=prompt_len,
+        engine_pages=engine_pages,
+        model=model_dir,
+        expert_parallel=expert_parallel,
         group_size=settings.quantization_group_size,
     )
 
 
-def suggest_mesh(settings: EngineConfig, spec: DeviceSpec, num_devices: int, *, context: int | None = None,
-                 memory_fraction: float = 0.9, device_memory: int | None = None, bandwidth: float | None = None,
-                 peak_flops: float | None = None) -> tuple[tuple[int, int], Plan] | None:
+def suggest_mesh(
+    settings: EngineConfig,
+    spec: DeviceSpec,
+    num_devices: int,
+    *,
+    context: int | None = None,
+    memory_fraction: float = 0.9,
+    device_memory: int | None = None,
+    bandwidth: float | None = None,
+    peak_flops: float | None = None,
+) -> tuple[tuple[int, int], Plan] | None:
     """The mesh for `num_devices` devices: the smallest model axis (fewest all-reduces) on which
     max_num_seqs sequences of `context` tokens fit per replica, else the smallest on which the plan
     fits at all; the remaining devices are data-parallel replicas. Model axes that split the KV heads
@@ -76,13 +102,19 @@ def suggest_mesh(settings: EngineConfig, spec: DeviceSpec, num_devices: int, *, 
     for m in sizes:
         mesh = (num_devices // m, m)
         target = Target.build(spec, mesh, device_memory, bandwidth, peak_flops)
-        plan = plan_from_settings(settings.replace(mesh_shape=mesh), target, context=context,
-                                  memory_fraction=memory_fraction)
+        plan = plan_from_settings(
+            settings.replace(mesh_shape=mesh), target, context=context, memory_fraction=memory_fraction
+        )
         if plan.fits and cfg.is_moe:
             ep = None
             if m > 1 and cfg.num_experts % m == 0:
-                ep = plan_from_settings(settings.replace(mesh_shape=mesh), target, context=context,
-                                        memory_fraction=memory_fraction, expert_parallel=True)
+                ep = plan_from_settings(
+                    settings.replace(mesh_shape=mesh),
+                    target,
+                    context=context,
+                    memory_fraction=memory_fraction,
+                    expert_parallel=True,
+                )
             plan = choose_expert_parallel(plan, ep if ep is not None and ep.fits else None)
         if plan.fits:
             if plan.max_batch >= settings.max_num_seqs:
@@ -102,24 +134,35 @@ def choose_expert_parallel(tp: Plan, ep: Plan | None) -> Plan:
     wider matmuls (moe_intermediate_size columns per expert rather than that / model axis)."""
     cfg, model = tp.cfg, tp.target.mesh_shape[1]
     if ep is None:
-        why = ("experts: not split, since one device per replica holds all of them whole (the cheapest layout: "
-               "no expert collective, full-width matmuls)" if model == 1 else
-               f"experts: tensor-parallel, since the model axis of {model} does not divide the {cfg.num_experts} "
-               "experts")
+        why = (
+            "experts: not split, since one device per replica holds all of them whole (the cheapest layout: "
+            "no expert collective, full-width matmuls)"
+            if model == 1
+            else f"experts: tensor-parallel, since the model axis of {model} does not divide the {cfg.num_experts} "
+            "experts"
+        )
         return dataclasses.replace(tp, mesh_reason=why)
     at = lambda plan: next((d for d in plan.decode if d.batch == plan.batch), plan.decode[-1])  # noqa: E731
     t, e = at(tp), at(ep)
     read = f"at batch {tp.batch} a step reads ~{t.experts_read:.3g} of the {cfg.num_experts} experts per layer"
     fe = cfg.moe_intermediate_size
     if e.seconds <= 1.02 * t.seconds:
-        return dataclasses.replace(ep, mesh_reason=(
-            f"experts: expert-parallel ({cfg.num_experts // model} whole expert(s) per device), since {read}, so "
-            f"whole experts cost the busiest device no more than slicing each one (decode bound "
-            f"{e.seconds * 1e3:.3f} ms against {t.seconds * 1e3:.3f} ms) and keep each expert's matmul {fe} "
-            f"columns wide instead of {fe // model}"))
+        return dataclasses.replace(
+            ep,
+            mesh_reason=(
+                f"experts: expert-parallel ({cfg.num_experts // model} whole expert(s) per device), since {read}, so "
+                f"whole experts cost the busiest device no more than slicing each one (decode bound "
+                f"{e.seconds * 1e3:.3f} ms against {t.seconds * 1e3:.3f} ms) and keep each expert's matmul {fe} "
+                f"columns wide instead of {fe // model}"
+            ),
+        )
     busiest = experts_on_busiest_device(cfg, tp.batch, model, True)
-    return dataclasses.replace(tp, mesh_reason=(
-        f"experts: tensor-parallel (each expert split over the {model} devices), since {read}, and with whole "
-        f"experts the busiest device would read ~{busiest:.3g} of its {cfg.num_experts // model} against the "
-        f"{t.experts_read / model:.3g} experts' worth of slices each device reads (decode bound "
-        f"{e.seconds * 1e3:.3f} ms against {t.seconds * 1e3:.3f} ms)"))
+    return dataclasses.replace(
+        tp,
+        mesh_reason=(
+            f"experts: tensor-parallel (each expert split over the {model} devices), since {read}, and with whole "
+            f"experts the busiest device would read ~{busiest:.3g} of its {cfg.num_experts // model} against the "
+            f"{t.experts_read / model:.3g} experts' worth of slices each device reads (decode bound "
+            f"{e.seconds * 1e3:.3f} ms against {t.seconds * 1e3:.3f} ms)"
+        ),
+    )

@@ -24,8 +24,13 @@ from jaxserve.config.model_config import SUPPORTED_ARCHITECTURES
 from jaxserve.planning.devices import DeviceSpec
 from jaxserve.errors import ConfigError
 from jaxserve.planning.memory import RESERVED_PAGES
-from jaxserve.planning.weight_bytes import (EXPERT_WEIGHTS, kv_split, matmul_params, param_bytes_per_device,
-                                           param_bytes_read_per_device)
+from jaxserve.planning.weight_bytes import (
+    EXPERT_WEIGHTS,
+    kv_split,
+    matmul_params,
+    param_bytes_per_device,
+    param_bytes_read_per_device,
+)
 
 GiB, MiB, KiB = 2**30, 2**20, 2**10
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -37,8 +42,9 @@ def matmul_flops(params: float, tokens: float) -> float:
     return 2.0 * params * tokens
 
 
-def attention_flops(num_heads: int, head_dim: int, num_layers: int, query_tokens: float,
-                    keys_per_query: float) -> float:
+def attention_flops(
+    num_heads: int, head_dim: int, num_layers: int, query_tokens: float, keys_per_query: float
+) -> float:
     """4 · N · H · L · T · S: q·k and p·v, 2 FLOPs each per (query, key, head, head-dim element, layer).
 
     Decode: T = batch, S = context. Causal prefill of T tokens from an empty cache: S = (T + 1) / 2."""
@@ -64,8 +70,9 @@ def ring_allreduce_seconds(message_bytes: float, num_devices: int, bandwidth: fl
     return 2.0 * (num_devices - 1) / num_devices * message_bytes / bandwidth
 
 
-def tp_allreduce_seconds(tokens: float, hidden_size: int, activation_bytes: int, num_layers: int,
-                         model_size: int, bandwidth: float) -> float:
+def tp_allreduce_seconds(
+    tokens: float, hidden_size: int, activation_bytes: int, num_layers: int, model_size: int, bandwidth: float
+) -> float:
     """2 · L · ring_allreduce(T · D · b): tensor parallelism with replicated activations all-reduces
     [T, D] twice per layer (after attention's output projection and after the MLP down projection)."""
     return 2 * num_layers * ring_allreduce_seconds(tokens * hidden_size * activation_bytes, model_size, bandwidth)
@@ -101,12 +108,25 @@ class Target:
         return self.mesh_shape[0] * self.mesh_shape[1]
 
     @classmethod
-    def build(cls, spec: DeviceSpec, mesh_shape: tuple[int, int], device_memory: int | None = None,
-              bandwidth: float | None = None, peak_flops: float | None = None,
-              cost_per_hour: float | None = None) -> "Target":
-        overridden = tuple(name for name, v in (("device_memory", device_memory), ("bandwidth", bandwidth),
-                                                ("peak_flops", peak_flops), ("cost_per_hour", cost_per_hour))
-                           if v is not None)
+    def build(
+        cls,
+        spec: DeviceSpec,
+        mesh_shape: tuple[int, int],
+        device_memory: int | None = None,
+        bandwidth: float | None = None,
+        peak_flops: float | None = None,
+        cost_per_hour: float | None = None,
+    ) -> "Target":
+        overridden = tuple(
+            name
+            for name, v in (
+                ("device_memory", device_memory),
+                ("bandwidth", bandwidth),
+                ("peak_flops", peak_flops),
+                ("cost_per_hour", cost_per_hour),
+            )
+            if v is not None
+        )
         memory = device_memory or spec.memory_bytes
         bw = bandwidth or spec.hbm_bandwidth
         flops = peak_flops or spec.peak_flops
@@ -197,14 +217,24 @@ class Plan:
         out = dataclasses.asdict(self)
         out["cfg"] = dataclasses.asdict(self.cfg)
         out["target"]["spec"] = self.target.spec.name
-        out.update(fits=self.fits, tokens_per_replica=self.tokens_per_replica,
-                   usd_per_million_input_tokens=self.usd_per_million_input_tokens,
-                   usd_per_million_output_tokens=self.usd_per_million_output_tokens)
+        out.update(
+            fits=self.fits,
+            tokens_per_replica=self.tokens_per_replica,
+            usd_per_million_input_tokens=self.usd_per_million_input_tokens,
+            usd_per_million_output_tokens=self.usd_per_million_output_tokens,
+        )
         return out
 
 
-def decode_bound(cfg: ModelConfig, target: Target, param_bytes_dev: float, kv_per_token_dev: int, batch: int,
-                 context: int, activation_bytes: int) -> StepBound:
+def decode_bound(
+    cfg: ModelConfig,
+    target: Target,
+    param_bytes_dev: float,
+    kv_per_token_dev: int,
+    batch: int,
+    context: int,
+    activation_bytes: int,
+) -> StepBound:
     """One decode step of `batch` sequences per replica, each attending to `context` tokens.
 
     param_bytes_dev: the parameter bytes the step reads per device: all it holds for a dense model,
@@ -212,39 +242,83 @@ def decode_bound(cfg: ModelConfig, target: Target, param_bytes_dev: float, kv_pe
     data, model = target.mesh_shape
     memory_s = memory_bound_seconds(param_bytes_dev + batch * context * kv_per_token_dev, target.bandwidth)
     flops = matmul_flops(matmul_params(cfg), batch) + attention_flops(
-        cfg.num_heads, cfg.head_dim, cfg.num_layers, batch, context)
+        cfg.num_heads, cfg.head_dim, cfg.num_layers, batch, context
+    )
     compute_s = compute_bound_seconds(flops / model, target.peak_flops)
-    allreduce_s = tp_allreduce_seconds(batch, cfg.hidden_size, activation_bytes, cfg.num_layers, model,
-                                       target.allreduce_bandwidth)
+    allreduce_s = tp_allreduce_seconds(
+        batch, cfg.hidden_size, activation_bytes, cfg.num_layers, model, target.allreduce_bandwidth
+    )
     seconds = step_seconds(memory_s, compute_s, allreduce_s)
     tokens_per_s = data * batch / seconds
-    return StepBound(batch, 1, context, memory_s, compute_s, allreduce_s, seconds, tokens_per_s,
-                     cost_per_million_tokens(target.cost_per_hour, target.num_devices, tokens_per_s),
-                     param_bytes_dev, cfg.expected_experts_read(batch))
+    return StepBound(
+        batch,
+        1,
+        context,
+        memory_s,
+        compute_s,
+        allreduce_s,
+        seconds,
+        tokens_per_s,
+        cost_per_million_tokens(target.cost_per_hour, target.num_devices, tokens_per_s),
+        param_bytes_dev,
+        cfg.expected_experts_read(batch),
+    )
 
 
-def prefill_bound(cfg: ModelConfig, target: Target, param_bytes_dev: float, kv_per_token_dev: int, prompt_len: int,
-                  activation_bytes: int) -> StepBound:
+def prefill_bound(
+    cfg: ModelConfig,
+    target: Target,
+    param_bytes_dev: float,
+    kv_per_token_dev: int,
+    prompt_len: int,
+    activation_bytes: int,
+) -> StepBound:
     """Prefill of one `prompt_len`-token prompt on one replica (a lower bound on time to first token)."""
     data, model = target.mesh_shape
     memory_s = memory_bound_seconds(param_bytes_dev + prompt_len * kv_per_token_dev, target.bandwidth)
     flops = matmul_flops(matmul_params(cfg), prompt_len) + attention_flops(
-        cfg.num_heads, cfg.head_dim, cfg.num_layers, prompt_len, (prompt_len + 1) / 2)
+        cfg.num_heads, cfg.head_dim, cfg.num_layers, prompt_len, (prompt_len + 1) / 2
+    )
     compute_s = compute_bound_seconds(flops / model, target.peak_flops)
-    allreduce_s = tp_allreduce_seconds(prompt_len, cfg.hidden_size, activation_bytes, cfg.num_layers, model,
-                                       target.allreduce_bandwidth)
+    allreduce_s = tp_allreduce_seconds(
+        prompt_len, cfg.hidden_size, activation_bytes, cfg.num_layers, model, target.allreduce_bandwidth
+    )
     seconds = step_seconds(memory_s, compute_s, allreduce_s)
     tokens_per_s = data * prompt_len / seconds
-    return StepBound(1, prompt_len, prompt_len, memory_s, compute_s, allreduce_s, seconds, tokens_per_s,
-                     cost_per_million_tokens(target.cost_per_hour, target.num_devices, tokens_per_s),
-                     param_bytes_dev, cfg.expected_experts_read(prompt_len))
+    return StepBound(
+        1,
+        prompt_len,
+        prompt_len,
+        memory_s,
+        compute_s,
+        allreduce_s,
+        seconds,
+        tokens_per_s,
+        cost_per_million_tokens(target.cost_per_hour, target.num_devices, tokens_per_s),
+        param_bytes_dev,
+        cfg.expected_experts_read(prompt_len),
+    )
 
 
-def make_plan(cfg: ModelConfig, target: Target, *, dtype: str = "bfloat16", quantization: str = "none",
-              quantize_lm_head: bool = False, kv_cache_dtype: str = "auto", page_size: int = 16,
-              context: int | None = None, batch: int | None = None, batch_is_required: bool = True,
-              memory_fraction: float = 0.9, prompt_len: int | None = None, engine_pages: int | None = None,
-              model: str = "model", expert_parallel: bool = False, group_size: int | None = None) -> Plan:
+def make_plan(
+    cfg: ModelConfig,
+    target: Target,
+    *,
+    dtype: str = "bfloat16",
+    quantization: str = "none",
+    quantize_lm_head: bool = False,
+    kv_cache_dtype: str = "auto",
+    page_size: int = 16,
+    context: int | None = None,
+    batch: int | None = None,
+    batch_is_required: bool = True,
+    memory_fraction: float = 0.9,
+    prompt_len: int | None = None,
+    engine_pages: int | None = None,
+    model: str = "model",
+    expert_parallel: bool = False,
+    group_size: int | None = None,
+) -> Plan:
     """The plan for `cfg` on `target`. Refusals are collected in `problems` rather than raised.
 
     batch: sequences per replica at `context` (default: the most that fit). batch_is_required=False
@@ -261,34 +335,55 @@ def make_plan(cfg: ModelConfig, target: Target, *, dtype: str = "bfloat16", quan
     context = context or cfg.max_position_embeddings
     problems, notes = [], []
     if context > cfg.max_position_embeddings:
-        problems.append(f"context {context} exceeds the model's max_position_embeddings "
-                        f"{cfg.max_position_embeddings}")
+        problems.append(f"context {context} exceeds the model's max_position_embeddings {cfg.max_position_embeddings}")
     total = cfg.param_bytes(b, quantization, quantize_lm_head, group_size)
-    per_device = param_bytes_per_device(cfg, b, quantization, quantize_lm_head, model_size, expert_parallel,
-                                        group_size=group_size)
-    experts_dev = param_bytes_per_device(cfg, b, quantization, quantize_lm_head, model_size, expert_parallel,
-                                         only=EXPERT_WEIGHTS, group_size=group_size) if cfg.is_moe else 0
+    per_device = param_bytes_per_device(
+        cfg, b, quantization, quantize_lm_head, model_size, expert_parallel, group_size=group_size
+    )
+    experts_dev = (
+        param_bytes_per_device(
+            cfg,
+            b,
+            quantization,
+            quantize_lm_head,
+            model_size,
+            expert_parallel,
+            only=EXPERT_WEIGHTS,
+            group_size=group_size,
+        )
+        if cfg.is_moe
+        else 0
+    )
     expert_parallel = expert_parallel and cfg.is_moe
 
     def weights_read(rows: int) -> float:
         return param_bytes_read_per_device(cfg, rows, per_device, experts_dev, model_size, expert_parallel)
 
     if not cfg.servable:
-        why = ("dense MLP layers among its expert layers" if cfg.architecture in SUPPORTED_ARCHITECTURES
-               else "no forward for it")
+        why = (
+            "dense MLP layers among its expert layers"
+            if cfg.architecture in SUPPORTED_ARCHITECTURES
+            else "no forward for it"
+        )
         notes.append(f"{cfg.architecture}: jaxserve plans it but cannot serve it yet ({why})")
     if cfg.architecture == "Gemma3ForConditionalGeneration":
-        notes.append("parameters: the text tower only (the checkpoint's SigLIP vision tower and projector, "
-                     "about 0.4 B more, are not counted)")
+        notes.append(
+            "parameters: the text tower only (the checkpoint's SigLIP vision tower and projector, "
+            "about 0.4 B more, are not counted)"
+        )
     if cfg.is_moe:
-        notes.append(f"experts read per step: E·(1 − (1 − k/E)^B) of the {cfg.num_experts} per layer for B rows "
-                     f"(k = {cfg.num_experts_per_tok}, uniform routing; a skewed router reads fewer)")
+        notes.append(
+            f"experts read per step: E·(1 − (1 − k/E)^B) of the {cfg.num_experts} per layer for B rows "
+            f"(k = {cfg.num_experts_per_tok}, uniform routing; a skewed router reads fewer)"
+        )
     kv_token = cfg.kv_bytes_per_token(b, kv_cache_dtype)
     split = kv_split(cfg, model_size)
     kv_token_dev = kv_token // split
     if split == 1 and model_size > 1:
-        notes.append(f"the {cfg.num_kv_heads} KV heads do not divide over the model axis of {model_size}: "
-                     f"every device of a replica holds all of them (KV replicated)")
+        notes.append(
+            f"the {cfg.num_kv_heads} KV heads do not divide over the model axis of {model_size}: "
+            f"every device of a replica holds all of them (KV replicated)"
+        )
     usable = int(target.memory_bytes * memory_fraction)
     budget = usable - per_device
     page_bytes = kv_token_dev * page_size
@@ -299,24 +394,30 @@ def make_plan(cfg: ModelConfig, target: Target, *, dtype: str = "bfloat16", quan
     if budget <= 0:
         problems.append(
             f"parameters need {fmt_bytes(per_device)} per device; {fmt_bytes(usable)} is usable "
-            f"({fmt_bytes(target.memory_bytes)} x {memory_fraction:g}): short by {fmt_bytes(-budget)} per device")
+            f"({fmt_bytes(target.memory_bytes)} x {memory_fraction:g}): short by {fmt_bytes(-budget)} per device"
+        )
     elif max_batch < 1:
         short = (pages_per_seq + RESERVED_PAGES) * page_bytes - budget
         problems.append(
             f"one sequence of {context} tokens needs {fmt_bytes(seq_bytes)} of KV per device; "
-            f"{fmt_bytes(budget)} is left after the parameters: short by {fmt_bytes(short)} per device")
+            f"{fmt_bytes(budget)} is left after the parameters: short by {fmt_bytes(short)} per device"
+        )
     if batch is not None and batch > max_batch >= 1:
         short = (batch * pages_per_seq + RESERVED_PAGES) * page_bytes - budget
-        message = (f"{batch} sequences of {context} tokens per replica need {fmt_bytes(batch * seq_bytes)} of KV "
-                   f"per device; {fmt_bytes(budget)} is left after the parameters: short by {fmt_bytes(short)} "
-                   f"per device (at most {max_batch} fit)")
+        message = (
+            f"{batch} sequences of {context} tokens per replica need {fmt_bytes(batch * seq_bytes)} of KV "
+            f"per device; {fmt_bytes(budget)} is left after the parameters: short by {fmt_bytes(short)} "
+            f"per device (at most {max_batch} fit)"
+        )
         (problems if batch_is_required else notes).append(
-            message if batch_is_required else message + "; the engine admits them and preempts when pages run out")
+            message if batch_is_required else message + "; the engine admits them and preempts when pages run out"
+        )
     if engine_pages is not None and budget > 0 and engine_pages * page_bytes > budget:
         problems.append(
             f"the configured KV cache ({engine_pages} pages of {page_size} tokens) needs "
             f"{fmt_bytes(engine_pages * page_bytes)} per device; {fmt_bytes(budget)} is left after the parameters: "
-            f"short by {fmt_bytes(engine_pages * page_bytes - budget)} per device")
+            f"short by {fmt_bytes(engine_pages * page_bytes - budget)} per device"
+        )
 
     decode: list[StepBound] = []
     prefill = None
@@ -332,17 +433,36 @@ def make_plan(cfg: ModelConfig, target: Target, *, dtype: str = "bfloat16", quan
             f"{cfg.num_sliding_layers} of {cfg.num_layers} layers see only the last {cfg.sliding_window} tokens, "
             f"but one KV pool gives every layer all {context}: a pool per layer group would need "
             f"{fmt_bytes(windowed)} per sequence per device instead of {fmt_bytes(seq_bytes)}, "
-            f"about {budget // max(windowed, 1):,} sequences per replica instead of {max_batch:,}")
+            f"about {budget // max(windowed, 1):,} sequences per replica instead of {max_batch:,}"
+        )
     return Plan(
-        model=model, cfg=cfg, dtype=dtype, quantization=quantization,
-        quantize_lm_head=quantize_lm_head and quantization in ("int8", "int4"), kv_cache_dtype=kv_cache_dtype,
-        target=target, memory_fraction=memory_fraction, page_size=page_size, context=context,
+        model=model,
+        cfg=cfg,
+        dtype=dtype,
+        quantization=quantization,
+        quantize_lm_head=quantize_lm_head and quantization in ("int8", "int4"),
+        kv_cache_dtype=kv_cache_dtype,
+        target=target,
+        memory_fraction=memory_fraction,
+        page_size=page_size,
+        context=context,
         batch=min(batch or max_batch, max_batch) if max_batch >= 1 else (batch or 0),
-        param_bytes_total=total, param_bytes_per_device=per_device, kv_bytes_per_token=kv_token,
-        kv_bytes_per_token_per_device=kv_token_dev, kv_split=split, usable_bytes_per_device=usable,
-        kv_budget_per_device=budget, pages_per_replica=pages, max_batch=max_batch, decode=tuple(decode),
-        prefill=prefill, engine_pages=engine_pages, problems=tuple(problems), notes=tuple(notes),
-        active_params=cfg.active_params(), expert_parallel=expert_parallel,
+        param_bytes_total=total,
+        param_bytes_per_device=per_device,
+        kv_bytes_per_token=kv_token,
+        kv_bytes_per_token_per_device=kv_token_dev,
+        kv_split=split,
+        usable_bytes_per_device=usable,
+        kv_budget_per_device=budget,
+        pages_per_replica=pages,
+        max_batch=max_batch,
+        decode=tuple(decode),
+        prefill=prefill,
+        engine_pages=engine_pages,
+        problems=tuple(problems),
+        notes=tuple(notes),
+        active_params=cfg.active_params(),
+        expert_parallel=expert_parallel,
     )
 
 

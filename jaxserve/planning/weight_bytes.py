@@ -35,32 +35,48 @@ def planned_arrays(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[s
         return [(getattr(path[-1], "name", str(path[-1])), spec.shape, spec.axes) for path, spec in leaves]
     L, D, F, V, H = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     NH, KH = cfg.num_heads * H, cfg.num_kv_heads * H
-    out = [("embed", (V, D), ("vocab", "embed")), ("final_norm", (D,), ("embed_replicated",)),
-           ("attn_norm", (L, D), ("layers", "embed_replicated")), ("mlp_norm", (L, D), ("layers", "embed_replicated")),
-           ("wq", (L, D, NH), ("layers", "embed", "heads")), ("wk", (L, D, KH), ("layers", "embed", "kv_heads")),
-           ("wv", (L, D, KH), ("layers", "embed", "kv_heads")), ("wo", (L, NH, D), ("layers", "heads", "embed"))]
+    out = [
+        ("embed", (V, D), ("vocab", "embed")),
+        ("final_norm", (D,), ("embed_replicated",)),
+        ("attn_norm", (L, D), ("layers", "embed_replicated")),
+        ("mlp_norm", (L, D), ("layers", "embed_replicated")),
+        ("wq", (L, D, NH), ("layers", "embed", "heads")),
+        ("wk", (L, D, KH), ("layers", "embed", "kv_heads")),
+        ("wv", (L, D, KH), ("layers", "embed", "kv_heads")),
+        ("wo", (L, NH, D), ("layers", "heads", "embed")),
+    ]
     if not cfg.tie_word_embeddings:
         out.append(("lm_head", (D, V), ("embed", "vocab")))
     if cfg.qkv_bias:
-        out += [("bq", (L, NH), ("layers", "heads")), ("bk", (L, KH), ("layers", "kv_heads")),
-                ("bv", (L, KH), ("layers", "kv_heads"))]
+        out += [
+            ("bq", (L, NH), ("layers", "heads")),
+            ("bk", (L, KH), ("layers", "kv_heads")),
+            ("bv", (L, KH), ("layers", "kv_heads")),
+        ]
     if cfg.o_bias:
         out.append(("bo", (L, D), ("layers", "embed_replicated")))
     if cfg.qk_norm:
         out += [("q_norm", (L, H), ("layers", None)), ("k_norm", (L, H), ("layers", None))]
     if cfg.sandwich_norms:
-        out += [("post_attn_norm", (L, D), ("layers", "embed_replicated")),
-                ("post_mlp_norm", (L, D), ("layers", "embed_replicated"))]
+        out += [
+            ("post_attn_norm", (L, D), ("layers", "embed_replicated")),
+            ("post_mlp_norm", (L, D), ("layers", "embed_replicated")),
+        ]
     dense = len(cfg.dense_layers) if cfg.is_moe else L
     if dense:
-        out += [("w_gate", (dense, D, F), ("layers", "embed", "mlp")), ("w_up", (dense, D, F), ("layers", "embed", "mlp")),
-                ("w_down", (dense, F, D), ("layers", "mlp", "embed"))]
+        out += [
+            ("w_gate", (dense, D, F), ("layers", "embed", "mlp")),
+            ("w_up", (dense, D, F), ("layers", "embed", "mlp")),
+            ("w_down", (dense, F, D), ("layers", "mlp", "embed")),
+        ]
     if cfg.is_moe:
         M, E, FE = cfg.num_moe_layers, cfg.num_experts, cfg.moe_intermediate_size
-        out += [("router", (M, D, E), ("layers", "embed", None)),
-                ("expert_gate", (M, E, D, FE), ("layers", "experts", "embed", "expert_mlp")),
-                ("expert_up", (M, E, D, FE), ("layers", "experts", "embed", "expert_mlp")),
-                ("expert_down", (M, E, FE, D), ("layers", "experts", "expert_mlp", "embed"))]
+        out += [
+            ("router", (M, D, E), ("layers", "embed", None)),
+            ("expert_gate", (M, E, D, FE), ("layers", "experts", "embed", "expert_mlp")),
+            ("expert_up", (M, E, D, FE), ("layers", "experts", "embed", "expert_mlp")),
+            ("expert_down", (M, E, FE, D), ("layers", "experts", "expert_mlp", "embed")),
+        ]
     return out
 
 
@@ -77,9 +93,16 @@ def sharding_rules(cfg: ModelConfig, model_size: int, expert_parallel: bool = Fa
     return dict(logical_rules(cfg, model_size, "expert" if expert_parallel else "tensor"))
 
 
-def param_bytes_per_device(cfg: ModelConfig, bytes_per_element: int, quantization: str = "none",
-                           quantize_lm_head: bool = False, model_size: int = 1, expert_parallel: bool = False,
-                           only: tuple[str, ...] | None = None, group_size: int | None = None) -> int:
+def param_bytes_per_device(
+    cfg: ModelConfig,
+    bytes_per_element: int,
+    quantization: str = "none",
+    quantize_lm_head: bool = False,
+    model_size: int = 1,
+    expert_parallel: bool = False,
+    only: tuple[str, ...] | None = None,
+    group_size: int | None = None,
+) -> int:
     """Bytes of parameters on each device of a model axis of `model_size` devices.
 
     Each array of `weights.param_specs` is split over the model axis when one of its logical axes maps
@@ -111,8 +134,11 @@ def param_bytes_per_device(cfg: ModelConfig, bytes_per_element: int, quantizatio
                 total += (elements + elements // g * 4) // split
             elif quantized:  # one f32 scale per output channel, split when any axis but the input one is
                 out_channels = elements // shape[-2]
-                scale_split = size if any(rules.get(a) == MODEL for i, a in enumerate(axes)
-                                          if a is not None and i != len(axes) - 2) else 1
+                scale_split = (
+                    size
+                    if any(rules.get(a) == MODEL for i, a in enumerate(axes) if a is not None and i != len(axes) - 2)
+                    else 1
+                )
                 total += elements // split + out_channels * 4 // scale_split
             else:
                 total += elements * bytes_per_element // split
@@ -142,13 +168,14 @@ def experts_on_busiest_device(cfg: ModelConfig, batch: float, model_size: int, e
     n, p = cfg.num_experts // model_size, read / cfg.num_experts
     cdf, busiest = 0.0, 0.0
     for x in range(n):  # E[max] = sum over x of P(max > x) = 1 - F(x)^m
-        cdf += math.comb(n, x) * p ** x * (1 - p) ** (n - x)
+        cdf += math.comb(n, x) * p**x * (1 - p) ** (n - x)
         busiest += 1.0 - min(cdf, 1.0) ** model_size
     return max(busiest, float(math.ceil(cfg.num_experts_per_tok / model_size)))
 
 
-def param_bytes_read_per_device(cfg: ModelConfig, batch: float, per_device: int, experts_per_device: int,
-                                model_size: int, expert_parallel: bool) -> float:
+def param_bytes_read_per_device(
+    cfg: ModelConfig, batch: float, per_device: int, experts_per_device: int, model_size: int, expert_parallel: bool
+) -> float:
     """Parameter bytes the busiest device reads in a step of `batch` rows: everything it holds but the
     experts no row is routed to. `experts_per_device`: bytes of the expert arrays it holds."""
     if not cfg.is_moe:

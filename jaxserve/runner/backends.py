@@ -37,16 +37,19 @@ def resolve_attention(setting: str, platform: str, mesh_shape: tuple[int, int]) 
     return impl
 
 
-def resolve_quantized_matmul(setting: str, platform: str, mesh_shape: tuple[int, int], quantization: str,
-                             activation_quantization: str = "none") -> str:
+def resolve_quantized_matmul(
+    setting: str, platform: str, mesh_shape: tuple[int, int], quantization: str, activation_quantization: str = "none"
+) -> str:
     """How quantized (int8 or int4) weights are multiplied (one of quant.MATMUL_IMPLS), logged with the reason."""
     if quantization == "none":
         return "reference"  # no int8 weights: nothing to choose
     sharded = tuple(mesh_shape) != (1, 1)
     if activation_quantization == "int8":
         if setting == "pallas":
-            raise ConfigError("activation_quantization=int8 (W8A8) multiplies through XLA; the Pallas int8 kernel "
-                              "is weight-only: use quantized_matmul_backend 'auto' or 'reference'")
+            raise ConfigError(
+                "activation_quantization=int8 (W8A8) multiplies through XLA; the Pallas int8 kernel "
+                "is weight-only: use quantized_matmul_backend 'auto' or 'reference'"
+            )
         impl, why = "w8a8", "XLA, int8 activations per token times int8 weights (W8A8), int32 accumulation"
     elif setting == "auto":
         if platform not in ("tpu", "gpu") and not sharded:
@@ -59,8 +62,10 @@ def resolve_quantized_matmul(setting: str, platform: str, mesh_shape: tuple[int,
             impl, why = "pallas_" + platform, f"Pallas {quantization}_matmul on {platform}"
     elif setting == "pallas":
         if sharded:
-            raise ConfigError("quantized_matmul_backend='pallas' runs on a single device only (no shard_map "
-                              "wrapper for the int8 matmul yet); use 'auto' or 'reference' with this mesh")
+            raise ConfigError(
+                "quantized_matmul_backend='pallas' runs on a single device only (no shard_map "
+                "wrapper for the int8 matmul yet); use 'auto' or 'reference' with this mesh"
+            )
         impl = "pallas_" + platform if platform in ("tpu", "gpu") else "pallas_interpret"
         why = f"Pallas {quantization}_matmul, as asked"
         if platform == "cpu":

@@ -121,10 +121,15 @@ def check_memory_mappings(platform: str) -> float | None:
         return None
     fraction = used / limit
     if fraction > MAPPINGS_WARN_FRACTION:
-        logger.warning("this process holds %d memory mappings, %.0f%% of vm.max_map_count=%d: XLA:CPU maps every "
-                       "compiled executable's code, and compiling past the limit aborts the process. Raise it "
-                       "(sysctl -w vm.max_map_count=262144), or compile fewer buckets (max_num_seqs, "
-                       "max_model_len, num_speculative_tokens) or engines per process", used, 100 * fraction, limit)
+        logger.warning(
+            "this process holds %d memory mappings, %.0f%% of vm.max_map_count=%d: XLA:CPU maps every "
+            "compiled executable's code, and compiling past the limit aborts the process. Raise it "
+            "(sysctl -w vm.max_map_count=262144), or compile fewer buckets (max_num_seqs, "
+            "max_model_len, num_speculative_tokens) or engines per process",
+            used,
+            100 * fraction,
+            limit,
+        )
     return fraction
 
 
@@ -150,8 +155,9 @@ def enable_compilation_cache(cache_dir: str | None) -> str | None:
     return path
 
 
-def compile_buckets(shapes: list[tuple], lower: Callable[[tuple], Any], options: dict[str, str], platform: str,
-                    progress: bool = True) -> list[tuple[tuple, Any, float]]:
+def compile_buckets(
+    shapes: list[tuple], lower: Callable[[tuple], Any], options: dict[str, str], platform: str, progress: bool = True
+) -> list[tuple[tuple, Any, float]]:
     """(shape, executable, seconds) of each bucket, lowered by `lower(shape)`.
 
     Tracing holds the GIL, so buckets are lowered one by one, each compiled meanwhile on a pool.
@@ -168,8 +174,10 @@ def compile_buckets(shapes: list[tuple], lower: Callable[[tuple], Any], options:
         return shape, executable, time.perf_counter() - start
 
     workers = 1 if platform == "cpu" else (os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=workers) as pool, \
-            tqdm(total=len(shapes), desc="compiling step buckets", disable=not progress, unit="bucket") as bar:
+    with (
+        ThreadPoolExecutor(max_workers=workers) as pool,
+        tqdm(total=len(shapes), desc="compiling step buckets", disable=not progress, unit="bucket") as bar,
+    ):
         futures = []
         for shape in shapes:
             future = pool.submit(compile_one, shape, lower(shape))

@@ -69,8 +69,9 @@ class ExecutableTable:
         keys = [k for k in keys if k not in self.executables]
         logger.info("compiling %d step buckets: %s", len(keys), keys)
         timings = []
-        for key, executable, seconds in compile_buckets(keys, self.lower, self.compiler_options, self.platform,
-                                                        progress):
+        for key, executable, seconds in compile_buckets(
+            keys, self.lower, self.compiler_options, self.platform, progress
+        ):
             self.executables[key] = executable
             timings.append((key, seconds))
             logger.info("bucket %s compiled in %.2fs", key, seconds)

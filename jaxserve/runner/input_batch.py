@@ -92,8 +92,20 @@ class InputBatch:
         self._tokens_written = [0] * R
         self._layout_written: list[tuple[list[int], list[int], list[int]] | None] = [None] * R
         b = self.batch
-        self._views = [(b.page_table[r], b.tokens[r], b.positions[r], b.token_row[r], b.slots[r], b.query_start[r],
-                        b.context_lens[r], b.logit_index[r], self._scalars["step"][r]) for r in range(R)]
+        self._views = [
+            (
+                b.page_table[r],
+                b.tokens[r],
+                b.positions[r],
+                b.token_row[r],
+                b.slots[r],
+                b.query_start[r],
+                b.context_lens[r],
+                b.logit_index[r],
+                self._scalars["step"][r],
+            )
+            for r in range(R)
+        ]
 
     def write(self, rows: Sequence[Any]) -> tuple[np.ndarray, list[tuple[int, int, int]], list[tuple[Any, int]]]:
         """Lay out `rows` (`runner.RowWork`, any replicas, in row order) as `ModelRunner._pack` does;
@@ -119,8 +131,9 @@ class InputBatch:
             self._mask = None
         return np.asarray(logit_at, np.int64), token_at, grammars
 
-    def _write_replica(self, rep: int, rows: Sequence[Any], indices: Sequence[int], logit_at: list[int],
-                       token_at: list, grammars: list) -> None:
+    def _write_replica(
+        self, rep: int, rows: Sequence[Any], indices: Sequence[int], logit_at: list[int], token_at: list, grammars: list
+    ) -> None:
         S, N, P, L, ps = self.num_rows, self.num_tokens, self.max_pages, self.num_logits, self.page_size
         if len(indices) > S:
             raise ValueError(f"{len(indices)} rows do not fit a step of {S} rows")
@@ -146,10 +159,13 @@ class InputBatch:
                 raise ValueError(f"row {r}: {end} tokens need {need} pages; it has {len(pages)}, a step holds {P}")
             held, version = tables[r], row.pages_version
             if held is None or version is None or held[0] is not pages or held[1] != version or held[2] != need:
-                page_table[r, :need] = (np.frombuffer(pages, np.int32, need) if isinstance(pages, array)
-                                        else np.asarray(pages[:need], np.int32))
+                page_table[r, :need] = (
+                    np.frombuffer(pages, np.int32, need)
+                    if isinstance(pages, array)
+                    else np.asarray(pages[:need], np.int32)
+                )
                 if held is not None and held[2] > need:
-                    page_table[r, need: held[2]] = PADDING_PAGE
+                    page_table[r, need : held[2]] = PADDING_PAGE
                 tables[r] = (pages if version is not None else None, version, need)
             tokens.extend(row.tokens)
             if n == 1:  # a decode row: its one slot here, from the page-table entry just written or kept

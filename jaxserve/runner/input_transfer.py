@@ -54,12 +54,12 @@ class InputTransfer:
         history, bias_ids = fields[0], fields[1]
         idle = self._idle_host.get(history.shape[1])
         if (idle is not None and history is idle[0] and bias_ids is idle[1]) or not (
-                (history[..., 0] >= 0).any() or (bias_ids[..., 0] >= 0).any()):
+            (history[..., 0] >= 0).any() or (bias_ids[..., 0] >= 0).any()
+        ):
             sparse = self.idle(L)
         else:
             R = history.shape[0]
-            sparse = jax.device_put(tuple(np.ascontiguousarray(f).reshape(R, -1) for f in fields),
-                                    self.buffer_sharding)
+            sparse = jax.device_put(tuple(np.ascontiguousarray(f).reshape(R, -1) for f in fields), self.buffer_sharding)
         self.last_sparse = sparse
         return sparse
 

@@ -29,8 +29,9 @@ from jaxserve.model.weights import Params
 class LoRASlots:
     """`slots` (max_loras) device slots of rank `rank` (max_lora_rank) over one model's layers."""
 
-    def __init__(self, cfg: ModelConfig, slots: int, rank: int, dtype: Any, mesh: Any = None,
-                 targets: tuple[str, ...] = ()):
+    def __init__(
+        self, cfg: ModelConfig, slots: int, rank: int, dtype: Any, mesh: Any = None, targets: tuple[str, ...] = ()
+    ):
         self.cfg, self.slots, self.rank, self.dtype, self.mesh = cfg, slots, rank, jnp.dtype(dtype), mesh
         self.targets = targets  # lora_target_modules: () = every module the model has
         self.dims = served_module_dims(cfg, targets)
@@ -47,13 +48,21 @@ class LoRASlots:
         lead = (L,) if stacked else ()
 
         is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
-        shapes = LayerLoRA(**{m: LoRAModule(a=lead + (i, width), b=lead + (width, o))
-                              for m, (i, o) in self.dims.items()}, slots=self.slots, rank=self.rank)
-        shardings = (lora_shardings(self.cfg, self.mesh, shapes, stacked) if self.mesh is not None
-                     else jax.tree.map(lambda _: None, shapes, is_leaf=is_shape))
+        shapes = LayerLoRA(
+            **{m: LoRAModule(a=lead + (i, width), b=lead + (width, o)) for m, (i, o) in self.dims.items()},
+            slots=self.slots,
+            rank=self.rank,
+        )
+        shardings = (
+            lora_shardings(self.cfg, self.mesh, shapes, stacked)
+            if self.mesh is not None
+            else jax.tree.map(lambda _: None, shapes, is_leaf=is_shape)
+        )
         # One executable makes a layer's zeros (called once per layer when the layers are a tuple).
-        layer_lora = jax.jit(lambda: jax.tree.map(lambda shape: jnp.zeros(shape, self.dtype), shapes, is_leaf=is_shape),
-                             out_shardings=shardings)
+        layer_lora = jax.jit(
+            lambda: jax.tree.map(lambda shape: jnp.zeros(shape, self.dtype), shapes, is_leaf=is_shape),
+            out_shardings=shardings,
+        )
         if stacked:
             return params.replace(layers=params.layers.replace(lora=layer_lora()))
         return params.replace(layers=tuple(lp.replace(lora=layer_lora()) for lp in params.layers))
@@ -114,8 +123,10 @@ def _write_slot(loras: Any, slot: jax.Array, values: dict, *, rank: int, stacked
             A, B = (A, B) if index is None else (A[index], B[index])
             zero = jnp.int32(0)
             lead = (zero,) if index is None else ()
-            return m.replace(a=jax.lax.dynamic_update_slice(m.a, A.astype(m.a.dtype), lead + (zero, start)),
-                             b=jax.lax.dynamic_update_slice(m.b, B.astype(m.b.dtype), lead + (start, zero)))
+            return m.replace(
+                a=jax.lax.dynamic_update_slice(m.a, A.astype(m.a.dtype), lead + (zero, start)),
+                b=jax.lax.dynamic_update_slice(m.b, B.astype(m.b.dtype), lead + (start, zero)),
+            )
 
         return lora.replace(**{name: module(name) for name in LORA_MODULES})
 

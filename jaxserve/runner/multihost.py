@@ -80,8 +80,10 @@ def initialize(settings: Any) -> bool:
         return False
     if jax.distributed.is_initialized():
         if jax.process_count() != n or jax.process_index() != settings.process_id:
-            raise ConfigError(f"jax.distributed is already initialized as process {jax.process_index()} of "
-                              f"{jax.process_count()}; the settings say {settings.process_id} of {n}")
+            raise ConfigError(
+                f"jax.distributed is already initialized as process {jax.process_index()} of "
+                f"{jax.process_count()}; the settings say {settings.process_id} of {n}"
+            )
         check_mesh(settings.mesh_shape)
         return True
     # Collectives between CPU processes need an implementation (gloo is JAX's default; keep a user's choice).
@@ -90,10 +92,13 @@ def initialize(settings: Any) -> bool:
     # JAX's preemption service (checkpoint sync for training) takes over SIGTERM, which would swallow
     # the server's graceful drain; serving has no use for it.
     jax.config.update("jax_enable_preemption_service", False)
-    logger.info("jax.distributed: process %d of %d, coordinator %s", settings.process_id, n,
-                settings.coordinator_address)
+    logger.info(
+        "jax.distributed: process %d of %d, coordinator %s", settings.process_id, n, settings.coordinator_address
+    )
     jax.distributed.initialize(
-        coordinator_address=settings.coordinator_address, num_processes=n, process_id=settings.process_id,
+        coordinator_address=settings.coordinator_address,
+        num_processes=n,
+        process_id=settings.process_id,
         heartbeat_timeout_seconds=settings.distributed_timeout,
         shutdown_timeout_seconds=max(settings.distributed_timeout, 10),
     )
@@ -107,9 +112,11 @@ def check_mesh(mesh_shape: tuple[int, ...]) -> None:
     nothing to run (and no part in the step's collectives)."""
     size = math.prod(mesh_shape)
     if size != jax.device_count():
-        raise ConfigError(f"in a multi-host job the mesh must use every device: mesh_shape {tuple(mesh_shape)} "
-                          f"has {size} devices, the job {jax.device_count()} ({jax.process_count()} processes x "
-                          f"{jax.local_device_count()})")
+        raise ConfigError(
+            f"in a multi-host job the mesh must use every device: mesh_shape {tuple(mesh_shape)} "
+            f"has {size} devices, the job {jax.device_count()} ({jax.process_count()} processes x "
+            f"{jax.local_device_count()})"
+        )
 
 
 def _client():
@@ -123,8 +130,14 @@ def _client():
 
 # Settings that may differ between the processes of a job: paths (the model and the draft are compared
 # by their configs), how a process reached the coordinator, and which process it is.
-_LOCAL_SETTINGS = ("process_id", "coordinator_address", "model", "tokenizer", "speculative_model",
-                   "compilation_cache_dir")
+_LOCAL_SETTINGS = (
+    "process_id",
+    "coordinator_address",
+    "model",
+    "tokenizer",
+    "speculative_model",
+    "compilation_cache_dir",
+)
 
 
 def fingerprint(engine: Any) -> dict:
@@ -133,10 +146,15 @@ def fingerprint(engine: Any) -> dict:
     settings = {k: v for k, v in engine.config.to_dict().items() if k not in _LOCAL_SETTINGS}
     b = engine.buckets
     spec = engine.runner.speculation
-    return dict(settings=settings, num_pages=engine.memory.num_pages, max_model_len=engine.memory.max_model_len,
-                buckets=[list(b.batch_sizes), list(b.chunk_sizes), list(b.page_counts), list(b.token_counts)],
-                model=repr(engine.model_config), draft=repr(spec.draft_cfg) if spec is not None else None,
-                devices=jax.device_count())
+    return dict(
+        settings=settings,
+        num_pages=engine.memory.num_pages,
+        max_model_len=engine.memory.max_model_len,
+        buckets=[list(b.batch_sizes), list(b.chunk_sizes), list(b.page_counts), list(b.token_counts)],
+        model=repr(engine.model_config),
+        draft=repr(spec.draft_cfg) if spec is not None else None,
+        devices=jax.device_count(),
+    )
 
 
 def check_consistent(engine: Any, timeout_s: float = 3600.0) -> None:
@@ -152,8 +170,10 @@ def check_consistent(engine: Any, timeout_s: float = 3600.0) -> None:
         if theirs != mine:
             diff = sorted(k for k in mine["settings"] if mine["settings"][k] != theirs["settings"].get(k))
             diff += [k for k in mine if k != "settings" and mine[k] != theirs.get(k)]
-            raise ConfigError(f"process {other} was started differently from process {me} ({', '.join(diff)}): "
-                              "every process of a multi-host job needs the same settings but --process-id")
+            raise ConfigError(
+                f"process {other} was started differently from process {me} ({', '.join(diff)}): "
+                "every process of a multi-host job needs the same settings but --process-id"
+            )
 
 
 def attach(engine: Any) -> "Leader | None":
@@ -203,8 +223,11 @@ def _encode_leaf(a: np.ndarray) -> tuple[bytes, list[bytes]]:
 
 def _step_args(shape: tuple) -> tuple[int, int, int, int]:
     """A bucket key as the header's four ints: its variant, then its sizes (0-padded)."""
-    variant = next(i for i, (tag, n) in enumerate(zip(STEP_VARIANTS, _STEP_SIZES))
-                   if len(shape) == n + len(tag) and tuple(shape[n:]) == tag)
+    variant = next(
+        i
+        for i, (tag, n) in enumerate(zip(STEP_VARIANTS, _STEP_SIZES))
+        if len(shape) == n + len(tag) and tuple(shape[n:]) == tag
+    )
     sizes = tuple(shape[: _STEP_SIZES[variant]])
     return (variant,) + sizes + (0,) * (3 - len(sizes))
 
@@ -248,8 +271,10 @@ class Message:
 def decode(data: bytes, runner: Any = None) -> Message:
     magic, version, op, seq, a0, a1, a2, a3 = _HEADER.unpack_from(data)
     if magic != _MAGIC or version != _VERSION:
-        raise PeerFailureError(f"not a jaxserve step message (magic {magic:#x}, version {version}): "
-                               "are all processes running the same jaxserve?")
+        raise PeerFailureError(
+            f"not a jaxserve step message (magic {magic:#x}, version {version}): "
+            "are all processes running the same jaxserve?"
+        )
     offset = _HEADER.size
     if op == OP_SHUTDOWN:
         return Message(op, seq)
@@ -378,17 +403,22 @@ class Leader:
         self.on_failure(err)
 
     def stats(self) -> dict:
-        return dict(multihost_messages_total=self.messages, multihost_message_bytes_total=self.bytes_sent,
-                    multihost_send_seconds_total=self.send_seconds)
+        return dict(
+            multihost_messages_total=self.messages,
+            multihost_message_bytes_total=self.bytes_sent,
+            multihost_send_seconds_total=self.send_seconds,
+        )
 
 
 def exit_on_peer_failure(err: BaseException) -> None:
     """A failed step leaves the processes out of step, and usually means one of them died: say so and
     exit now. (os._exit: a normal exit would wait in jax.distributed's shutdown barrier for the dead.)"""
-    message = (f"jaxserve multi-host: process {jax.process_index()} of {jax.process_count()} cannot go on "
-               f"({type(err).__name__}: {str(err).strip()[:500]}). Another process of the job has most likely "
-               "died or become unreachable; a multi-host job cannot continue without it. Exiting with status "
-               f"{EXIT_PEER_FAILED}; restart every process of the job.")
+    message = (
+        f"jaxserve multi-host: process {jax.process_index()} of {jax.process_count()} cannot go on "
+        f"({type(err).__name__}: {str(err).strip()[:500]}). Another process of the job has most likely "
+        "died or become unreachable; a multi-host job cannot continue without it. Exiting with status "
+        f"{EXIT_PEER_FAILED}; restart every process of the job."
+    )
     logger.critical(message)
     print(message, file=sys.stderr, flush=True)
     logging.shutdown()

@@ -42,8 +42,11 @@ class PlainStep(StepVariant):
         c = self.ctx
         N, P = key[:2]
         L = c.num_logits(N)
-        return (c.ragged_spec(N, P, L), SamplingTensors.spec((c.num_replicas, L), c.history_len),
-                TokenMask.spec((c.num_replicas, L), c.cfg.vocab_size))
+        return (
+            c.ragged_spec(N, P, L),
+            SamplingTensors.spec((c.num_replicas, L), c.history_len),
+            TokenMask.spec((c.num_replicas, L), c.cfg.vocab_size),
+        )
 
     def pack(self, rows: Sequence[Any], key: tuple, layout: Layout) -> StepInputs:
         c = self.ctx
@@ -51,11 +54,13 @@ class PlainStep(StepVariant):
         if writer is None:
             L = c.num_logits(key[0])
             writer = self._input_batches[key] = InputBatch(
-                layout, page_size=c.page_size, idle_sparse=dict(zip(SPARSE_FIELDS, self._idle_host_sparse(L))))
+                layout, page_size=c.page_size, idle_sparse=dict(zip(SPARSE_FIELDS, self._idle_host_sparse(L)))
+            )
         logit_at, token_at, grammars = writer.write(rows)
         R, L = c.num_replicas, writer.num_logits
-        if any(r.sampling is not None and r.samples and (r.sampling.uses_penalties or r.sampling.logit_bias)
-               for r in rows):  # the sparse inputs, built for the steps that need them
+        if any(
+            r.sampling is not None and r.samples and (r.sampling.uses_penalties or r.sampling.logit_bias) for r in rows
+        ):  # the sparse inputs, built for the steps that need them
             flat: list[RowSampling | None] = [None] * (R * L)
             steps = [0] * (R * L)
             for row, at in zip(rows, logit_at.tolist()):
@@ -77,8 +82,10 @@ class PlainStep(StepVariant):
         emitted = (packed.logit_at >= 0).astype(np.int32)
         if isinstance(out, np.ndarray):  # the tokens alone
             return StepSamples(flat_rows(out, packed.logit_at)[:, None], emitted)
-        rows = [None if x is None else flat_rows(x, packed.logit_at)[:, None]
-                for x in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)]
+        rows = [
+            None if x is None else flat_rows(x, packed.logit_at)[:, None]
+            for x in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)
+        ]
         return StepSamples(rows[0], emitted, *rows[1:])
 
     def clear(self) -> None:
@@ -99,8 +106,13 @@ class ScoreStep(StepVariant):
         c = self.ctx
         N, P = key[:2]
         L = c.num_logits(N)
-        return (c.ragged_spec(N, P, N), SamplingTensors.spec((c.num_replicas, L), c.history_len),
-                TokenMask.spec((c.num_replicas, L), c.cfg.vocab_size), c.i32(L), c.i32(N))
+        return (
+            c.ragged_spec(N, P, N),
+            SamplingTensors.spec((c.num_replicas, L), c.history_len),
+            TokenMask.spec((c.num_replicas, L), c.cfg.vocab_size),
+            c.i32(L),
+            c.i32(N),
+        )
 
     def pack(self, rows: Sequence[Any], key: tuple, layout: Layout) -> StepInputs:
         return pack_rows(self.ctx, rows, key, score=True)
@@ -114,8 +126,10 @@ class ScoreStep(StepVariant):
         index = np.asarray([[min(t + j, t + n - 1) for j in range(width)] for _, t, n in packed.token_at])
         replica = np.asarray([rep for rep, _, _ in packed.token_at])[:, None]
         scores = jax.tree.map(lambda x: x[replica, index], scores)
-        rows = [None if x is None else flat_rows(x, packed.logit_at)[:, None]
-                for x in (sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)]
+        rows = [
+            None if x is None else flat_rows(x, packed.logit_at)[:, None]
+            for x in (sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)
+        ]
         return StepSamples(rows[0], (packed.logit_at >= 0).astype(np.int32), *rows[1:], scores=scores)
 
 
@@ -134,8 +148,10 @@ class MultiStep(StepVariant):
         if max(steps, default=1) <= 1:
             return False
         if max(steps) > self.ctx.num_scheduler_steps or any(len(r.tokens) != 1 or not r.samples for r in rows):
-            raise ValueError(f"a multi-step call takes decode rows only (one token each, sampling), each of "
-                             f"1 to {self.ctx.num_scheduler_steps} steps; got {steps}")
+            raise ValueError(
+                f"a multi-step call takes decode rows only (one token each, sampling), each of "
+                f"1 to {self.ctx.num_scheduler_steps} steps; got {steps}"
+            )
         return True
 
     def key_for(self, rows: Sequence[Any]) -> tuple:
@@ -145,8 +161,12 @@ class MultiStep(StepVariant):
         c = self.ctx
         N, P = key[:2]
         L = c.num_logits(N)
-        return (c.ragged_spec(N, P, L), SamplingTensors.spec((c.num_replicas, L), c.history_len),
-                TokenMask.spec((c.num_replicas, L), c.cfg.vocab_size), c.i32(c.max_rows))
+        return (
+            c.ragged_spec(N, P, L),
+            SamplingTensors.spec((c.num_replicas, L), c.history_len),
+            TokenMask.spec((c.num_replicas, L), c.cfg.vocab_size),
+            c.i32(c.max_rows),
+        )
 
     def static(self, key: tuple) -> dict:
         return super().static(key) | dict(num_steps=self.ctx.num_scheduler_steps, page_size=self.ctx.page_size)
@@ -162,8 +182,15 @@ class MultiStep(StepVariant):
 
     def unpack(self, out: Any, packed: StepInputs) -> StepSamples:
         # [steps, R, L, ...] -> [rows, steps, ...]
-        runs = {f: None if x is None else np.moveaxis(x.reshape(x.shape[:1] + (-1,) + x.shape[3:])[
-            :, np.maximum(packed.logit_at, 0)], 0, 1)
-            for f, x in (("tokens", out.tokens), ("logprobs", out.logprobs), ("top_ids", out.top_ids),
-                         ("top_logprobs", out.top_logprobs))}
+        runs = {
+            f: None
+            if x is None
+            else np.moveaxis(x.reshape(x.shape[:1] + (-1,) + x.shape[3:])[:, np.maximum(packed.logit_at, 0)], 0, 1)
+            for f, x in (
+                ("tokens", out.tokens),
+                ("logprobs", out.logprobs),
+                ("top_ids", out.top_ids),
+                ("top_logprobs", out.top_logprobs),
+            )
+        }
         return StepSamples(num_emitted=np.asarray(packed.num_steps, np.int32), **runs)

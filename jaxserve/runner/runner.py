@@ -41,10 +41,19 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """Owns params and the KV cache (`state`); runs one step at a time in the variant its rows need."""
 
-    def __init__(self, cfg: ModelConfig, params: Params, cache: KVCache, buckets: BucketTable,
-                 options: StepOptions = StepOptions(), shardings: Any = None, num_scheduler_steps: int = 1):
-        self.ctx = ctx = StepContext(cfg, options, buckets, cache.num_replicas, cache.page_size, shardings,
-                                     cache.quantized, num_scheduler_steps)
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: Params,
+        cache: KVCache,
+        buckets: BucketTable,
+        options: StepOptions = StepOptions(),
+        shardings: Any = None,
+        num_scheduler_steps: int = 1,
+    ):
+        self.ctx = ctx = StepContext(
+            cfg, options, buckets, cache.num_replicas, cache.page_size, shardings, cache.quantized, num_scheduler_steps
+        )
         self.cfg, self.buckets, self.options, self.shardings = cfg, buckets, options, shardings
         self.num_replicas, self.history_len, self.grammar_masks = ctx.num_replicas, ctx.history_len, ctx.grammar_masks
         carried = jax.device_put(np.zeros((ctx.num_replicas, buckets.max_rows), np.int32), ctx.carry_sharding)
@@ -118,8 +127,10 @@ class ModelRunner:
     def _lower(self, key: tuple) -> tuple[Any, Layout]:
         packed, fields = split_sparse(self.step_inputs(key))
         layout = Layout.of(packed)
-        sparse = tuple(jax.ShapeDtypeStruct((f.shape[0], math.prod(f.shape[1:])), f.dtype,
-                                            sharding=self.ctx.buffer_sharding) for f in fields)
+        sparse = tuple(
+            jax.ShapeDtypeStruct((f.shape[0], math.prod(f.shape[1:])), f.dtype, sharding=self.ctx.buffer_sharding)
+            for f in fields
+        )
         return self._variant_of(key).lower(key, self.state, layout, sparse), layout
 
     def compile(self, key: tuple) -> Any:
@@ -161,7 +172,8 @@ class ModelRunner:
     def stats(self) -> dict:
         return dict(
             compiles_after_warmup=(CompileCounter.requests - self.compiles_at_warm_up)
-            if self.compiles_at_warm_up is not None else None,
+            if self.compiles_at_warm_up is not None
+            else None,
             executables=self.num_executables(),
             # structured output: host time computing grammar masks, and the constrained rows masked
             grammar_mask_seconds_total=self.grammar_masks.seconds,
@@ -189,8 +201,7 @@ class ModelRunner:
         packed = self.prepare_inputs(rows)
         variant = self._variant_of(packed.shape)
         out = self.run_step(packed.shape, packed.inputs, packed.buffer)
-        return PendingSamples(variant.fetched(out, logprobs), packed, variant.unpack,
-                              start_copy=self.platform != "cpu")
+        return PendingSamples(variant.fetched(out, logprobs), packed, variant.unpack, start_copy=self.platform != "cpu")
 
     def execute_rows(self, rows: Sequence[Any]) -> StepSamples:
         """`execute` and wait for the samples: one step run to completion (tests, benchmarks)."""
@@ -256,6 +267,7 @@ class ModelRunner:
         def run():
             self.peers.step(key, inputs)
             return self._call(key, executable, sparse, buffer)
+
         return run
 
     def put_inputs(self, key: tuple, inputs: tuple) -> jax.Array:
@@ -265,6 +277,7 @@ class ModelRunner:
 
     def put_buffer(self, host: np.ndarray) -> jax.Array:
         return self.transfer.put_buffer(host)
+
     # ---- release -------------------------------------------------------------------------------
     def close(self) -> None:
         """Drop every compiled executable and delete the device buffers (the draft's too); afterwards
@@ -282,8 +295,9 @@ class ModelRunner:
 
     def check_open(self) -> None:
         if self.closed:
-            raise EngineClosedError("this engine is closed (its executables, weights and KV cache are released); "
-                                    "build a new one")
+            raise EngineClosedError(
+                "this engine is closed (its executables, weights and KV cache are released); build a new one"
+            )
 
 
 # What `enable_lora` compiles the slot write with: an adapter of no modules (zeros everywhere).

@@ -44,8 +44,9 @@ class SpeculativeStep(StepVariant):
         if draft is not None:
             c = state.cache
             state.draft_params = draft.params
-            state.draft_cache = init_cache(draft.cfg, c.num_pages, c.page_size, draft.dtype, c.num_replicas,
-                                           draft.shardings.cache)
+            state.draft_cache = init_cache(
+                draft.cfg, c.num_pages, c.page_size, draft.dtype, c.num_replicas, draft.shardings.cache
+            )
             self.draft_cfg = draft.cfg
             self.draft_cache_sharding = cache_shardings(draft.shardings, "auto")
 
@@ -72,12 +73,16 @@ class SpeculativeStep(StepVariant):
         c = self.ctx
         N, P = key[:2]
         G, R = c.num_logits(N), c.num_replicas
-        rows = SpecRows(num_draft=c.i32(G), want_logprobs=jax.ShapeDtypeStruct((R, G), jnp.bool_),
-                        group_logits=c.i32(G * self.width))
+        rows = SpecRows(
+            num_draft=c.i32(G),
+            want_logprobs=jax.ShapeDtypeStruct((R, G), jnp.bool_),
+            group_logits=c.i32(G * self.width),
+        )
         draft = None
         if self.method == "draft":
-            draft = DraftInputs(batch=c.ragged_spec(N, P, G, lora=False), draft_index=c.i32(G, self.num_tokens),
-                                group_row=c.i32(G))
+            draft = DraftInputs(
+                batch=c.ragged_spec(N, P, G, lora=False), draft_index=c.i32(G, self.num_tokens), group_row=c.i32(G)
+            )
         return c.ragged_spec(N, P, num_logits(N, G, self)), SamplingTensors.spec((R, G), c.history_len), rows, draft
 
     def lower(self, key: tuple, state: DeviceState, layout: Layout, sparse: tuple):
@@ -85,16 +90,29 @@ class SpeculativeStep(StepVariant):
         carried = jax.ShapeDtypeStruct(state.carried.shape, jnp.int32, sharding=c.carry_sharding)
         options = SpecOptions(method=self.method, num_tokens=self.num_tokens, accept_all=self.accept_all)
         return _step_jit.trace(
-            state.params, state.cache, state.draft_params, state.draft_cache, carried, sparse,
-            layout.spec(c.buffer_sharding), layout=layout, cfg=c.cfg, draft_cfg=self.draft_cfg, options=c.options,
-            spec=options, cache_sharding=c.cache_sharding, draft_cache_sharding=self.draft_cache_sharding,
-            out_sharding=c.out_sharding).lower()
+            state.params,
+            state.cache,
+            state.draft_params,
+            state.draft_cache,
+            carried,
+            sparse,
+            layout.spec(c.buffer_sharding),
+            layout=layout,
+            cfg=c.cfg,
+            draft_cfg=self.draft_cfg,
+            options=c.options,
+            spec=options,
+            cache_sharding=c.cache_sharding,
+            draft_cache_sharding=self.draft_cache_sharding,
+            out_sharding=c.out_sharding,
+        ).lower()
 
     def call(self, executable: Any, state: DeviceState, sparse: tuple, buffer: Any) -> Any:
         """Run a compiled speculative step, replacing the donated caches; returns the VerifyOutput
         ([R, G] leading, on the device)."""
         out, state.cache, state.draft_cache, state.carried = executable(
-            state.params, state.cache, state.draft_params, state.draft_cache, state.carried, sparse, buffer)
+            state.params, state.cache, state.draft_params, state.draft_cache, state.carried, sparse, buffer
+        )
         return out
 
     def pack(self, rows: Sequence[Any], key: tuple, layout: Layout) -> StepInputs:
@@ -116,24 +134,65 @@ def num_logits(N: int, G: int, spec: SpeculativeStep) -> int:
     return min(N, G * spec.width)
 
 
-def _step(params, cache, draft_params, draft_cache, carried, sparse, batch, sampling, rows, draft, *, cfg, draft_cfg,
-          options, spec, cache_sharding=None, draft_cache_sharding=None, out_sharding=None):
+def _step(
+    params,
+    cache,
+    draft_params,
+    draft_cache,
+    carried,
+    sparse,
+    batch,
+    sampling,
+    rows,
+    draft,
+    *,
+    cfg,
+    draft_cfg,
+    options,
+    spec,
+    cache_sharding=None,
+    draft_cache_sharding=None,
+    out_sharding=None,
+):
     """The executable's calling convention: `carried` (the plain steps' placeholder tokens) passes
     through, since speculative engines run each step to completion; `sparse`: the sampling's
     penalty histories and logit-bias slots, as the plain steps take them."""
     out, cache, draft_cache = speculative_step(
-        params, cache, draft_params, draft_cache, batch, with_sparse(sampling, sparse), rows, draft, cfg=cfg,
-        draft_cfg=draft_cfg, options=options, spec=spec, cache_sharding=cache_sharding,
-        draft_cache_sharding=draft_cache_sharding)
+        params,
+        cache,
+        draft_params,
+        draft_cache,
+        batch,
+        with_sparse(sampling, sparse),
+        rows,
+        draft,
+        cfg=cfg,
+        draft_cfg=draft_cfg,
+        options=options,
+        spec=spec,
+        cache_sharding=cache_sharding,
+        draft_cache_sharding=draft_cache_sharding,
+    )
     if out_sharding is not None:  # multi-host: every process reads its own full copy of the outputs
         out = jax.lax.with_sharding_constraint(out, out_sharding)
     return out, cache, draft_cache, carried
 
 
 # Compiled as (params, cache, draft params, draft cache, carried, sparse, packed inputs): see jaxserve.model.transfer.
-_step_jit = jax.jit(from_buffer(_step, 6), static_argnames=(
-    "layout", "cfg", "draft_cfg", "options", "spec", "cache_sharding", "draft_cache_sharding", "out_sharding"),
-    donate_argnums=(1, 3))
+_step_jit = jax.jit(
+    from_buffer(_step, 6),
+    static_argnames=(
+        "layout",
+        "cfg",
+        "draft_cfg",
+        "options",
+        "spec",
+        "cache_sharding",
+        "draft_cache_sharding",
+        "out_sharding",
+    ),
+    donate_argnums=(1, 3),
+)
 
 
 def _pack(spec: SpeculativeStep, rows: Sequence[Any], shape: tuple) -> StepInputs:
@@ -161,9 +220,19 @@ def _pack(spec: SpeculativeStep, rows: Sequence[Any], shape: tuple) -> StepInput
     logit_at = np.full(len(rows), -1, np.int64)
     token_at: list[tuple[int, int, int]] = [(0, 0, 1)] * len(rows)
     for rep, indices in enumerate(per_replica):
-        arrays = pack_ragged([RaggedRow(rows[i].tokens, rows[i].start_pos, pages[i],
-                                        (1 + rows[i].num_drafts) if rows[i].samples else 0) for i in indices],
-                             page_size=ps, num_tokens=N, num_rows=S, max_pages=P, num_logits=L)
+        arrays = pack_ragged(
+            [
+                RaggedRow(
+                    rows[i].tokens, rows[i].start_pos, pages[i], (1 + rows[i].num_drafts) if rows[i].samples else 0
+                )
+                for i in indices
+            ],
+            page_size=ps,
+            num_tokens=N,
+            num_rows=S,
+            max_pages=P,
+            num_logits=L,
+        )
         g = c = 0  # the next group, and its first entry in arrays.logit_index
         for k, i in enumerate(indices):
             row, first = rows[i], int(arrays.query_start[k])
@@ -171,7 +240,7 @@ def _pack(spec: SpeculativeStep, rows: Sequence[Any], shape: tuple) -> StepInput
             if not row.samples:
                 continue
             w = 1 + row.num_drafts
-            group_logits[rep, g * W: (g + 1) * W] = c + np.minimum(np.arange(W), w - 1)
+            group_logits[rep, g * W : (g + 1) * W] = c + np.minimum(np.arange(W), w - 1)
             flat_sampling[rep * G + g] = row.sampling
             if row.sampling is not None:
                 flat_steps[rep * G + g] = row.sampling.step if row.step is None else row.step
@@ -181,31 +250,50 @@ def _pack(spec: SpeculativeStep, rows: Sequence[Any], shape: tuple) -> StepInput
             g, c = g + 1, c + w
         _append(fields, arrays)
         if draft:
-            _append(draft_fields, _draft_arrays([rows[i] for i in indices], [pages[i] for i in indices], ps, N, S, P,
-                                                G))
-    batch = RaggedBatch(**{name: np.stack(v) for name, v in fields.items()},
-                        row_lora=np.stack(row_lora) if ctx.lora else None)
+            _append(
+                draft_fields, _draft_arrays([rows[i] for i in indices], [pages[i] for i in indices], ps, N, S, P, G)
+            )
+    batch = RaggedBatch(
+        **{name: np.stack(v) for name, v in fields.items()}, row_lora=np.stack(row_lora) if ctx.lora else None
+    )
     st = SamplingTensors.pack(flat_sampling, (R, G), ctx.history_len, steps=flat_steps)
     draft_inputs = None
     if draft:
-        draft_inputs = DraftInputs(batch=RaggedBatch(**{name: np.stack(v) for name, v in draft_fields.items()}),
-                                   draft_index=draft_index, group_row=group_row)
-    return StepInputs(shape, batch, st, None, logit_at, token_at,
-                      (SpecRows(num_draft, want_logprobs, group_logits), draft_inputs))
+        draft_inputs = DraftInputs(
+            batch=RaggedBatch(**{name: np.stack(v) for name, v in draft_fields.items()}),
+            draft_index=draft_index,
+            group_row=group_row,
+        )
+    return StepInputs(
+        shape, batch, st, None, logit_at, token_at, (SpecRows(num_draft, want_logprobs, group_logits), draft_inputs)
+    )
 
 
-def _draft_arrays(rows: Sequence[Any], pages: Sequence[Any], page_size: int, num_tokens: int, num_rows: int,
-                  max_pages: int, num_groups: int) -> RaggedArrays:
+def _draft_arrays(
+    rows: Sequence[Any],
+    pages: Sequence[Any],
+    page_size: int,
+    num_tokens: int,
+    num_rows: int,
+    max_pages: int,
+    num_groups: int,
+) -> RaggedArrays:
     """The draft model's batch of one replica: each row's tokens the draft's cache lacks (a row's own
     tokens, drafts excluded, unless it names others) and a logit at the last of each sampling row's."""
+
     def own(r):  # (tokens, start) the draft takes for row r
         if r.draft_tokens is None:
             return r.tokens[: len(r.tokens) - r.num_drafts], r.start_pos
         return r.draft_tokens, r.draft_start
 
-    return pack_ragged([RaggedRow(*own(r), p, int(r.samples)) for r, p in zip(rows, pages)],
-                       page_size=page_size, num_tokens=num_tokens, num_rows=num_rows, max_pages=max_pages,
-                       num_logits=num_groups)
+    return pack_ragged(
+        [RaggedRow(*own(r), p, int(r.samples)) for r, p in zip(rows, pages)],
+        page_size=page_size,
+        num_tokens=num_tokens,
+        num_rows=num_rows,
+        max_pages=max_pages,
+        num_logits=num_groups,
+    )
 
 
 def _append(fields: dict[str, list], arrays: RaggedArrays) -> None:

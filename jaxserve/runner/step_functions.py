@@ -23,8 +23,10 @@ def _take_carried(batch: RaggedBatch, sampling: SamplingTensors, carried: jax.Ar
     """The step's inputs with every placeholder (`jaxserve.model.placeholders`: a token the previous step
     sampled, not yet on the host) replaced by that step's carried token: in the tokens computed and
     in the penalty histories."""
-    return (batch.replace(tokens=resolve(batch.tokens, carried)),
-            sampling.replace(history=resolve(sampling.history, carried)))
+    return (
+        batch.replace(tokens=resolve(batch.tokens, carried)),
+        sampling.replace(history=resolve(sampling.history, carried)),
+    )
 
 
 def _carry(tokens: jax.Array, carried: jax.Array, carry_sharding=None) -> jax.Array:
@@ -48,11 +50,24 @@ def sample_per_replica(logits, mask, sampling, mesh):
     allowed tokens. Top logprobs under a cond inside `sample` (only steps where a row asks pay for
     the top-k): one executable, where a second compiled variant per bucket would double start-up."""
     return per_replica(lambda x, m, st: sample(mask_logits(x, m), st, want_logprobs=MAX_LOGPROBS), mesh)(
-        logits, mask, sampling)
+        logits, mask, sampling
+    )
 
 
-def _generate_step(params, cache, carried, sparse, batch, sampling, mask, cfg, options, cache_sharding=None,
-                   out_sharding=None, carry_sharding=None):
+def _generate_step(
+    params,
+    cache,
+    carried,
+    sparse,
+    batch,
+    sampling,
+    mask,
+    cfg,
+    options,
+    cache_sharding=None,
+    out_sharding=None,
+    carry_sharding=None,
+):
     """One ragged step: the forward, then a sample per row that samples. `carried` i32[R, S]: the
     previous step's samples (what placeholders name); `sparse`: the SPARSE_FIELDS of `sampling`;
     returns (samples [R, L], cache, carried)."""
@@ -81,12 +96,28 @@ def _next_decode_batch(batch: RaggedBatch, tokens: jax.Array, active: jax.Array,
     page = jnp.take_along_axis(pages, jnp.minimum(positions // page_size, last)[..., None], -1)[..., 0]
     slots = jnp.where(tok_active, page * page_size + positions % page_size, PAD_SLOT)
     next_tokens = jnp.where(tok_active, take(tokens, jnp.minimum(row, tokens.shape[-1] - 1)), batch.tokens)
-    return batch.replace(tokens=next_tokens.astype(jnp.int32), positions=positions, slots=slots,
-                         context_lens=batch.context_lens + active)
+    return batch.replace(
+        tokens=next_tokens.astype(jnp.int32), positions=positions, slots=slots, context_lens=batch.context_lens + active
+    )
 
 
-def _multi_decode_step(params, cache, carried, sparse, batch, sampling, mask, steps, cfg, options, num_steps,
-                       page_size, cache_sharding=None, out_sharding=None, carry_sharding=None):
+def _multi_decode_step(
+    params,
+    cache,
+    carried,
+    sparse,
+    batch,
+    sampling,
+    mask,
+    steps,
+    cfg,
+    options,
+    num_steps,
+    page_size,
+    cache_sharding=None,
+    out_sharding=None,
+    carry_sharding=None,
+):
     """`num_steps` decode steps in one call (num_scheduler_steps): each feeds the token it sampled to
     the next, so the host is not needed in between. Row r takes part in its first steps[r] steps and
     writes nothing after (its pages beyond those are not its own). Samples: [num_steps, R, L, ...].
@@ -108,20 +139,36 @@ def _multi_decode_step(params, cache, carried, sparse, batch, sampling, mask, st
     return out, cache, carried
 
 
-multi_decode_step = jax.jit(from_buffer(_multi_decode_step, 4),
-                                 static_argnames=_STATIC + ("num_steps", "page_size"), donate_argnums=(1,))
+multi_decode_step = jax.jit(
+    from_buffer(_multi_decode_step, 4), static_argnames=_STATIC + ("num_steps", "page_size"), donate_argnums=(1,)
+)
 
 
-def _score_step(params, cache, carried, sparse, batch, sampling, mask, sample_index, targets, cfg, options,
-                cache_sharding=None, out_sharding=None, carry_sharding=None):
+def _score_step(
+    params,
+    cache,
+    carried,
+    sparse,
+    batch,
+    sampling,
+    mask,
+    sample_index,
+    targets,
+    cfg,
+    options,
+    cache_sharding=None,
+    out_sharding=None,
+    carry_sharding=None,
+):
     """A step that also scores every token (prompt_logprobs): `batch.logit_index` lists all N tokens,
     `sample_index` i32[R, L] the ones that sample."""
     batch, sampling = _take_carried(batch, with_sparse(sampling, sparse), carried)
     logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, N, V]
     if cache_sharding is not None:
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
-    sampled = sample_per_replica(jnp.take_along_axis(logits, sample_index[..., None], axis=1), mask, sampling,
-                                 options.mesh)
+    sampled = sample_per_replica(
+        jnp.take_along_axis(logits, sample_index[..., None], axis=1), mask, sampling, options.mesh
+    )
     logp = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
     target = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]

@@ -48,7 +48,7 @@ class StepSamples:
 
     def row(self, i: int) -> SampleOutput:
         """Row i's run as a SampleOutput of [W] (what `OutputProcessor.record_logprobs` reads)."""
-        pick = (lambda x: None if x is None else x[i])
+        pick = lambda x: None if x is None else x[i]
         return SampleOutput(self.tokens[i], pick(self.logprobs), pick(self.top_ids), pick(self.top_logprobs))
 
 
@@ -98,8 +98,9 @@ class PendingSamples:
     run. `start_copy` False (a CPU device, whose arrays NumPy reads in place): no copy is started,
     which only cost the host ~7 us an array there."""
 
-    def __init__(self, out: Any, packed: StepInputs, unpack: Callable[[Any, StepInputs], StepSamples],
-                 start_copy: bool = True):
+    def __init__(
+        self, out: Any, packed: StepInputs, unpack: Callable[[Any, StepInputs], StepSamples], start_copy: bool = True
+    ):
         self.packed = packed
         self._out = out
         self._unpack = unpack

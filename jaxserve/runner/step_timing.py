@@ -36,9 +36,11 @@ def capture_step(runner, rows: Sequence) -> CapturedStep:
     executables = runner.table.executables
     originals = dict(executables)
     for shape, exe in originals.items():
+
         def recorder(*a, _exe=exe, _shape=shape):
             captured["shape"], captured["args"] = _shape, a
             return _exe(*a)
+
         executables[shape] = recorder
     try:
         runner.execute_rows(rows)

@@ -59,8 +59,11 @@ class StepContext:
         self.carry_sharding = replicated
         # The packed inputs: over the replicas (the `data` axis) on a mesh.
         self.buffer_sharding = None if self.shardings is None else self.shardings.batch2
-        self.cache_sharding = None if self.shardings is None else cache_shardings(
-            self.shardings, "int8" if self.cache_quantized else "auto")
+        self.cache_sharding = (
+            None
+            if self.shardings is None
+            else cache_shardings(self.shardings, "int8" if self.cache_quantized else "auto")
+        )
 
     @property
     def max_rows(self) -> int:
@@ -79,10 +82,17 @@ class StepContext:
         slots; by default when the engine serves LoRA)."""
         S, i32 = self.max_rows, self.i32
         with_lora = self.lora if lora is None else lora
-        return RaggedBatch(tokens=i32(num_tokens), positions=i32(num_tokens), slots=i32(num_tokens),
-                           token_row=i32(num_tokens), query_start=i32(S + 1), context_lens=i32(S),
-                           page_table=i32(S, pages), logit_index=i32(num_logits),
-                           row_lora=i32(S) if with_lora else None)
+        return RaggedBatch(
+            tokens=i32(num_tokens),
+            positions=i32(num_tokens),
+            slots=i32(num_tokens),
+            token_row=i32(num_tokens),
+            query_start=i32(S + 1),
+            context_lens=i32(S),
+            page_table=i32(S, pages),
+            logit_index=i32(num_logits),
+            row_lora=i32(S) if with_lora else None,
+        )
 
     def bucket_for(self, rows: Sequence[Any], extra_steps: Sequence[int] | None = None) -> tuple:
         """The (tokens, pages) bucket these rows pack into: the most tokens on one replica, and each
@@ -161,13 +171,25 @@ class StepVariant:
     def static(self, key: tuple) -> dict:
         """The step function's static arguments besides the layout."""
         c = self.ctx
-        return dict(cfg=c.cfg, options=c.options, cache_sharding=c.cache_sharding, out_sharding=c.out_sharding,
-                    carry_sharding=c.carry_sharding)
+        return dict(
+            cfg=c.cfg,
+            options=c.options,
+            cache_sharding=c.cache_sharding,
+            out_sharding=c.out_sharding,
+            carry_sharding=c.carry_sharding,
+        )
 
     def lower(self, key: tuple, state: DeviceState, layout: Layout, sparse: tuple):
         carried = jax.ShapeDtypeStruct(state.carried.shape, jnp.int32, sharding=self.ctx.carry_sharding)
-        return self.jitted.trace(state.params, state.cache, carried, sparse, layout.spec(self.ctx.buffer_sharding),
-                                 layout=layout, **self.static(key)).lower()
+        return self.jitted.trace(
+            state.params,
+            state.cache,
+            carried,
+            sparse,
+            layout.spec(self.ctx.buffer_sharding),
+            layout=layout,
+            **self.static(key),
+        ).lower()
 
     def call(self, executable: Any, state: DeviceState, sparse: tuple, buffer: Any) -> Any:
         """Run the executable, replacing the donated cache and the carried samples; returns its outputs."""

@@ -74,8 +74,12 @@ class SamplingField:
             return True
         if self.type is int and (isinstance(value, bool) or not isinstance(value, int)):
             return False
-        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
 
     def requirement(self) -> str:
         """E.g. "in (0, 1]" or "an integer >= 1": what the error says the value must be."""
@@ -115,34 +119,102 @@ F32 = "float32"
 I32 = "int32"
 
 FIELDS: tuple[SamplingField, ...] = (
-    SamplingField("max_tokens", int, 16, "the most tokens to generate", ge=1, request=False,
-                  config_key="max_new_tokens"),
-    SamplingField("temperature", float, 1.0, "0 is greedy", ge=0, api_le=2, config_key="temperature",
-                  device=DeviceArray(F32, 0.0)),
-    SamplingField("top_k", int, 0, "0 or -1: no limit", ge=-1,
-                  must="0 or -1 (no limit) or a positive integer", config_key="top_k", device=DeviceArray(I32, 0)),
-    SamplingField("top_p", float, 1.0, "sample from the most likely tokens that make up this much probability; "
-                  "1: no limit", gt=0, le=1, config_key="top_p", device=DeviceArray(F32, 1.0)),
-    SamplingField("seed", int, None, "the same seed, prompt and parameters give the same output; default: random",
-                  ge=0, lt=2**32, must="in [0, 2**32)"),
+    SamplingField(
+        "max_tokens", int, 16, "the most tokens to generate", ge=1, request=False, config_key="max_new_tokens"
+    ),
+    SamplingField(
+        "temperature", float, 1.0, "0 is greedy", ge=0, api_le=2, config_key="temperature", device=DeviceArray(F32, 0.0)
+    ),
+    SamplingField(
+        "top_k",
+        int,
+        0,
+        "0 or -1: no limit",
+        ge=-1,
+        must="0 or -1 (no limit) or a positive integer",
+        config_key="top_k",
+        device=DeviceArray(I32, 0),
+    ),
+    SamplingField(
+        "top_p",
+        float,
+        1.0,
+        "sample from the most likely tokens that make up this much probability; 1: no limit",
+        gt=0,
+        le=1,
+        config_key="top_p",
+        device=DeviceArray(F32, 1.0),
+    ),
+    SamplingField(
+        "seed",
+        int,
+        None,
+        "the same seed, prompt and parameters give the same output; default: random",
+        ge=0,
+        lt=2**32,
+        must="in [0, 2**32)",
+    ),
     SamplingField("ignore_eos", bool, False, "keep generating past the end-of-sequence token"),
     SamplingField("n", int, 1, "completions per prompt", ge=1, api_le=MAX_N),
     SamplingField("min_tokens", int, 0, "EOS and stop conditions are ignored before this many tokens", ge=0),
     SamplingField("include_stop_str_in_output", bool, False, "keep the matched stop string in the returned text"),
     SamplingField("skip_special_tokens", bool, True, "leave special tokens out of the returned text"),
-    SamplingField("min_p", float, 0.0, "drop tokens less likely than min_p times the most likely one; 0: no limit",
-                  ge=0, le=1, config_key="min_p", device=DeviceArray(F32, 0.0)),
-    SamplingField("repetition_penalty", float, 1.0, "penalises tokens of the prompt and the output so far "
-                  "(HF/vLLM: a positive logit divided by it, a negative one multiplied); 1: off", gt=0, api_le=100,
-                  config_key="repetition_penalty", device=DeviceArray(F32, 1.0)),
-    SamplingField("presence_penalty", float, 0.0, "subtracted from the logit of each token the output already has "
-                  "(OpenAI); 0: off", ge=-2, le=2, device=DeviceArray(F32, 0.0)),
-    SamplingField("frequency_penalty", float, 0.0, "subtracted from a token's logit once per time the output has "
-                  "it (OpenAI); 0: off", ge=-2, le=2, device=DeviceArray(F32, 0.0)),
-    SamplingField("logprobs", int, None, "top-N logprobs per output token (0: only the chosen token's)", ge=0,
-                  le=MAX_LOGPROBS, request=False),
-    SamplingField("prompt_logprobs", int, None, "top-N logprobs per prompt token (0: only the prompt token's)",
-                  ge=0, le=MAX_LOGPROBS),
+    SamplingField(
+        "min_p",
+        float,
+        0.0,
+        "drop tokens less likely than min_p times the most likely one; 0: no limit",
+        ge=0,
+        le=1,
+        config_key="min_p",
+        device=DeviceArray(F32, 0.0),
+    ),
+    SamplingField(
+        "repetition_penalty",
+        float,
+        1.0,
+        "penalises tokens of the prompt and the output so far "
+        "(HF/vLLM: a positive logit divided by it, a negative one multiplied); 1: off",
+        gt=0,
+        api_le=100,
+        config_key="repetition_penalty",
+        device=DeviceArray(F32, 1.0),
+    ),
+    SamplingField(
+        "presence_penalty",
+        float,
+        0.0,
+        "subtracted from the logit of each token the output already has (OpenAI); 0: off",
+        ge=-2,
+        le=2,
+        device=DeviceArray(F32, 0.0),
+    ),
+    SamplingField(
+        "frequency_penalty",
+        float,
+        0.0,
+        "subtracted from a token's logit once per time the output has it (OpenAI); 0: off",
+        ge=-2,
+        le=2,
+        device=DeviceArray(F32, 0.0),
+    ),
+    SamplingField(
+        "logprobs",
+        int,
+        None,
+        "top-N logprobs per output token (0: only the chosen token's)",
+        ge=0,
+        le=MAX_LOGPROBS,
+        request=False,
+    ),
+    SamplingField(
+        "prompt_logprobs",
+        int,
+        None,
+        "top-N logprobs per prompt token (0: only the prompt token's)",
+        ge=0,
+        le=MAX_LOGPROBS,
+    ),
 )
 
 BY_NAME: dict[str, SamplingField] = {f.name: f for f in FIELDS}

@@ -61,15 +61,18 @@ class SamplingParams:
             raise RequestError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
         if self.structured is not None:
             if not isinstance(self.structured, StructuredSpec):
-                raise RequestError(f"structured must be a jaxserve.structured.StructuredSpec, got "
-                                   f"{type(self.structured).__name__}")
+                raise RequestError(
+                    f"structured must be a jaxserve.structured.StructuredSpec, got {type(self.structured).__name__}"
+                )
             # A finished grammar allows only EOS: an output that may not end there cannot be served.
             if self.ignore_eos:
-                raise RequestError("ignore_eos cannot be combined with structured output (a finished grammar "
-                                   "ends the output with EOS)")
+                raise RequestError(
+                    "ignore_eos cannot be combined with structured output (a finished grammar ends the output with EOS)"
+                )
             if self.min_tokens:
-                raise RequestError("min_tokens cannot be combined with structured output (the grammar decides "
-                                   "where the output ends)")
+                raise RequestError(
+                    "min_tokens cannot be combined with structured output (the grammar decides where the output ends)"
+                )
 
     @property
     def greedy(self) -> bool:

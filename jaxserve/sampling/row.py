@@ -35,8 +35,9 @@ class RowSampling:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @classmethod
-    def from_params(cls, params: Any, *, seed: int, step: int, prompt_ids: Sequence[int] = (),
-                    output_ids: Sequence[int] = ()) -> RowSampling:
+    def from_params(
+        cls, params: Any, *, seed: int, step: int, prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = ()
+    ) -> RowSampling:
         """From a SamplingParams: its device fields, logit_bias and logprobs, with the engine's seed and step."""
         return cls(
             **{f.name: getattr(params, f.name) for f in DEVICE_FIELDS},
@@ -47,5 +48,3 @@ class RowSampling:
             logit_bias=params.logit_bias,
             logprobs=params.logprobs or 0,
         )
-
-

@@ -77,8 +77,18 @@ _SAMPLING_PARAMS = sorted(f.name for f in dataclasses.fields(SamplingParams))
 # Gate middleware: API key (401), body size (413), status counters.
 # ==============================================================================================
 
-_KNOWN_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/capabilities", "/health", "/metrics",
-                 "/tokenize", "/detokenize", RESPONSES_ROUTE, *LORA_ROUTES}
+_KNOWN_ROUTES = {
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/v1/capabilities",
+    "/health",
+    "/metrics",
+    "/tokenize",
+    "/detokenize",
+    RESPONSES_ROUTE,
+    *LORA_ROUTES,
+}
 
 
 class GateMiddleware:
@@ -119,7 +129,8 @@ class GateMiddleware:
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
                 return await self._send_error(
-                    send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+                    send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                )
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         limit = self.state.options.max_body_bytes
@@ -163,8 +174,9 @@ class GateMiddleware:
 # ==============================================================================================
 
 
-def create_app(options: ServerOptions | None = None, engine: ServingEngine | None = None,
-               shutdown_engine: bool = False) -> FastAPI:
+def create_app(
+    options: ServerOptions | None = None, engine: ServingEngine | None = None, shutdown_engine: bool = False
+) -> FastAPI:
     """Build the app. Pass a started, warm `engine` now, or later via `app.state.jaxserve.set_engine(engine)`.
 
     An engine passed here is shut down with the app only if `shutdown_engine`; one attached later with
@@ -179,8 +191,12 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
             state.draining = True
             await asyncio.to_thread(state.engine.shutdown)
 
-    app = FastAPI(title="jaxserve", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible LLM inference server over jaxserve's JAX engine.")
+    app = FastAPI(
+        title="jaxserve",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible LLM inference server over jaxserve's JAX engine.",
+    )
     app.state.jaxserve = state
     if engine is not None:
         state.set_engine(engine, owned=shutdown_engine)
@@ -201,12 +217,17 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
         unsupported = [e for e in errors if e.get("type") == "unsupported_field"]
         if unsupported:
             fields = sorted({str((e.get("ctx") or {}).get("field")) for e in unsupported})
-            return error_response(400, "; ".join(sorted({e["msg"] for e in unsupported})), param=fields[0],
-                                  code="unsupported_parameter")
+            return error_response(
+                400, "; ".join(sorted({e["msg"] for e in unsupported})), param=fields[0], code="unsupported_parameter"
+            )
         combos = [e for e in errors if e.get("type") == "invalid_combination"]
         if combos:
-            return error_response(400, combos[0]["msg"], param=(combos[0].get("ctx") or {}).get("field"),
-                                  code="invalid_parameter_combination")
+            return error_response(
+                400,
+                combos[0]["msg"],
+                param=(combos[0].get("ctx") or {}).get("field"),
+                code="invalid_parameter_combination",
+            )
         parts, first_param = [], None
         for e in errors[:8]:
             loc = [str(x) for x in e.get("loc", ()) if x != "body"]
@@ -217,8 +238,11 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):
-        return JSONResponse(error_body(err.status_code, str(err.detail)), status_code=err.status_code,
-                            headers=getattr(err, "headers", None))
+        return JSONResponse(
+            error_body(err.status_code, str(err.detail)),
+            status_code=err.status_code,
+            headers=getattr(err, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, err: Exception):
@@ -245,8 +269,15 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
     @app.get("/v1/models", response_model=ModelList, responses=err_responses)
     async def models():
         cards = [
-            {"id": name, "object": "model", "created": state.created, "owned_by": "jaxserve",
-             "root": options.model_path, "parent": None, "max_model_len": state.max_model_len}
+            {
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "jaxserve",
+                "root": options.model_path,
+                "parent": None,
+                "max_model_len": state.max_model_len,
+            }
             for name in options.served_model_names
         ]
         return {"object": "list", "data": cards + state.lora.cards()}  # the adapters loaded now
@@ -263,24 +294,41 @@ def create_app(options: ServerOptions | None = None, engine: ServingEngine | Non
             "chat_template": state.chat.source if state.chat else None,
             "chat_template_origin": state.chat.origin if state.chat else None,
             "generation_defaults": state.generation_defaults.as_dict(),
-            "endpoints": ["POST /v1/completions", "POST /v1/chat/completions", f"POST {RESPONSES_ROUTE}",
-                          f"GET {RESPONSES_ROUTE}/{{id}}", f"DELETE {RESPONSES_ROUTE}/{{id}}", "GET /v1/models",
-                          "GET /v1/capabilities", "GET /health", "GET /metrics", "POST /tokenize",
-                          "POST /detokenize"] + ([f"POST {r}" for r in LORA_ROUTES] if state.lora.runtime_updating else []),
+            "endpoints": [
+                "POST /v1/completions",
+                "POST /v1/chat/completions",
+                f"POST {RESPONSES_ROUTE}",
+                f"GET {RESPONSES_ROUTE}/{{id}}",
+                f"DELETE {RESPONSES_ROUTE}/{{id}}",
+                "GET /v1/models",
+                "GET /v1/capabilities",
+                "GET /health",
+                "GET /metrics",
+                "POST /tokenize",
+                "POST /detokenize",
+            ]
+            + ([f"POST {r}" for r in LORA_ROUTES] if state.lora.runtime_updating else []),
             "lora": state.lora.describe(),
             "completions": {"fields": sorted(CompletionRequest.model_fields)},
-            "chat_completions": {"fields": sorted(ChatCompletionRequest.model_fields),
-                                 "roles": ["system", "developer", "user", "assistant", "tool"],
-                                 "content_parts": ["text"]},
+            "chat_completions": {
+                "fields": sorted(ChatCompletionRequest.model_fields),
+                "roles": ["system", "developer", "user", "assistant", "tool"],
+                "content_parts": ["text"],
+            },
             "tool_choice": ["none", "auto", "required", "function"],
             "tool_call_parser": options.tool_call_parser,
             "reasoning_parser": options.reasoning_parser,
             "response_format": ["text", "json_object", "json_schema"],
             "structured_outputs": ["json", "regex", "choice", "grammar", "json_object"],
             "stream_options": ["include_usage"],
-            "limits": {"max_n": MAX_N, "max_prompts": MAX_PROMPTS, "max_logprobs": MAX_LOGPROBS,
-                       "max_logit_bias": MAX_LOGIT_BIAS,
-                       "max_body_bytes": options.max_body_bytes, "max_waiting": options.max_waiting},
+            "limits": {
+                "max_n": MAX_N,
+                "max_prompts": MAX_PROMPTS,
+                "max_logprobs": MAX_LOGPROBS,
+                "max_logit_bias": MAX_LOGIT_BIAS,
+                "max_body_bytes": options.max_body_bytes,
+                "max_waiting": options.max_waiting,
+            },
             # every engine takes all of SamplingParams (n, stop strings, penalties, logprobs, ...)
             "engine_sampling_params": _SAMPLING_PARAMS if state.ready else [],
             # tools and tool_choice are chat fields: refused only by /v1/completions
@@ -333,8 +381,9 @@ def _openapi_without_422(build: Callable[[], dict]) -> dict:
     return schema
 
 
-async def _generate(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                    chat: bool) -> Response:
+async def _generate(
+    state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool
+) -> Response:
     """Both generation routes: the checks (503, 404), translation (400), the queue bound (503), then the engine."""
     arrival = time.monotonic()
     state.check_ready()

@@ -51,8 +51,10 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 # Variables with a request field of their own: chat_template_kwargs may not replace them.
 RESERVED_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
-CHECK_CONVERSATION = [{"role": "system", "content": "You are a helpful assistant."},
-                      {"role": "user", "content": "Hello!"}]
+CHECK_CONVERSATION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Hello!"},
+]
 
 
 class ChatTemplateError(ValueError):
@@ -71,8 +73,9 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, separators=None,
-            sort_keys: bool = False):
+def _tojson(
+    value: Any, indent: int | None = None, ensure_ascii: bool = False, separators=None, sort_keys: bool = False
+):
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
 
 
@@ -130,9 +133,11 @@ def special_tokens(tokenizer: Any) -> dict[str, str]:
                 continue
             if isinstance(data, dict):
                 named.update({k: t for k in SPECIAL_TOKENS if (t := _config_token(data.get(k)))})
-    ids = {"bos_token": getattr(tokenizer, "bos_token_id", None),
-           "eos_token": getattr(tokenizer, "eos_token_id", None),
-           "pad_token": getattr(tokenizer, "pad_token_id", None)}
+    ids = {
+        "bos_token": getattr(tokenizer, "bos_token_id", None),
+        "eos_token": getattr(tokenizer, "eos_token_id", None),
+        "pad_token": getattr(tokenizer, "pad_token_id", None),
+    }
     return {k: named.get(k) or _token_text(tokenizer, ids.get(k)) or "" for k in SPECIAL_TOKENS}
 
 
@@ -150,8 +155,14 @@ class ChatRenderer:
             self.source, self.template_text = "checkpoint", checkpoint
         else:
             self.source, self.template_text = "fallback-chatml", CHATML_TEMPLATE
-        self.origin = origin or {"setting": "the chat_template setting", "checkpoint": "the checkpoint's chat_template",
-                                 "fallback-chatml": "the ChatML fallback"}[self.source]
+        self.origin = (
+            origin
+            or {
+                "setting": "the chat_template setting",
+                "checkpoint": "the checkpoint's chat_template",
+                "fallback-chatml": "the ChatML fallback",
+            }[self.source]
+        )
         self.special = special_tokens(tokenizer) if tokenizer is not None else dict.fromkeys(SPECIAL_TOKENS, "")
         try:
             self.template = _compile(self.template_text)
@@ -174,10 +185,17 @@ class ChatRenderer:
         kwargs = dict(chat_template_kwargs or {})
         clash = sorted(set(kwargs) & set(RESERVED_VARIABLES))
         if clash:
-            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(clash)}: each is a request "
-                                    "field of its own")
-        variables = {**self.special, **kwargs, "messages": list(messages), "tools": tools, "documents": documents,
-                     "add_generation_prompt": add_generation_prompt}
+            raise ChatTemplateError(
+                f"chat_template_kwargs may not set {', '.join(clash)}: each is a request field of its own"
+            )
+        variables = {
+            **self.special,
+            **kwargs,
+            "messages": list(messages),
+            "tools": tools,
+            "documents": documents,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
             text = self.template.render(**variables)
         except ChatTemplateError:
@@ -208,8 +226,10 @@ class ChatRenderer:
         except TemplateRaised as err:
             refused = err
         except ChatTemplateError as err:
-            raise ChatTemplateError(f"{self.origin} cannot render a [system, user] conversation: "
-                                    f"{str(err).removeprefix('the chat template failed to render: ')}") from None
+            raise ChatTemplateError(
+                f"{self.origin} cannot render a [system, user] conversation: "
+                f"{str(err).removeprefix('the chat template failed to render: ')}"
+            ) from None
         try:
             self.render(CHECK_CONVERSATION[1:])
         except ChatTemplateError as err:
@@ -259,9 +279,11 @@ def build_chat_renderer(tokenizer: Any | None, template_setting: str | None = No
         hint = "" if template is not None else "; give a working one with --chat-template FILE"
         raise ConfigError(f"{err}{hint}") from None
     if renderer.source == "fallback-chatml" and tokenizer is not None:
-        logger.warning("the model ships no chat template: /v1/chat/completions renders ChatML "
-                       "(<|im_start|>role ... <|im_end|>), which this model may not have been trained on; "
-                       "give its template with --chat-template FILE")
+        logger.warning(
+            "the model ships no chat template: /v1/chat/completions renders ChatML "
+            "(<|im_start|>role ... <|im_end|>), which this model may not have been trained on; "
+            "give its template with --chat-template FILE"
+        )
     elif renderer.source != "fallback-chatml":
         logger.info("chat template: %s", renderer.origin)
     return renderer

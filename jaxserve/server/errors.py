@@ -13,16 +13,29 @@ from jaxserve.structured.errors import GrammarError
 
 logger = logging.getLogger(__name__)
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "invalid_request_error", 422: "invalid_request_error", 405: "invalid_request_error",
-                503: "service_unavailable", 500: "internal_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    405: "invalid_request_error",
+    503: "service_unavailable",
+    500: "internal_error",
+}
 
 
 class APIError(Exception):
     """Answered as `{"error": {...}}` with `status` (before a stream starts) or as an in-band SSE error event."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | int | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | int | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -34,10 +47,17 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
-def error_body(status: int, message: str, type: str | None = None, param: str | None = None,
-               code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": type or _ERROR_TYPES.get(status, "error"), "param": param,
-                      "code": code if code is not None else status}}
+def error_body(
+    status: int, message: str, type: str | None = None, param: str | None = None, code: str | int | None = None
+) -> dict:
+    return {
+        "error": {
+            "message": message,
+            "type": type or _ERROR_TYPES.get(status, "error"),
+            "param": param,
+            "code": code if code is not None else status,
+        }
+    }
 
 
 def error_response(status: int, message: str, **kw: Any) -> JSONResponse:
@@ -58,8 +78,13 @@ def engine_error(err: BaseException) -> APIError:
     if isinstance(err, RequestError):
         return APIError(400, str(err), code="invalid_request")
     if isinstance(err, JaxServeError):
-        return APIError(503, f"the engine cannot take this request: {err}", type="service_unavailable",
-                        code="engine_unavailable")
+        return APIError(
+            503, f"the engine cannot take this request: {err}", type="service_unavailable", code="engine_unavailable"
+        )
     logger.error("request failed inside the engine", exc_info=(type(err), err, err.__traceback__))
-    return APIError(500, f"internal error while processing this request: {type(err).__name__}: {err}",
-                    type="internal_error", code="internal_error")
+    return APIError(
+        500,
+        f"internal error while processing this request: {type(err).__name__}: {err}",
+        type="internal_error",
+        code="internal_error",
+    )

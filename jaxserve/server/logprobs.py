@@ -101,13 +101,15 @@ class LogprobFormatter:
         for tid, entry in zip(ids, entries):
             s = self.token(tid)
             chosen = (entry or {}).get(tid)
-            content.append({
-                "token": s,
-                "logprob": _own_value(chosen) if chosen is not None else LOGPROB_FLOOR,
-                "bytes": list(s.encode("utf-8")),
-                "top_logprobs": [
-                    {"token": self.token(t), "logprob": lp, "bytes": list(self.token(t).encode("utf-8"))}
-                    for t, lp in self.top(entry, n)
-                ],
-            })
+            content.append(
+                {
+                    "token": s,
+                    "logprob": _own_value(chosen) if chosen is not None else LOGPROB_FLOOR,
+                    "bytes": list(s.encode("utf-8")),
+                    "top_logprobs": [
+                        {"token": self.token(t), "logprob": lp, "bytes": list(self.token(t).encode("utf-8"))}
+                        for t, lp in self.top(entry, n)
+                    ],
+                }
+            )
         return content

@@ -101,18 +101,30 @@ class ServerLoRA:
 
     def cards(self) -> list[dict]:
         """One /v1/models card per loaded adapter (vLLM's: id, root = its path, parent = the base)."""
-        return [{"id": a.lora_name, "object": "model", "created": self.state.created, "owned_by": "jaxserve",
-                 "root": a.lora_path, "parent": self.parent(a), "max_model_len": self.state.max_model_len}
-                for a in self.adapters()]
+        return [
+            {
+                "id": a.lora_name,
+                "object": "model",
+                "created": self.state.created,
+                "owned_by": "jaxserve",
+                "root": a.lora_path,
+                "parent": self.parent(a),
+                "max_model_len": self.state.max_model_len,
+            }
+            for a in self.adapters()
+        ]
 
     def describe(self) -> dict:
         """The LoRA part of /v1/capabilities."""
         config = getattr(self.state.engine, "config", None)
         out: dict[str, Any] = {"enabled": self.enabled, "runtime_updating": self.runtime_updating}
         if self.enabled:
-            out.update(max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
-                       max_cpu_loras=config.max_cpu_loras or config.max_loras,
-                       adapters=[a.lora_name for a in self.adapters()])
+            out.update(
+                max_loras=config.max_loras,
+                max_lora_rank=config.max_lora_rank,
+                max_cpu_loras=config.max_cpu_loras or config.max_loras,
+                adapters=[a.lora_name for a in self.adapters()],
+            )
         return out
 
     def next_id(self) -> int:
@@ -125,8 +137,11 @@ class ServerLoRA:
     def _check_enabled(self) -> None:
         self.state.check_ready()
         if not self.enabled:
-            raise APIError(400, "LoRA is not enabled on this server: start it with --enable-lora to load adapters",
-                           code="lora_not_enabled")
+            raise APIError(
+                400,
+                "LoRA is not enabled on this server: start it with --enable-lora to load adapters",
+                code="lora_not_enabled",
+            )
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
@@ -134,22 +149,38 @@ class ServerLoRA:
     async def load(self, body: LoadLoRAAdapterRequest) -> str:
         name, path = body.lora_name, body.lora_path
         if not name or not path:
-            raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.",
-                           param="lora_name" if not name else "lora_path", code="missing_parameter")
+            raise APIError(
+                400,
+                "Both 'lora_name' and 'lora_path' must be provided.",
+                param="lora_name" if not name else "lora_path",
+                code="missing_parameter",
+            )
         self._check_enabled()
         if body.is_3d_lora_weight:
-            raise APIError(400, "is_3d_lora_weight (vLLM's 3D MoE adapter weights) is not supported; jaxserve "
-                                "loads PEFT adapters", param="is_3d_lora_weight", code="unsupported_parameter")
+            raise APIError(
+                400,
+                "is_3d_lora_weight (vLLM's 3D MoE adapter weights) is not supported; jaxserve loads PEFT adapters",
+                param="is_3d_lora_weight",
+                code="unsupported_parameter",
+            )
         options = self.state.options
         if name in options.served_model_names or name == options.model_path:
-            raise APIError(400, f"{name!r} is the base model's name: give the adapter another name",
-                           param="lora_name", code="lora_name_taken")
+            raise APIError(
+                400,
+                f"{name!r} is the base model's name: give the adapter another name",
+                param="lora_name",
+                code="lora_name_taken",
+            )
         async with self._lock(name):
             existing = self.lookup(name)
             if existing is not None and not body.load_inplace:
-                raise APIError(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
-                                    "adapter in place, set 'load_inplace' to True.",
-                               param="lora_name", code="lora_adapter_exists")
+                raise APIError(
+                    400,
+                    f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                    "adapter in place, set 'load_inplace' to True.",
+                    param="lora_name",
+                    code="lora_adapter_exists",
+                )
             request = LoRARequest(name, self.next_id(), path)
             if existing is not None:  # in place: requests running with the old weights finish with them
                 await self._remove(name, missing_ok=True)
@@ -159,15 +190,24 @@ class ServerLoRA:
                 if existing is not None:  # put the old one back: a failed replacement changes nothing
                     await self._restore(existing)
                 raise _load_error(err) from None
-        logger.info("loaded LoRA adapter %r from %s (lora_int_id %d)%s", name, path, request.lora_int_id,
-                    " in place" if existing is not None else "")
+        logger.info(
+            "loaded LoRA adapter %r from %s (lora_int_id %d)%s",
+            name,
+            path,
+            request.lora_int_id,
+            " in place" if existing is not None else "",
+        )
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload(self, body: UnloadLoRAAdapterRequest) -> str:
         name = body.lora_name
         if not name and body.lora_int_id is None:
-            raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.", param="lora_name",
-                           code="missing_parameter")
+            raise APIError(
+                400,
+                "'lora_name' needs to be provided to unload a LoRA adapter.",
+                param="lora_name",
+                code="missing_parameter",
+            )
         self._check_enabled()
         if not name:  # older vLLM clients name it by id
             adapter = next((a for a in self.adapters() if a.lora_int_id == body.lora_int_id), None)
@@ -194,8 +234,13 @@ class ServerLoRA:
 
     def _not_found(self, message: str) -> APIError:
         loaded = ", ".join(repr(a.lora_name) for a in self.adapters()) or "none"
-        return APIError(404, f"{message} (loaded: {loaded})", type="not_found_error", param="lora_name",
-                        code="lora_adapter_not_found")
+        return APIError(
+            404,
+            f"{message} (loaded: {loaded})",
+            type="not_found_error",
+            param="lora_name",
+            code="lora_adapter_not_found",
+        )
 
 
 def _load_error(err: BaseException) -> BaseException:
@@ -208,8 +253,11 @@ def _load_error(err: BaseException) -> BaseException:
 
 def add_lora_routes(app: FastAPI, state: ServerState, responses: dict) -> None:
     """vLLM's runtime routes; registered only when runtime updating is allowed (else they are 404s)."""
-    logger.warning("runtime LoRA loading and unloading is on (POST %s): any client that can reach /v1 may load "
-                   "adapters from this host's file system", " and ".join(LORA_ROUTES))
+    logger.warning(
+        "runtime LoRA loading and unloading is on (POST %s): any client that can reach /v1 may load "
+        "adapters from this host's file system",
+        " and ".join(LORA_ROUTES),
+    )
 
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=responses)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):
@@ -220,5 +268,12 @@ def add_lora_routes(app: FastAPI, state: ServerState, responses: dict) -> None:
         return PlainTextResponse(await state.lora.unload(body))
 
 
-__all__ = ["LORA_ROUTES", "LoadLoRAAdapterRequest", "RUNTIME_UPDATING_ENV", "ServerLoRA", "UnloadLoRAAdapterRequest",
-           "add_lora_routes", "runtime_updating_allowed"]
+__all__ = [
+    "LORA_ROUTES",
+    "LoadLoRAAdapterRequest",
+    "RUNTIME_UPDATING_ENV",
+    "ServerLoRA",
+    "UnloadLoRAAdapterRequest",
+    "add_lora_routes",
+    "runtime_updating_allowed",
+]

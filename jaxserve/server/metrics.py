@@ -32,8 +32,26 @@ from jaxserve.planning.devices import spec_for_device_kind
 
 logger = logging.getLogger(__name__)
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-                   80.0)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 
 
@@ -55,8 +73,11 @@ def step_composition(stats: dict):
     """jaxserve:steps_total{kind} and the jaxserve:iteration_tokens histogram (real tokens per step)."""
     by_kind = stats.get("steps_by_kind")
     if by_kind:
-        family = CounterMetricFamily("jaxserve:steps", "Engine steps by kind: decode, prefill, or mixed (prompt "
-                                     "chunks and decode rows in one step).", labels=["kind"])
+        family = CounterMetricFamily(
+            "jaxserve:steps",
+            "Engine steps by kind: decode, prefill, or mixed (prompt chunks and decode rows in one step).",
+            labels=["kind"],
+        )
         for kind, count in by_kind.items():
             family.add_metric([kind], float(count))
         yield family
@@ -66,8 +87,12 @@ def step_composition(stats: dict):
         for bound, count in zip([*hist["bounds"], "+Inf"], hist["counts"]):
             cumulative += count
             buckets.append((str(bound), float(cumulative)))
-        yield HistogramMetricFamily("jaxserve:iteration_tokens", "Real (unpadded) tokens computed per engine step.",
-                                    buckets=buckets, sum_value=float(hist["sum"]))
+        yield HistogramMetricFamily(
+            "jaxserve:iteration_tokens",
+            "Real (unpadded) tokens computed per engine step.",
+            buckets=buckets,
+            sum_value=float(hist["sum"]),
+        )
 
 
 def lora_metrics(stats: dict, now: float | None = None):
@@ -77,27 +102,46 @@ def lora_metrics(stats: dict, now: float | None = None):
         return
     running, waiting = dict(lora.get("running") or {}), dict(lora.get("waiting") or {})
     labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
-    values = [str(lora.get("max_loras", "")), ",".join(n for n, k in running.items() if k),
-              ",".join(n for n, k in waiting.items() if k)]
+    values = [
+        str(lora.get("max_loras", "")),
+        ",".join(n for n, k in running.items() if k),
+        ",".join(n for n, k in waiting.items() if k),
+    ]
     for name in ("vllm:lora_requests_info", "jaxserve:lora_requests_info"):
-        family = GaugeMetricFamily(name, "Running and waiting LoRA adapters (labels) and max_lora; the value is the "
-                                   "time of this reading (vLLM's shape).", labels=labels)
+        family = GaugeMetricFamily(
+            name,
+            "Running and waiting LoRA adapters (labels) and max_lora; the value is the "
+            "time of this reading (vLLM's shape).",
+            labels=labels,
+        )
         family.add_metric(values, time.time() if now is None else now)
         yield family
-    for key, doc in (("running", "Requests running, per LoRA adapter."),
-                     ("waiting", "Requests waiting, per LoRA adapter.")):
+    for key, doc in (
+        ("running", "Requests running, per LoRA adapter."),
+        ("waiting", "Requests waiting, per LoRA adapter."),
+    ):
         family = GaugeMetricFamily(f"jaxserve:lora_requests_{key}", doc, labels=["lora_name"])
         for name, count in (running if key == "running" else waiting).items():
             family.add_metric([name], float(count))
         yield family
-    yield GaugeMetricFamily("jaxserve:lora_adapters_resident", "LoRA adapters in device slots (at most max_loras).",
-                            value=float(len(lora.get("resident") or ())))
-    yield GaugeMetricFamily("jaxserve:lora_adapters_cpu_cached", "LoRA adapters held in host memory.",
-                            value=float(len(lora.get("cpu_cached") or ())))
-    yield CounterMetricFamily("jaxserve:lora_loads", "LoRA adapters written into a device slot.",
-                              value=float(lora.get("loads_total", 0)))
-    yield CounterMetricFamily("jaxserve:lora_evictions", "LoRA adapters swapped out of a device slot for another.",
-                              value=float(lora.get("evictions_total", 0)))
+    yield GaugeMetricFamily(
+        "jaxserve:lora_adapters_resident",
+        "LoRA adapters in device slots (at most max_loras).",
+        value=float(len(lora.get("resident") or ())),
+    )
+    yield GaugeMetricFamily(
+        "jaxserve:lora_adapters_cpu_cached",
+        "LoRA adapters held in host memory.",
+        value=float(len(lora.get("cpu_cached") or ())),
+    )
+    yield CounterMetricFamily(
+        "jaxserve:lora_loads", "LoRA adapters written into a device slot.", value=float(lora.get("loads_total", 0))
+    )
+    yield CounterMetricFamily(
+        "jaxserve:lora_evictions",
+        "LoRA adapters swapped out of a device slot for another.",
+        value=float(lora.get("evictions_total", 0)),
+    )
 
 
 class _EngineCollector:
@@ -109,6 +153,7 @@ class _EngineCollector:
         stats = self._stats()
         if not stats:
             return
+
         def total(key, mean=False):
             v = stats.get(key)
             if isinstance(v, (list, tuple)):
@@ -137,71 +182,111 @@ class _EngineCollector:
 
         yield from gauge("jaxserve:num_requests_running", "Requests in the running batch.", "num_running")
         yield from gauge("jaxserve:num_requests_waiting", "Requests waiting to be admitted.", "num_waiting")
-        yield from gauge("jaxserve:kv_cache_usage_perc",
-                         "KV-cache utilisation: tokens stored / token slots allocated (mean over replicas).",
-                         "kv_cache_utilization", mean=True)
-        yield from gauge("jaxserve:prefix_cache_hit_rate", "Share of prompt tokens served from the prefix cache.",
-                         "prefix_cache_hit_rate")
+        yield from gauge(
+            "jaxserve:kv_cache_usage_perc",
+            "KV-cache utilisation: tokens stored / token slots allocated (mean over replicas).",
+            "kv_cache_utilization",
+            mean=True,
+        )
+        yield from gauge(
+            "jaxserve:prefix_cache_hit_rate",
+            "Share of prompt tokens served from the prefix cache.",
+            "prefix_cache_hit_rate",
+        )
         yield from gauge("jaxserve:kv_pages_used", "KV-cache pages in use (all replicas).", "pages_used")
         yield from gauge("jaxserve:kv_pages_free", "KV-cache pages free (all replicas).", "pages_free")
         yield from per_replica("jaxserve:kv_pages_used_replica", "KV-cache pages in use per replica.", "pages_used")
         yield from per_replica("jaxserve:kv_pages_free_replica", "KV-cache pages free per replica.", "pages_free")
-        yield from per_replica("jaxserve:kv_cache_usage_perc_replica", "KV-cache utilisation per replica.",
-                               "kv_cache_utilization")
-        yield from per_replica("jaxserve:num_requests_running_replica", "Sequences running per replica.",
-                               "num_running")
+        yield from per_replica(
+            "jaxserve:kv_cache_usage_perc_replica", "KV-cache utilisation per replica.", "kv_cache_utilization"
+        )
+        yield from per_replica("jaxserve:num_requests_running_replica", "Sequences running per replica.", "num_running")
         # Multi-host (process 0 only): the per-step message to the other processes.
-        yield from counter("jaxserve:multihost_messages", "Step messages sent to the other processes.",
-                           "multihost_messages_total")
-        yield from counter("jaxserve:multihost_message_bytes", "Bytes of step messages sent to the other processes.",
-                           "multihost_message_bytes_total")
-        yield from counter("jaxserve:multihost_send_seconds", "Seconds process 0 spent sending step messages.",
-                           "multihost_send_seconds_total")
-        yield from counter("jaxserve:arrivals_joined", "Requests that arrived while a step ran and joined the "
-                           "next step, held back for them (async scheduling).", "arrivals_joined_total")
-        yield from counter("jaxserve:num_preemptions", "Sequences preempted (pages reclaimed, recomputed later).",
-                           "num_preemptions")
+        yield from counter(
+            "jaxserve:multihost_messages", "Step messages sent to the other processes.", "multihost_messages_total"
+        )
+        yield from counter(
+            "jaxserve:multihost_message_bytes",
+            "Bytes of step messages sent to the other processes.",
+            "multihost_message_bytes_total",
+        )
+        yield from counter(
+            "jaxserve:multihost_send_seconds",
+            "Seconds process 0 spent sending step messages.",
+            "multihost_send_seconds_total",
+        )
+        yield from counter(
+            "jaxserve:arrivals_joined",
+            "Requests that arrived while a step ran and joined the next step, held back for them (async scheduling).",
+            "arrivals_joined_total",
+        )
+        yield from counter(
+            "jaxserve:num_preemptions", "Sequences preempted (pages reclaimed, recomputed later).", "num_preemptions"
+        )
         yield from counter("jaxserve:prompt_tokens", "Prompt tokens processed.", "prompt_tokens_total")
         yield from counter("jaxserve:generation_tokens", "Tokens generated.", "generation_tokens_total")
-        yield from counter("jaxserve:compiles_after_warmup", "XLA compilations after warm-up (should stay 0).",
-                           "compiles_after_warmup")
-        yield from counter("jaxserve:grammar_mask_seconds", "Host seconds computing structured-output token masks.",
-                           "grammar_mask_seconds_total")
-        yield from counter("jaxserve:grammar_masked_rows", "Sampled rows that a grammar mask constrained.",
-                           "grammar_masked_rows_total")
-        yield from gauge("jaxserve:executables", "Compiled step executables the engine holds (buckets and variants).",
-                         "executables")
+        yield from counter(
+            "jaxserve:compiles_after_warmup", "XLA compilations after warm-up (should stay 0).", "compiles_after_warmup"
+        )
+        yield from counter(
+            "jaxserve:grammar_mask_seconds",
+            "Host seconds computing structured-output token masks.",
+            "grammar_mask_seconds_total",
+        )
+        yield from counter(
+            "jaxserve:grammar_masked_rows", "Sampled rows that a grammar mask constrained.", "grammar_masked_rows_total"
+        )
+        yield from gauge(
+            "jaxserve:executables", "Compiled step executables the engine holds (buckets and variants).", "executables"
+        )
         # Speculative decoding (only when it is on).
-        yield from counter("jaxserve:spec_decode_num_draft_tokens", "Draft tokens proposed.",
-                           "spec_decode_num_draft_tokens")
-        yield from counter("jaxserve:spec_decode_num_accepted_tokens", "Draft tokens the target accepted.",
-                           "spec_decode_num_accepted_tokens")
-        yield from counter("jaxserve:spec_decode_num_verify_steps",
-                           "Verify steps of a sequence with at least one draft token.", "spec_decode_num_verify_steps")
-        yield from gauge("jaxserve:spec_decode_acceptance_rate", "Accepted / proposed draft tokens (since start).",
-                         "spec_decode_acceptance_rate")
-        yield from gauge("jaxserve:spec_decode_mean_accepted_length",
-                         "Tokens per verify step: accepted drafts + the target's own token (since start).",
-                         "spec_decode_mean_accepted_length")
+        yield from counter(
+            "jaxserve:spec_decode_num_draft_tokens", "Draft tokens proposed.", "spec_decode_num_draft_tokens"
+        )
+        yield from counter(
+            "jaxserve:spec_decode_num_accepted_tokens",
+            "Draft tokens the target accepted.",
+            "spec_decode_num_accepted_tokens",
+        )
+        yield from counter(
+            "jaxserve:spec_decode_num_verify_steps",
+            "Verify steps of a sequence with at least one draft token.",
+            "spec_decode_num_verify_steps",
+        )
+        yield from gauge(
+            "jaxserve:spec_decode_acceptance_rate",
+            "Accepted / proposed draft tokens (since start).",
+            "spec_decode_acceptance_rate",
+        )
+        yield from gauge(
+            "jaxserve:spec_decode_mean_accepted_length",
+            "Tokens per verify step: accepted drafts + the target's own token (since start).",
+            "spec_decode_mean_accepted_length",
+        )
         yield from step_composition(stats)
         yield from lora_metrics(stats)
         seconds = stats.get("last_step_seconds")
         nbytes = stats.get("last_step_bytes_read")
         if seconds is not None:
-            yield GaugeMetricFamily("jaxserve:last_step_seconds", "Wall time of the last engine step.",
-                                    value=float(seconds))
+            yield GaugeMetricFamily(
+                "jaxserve:last_step_seconds", "Wall time of the last engine step.", value=float(seconds)
+            )
         if nbytes is not None:
-            yield GaugeMetricFamily("jaxserve:last_step_bytes_read", "Bytes the last step read (weights + KV).",
-                                    value=float(nbytes))
+            yield GaugeMetricFamily(
+                "jaxserve:last_step_bytes_read", "Bytes the last step read (weights + KV).", value=float(nbytes)
+            )
         if seconds and nbytes is not None:
             rate = float(nbytes) / float(seconds)
-            yield GaugeMetricFamily("jaxserve:model_bytes_read_per_second", "Bytes read per second in the last step.",
-                                    value=rate)
+            yield GaugeMetricFamily(
+                "jaxserve:model_bytes_read_per_second", "Bytes read per second in the last step.", value=rate
+            )
             peak = self._bandwidth()
             if peak:
-                yield GaugeMetricFamily("jaxserve:model_bandwidth_utilization",
-                                        "Model bandwidth utilisation of the last step: bytes read / time / peak.",
-                                        value=rate / peak)
+                yield GaugeMetricFamily(
+                    "jaxserve:model_bandwidth_utilization",
+                    "Model bandwidth utilisation of the last step: bytes read / time / peak.",
+                    value=rate / peak,
+                )
 
 
 class ServerMetrics:
@@ -212,20 +297,36 @@ class ServerMetrics:
         r = self.registry
         # process_cpu_seconds_total and memory: CPU per output token (host and XLA share the cores)
         ProcessCollector(registry=r)
-        self.ttft = Histogram("jaxserve:time_to_first_token_seconds", "Time to first token.",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("jaxserve:time_per_output_token_seconds", "Time per output token after the first.",
-                              buckets=TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("jaxserve:e2e_request_latency_seconds", "End-to-end request latency.",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("jaxserve:request_queue_time_seconds", "Time from arrival to first scheduling.",
-                               buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("jaxserve:http_requests", "HTTP requests answered, by route and status.",
-                                ["route", "status"], registry=r)
-        self.finished = Counter("jaxserve:request_finished", "Generation requests finished, by finish reason.",
-                                ["finish_reason"], registry=r)
-        self.rejected = Counter("jaxserve:requests_rejected", "Requests rejected before reaching the engine.",
-                                ["reason"], registry=r)
+        self.ttft = Histogram(
+            "jaxserve:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "jaxserve:time_per_output_token_seconds",
+            "Time per output token after the first.",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "jaxserve:e2e_request_latency_seconds", "End-to-end request latency.", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue = Histogram(
+            "jaxserve:request_queue_time_seconds",
+            "Time from arrival to first scheduling.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "jaxserve:http_requests", "HTTP requests answered, by route and status.", ["route", "status"], registry=r
+        )
+        self.finished = Counter(
+            "jaxserve:request_finished",
+            "Generation requests finished, by finish reason.",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "jaxserve:requests_rejected", "Requests rejected before reaching the engine.", ["reason"], registry=r
+        )
         r.register(_EngineCollector(stats, self.bandwidth))
 
     def bandwidth(self) -> float | None:

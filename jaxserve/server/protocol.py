@@ -97,13 +97,16 @@ def _request_field(field: SamplingField) -> tuple[Any, Any]:
     """A table field as a pydantic field: absent (None) by default, its bounds (the API's upper bound
     where it has a stricter one) stated in the schema, so a value outside them is a 400."""
     le = field.api_le if field.api_le is not None else field.le
-    return (Optional[field.type],
-            Field(None, ge=field.ge, gt=field.gt, le=le, lt=field.lt, description=field.api_description()))
+    return (
+        Optional[field.type],
+        Field(None, ge=field.ge, gt=field.gt, le=le, lt=field.lt, description=field.api_description()),
+    )
 
 
 # The sampling fields the table describes and the API takes as they are.
 _TableSamplingFields = create_model(
-    "_TableSamplingFields", __base__=OpenAIBase, **{f.name: _request_field(f) for f in FIELDS if f.request})
+    "_TableSamplingFields", __base__=OpenAIBase, **{f.name: _request_field(f) for f in FIELDS if f.request}
+)
 
 
 class SamplingFields(_TableSamplingFields):
@@ -116,15 +119,18 @@ class SamplingFields(_TableSamplingFields):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = Field(None, description="an end-user id; recorded, not used")
     logit_bias: Optional[dict[str, float]] = Field(
-        None, description="token id (a string key) -> bias in [-100, 100] added to its logit; at most 300 entries")
+        None, description="token id (a string key) -> bias in [-100, 100] added to its logit; at most 300 entries"
+    )
     # Structured output (one of them per request): OpenAI's response_format, vLLM's structured_outputs
     # and its older guided_* aliases.
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[dict[str, Any]] = Field(
-        None, description="vLLM's: one of json (a schema), regex, choice, grammar (Lark or GBNF), json_object")
+        None, description="vLLM's: one of json (a schema), regex, choice, grammar (Lark or GBNF), json_object"
+    )
     guided_json: Optional[Union[dict[str, Any], str, bool]] = Field(None, description="a JSON schema")
-    guided_regex: Optional[str] = Field(None, description="the whole output matches this regex (no look-around, "
-                                                          "no backreferences)")
+    guided_regex: Optional[str] = Field(
+        None, description="the whole output matches this regex (no look-around, no backreferences)"
+    )
     guided_choice: Optional[list[str]] = Field(None, description="the output is exactly one of these strings")
     guided_grammar: Optional[str] = Field(None, description="a Lark or GBNF grammar")
 
@@ -177,8 +183,10 @@ class ChatMessage(OpenAIBase):
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
     tool_calls: Optional[Annotated[list[dict[str, Any]], Field(max_length=128)]] = Field(
-        None, description="assistant: the calls it made, [{\"id\", \"type\": \"function\", \"function\": {\"name\", "
-                          "\"arguments\": a JSON string}}]")
+        None,
+        description='assistant: the calls it made, [{"id", "type": "function", "function": {"name", '
+        '"arguments": a JSON string}}]',
+    )
     tool_call_id: Optional[str] = Field(None, description="tool: the id of the call this message answers")
 
     def text(self) -> str:
@@ -198,15 +206,21 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: Optional[bool] = Field(None, description="default true")
     continue_final_message: Optional[bool] = Field(None, description="continue the last (assistant) message")
     chat_template_kwargs: Optional[dict[str, Any]] = Field(
-        None, description="extra variables for the chat template, e.g. {\"enable_thinking\": false}")
+        None, description='extra variables for the chat template, e.g. {"enable_thinking": false}'
+    )
     documents: Optional[Annotated[list[dict[str, Any]], Field(max_length=64)]] = Field(
-        None, description="documents for retrieval-augmented templates (the template's `documents` variable)")
+        None, description="documents for retrieval-augmented templates (the template's `documents` variable)"
+    )
     tools: Optional[Annotated[list[dict[str, Any]], Field(max_length=128)]] = Field(
-        None, description="[{\"type\": \"function\", \"function\": {\"name\", \"description\", \"parameters\", "
-                          "\"strict\"}}], rendered by the chat template")
+        None,
+        description='[{"type": "function", "function": {"name", "description", "parameters", '
+        '"strict"}}], rendered by the chat template',
+    )
     tool_choice: Optional[Union[str, dict[str, Any]]] = Field(
-        None, description="\"none\", \"auto\" (the default with tools), \"required\", or "
-                          "{\"type\": \"function\", \"function\": {\"name\"}}")
+        None,
+        description='"none", "auto" (the default with tools), "required", or '
+        '{"type": "function", "function": {"name"}}',
+    )
     parallel_tool_calls: Optional[bool] = Field(None, description="default true: more than one call per turn")
 
     @model_validator(mode="after")
@@ -214,7 +228,8 @@ class ChatCompletionRequest(SamplingFields):
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise PydanticCustomError(
-                "invalid_combination", "give max_tokens or max_completion_tokens, not both",
+                "invalid_combination",
+                "give max_tokens or max_completion_tokens, not both",
                 {"field": "max_completion_tokens"},
             )
         if self.top_logprobs is not None and not self.logprobs:
@@ -223,12 +238,14 @@ class ChatCompletionRequest(SamplingFields):
             )
         if self.continue_final_message and self.add_generation_prompt:
             raise PydanticCustomError(
-                "invalid_combination", "continue_final_message and add_generation_prompt cannot both be true",
+                "invalid_combination",
+                "continue_final_message and add_generation_prompt cannot both be true",
                 {"field": "continue_final_message"},
             )
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise PydanticCustomError(
-                "invalid_combination", "continue_final_message needs the last message to be from the assistant",
+                "invalid_combination",
+                "continue_final_message needs the last message to be from the assistant",
                 {"field": "continue_final_message"},
             )
         return self
@@ -246,18 +263,22 @@ class TokenizeRequest(OpenAIBase):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     documents: Optional[Annotated[list[dict[str, Any]], Field(max_length=64)]] = None
     tools: Optional[Annotated[list[dict[str, Any]], Field(max_length=128)]] = Field(
-        None, description="messages: tools for the chat template, as chat completions takes them")
+        None, description="messages: tools for the chat template, as chat completions takes them"
+    )
     return_token_strs: Optional[bool] = Field(None, description="also return each token's string")
 
     @model_validator(mode="after")
     def _prompt_or_messages(self):
         if (self.prompt is None) == (self.messages is None):
-            raise PydanticCustomError("invalid_combination", "give exactly one of prompt or messages",
-                                      {"field": "prompt"})
+            raise PydanticCustomError(
+                "invalid_combination", "give exactly one of prompt or messages", {"field": "prompt"}
+            )
         if self.continue_final_message and self.add_generation_prompt:
             raise PydanticCustomError(
-                "invalid_combination", "continue_final_message and add_generation_prompt cannot both be true",
-                {"field": "continue_final_message"})
+                "invalid_combination",
+                "continue_final_message and add_generation_prompt cannot both be true",
+                {"field": "continue_final_message"},
+            )
         return self
 
 

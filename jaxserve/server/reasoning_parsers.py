@@ -56,19 +56,21 @@ class ReasoningParser:
             if not final:
                 part = part[: len(part) - held_back(part, (self.end,))]
             return part.lstrip(_WS), ""
-        return text[body:close].lstrip(_WS), text[close + len(self.end):].lstrip(_WS)
+        return text[body:close].lstrip(_WS), text[close + len(self.end) :].lstrip(_WS)
 
 
-REASONING_PARSERS: dict[str, ReasoningParser] = {p.name: p for p in (ReasoningParser("qwen3"),
-                                                                      ReasoningParser("deepseek_r1"))}
+REASONING_PARSERS: dict[str, ReasoningParser] = {
+    p.name: p for p in (ReasoningParser("qwen3"), ReasoningParser("deepseek_r1"))
+}
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
     try:
         return REASONING_PARSERS[name]
     except KeyError:
-        raise ValueError(f"unknown reasoning parser {name!r} (expected one of {', '.join(REASONING_PARSERS)})") \
-            from None
+        raise ValueError(
+            f"unknown reasoning parser {name!r} (expected one of {', '.join(REASONING_PARSERS)})"
+        ) from None
 
 
 class ReasoningStream:
@@ -86,7 +88,7 @@ class ReasoningStream:
     def update(self, text: str, final: bool = False) -> tuple[str, str]:
         """(new reasoning, new content) since the last call."""
         reasoning, content = self.split(text, final)
-        new_r, new_c = reasoning[self.reasoning_sent:], content[self.content_sent:]
+        new_r, new_c = reasoning[self.reasoning_sent :], content[self.content_sent :]
         self.reasoning_sent = max(self.reasoning_sent, len(reasoning))
         self.content_sent = max(self.content_sent, len(content))
         return new_r, new_c

@@ -57,8 +57,13 @@ class GenerationRequest:
         return [Prompt(r.prompt_token_ids, r.prompt) for r in self.requests]
 
 
-def translate(state: ServerState, body: CompletionRequest | ChatCompletionRequest, chat: bool,
-              request_id: str | None = None, lora_request: LoRARequest | None = None) -> GenerationRequest:
+def translate(
+    state: ServerState,
+    body: CompletionRequest | ChatCompletionRequest,
+    chat: bool,
+    request_id: str | None = None,
+    lora_request: LoRARequest | None = None,
+) -> GenerationRequest:
     """The body as checked engine requests (`request_id`: the response's id, made here when None;
     `lora_request`: the adapter the body's model names). Every refusal is an APIError (400)."""
     processor = state.engine.processor
@@ -80,9 +85,13 @@ def translate(state: ServerState, body: CompletionRequest | ChatCompletionReques
         if tools.spec is not None:
             if structured is not None:
                 field = next(f for f in _STRUCTURED_FIELDS if getattr(body, f) is not None)
-                raise APIError(400, f"tool_choice {tools.choice!r} constrains the output to tool calls, and {field} "
-                                    "constrains it too; send one of them", param="tool_choice",
-                               code="invalid_tools")
+                raise APIError(
+                    400,
+                    f"tool_choice {tools.choice!r} constrains the output to tool calls, and {field} "
+                    "constrains it too; send one of them",
+                    param="tool_choice",
+                    code="invalid_tools",
+                )
             values["structured"] = tools.spec
         prompts = [chat_prompt(state, body, tools.tools)]
         if state.options.reasoning_parser is not None:
@@ -121,12 +130,14 @@ def translate(state: ServerState, body: CompletionRequest | ChatCompletionReques
             requests.append(processor.process(f"{rid}-{i}", prompt, params, lora_request=lora_request))
         except PromptError as err:
             raise _refusal(err, where) from None
-    return GenerationRequest(chat, requests, params, echo, drop_generated, n_logprobs, tools, reasoning,
-                             reasoning_open, lora_request, rid)
+    return GenerationRequest(
+        chat, requests, params, echo, drop_generated, n_logprobs, tools, reasoning, reasoning_open, lora_request, rid
+    )
 
 
-def chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeRequest,
-                tools: list[dict[str, Any]] | None = None) -> Prompt:
+def chat_prompt(
+    state: ServerState, body: ChatCompletionRequest | TokenizeRequest, tools: list[dict[str, Any]] | None = None
+) -> Prompt:
     """The body's messages (and tools) as a prompt, rendered with the server's chat template by the
     processor, as LLM.chat renders them (a 400 when the template refuses them). `tools`: already
     checked; else the body's are checked here."""
@@ -138,15 +149,21 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest | TokenizeReques
         add_gen = not body.continue_final_message
     try:
         return state.engine.processor.chat_prompt(
-            messages, state.chat, add_generation_prompt=add_gen,
-            continue_final_message=bool(body.continue_final_message), tools=tools, documents=body.documents,
-            chat_template_kwargs=body.chat_template_kwargs)
+            messages,
+            state.chat,
+            add_generation_prompt=add_gen,
+            continue_final_message=bool(body.continue_final_message),
+            tools=tools,
+            documents=body.documents,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
     except PromptError as err:
         raise _refusal(err, "messages") from None
 
 
-def render_chat(state: ServerState, body: ChatCompletionRequest | TokenizeRequest,
-                tools: list[dict[str, Any]] | None = None) -> str:
+def render_chat(
+    state: ServerState, body: ChatCompletionRequest | TokenizeRequest, tools: list[dict[str, Any]] | None = None
+) -> str:
     """The body's messages as prompt text (/tokenize)."""
     return chat_prompt(state, body, tools).text
 
@@ -168,8 +185,7 @@ def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[Pro
         items = list(p)
     processor = state.engine.processor
     try:
-        return [processor.prompt(item) if isinstance(item, str) else processor.prompt(token_ids=item)
-                for item in items]
+        return [processor.prompt(item) if isinstance(item, str) else processor.prompt(token_ids=item) for item in items]
     except PromptError as err:
         raise _refusal(err, "prompt") from None
 
@@ -188,17 +204,28 @@ def _sampling_values(body: CompletionRequest | ChatCompletionRequest) -> dict[st
     return values
 
 
-_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                      "guided_grammar")
+_STRUCTURED_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 
 
 def _structured_spec(body: CompletionRequest | ChatCompletionRequest):
     """The request's structured-output constraint (a StructuredSpec) or None; a 400 naming the field."""
     rf = body.response_format.model_dump(exclude_none=True) if body.response_format is not None else None
     try:
-        return spec_from_request(response_format=rf, structured_outputs=body.structured_outputs,
-                                 guided_json=body.guided_json, guided_regex=body.guided_regex,
-                                 guided_choice=body.guided_choice, guided_grammar=body.guided_grammar)
+        return spec_from_request(
+            response_format=rf,
+            structured_outputs=body.structured_outputs,
+            guided_json=body.guided_json,
+            guided_regex=body.guided_regex,
+            guided_choice=body.guided_choice,
+            guided_grammar=body.guided_grammar,
+        )
     except GrammarError as err:
         text = str(err)
         param = next((f for f in _STRUCTURED_FIELDS if text.startswith(f)), None)

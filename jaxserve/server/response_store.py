@@ -32,11 +32,16 @@ class StoredResponse:
 class ResponseStore:
     """Response id -> `StoredResponse`, at most `max_entries`, none older than `max_age_s` seconds."""
 
-    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, max_age_s: float = DEFAULT_MAX_AGE_S,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        max_age_s: float = DEFAULT_MAX_AGE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if max_entries < 1 or max_age_s <= 0:
-            raise ValueError(f"a response store needs max_entries >= 1 and max_age_s > 0, got {max_entries}, "
-                             f"{max_age_s}")
+            raise ValueError(
+                f"a response store needs max_entries >= 1 and max_age_s > 0, got {max_entries}, {max_age_s}"
+            )
         self.max_entries = max_entries
         self.max_age_s = max_age_s
         self.clock = clock

@@ -38,8 +38,15 @@ from jaxserve.server.requests import GenerationRequest, translate
 from jaxserve.server.response_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_ENTRIES, ResponseStore, StoredResponse
 from jaxserve.server.responses_protocol import RESPONSES_SAMPLING, DeletedResponse, ResponseObject, ResponsesRequest
 from jaxserve.server.responses_stream import OutputItems, item_status, response_status, stream_events
-from jaxserve.server.streaming import (Choice, Fanout, ResponseAssembler, SSEResponse, Submission, _ClientGone,
-                                       race_disconnect)
+from jaxserve.server.streaming import (
+    Choice,
+    Fanout,
+    ResponseAssembler,
+    SSEResponse,
+    Submission,
+    _ClientGone,
+    race_disconnect,
+)
 from jaxserve.server.tool_parsers import ToolCallStream, get_parser
 
 if TYPE_CHECKING:
@@ -52,21 +59,47 @@ __all__ = ["RESPONSES_ROUTE", "ResponsesService", "add_responses_routes", "input
 RESPONSES_ROUTE = "/v1/responses"
 
 # Item types of OpenAI's built-in tools (and other server-side features): refused by name.
-_BUILTIN_ITEMS = ("file_search_call", "computer_call", "computer_call_output", "web_search_call",
-                  "image_generation_call",
-                  "code_interpreter_call", "local_shell_call", "local_shell_call_output", "shell_call",
-                  "shell_call_output", "apply_patch_call", "apply_patch_call_output", "mcp_list_tools",
-                  "mcp_approval_request", "mcp_approval_response", "mcp_call", "custom_tool_call",
-                  "custom_tool_call_output", "tool_search_call", "tool_search_output", "compaction",
-                  "compaction_trigger", "item_reference", "program", "program_output", "additional_tools",
-                  "configuration_update")
-_MEDIA_PARTS = {"input_image": "image inputs are not supported (no vision model is served)",
-                "input_file": "file inputs are not supported", "input_audio": "audio inputs are not supported"}
+_BUILTIN_ITEMS = (
+    "file_search_call",
+    "computer_call",
+    "computer_call_output",
+    "web_search_call",
+    "image_generation_call",
+    "code_interpreter_call",
+    "local_shell_call",
+    "local_shell_call_output",
+    "shell_call",
+    "shell_call_output",
+    "apply_patch_call",
+    "apply_patch_call_output",
+    "mcp_list_tools",
+    "mcp_approval_request",
+    "mcp_approval_response",
+    "mcp_call",
+    "custom_tool_call",
+    "custom_tool_call_output",
+    "tool_search_call",
+    "tool_search_output",
+    "compaction",
+    "compaction_trigger",
+    "item_reference",
+    "program",
+    "program_output",
+    "additional_tools",
+    "configuration_update",
+)
+_MEDIA_PARTS = {
+    "input_image": "image inputs are not supported (no vision model is served)",
+    "input_file": "file inputs are not supported",
+    "input_audio": "audio inputs are not supported",
+}
 # The keys each input item may carry (what the client sends back of a response's output items included).
-_ITEM_KEYS = {"message": {"type", "role", "content", "id", "status", "phase"},
-              "function_call": {"type", "id", "call_id", "name", "arguments", "status"},
-              "function_call_output": {"type", "id", "call_id", "output", "status"},
-              "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"}}
+_ITEM_KEYS = {
+    "message": {"type", "role", "content", "id", "status", "phase"},
+    "function_call": {"type", "id", "call_id", "name", "arguments", "status"},
+    "function_call_output": {"type", "id", "call_id", "output", "status"},
+    "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
+}
 _PART_KEYS = {"type", "text", "annotations", "logprobs"}
 _TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
 
@@ -129,8 +162,11 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         item = _no_nulls(item)
         kind = item.get("type", "message")
         if kind in _BUILTIN_ITEMS:
-            raise _unsupported(f"{where}.type {kind!r} belongs to a built-in tool or server-side feature, which "
-                               "jaxserve does not support (only function tools)", "input")
+            raise _unsupported(
+                f"{where}.type {kind!r} belongs to a built-in tool or server-side feature, which "
+                "jaxserve does not support (only function tools)",
+                "input",
+            )
         if kind not in _ITEM_KEYS:
             raise _bad(f"{where}.type {kind!r} is not one of {', '.join(map(repr, _ITEM_KEYS))}", "input")
         extra = sorted(set(item) - _ITEM_KEYS[kind])
@@ -144,8 +180,11 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise _bad(f"{where}.content is missing", "input")
             messages.append({"role": role, "content": _parts_text(item["content"], f"{where}.content")})
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", where), "type": "function",
-                    "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+            call = {
+                "id": _string(item, "call_id", where),
+                "type": "function",
+                "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)},
+            }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":  # the text before it, or an earlier call
                 last.setdefault("tool_calls", []).append(call)
@@ -171,8 +210,11 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         tool = _no_nulls(tool)
         kind = tool.get("type")
         if kind != "function":
-            raise _unsupported(f"tools[{i}].type {kind!r} is not supported: only function tools (built-in tools such "
-                               "as web_search, file_search or computer use are not served)", "tools")
+            raise _unsupported(
+                f"tools[{i}].type {kind!r} is not supported: only function tools (built-in tools such "
+                "as web_search, file_search or computer use are not served)",
+                "tools",
+            )
         extra = sorted(set(tool) - _TOOL_KEYS)
         if extra:
             raise _unsupported(f"tools[{i}] has an unsupported field {extra[0]!r}", "tools")
@@ -185,8 +227,11 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
         return choice  # "none" | "auto" | "required"; anything else is tools.py's 400
     kind = choice.get("type")
     if kind != "function" or not isinstance(choice.get("name"), str):
-        raise _unsupported(f"tool_choice {choice!r} is not supported: give 'none', 'auto', 'required' or "
-                           "{\"type\": \"function\", \"name\": ...}", "tool_choice")
+        raise _unsupported(
+            f"tool_choice {choice!r} is not supported: give 'none', 'auto', 'required' or "
+            '{"type": "function", "name": ...}',
+            "tool_choice",
+        )
     return {"type": "function", "function": {"name": choice["name"]}}
 
 
@@ -203,8 +248,11 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
         raise _bad("text.format must be an object with a 'type'", "text")
     fmt = _no_nulls(fmt)
     kind = fmt.get("type")
-    allowed = {"text": {"type"}, "json_object": {"type"},
-               "json_schema": {"type", "name", "schema", "strict", "description"}}.get(kind)
+    allowed = {
+        "text": {"type"},
+        "json_object": {"type"},
+        "json_schema": {"type", "name", "schema", "strict", "description"},
+    }.get(kind)
     if allowed is None:
         raise _bad(f"text.format.type {kind!r} is not one of 'text', 'json_object', 'json_schema'", "text")
     extra = sorted(set(fmt) - allowed)
@@ -222,9 +270,15 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat completion request that `body` means, over `messages`."""
     values: dict[str, Any] = {name: getattr(body, name) for name in RESPONSES_SAMPLING}
-    values.update(messages=messages, model=body.model, max_tokens=body.max_output_tokens,
-                  tools=chat_tools(body.tools), tool_choice=chat_tool_choice(body.tool_choice),
-                  parallel_tool_calls=body.parallel_tool_calls, response_format=response_format(body.text))
+    values.update(
+        messages=messages,
+        model=body.model,
+        max_tokens=body.max_output_tokens,
+        tools=chat_tools(body.tools),
+        tool_choice=chat_tool_choice(body.tool_choice),
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=response_format(body.text),
+    )
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in values.items() if v is not None})
     except ValidationError as err:
@@ -276,41 +330,73 @@ class _Pending:
     def __init__(self, body: ResponsesRequest, rid: str, model: str, job: GenerationRequest, stored: bool):
         self.body, self.rid, self.model, self.job, self.stored = body, rid, model, job, stored
         self.created = int(time.time())
-        tools = [{"type": "function", "name": t["name"], "description": t.get("description"),
-                  "parameters": t.get("parameters"), "strict": t.get("strict")} for t in body.tools or ()]
-        self.echo = {"tools": tools, "tool_choice": body.tool_choice or ("auto" if tools else "none"),
-                     "parallel_tool_calls": body.parallel_tool_calls is not False,
-                     "text": {"format": (body.text or {}).get("format") or {"type": "text"}}}
+        tools = [
+            {
+                "type": "function",
+                "name": t["name"],
+                "description": t.get("description"),
+                "parameters": t.get("parameters"),
+                "strict": t.get("strict"),
+            }
+            for t in body.tools or ()
+        ]
+        self.echo = {
+            "tools": tools,
+            "tool_choice": body.tool_choice or ("auto" if tools else "none"),
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
+        }
 
     def obj(self, status: str, output: list[dict] | None = None, usage: dict | None = None) -> dict[str, Any]:
         body, params = self.body, self.job.params
         return {
-            "id": self.rid, "object": "response", "created_at": self.created,
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created,
             "completed_at": int(time.time()) if status == "completed" else None,
-            "model": self.model, "status": status, "background": False, "error": None,
+            "model": self.model,
+            "status": status,
+            "background": False,
+            "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "metadata": body.metadata or {}, "output": output or [], "previous_response_id": body.previous_response_id,
-            "reasoning": None, "store": self.stored, "temperature": params.temperature, "top_p": params.top_p,
-            "truncation": "disabled", "usage": usage, "user": body.user, **self.echo,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {},
+            "output": output or [],
+            "previous_response_id": body.previous_response_id,
+            "reasoning": None,
+            "store": self.stored,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": body.user,
+            **self.echo,
         }
 
 
-def _usage(state: ServerState, job: GenerationRequest, assembler: ResponseAssembler, choice: Choice,
-           items: OutputItems) -> dict[str, Any]:
+def _usage(
+    state: ServerState, job: GenerationRequest, assembler: ResponseAssembler, choice: Choice, items: OutputItems
+) -> dict[str, Any]:
     counts = assembler.usage()
     reasoning = reasoning_tokens(state, job, list(choice.token_ids), items.reasoning_text)
-    return {"input_tokens": counts["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens": counts["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning},
-            "total_tokens": counts["total_tokens"]}
+    return {
+        "input_tokens": counts["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": counts["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": reasoning},
+        "total_tokens": counts["total_tokens"],
+    }
 
 
 def _output_message(items: OutputItems) -> dict[str, Any] | None:
     """The response's output as the assistant message a follow-up's chat template sees."""
     text = items.message.text if items.message is not None else ""
-    calls = [{"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.text or "{}"}}
-             for c in items.items if c.kind == "function_call"]
+    calls = [
+        {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.text or "{}"}}
+        for c in items.items
+        if c.kind == "function_call"
+    ]
     if not text and not calls:
         return None
     return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
@@ -345,29 +431,41 @@ class ResponsesService:
     def store(self) -> ResponseStore:
         if self._store is None:
             config = self.state.engine.config if self.state.engine is not None else None
-            self._store = ResponseStore(getattr(config, "responses_store_max_entries", DEFAULT_MAX_ENTRIES),
-                                        getattr(config, "responses_store_max_age", DEFAULT_MAX_AGE_S))
+            self._store = ResponseStore(
+                getattr(config, "responses_store_max_entries", DEFAULT_MAX_ENTRIES),
+                getattr(config, "responses_store_max_age", DEFAULT_MAX_AGE_S),
+            )
         return self._store
 
     def previous(self, response_id: str | None) -> StoredResponse | None:
         if response_id is None:
             return None
         if not self.enabled:
-            raise _bad("previous_response_id needs stored responses, and this server runs with "
-                       "--no-responses-store", "previous_response_id", "previous_response_not_found")
+            raise _bad(
+                "previous_response_id needs stored responses, and this server runs with --no-responses-store",
+                "previous_response_id",
+                "previous_response_not_found",
+            )
         stored = self.store.get(response_id)
         if stored is None:
-            raise _bad(f"previous_response_id {response_id!r} is not stored here: unknown, deleted, or evicted (the "
-                       f"store keeps {self.store.max_entries} responses for {self.store.max_age_s:g} s)",
-                       "previous_response_id", "previous_response_not_found")
+            raise _bad(
+                f"previous_response_id {response_id!r} is not stored here: unknown, deleted, or evicted (the "
+                f"store keeps {self.store.max_entries} responses for {self.store.max_age_s:g} s)",
+                "previous_response_id",
+                "previous_response_not_found",
+            )
         return stored
 
     def lookup(self, response_id: str) -> StoredResponse:
         stored = self.store.get(response_id) if self.enabled else None
         if stored is None:
-            raise APIError(404, f"no stored response {response_id!r} (unknown, deleted, evicted, or created with "
-                                "store: false)", type="not_found_error", param="response_id",
-                           code="response_not_found")
+            raise APIError(
+                404,
+                f"no stored response {response_id!r} (unknown, deleted, evicted, or created with store: false)",
+                type="not_found_error",
+                param="response_id",
+                code="response_not_found",
+            )
         return stored
 
     async def create(self, request: Request, body: ResponsesRequest) -> Response:
@@ -416,9 +514,12 @@ class ResponsesService:
                 self.store.put(rid, final, history + ([message] if message is not None else []))
 
         if body.stream:
-            return SSEResponse(stream_events(fan, assembler, items, build, keep), on_close=fan.close,
-                               media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return SSEResponse(
+                stream_events(fan, assembler, items, build, keep),
+                on_close=fan.close,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         try:
             await race_disconnect(assembler.collect(fan), request)
         except _ClientGone:

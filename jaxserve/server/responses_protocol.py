@@ -42,8 +42,16 @@ RESPONSES_UNSUPPORTED = {
 }
 
 # The sampling fields of the table that /v1/responses takes besides OpenAI's temperature and top_p (vLLM's extras).
-RESPONSES_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
-                      "frequency_penalty")
+RESPONSES_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 class ResponsesBase(OpenAIBase):
@@ -62,57 +70,78 @@ class ResponsesBase(OpenAIBase):
 
 
 _ResponsesSampling = create_model(
-    "_ResponsesSampling", __base__=ResponsesBase,
-    **{name: _request_field(BY_NAME[name]) for name in RESPONSES_SAMPLING})
+    "_ResponsesSampling", __base__=ResponsesBase, **{name: _request_field(BY_NAME[name]) for name in RESPONSES_SAMPLING}
+)
 
 
 class ResponsesRequest(_ResponsesSampling):
     model: Optional[str] = Field(None, description="a served model name (GET /v1/models); default: the served model")
     input: Union[str, Annotated[list[dict[str, Any]], Field(max_length=MAX_INPUT_ITEMS)]] = Field(
-        ..., description="a user message, or a list of items: messages (role user, system, developer or assistant; "
-                         "content a string or input_text / output_text parts), function_call, function_call_output, "
-                         "reasoning (not rendered: templates drop earlier turns' reasoning)")
-    instructions: Optional[str] = Field(None, description="a system message before the input (not carried over "
-                                                          "by previous_response_id)")
+        ...,
+        description="a user message, or a list of items: messages (role user, system, developer or assistant; "
+        "content a string or input_text / output_text parts), function_call, function_call_output, "
+        "reasoning (not rendered: templates drop earlier turns' reasoning)",
+    )
+    instructions: Optional[str] = Field(
+        None, description="a system message before the input (not carried over by previous_response_id)"
+    )
     max_output_tokens: Optional[int] = Field(None, ge=1, description="default: what is left of max_model_len")
     tools: Optional[Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)]] = Field(
-        None, description="function tools only: [{\"type\": \"function\", \"name\", \"description\", \"parameters\", "
-                          "\"strict\"}]; built-in tools (web_search, file_search, computer use, ...) are refused")
+        None,
+        description='function tools only: [{"type": "function", "name", "description", "parameters", '
+        '"strict"}]; built-in tools (web_search, file_search, computer use, ...) are refused',
+    )
     tool_choice: Optional[Union[str, dict[str, Any]]] = Field(
-        None, description="\"none\", \"auto\" (the default with tools), \"required\", or {\"type\": \"function\", "
-                          "\"name\"}")
+        None, description='"none", "auto" (the default with tools), "required", or {"type": "function", "name"}'
+    )
     parallel_tool_calls: Optional[bool] = Field(None, description="default true: more than one call per turn")
     text: Optional[dict[str, Any]] = Field(
-        None, description="{\"format\": {\"type\": \"text\"} | {\"type\": \"json_object\"} | "
-                          "{\"type\": \"json_schema\", \"name\", \"schema\", \"strict\"}}: structured output, as "
-                          "chat's response_format")
+        None,
+        description='{"format": {"type": "text"} | {"type": "json_object"} | '
+        '{"type": "json_schema", "name", "schema", "strict"}}: structured output, as '
+        "chat's response_format",
+    )
     reasoning: Optional[dict[str, Any]] = Field(
-        None, description="only empty: reasoning items come from the server's --reasoning-parser; effort and summary "
-                          "are refused")
-    store: Optional[bool] = Field(None, description="default true (unless the server runs --no-responses-store): "
-                                                    "keep the response for GET and previous_response_id")
+        None,
+        description="only empty: reasoning items come from the server's --reasoning-parser; effort and summary "
+        "are refused",
+    )
+    store: Optional[bool] = Field(
+        None,
+        description="default true (unless the server runs --no-responses-store): "
+        "keep the response for GET and previous_response_id",
+    )
     previous_response_id: Optional[str] = Field(None, description="continue the conversation of a stored response")
     stream: Optional[bool] = None
     metadata: Optional[Annotated[dict[str, str], Field(max_length=16)]] = Field(
-        None, description="up to 16 string pairs, returned with the response")
+        None, description="up to 16 string pairs, returned with the response"
+    )
     user: Optional[str] = Field(None, description="an end-user id; recorded, not used")
     safety_identifier: Optional[str] = Field(None, description="an end-user id; recorded, not used")
     background: Optional[bool] = Field(None, description="only false: background responses are not supported")
-    truncation: Optional[Literal["disabled", "auto"]] = Field(None, description="only \"disabled\" (the default): a "
-                                                                                "prompt over the context is a 400")
+    truncation: Optional[Literal["disabled", "auto"]] = Field(
+        None, description='only "disabled" (the default): a prompt over the context is a 400'
+    )
     include: Optional[Annotated[list[str], Field(max_length=16)]] = Field(
-        None, description="only empty: no extra output data (logprobs, encrypted reasoning) is supported")
+        None, description="only empty: no extra output data (logprobs, encrypted reasoning) is supported"
+    )
 
     @model_validator(mode="after")
     def _refusals(self):
         refused = {
             "background": ("background responses are not supported" if self.background else None),
-            "truncation": ("truncation 'auto' is not supported: a prompt over the context is a 400"
-                           if self.truncation == "auto" else None),
+            "truncation": (
+                "truncation 'auto' is not supported: a prompt over the context is a 400"
+                if self.truncation == "auto"
+                else None
+            ),
             "include": (f"include {self.include[0]!r} is not supported" if self.include else None),
-            "reasoning": ("reasoning options (effort, summary) are not supported: reasoning items come from the "
-                          "server's --reasoning-parser" if any(v is not None for v in (self.reasoning or {}).values())
-                          else None),
+            "reasoning": (
+                "reasoning options (effort, summary) are not supported: reasoning items come from the "
+                "server's --reasoning-parser"
+                if any(v is not None for v in (self.reasoning or {}).values())
+                else None
+            ),
         }
         for field, reason in refused.items():
             if reason is not None:

@@ -53,8 +53,14 @@ class _Item:
         if self.kind == "reasoning":
             content = [] if self.status == "in_progress" else [{"type": "reasoning_text", "text": self.text}]
             return {"id": self.id, "type": "reasoning", "summary": [], "content": content, "status": self.status}
-        return {"id": self.id, "type": "function_call", "call_id": self.call_id, "name": self.name,
-                "arguments": self.text, "status": self.status}
+        return {
+            "id": self.id,
+            "type": "function_call",
+            "call_id": self.call_id,
+            "name": self.name,
+            "arguments": self.text,
+            "status": self.status,
+        }
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -108,16 +114,18 @@ class OutputItems:
                 if self.reasoning is None:
                     self.reasoning = self._open("reasoning", events)
                 self.reasoning.text += piece[1]
-                events.append(self._at(self.reasoning, "response.reasoning_text.delta", content_index=0,
-                                       delta=piece[1]))
+                events.append(
+                    self._at(self.reasoning, "response.reasoning_text.delta", content_index=0, delta=piece[1])
+                )
                 continue
             self._close_reasoning(events)
             if kind == "content":
                 if self.message is None:
                     self.message = self._open("message", events)
                 self.message.text += piece[1]
-                events.append(self._at(self.message, "response.output_text.delta", content_index=0, delta=piece[1],
-                                       logprobs=[]))
+                events.append(
+                    self._at(self.message, "response.output_text.delta", content_index=0, delta=piece[1], logprobs=[])
+                )
             elif kind == "call":
                 self.calls[piece[1]] = self._open("function_call", events, call_id=piece[2], name=piece[3])
             else:
@@ -159,8 +167,11 @@ class OutputItems:
         if kind == "message":
             events.append(self._at(item, "response.content_part.added", content_index=0, part=_text_part("")))
         elif kind == "reasoning":
-            events.append(self._at(item, "response.content_part.added", content_index=0,
-                                   part={"type": "reasoning_text", "text": ""}))
+            events.append(
+                self._at(
+                    item, "response.content_part.added", content_index=0, part={"type": "reasoning_text", "text": ""}
+                )
+            )
         return item
 
     def _close_reasoning(self, events: list[dict], status: str = "completed") -> None:
@@ -174,8 +185,14 @@ class OutputItems:
             events.append(self._at(item, "response.content_part.done", content_index=0, part=_text_part(item.text)))
         elif item.kind == "reasoning":
             events.append(self._at(item, "response.reasoning_text.done", content_index=0, text=item.text))
-            events.append(self._at(item, "response.content_part.done", content_index=0,
-                                   part={"type": "reasoning_text", "text": item.text}))
+            events.append(
+                self._at(
+                    item,
+                    "response.content_part.done",
+                    content_index=0,
+                    part={"type": "reasoning_text", "text": item.text},
+                )
+            )
         else:
             events.append(self._at(item, "response.function_call_arguments.done", arguments=item.text))
         events.append({"type": "response.output_item.done", "output_index": item.index, "item": item.as_dict()})
@@ -198,8 +215,13 @@ class Sequencer:
         return f"event: {event['type']}\ndata: {dumps(event)}\n\n"
 
 
-async def stream_events(fan: Fanout, assembler: ResponseAssembler, items: OutputItems,
-                        response: Callable[[str], dict], finished: Callable[[dict], None]) -> AsyncIterator[str]:
+async def stream_events(
+    fan: Fanout,
+    assembler: ResponseAssembler,
+    items: OutputItems,
+    response: Callable[[str], dict],
+    finished: Callable[[dict], None],
+) -> AsyncIterator[str]:
     """The SSE stream of one response. `response(status)` builds the response object as it stands
     (`in_progress` at the start, the final status at the end); `finished(obj)` takes the final one
     (to store it)."""

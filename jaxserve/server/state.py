@@ -110,8 +110,13 @@ class ServerState:
         adapters = [a.lora_name for a in self.lora.adapters()]
         if adapters:
             served += f" and the LoRA adapters {', '.join(map(repr, adapters))}"
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {served}",
-                       type="not_found_error", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {served}",
+            type="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
 
     def check_ready(self) -> None:
         if self.draining:
@@ -131,5 +136,9 @@ class ServerState:
         waiting = max(int(stats.get("num_waiting", 0) or 0), self.pending_first)
         if waiting >= bound:
             self.metrics.rejected.labels(reason="queue_full").inc()
-            raise APIError(503, f"the server is overloaded: {waiting} requests are waiting (--max-waiting {bound}); "
-                                "retry later", type="service_unavailable", code="queue_full")
+            raise APIError(
+                503,
+                f"the server is overloaded: {waiting} requests are waiting (--max-waiting {bound}); retry later",
+                type="service_unavailable",
+                code="queue_full",
+            )

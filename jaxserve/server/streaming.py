@@ -56,8 +56,15 @@ class Submission:
     prompt_text = property(lambda self: self.request.prompt)
 
 
-async def respond(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                  job: GenerationRequest, rid: str, model: str, arrival: float) -> Response:
+async def respond(
+    state: ServerState,
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    job: GenerationRequest,
+    rid: str,
+    model: str,
+    arrival: float,
+) -> Response:
     """Submit `job`'s prompts; once the engine has accepted every one (else its 400), answer or stream."""
     n = job.params.n
     subs = [Submission(request, p, p * n, arrival=arrival, width=n) for p, request in enumerate(job.requests)]
@@ -80,8 +87,11 @@ async def respond(state: ServerState, request: Request, body: CompletionRequest 
         for sub in subs:
             echo_text = ""
             if job.echo:
-                echo_text = sub.prompt_text if sub.prompt_text is not None else (
-                    tok.decode(sub.prompt_ids, skip_special_tokens=False) if tok is not None else "")
+                echo_text = (
+                    sub.prompt_text
+                    if sub.prompt_text is not None
+                    else (tok.decode(sub.prompt_ids, skip_special_tokens=False) if tok is not None else "")
+                )
             for k in range(sub.width):
                 choice = Choice(sub.base_choice + k, sub, echo_text, job.drop_generated)
                 if job.tools is not None and job.tools.parser is not None:
@@ -96,8 +106,12 @@ async def respond(state: ServerState, request: Request, body: CompletionRequest 
     out = ResponseAssembler(state, rid, model, job, subs, choices, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(out.stream(fan, include_usage), on_close=fan.close, media_type="text/event-stream",
-                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return SSEResponse(
+            out.stream(fan, include_usage),
+            on_close=fan.close,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     try:
         await race_disconnect(out.collect(fan), request)
     except _ClientGone:
@@ -267,8 +281,16 @@ class Choice:
 class ResponseAssembler:
     """The OpenAI objects of one request (completion or chat), and the server metrics of its engine requests."""
 
-    def __init__(self, state: ServerState, rid: str, model: str, job: GenerationRequest, subs: list[Submission],
-                 choices: dict[int, Choice], body: CompletionRequest | ChatCompletionRequest):
+    def __init__(
+        self,
+        state: ServerState,
+        rid: str,
+        model: str,
+        job: GenerationRequest,
+        subs: list[Submission],
+        choices: dict[int, Choice],
+        body: CompletionRequest | ChatCompletionRequest,
+    ):
         self.state, self.rid, self.model, self.chat = state, rid, model, job.chat
         self.subs, self.choices, self.n_logprobs, self.echo = subs, choices, job.n_logprobs, job.echo
         self.want_prompt_logprobs = body.prompt_logprobs is not None
@@ -356,14 +378,19 @@ class ResponseAssembler:
                         reason = "tool_calls" if reason == "stop" else reason
                 choice = {"index": idx, "message": message, "logprobs": lps, "finish_reason": reason}
             else:
-                choice = {"index": idx, "text": c.echo_text + c.text, "logprobs": lps,
-                          "finish_reason": c.finish_reason}
+                choice = {"index": idx, "text": c.echo_text + c.text, "logprobs": lps, "finish_reason": c.finish_reason}
             if self.want_prompt_logprobs:
                 choice["prompt_logprobs"] = self._prompt_logprobs(c)
             choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices,
-                "usage": self.usage()}
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
 
     # ---- streaming -------------------------------------------------------------------------------
     def _chunk(self, choices: list[dict], usage: Any = None, include_usage: bool = False) -> str:
@@ -376,8 +403,19 @@ class ResponseAssembler:
     async def stream(self, fan: Fanout, include_usage: bool) -> AsyncIterator[str]:
         try:
             if self.chat:
-                yield self._chunk([{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None} for idx in sorted(self.choices)], None, include_usage)
+                yield self._chunk(
+                    [
+                        {
+                            "index": idx,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                        for idx in sorted(self.choices)
+                    ],
+                    None,
+                    include_usage,
+                )
             async for i, out in fan.events():
                 per_choice = []  # a choice's pieces go in successive chunks (a tool call's header, then its arguments)
                 for choice, delta, new_ids, new_lps, just_finished in self._observe(i, out):
@@ -444,8 +482,9 @@ class ResponseAssembler:
                 lps = {"content": self.fmt.chat_logprobs(new_ids, new_lps, self.n_logprobs)}
             else:
                 offset = 0 if echo_part else c.offset
-                lps, end = self.fmt.completion_logprobs(echo_ids + new_ids, echo_entries + new_lps, self.n_logprobs,
-                                                        offset)
+                lps, end = self.fmt.completion_logprobs(
+                    echo_ids + new_ids, echo_entries + new_lps, self.n_logprobs, offset
+                )
                 c.offset = end
         reason = c.finish_reason if finished else None
         if self.chat:

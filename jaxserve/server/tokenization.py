@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 def _tokenizer(state: ServerState, param: str) -> Any:
     tok = state.tokenizer
     if tok is None:
-        raise APIError(400, "this model has no tokenizer, so it cannot tokenize or detokenize", param=param,
-                       code="no_tokenizer")
+        raise APIError(
+            400, "this model has no tokenizer, so it cannot tokenize or detokenize", param=param, code="no_tokenizer"
+        )
     return tok
 
 
@@ -46,10 +47,15 @@ def detokenize(state: ServerState, body: DetokenizeRequest) -> dict[str, str]:
     vocab = getattr(tok, "vocab_size", None) or len(tok)
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
-        raise APIError(400, f"token id(s) {bad[:5]} are outside the tokenizer's vocabulary [0, {vocab})",
-                       param="tokens", code="invalid_token_ids")
+        raise APIError(
+            400,
+            f"token id(s) {bad[:5]} are outside the tokenizer's vocabulary [0, {vocab})",
+            param="tokens",
+            code="invalid_token_ids",
+        )
     try:
         return {"prompt": tok.decode(body.tokens, skip_special_tokens=False)}
     except (ValueError, IndexError, TypeError, OverflowError) as err:  # a tokenizer that refuses an id in range
-        raise APIError(400, f"the tokenizer cannot decode these tokens: {err}", param="tokens",
-                       code="invalid_token_ids") from None
+        raise APIError(
+            400, f"the tokenizer cannot decode these tokens: {err}", param="tokens", code="invalid_token_ids"
+        ) from None

@@ -332,17 +332,28 @@ class ToolCallStream:
         deltas: list[dict] = []
         visible = parsed.content.strip()
         if len(visible) > self.content_sent:
-            deltas.append({"content": visible[self.content_sent:]})
+            deltas.append({"content": visible[self.content_sent :]})
             self.content_sent = len(visible)
         for index, call in enumerate(self._calls(parsed)):
             if index == len(self.sent):
                 self.sent.append(_Sent(self.new_id(), call.name))
-                deltas.append({"tool_calls": [{"index": index, "id": self.sent[index].id, "type": "function",
-                                               "function": {"name": call.name, "arguments": ""}}]})
+                deltas.append(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": index,
+                                "id": self.sent[index].id,
+                                "type": "function",
+                                "function": {"name": call.name, "arguments": ""},
+                            }
+                        ]
+                    }
+                )
             sent = self.sent[index]
             if len(call.arguments) > sent.arguments:
-                deltas.append({"tool_calls": [{"index": index,
-                                               "function": {"arguments": call.arguments[sent.arguments:]}}]})
+                deltas.append(
+                    {"tool_calls": [{"index": index, "function": {"arguments": call.arguments[sent.arguments :]}}]}
+                )
                 sent.arguments = len(call.arguments)
         return deltas
 
@@ -355,6 +366,8 @@ class ToolCallStream:
         self.update(text, final=True)
         parsed = self.parser.parse(text, True)
         calls = self._calls(parsed)
-        tool_calls = [{"id": self.sent[i].id, "type": "function",
-                       "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
+        tool_calls = [
+            {"id": self.sent[i].id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(calls)
+        ]
         return parsed.content.strip() or None, tool_calls

@@ -57,8 +57,10 @@ def normalize_tools(tools: list[dict[str, Any]] | None, strict_check: bool = Fal
             raise _bad(f"{where}.type {kind!r} is not supported (only 'function')", "tools")
         fn = tool.get("function")
         if not isinstance(fn, dict):
-            raise _bad(f"{where}.function is missing: a tool is {{\"type\": \"function\", \"function\": "
-                       "{\"name\", \"parameters\"}}", "tools")
+            raise _bad(
+                f'{where}.function is missing: a tool is {{"type": "function", "function": {{"name", "parameters"}}}}',
+                "tools",
+            )
         unknown = sorted(set(fn) - {"name", "description", "parameters", "strict"})
         if unknown:
             raise _bad(f"{where}.function has an unknown field {unknown[0]!r}", "tools")
@@ -82,8 +84,9 @@ def normalize_tools(tools: list[dict[str, Any]] | None, strict_check: bool = Fal
     return out
 
 
-def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_tool_calls: bool | None,
-               parser: str | None) -> ToolPlan:
+def plan_tools(
+    tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_tool_calls: bool | None, parser: str | None
+) -> ToolPlan:
     """What to render, constrain and parse for this request (see the module docstring)."""
     choice, named = _choice(tool_choice)
     forced = choice in ("required", "named")
@@ -92,19 +95,27 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_to
         choice = "auto" if checked else "none"
     parallel = parallel_tool_calls is not False
     if forced and not checked:
-        raise _bad(f"tool_choice {'required' if choice == 'required' else repr(named)} needs tools, and none were "
-                   "given", "tool_choice")
+        raise _bad(
+            f"tool_choice {'required' if choice == 'required' else repr(named)} needs tools, and none were given",
+            "tool_choice",
+        )
     if choice == "auto" and checked and parser is None:  # the server runs with --no-enable-auto-tool-choice
-        raise _bad('"auto" tool choice needs the server started with --enable-auto-tool-choice (and a '
-                   "--tool-call-parser); send tool_choice \"required\", a named function or \"none\"", "tool_choice")
+        raise _bad(
+            '"auto" tool choice needs the server started with --enable-auto-tool-choice (and a '
+            '--tool-call-parser); send tool_choice "required", a named function or "none"',
+            "tool_choice",
+        )
     if choice in ("none", "auto") or checked is None:
         return ToolPlan(checked, choice, parser if (choice == "auto" and checked) else None, parallel, None)
     functions = [t["function"] for t in checked]
     if choice == "named":
         functions = [f for f in functions if f["name"] == named]
         if not functions:
-            raise _bad(f"tool_choice names the function {named!r}, which is not among the tools "
-                       f"({', '.join(repr(t['function']['name']) for t in checked)})", "tool_choice")
+            raise _bad(
+                f"tool_choice names the function {named!r}, which is not among the tools "
+                f"({', '.join(repr(t['function']['name']) for t in checked)})",
+                "tool_choice",
+            )
         parallel = False
     strict = all(f.get("strict") is not False for f in functions)
     try:
@@ -119,13 +130,18 @@ def _choice(tool_choice: Any) -> tuple[str | None, str | None]:
         return None, None
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
-            raise _bad(f"tool_choice {tool_choice!r} is not one of 'none', 'auto', 'required' or "
-                       "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+            raise _bad(
+                f"tool_choice {tool_choice!r} is not one of 'none', 'auto', 'required' or "
+                '{"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
         return tool_choice, None
     fn = tool_choice.get("function")
     if tool_choice.get("type", "function") != "function" or not isinstance(fn, dict) or not fn.get("name"):
-        raise _bad("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
-                   "{\"name\": ...}}", "tool_choice")
+        raise _bad(
+            'tool_choice must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
     return "named", str(fn["name"])
 
 
@@ -144,8 +160,7 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
             msg["tool_call_id"] = m.tool_call_id
         if m.tool_calls is not None:
             if m.role != "assistant":
-                raise _bad(f"messages[{i}]: tool_calls belong to an assistant message, not to {m.role!r}",
-                           "messages")
+                raise _bad(f"messages[{i}]: tool_calls belong to an assistant message, not to {m.role!r}", "messages")
             msg["tool_calls"] = [_history_call(i, j, c) for j, c in enumerate(m.tool_calls)]
         out.append(msg)
     return out

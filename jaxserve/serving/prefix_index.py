@@ -14,7 +14,7 @@ def block_keys(ids: Sequence[int], block_size: int) -> list[bytes]:
     equal whole prefixes. A partial last block has no key (a replica caches only full pages)."""
     keys, parent = [], b""
     for start in range(0, len(ids) - block_size + 1, block_size):
-        block = ",".join(map(str, ids[start:start + block_size])).encode()
+        block = ",".join(map(str, ids[start : start + block_size])).encode()
         parent = hashlib.blake2b(parent + block, digest_size=16).digest()
         keys.append(parent)
     return keys

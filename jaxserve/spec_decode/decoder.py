@@ -35,8 +35,7 @@ STEP_TIME_SAMPLES = 16  # the engine's recent step times kept per kind of step (
 MIN_STEP_TIME_SAMPLES = 3  # fewer than this: the calibrated device time plus the host time seen elsewhere
 
 
-def load_draft(settings: EngineConfig, mesh: Any, stacked: bool, target_cfg: ModelConfig, tokenizer: Any,
-               dtype: Any):
+def load_draft(settings: EngineConfig, mesh: Any, stacked: bool, target_cfg: ModelConfig, tokenizer: Any, dtype: Any):
     """Load speculative_model like the model (in its dtype, on its mesh); refuse a different vocabulary."""
     from jaxserve.loading.model_loader import load_model
 
@@ -44,12 +43,15 @@ def load_draft(settings: EngineConfig, mesh: Any, stacked: bool, target_cfg: Mod
     draft_cfg = ModelConfig.from_dir(path)
     why = "speculative decoding needs the draft to share the model's tokenizer and vocabulary"
     if draft_cfg.vocab_size != target_cfg.vocab_size:
-        raise ConfigError(f"the draft model {path!r} has a vocabulary of {draft_cfg.vocab_size} tokens and the "
-                          f"model {target_cfg.vocab_size}: {why}")
+        raise ConfigError(
+            f"the draft model {path!r} has a vocabulary of {draft_cfg.vocab_size} tokens and the "
+            f"model {target_cfg.vocab_size}: {why}"
+        )
     if tokenizer is not None:
         _check_same_tokenizer(path, tokenizer, why)
-    draft_settings = settings.replace(model=path, tokenizer=None, speculative_model=None, num_speculative_tokens=0,
-                                      dtype=jnp.dtype(dtype).name)
+    draft_settings = settings.replace(
+        model=path, tokenizer=None, speculative_model=None, num_speculative_tokens=0, dtype=jnp.dtype(dtype).name
+    )
     return load_model(draft_settings, mesh, stacked=stacked)
 
 
@@ -62,12 +64,15 @@ def _check_same_tokenizer(path: str, tokenizer: Any, why: str) -> None:
         logger.warning("the draft model %s has no tokenizer: assuming the model's (same vocabulary size)", path)
         return
     if len(draft_tok) != len(tokenizer):
-        raise ConfigError(f"the draft model's tokenizer ({path}) has {len(draft_tok)} tokens and the model's "
-                          f"{len(tokenizer)}: {why}")
+        raise ConfigError(
+            f"the draft model's tokenizer ({path}) has {len(draft_tok)} tokens and the model's {len(tokenizer)}: {why}"
+        )
     for i in range(len(tokenizer)):
         if draft_tok.id_to_token(i) != tokenizer.id_to_token(i):
-            raise ConfigError(f"the draft model's tokenizer ({path}) maps id {i} to {draft_tok.id_to_token(i)!r}, "
-                              f"the model's to {tokenizer.id_to_token(i)!r}: {why}")
+            raise ConfigError(
+                f"the draft model's tokenizer ({path}) maps id {i} to {draft_tok.id_to_token(i)!r}, "
+                f"the model's to {tokenizer.id_to_token(i)!r}: {why}"
+            )
 
 
 def draft_kv_bytes_per_token(settings: EngineConfig, dtype: Any) -> int:
@@ -99,8 +104,15 @@ class SpeculativeDecoder:
     and `record` (its acceptance). Device state and executables are the runner's (`runner.speculation`,
     `runner.run_step`)."""
 
-    def __init__(self, settings: EngineConfig, runner: Any, blocks: Any, buckets: BucketTable, max_model_len: int,
-                 draft: Any = None):
+    def __init__(
+        self,
+        settings: EngineConfig,
+        runner: Any,
+        blocks: Any,
+        buckets: BucketTable,
+        max_model_len: int,
+        draft: Any = None,
+    ):
         self.method = settings.speculation
         self.k = settings.num_speculative_tokens
         self.settings = settings
@@ -127,14 +139,24 @@ class SpeculativeDecoder:
             if draft is None:
                 raise ValueError("the draft method needs the loaded draft model")
             if draft.cfg.max_position_embeddings < max_model_len:
-                raise ConfigError(f"the draft model handles {draft.cfg.max_position_embeddings} positions, fewer "
-                                  f"than max_model_len={max_model_len}: lower max_model_len")
-            logger.info("draft model: %.1f M parameters (the model: %.1f M)", param_bytes(draft.params) / 4e6,
-                        param_bytes(runner.params) / 4e6)
+                raise ConfigError(
+                    f"the draft model handles {draft.cfg.max_position_embeddings} positions, fewer "
+                    f"than max_model_len={max_model_len}: lower max_model_len"
+                )
+            logger.info(
+                "draft model: %.1f M parameters (the model: %.1f M)",
+                param_bytes(draft.params) / 4e6,
+                param_bytes(runner.params) / 4e6,
+            )
         self.speculation = runner.enable_speculation(self.method, self.k, draft if self.method == "draft" else None)
         self.policy = SpecPolicy(self.k, settings.speculative_adaptive)
-        logger.info("speculative decoding: %s, %d tokens per step%s (adaptive=%s)", self.method, self.k,
-                    f" from {settings.speculative_model}" if draft is not None else "", settings.speculative_adaptive)
+        logger.info(
+            "speculative decoding: %s, %d tokens per step%s (adaptive=%s)",
+            self.method,
+            self.k,
+            f" from {settings.speculative_model}" if draft is not None else "",
+            settings.speculative_adaptive,
+        )
 
     # The draft's model, as the runner holds it (None without a draft; params and cache once closed).
     @property
@@ -163,9 +185,11 @@ class SpeculativeDecoder:
         # Steps are priced by their per-replica batch bucket; the replicas' rows taken as balanced.
         per_replica = min(-(-batch_size // self.num_replicas), self.buckets.batch_sizes[-1])
         costs = self.costs(per_replica) if self.policy.adaptive else None
-        k = min(self.policy.choose(state, self.decode_steps, costs),
-                seq.params.max_tokens - len(seq.output_token_ids) - 1,  # k + 1 tokens may be emitted
-                self.max_model_len - seq.num_tokens - 1)
+        k = min(
+            self.policy.choose(state, self.decode_steps, costs),
+            seq.params.max_tokens - len(seq.output_token_ids) - 1,  # k + 1 tokens may be emitted
+            self.max_model_len - seq.num_tokens - 1,
+        )
         if k <= 0:
             return 0
         if self.method == "ngram":
@@ -219,19 +243,26 @@ class SpeculativeDecoder:
         self._device[("plain", B)] = _median_seconds(self.runner.probe_rows(self._probe_rows(B, 0)))
         for d in self.draft_buckets:
             fits = B * (d + 1) <= self.buckets.token_counts[-1]
-            self._device[("spec", B, d)] = (_median_seconds(self.runner.probe_rows(self._probe_rows(B, d)))
-                                            if fits else float("inf"))
-        logger.info("speculation at batch %d: plain decode step %.2f ms; speculative step %s", B,
-                    self._device[("plain", B)] * 1e3, ", ".join(
-                        f"{self._device[('spec', B, d)] * 1e3:.2f} ms with {d} drafts" for d in self.draft_buckets))
+            self._device[("spec", B, d)] = (
+                _median_seconds(self.runner.probe_rows(self._probe_rows(B, d))) if fits else float("inf")
+            )
+        logger.info(
+            "speculation at batch %d: plain decode step %.2f ms; speculative step %s",
+            B,
+            self._device[("plain", B)] * 1e3,
+            ", ".join(f"{self._device[('spec', B, d)] * 1e3:.2f} ms with {d} drafts" for d in self.draft_buckets),
+        )
 
     def _probe_rows(self, batch: int, drafts: int) -> list:
         """`batch` rows of each replica on the padding page, each verifying `drafts` drafts."""
         from jaxserve.engine.row_work import RowWork
 
         pages = [PADDING_PAGE] * -(-(drafts + 1) // self.blocks.page_size)
-        return [RowWork([0] * (drafts + 1), 0, pages, replica=rep, num_drafts=drafts, draft_tokens=[0])
-                for rep in range(self.num_replicas) for _ in range(batch)]
+        return [
+            RowWork([0] * (drafts + 1), 0, pages, replica=rep, num_drafts=drafts, draft_tokens=[0])
+            for rep in range(self.num_replicas)
+            for _ in range(batch)
+        ]
 
     # ---- warm-up -----------------------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -257,7 +288,7 @@ class SpeculativeDecoder:
                 work.tokens, work.num_drafts, verifying = list(work.tokens) + list(drafts), k, True
             if self.method == "draft":  # what its cache lacks, but never more tokens than the row has
                 lag, p = self.state(seq).lag, work.start_pos
-                work.draft_tokens, work.draft_start = seq.token_view[p - lag: p - lag + min(lag, k) + 1], p - lag
+                work.draft_tokens, work.draft_start = seq.token_view[p - lag : p - lag + min(lag, k) + 1], p - lag
         decodes = [row for row in scheduled if not is_prompt_chunk(row)]
         self._timing = None
         if decodes and len(decodes) == len(scheduled):  # decode-only steps are priced per batch bucket

@@ -89,8 +89,16 @@ def propose_ragged(
             pos = jnp.where(active, last + j, last)  # an idle group recomputes its last token, writing nothing
             page = jnp.take_along_axis(pages, (pos // page_size)[..., None], axis=-1)[..., 0]
             slots = jnp.where(active, page * page_size + pos % page_size, PAD_SLOT)
-            step = RaggedBatch(tokens=tokens[-1], positions=pos, slots=slots, token_row=rows, query_start=starts,
-                               context_lens=pos + 1, page_table=pages, logit_index=rows)
+            step = RaggedBatch(
+                tokens=tokens[-1],
+                positions=pos,
+                slots=slots,
+                token_row=rows,
+                query_start=starts,
+                context_lens=pos + 1,
+                page_table=pages,
+                logit_index=rows,
+            )
             step_logits, cache = ragged_step(params, cache, step, cfg, options)
             token, q = draw(step_logits, j)
             tokens.append(token)

@@ -132,14 +132,19 @@ def verify(
         # (the normal sampler's key and logits); selecting key and logits first draws what two
         # separate draws would, with one Gumbel pass over [G, V] instead of two.
         rejected = (n < num_draft)[:, None]
-        key = jax.random.wrap_key_data(jnp.where(
-            rejected, jax.random.key_data(purpose_keys(st.seed, st.step + n, RESIDUAL)),
-            jax.random.key_data(step_keys(st.seed, st.step + n))))
+        key = jax.random.wrap_key_data(
+            jnp.where(
+                rejected,
+                jax.random.key_data(purpose_keys(st.seed, st.step + n, RESIDUAL)),
+                jax.random.key_data(step_keys(st.seed, st.step + n)),
+            )
+        )
         final = jax.vmap(jax.random.categorical)(key, jnp.where(rejected, jnp.log(residual), filtered[at_run(n)]))
         return n, final.astype(jnp.int32)
 
     n_sampled, final_sampled = jax.lax.cond(
-        jnp.any(sampled), sampled_rows, lambda: (jnp.zeros(G, jnp.int32), jnp.zeros(G, jnp.int32)))
+        jnp.any(sampled), sampled_rows, lambda: (jnp.zeros(G, jnp.int32), jnp.zeros(G, jnp.int32))
+    )
     n = jnp.where(sampled, n_sampled, n_greedy)
     final = jnp.where(sampled, final_sampled, final_greedy)
 
@@ -152,13 +157,13 @@ def verify(
         lse = jax.nn.logsumexp(raw, axis=-1)  # f32[L]
         chosen = raw[group_logits, tokens] - lse[group_logits]  # f32[G, W]
         top_vals, top_ids = jax.lax.top_k(raw, top)  # [L, top]
-        return (chosen, top_ids.astype(jnp.int32)[group_logits],
-                (top_vals - lse[:, None])[group_logits])
+        return (chosen, top_ids.astype(jnp.int32)[group_logits], (top_vals - lse[:, None])[group_logits])
 
     def none():
         return jnp.zeros((G, W), jnp.float32), jnp.zeros((G, W, top), jnp.int32), jnp.zeros((G, W, top), jnp.float32)
 
     # Skipped unless a group asks: a top-k over every position's vocabulary is the dearest pass.
-    chosen, top_ids, top_logprobs = logprobs() if want_logprobs is None else jax.lax.cond(
-        jnp.any(want_logprobs), logprobs, none)
+    chosen, top_ids, top_logprobs = (
+        logprobs() if want_logprobs is None else jax.lax.cond(jnp.any(want_logprobs), logprobs, none)
+    )
     return VerifyOutput(tokens=tokens, num_accepted=n, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)

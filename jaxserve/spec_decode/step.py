@@ -86,11 +86,17 @@ def constrain(cache: KVCache | None, shardings: KVCache | None) -> KVCache | Non
 
 def _plain_output(out, width: int) -> VerifyOutput:
     """A plain sample [N] as a VerifyOutput of no accepted drafts ([N, width] padded with zeros)."""
+
     def pad(x):
         return jnp.zeros((x.shape[0], width) + x.shape[1:], x.dtype).at[:, 0].set(x)
 
-    return VerifyOutput(tokens=pad(out.tokens), num_accepted=jnp.zeros_like(out.tokens), logprobs=pad(out.logprobs),
-                        top_ids=pad(out.top_ids), top_logprobs=pad(out.top_logprobs))
+    return VerifyOutput(
+        tokens=pad(out.tokens),
+        num_accepted=jnp.zeros_like(out.tokens),
+        logprobs=pad(out.logprobs),
+        top_ids=pad(out.top_ids),
+        top_logprobs=pad(out.top_logprobs),
+    )
 
 
 def speculative_step(
@@ -117,11 +123,21 @@ def speculative_step(
     verifying = jnp.any(rows.num_draft > 0)
     draft_probs = None
     if spec.method == "draft":
-        drafts, draft_probs, draft_cache = propose_ragged(draft_params, draft_cache, draft, rows.num_draft, sampling,
-                                                          verifying, cfg=draft_cfg, options=options, num_tokens=K)
+        drafts, draft_probs, draft_cache = propose_ragged(
+            draft_params,
+            draft_cache,
+            draft,
+            rows.num_draft,
+            sampling,
+            verifying,
+            cfg=draft_cfg,
+            options=options,
+            num_tokens=K,
+        )
         draft_cache = constrain(draft_cache, draft_cache_sharding)
         tokens = jax.vmap(lambda t, at, d: t.at[at.reshape(-1)].set(d.reshape(-1), mode="drop"))(
-            batch.tokens, draft.draft_index, drafts)
+            batch.tokens, draft.draft_index, drafts
+        )
         batch = batch.replace(tokens=tokens)
     hidden, cache = ragged_step(params, cache, batch, cfg, options, hidden=True)  # f[R, L, D]
     cache = constrain(cache, cache_sharding)
@@ -133,7 +149,8 @@ def speculative_step(
         logits = ragged_logits(params, hidden, cfg, options)  # f32[R, L, V]
         probs = None if draft_probs is None else draft_probs.reshape((R, G) + draft_probs.shape[1:])
         return per_replica(functools.partial(_verify_replicas, accept_all=spec.accept_all), options.mesh)(
-            logits, rows.group_logits, drafts.reshape(R, G, K), probs, rows.num_draft, sampling, rows.want_logprobs)
+            logits, rows.group_logits, drafts.reshape(R, G, K), probs, rows.num_draft, sampling, rows.want_logprobs
+        )
 
     def sample_groups():  # no group verifies: position 0 of each only
         first = jnp.take_along_axis(hidden, rows.group_logits[:, ::W, None], axis=1)  # f[R, G, D]
@@ -164,7 +181,14 @@ def _verify_replicas(logits, group_logits, drafts, draft_probs, num_draft, sampl
     def flat(x):
         return x.reshape((R * G,) + x.shape[2:])
 
-    out = verify(logits.reshape(R * L, -1), positions.reshape(R * G, W), flat(drafts),
-                 None if draft_probs is None else flat(draft_probs), flat(num_draft), jax.tree.map(flat, sampling),
-                 flat(want_logprobs), accept_all=accept_all)
+    out = verify(
+        logits.reshape(R * L, -1),
+        positions.reshape(R * G, W),
+        flat(drafts),
+        None if draft_probs is None else flat(draft_probs),
+        flat(num_draft),
+        jax.tree.map(flat, sampling),
+        flat(want_logprobs),
+        accept_all=accept_all,
+    )
     return jax.tree.map(lambda x: x.reshape((R, G) + x.shape[1:]), out)

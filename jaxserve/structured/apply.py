@@ -56,8 +56,9 @@ class TokenMask:
     def spec(cls, batch: tuple[int, ...], vocab_size: int) -> "TokenMask":
         """ShapeDtypeStructs, for ahead-of-time lowering."""
         words = (int(vocab_size) + 31) // 32
-        return cls(jax.ShapeDtypeStruct(tuple(batch) + (words,), jnp.int32),
-                   jax.ShapeDtypeStruct(tuple(batch), jnp.bool_))
+        return cls(
+            jax.ShapeDtypeStruct(tuple(batch) + (words,), jnp.int32), jax.ShapeDtypeStruct(tuple(batch), jnp.bool_)
+        )
 
 
 def mask_logits(
@@ -66,6 +67,6 @@ def mask_logits(
 ) -> jax.Array:  # like logits
     """`apply_token_bitmask` under a cond on any row being constrained: a step with no constrained
     row skips the unpacking and the select (its logits are returned as they are)."""
-    return jax.lax.cond(jnp.any(mask.constrained),
-                        lambda: apply_token_bitmask(logits, mask.bitmask, mask.constrained),
-                        lambda: logits)
+    return jax.lax.cond(
+        jnp.any(mask.constrained), lambda: apply_token_bitmask(logits, mask.bitmask, mask.constrained), lambda: logits
+    )

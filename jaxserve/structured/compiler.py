@@ -205,5 +205,5 @@ def _first_error_line(message: str) -> str:
     lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
     for ln in lines:
         if ln.startswith("error:"):
-            return ln[len("error:"):].strip()
+            return ln[len("error:") :].strip()
     return lines[0] if lines else "rejected by the grammar library"

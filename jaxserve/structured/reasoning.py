@@ -41,8 +41,9 @@ class ReasoningGate:
     masks: np.ndarray  # i32[len(marker), W]: row k, the mask while the reasoning ends in marker[:k]
 
 
-def build_gate(ll_tokenizer: "llguidance.LLTokenizer", vocab_size: int, eos_token_ids: Sequence[int],
-               marker: str) -> ReasoningGate:
+def build_gate(
+    ll_tokenizer: "llguidance.LLTokenizer", vocab_size: int, eos_token_ids: Sequence[int], marker: str
+) -> ReasoningGate:
     """The gate's tables: milliseconds for 8192 ids (one `decode_bytes` per id, then only the ids
     holding the marker's last byte are examined)."""
     m = marker.encode("utf-8")
@@ -57,7 +58,7 @@ def build_gate(ll_tokenizer: "llguidance.LLTokenizer", vocab_size: int, eos_toke
         for k in range(len(m)):
             s = m[:k] + b
             p = s.find(m)
-            if p >= 0 and s[p + len(m):].strip(_BLANK):
+            if p >= 0 and s[p + len(m) :].strip(_BLANK):
                 allowed[k, t] = False
     words = bitmask_words(vocab_size)
     packed = np.packbits(allowed, axis=1, bitorder="little")
@@ -146,7 +147,7 @@ class ReasoningGatedMatcher:
             self._tail = held_back(b, (marker,))
             return True
         self._ended = True
-        rest = b[p + len(marker):].lstrip(_BLANK)
+        rest = b[p + len(marker) :].lstrip(_BLANK)
         if not rest:
             return True
         # The mask forbids such a token; one forced on anyway has its answer bytes checked by the grammar.

@@ -11,7 +11,12 @@ __all__ = ["spec_from_request", "STRUCTURED_OUTPUT_KEYS", "GUIDED_ALIASES"]
 
 # vLLM's structured_outputs keys, and the older top-level guided_* fields that alias them.
 STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
-GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GUIDED_ALIASES = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 def spec_from_request(
@@ -37,7 +42,9 @@ def spec_from_request(
             raise GrammarError("structured_outputs must be an object")
         unknown = sorted(set(structured_outputs) - set(STRUCTURED_OUTPUT_KEYS))
         if unknown:
-            raise GrammarError(f"structured_outputs: unknown key {unknown[0]!r} (expected one of {', '.join(STRUCTURED_OUTPUT_KEYS)})")
+            raise GrammarError(
+                f"structured_outputs: unknown key {unknown[0]!r} (expected one of {', '.join(STRUCTURED_OUTPUT_KEYS)})"
+            )
         for key in STRUCTURED_OUTPUT_KEYS:
             value = structured_outputs.get(key)
             if value is not None and value is not False:

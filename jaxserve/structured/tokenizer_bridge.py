@@ -36,7 +36,9 @@ def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int | None = None) -> llguida
         hf = tokenizer.backend
         return llguidance.LLTokenizer(hf.to_str(), n_vocab=n, eos_token=eos)
     if tokenizer.kind == "sentencepiece":
-        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_SentencePieceVocab(tokenizer)), n_vocab=n, eos_token=eos)
+        return llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_SentencePieceVocab(tokenizer)), n_vocab=n, eos_token=eos
+        )
     raise ValueError(f"no llguidance bridge for tokenizer kind {tokenizer.kind!r}")
 
 

@@ -52,18 +52,21 @@ def tool_call_schema(functions: Sequence[Mapping[str, Any]], parallel: bool = Tr
     for fn in functions:
         params = fn.get("parameters")
         params = {"type": "object"} if params is None else closed_objects(params)
-        items.append({
-            "type": "object",
-            "properties": {"name": {"const": fn["name"]}, "arguments": params},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        })
+        items.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     item = items[0] if len(items) == 1 else {"anyOf": items}
     return {"type": "array", "items": item, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
 
 
-def tool_call_spec(functions: Sequence[Mapping[str, Any]], parallel: bool = True,
-                   strict: bool = True) -> StructuredSpec:
+def tool_call_spec(
+    functions: Sequence[Mapping[str, Any]], parallel: bool = True, strict: bool = True
+) -> StructuredSpec:
     """The constraint a forced tool call generates under; `strict` refuses keywords the library lacks."""
     return StructuredSpec.json_schema(tool_call_schema(functions, parallel), strict=strict)
 

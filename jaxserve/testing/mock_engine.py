@@ -159,9 +159,16 @@ class MockLLMEngine:
         self.tokenizer = tokenizer
         self.memory = memory
         self.model_config = ModelConfig(
-            vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-            num_kv_heads=2, head_dim=16, max_position_embeddings=memory.max_model_len,
-            bos_token_id=EOS_ID, eos_token_ids=(EOS_ID,),
+            vocab_size=VOCAB_SIZE,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            max_position_embeddings=memory.max_model_len,
+            bos_token_id=EOS_ID,
+            eos_token_ids=(EOS_ID,),
         )
 
 
@@ -182,8 +189,11 @@ class MockAsyncLLMEngine:
         max_model_len = settings.max_model_len or 512
         num_pages = settings.num_pages or 512
         memory = MemoryPlan(
-            param_bytes=10_000_000, kv_bytes_per_token=2 * 2 * 16 * 2 * 2, page_size=settings.page_size,
-            num_pages=num_pages, max_model_len=max_model_len,
+            param_bytes=10_000_000,
+            kv_bytes_per_token=2 * 2 * 16 * 2 * 2,
+            page_size=settings.page_size,
+            num_pages=num_pages,
+            max_model_len=max_model_len,
             max_pages_per_seq=math.ceil(max_model_len / settings.page_size),
         )
         self.engine = MockLLMEngine(settings, tokenizer if tokenizer is not None else MockTokenizer(), memory)
@@ -202,8 +212,13 @@ class MockAsyncLLMEngine:
         self._counters = dict(prompt_tokens_total=0, generation_tokens_total=0)
         self._last_step_seconds = 0.0
         self._last_step_bytes = 0
-        self.lora = MockLoRAManager(settings.enable_lora, settings.max_loras, settings.max_lora_rank,
-                                    settings.max_cpu_loras, settings.lora_modules)
+        self.lora = MockLoRAManager(
+            settings.enable_lora,
+            settings.max_loras,
+            settings.max_lora_rank,
+            settings.max_cpu_loras,
+            settings.lora_modules,
+        )
 
     @classmethod
     def from_settings(cls, settings: EngineConfig, **kwargs: Any) -> "MockAsyncLLMEngine":
@@ -225,12 +240,16 @@ class MockAsyncLLMEngine:
 
     @property
     def limits(self) -> Limits:
-        return Limits(vocab_size=VOCAB_SIZE, max_model_len=self.engine.memory.max_model_len,
-                      page_size=self.engine.memory.page_size, usable_pages=self.engine.memory.num_pages - 1,
-                      max_num_seqs=self.engine.config.max_num_seqs,
-                      structured_refusal="the mock engine does not implement structured output; serve a model",
-                      prompt_logprobs=True,  # the mock makes them up for every request
-                      max_logprobs=self.engine.config.max_logprobs)
+        return Limits(
+            vocab_size=VOCAB_SIZE,
+            max_model_len=self.engine.memory.max_model_len,
+            page_size=self.engine.memory.page_size,
+            usable_pages=self.engine.memory.num_pages - 1,
+            max_num_seqs=self.engine.config.max_num_seqs,
+            structured_refusal="the mock engine does not implement structured output; serve a model",
+            prompt_logprobs=True,  # the mock makes them up for every request
+            max_logprobs=self.engine.config.max_logprobs,
+        )
 
     @property
     def config(self) -> EngineConfig:
@@ -279,8 +298,12 @@ class MockAsyncLLMEngine:
     async def submit(self, request: EngineRequest, queue: asyncio.Queue, tag: Any = None) -> None:
         """Queue a request its processor checked (`processor.process`); here only what depends on
         the mock: its adapter, the simulated cache, its id free and the engine open."""
-        request_id, ids, params, lora_request = (request.request_id, request.prompt_token_ids, request.params,
-                                                 request.lora_request)
+        request_id, ids, params, lora_request = (
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            request.lora_request,
+        )
         with self._lock:
             self.lora.check_request(lora_request)
         limit = self.engine.memory.max_model_len
@@ -288,7 +311,8 @@ class MockAsyncLLMEngine:
         pages = math.ceil(total / self.engine.memory.page_size) * params.n
         if pages > self.engine.memory.num_pages - 1:  # the simulation reserves every sample's pages at once
             raise RequestError(
-                f"prompt + max_tokens needs {pages} KV pages; the cache has {self.engine.memory.num_pages - 1}")
+                f"prompt + max_tokens needs {pages} KV pages; the cache has {self.engine.memory.num_pages - 1}"
+            )
         text = self.engine.tokenizer.decode(ids, skip_special_tokens=False) if self.fail_marker else ""
         fail = 0
         if self.fail_marker and self.fail_marker[:-2] + "-later" + self.fail_marker[-2:] in text:
@@ -296,12 +320,21 @@ class MockAsyncLLMEngine:
         elif self.fail_marker and self.fail_marker in text:
             fail = 1
         req = _Request(
-            request_id=request_id, prompt=request.prompt, prompt_ids=ids, params=params,
-            loop=asyncio.get_running_loop(), queue=queue, tag=tag, pages=pages, lora=lora_request,
-            digest=hashlib.blake2b(repr(ids).encode() + MockLoRAManager.digest_salt(lora_request),
-                                   digest_size=16).digest(),
+            request_id=request_id,
+            prompt=request.prompt,
+            prompt_ids=ids,
+            params=params,
+            loop=asyncio.get_running_loop(),
+            queue=queue,
+            tag=tag,
+            pages=pages,
+            lora=lora_request,
+            digest=hashlib.blake2b(
+                repr(ids).encode() + MockLoRAManager.digest_salt(lora_request), digest_size=16
+            ).digest(),
             metrics=RequestMetrics(arrival_time=request.arrival_time),
-            siblings=[_Sibling(i) for i in range(params.n)], fail=fail,
+            siblings=[_Sibling(i) for i in range(params.n)],
+            fail=fail,
         )
         with self._lock:
             claim(request_id, self._by_id, self._stopping or self._dead)
@@ -318,8 +351,9 @@ class MockAsyncLLMEngine:
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's deltas, as AsyncLLMEngine.generate does."""
-        request = self.processor.process(request_id, prompt, sampling_params, prompt_token_ids,
-                                         lora_request=lora_request)
+        request = self.processor.process(
+            request_id, prompt, sampling_params, prompt_token_ids, lora_request=lora_request
+        )
         async for delta in stream_deltas(self, request):
             yield delta
 
@@ -373,7 +407,9 @@ class MockAsyncLLMEngine:
                     self._advance(req)
                     tokens_read += len(req.prompt_ids) + max(len(s.token_ids) for s in req.siblings)
                 self._last_step_seconds = time.perf_counter() - start
-                self._last_step_bytes = self.engine.memory.param_bytes + tokens_read * self.engine.memory.kv_bytes_per_token
+                self._last_step_bytes = (
+                    self.engine.memory.param_bytes + tokens_read * self.engine.memory.kv_bytes_per_token
+                )
 
     def _advance(self, req: _Request) -> None:
         params = req.params
@@ -410,8 +446,10 @@ class MockAsyncLLMEngine:
                 continue
             if (token == EOS_ID and not params.ignore_eos) or token in params.stop_token_ids:
                 s.finish_reason = "stop"
-            elif (len(s.token_ids) >= params.max_tokens
-                  or len(req.prompt_ids) + len(s.token_ids) >= self.engine.memory.max_model_len):
+            elif (
+                len(s.token_ids) >= params.max_tokens
+                or len(req.prompt_ids) + len(s.token_ids) >= self.engine.memory.max_model_len
+            ):
                 s.finish_reason = "length"
             # While running, hold back a tail that could still become a stop string.
             s.text = full if s.finish_reason else full[: len(full) - held_back(full, params.stop)]
@@ -463,11 +501,16 @@ class MockAsyncLLMEngine:
             finishing = s.finish_reason is not None and not s.finish_sent
             if len(s.token_ids) == s.ids_sent and len(s.text) <= s.text_sent and not finishing:
                 continue
-            outputs.append(CompletionOutput(
-                index=s.index, token_ids=s.token_ids[s.ids_sent:], text=s.text[s.text_sent:],
-                finish_reason=s.finish_reason, logprobs=[dict(e) for e in s.logprobs[s.ids_sent:]] if want_lp else None,
-                cumulative_logprob=s.cumulative_logprob if want_lp else None,
-            ))
+            outputs.append(
+                CompletionOutput(
+                    index=s.index,
+                    token_ids=s.token_ids[s.ids_sent :],
+                    text=s.text[s.text_sent :],
+                    finish_reason=s.finish_reason,
+                    logprobs=[dict(e) for e in s.logprobs[s.ids_sent :]] if want_lp else None,
+                    cumulative_logprob=s.cumulative_logprob if want_lp else None,
+                )
+            )
             s.ids_sent, s.text_sent = len(s.token_ids), max(s.text_sent, len(s.text))
             s.finish_sent = s.finish_reason is not None
         prompt_logprobs = None
@@ -497,9 +540,7 @@ class MockAsyncLLMEngine:
             total = self.engine.memory.num_pages - 1
             used = total - self._pages_free
             slots = sum(r.pages for r in self._running) * self.engine.memory.page_size
-            stored = sum(
-                (len(r.prompt_ids) + len(s.token_ids)) for r in self._running for s in r.siblings
-            )
+            stored = sum((len(r.prompt_ids) + len(s.token_ids)) for r in self._running for s in r.siblings)
             lora = {"lora": self.lora.stats([r.lora for r in self._running], [r.lora for r in self._waiting])}
             return {
                 **(lora if self.lora.enabled else {}),

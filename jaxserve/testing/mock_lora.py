@@ -44,24 +44,33 @@ def read_adapter_config(request: LoRARequest, max_rank: int) -> dict:
     if not isinstance(rank, int) or rank < 1:
         raise LoRAError(f"LoRA adapter {request.lora_name!r}: rank r={rank!r} is not a positive integer")
     if rank > max_rank:
-        raise LoRAError(f"LoRA adapter {request.lora_name!r} has rank {rank}, above max_lora_rank={max_rank} "
-                        "(--max-lora-rank)")
+        raise LoRAError(
+            f"LoRA adapter {request.lora_name!r} has rank {rank}, above max_lora_rank={max_rank} (--max-lora-rank)"
+        )
     if config.get("use_dora"):
         raise LoRAError(f"LoRA adapter {request.lora_name!r}: DoRA (use_dora) is not supported")
     targets = config.get("target_modules") or ["q_proj", "v_proj"]
     targets = [targets] if isinstance(targets, str) else list(targets)
     unsupported = sorted(set(targets) - set(TARGET_MODULES))
     if unsupported:
-        raise LoRAError(f"LoRA adapter {request.lora_name!r} targets {', '.join(unsupported)}: only "
-                        f"{', '.join(TARGET_MODULES)} can be adapted")
+        raise LoRAError(
+            f"LoRA adapter {request.lora_name!r} targets {', '.join(unsupported)}: only "
+            f"{', '.join(TARGET_MODULES)} can be adapted"
+        )
     return config
 
 
 class MockLoRAManager:
     """Registered adapters, simulated device slots and host cache, and the counters of `stats()["lora"]`."""
 
-    def __init__(self, enabled: bool, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
-                 modules: Iterable[LoRARequest] = ()):
+    def __init__(
+        self,
+        enabled: bool,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int | None,
+        modules: Iterable[LoRARequest] = (),
+    ):
         self.enabled = enabled
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -164,9 +173,15 @@ class MockLoRAManager:
                     out[r.lora_name] = out.get(r.lora_name, 0) + 1
             return out
 
-        return {"max_loras": self.max_loras, "running": count(running), "waiting": count(waiting),
-                "resident": list(self.resident), "cpu_cached": list(self.cpu_cached),
-                "loads_total": self.loads_total, "evictions_total": self.evictions_total}
+        return {
+            "max_loras": self.max_loras,
+            "running": count(running),
+            "waiting": count(waiting),
+            "resident": list(self.resident),
+            "cpu_cached": list(self.cpu_cached),
+            "loads_total": self.loads_total,
+            "evictions_total": self.evictions_total,
+        }
 
 
 __all__ = ["MockLoRAManager", "read_adapter_config"]

@@ -26,8 +26,17 @@ __all__ = ["dequantize_int4", "int4_matmul", "reference_int4_matmul"]
 
 @functools.partial(jax.jit, static_argnames=("group_size", "backend", "interpret", "block_m", "block_n", "block_k"))
 def _int4_matmul_jit(x, values, scales, biases, *, group_size, backend, interpret, block_m, block_n, block_k):
-    m, k, n = validate_int4_matmul(x, values, scales, biases, group_size=group_size, backend=backend,
-                                   block_m=block_m, block_n=block_n, block_k=block_k)
+    m, k, n = validate_int4_matmul(
+        x,
+        values,
+        scales,
+        biases,
+        group_size=group_size,
+        backend=backend,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+    )
     blocks = pick_blocks(backend, m, k, n, x.dtype, group_size, block_m, block_n, block_k)
     if backend == "tpu":
         from pallas_kernels.int4_matmul.tpu import int4_matmul_tpu as impl
@@ -56,5 +65,15 @@ def int4_matmul(
     "gpu" with interpret=True (or call reference_int4_matmul).
     """
     backend = resolve_backend(None if backend == "auto" else backend, interpret, fn_name="int4_matmul")
-    return _int4_matmul_jit(x, values, scales, biases, group_size=group_size, backend=backend,
-                            interpret=bool(interpret), block_m=block_m, block_n=block_n, block_k=block_k)
+    return _int4_matmul_jit(
+        x,
+        values,
+        scales,
+        biases,
+        group_size=group_size,
+        backend=backend,
+        interpret=bool(interpret),
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+    )

@@ -31,8 +31,9 @@ def tpu_k_unit(group_size: int) -> int:
     return math.lcm(256, 8 * group_size)
 
 
-def pick_blocks(backend: str, m: int, k: int, n: int, x_dtype, group_size: int, block_m=None, block_n=None,
-                block_k=None) -> tuple[int, int, int]:
+def pick_blocks(
+    backend: str, m: int, k: int, n: int, x_dtype, group_size: int, block_m=None, block_n=None, block_k=None
+) -> tuple[int, int, int]:
     """(block_m, block_n, block_k) from the table, fitted to the problem, user overrides kept."""
     for max_m, bm, bn, bk in TABLE[backend]:
         if max_m is None or m <= max_m:

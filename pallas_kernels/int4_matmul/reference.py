@@ -33,8 +33,10 @@ def validate_int4_matmul(
     m, k = x.shape
     half, n = values.shape
     if 2 * half != k:
-        raise ValueError(f"{FN}: x is [{m}, {k}] but values is [{half}, {n}]; values must have k // 2 = "
-                         f"{k / 2:g} rows (two 4-bit codes per byte along k).")
+        raise ValueError(
+            f"{FN}: x is [{m}, {k}] but values is [{half}, {n}]; values must have k // 2 = "
+            f"{k / 2:g} rows (two 4-bit codes per byte along k)."
+        )
     if min(m, k, n) < 1:
         raise ValueError(f"{FN}: empty operands are not supported (m={m}, k={k}, n={n}).")
     g = group_size
@@ -55,14 +57,18 @@ def validate_int4_matmul(
         if block_n is not None and block_n % 128 and block_n != n:
             raise ValueError(f"{FN}: on TPU block_n must be a multiple of 128 (lane width) or n, got {block_n}.")
         if block_k is not None and block_k != k and (block_k % 256 or block_k % (8 * g)):
-            raise ValueError(f"{FN}: on TPU block_k must be k or a multiple of 256 and of 8 * group_size "
-                             f"(= {8 * g}: whole 8-row tiles of scales), got {block_k}.")
+            raise ValueError(
+                f"{FN}: on TPU block_k must be k or a multiple of 256 and of 8 * group_size "
+                f"(= {8 * g}: whole 8-row tiles of scales), got {block_k}."
+            )
     elif backend == "gpu":
         if not is_pow2(g) or g < 16:
             raise ValueError(f"{FN}: on GPU group_size must be a power of two >= 16 (Triton), got {g}.")
         if block_k is not None and (block_k < g or block_k < 32):
-            raise ValueError(f"{FN}: on GPU block_k must be >= group_size and >= 32 (whole groups, a 16-row "
-                             f"dot per nibble half), got {block_k}.")
+            raise ValueError(
+                f"{FN}: on GPU block_k must be >= group_size and >= 32 (whole groups, a 16-row "
+                f"dot per nibble half), got {block_k}."
+            )
     return m, k, n
 
 
@@ -95,8 +101,17 @@ def reference_int4_matmul(
 ):
     """x @ dequantize(values, scales, biases) in f32, returned in x's dtype (tuning args ignored)."""
     del backend, interpret
-    validate_int4_matmul(x, values, scales, biases, group_size=group_size, backend=None, block_m=block_m,
-                         block_n=block_n, block_k=block_k)
+    validate_int4_matmul(
+        x,
+        values,
+        scales,
+        biases,
+        group_size=group_size,
+        backend=None,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+    )
     w = dequantize_int4(values, scales, biases, group_size)
     acc = jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
     return acc.astype(x.dtype)

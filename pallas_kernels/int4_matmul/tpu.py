@@ -23,7 +23,7 @@ def _dequant(
 ):  # -> [bk // 2, bn] dtype
     # One static, 8-row-aligned slice per group, its scale and bias row broadcast over the sublanes:
     # plain vector ops, no relayout (a [ng, half, bn] reshape would need one per group anyway).
-    parts = [q[g * half:(g + 1) * half] * s[g:g + 1] + b[g:g + 1] for g in range(s.shape[0])]
+    parts = [q[g * half : (g + 1) * half] * s[g : g + 1] + b[g : g + 1] for g in range(s.shape[0])]
     w = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     return w.astype(dtype)
 
@@ -52,8 +52,9 @@ def _kernel(
     lo = _dequant((p & 0xF).astype(jnp.float32), s, b, half, x_lo.dtype)
     hi = _dequant((p >> 4).astype(jnp.float32), s, b, half, x_lo.dtype)
     precision = lax.Precision.HIGHEST if x_lo.dtype == jnp.float32 else None
-    acc_ref[...] += (jnp.dot(x_lo, lo, preferred_element_type=jnp.float32, precision=precision)
-                     + jnp.dot(x_hi, hi, preferred_element_type=jnp.float32, precision=precision))
+    acc_ref[...] += jnp.dot(x_lo, lo, preferred_element_type=jnp.float32, precision=precision) + jnp.dot(
+        x_hi, hi, preferred_element_type=jnp.float32, precision=precision
+    )
 
     @pl.when(kk == pl.num_programs(2) - 1)
     def _():

@@ -19,16 +19,21 @@ import jax
 
 from pallas_kernels._common import resolve_backend
 from pallas_kernels.int8_matmul.blocks import pick_blocks
-from pallas_kernels.int8_matmul.reference import (dequantize_int8, group_scales, reference_int8_matmul,
-                                                  validate_int8_matmul)
+from pallas_kernels.int8_matmul.reference import (
+    dequantize_int8,
+    group_scales,
+    reference_int8_matmul,
+    validate_int8_matmul,
+)
 
 __all__ = ["dequantize_int8", "int8_matmul", "reference_int8_matmul"]
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "backend", "interpret", "block_m", "block_n", "block_k"))
 def _int8_matmul_jit(x, w_q, w_scale, *, group_size, backend, interpret, block_m, block_n, block_k):
-    m, k, n, g = validate_int8_matmul(x, w_q, w_scale, group_size=group_size, backend=backend, block_m=block_m,
-                                      block_n=block_n, block_k=block_k)
+    m, k, n, g = validate_int8_matmul(
+        x, w_q, w_scale, group_size=group_size, backend=backend, block_m=block_m, block_n=block_n, block_k=block_k
+    )
     blocks = pick_blocks(backend, m, k, n, x.dtype, g, block_m, block_n, block_k)
     if backend == "tpu":
         from pallas_kernels.int8_matmul.tpu import int8_matmul_tpu as impl
@@ -58,5 +63,14 @@ def int8_matmul(
     reference_int8_matmul).
     """
     backend = resolve_backend(backend, interpret, fn_name="int8_matmul")
-    return _int8_matmul_jit(x, w_q, w_scale, group_size=group_size, backend=backend, interpret=bool(interpret),
-                            block_m=block_m, block_n=block_n, block_k=block_k)
+    return _int8_matmul_jit(
+        x,
+        w_q,
+        w_scale,
+        group_size=group_size,
+        backend=backend,
+        interpret=bool(interpret),
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+    )

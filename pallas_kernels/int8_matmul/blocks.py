@@ -58,8 +58,9 @@ def _tpu_block_k(k: int, group_size: int, cap: int) -> int:
     return largest_divisor(round_up(k, unit), max(cap, unit), unit)
 
 
-def pick_blocks(backend: str, m: int, k: int, n: int, x_dtype, group_size: int, block_m=None, block_n=None,
-                block_k=None) -> tuple[int, int, int]:
+def pick_blocks(
+    backend: str, m: int, k: int, n: int, x_dtype, group_size: int, block_m=None, block_n=None, block_k=None
+) -> tuple[int, int, int]:
     """(block_m, block_n, block_k) from the table, fitted to the problem and group size, user overrides kept.
 
     group_size = k means per-column scales. Every chosen block_k is a multiple of group_size or divides it."""

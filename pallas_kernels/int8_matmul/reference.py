@@ -38,8 +38,10 @@ def validate_int8_matmul(
         raise ValueError(f"{FN}: empty operands are not supported (m={m}, k={k}, n={n}).")
     if group_size is None:
         if w_scale.shape != (n,):
-            raise ValueError(f"{FN}: without group_size, w_scale must have shape ({n},) (one scale per output "
-                             f"column), got {w_scale.shape}.")
+            raise ValueError(
+                f"{FN}: without group_size, w_scale must have shape ({n},) (one scale per output "
+                f"column), got {w_scale.shape}."
+            )
         g = k
     else:
         g = group_size
@@ -48,15 +50,18 @@ def validate_int8_matmul(
         if k % g:
             raise ValueError(f"{FN}: group_size {g} must divide k = {k}.")
         if w_scale.shape != (k // g, n):
-            raise ValueError(f"{FN}: w_scale must have shape ({k // g}, {n}) (k // group_size, n), "
-                             f"got {w_scale.shape}.")
+            raise ValueError(
+                f"{FN}: w_scale must have shape ({k // g}, {n}) (k // group_size, n), got {w_scale.shape}."
+            )
     if jnp.dtype(w_scale.dtype) != jnp.dtype(jnp.float32):
         raise ValueError(f"{FN}: w_scale must be float32, got {w_scale.dtype}.")
     check_matmul_blocks(FN, backend, x.dtype, block_m=block_m, block_n=block_n, block_k=block_k)
     grouped = g < k
     if grouped and block_k is not None and block_k % g and g % block_k:
-        raise ValueError(f"{FN}: block_k must be a multiple of group_size or divide it (a K block spans whole "
-                         f"groups or lies in one), got block_k={block_k}, group_size={g}.")
+        raise ValueError(
+            f"{FN}: block_k must be a multiple of group_size or divide it (a K block spans whole "
+            f"groups or lies in one), got block_k={block_k}, group_size={g}."
+        )
     if backend == "tpu":
         if block_n is not None and block_n % 128 and block_n != n:
             raise ValueError(f"{FN}: on TPU block_n must be a multiple of 128 (lane width) or n, got {block_n}.")
@@ -101,8 +106,9 @@ def reference_int8_matmul(
 ):
     """x @ dequantize(w_q, w_scale) in f32, returned in x's dtype (tuning args ignored)."""
     del backend, interpret
-    _, _, _, g = validate_int8_matmul(x, w_q, w_scale, group_size=group_size, backend=None, block_m=block_m,
-                                      block_n=block_n, block_k=block_k)
+    _, _, _, g = validate_int8_matmul(
+        x, w_q, w_scale, group_size=group_size, backend=None, block_m=block_m, block_n=block_n, block_k=block_k
+    )
     w = dequantize_int8(w_q, group_scales(w_scale, group_size), g)
     acc = jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
     return acc.astype(x.dtype)

@@ -22,7 +22,7 @@ def _dequant_tile(
     # One static, 8-row-aligned slice per group, its scale row broadcast over the sublanes: plain vector ops,
     # no relayout (the same form as the int4 kernel's).
     g = group_size
-    parts = [w[i * g:(i + 1) * g] * s[i:i + 1] for i in range(s.shape[0])]
+    parts = [w[i * g : (i + 1) * g] * s[i : i + 1] for i in range(s.shape[0])]
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
@@ -73,8 +73,7 @@ def _scale_spec(sp, mode: str, group_size: int, bk: int, bn: int):
         return sp, pl.BlockSpec((1, bn), lambda i, j, kk: (0, j))
     if mode == BLOCK:  # f32[kp // G, 1, np]: K block kk lies in group kk * bk // G
         per_group = group_size // bk  # lax.div: indices are >= 0, and `//`'s sign fix-up needs the TPU's generation
-        return sp.reshape(rows, 1, np_), pl.BlockSpec((None, 1, bn),
-                                                      lambda i, j, kk: (lax.div(kk, per_group), 0, j))
+        return sp.reshape(rows, 1, np_), pl.BlockSpec((None, 1, bn), lambda i, j, kk: (lax.div(kk, per_group), 0, j))
     ng = bk // group_size  # TILE: f32[kp // bk, bk // G, np], K block kk's groups in slab kk
     return sp.reshape(rows // ng, ng, np_), pl.BlockSpec((None, ng, bn), lambda i, j, kk: (kk, 0, j))
 

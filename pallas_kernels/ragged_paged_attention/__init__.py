@@ -53,12 +53,41 @@ __all__ = ["ragged_paged_attention", "reference_ragged_paged_attention"]
     jax.jit,
     static_argnames=("backend", "interpret", "queries_per_block", "pages_per_compute_block"),
 )
-def _ragged_jit(q, k_pages, v_pages, page_table, context_lens, query_start_loc, num_seqs, k_scale, v_scale, layer,
-                sm_scale, sliding_window, *, backend, interpret, queries_per_block, pages_per_compute_block):
+def _ragged_jit(
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    context_lens,
+    query_start_loc,
+    num_seqs,
+    k_scale,
+    v_scale,
+    layer,
+    sm_scale,
+    sliding_window,
+    *,
+    backend,
+    interpret,
+    queries_per_block,
+    pages_per_compute_block,
+):
     dims = validate_ragged(
-        q, k_pages, v_pages, page_table, context_lens, query_start_loc, num_seqs, sm_scale=sm_scale,
-        sliding_window=sliding_window, backend=backend, queries_per_block=queries_per_block,
-        pages_per_compute_block=pages_per_compute_block, k_scale=k_scale, v_scale=v_scale, layer=layer,
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        context_lens,
+        query_start_loc,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        backend=backend,
+        queries_per_block=queries_per_block,
+        pages_per_compute_block=pages_per_compute_block,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        layer=layer,
     )
     if layer is None:  # one layer: the stacked form with a leading axis of 1 (a free reshape)
         k_pages, v_pages = k_pages[None], v_pages[None]
@@ -70,8 +99,20 @@ def _ragged_jit(q, k_pages, v_pages, page_table, context_lens, query_start_loc, 
     else:
         from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu as impl
     return impl(
-        q, k_pages, v_pages, page_table, context_lens, query_start_loc, num_seqs, k_scale, v_scale, ints, scale,
-        dims=dims, queries_per_block=queries_per_block, pages_per_compute_block=pages_per_compute_block,
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        context_lens,
+        query_start_loc,
+        num_seqs,
+        k_scale,
+        v_scale,
+        ints,
+        scale,
+        dims=dims,
+        queries_per_block=queries_per_block,
+        pages_per_compute_block=pages_per_compute_block,
         interpret=interpret,
     )
 
@@ -100,10 +141,24 @@ def ragged_paged_attention(
     if isinstance(num_seqs, int):
         num_seqs = jnp.asarray(num_seqs, jnp.int32)
     if isinstance(sliding_window, (int, float)) and (int(sliding_window) != sliding_window or sliding_window < 1):
-        raise ValueError(f"ragged_paged_attention: sliding_window must be a positive int or None, "
-                         f"got {sliding_window!r}.")
+        raise ValueError(
+            f"ragged_paged_attention: sliding_window must be a positive int or None, got {sliding_window!r}."
+        )
     return _ragged_jit(
-        q, k_pages, v_pages, page_table, context_lens, query_start_loc, num_seqs, k_scale, v_scale, layer,
-        sm_scale, sliding_window, backend=backend, interpret=bool(interpret), queries_per_block=queries_per_block,
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        context_lens,
+        query_start_loc,
+        num_seqs,
+        k_scale,
+        v_scale,
+        layer,
+        sm_scale,
+        sliding_window,
+        backend=backend,
+        interpret=bool(interpret),
+        queries_per_block=queries_per_block,
         pages_per_compute_block=pages_per_compute_block,
     )

@@ -43,8 +43,11 @@ def check_block_tokens(ppcb: int, page_size: int, fn: str) -> None:
 
 def softmax_start(rows: int, head_dim: int):
     """Online-softmax loop carry of the GPU attention kernels: (numerator, running max, denominator)."""
-    return (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
+    return (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
 
 
 def softmax_update(
@@ -206,23 +209,38 @@ def ragged_paged_attention_gpu(
     row_spec = pl.BlockSpec((None, None, rows, d.head_dim), lambda w, h, s: (w, h, 0, 0))
     L = d.num_layers
     page_spec = pl.BlockSpec((L, None, d.num_pages, d.page_size, d.head_dim), lambda w, h, s: (0, h, 0, 0, 0))
-    scale_spec = (pl.BlockSpec((L, None, d.num_pages, d.page_size), lambda w, h, s: (0, h, 0, 0))
-                  if d.quantized else None)
+    scale_spec = (
+        pl.BlockSpec((L, None, d.num_pages, d.page_size), lambda w, h, s: (0, h, 0, 0)) if d.quantized else None
+    )
     shape = (plan.num_items, d.num_kv_heads, splits, rows)
-    part_specs = [pl.BlockSpec((None, None, None, rows, d.head_dim), lambda w, h, s: (w, h, s, 0, 0)),
-                  pl.BlockSpec((None, None, None, rows), lambda w, h, s: (w, h, s, 0)),
-                  pl.BlockSpec((None, None, None, rows), lambda w, h, s: (w, h, s, 0))]
-    part_shapes = [jax.ShapeDtypeStruct((*shape, d.head_dim), jnp.float32), jax.ShapeDtypeStruct(shape, jnp.float32),
-                   jax.ShapeDtypeStruct(shape, jnp.float32)]
+    part_specs = [
+        pl.BlockSpec((None, None, None, rows, d.head_dim), lambda w, h, s: (w, h, s, 0, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda w, h, s: (w, h, s, 0)),
+        pl.BlockSpec((None, None, None, rows), lambda w, h, s: (w, h, s, 0)),
+    ]
+    part_shapes = [
+        jax.ShapeDtypeStruct((*shape, d.head_dim), jnp.float32),
+        jax.ShapeDtypeStruct(shape, jnp.float32),
+        jax.ShapeDtypeStruct(shape, jnp.float32),
+    ]
     if splits == 1:  # one split (many items, or short rows): the normalised output in q's dtype, no merge
         part_specs, part_shapes = part_specs[:1], [jax.ShapeDtypeStruct((*shape, d.head_dim), q.dtype)]
     parts = pl.pallas_call(
         functools.partial(_ragged_kernel, ppcb=ppcb, blocks_per_split=per_split, group=gp),
         grid=(plan.num_items, d.num_kv_heads, splits),
         in_specs=[
-            item_spec, item_spec, item_spec, one_spec, one_spec, one_spec,
+            item_spec,
+            item_spec,
+            item_spec,
+            one_spec,
+            one_spec,
+            one_spec,
             pl.BlockSpec(pt.shape, lambda w, h, s: (0, 0)),
-            row_spec, page_spec, page_spec, scale_spec, scale_spec,
+            row_spec,
+            page_spec,
+            page_spec,
+            scale_spec,
+            scale_spec,
         ],
         out_specs=part_specs,
         out_shape=part_shapes,
@@ -242,6 +260,14 @@ def ragged_paged_attention_gpu(
         den = jnp.sum(l * wgt, axis=2)
         ow = num / jnp.where(den == 0.0, 1.0, den)[..., None]  # [W, K, rows, H]
     return plan_lib.scatter_outputs(
-        ow, plan, query_start_loc, num_seqs, num_tokens=d.num_tokens, max_seqs=d.max_seqs,
-        num_kv_heads=d.num_kv_heads, group=d.group, group_padded=gp, dtype=q.dtype,
+        ow,
+        plan,
+        query_start_loc,
+        num_seqs,
+        num_tokens=d.num_tokens,
+        max_seqs=d.max_seqs,
+        num_kv_heads=d.num_kv_heads,
+        group=d.group,
+        group_padded=gp,
+        dtype=q.dtype,
     )

@@ -82,8 +82,15 @@ def make_plan(
     q_len = jnp.where(live, jnp.clip(q_lens[seq] - q_off, 0, bq), 0)
     q_start = query_start_loc[seq] + q_off
     first_pos = context_lens[seq] - q_lens[seq] + q_off
-    return WorkPlan(seq=seq, q_start=q_start, q_len=q_len.astype(jnp.int32), first_pos=first_pos,
-                    cum_blocks=cum, bq=bq, num_items=num_items)
+    return WorkPlan(
+        seq=seq,
+        q_start=q_start,
+        q_len=q_len.astype(jnp.int32),
+        first_pos=first_pos,
+        cum_blocks=cum,
+        bq=bq,
+        num_items=num_items,
+    )
 
 
 def gather_queries(

@@ -71,19 +71,32 @@ def reference_ragged_paged_attention(
     del backend, interpret
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
     d = validate_ragged(
-        q, k_pages, v_pages, page_table, context_lens, query_start_loc, num_seqs, sm_scale=sm_scale,
-        sliding_window=sliding_window, backend=None, queries_per_block=queries_per_block,
-        pages_per_compute_block=pages_per_compute_block, k_scale=k_scale, v_scale=v_scale, layer=layer,
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        context_lens,
+        query_start_loc,
+        num_seqs,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        backend=None,
+        queries_per_block=queries_per_block,
+        pages_per_compute_block=pages_per_compute_block,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        layer=layer,
     )
     if layer is not None:  # the ground truth may slice: the kernels are the ones that must not
         k_pages, v_pages = k_pages[layer], v_pages[layer]
         k_scale = None if k_scale is None else k_scale[layer]
         v_scale = None if v_scale is None else v_scale[layer]
-    sm_scale = d.head_dim ** -0.5 if sm_scale is None else sm_scale
+    sm_scale = d.head_dim**-0.5 if sm_scale is None else sm_scale
     seq, valid = token_sequence(query_start_loc, num_seqs, d.max_seqs, d.num_tokens)
     t = jnp.arange(d.num_tokens, dtype=jnp.int32)
     q_len = query_start_loc[seq + 1] - query_start_loc[seq]
     pos = context_lens[seq] - q_len + (t - query_start_loc[seq])  # [T]
+
     def per_token(pages, scale):  # f32[T, hkv, L, D]: each query row's sequence, dequantized
         pages = gather_pages(pages, page_table)[seq]
         return dequantize(pages, None if scale is None else gather_pages(scale, page_table)[seq])

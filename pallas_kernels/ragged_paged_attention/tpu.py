@@ -94,7 +94,11 @@ def softmax_update(
         # Re-select after scaling: a masked slot's scale may be NaN.
         p = jnp.where(mask, p * p_scale, 0.0)
     pv = lax.dot_general(
-        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision,
+        p.astype(v.dtype),
+        v,
+        (((1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32,
+        precision=precision,
     )
     acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
 
@@ -139,8 +143,10 @@ class _LayerPageCopies:
             idx = blk * ppcb + j
             # Clamp so the SMEM read stays in bounds even for skipped pages.
             page = pt_ref[row * max_pages + jnp.clip(idx, 0, max_pages - 1)]
-            copies = [pltpu.make_async_copy(k_hbm.at[layer, h, page], kbuf.at[slot, j], sems.at[0, slot]),
-                      pltpu.make_async_copy(v_hbm.at[layer, h, page], vbuf.at[slot, j], sems.at[1, slot])]
+            copies = [
+                pltpu.make_async_copy(k_hbm.at[layer, h, page], kbuf.at[slot, j], sems.at[0, slot]),
+                pltpu.make_async_copy(v_hbm.at[layer, h, page], vbuf.at[slot, j], sems.at[1, slot]),
+            ]
             if ks_hbm is not None:  # a [1, S] row of scales per page: the page axis is untiled in the buffer
                 copies += [
                     pltpu.make_async_copy(ks_hbm.at[layer, h, pl.ds(page, 1)], ksbuf.at[slot, j], sems.at[2, slot]),
@@ -150,6 +156,7 @@ class _LayerPageCopies:
 
     def start(self):
         for live, copies in self._copies:
+
             @pl.when(live)
             def _():
                 for c in copies:
@@ -157,6 +164,7 @@ class _LayerPageCopies:
 
     def wait(self):
         for live, copies in self._copies:
+
             @pl.when(live)
             def _():
                 for c in copies:
@@ -206,8 +214,23 @@ def _ragged_kernel(
     blk_lo = lax.div(lo, bk)
     nblk = jnp.where(q_len > 0, lax.div(hi + bk - 1, bk) - blk_lo, 0)
     copies = functools.partial(
-        _LayerPageCopies, pt_ref, k_hbm, v_hbm, ks_hbm, vs_hbm, kbuf, vbuf, ksbuf, vsbuf, sems, layer=layer,
-        row=seq, h=h, page_lo=lax.div(lo, page_size), page_hi=lax.div(hi + page_size - 1, page_size), ppcb=ppcb,
+        _LayerPageCopies,
+        pt_ref,
+        k_hbm,
+        v_hbm,
+        ks_hbm,
+        vs_hbm,
+        kbuf,
+        vbuf,
+        ksbuf,
+        vsbuf,
+        sems,
+        layer=layer,
+        row=seq,
+        h=h,
+        page_lo=lax.div(lo, page_size),
+        page_hi=lax.div(hi + page_size - 1, page_size),
+        ppcb=ppcb,
         max_pages=max_pages,
     )
 
@@ -237,9 +260,10 @@ def _ragged_kernel(
         softmax_update(s, allowed, v, m_ref, l_ref, acc_ref, precision=precision, p_scale=p_scale)
 
     def scores(k):
-        return lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
-        ) * sm_scale
+        return (
+            lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision)
+            * sm_scale
+        )
 
     def body(i, carry):
         slot = lax.rem(i, 2)
@@ -256,8 +280,7 @@ def _ragged_kernel(
             for j in range(ppcb):
                 k = kbuf[slot, j].astype(jnp.float32).astype(compute_dtype)  # int8 -> compute dtype: exact
                 s = scores(k) * ksbuf[slot, j]
-                update(s, (blk * ppcb + j) * page_size, page_size, vbuf[slot, j].astype(jnp.float32),
-                       vsbuf[slot, j])
+                update(s, (blk * ppcb + j) * page_size, page_size, vbuf[slot, j].astype(jnp.float32), vsbuf[slot, j])
         else:  # float8 pages widen through f32 (exact), as int8 ones do; the others are in q's dtype
             k = kbuf[slot].reshape(bk, head_dim)
             k = k if k.dtype == compute_dtype else k.astype(jnp.float32).astype(compute_dtype)
@@ -320,9 +343,28 @@ def ragged_paged_attention_tpu(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=tpu_interpret_arg(interpret),
         name="ragged_paged_attention_tpu",
-    )(plan.seq, plan.q_len, plan.first_pos, page_table.reshape(-1), ints, sm_scale, qw, k_pages, v_pages,
-      k_scale, v_scale)
+    )(
+        plan.seq,
+        plan.q_len,
+        plan.first_pos,
+        page_table.reshape(-1),
+        ints,
+        sm_scale,
+        qw,
+        k_pages,
+        v_pages,
+        k_scale,
+        v_scale,
+    )
     return plan_lib.scatter_outputs(
-        ow, plan, query_start_loc, num_seqs, num_tokens=d.num_tokens, max_seqs=d.max_seqs,
-        num_kv_heads=d.num_kv_heads, group=d.group, group_padded=d.group, dtype=q.dtype,
+        ow,
+        plan,
+        query_start_loc,
+        num_seqs,
+        num_tokens=d.num_tokens,
+        max_seqs=d.max_seqs,
+        num_kv_heads=d.num_kv_heads,
+        group=d.group,
+        group_padded=d.group,
+        dtype=q.dtype,
     )

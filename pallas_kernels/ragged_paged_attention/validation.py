@@ -52,7 +52,9 @@ def validate_kv_cache(
     if (k_scale is None) != (v_scale is None):
         raise ValueError(f"{fn}: pass both k_scale and v_scale or neither.")
     if quantized and k_scale is None:
-        raise ValueError(f"{fn}: an int8 KV cache needs k_scale and v_scale ([num_kv_heads, num_pages, page_size] f32).")
+        raise ValueError(
+            f"{fn}: an int8 KV cache needs k_scale and v_scale ([num_kv_heads, num_pages, page_size] f32)."
+        )
     if not quantized and k_scale is not None:
         raise ValueError(f"{fn}: k_scale/v_scale are only valid with an int8 KV cache, got {k_pages.dtype} pages.")
     if not quantized and jnp.dtype(k_pages.dtype) not in FP8_DTYPES:
@@ -138,8 +140,10 @@ def validate_ragged(
     num_layers = 1
     if layer is not None:
         if k_pages.ndim != 5:
-            raise ValueError(f"{fn}: with a layer index k_pages must be the stacked cache "
-                             f"[num_layers, num_kv_heads, num_pages, page_size, head_dim], got shape {k_pages.shape}.")
+            raise ValueError(
+                f"{fn}: with a layer index k_pages must be the stacked cache "
+                f"[num_layers, num_kv_heads, num_pages, page_size, head_dim], got shape {k_pages.shape}."
+            )
         if jnp.shape(layer) not in ((), (1,)):
             raise ValueError(f"{fn}: layer must be an int32 scalar, got shape {jnp.shape(layer)}.")
         if not isinstance(layer, int):
@@ -153,8 +157,10 @@ def validate_ragged(
     quantized = validate_kv_cache(k_pages, v_pages, k_scale, v_scale, fn=fn)
     fp8 = jnp.dtype(k_pages.dtype) in FP8_DTYPES
     if not quantized and not fp8 and k_pages.dtype != q.dtype:
-        raise ValueError(f"{fn}: k_pages/v_pages dtype {k_pages.dtype} must equal q dtype {q.dtype} "
-                         "(or be int8 with scales, or float8).")
+        raise ValueError(
+            f"{fn}: k_pages/v_pages dtype {k_pages.dtype} must equal q dtype {q.dtype} "
+            "(or be int8 with scales, or float8)."
+        )
     validate_heads(q, k_pages, fn=fn)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -163,7 +169,9 @@ def validate_ragged(
     check_int32("page_table", page_table, fn)
     max_seqs = page_table.shape[0]
     if context_lens.shape != (max_seqs,):
-        raise ValueError(f"{fn}: context_lens must have shape ({max_seqs},) like page_table rows, got {context_lens.shape}.")
+        raise ValueError(
+            f"{fn}: context_lens must have shape ({max_seqs},) like page_table rows, got {context_lens.shape}."
+        )
     check_int32("context_lens", context_lens, fn)
     if query_start_loc.shape != (max_seqs + 1,):
         raise ValueError(f"{fn}: query_start_loc must have shape ({max_seqs + 1},), got {query_start_loc.shape}.")
@@ -173,20 +181,31 @@ def validate_ragged(
     check_int32("num_seqs", num_seqs, fn)
     if isinstance(sliding_window, (int, float)) and (int(sliding_window) != sliding_window or sliding_window < 1):
         raise ValueError(f"{fn}: sliding_window must be a positive int or None, got {sliding_window!r}.")
-    validate_block_sizes(backend, fn=fn, queries_per_block=queries_per_block,
-                         pages_per_compute_block=pages_per_compute_block)
+    validate_block_sizes(
+        backend, fn=fn, queries_per_block=queries_per_block, pages_per_compute_block=pages_per_compute_block
+    )
     if backend is not None:
         validate_backend_layout(
             backend, page_size=page_size, head_dim=head_dim, kv_dtype=k_pages.dtype, q_dtype=q.dtype, fn=fn
         )
     for name, x in (("sm_scale", sm_scale), ("sliding_window", sliding_window)):
         if x is not None and jnp.shape(x) not in ((), (1,)):
-            raise ValueError(f"{fn}: {name} must be a scalar (a number or a traced 0-d array), "
-                             f"got shape {jnp.shape(x)}.")
+            raise ValueError(
+                f"{fn}: {name} must be a scalar (a number or a traced 0-d array), got shape {jnp.shape(x)}."
+            )
     return RaggedDims(
-        num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-        group=num_q_heads // num_kv_heads, head_dim=head_dim, num_pages=num_pages, page_size=page_size,
-        max_seqs=max_seqs, max_pages=page_table.shape[1], num_layers=num_layers, quantized=quantized, fp8=fp8,
+        num_tokens=num_tokens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        group=num_q_heads // num_kv_heads,
+        head_dim=head_dim,
+        num_pages=num_pages,
+        page_size=page_size,
+        max_seqs=max_seqs,
+        max_pages=page_table.shape[1],
+        num_layers=num_layers,
+        quantized=quantized,
+        fp8=fp8,
     )
 
 
@@ -207,6 +226,6 @@ def attention_scalars(
     window = max_ctx if sliding_window is None else sliding_window
     window = jnp.clip(jnp.reshape(jnp.asarray(window), ()).astype(jnp.int32), 1, max_ctx)
     layer = jnp.clip(jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), ()), 0, dims.num_layers - 1)
-    scale = dims.head_dim ** -0.5 if sm_scale is None else sm_scale
+    scale = dims.head_dim**-0.5 if sm_scale is None else sm_scale
     scale = jnp.reshape(jnp.asarray(scale, jnp.float32), (1,))
     return jnp.stack([layer, window]), scale

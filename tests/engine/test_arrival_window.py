@@ -46,13 +46,18 @@ def test_the_window_closes_a_margin_before_the_step_in_flight_should_end():
 # ---------------------------------------------------------------- the scheduler's top-up
 def _scheduler(max_num_seqs=4, budget=16, scheduling="continuous"):
     blocks = BlockManager(40, 4, 1)
-    return Scheduler(blocks, max_num_seqs, budget, 64,
-                     scheduling=scheduling)
+    return Scheduler(blocks, max_num_seqs, budget, 64, scheduling=scheduling)
 
 
 def _seq(name, prompt_len):
-    return Sequence(seq_id=name, request_id=name, index=0, prompt_token_ids=list(range(10, 10 + prompt_len)),
-                    params=SamplingParams(max_tokens=8), seed=0)
+    return Sequence(
+        seq_id=name,
+        request_id=name,
+        index=0,
+        prompt_token_ids=list(range(10, 10 + prompt_len)),
+        params=SamplingParams(max_tokens=8),
+        seed=0,
+    )
 
 
 def _decoding(scheduler, names):
@@ -161,6 +166,7 @@ def test_arrivals_are_taken_up_to_an_abort_and_the_wait_ends_when_one_comes_or_t
         def run():
             time.sleep(0.05)
             action()
+
         threading.Thread(target=run).start()
 
     later(steps[1].done.set)  # the step ends: the watcher wakes the wait
@@ -190,8 +196,15 @@ def test_an_offline_engine_never_holds_a_step_back():
 def test_a_request_arriving_while_a_step_runs_joins_the_next_one():
     """Two streams decode; a request arrives while a step is held back: its first prompt chunk is in
     that very step, and every output equals its request run alone."""
-    with LLM("checkpoints/small", dtype="float32", page_size=8, max_model_len=128, max_num_seqs=4,
-             max_num_batched_tokens=32, warm_up=False) as llm:
+    with LLM(
+        "checkpoints/small",
+        dtype="float32",
+        page_size=8,
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        warm_up=False,
+    ) as llm:
         engine, overlap = llm.engine, llm.overlap
         assert overlap.async_scheduling
         calls = []
@@ -222,8 +235,9 @@ def test_a_request_arriving_while_a_step_runs_joins_the_next_one():
                 rec.step()
             outputs = rec.token_ids()
         for name, prompt, n in [("a", prompts["a"], 30), ("b", prompts["b"], 30), ("late", late_prompt, 6)]:
-            alone = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=n, **GREEDY),
-                                 use_tqdm=False)
+            alone = llm.generate(
+                prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=n, **GREEDY), use_tqdm=False
+            )
             assert outputs[name] == alone[0].outputs[0].token_ids, name
         assert llm.blocks.num_free_pages(0) == llm.blocks.num_usable_pages
         llm.blocks.check_invariants()

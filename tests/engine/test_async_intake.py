@@ -81,9 +81,11 @@ class SlowEngine:
                 continue
             tokens.append(7)
             done = len(tokens) >= self.tokens_per_request
-            outputs.append(RequestOutput(request_id, None, [1], [CompletionOutput(0, list(tokens), "",
-                                                                                  "length" if done else None)],
-                                         done))
+            outputs.append(
+                RequestOutput(
+                    request_id, None, [1], [CompletionOutput(0, list(tokens), "", "length" if done else None)], done
+                )
+            )
             if done:
                 del self.requests[request_id]
         return outputs

@@ -9,8 +9,9 @@ from jaxserve.runner.step_io import PendingSamples
 from jaxserve.model.ragged import is_placeholder
 from jaxserve.engine.output_processor import OutputAccumulator
 
-SETTINGS = dict(dtype="float32", page_size=8, max_model_len=192, max_num_seqs=8, max_num_batched_tokens=32,
-                warm_up=False)
+SETTINGS = dict(
+    dtype="float32", page_size=8, max_model_len=192, max_num_seqs=8, max_num_batched_tokens=32, warm_up=False
+)
 
 
 def workload(tokenizer, n=28, seed=0):
@@ -44,8 +45,9 @@ def summary(outputs):
 
 
 def logprob_values(outputs):
-    return [[None if c.logprobs is None else [sorted(e.items()) for e in c.logprobs] for c in o.outputs]
-            for o in outputs]
+    return [
+        [None if c.logprobs is None else [sorted(e.items()) for e in c.logprobs] for c in o.outputs] for o in outputs
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +102,9 @@ def test_next_step_is_dispatched_before_the_last_is_fetched(monkeypatch):
 
         engine.runner.execute = recording_execute
         for i in range(3):
-            engine.add_request(f"r{i}", None, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
-                               list(range(5 + i, 20 + i)))
+            engine.add_request(
+                f"r{i}", None, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), list(range(5 + i, 20 + i))
+            )
         outputs, totals = {}, OutputAccumulator()
         while llm.overlap.has_unfinished_requests():
             for out in llm.overlap.step():
@@ -125,8 +128,12 @@ def test_aborts_while_a_step_is_in_flight_lose_no_page():
         for _ in range(120):
             action = rng.randint(4)
             if action == 0 or not live:
-                params = SamplingParams(max_tokens=int(rng.randint(1, 30)), temperature=float(rng.rand() < 0.5),
-                                        n=int(rng.choice([1, 1, 2])), seed=next_id)
+                params = SamplingParams(
+                    max_tokens=int(rng.randint(1, 30)),
+                    temperature=float(rng.rand() < 0.5),
+                    n=int(rng.choice([1, 1, 2])),
+                    seed=next_id,
+                )
                 engine.add_request(f"q{next_id}", None, params, rng.randint(3, 500, size=rng.randint(1, 40)).tolist())
                 live.add(f"q{next_id}")
                 next_id += 1
@@ -168,5 +175,7 @@ def test_switching_async_scheduling_off_mid_run_loses_nothing():
         final = [totals.add(d) for d in deltas][-1]
         assert len(final.outputs[0].token_ids) == 10
         llm.overlap.async_scheduling = True
-        assert llm.generate(prompt_token_ids=[list(range(5, 25))], sampling_params=params)[0].outputs[0].token_ids \
+        assert (
+            llm.generate(prompt_token_ids=[list(range(5, 25))], sampling_params=params)[0].outputs[0].token_ids
             == final.outputs[0].token_ids
+        )

@@ -630,8 +630,9 @@ def test_bad_construction(kwargs):
         BlockManager(**kwargs)
 
 
-@pytest.mark.parametrize("module", ["block_manager", "scheduler", "buckets", "sequence", "step_stats",
-                                    "arrival_window"])
+@pytest.mark.parametrize(
+    "module", ["block_manager", "scheduler", "buckets", "sequence", "step_stats", "arrival_window"]
+)
 def test_module_does_not_import_jax(module):
     """The host side (pages, scheduling, the bucket table) is plain Python: importing it loads no jax."""
     import subprocess
@@ -661,19 +662,23 @@ prompt_st = st.builds(
 class BlockManagerMachine(RuleBasedStateMachine):
     """Drives the manager like an engine would, mirroring the device pages to check cached content.
 
-The mirror stores, for each written slot, the whole token prefix up to that position: a token's
-KV depends on everything before it, so a prefix hit is only correct if the full prefix matches.
+    The mirror stores, for each written slot, the whole token prefix up to that position: a token's
+    KV depends on everything before it, so a prefix hit is only correct if the full prefix matches.
 
-    Rules on an empty machine return early instead of using preconditions, which would make
-    hypothesis discard many runs.
+        Rules on an empty machine return early instead of using preconditions, which would make
+        hypothesis discard many runs.
     """
 
-    @initialize(caching=st.sampled_from([True, True, False]), watermark=st.sampled_from([0.0, 0.2]),
-                window=st.sampled_from([None, None, 1, PS + 2]))
+    @initialize(
+        caching=st.sampled_from([True, True, False]),
+        watermark=st.sampled_from([0.0, 0.2]),
+        window=st.sampled_from([None, None, 1, PS + 2]),
+    )
     def setup(self, caching, watermark, window):
         self.window = window
-        self.bm = BlockManager(NUM_PAGES, PS, REPLICAS, enable_prefix_caching=caching, watermark=watermark,
-                               sliding_window=window)
+        self.bm = BlockManager(
+            NUM_PAGES, PS, REPLICAS, enable_prefix_caching=caching, watermark=watermark, sliding_window=window
+        )
         self.seqs: dict[int, dict] = {}  # id -> {"tokens": [...], "computed": int}
         self.device: dict[tuple[int, int], list] = {}  # (replica, page) -> slot contents
         self.next_id = 0
@@ -684,9 +689,7 @@ KV depends on everything before it, so a prefix hit is only correct if the full 
         return self.next_id
 
     def _holders(self, replica: int, page: int) -> int:
-        return sum(
-            self.bm.page_table(s).count(page) for s in self.seqs if self.bm.replica_of(s) == replica
-        )
+        return sum(self.bm.page_table(s).count(page) for s in self.seqs if self.bm.replica_of(s) == replica)
 
     def _retire(self, sid):
         tokens = self.seqs.pop(sid)["tokens"]

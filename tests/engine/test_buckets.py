@@ -32,9 +32,14 @@ DEFAULT_COUNTS = [
 ]
 
 
-@pytest.mark.parametrize("platform, overrides, expected",
-                         [(p, o, cpu if p == "cpu" else accelerator)
-                          for p in ("gpu", "tpu", "cpu") for o, accelerator, cpu in DEFAULT_COUNTS])
+@pytest.mark.parametrize(
+    "platform, overrides, expected",
+    [
+        (p, o, cpu if p == "cpu" else accelerator)
+        for p in ("gpu", "tpu", "cpu")
+        for o, accelerator, cpu in DEFAULT_COUNTS
+    ],
+)
 def test_default_config_executable_counts(platform, overrides, expected):
     """The counts docs/ARCHITECTURE.md states for configs/small.yaml: issue 21 asks at most 10 on
     an accelerator and 30 on a CPU, every variant compiled at start-up counted."""
@@ -66,17 +71,27 @@ def test_fine_token_ladder():
     settings = EngineConfig.from_yaml(DEFAULT, dict(token_buckets="fine"))
     assert executable_counts(settings) == ExecutableCounts(steps=16, page_copies=1)  # on any platform
     assert executable_counts(settings.replace(num_scheduler_steps=4)) == ExecutableCounts(
-        steps=16, multi_step=8, page_copies=1)  # 1, 2, 3, 4, 6, 8, 12, 16 tokens <= 16 rows
+        steps=16, multi_step=8, page_copies=1
+    )  # 1, 2, 3, 4, 6, 8, 12, 16 tokens <= 16 rows
     with pytest.raises(ValueError, match="token ladder"):
         token_ladder(256, "coarse")
 
 
 def test_counts_follow_the_table():
-    settings = EngineConfig.from_yaml(DEFAULT, dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32,
-                                                    mesh_shape=[2, 1], token_buckets="powers-of-two"))
+    settings = EngineConfig.from_yaml(
+        DEFAULT,
+        dict(
+            max_num_seqs=4,
+            max_model_len=64,
+            max_num_batched_tokens=32,
+            mesh_shape=[2, 1],
+            token_buckets="powers-of-two",
+        ),
+    )
     table = BucketTable.for_settings(settings, 64)
-    assert table == BucketTable(batch_sizes=(1, 2, 4), chunk_sizes=(16, 32), page_counts=(4,),
-                                token_counts=(1, 4, 8, 16, 32))
+    assert table == BucketTable(
+        batch_sizes=(1, 2, 4), chunk_sizes=(16, 32), page_counts=(4,), token_counts=(1, 4, 8, 16, 32)
+    )
     # tokens 1, 4 .. 32 at the one page count; one page copy per replica
     assert executable_counts(settings) == ExecutableCounts(steps=5, page_copies=2)
     unset = settings.replace(max_model_len=None)
@@ -85,17 +100,27 @@ def test_counts_follow_the_table():
     assert executable_counts(unset, max_model_len=64) == executable_counts(settings)
 
 
-SMALL = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
-             compilation_cache_dir="none")
+SMALL = dict(
+    dtype="float32",
+    page_size=8,
+    max_model_len=64,
+    max_num_seqs=2,
+    max_num_batched_tokens=32,
+    compilation_cache_dir="none",
+)
 
 
-@pytest.mark.parametrize("extra", [
-    dict(enable_prompt_logprobs=True),
-    dict(speculative_method="ngram", num_speculative_tokens=3),
-    dict(num_scheduler_steps=2),
-    "draft",
-    dict(token_buckets="auto"),  # the fine ladder on this CPU: 10 buckets up to 32 tokens
-], ids=["prompt-logprobs", "ngram", "multi-step", "draft", "auto-ladder"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(enable_prompt_logprobs=True),
+        dict(speculative_method="ngram", num_speculative_tokens=3),
+        dict(num_scheduler_steps=2),
+        "draft",
+        dict(token_buckets="auto"),  # the fine ladder on this CPU: 10 buckets up to 32 tokens
+    ],
+    ids=["prompt-logprobs", "ngram", "multi-step", "draft", "auto-ladder"],
+)
 def test_warm_up_compiles_what_the_table_counts(hf_model_dir, extra):
     """A warm-up compiles exactly the executables counted from the table, and /metrics' executables
     gauge (stats()["executables"]) reports them."""
@@ -132,5 +157,7 @@ def test_fine_ladder_greedy_tokens_match(hf_model_dir):
     outs = {}
     for ladder in ("powers-of-two", "fine"):
         with LLM(path, **dict(SMALL, max_num_seqs=4), token_buckets=ladder) as llm:
-            outs[ladder] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+            outs[ladder] = [
+                o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            ]
     assert outs["fine"] == outs["powers-of-two"]

@@ -29,8 +29,14 @@ from jaxserve.runner.compilation import CompileCounter, count_memory_mappings
 from jaxserve.engine.async_engine import AsyncLLMEngine
 from jaxserve.errors import EngineClosedError
 
-SETTINGS = dict(dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=16,
-                compilation_cache_dir="none")
+SETTINGS = dict(
+    dtype="float32",
+    page_size=8,
+    max_model_len=32,
+    max_num_seqs=2,
+    max_num_batched_tokens=16,
+    compilation_cache_dir="none",
+)
 NEAR = 250  # mappings left after close(): measured 50-160 (see the module docstring)
 MAPPED = 600  # at least this many more while a tiny engine lives (measured 1,000-2,700 alone, 968 in the full suite)
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -51,8 +57,11 @@ def test_three_engines_of_different_settings_one_after_another(hf_model_dir):
     path, _ = hf_model_dir("llama")
     baseline = baseline_maps()
     tokens = {}
-    for name, extra in [("float32", {}), ("int8 weights", dict(quantization="int8")),
-                        ("int8 KV", dict(kv_cache_dtype="int8"))]:
+    for name, extra in [
+        ("float32", {}),
+        ("int8 weights", dict(quantization="int8")),
+        ("int8 KV", dict(kv_cache_dtype="int8")),
+    ]:
         with LLM(path, **SETTINGS, **extra) as llm:
             out = generate(llm)
             assert count_memory_mappings() - baseline >= MAPPED, name
@@ -105,8 +114,11 @@ def test_closing_one_engine_leaves_another_compiled(hf_model_dir):
     with LLM(path, **SETTINGS, quantization="int8") as other:
         generate(other)
     before = CompileCounter.requests
-    out = generate(keep, prompts=([5, 6, 7, 8, 9] * 3, [4]),
-                   params=SamplingParams(max_tokens=6, temperature=0.8, n=2, seed=1, ignore_eos=True))
+    out = generate(
+        keep,
+        prompts=([5, 6, 7, 8, 9] * 3, [4]),
+        params=SamplingParams(max_tokens=6, temperature=0.8, n=2, seed=1, ignore_eos=True),
+    )
     assert [len(c.token_ids) for o in out for c in o.outputs] == [6, 6, 6, 6]
     assert CompileCounter.requests == before  # (a process-wide count: the other engine's start is before it)
 

@@ -24,8 +24,14 @@ def _scheduler(num_replicas=2, num_pages=20, max_num_seqs=4, prefix_caching=True
 
 
 def _seq(name, prompt, n=1):
-    seq = Sequence(seq_id=name, request_id=name, index=0, prompt_token_ids=list(prompt),
-                   params=SamplingParams(max_tokens=4, n=n), seed=0)
+    seq = Sequence(
+        seq_id=name,
+        request_id=name,
+        index=0,
+        prompt_token_ids=list(prompt),
+        params=SamplingParams(max_tokens=4, n=n),
+        seed=0,
+    )
     seq.num_siblings_to_fork = n - 1
     return seq
 
@@ -71,20 +77,29 @@ def test_siblings_still_to_fork_count_against_max_num_seqs():
 
 
 def test_metrics_report_load_per_replica():
-    stats = dict(num_running=3, num_waiting=0, num_running_per_replica=[1, 2], pages_used=[4, 6],
-                 pages_free=[11, 9], kv_cache_utilization=[0.5, 0.75])
+    stats = dict(
+        num_running=3,
+        num_waiting=0,
+        num_running_per_replica=[1, 2],
+        pages_used=[4, 6],
+        pages_free=[11, 9],
+        kv_cache_utilization=[0.5, 0.75],
+    )
     text = ServerMetrics(lambda: stats).render().decode()
-    for line in ('jaxserve:num_requests_running_replica{replica="0"} 1.0',
-                 'jaxserve:num_requests_running_replica{replica="1"} 2.0',
-                 'jaxserve:kv_pages_used_replica{replica="1"} 6.0',
-                 'jaxserve:kv_pages_free_replica{replica="0"} 11.0',
-                 "jaxserve:kv_pages_used 10.0"):
+    for line in (
+        'jaxserve:num_requests_running_replica{replica="0"} 1.0',
+        'jaxserve:num_requests_running_replica{replica="1"} 2.0',
+        'jaxserve:kv_pages_used_replica{replica="1"} 6.0',
+        'jaxserve:kv_pages_free_replica{replica="0"} 11.0',
+        "jaxserve:kv_pages_used 10.0",
+    ):
         assert line in text, line
 
 
 # ---------------------------------------------------------------- a (2, 2) mesh against (1, 2)
-SETTINGS = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-                warm_up=False)
+SETTINGS = dict(
+    dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False
+)
 # The (2, 2) run gets 16 pages per replica (15 usable, under two full-length requests), so pages, not
 # max_num_seqs, decide where requests go. Stated bound: while requests wait to be admitted, the replicas'
 # pages in use differ by at most one full-length request (64 tokens = 8 pages), and by under 5 on average.
@@ -104,8 +119,11 @@ def mixed_workload(n=24, seed=3):
         if i % 4 == 0:
             prompt = shared + prompt[:8]
         prompts.append(prompt)
-        params.append(SamplingParams(max_tokens=int(rng.randint(1, 24)), temperature=0, ignore_eos=True, logprobs=2,
-                                     n=2 if i % 6 == 5 else 1))
+        params.append(
+            SamplingParams(
+                max_tokens=int(rng.randint(1, 24)), temperature=0, ignore_eos=True, logprobs=2, n=2 if i % 6 == 5 else 1
+            )
+        )
     return prompts, params
 
 
@@ -113,8 +131,9 @@ def mixed_workload(n=24, seed=3):
 def one_replica(hf_model_dir):
     path, _ = hf_model_dir("llama")
     prompts, params = mixed_workload()
-    outputs = LLM(path, mesh_shape=(1, 2), **SETTINGS).generate(prompt_token_ids=prompts, sampling_params=params,
-                                                                use_tqdm=False)
+    outputs = LLM(path, mesh_shape=(1, 2), **SETTINGS).generate(
+        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False
+    )
     return [c for o in outputs for c in o.outputs]
 
 
@@ -142,9 +161,12 @@ def two_replicas(hf_model_dir):
             if out.finished:
                 done[int(out.request_id)] = out.outputs
         slots_free = slots_free and max(seqs_per_replica(engine)) < SETTINGS["max_num_seqs"]
-        used.append([engine.blocks.num_used_pages(r) for r in range(2)]
-                    + [len(engine.scheduler.waiting) if slots_free else 0])
-        placement.append([(s.request_id, s.replica, engine.blocks.replica_of(s.seq_id)) for s in engine.scheduler.running])
+        used.append(
+            [engine.blocks.num_used_pages(r) for r in range(2)] + [len(engine.scheduler.waiting) if slots_free else 0]
+        )
+        placement.append(
+            [(s.request_id, s.replica, engine.blocks.replica_of(s.seq_id)) for s in engine.scheduler.running]
+        )
     return llm, [c for i in range(len(prompts)) for c in done[i]], np.asarray(used), placement
 
 
@@ -164,9 +186,11 @@ def test_routing_balances_pages_and_never_splits_a_request(two_replicas):
     # Steps where requests waited while both replicas had sequence slots (measured 5 of 58 with mixed steps)
     assert len(busy) >= 4
     imbalance = np.abs(busy[:, 0] - busy[:, 1])
-    print(f"pages used per replica over {len(used)} steps ({len(busy)} with requests waiting): mean "
-          f"{used[:, :2].mean(axis=0)}, imbalance while waiting: mean {imbalance.mean():.2f} max {imbalance.max()}; "
-          f"overall mean {np.abs(used[:, 0] - used[:, 1]).mean():.2f} max {np.abs(used[:, 0] - used[:, 1]).max()}")
+    print(
+        f"pages used per replica over {len(used)} steps ({len(busy)} with requests waiting): mean "
+        f"{used[:, :2].mean(axis=0)}, imbalance while waiting: mean {imbalance.mean():.2f} max {imbalance.max()}; "
+        f"overall mean {np.abs(used[:, 0] - used[:, 1]).mean():.2f} max {np.abs(used[:, 0] - used[:, 1]).max()}"
+    )
     assert imbalance.max() <= MAX_IMBALANCE_PAGES and imbalance.mean() < MEAN_IMBALANCE_PAGES
     for step in placement:
         replicas_of = {}

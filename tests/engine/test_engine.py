@@ -9,15 +9,13 @@ from jaxserve.config import EngineConfig
 from jaxserve.errors import RequestError
 from jaxserve.runner import input_transfer
 
-BASE = dict(dtype="float32", page_size=8, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
-            warm_up=False)
+BASE = dict(dtype="float32", page_size=8, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, warm_up=False)
 
 
 def make_requests(n, seed=0, max_prompt=40, max_out=24):
     rng = np.random.RandomState(seed)
     prompts = [rng.randint(0, 512, size=int(rng.randint(1, max_prompt))).tolist() for _ in range(n)]
-    params = [SamplingParams(max_tokens=int(rng.randint(1, max_out)), temperature=0, ignore_eos=True)
-              for _ in range(n)]
+    params = [SamplingParams(max_tokens=int(rng.randint(1, max_out)), temperature=0, ignore_eos=True) for _ in range(n)]
     return prompts, params
 
 
@@ -42,8 +40,9 @@ def llm(hf_model_dir):
 def solo_outputs(llm):
     """Each request of the 64-request workload run alone."""
     prompts, params = make_requests(64)
-    return [llm.generate(prompt_token_ids=[p], sampling_params=s)[0].outputs[0].token_ids
-            for p, s in zip(prompts, params)]
+    return [
+        llm.generate(prompt_token_ids=[p], sampling_params=s)[0].outputs[0].token_ids for p, s in zip(prompts, params)
+    ]
 
 
 def test_batch_invariance_64_requests(llm, solo_outputs):
@@ -100,8 +99,11 @@ def test_aborts_mid_prefill_and_mid_decode_free_every_page(llm):
     engine = llm.engine
     rng = np.random.RandomState(7)
     for i in range(6):
-        engine.add_request(f"a{i}", prompt_token_ids=rng.randint(0, 512, size=100).tolist(),
-                           sampling_params=SamplingParams(max_tokens=20, temperature=0.7, seed=i))
+        engine.add_request(
+            f"a{i}",
+            prompt_token_ids=rng.randint(0, 512, size=100).tolist(),
+            sampling_params=SamplingParams(max_tokens=20, temperature=0.7, seed=i),
+        )
     llm.overlap.step()  # a prefill step: some prompts are partly computed
     partial = [s for s in engine.scheduler.running if 0 < s.num_computed < s.num_tokens - 1]
     assert partial, "expected a request mid-prefill"
@@ -121,8 +123,9 @@ def test_seeded_sampling_is_independent_of_the_batch(llm):
     prompts, _ = make_requests(6, seed=3)
     params = [SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=100 + i) for i in range(6)]
     together = tokens_of(llm.generate(prompt_token_ids=prompts, sampling_params=params))
-    alone = [llm.generate(prompt_token_ids=[p], sampling_params=s)[0].outputs[0].token_ids
-             for p, s in zip(prompts, params)]
+    alone = [
+        llm.generate(prompt_token_ids=[p], sampling_params=s)[0].outputs[0].token_ids for p, s in zip(prompts, params)
+    ]
     assert together == alone
     shuffled = tokens_of(llm.generate(prompt_token_ids=prompts[::-1], sampling_params=params[::-1]))
     assert shuffled == together[::-1]
@@ -130,12 +133,14 @@ def test_seeded_sampling_is_independent_of_the_batch(llm):
 
 def test_n_samples_share_the_prompt_pages(llm):
     prompt = list(range(1, 30))
-    out = llm.generate(prompt_token_ids=[prompt],
-                       sampling_params=SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=11))[0]
+    out = llm.generate(
+        prompt_token_ids=[prompt], sampling_params=SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=11)
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3  # different random streams
-    first = llm.generate(prompt_token_ids=[prompt],
-                         sampling_params=SamplingParams(max_tokens=12, temperature=1.0, seed=11))[0]
+    first = llm.generate(
+        prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=12, temperature=1.0, seed=11)
+    )[0]
     assert first.outputs[0].token_ids == out.outputs[0].token_ids  # sample 0 is the n=1 stream
     assert_pool_whole(llm)
 
@@ -184,9 +189,11 @@ def test_decode_loop_makes_one_explicit_transfer_each_way_per_step(llm, monkeypa
     llm.overlap.step()
     calls = {"device_put": 0, "device_get": 0}
     for name in calls:
+
         def counted(*args, _real=getattr(jax, name), _name=name, **kwargs):
             calls[_name] += 1
             return _real(*args, **kwargs)
+
         monkeypatch.setattr(jax, name, counted)
     operands = count_step_operands(engine.runner, monkeypatch)
     with jax.transfer_guard("disallow"):
@@ -253,9 +260,14 @@ def test_sparse_sampling_inputs_are_copied_only_when_a_row_uses_them(llm, monkey
     above, where no row uses them, reuse the idle arrays on the device."""
     engine = llm.engine
     prompts, _ = make_requests(2, seed=11)
-    engine.add_request("plain", prompt_token_ids=prompts[0], sampling_params=SamplingParams(max_tokens=30, temperature=0))
-    engine.add_request("penalised", prompt_token_ids=prompts[1],
-                       sampling_params=SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.3))
+    engine.add_request(
+        "plain", prompt_token_ids=prompts[0], sampling_params=SamplingParams(max_tokens=30, temperature=0)
+    )
+    engine.add_request(
+        "penalised",
+        prompt_token_ids=prompts[1],
+        sampling_params=SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.3),
+    )
     while any(s.num_pending > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         llm.overlap.step()
     llm.overlap.step()
@@ -292,11 +304,12 @@ def test_forks_after_warm_up_compile_nothing(hf_model_dir):
     from jaxserve.runner.compilation import CompileCounter
 
     path, _ = hf_model_dir("llama")
-    llm = LLM(path, **{**BASE, "max_model_len": 32, "max_num_seqs": 2, "max_num_batched_tokens": 16,
-                       "warm_up": True})
+    llm = LLM(path, **{**BASE, "max_model_len": 32, "max_num_seqs": 2, "max_num_batched_tokens": 16, "warm_up": True})
     before = CompileCounter.requests
-    out = llm.generate(prompt_token_ids=[list(range(1, 12))],
-                       sampling_params=SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1))[0]
+    out = llm.generate(
+        prompt_token_ids=[list(range(1, 12))],
+        sampling_params=SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1),
+    )[0]
     assert len(out.outputs) == 2 and out.metrics.first_token_time >= out.metrics.arrival_time
     assert CompileCounter.requests == before
     assert llm.engine.stats()["last_step_bytes_read"] > llm.memory.param_bytes

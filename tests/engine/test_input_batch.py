@@ -18,8 +18,9 @@ from jaxserve.model.sampler import RowSampling, SamplingTensors
 from jaxserve.structured.apply import TokenMask
 from jaxserve.model.transfer import Layout
 
-SETTINGS = dict(dtype="float32", page_size=8, max_model_len=192, max_num_seqs=8, max_num_batched_tokens=32,
-                warm_up=False)
+SETTINGS = dict(
+    dtype="float32", page_size=8, max_model_len=192, max_num_seqs=8, max_num_batched_tokens=32, warm_up=False
+)
 
 
 def workload(seed=0, n=24):
@@ -123,10 +124,21 @@ def test_written_steps_on_two_replicas():
 def layout_of(R=1, N=8, S=4, P=3, V=64):
     L = min(N, S)
     i32 = lambda *d: np.zeros((R,) + d, np.int32)  # noqa: E731
-    batch = RaggedBatch(tokens=i32(N), positions=i32(N), slots=i32(N), token_row=i32(N), query_start=i32(S + 1),
-                        context_lens=i32(S), page_table=i32(S, P), logit_index=i32(L))
-    inputs = (batch, SamplingTensors.pack([], (R, L), 8),
-              TokenMask(np.zeros((R, L, (V + 31) // 32), np.int32), np.zeros((R, L), bool)))
+    batch = RaggedBatch(
+        tokens=i32(N),
+        positions=i32(N),
+        slots=i32(N),
+        token_row=i32(N),
+        query_start=i32(S + 1),
+        context_lens=i32(S),
+        page_table=i32(S, P),
+        logit_index=i32(L),
+    )
+    inputs = (
+        batch,
+        SamplingTensors.pack([], (R, L), 8),
+        TokenMask(np.zeros((R, L, (V + 31) // 32), np.int32), np.zeros((R, L), bool)),
+    )
     return Layout.of(split_sparse(inputs)[0]), L
 
 
@@ -163,8 +175,16 @@ def test_written_steps_with_pages_released_outside_the_window(hf_model_dir):
     """The tiny Mistral (every layer windowed): release_outside_window replaces a table's leading
     entries in place and bumps its version, so the writer must rewrite those rows."""
     path, _ = hf_model_dir("mistral")
-    with LLM(path, dtype="float32", page_size=8, max_model_len=128, max_num_seqs=4, num_pages=16,
-             max_num_batched_tokens=32, warm_up=False) as llm:
+    with LLM(
+        path,
+        dtype="float32",
+        page_size=8,
+        max_model_len=128,
+        max_num_seqs=4,
+        num_pages=16,
+        max_num_batched_tokens=32,
+        warm_up=False,
+    ) as llm:
         assert llm.blocks.sliding_window is not None
         counts = {"steps": 0, "rows": 0}
         check_against_anew(llm.runner, counts)
@@ -198,8 +218,17 @@ def test_a_writer_with_history_writes_what_a_fresh_writer_writes():
         if kind == "empty":
             rows = []
         elif kind == "decode" and step % 3 and step > 0 and rows:
-            rows = [RowWork([int(rng.randint(-5, 50))], min(r.start_pos + len(r.tokens), 15), r.page_ids, r.sampling,
-                            step=(r.step or 0) + 1, pages_version=r.pages_version) for r in rows]
+            rows = [
+                RowWork(
+                    [int(rng.randint(-5, 50))],
+                    min(r.start_pos + len(r.tokens), 15),
+                    r.page_ids,
+                    r.sampling,
+                    step=(r.step or 0) + 1,
+                    pages_version=r.pages_version,
+                )
+                for r in rows
+            ]
             decodes += 1
         else:
             rows = []
@@ -210,9 +239,17 @@ def test_a_writer_with_history_writes_what_a_fresh_writer_writes():
                     break
                 start = int(rng.randint(0, 16 - n + 1))
                 samples = bool(rng.rand() < 0.8)
-                rows.append(RowWork(rng.randint(-3, 50, size=n).tolist(), start, tables[rng.randint(len(tables))],
-                                    samplings[rng.randint(len(samplings))], samples=samples,
-                                    step=int(rng.randint(0, 9)), pages_version=int(rng.randint(0, 2))))
+                rows.append(
+                    RowWork(
+                        rng.randint(-3, 50, size=n).tolist(),
+                        start,
+                        tables[rng.randint(len(tables))],
+                        samplings[rng.randint(len(samplings))],
+                        samples=samples,
+                        step=int(rng.randint(0, 9)),
+                        pages_version=int(rng.randint(0, 2)),
+                    )
+                )
                 t += n
             rows = rows[:6]
             if sum(r.samples for r in rows) > L:

@@ -13,8 +13,15 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(str(resources.small_checkpoint()), dtype="float32", max_model_len=128, max_num_seqs=4,
-             max_num_batched_tokens=64, page_size=8, warm_up=False) as llm:
+    with LLM(
+        str(resources.small_checkpoint()),
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        page_size=8,
+        warm_up=False,
+    ) as llm:
         yield llm
 
 
@@ -31,13 +38,15 @@ def test_chat_takes_a_list_of_conversations_and_the_template_options(llm):
     other = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
     both = llm.chat([CONVERSATION, other], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in both] == [
-        llm.chat(c, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for c in (CONVERSATION, other)]
+        llm.chat(c, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for c in (CONVERSATION, other)
+    ]
     assert "Hi there" in both[1].prompt
     bare = llm.chat(CONVERSATION, GREEDY, add_generation_prompt=False, use_tqdm=False)[0].prompt
     assert both[0].prompt.startswith(bare) and len(bare) < len(both[0].prompt)
     custom = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
     assert llm.chat(CONVERSATION, GREEDY, chat_template=custom, use_tqdm=False)[0].prompt == (
-        "[system] You are terse.\n[user] Name a colour.\n")
+        "[system] You are terse.\n[user] Name a colour.\n"
+    )
 
 
 def test_chat_without_sampling_params_uses_the_generation_defaults(llm):
@@ -64,7 +73,9 @@ def test_the_offline_api_imports_no_web_framework():
     import subprocess
     import sys
 
-    code = ("import sys, jaxserve.llm, jaxserve.server.chat; "
-            "print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn') if m in sys.modules))")
+    code = (
+        "import sys, jaxserve.llm, jaxserve.server.chat; "
+        "print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -6,8 +6,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.errors import RequestError
 
-BASE = dict(dtype="float32", page_size=8, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
-            warm_up=False)
+BASE = dict(dtype="float32", page_size=8, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, warm_up=False)
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 12, 12, 64, 8], list(range(20, 50))]
 FORCED = 123
 
@@ -17,8 +16,9 @@ def greedy(max_tokens=12, **kw):
 
 
 def tokens(llm, prompts, params):
-    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
-                                                         use_tqdm=False)]
+    return [
+        o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +69,9 @@ def test_ngram_speculation_sees_the_bias(path, solo):
         check_bias(spec, solo)
         # The forced run repeats one token, so n-gram lookup drafts it, and the verifier (which sees
         # the biased target) accepts those drafts.
-        out = spec.generate(prompt_token_ids=PROMPTS[:1], sampling_params=greedy(logit_bias={FORCED: 100}),
-                            use_tqdm=False)[0]
+        out = spec.generate(
+            prompt_token_ids=PROMPTS[:1], sampling_params=greedy(logit_bias={FORCED: 100}), use_tqdm=False
+        )[0]
         assert out.outputs[0].token_ids == [FORCED] * 12
         assert out.metrics.spec_accepted_tokens > 0
 
@@ -84,12 +85,20 @@ def test_logit_bias_outside_the_vocabulary_is_refused(llm):
 def test_logit_bias_compiles_nothing_after_warm_up(path):
     from jaxserve.runner.compilation import CompileCounter
 
-    with LLM(path, **{**BASE, "max_model_len": 32, "max_num_seqs": 2, "max_num_batched_tokens": 16,
-                      "warm_up": True}) as warm:
+    with LLM(
+        path, **{**BASE, "max_model_len": 32, "max_num_seqs": 2, "max_num_batched_tokens": 16, "warm_up": True}
+    ) as warm:
         before = CompileCounter.requests
-        out = tokens(warm, PROMPTS[:2], [greedy(6, logit_bias={FORCED: 100}),
-                                         SamplingParams(max_tokens=6, temperature=0.7, seed=1, ignore_eos=True,
-                                                        logit_bias={i: -100.0 for i in range(300)})])
+        out = tokens(
+            warm,
+            PROMPTS[:2],
+            [
+                greedy(6, logit_bias={FORCED: 100}),
+                SamplingParams(
+                    max_tokens=6, temperature=0.7, seed=1, ignore_eos=True, logit_bias={i: -100.0 for i in range(300)}
+                ),
+            ],
+        )
         assert out[0] == [FORCED] * 6 and not set(out[1]) & set(range(300))  # 300 entries: the full width
         assert CompileCounter.requests == before and warm.runner.unplanned_compiles == 0
 
@@ -99,8 +108,9 @@ def test_draft_model_speculation_sees_the_bias(path, solo):
     accepted (a draft that ignored a +100 bias would have each one rejected)."""
     with LLM(path, **BASE, speculative_model=path, num_speculative_tokens=3, speculative_adaptive=False) as spec:
         check_bias(spec, solo)
-        out = spec.generate(prompt_token_ids=PROMPTS[:1], sampling_params=greedy(logit_bias={FORCED: 100}),
-                            use_tqdm=False)[0]
+        out = spec.generate(
+            prompt_token_ids=PROMPTS[:1], sampling_params=greedy(logit_bias={FORCED: 100}), use_tqdm=False
+        )[0]
         assert out.outputs[0].token_ids == [FORCED] * 12
         assert out.metrics.spec_draft_tokens > 0
         assert out.metrics.spec_accepted_tokens == out.metrics.spec_draft_tokens

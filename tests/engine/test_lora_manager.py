@@ -22,8 +22,13 @@ class Device:
         return f"weights of {request.lora_name}"
 
     def manager(self, max_loras=2, max_cpu_loras=None):
-        return LoRAManager(max_loras=max_loras, max_cpu_loras=max_cpu_loras, load=self.load,
-                           write=lambda slot, w: self.writes.append((slot, w)), live=lambda: set(self.live))
+        return LoRAManager(
+            max_loras=max_loras,
+            max_cpu_loras=max_cpu_loras,
+            load=self.load,
+            write=lambda slot, w: self.writes.append((slot, w)),
+            live=lambda: set(self.live),
+        )
 
 
 def req(name, i):
@@ -75,8 +80,15 @@ def test_host_memory_keeps_live_adapters_and_drops_the_oldest_past_its_size():
     device.live = {a}
     c = m.add(req("c", 3))  # three held: b (not live) goes, a (live) stays
     assert (a.weights, b.weights, c.weights) == ("weights of a", None, "weights of c")
-    assert m.stats([a], [c]) == {"max_loras": 1, "running": {"a": 1}, "waiting": {"c": 1}, "resident": [],
-                                 "cpu_cached": ["a", "c"], "loads_total": 0, "evictions_total": 0}
+    assert m.stats([a], [c]) == {
+        "max_loras": 1,
+        "running": {"a": 1},
+        "waiting": {"c": 1},
+        "resident": [],
+        "cpu_cached": ["a", "c"],
+        "loads_total": 0,
+        "evictions_total": 0,
+    }
     m.resolve(req("b", 2))  # read again from its files
     assert device.reads == ["a", "b", "c", "b"]
 
@@ -105,8 +117,10 @@ def test_scheduler_admits_at_most_max_loras_adapters_at_once():
     a, b, c = (m.add(req(n, i)) for i, n in enumerate("abc", 1))
     scheduler = Scheduler(BlockManager(64, 4, 1), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=32)
     scheduler.max_loras = 2
-    seqs = [Sequence(f"s{i}", f"r{i}", 0, [1, 2, 3], SamplingParams(max_tokens=4), 0, lora=lora)
-            for i, lora in enumerate([a, b, c, None, a])]
+    seqs = [
+        Sequence(f"s{i}", f"r{i}", 0, [1, 2, 3], SamplingParams(max_tokens=4), 0, lora=lora)
+        for i, lora in enumerate([a, b, c, None, a])
+    ]
     for seq in seqs:
         scheduler.add(seq)
     scheduler.schedule()

@@ -6,8 +6,15 @@ from engine_testlib import StepRecorder
 
 from jaxserve import LLM, SamplingParams
 
-SETTINGS = dict(dtype="float32", page_size=8, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
-                enable_prefix_caching=False, warm_up=False)
+SETTINGS = dict(
+    dtype="float32",
+    page_size=8,
+    max_model_len=256,
+    max_num_seqs=8,
+    max_num_batched_tokens=32,
+    enable_prefix_caching=False,
+    warm_up=False,
+)
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
@@ -42,10 +49,10 @@ def test_long_prompt_rides_along_with_running_decodes(llm):
         while llm.overlap.has_unfinished_requests():
             step()
         outputs = rec.token_ids()
-    for request_id, prompt, max_tokens in [*((f"s{i}", p, 40) for i, p in enumerate(short)),
-                                           ("long", long_prompt, 8)]:
-        alone = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=max_tokens,
-                                                                                       **GREEDY), use_tqdm=False)
+    for request_id, prompt, max_tokens in [*((f"s{i}", p, 40) for i, p in enumerate(short)), ("long", long_prompt, 8)]:
+        alone = llm.generate(
+            prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=max_tokens, **GREEDY), use_tqdm=False
+        )
         assert outputs[request_id] == alone[0].outputs[0].token_ids, request_id
     stats = engine.stats()
     assert stats["steps_by_kind"]["mixed"] >= 5

@@ -10,8 +10,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
 
-BASE = dict(dtype="float32", page_size=8, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
-            warm_up=False)
+BASE = dict(dtype="float32", page_size=8, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, warm_up=False)
 STEPS = 4
 
 
@@ -26,15 +25,33 @@ def workload(n, seed):
         if kind == 0:
             params.append(SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
         elif kind == 1:
-            params.append(SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.9, seed=i,
-                                         repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4,
-                                         ignore_eos=True))
+            params.append(
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=0.9,
+                    top_p=0.9,
+                    seed=i,
+                    repetition_penalty=1.3,
+                    presence_penalty=0.5,
+                    frequency_penalty=0.4,
+                    ignore_eos=True,
+                )
+            )
         elif kind == 2:
-            params.append(SamplingParams(max_tokens=max_tokens, temperature=1.0, top_k=20, seed=i, logprobs=3,
-                                         ignore_eos=True))
+            params.append(
+                SamplingParams(max_tokens=max_tokens, temperature=1.0, top_k=20, seed=i, logprobs=3, ignore_eos=True)
+            )
         else:  # stops at the first of a few common ids, after min_tokens
-            params.append(SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, min_tokens=2,
-                                         stop_token_ids=list(range(0, 512, 7)), ignore_eos=True))
+            params.append(
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=0.8,
+                    seed=i,
+                    min_tokens=2,
+                    stop_token_ids=list(range(0, 512, 7)),
+                    ignore_eos=True,
+                )
+            )
     return prompts, params
 
 
@@ -127,23 +144,38 @@ def test_a_prompt_rides_along_with_multi_step_decodes(model_path):
                 rec.step()
             outputs = rec.token_ids()
         assert "prefill" not in [p.kind for p in rec.plans[4:]]
-        for request_id, prompt, max_tokens in [*((f"s{i}", p, 40) for i, p in enumerate(short)),
-                                               ("long", long_prompt, 8)]:
-            alone = llm.generate(prompt_token_ids=[prompt], use_tqdm=False,
-                                 sampling_params=SamplingParams(max_tokens=max_tokens, **greedy))
+        for request_id, prompt, max_tokens in [
+            *((f"s{i}", p, 40) for i, p in enumerate(short)),
+            ("long", long_prompt, 8),
+        ]:
+            alone = llm.generate(
+                prompt_token_ids=[prompt],
+                use_tqdm=False,
+                sampling_params=SamplingParams(max_tokens=max_tokens, **greedy),
+            )
             assert outputs[request_id] == alone[0].outputs[0].token_ids, request_id
         assert_pool_whole(llm)
 
 
 def test_multi_step_compiles_nothing_after_warm_up_and_moves_only_the_samples(model_path):
-    llm = LLM(model_path, dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4,
-              max_num_batched_tokens=32, num_scheduler_steps=STEPS)
+    llm = LLM(
+        model_path,
+        dtype="float32",
+        page_size=8,
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        num_scheduler_steps=STEPS,
+    )
     assert any(s[2:] == ("multi-step",) for s in llm.runner.step_shapes())  # the multi-step variants are warmed
     engine = llm.engine
     rng = np.random.RandomState(1)
     for i in range(4):
-        engine.add_request(f"m{i}", prompt_token_ids=rng.randint(0, 512, size=int(rng.randint(1, 30))).tolist(),
-                           sampling_params=SamplingParams(max_tokens=25, temperature=0.7, seed=i))
+        engine.add_request(
+            f"m{i}",
+            prompt_token_ids=rng.randint(0, 512, size=int(rng.randint(1, 30))).tolist(),
+            sampling_params=SamplingParams(max_tokens=25, temperature=0.7, seed=i),
+        )
     while any(s.num_pending > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     with jax.transfer_guard("disallow"):

@@ -8,8 +8,15 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.engine.output_processor import OutputAccumulator
 from jaxserve.model.ragged import is_placeholder
 
-SETTINGS = dict(dtype="float32", page_size=8, max_model_len=160, max_num_seqs=4, max_num_batched_tokens=32,
-                enable_prompt_logprobs=True, warm_up=False)
+SETTINGS = dict(
+    dtype="float32",
+    page_size=8,
+    max_model_len=160,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    enable_prompt_logprobs=True,
+    warm_up=False,
+)
 PARAMS = [
     SamplingParams(max_tokens=24, temperature=0.0, stop=["e", " a"]),  # text held back, then cut
     SamplingParams(max_tokens=20, temperature=1.0, seed=3, n=2, logprobs=2),
@@ -17,8 +24,13 @@ PARAMS = [
     SamplingParams(max_tokens=30, temperature=0.8, seed=7, stop=["the"], include_stop_str_in_output=True),
     SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),  # aborted while it runs
 ]
-PROMPTS = ["the cat sat on the mat", "a dog ran off to see", "then it was very happy and",
-           "see the dog who was", "on a mat and then it ran"]
+PROMPTS = [
+    "the cat sat on the mat",
+    "a dog ran off to see",
+    "then it was very happy and",
+    "see the dog who was",
+    "on a mat and then it ran",
+]
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +97,9 @@ def test_generate_returns_the_sum_of_the_deltas(llm):
             totals.add(delta)
     for i, out in enumerate(outs):
         again = totals.outputs[f"again{i}"]
-        assert [(o.token_ids, o.text, o.finish_reason) for o in again.outputs] == \
-            [(o.token_ids, o.text, o.finish_reason) for o in out.outputs]
+        assert [(o.token_ids, o.text, o.finish_reason) for o in again.outputs] == [
+            (o.token_ids, o.text, o.finish_reason) for o in out.outputs
+        ]
 
 
 def test_a_step_fetches_logprobs_only_when_a_row_asks(llm):
@@ -95,8 +108,10 @@ def test_a_step_fetches_logprobs_only_when_a_row_asks(llm):
 
     engine = llm.engine
     fetched = []
-    for rid, params in [("plain", SamplingParams(max_tokens=3, temperature=0)),
-                        ("lp", SamplingParams(max_tokens=3, temperature=0, logprobs=2))]:
+    for rid, params in [
+        ("plain", SamplingParams(max_tokens=3, temperature=0)),
+        ("lp", SamplingParams(max_tokens=3, temperature=0, logprobs=2)),
+    ]:
         engine.add_request(rid, None, params, engine.tokenizer.encode("the cat sat"))
         llm.overlap.step()
         fetched.append(len(jax.tree.leaves(llm.overlap.in_flight[-1].pending._out)))

@@ -48,8 +48,9 @@ class RecordingCore:
     def execute(self, batch):
         n = batch.rows[0]
         self.calls.append(("execute", n))
-        return InFlightStep(batch, [], Pending(n), serial=False, constrained=self.constrained,
-                            dispatched_at=time.perf_counter())
+        return InFlightStep(
+            batch, [], Pending(n), serial=False, constrained=self.constrained, dispatched_at=time.perf_counter()
+        )
 
     def advance_grammars(self, step, samples):
         self.calls.append(("grammar", step.batch.rows[0], samples))
@@ -105,14 +106,26 @@ def test_a_step_scoring_prompt_tokens_gets_no_drafts():
     for scores in (False, True):
         blocks = BlockManager(40, 4, 1)
         s = Scheduler(blocks, 4, 32, 64, lookahead=lambda seq, batch_size: 2)
-        a = Sequence(seq_id="a", request_id="a", index=0, prompt_token_ids=[10, 11, 12, 13, 14],
-                     params=SamplingParams(max_tokens=8), seed=0)
+        a = Sequence(
+            seq_id="a",
+            request_id="a",
+            index=0,
+            prompt_token_ids=[10, 11, 12, 13, 14],
+            params=SamplingParams(max_tokens=8),
+            seed=0,
+        )
         s.add(a)
         s.schedule()
         a.num_computed = 5
         a.output_token_ids.append(3)
-        b = Sequence(seq_id="b", request_id="b", index=0, prompt_token_ids=list(range(20, 30)),
-                     params=SamplingParams(max_tokens=8, prompt_logprobs=1 if scores else None), seed=0)
+        b = Sequence(
+            seq_id="b",
+            request_id="b",
+            index=0,
+            prompt_token_ids=list(range(20, 30)),
+            params=SamplingParams(max_tokens=8, prompt_logprobs=1 if scores else None),
+            seed=0,
+        )
         if scores:
             b.prompt_logprobs = [None] * 10
         s.add(b)

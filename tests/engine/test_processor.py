@@ -79,8 +79,9 @@ def test_the_context_length_rule_refuses_prompt_plus_max_tokens_past_max_model_l
     assert len(p.process("fits", None, SamplingParams(max_tokens=4), [1] * 60).prompt_token_ids) == 60
     err = refusal(p.process, "a", None, SamplingParams(max_tokens=5), [1] * 60)  # 65 > 64: refused, not capped
     assert err.code == "context_length_exceeded"
-    assert str(err) == ("this model's maximum context length is 64 tokens; the request asks for 65 "
-                        "(60 in the prompt, 5 to generate)")
+    assert str(err) == (
+        "this model's maximum context length is 64 tokens; the request asks for 65 (60 in the prompt, 5 to generate)"
+    )
     assert refusal(p.process, "a", None, SamplingParams(max_tokens=1), [1] * 64).code == "context_length_exceeded"
     # an unset max_tokens' fill (the server's chat): what is left of the context, at least 1
     assert p.room(Prompt([1] * 60)) == 4 and p.room(Prompt([1] * 64)) == 1
@@ -93,10 +94,13 @@ def test_pages_n_and_feature_refusals():
     assert windowed.process("a", None, SamplingParams(max_tokens=30), [1] * 20)
     assert "n=5 exceeds max_num_seqs=4" in str(refusal(p.process, "a", None, SamplingParams(n=5), [1]))
     assert "n=4 samples of a 40-token prompt need 8 KV pages" in str(
-        refusal(p.process, "a", None, SamplingParams(n=4, max_tokens=1), [1] * 40))
+        refusal(p.process, "a", None, SamplingParams(n=4, max_tokens=1), [1] * 40)
+    )
     structured = SamplingParams(structured=StructuredSpec.json_object())
-    assert str(refusal(processor(structured_refusal="no grammars here").process, "a", None, structured,
-                       [1])) == "no grammars here"
+    assert (
+        str(refusal(processor(structured_refusal="no grammars here").process, "a", None, structured, [1]))
+        == "no grammars here"
+    )
     assert "enable_prompt_logprobs" in str(refusal(p.process, "a", None, SamplingParams(prompt_logprobs=1), [1]))
     capped = processor(max_logprobs=2)
     assert "max_logprobs=2 " in str(refusal(capped.process, "a", None, SamplingParams(logprobs=3), [1]))
@@ -126,8 +130,9 @@ def test_chat_is_rendered_and_tokenized_without_special_tokens():
     assert prompt.token_ids == [ord(c) % 256 for c in prompt.text]  # no BOS added: the template writes its own
     assert "role" in str(refusal(p.chat_prompt, [{"content": "x"}], chatml))
     assert "text content" in str(refusal(p.chat_prompt, [{"role": "user", "content": [{"type": "image"}]}], chatml))
-    assert "cannot both" in str(refusal(p.chat_prompt, [{"role": "user", "content": "x"}], chatml,
-                                        continue_final_message=True))
+    assert "cannot both" in str(
+        refusal(p.chat_prompt, [{"role": "user", "content": "x"}], chatml, continue_final_message=True)
+    )
     err = refusal(p.chat_prompt, [{"role": "user", "content": "x"}], chatml, chat_template_kwargs={"messages": 1})
     assert err.code == "chat_template_error"
 

@@ -9,8 +9,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.errors import RequestError
 
 # Chunks of at most 16 tokens: a 45-token prompt is scored across three prefill steps.
-BASE = dict(dtype="float32", page_size=8, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16,
-            warm_up=False)
+BASE = dict(dtype="float32", page_size=8, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=16, warm_up=False)
 PROMPT = np.random.RandomState(7).randint(0, 512, size=45).tolist()
 
 
@@ -39,8 +38,9 @@ def check_against_hf(prompt_logprobs, ref, top):
 
 
 def test_prompt_logprobs_match_hf_across_chunks(llm, hf_logprobs):
-    out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
-        max_tokens=2, temperature=0, prompt_logprobs=3))[0]
+    out = llm.generate(
+        prompt_token_ids=[PROMPT], sampling_params=SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    )[0]
     check_against_hf(out.prompt_logprobs, hf_logprobs, 3)
     plain = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(max_tokens=2, temperature=0))[0]
     assert plain.prompt_logprobs is None
@@ -50,8 +50,10 @@ def test_prompt_logprobs_match_hf_across_chunks(llm, hf_logprobs):
 def test_prompt_logprobs_with_a_cached_prefix_and_n_samples(llm, hf_logprobs):
     # The prompt's pages are in the prefix cache from the test above: scoring recomputes them anyway.
     before = llm.engine.counters["prefill_tokens_computed"]
-    out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
-        max_tokens=3, n=2, temperature=1.0, seed=1, prompt_logprobs=0))[0]
+    out = llm.generate(
+        prompt_token_ids=[PROMPT],
+        sampling_params=SamplingParams(max_tokens=3, n=2, temperature=1.0, seed=1, prompt_logprobs=0),
+    )[0]
     assert llm.engine.counters["prefill_tokens_computed"] - before >= len(PROMPT) - 1
     check_against_hf(out.prompt_logprobs, hf_logprobs, 0)
     assert len(out.outputs) == 2

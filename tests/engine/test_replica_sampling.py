@@ -9,8 +9,15 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 
-SETTINGS = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-                warm_up=False, enable_prefix_caching=False)
+SETTINGS = dict(
+    dtype="float32",
+    page_size=8,
+    max_model_len=64,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    warm_up=False,
+    enable_prefix_caching=False,
+)
 COLLECTIVE = re.compile(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
 
 
@@ -45,11 +52,15 @@ def test_replicas_sample_their_own_rows(hf_model_dir, kind):
     path, _ = hf_model_dir("llama")
     prompts, params = workload()
     with LLM(path, **SETTINGS, **speculation(kind, path)) as one:
-        want = [o.outputs[0].token_ids for o in one.generate(prompt_token_ids=prompts, sampling_params=params,
-                                                            use_tqdm=False)]
+        want = [
+            o.outputs[0].token_ids
+            for o in one.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        ]
     with LLM(path, **SETTINGS, **speculation(kind, path), mesh_shape=(2, 1)) as two:
-        got = [o.outputs[0].token_ids for o in two.generate(prompt_token_ids=prompts, sampling_params=params,
-                                                           use_tqdm=False)]
+        got = [
+            o.outputs[0].token_ids
+            for o in two.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        ]
         vocab, history = two.engine.runner.cfg.vocab_size, two.engine.runner.history_len
         for shape in [(1, 8), (32, 8)]:
             moved = [(t, op) for t, op in collectives(two, shape) if vocab in dims(t) or history in dims(t)]

@@ -17,8 +17,16 @@ def mistral(hf_model_dir):
 
     path, model = hf_model_dir("mistral")
     # 15 usable pages: one 100-token sequence fits whole, two do not (without release).
-    llm = LLM(path, dtype="float32", page_size=PAGE, max_model_len=128, max_num_seqs=4, num_pages=16,
-              max_num_batched_tokens=32, warm_up=False)
+    llm = LLM(
+        path,
+        dtype="float32",
+        page_size=PAGE,
+        max_model_len=128,
+        max_num_seqs=4,
+        num_pages=16,
+        max_num_batched_tokens=32,
+        warm_up=False,
+    )
     assert llm.model_config.num_sliding_layers == llm.model_config.num_layers  # what release requires
     yield llm, model
     llm.close()
@@ -43,9 +51,11 @@ def run(llm, requests, released: bool, on_step=None):
     while pending or eng.has_unfinished_requests():
         while pending and pending[0][2] <= step:
             rid, prompt, _, n = pending.pop(0)
-            eng.add_request(rid, prompt_token_ids=prompt,
-                            sampling_params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                                                           n=n))
+            eng.add_request(
+                rid,
+                prompt_token_ids=prompt,
+                sampling_params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=n),
+            )
         for out in map(totals.add, eng.step()):
             if out.finished:
                 done[out.request_id] = [c.token_ids for c in out.outputs]

@@ -8,8 +8,14 @@ from jaxserve.server.metrics import ServerMetrics
 
 
 def seq(prompt_len: int, computed: int, outputs: int = 0) -> Sequence:
-    s = Sequence(seq_id=f"s{prompt_len}-{computed}", request_id="r", index=0,
-                 prompt_token_ids=list(range(prompt_len)), params=SamplingParams(), seed=0)
+    s = Sequence(
+        seq_id=f"s{prompt_len}-{computed}",
+        request_id="r",
+        index=0,
+        prompt_token_ids=list(range(prompt_len)),
+        params=SamplingParams(),
+        seed=0,
+    )
     s.output_token_ids.extend([1] * outputs)
     s.num_computed = computed
     return s

@@ -27,8 +27,12 @@ SCHEMA = {
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "role": {"enum": ["admin", "user", "guest"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
-        "home": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
-                 "required": ["city"], "additionalProperties": False},
+        "home": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
     },
     "required": ["name", "age", "role"],
     "additionalProperties": False,
@@ -64,8 +68,9 @@ def generate(llm, prompts, params):
 def test_json_schema_outputs_parse_and_validate_with_no_compile(llm):
     before = CompileCounter.requests
     spec = StructuredSpec.json_schema(SCHEMA)
-    params = [SamplingParams(max_tokens=200, temperature=1.0, top_p=0.95, seed=seed, structured=spec)
-              for seed in range(8)]
+    params = [
+        SamplingParams(max_tokens=200, temperature=1.0, top_p=0.95, seed=seed, structured=spec) for seed in range(8)
+    ]
     outs = generate(llm, [PROMPTS[i % 4] for i in range(8)], params)
     texts = []
     for (c,) in outs:
@@ -84,8 +89,9 @@ def test_json_schema_outputs_parse_and_validate_with_no_compile(llm):
 
 def test_regex_and_choice_match(llm):
     regex, choice = StructuredSpec.regex(REGEX), StructuredSpec.choice(CHOICES)
-    params = ([SamplingParams(max_tokens=20, temperature=1.0, seed=s, structured=regex) for s in range(6)]
-              + [SamplingParams(max_tokens=20, temperature=1.0, seed=s, structured=choice) for s in range(6)])
+    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=s, structured=regex) for s in range(6)] + [
+        SamplingParams(max_tokens=20, temperature=1.0, seed=s, structured=choice) for s in range(6)
+    ]
     outs = generate(llm, [PROMPTS[i % 4] for i in range(12)], params)
     for (c,) in outs[:6]:
         assert re.fullmatch(REGEX, c.text) and c.finish_reason == "stop", c.text
@@ -97,10 +103,13 @@ def test_greedy_unconstrained_rows_unchanged_beside_constrained_ones(llm):
     free = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * 2
     alone = generate(llm, PROMPTS[:2], free)
     schema = StructuredSpec.json_schema(SCHEMA)
-    constrained = [SamplingParams(max_tokens=60, temperature=0.7, seed=3, structured=schema),
-                   SamplingParams(max_tokens=20, temperature=0, structured=StructuredSpec.regex(REGEX))]
-    mixed = generate(llm, [PROMPTS[2], PROMPTS[0], PROMPTS[3], PROMPTS[1]],
-                     [constrained[0], free[0], constrained[1], free[1]])
+    constrained = [
+        SamplingParams(max_tokens=60, temperature=0.7, seed=3, structured=schema),
+        SamplingParams(max_tokens=20, temperature=0, structured=StructuredSpec.regex(REGEX)),
+    ]
+    mixed = generate(
+        llm, [PROMPTS[2], PROMPTS[0], PROMPTS[3], PROMPTS[1]], [constrained[0], free[0], constrained[1], free[1]]
+    )
     assert [mixed[1][0].token_ids, mixed[3][0].token_ids] == [alone[0][0].token_ids, alone[1][0].token_ids]
     assert re.fullmatch(REGEX, mixed[2][0].text)
 
@@ -131,8 +140,14 @@ def test_refusals(llm):
     with pytest.raises(RequestError, match="StructuredSpec"):
         SamplingParams(structured={"type": "json_object"})
     with pytest.raises(GrammarError, match="backreference"):
-        llm.generate(["x", "y"], [SamplingParams(structured=StructuredSpec.regex("a+")),
-                                  SamplingParams(structured=StructuredSpec.regex(r"(a)\1"))], use_tqdm=False)
+        llm.generate(
+            ["x", "y"],
+            [
+                SamplingParams(structured=StructuredSpec.regex("a+")),
+                SamplingParams(structured=StructuredSpec.regex(r"(a)\1")),
+            ],
+            use_tqdm=False,
+        )
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -142,8 +157,9 @@ def test_speculative_decoding_with_structured_output_is_refused(llm, monkeypatch
     speculative = dataclasses.replace(llm.engine.config, num_speculative_tokens=3, speculative_method="ngram")
     monkeypatch.setattr(llm.engine, "config", speculative)
     with pytest.raises(RequestError, match="speculative decoding"):
-        Processor(llm.engine.limits).process("s", None, SamplingParams(structured=StructuredSpec.json_object()),
-                                             [1, 2, 3])
+        Processor(llm.engine.limits).process(
+            "s", None, SamplingParams(structured=StructuredSpec.json_object()), [1, 2, 3]
+        )
 
 
 def test_multi_step_and_preemption_keep_the_grammar(llm):
@@ -151,15 +167,26 @@ def test_multi_step_and_preemption_keep_the_grammar(llm):
     cache too small for every row preempts and recomputes: outputs still parse, and every row matches
     what a single-step engine with room for all gives."""
     free = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    small_schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                                     "age": {"type": "integer", "minimum": 0, "maximum": 99}},
-                    "required": ["name", "age"], "additionalProperties": False}
+    small_schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
     spec = StructuredSpec.json_schema(small_schema)
-    params = [free, SamplingParams(max_tokens=60, temperature=1.0, seed=5, structured=spec), free,
-              SamplingParams(max_tokens=60, temperature=1.0, seed=6, structured=spec)]
+    params = [
+        free,
+        SamplingParams(max_tokens=60, temperature=1.0, seed=5, structured=spec),
+        free,
+        SamplingParams(max_tokens=60, temperature=1.0, seed=6, structured=spec),
+    ]
     prompts = PROMPTS
-    with LLM(str(resources.small_checkpoint()), **SETTINGS, num_scheduler_steps=4, num_pages=16,
-             warm_up=False) as small:
+    with LLM(
+        str(resources.small_checkpoint()), **SETTINGS, num_scheduler_steps=4, num_pages=16, warm_up=False
+    ) as small:
         outs = generate(small, prompts, params)
         preempted = small.engine.scheduler.num_preemptions
     want = generate(llm, prompts, params)  # single-step, a cache with room for every row
@@ -174,8 +201,12 @@ def test_multi_step_and_preemption_keep_the_grammar(llm):
 def test_prompt_logprobs_steps_apply_the_mask_too():
     """With prompt logprobs the step is the scoring variant; its sampler sees the mask as well."""
     with LLM(str(resources.small_checkpoint()), **SETTINGS, enable_prompt_logprobs=True, warm_up=False) as scoring:
-        params = [SamplingParams(max_tokens=20, temperature=1.0, seed=s, prompt_logprobs=1,
-                                 structured=StructuredSpec.choice(CHOICES)) for s in range(4)]
+        params = [
+            SamplingParams(
+                max_tokens=20, temperature=1.0, seed=s, prompt_logprobs=1, structured=StructuredSpec.choice(CHOICES)
+            )
+            for s in range(4)
+        ]
         outs = scoring.generate(PROMPTS, params, use_tqdm=False)
     for o in outs:
         assert o.outputs[0].text in CHOICES and o.prompt_logprobs is not None
@@ -184,8 +215,12 @@ def test_prompt_logprobs_steps_apply_the_mask_too():
 def test_two_replicas(llm):
     """Data parallel (mesh (2, 1)): each replica's rows get their own masks; free greedy rows match one replica's."""
     free = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    params = [free, SamplingParams(max_tokens=20, temperature=1.0, seed=1, structured=StructuredSpec.regex(REGEX)),
-              free, SamplingParams(max_tokens=20, temperature=1.0, seed=2, structured=StructuredSpec.choice(CHOICES))]
+    params = [
+        free,
+        SamplingParams(max_tokens=20, temperature=1.0, seed=1, structured=StructuredSpec.regex(REGEX)),
+        free,
+        SamplingParams(max_tokens=20, temperature=1.0, seed=2, structured=StructuredSpec.choice(CHOICES)),
+    ]
     want = generate(llm, PROMPTS, params)
     with LLM(str(resources.small_checkpoint()), **SETTINGS, mesh_shape=(2, 1), warm_up=False) as dp:
         assert dp.engine.num_replicas == 2
@@ -202,8 +237,10 @@ def test_async_scheduling_steps_constrained_rows_every_step(llm):
     overlap = llm.overlap  # LLM.generate's step loop
     assert overlap.async_scheduling
     spec = StructuredSpec.json_schema(SCHEMA)
-    params = [SamplingParams(max_tokens=40, temperature=0.8, seed=3, structured=spec),
-              SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)]
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.8, seed=3, structured=spec),
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+    ]
     calls, step = [], overlap.step
     overlap.step = lambda: calls.append(1) or step()  # LLM.generate's loop: one call per engine step
     try:
@@ -232,8 +269,10 @@ def test_logprobs_under_a_grammar_hold_only_allowed_tokens(llm):
     left out of each entry, never given as -inf; every number is finite; the sampled token is in its
     entry; the alternatives are tokens the grammar allowed there."""
     tok = llm.engine.tokenizer
-    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=s, logprobs=20,
-                             structured=StructuredSpec.choice(CHOICES)) for s in range(4)]
+    params = [
+        SamplingParams(max_tokens=20, temperature=1.0, seed=s, logprobs=20, structured=StructuredSpec.choice(CHOICES))
+        for s in range(4)
+    ]
     outs = generate(llm, PROMPTS, params)
     short = 0
     for (c,) in outs:
@@ -259,18 +298,25 @@ def test_logprob_entries_leave_out_values_that_are_not_finite():
     from jaxserve.model.sampler import SampleOutput
 
     assert top_entry(np.array([5, 7, 0, 9]), np.array([-0.1, -2.0, -np.inf, np.nan], np.float32)) == {
-        5: pytest.approx(-0.1), 7: -2.0}
+        5: pytest.approx(-0.1),
+        7: -2.0,
+    }
     seq = SimpleNamespace(params=SamplingParams(logprobs=4), logprobs=[], cumulative_logprob=0.0)
-    sampled = SampleOutput(tokens=np.array([7]), logprobs=np.array([-2.0], np.float32),
-                           top_ids=np.array([[5, 7, 0, 1]]),
-                           top_logprobs=np.array([[-0.1, -2.0, -np.inf, -np.inf]], np.float32))
+    sampled = SampleOutput(
+        tokens=np.array([7]),
+        logprobs=np.array([-2.0], np.float32),
+        top_ids=np.array([[5, 7, 0, 1]]),
+        top_logprobs=np.array([[-0.1, -2.0, -np.inf, -np.inf]], np.float32),
+    )
     OutputProcessor.record_logprobs(seq, sampled, 0)
     assert seq.logprobs == [{5: pytest.approx(-0.1), 7: -2.0}] and seq.cumulative_logprob == -2.0
 
     seq.params = SamplingParams(prompt_logprobs=2)
     seq.prompt_token_ids, seq.prompt_logprobs = [3, 4, 6], [None, None, None]
-    scores = SimpleNamespace(target_logprobs=np.array([[-1.0, -3.0]], np.float32),
-                             top_ids=np.array([[[4, 0], [2, 0]]]),
-                             top_logprobs=np.array([[[-1.0, -np.inf], [-0.5, np.nan]]], np.float32))
+    scores = SimpleNamespace(
+        target_logprobs=np.array([[-1.0, -3.0]], np.float32),
+        top_ids=np.array([[[4, 0], [2, 0]]]),
+        top_logprobs=np.array([[[-1.0, -np.inf], [-0.5, np.nan]]], np.float32),
+    )
     OutputProcessor.record_prompt_logprobs(seq, 0, [4, 6], scores, 0)
     assert seq.prompt_logprobs == [None, {4: -1.0}, {2: -0.5, 6: -3.0}]

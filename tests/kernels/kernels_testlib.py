@@ -51,8 +51,19 @@ def tolerance(dtype):
     return 2e-5, 2e-5
 
 
-def build_paged_cache(rng, *, num_kv_heads, head_dim, page_size, lens, dtype, max_pages=None, quantized=False,
-                      extra_trap_pages=2, fp8=None):
+def build_paged_cache(
+    rng,
+    *,
+    num_kv_heads,
+    head_dim,
+    page_size,
+    lens,
+    dtype,
+    max_pages=None,
+    quantized=False,
+    extra_trap_pages=2,
+    fp8=None,
+):
     """Random paged cache whose unused memory is hostile.
 
     Every page used by some sequence is shuffled over the pool; the slots past a
@@ -86,10 +97,10 @@ def build_paged_cache(rng, *, num_kv_heads, head_dim, page_size, lens, dtype, ma
     table = np.zeros((len(lens), max_pages), np.int32)
     cursor = 0
     for b, n in enumerate(lens):
-        ids = used_ids[cursor: cursor + need[b]]
+        ids = used_ids[cursor : cursor + need[b]]
         cursor += need[b]
         table[b, : need[b]] = ids
-        table[b, need[b]:] = rng.choice(trap_ids, size=max_pages - need[b])
+        table[b, need[b] :] = rng.choice(trap_ids, size=max_pages - need[b])
         tail = n % page_size
         junk = GARBAGE if b % 2 == 0 else np.nan
         if need[b] and tail:
@@ -141,17 +152,25 @@ def decode_lens(page_size):
     return [1, 3 * page_size + 5, page_size, 0, 2 * page_size]
 
 
-def make_decode_case(seed, *, page_size, head_dim, group, dtype, num_kv_heads=2, lens=None, quantized=False,
-                     max_pages=None):
+def make_decode_case(
+    seed, *, page_size, head_dim, group, dtype, num_kv_heads=2, lens=None, quantized=False, max_pages=None
+):
     rng = np.random.default_rng(seed)
     lens = decode_lens(page_size) if lens is None else lens
     k, v, table, ks, vs = build_paged_cache(
-        rng, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, lens=lens, dtype=dtype,
-        quantized=quantized, max_pages=max_pages,
+        rng,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        lens=lens,
+        dtype=dtype,
+        quantized=quantized,
+        max_pages=max_pages,
     )
     q = jnp.asarray(rng.standard_normal((len(lens), num_kv_heads * group, head_dim)), dtype)
-    return dict(q=q, k_pages=k, v_pages=v, seq_lens=jnp.asarray(lens, jnp.int32), page_table=table,
-                k_scale=ks, v_scale=vs)
+    return dict(
+        q=q, k_pages=k, v_pages=v, seq_lens=jnp.asarray(lens, jnp.int32), page_table=table, k_scale=ks, v_scale=vs
+    )
 
 
 def ragged_seqs(page_size):
@@ -160,8 +179,20 @@ def ragged_seqs(page_size):
     return [(1, 1), (37, 37), (page_size, 1), (3 * page_size + 5, 2 * page_size + 3), (20, 1), (5, 0)]
 
 
-def make_ragged_case(seed, *, page_size, head_dim, group, dtype, num_kv_heads=2, seqs=None, pad_tokens=3,
-                     spare_seq_slots=1, quantized=False, fp8=None):
+def make_ragged_case(
+    seed,
+    *,
+    page_size,
+    head_dim,
+    group,
+    dtype,
+    num_kv_heads=2,
+    seqs=None,
+    pad_tokens=3,
+    spare_seq_slots=1,
+    quantized=False,
+    fp8=None,
+):
     """Flat query batch + cache; pads the token axis and the sequence slots with junk that must be ignored.
     quantized=True: an int8 cache, its scales under "k_scale"/"v_scale" (None otherwise); fp8: float8
     pages of that dtype (no scales)."""
@@ -170,16 +201,31 @@ def make_ragged_case(seed, *, page_size, head_dim, group, dtype, num_kv_heads=2,
     ctx = [c for c, _ in seqs] + [0] * spare_seq_slots
     q_lens = [n for _, n in seqs]
     k, v, table, ks, vs = build_paged_cache(
-        rng, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, lens=ctx, dtype=dtype,
-        quantized=quantized, fp8=fp8,
+        rng,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        lens=ctx,
+        dtype=dtype,
+        quantized=quantized,
+        fp8=fp8,
     )
     qsl = np.zeros(len(ctx) + 1, np.int32)
-    qsl[1: len(seqs) + 1] = np.cumsum(q_lens)
-    qsl[len(seqs) + 1:] = 10_000  # junk past num_seqs: must never be read
+    qsl[1 : len(seqs) + 1] = np.cumsum(q_lens)
+    qsl[len(seqs) + 1 :] = 10_000  # junk past num_seqs: must never be read
     num_tokens = sum(q_lens) + pad_tokens
     q = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)), dtype)
-    return dict(q=q, k_pages=k, v_pages=v, page_table=table, context_lens=jnp.asarray(ctx, jnp.int32),
-                query_start_loc=jnp.asarray(qsl), num_seqs=jnp.asarray(len(seqs), jnp.int32), k_scale=ks, v_scale=vs)
+    return dict(
+        q=q,
+        k_pages=k,
+        v_pages=v,
+        page_table=table,
+        context_lens=jnp.asarray(ctx, jnp.int32),
+        query_start_loc=jnp.asarray(qsl),
+        num_seqs=jnp.asarray(len(seqs), jnp.int32),
+        k_scale=ks,
+        v_scale=vs,
+    )
 
 
 def covering_grid(per_pair=2):

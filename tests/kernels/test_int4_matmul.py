@@ -36,16 +36,19 @@ def check(out, ref, dtype):
     np.testing.assert_allclose(out, ref, atol=tol * scale, rtol=tol)
 
 
-@pytest.mark.parametrize("m,k,n,group_size", [(1, 64, 8, 32), (3, 256, 24, 64), (16, 384, 5, 128), (2, 96, 7, 96),
-                                              (4, 40, 3, 40), (1, 128, 16, 2)])
+@pytest.mark.parametrize(
+    "m,k,n,group_size",
+    [(1, 64, 8, 32), (3, 256, 24, 64), (16, 384, 5, 128), (2, 96, 7, 96), (4, 40, 3, 40), (1, 128, 16, 2)],
+)
 def test_reference_matches_float64_dequantize_then_matmul(m, k, n, group_size):
     x, q, packed, s, b = make_codes(np.random.default_rng(k + n), m, k, n, group_size)
     w64 = q.astype(np.float64) * np.repeat(s, group_size, 0) + np.repeat(b, group_size, 0)
     want = x.astype(np.float64) @ w64
     w = fast_jit(lambda *a: dequantize_int4(*a, group_size))(jnp.asarray(packed), jnp.asarray(s), jnp.asarray(b))
-    np.testing.assert_allclose(np.asarray(w), w64, rtol=0, atol=2 ** -22 * np.abs(w64).max())  # two f32 roundings
+    np.testing.assert_allclose(np.asarray(w), w64, rtol=0, atol=2**-22 * np.abs(w64).max())  # two f32 roundings
     got = fast_jit(lambda *a: reference_int4_matmul(*a, group_size=group_size))(
-        jnp.asarray(x), jnp.asarray(packed), jnp.asarray(s), jnp.asarray(b))
+        jnp.asarray(x), jnp.asarray(packed), jnp.asarray(s), jnp.asarray(b)
+    )
     assert got.dtype == jnp.float32 and got.shape == (m, n)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
@@ -56,15 +59,17 @@ def test_reference_q4_0_as_scale_and_bias():
     x, q, packed, d, _ = make_codes(rng, 2, 64, 4, 32)
     want = x.astype(np.float64) @ ((q.astype(np.float64) - 8) * np.repeat(d, 32, 0))
     got = fast_jit(lambda *a: reference_int4_matmul(*a, group_size=32))(
-        jnp.asarray(x), jnp.asarray(packed), jnp.asarray(d), jnp.asarray(-8 * d))
+        jnp.asarray(x), jnp.asarray(packed), jnp.asarray(d), jnp.asarray(-8 * d)
+    )
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def run_both(x, v, s, b, group_size, backend, **kw):
     ref = fast_jit(lambda *a: reference_int4_matmul(*a, group_size=group_size))(x, v, s, b)
     interpret = interpret_for(backend)
-    out = fast_jit(lambda *a: int4_matmul(*a, group_size=group_size, backend=backend, interpret=interpret,
-                                          **kw))(x, v, s, b)
+    out = fast_jit(lambda *a: int4_matmul(*a, group_size=group_size, backend=backend, interpret=interpret, **kw))(
+        x, v, s, b
+    )
     assert out.shape == ref.shape and out.dtype == x.dtype
     return out, ref
 
@@ -125,26 +130,33 @@ def _sds(shape, dtype):
 
 
 def _args(m=4, k=64, n=16, g=32, x=jnp.bfloat16, v=jnp.uint8, s=jnp.float32, v_rows=None, s_shape=None):
-    return (_sds((m, k), x), _sds((k // 2 if v_rows is None else v_rows, n), v),
-            _sds(s_shape or (k // g, n), s), _sds((k // g, n), jnp.float32))
+    return (
+        _sds((m, k), x),
+        _sds((k // 2 if v_rows is None else v_rows, n), v),
+        _sds(s_shape or (k // g, n), s),
+        _sds((k // g, n), jnp.float32),
+    )
 
 
-@pytest.mark.parametrize("args,kw,match", [
-    (_args(v_rows=64), {}, "k // 2"),
-    (_args(v=jnp.int8), {}, "values must be uint8"),
-    (_args(s_shape=(1, 16)), {}, "scales must have shape"),
-    (_args(s=jnp.bfloat16), {}, "scales must be float32"),
-    (_args(x=jnp.int32), {}, "x must be float32"),
-    (_args(), dict(group_size=48), "must divide k"),
-    (_args(), dict(group_size=3), "positive even int"),
-    (_args(k=96, g=96 // 2), dict(group_size=48), "power of two >= 16"),
-    (_args(), dict(block_m=24), "power of two"),
-    (_args(), dict(block_k=16), "block_k must be >= group_size"),
-    (_args(), dict(backend="tpu", block_n=64), "multiple of 128"),
-    (_args(), dict(backend="tpu", block_m=8), "multiple of 16"),
-    (_args(k=1024), dict(backend="tpu", block_k=128), "multiple of 256"),
-    (_args(k=96, g=24), dict(backend="tpu", group_size=24), "multiple of 16"),
-])
+@pytest.mark.parametrize(
+    "args,kw,match",
+    [
+        (_args(v_rows=64), {}, "k // 2"),
+        (_args(v=jnp.int8), {}, "values must be uint8"),
+        (_args(s_shape=(1, 16)), {}, "scales must have shape"),
+        (_args(s=jnp.bfloat16), {}, "scales must be float32"),
+        (_args(x=jnp.int32), {}, "x must be float32"),
+        (_args(), dict(group_size=48), "must divide k"),
+        (_args(), dict(group_size=3), "positive even int"),
+        (_args(k=96, g=96 // 2), dict(group_size=48), "power of two >= 16"),
+        (_args(), dict(block_m=24), "power of two"),
+        (_args(), dict(block_k=16), "block_k must be >= group_size"),
+        (_args(), dict(backend="tpu", block_n=64), "multiple of 128"),
+        (_args(), dict(backend="tpu", block_m=8), "multiple of 16"),
+        (_args(k=1024), dict(backend="tpu", block_k=128), "multiple of 256"),
+        (_args(k=96, g=24), dict(backend="tpu", group_size=24), "multiple of 16"),
+    ],
+)
 def test_validation_errors(args, kw, match):
     kw = dict(kw)
     backend = kw.pop("backend", "gpu")
@@ -164,8 +176,12 @@ LOWER = [(jnp.bfloat16, 8, 32), (jnp.float32, 8, 128), (jnp.bfloat16, 300, 64)]
 
 
 def _lower_args(dtype, m, g, k=2048, n=384):
-    return [_sds((m, k), dtype), _sds((k // 2, n), jnp.uint8), _sds((k // g, n), jnp.float32),
-            _sds((k // g, n), jnp.float32)]
+    return [
+        _sds((m, k), dtype),
+        _sds((k // 2, n), jnp.uint8),
+        _sds((k // g, n), jnp.float32),
+        _sds((k // g, n), jnp.float32),
+    ]
 
 
 @pytest.mark.parametrize("dtype,m,group_size", LOWER)
@@ -187,8 +203,7 @@ def test_decode_reads_the_packed_weight_in_place(backend, platform):
     # Aligned weights (a Llama-shaped decode matmul) go to the kernel as they are: no pad, no widening convert,
     # no slice of the u8 values or of the scales outside the kernel; only x is split into even/odd columns.
     fn = jax.jit(lambda *a: int4_matmul(*a, group_size=128, backend=backend))
-    text = fn.trace(*_lower_args(jnp.bfloat16, 1, 128, k=4096, n=4096)).lower(
-        lowering_platforms=(platform,)).as_text()
+    text = fn.trace(*_lower_args(jnp.bfloat16, 1, 128, k=4096, n=4096)).lower(lowering_platforms=(platform,)).as_text()
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     assert len(calls) == 1
     # Operands: x's even and odd columns, then the caller's values, scales and biases themselves.

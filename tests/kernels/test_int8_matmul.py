@@ -31,15 +31,16 @@ def check(out, ref, dtype):
     np.testing.assert_allclose(out, ref, atol=tol * scale, rtol=tol)
 
 
-@pytest.mark.parametrize("m,k,n,group_size", [(1, 64, 8, 32), (3, 576, 24, 64), (2, 1536, 5, 128), (4, 96, 7, 96),
-                                              (2, 40, 3, None)])
+@pytest.mark.parametrize(
+    "m,k,n,group_size", [(1, 64, 8, 32), (3, 576, 24, 64), (2, 1536, 5, 128), (4, 96, 7, 96), (2, 40, 3, None)]
+)
 def test_reference_matches_float64_dequantize_then_matmul(m, k, n, group_size):
     x, w, s = make_case(k + n, m, k, n, group_size, jnp.float32)
     s64 = np.asarray(s, np.float64).reshape(-1, n)
     w64 = np.asarray(w, np.float64) * np.repeat(s64, k // s64.shape[0], 0)
     want = np.asarray(x, np.float64) @ w64
     if group_size is not None:
-        np.testing.assert_allclose(np.asarray(dequantize_int8(w, s, group_size)), w64, rtol=2 ** -23)
+        np.testing.assert_allclose(np.asarray(dequantize_int8(w, s, group_size)), w64, rtol=2**-23)
     got = fast_jit(lambda *a: reference_int8_matmul(*a, group_size=group_size))(x, w, s)
     assert got.dtype == jnp.float32 and got.shape == (m, n)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -56,8 +57,9 @@ def test_per_column_forms_agree():
 def run_both(x, w, s, group_size, backend, **kw):
     ref = fast_jit(lambda *a: reference_int8_matmul(*a, group_size=group_size))(x, w, s)
     interpret = interpret_for(backend)
-    out = fast_jit(lambda *a: int8_matmul(*a, group_size=group_size, backend=backend, interpret=interpret,
-                                          **kw))(x, w, s)
+    out = fast_jit(lambda *a: int8_matmul(*a, group_size=group_size, backend=backend, interpret=interpret, **kw))(
+        x, w, s
+    )
     assert out.shape == ref.shape and out.dtype == x.dtype
     return out, ref
 
@@ -85,8 +87,10 @@ TPU_CASES = [  # interpret-mode Mosaic costs ~1 s a call: few cases, each coveri
 ]
 
 
-@pytest.mark.parametrize("backend,m,k,n,group_size,dtype,blocks,mode",
-                         [("gpu", *case) for case in GPU_CASES] + [("tpu", *case) for case in TPU_CASES])
+@pytest.mark.parametrize(
+    "backend,m,k,n,group_size,dtype,blocks,mode",
+    [("gpu", *case) for case in GPU_CASES] + [("tpu", *case) for case in TPU_CASES],
+)
 def test_kernel_matches_reference(backend, m, k, n, group_size, dtype, blocks, mode):
     """Each case's blocks meet the scales as `mode` says, and the interpreted kernel equals the reference."""
     g = group_size or k
@@ -96,8 +100,15 @@ def test_kernel_matches_reference(backend, m, k, n, group_size, dtype, blocks, m
     check(out, ref, dtype)
 
 
-SHAPES = [(1, 4096, 4096), (37, 4096, 11008), (2048, 11008, 4096), (1, 576, 1536), (16, 1536, 576),
-          (300, 576, 192), (1, 576, 49152)]  # m, k, n
+SHAPES = [
+    (1, 4096, 4096),
+    (37, 4096, 11008),
+    (2048, 11008, 4096),
+    (1, 576, 1536),
+    (16, 1536, 576),
+    (300, 576, 192),
+    (1, 576, 49152),
+]  # m, k, n
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
@@ -175,8 +186,12 @@ def test_cpu_without_backend_is_a_clear_error():
 
 
 # dtype, m, group_size, block_k: a TILE decode, per column (f32[n]), a TILE prefill, a BLOCK decode
-LOWER = [(jnp.bfloat16, 8, 32, None), (jnp.float32, 8, None, None), (jnp.bfloat16, 300, 128, None),
-         (jnp.bfloat16, 1, 256, 128)]
+LOWER = [
+    (jnp.bfloat16, 8, 32, None),
+    (jnp.float32, 8, None, None),
+    (jnp.bfloat16, 300, 128, None),
+    (jnp.bfloat16, 1, 256, 128),
+]
 
 
 def _lower_args(dtype, m, g, k=1536, n=640):
@@ -202,8 +217,11 @@ def test_lowers_for_cuda(dtype, m, group_size, block_k):
 def test_decode_reads_the_int8_weight_in_place(backend, platform, group_size):
     # Aligned weights (a Llama-shaped decode matmul) go to the kernel as they are: no pad, no widening convert.
     fn = jax.jit(lambda *a: int8_matmul(*a, group_size=group_size, backend=backend))
-    text = fn.trace(*_lower_args(jnp.bfloat16, 1, group_size, k=4096, n=4096)).lower(
-        lowering_platforms=(platform,)).as_text()
+    text = (
+        fn.trace(*_lower_args(jnp.bfloat16, 1, group_size, k=4096, n=4096))
+        .lower(lowering_platforms=(platform,))
+        .as_text()
+    )
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     assert len(calls) == 1
     assert ", %arg1, " in calls[0], calls[0][:300]  # w_q itself is the kernel's second operand

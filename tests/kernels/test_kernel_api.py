@@ -29,7 +29,8 @@ def test_top_level_exports():
 def test_reference_has_the_kernel_signature(kernel, reference):
     ks, rs = inspect.signature(kernel), inspect.signature(reference)
     assert [(p.name, p.kind, p.default) for p in ks.parameters.values()] == [
-        (p.name, p.kind, p.default) for p in rs.parameters.values()]
+        (p.name, p.kind, p.default) for p in rs.parameters.values()
+    ]
 
 
 def test_package_does_not_import_jaxserve():

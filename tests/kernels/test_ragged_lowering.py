@@ -33,8 +33,9 @@ from jaxserve.model.sharding import make_mesh
 
 # head_dim 64 and pages of 16 f32 rows (32 int8): both kernels' layout rules (TPU: 8-row tiles, head_dim % 64;
 # GPU: powers of two)
-CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=64)
+CFG = ModelConfig(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64
+)
 NUM_PAGES = 9
 page_size = lambda kv: 16 if kv == "auto" else 32  # noqa: E731  (TPU int8 / float8 pages: whole 32-row tiles)
 N, S, P, L = 32, 4, 4, 4  # tokens, rows, pages per row, logits
@@ -50,20 +51,36 @@ def lower(platform: str, scan: bool, kv: str, mesh_shape=None) -> str:
     replicas = mesh_shape[0] if mesh_shape else 1
     shape = cache_shape(CFG, NUM_PAGES, page_size(kv), replicas)
     if kv == "int8":
-        cache = KVCache(k=sds(shape, jnp.int8), v=sds(shape, jnp.int8), k_scale=sds(shape[:-1], jnp.float32),
-                        v_scale=sds(shape[:-1], jnp.float32))
+        cache = KVCache(
+            k=sds(shape, jnp.int8),
+            v=sds(shape, jnp.int8),
+            k_scale=sds(shape[:-1], jnp.float32),
+            v_scale=sds(shape[:-1], jnp.float32),
+        )
     elif kv == "fp8":
         scale = sds((*shape[:3], 1, 1), jnp.float32)
         cache = KVCache(k=sds(shape, jnp.float8_e4m3fn), v=sds(shape, jnp.float8_e4m3fn), k_scale=scale, v_scale=scale)
     else:
         cache = KVCache(k=sds(shape, jnp.float32), v=sds(shape, jnp.float32))
     i32 = lambda *s: sds((replicas, *s), jnp.int32)  # noqa: E731
-    batch = RaggedBatch(tokens=i32(N), positions=i32(N), slots=i32(N), token_row=i32(N), query_start=i32(S + 1),
-                        context_lens=i32(S), page_table=i32(S, P), logit_index=i32(L))
-    params = jax.eval_shape(lambda: (lambda p: p if scan else unstack_layers(p))(
-        init_dummy_params(CFG, seed=0, dtype=jnp.float32)))
-    options = StepOptions(scan_layers=scan, attention_backend="pallas_tpu" if platform == "tpu" else "pallas_gpu",
-                          mesh=make_mesh(mesh_shape) if mesh_shape else None)
+    batch = RaggedBatch(
+        tokens=i32(N),
+        positions=i32(N),
+        slots=i32(N),
+        token_row=i32(N),
+        query_start=i32(S + 1),
+        context_lens=i32(S),
+        page_table=i32(S, P),
+        logit_index=i32(L),
+    )
+    params = jax.eval_shape(
+        lambda: (lambda p: p if scan else unstack_layers(p))(init_dummy_params(CFG, seed=0, dtype=jnp.float32))
+    )
+    options = StepOptions(
+        scan_layers=scan,
+        attention_backend="pallas_tpu" if platform == "tpu" else "pallas_gpu",
+        mesh=make_mesh(mesh_shape) if mesh_shape else None,
+    )
     step = jax.jit(ragged_step, static_argnames=("cfg", "options"), donate_argnames=("cache",))
     return step.trace(params, cache, batch, cfg=CFG, options=options).lower(lowering_platforms=(platform,)).as_text()
 
@@ -93,8 +110,9 @@ class Module:
                 self.defs[func][d.group(1)] = d.group(2)
                 for it, init in re.findall(r"(%iterArg[\w]*) = (%[\w#]+)", d.group(2)):
                     self.carry[func][it] = init
-                shard_map = re.match(r"sdy\.manual_computation\(([^)]*)\).*manual_axes=\{[^}]*\} \((.*)\) \{",
-                                     d.group(2))
+                shard_map = re.match(
+                    r"sdy\.manual_computation\(([^)]*)\).*manual_axes=\{[^}]*\} \((.*)\) \{", d.group(2)
+                )
                 if shard_map:  # the body's block arguments are the operands, each device's shard
                     region = re.findall(r"(%arg\d+):", shard_map.group(2))
                     self.manual[func].update(zip(region, _operands(shard_map.group(1))))
@@ -132,7 +150,7 @@ class Module:
         op = re.match(r'"?([\w.]+)"?', line).group(1)
         # a view, the in-place K/V write, or float8 pages as bytes and back (kv_cache.as_bytes): follow the cache
         if op in ("stablehlo.reshape", "stablehlo.scatter", "stablehlo.bitcast_convert"):
-            first = re.search(r"(%[\w#]+)", line[len(op):]).group(1)
+            first = re.search(r"(%[\w#]+)", line[len(op) :]).group(1)
             return self.origins(func, first, path + (op,), stack)
         return [path + (op,)]  # anything else (a slice, a copy, ...) ends the path and fails the test
 
@@ -173,10 +191,18 @@ def stacked_types(kv: str, mesh_shape=None) -> dict[str, set[str]]:
     return dict(kv=types((whole, shard), element), scale=scales)
 
 
-CASES = [("tpu", True, "auto", None), ("tpu", False, "auto", None), ("cuda", True, "auto", None),
-         ("cuda", False, "auto", None), ("tpu", True, "int8", None), ("cuda", False, "int8", None),
-         ("tpu", True, "auto", (2, 2)), ("cuda", True, "int8", (2, 2)),  # per device: one replica, one KV head
-         ("tpu", True, "fp8", None), ("cuda", False, "fp8", (2, 2))]  # float8 pages reach the kernels as stored
+CASES = [
+    ("tpu", True, "auto", None),
+    ("tpu", False, "auto", None),
+    ("cuda", True, "auto", None),
+    ("cuda", False, "auto", None),
+    ("tpu", True, "int8", None),
+    ("cuda", False, "int8", None),
+    ("tpu", True, "auto", (2, 2)),
+    ("cuda", True, "int8", (2, 2)),  # per device: one replica, one KV head
+    ("tpu", True, "fp8", None),
+    ("cuda", False, "fp8", (2, 2)),
+]  # float8 pages reach the kernels as stored
 
 
 @pytest.mark.parametrize("platform,scan,kv,mesh_shape", CASES)
@@ -194,8 +220,16 @@ def test_kernels_take_the_whole_stacked_cache(platform, scan, kv, mesh_shape):
         for path in paths:
             assert path[-1] == "main argument", path
             # bitcast_convert: float8 pages move as bytes (kv_cache.as_bytes), the same buffer reinterpreted
-            assert set(path) <= {"call", "return", "while carry", "stablehlo.reshape", "stablehlo.scatter",
-                                 "stablehlo.bitcast_convert", "shard_map", "main argument"}, path
+            assert set(path) <= {
+                "call",
+                "return",
+                "while carry",
+                "stablehlo.reshape",
+                "stablehlo.scatter",
+                "stablehlo.bitcast_convert",
+                "shard_map",
+                "main argument",
+            }, path
             assert ("while carry" in path) == scan, path
             assert ("shard_map" in path) == (mesh_shape is not None), path
     # Nothing anywhere slices the stacked cache (a per-layer copy would need one of these ops).

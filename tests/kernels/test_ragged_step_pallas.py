@@ -28,8 +28,16 @@ ROWS = [(13, 1, 1), (30, 1, 1), (0, 9, 0), (11, 7, 1), (20, 3, 3)]
 
 def make_cfg(**kw):
     # head_dim 16, power-of-two pages: the GPU (Triton) kernel's layout rules
-    return ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=16, **kw)
+    return ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        **kw,
+    )
 
 
 def replica_batch(cfg, rng):
@@ -39,7 +47,7 @@ def replica_batch(cfg, rng):
     ids = rng.permutation(np.arange(1, 1 + sum(need)))
     pages, c = [], 0
     for k in need:
-        pages.append([int(x) for x in ids[c: c + k]])
+        pages.append([int(x) for x in ids[c : c + k]])
         c += k
     rows = [RaggedRow(rng.integers(0, cfg.vocab_size, n).tolist(), h, pg, nl) for (h, n, nl), pg in zip(ROWS, pages)]
     history = [(pg, h) for (h, _, _), pg in zip(ROWS, pages)]
@@ -66,8 +74,12 @@ def make_cache(cfg, history, num_replicas, kv, rng):
     scale = lambda x: np.where(np.isnan(x).any(-1), np.nan, np.abs(np.nan_to_num(x)).max(-1) / 127 + 1e-3)  # noqa
     ks, vs = scale(k), scale(v)
     quant = lambda x, s: np.where(np.isnan(x), 127, np.round(np.nan_to_num(x) / np.nan_to_num(s, nan=1)[..., None]))
-    return KVCache(k=jnp.asarray(quant(k, ks), jnp.int8), v=jnp.asarray(quant(v, vs), jnp.int8),
-                   k_scale=jnp.asarray(ks, jnp.float32), v_scale=jnp.asarray(vs, jnp.float32))
+    return KVCache(
+        k=jnp.asarray(quant(k, ks), jnp.int8),
+        v=jnp.asarray(quant(v, vs), jnp.int8),
+        k_scale=jnp.asarray(ks, jnp.float32),
+        v_scale=jnp.asarray(vs, jnp.float32),
+    )
 
 
 def scenario(cfg, num_replicas, kv="auto", seed=0):
@@ -98,10 +110,20 @@ def assert_same(got, ref):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, equal_nan=True)
 
 
-GEMMA3 = make_cfg(architecture="Gemma3ForCausalLM", layer_types=("sliding_attention", "full_attention"),
-                  sliding_window=6, rope_theta=1e6, rope_local_theta=1e4, query_pre_attn_scalar=24.0,
-                  qk_norm=True, sandwich_norms=True, norm_weight_offset=1.0, scale_embeddings=True,
-                  hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)
+GEMMA3 = make_cfg(
+    architecture="Gemma3ForCausalLM",
+    layer_types=("sliding_attention", "full_attention"),
+    sliding_window=6,
+    rope_theta=1e6,
+    rope_local_theta=1e4,
+    query_pre_attn_scalar=24.0,
+    qk_norm=True,
+    sandwich_norms=True,
+    norm_weight_offset=1.0,
+    scale_embeddings=True,
+    hidden_act="gelu_pytorch_tanh",
+    tie_word_embeddings=True,
+)
 
 
 @pytest.mark.parametrize("variant", ["scan", "unrolled", "sliding_window", "gemma3_layers", "int8_kv", "fp8_kv"])

@@ -12,9 +12,15 @@ from __future__ import annotations
 import numpy as np
 
 # HF model_type -> (GGUF architecture, permute Q/K?, norm offset)
-FAMILIES = {"llama": ("llama", True, 0.0), "mistral": ("llama", True, 0.0), "mixtral": ("llama", True, 0.0),
-            "qwen2": ("qwen2", False, 0.0), "qwen3": ("qwen3", False, 0.0), "qwen3_moe": ("qwen3moe", False, 0.0),
-            "gemma3_text": ("gemma3", False, 1.0)}
+FAMILIES = {
+    "llama": ("llama", True, 0.0),
+    "mistral": ("llama", True, 0.0),
+    "mixtral": ("llama", True, 0.0),
+    "qwen2": ("qwen2", False, 0.0),
+    "qwen3": ("qwen3", False, 0.0),
+    "qwen3_moe": ("qwen3moe", False, 0.0),
+    "gemma3_text": ("gemma3", False, 1.0),
+}
 
 
 def byte_level_vocab(vocab_size: int) -> tuple[list[str], list[str]]:
@@ -42,7 +48,9 @@ def byte_level_vocab(vocab_size: int) -> tuple[list[str], list[str]]:
 
 def permute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter's Q/K permutation (rotate-half halves interleaved per head)."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def k_quant_blocks(qtype, rows: int, cols: int, rng: np.random.RandomState) -> np.ndarray:
@@ -57,14 +65,15 @@ def k_quant_blocks(qtype, rows: int, cols: int, rng: np.random.RandomState) -> n
     scales = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[name]
     for offset in scales:
         values = rng.uniform(0.002, 0.01, size=(rows, cols // block)).astype(np.float16)
-        blocks[..., offset:offset + 2] = values.view(np.uint8).reshape(rows, cols // block, 2)
+        blocks[..., offset : offset + 2] = values.view(np.uint8).reshape(rows, cols // block, 2)
     if name == "Q6_K":  # int8 sub-block scales: keep them modest
         blocks[..., 192:208] = rng.randint(-8, 9, size=(rows, cols // block, 16)).astype(np.int8).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
-def write_gguf(path: str, hf_config: dict, state_dict: dict[str, np.ndarray], qtype_name: str = "F32",
-               seed: int = 0) -> dict[str, np.ndarray]:
+def write_gguf(
+    path: str, hf_config: dict, state_dict: dict[str, np.ndarray], qtype_name: str = "F32", seed: int = 0
+) -> dict[str, np.ndarray]:
     """Write `state_dict` (HF names, [out, in] float arrays) as a GGUF file; returns, per GGUF tensor name,
     the dequantized values the file holds (what a correct loader must read)."""
     import gguf

@@ -50,7 +50,7 @@ CORPUS: list[str] = [
     "¡Hola! ¿Qué tal? «quoted» — dash… ellipsis",
     "Ω≈ç√∫˜µ≤≥÷ ∑∏ ∞ ℝ ℕ",
     "עברית العربية हिन्दी ไทย",
-    "printf(\"%d\\n\", a[i]); // x<<=2; y->z;",
+    'printf("%d\\n", a[i]); // x<<=2; y->z;',
     "    four spaces\n        eight spaces\n",
     "\n\n\n\n",
     "a\n b\n  c\n   d",
@@ -177,13 +177,13 @@ def sentencepiece_fields(model_path: str | os.PathLike = SPM_MODEL) -> list[tupl
         *[("tokenizer.ggml.eos_token_id", i, T.UINT32, None) for i in opt(sp.eos_id())],
         *[("tokenizer.ggml.unknown_token_id", i, T.UINT32, None) for i in opt(sp.unk_id())],
         *[("tokenizer.ggml.padding_token_id", i, T.UINT32, None) for i in opt(sp.pad_id())],
-        ("tokenizer.chat_template", "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}",
-         T.STRING, None),
+        ("tokenizer.chat_template", "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}", T.STRING, None),
     ]
 
 
-def write_sentencepiece_gguf(dst: str | os.PathLike, model_path: str | os.PathLike = SPM_MODEL,
-                             name: str = "spm") -> Path:
+def write_sentencepiece_gguf(
+    dst: str | os.PathLike, model_path: str | os.PathLike = SPM_MODEL, name: str = "spm"
+) -> Path:
     """A vocabulary-only "llama" GGUF of a sentencepiece model, with variant `name`'s changes."""
     _, overrides, drop = VARIANTS[name]
     fields = [f for f in sentencepiece_fields(model_path) if f[0] not in drop and f[0] not in overrides]

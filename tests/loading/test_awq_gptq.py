@@ -30,8 +30,15 @@ from jaxserve.model.llama import forward_dense
 from jaxserve.model.sharding import make_mesh, make_shardings
 
 # transformers name (after "model.layers.{i}.") -> our LayerParams field
-LINEAR = {"self_attn.q_proj": "wq", "self_attn.k_proj": "wk", "self_attn.v_proj": "wv", "self_attn.o_proj": "wo",
-          "mlp.gate_proj": "w_gate", "mlp.up_proj": "w_up", "mlp.down_proj": "w_down"}
+LINEAR = {
+    "self_attn.q_proj": "wq",
+    "self_attn.k_proj": "wk",
+    "self_attn.v_proj": "wv",
+    "self_attn.o_proj": "wo",
+    "mlp.gate_proj": "w_gate",
+    "mlp.up_proj": "w_up",
+    "mlp.down_proj": "w_down",
+}
 PACK_ORDER_AWQ = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of an AWQ word holds channel PACK_ORDER_AWQ[i] of its 8
 
 
@@ -48,14 +55,34 @@ class Variant:
 
     def config(self) -> dict:
         if self.method == "awq":
-            return {"quant_method": "awq", "bits": 4, "group_size": self.group, "version": "gemm", "zero_point": True,
-                    "modules_to_not_convert": None}
-        return {"quant_method": "gptq", "bits": 4, "group_size": self.group, "desc_act": self.act_order, "sym": False,
-                "checkpoint_format": "gptq_v2" if self.v2 else "gptq", "true_sequential": True}
+            return {
+                "quant_method": "awq",
+                "bits": 4,
+                "group_size": self.group,
+                "version": "gemm",
+                "zero_point": True,
+                "modules_to_not_convert": None,
+            }
+        return {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": self.group,
+            "desc_act": self.act_order,
+            "sym": False,
+            "checkpoint_format": "gptq_v2" if self.v2 else "gptq",
+            "true_sequential": True,
+        }
 
 
-VARIANTS = [Variant("awq", 32), Variant("awq", 64), Variant("gptq", 32), Variant("gptq", 64, act_order=True),
-            Variant("gptq", -1), Variant("gptq", 32, act_order=True), Variant("gptq", 64, act_order=True, v2=True)]
+VARIANTS = [
+    Variant("awq", 32),
+    Variant("awq", 64),
+    Variant("gptq", 32),
+    Variant("gptq", 64, act_order=True),
+    Variant("gptq", -1),
+    Variant("gptq", 32, act_order=True),
+    Variant("gptq", 64, act_order=True, v2=True),
+]
 
 
 def quantize(w: np.ndarray, g_idx: np.ndarray, groups: int, zero_min: int):
@@ -101,12 +128,19 @@ def quantized_parts(w_out_in: np.ndarray, v: Variant, rng: np.random.RandomState
     q, z, s = quantize(w, g_idx, k // group, zero_min=1 if v1 else 0)  # v1 cannot store z = 0
     ref = (q.astype(np.float32) - z[g_idx].astype(np.float32)) * s[g_idx].astype(np.float32)
     if v.method == "awq":
-        parts = {"qweight": pack_columns(q, PACK_ORDER_AWQ), "qzeros": pack_columns(z.astype(np.uint8), PACK_ORDER_AWQ),
-                 "scales": s}
+        parts = {
+            "qweight": pack_columns(q, PACK_ORDER_AWQ),
+            "qzeros": pack_columns(z.astype(np.uint8), PACK_ORDER_AWQ),
+            "scales": s,
+        }
     else:
         stored = (z - 1 if v1 else z).astype(np.uint8)
-        parts = {"qweight": pack_rows(q), "qzeros": pack_columns(stored, list(range(8))), "scales": s,
-                 "g_idx": g_idx.astype(np.int32)}
+        parts = {
+            "qweight": pack_rows(q),
+            "qzeros": pack_columns(stored, list(range(8))),
+            "scales": s,
+            "g_idx": g_idx.astype(np.int32),
+        }
     return parts, ref
 
 
@@ -128,8 +162,10 @@ def synthesize(src: str, out: str, v: Variant) -> tuple[str, str, dict]:
         else:
             quantized[name] = reference[name] = np.asarray(tensor)
     dirs = []
-    for kind, tensors, cfg in (("quantized", quantized, {**config, "quantization_config": v.config()}),
-                               ("reference", reference, config)):
+    for kind, tensors, cfg in (
+        ("quantized", quantized, {**config, "quantization_config": v.config()}),
+        ("reference", reference, config),
+    ):
         path = os.path.join(out, kind)
         os.makedirs(path, exist_ok=True)
         with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
@@ -193,8 +229,14 @@ def test_engine_serves_the_checkpoint_as_its_dequantized_float_model(checkpoints
     greedy tokens and logprobs (prefill chunks and decode rows: both CPU matmul paths) are the reference
     float model's."""
     path, ref_path, _ = checkpoints(Variant("gptq", 32, act_order=True))
-    kw = dict(dtype="float32", page_size=8, max_model_len=32, max_num_seqs=1, max_num_batched_tokens=4,
-              compilation_cache_dir="none")
+    kw = dict(
+        dtype="float32",
+        page_size=8,
+        max_model_len=32,
+        max_num_seqs=1,
+        max_num_batched_tokens=4,
+        compilation_cache_dir="none",
+    )
     prompts = [np.random.RandomState(0).randint(0, 512, size=11).tolist()]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
     with caplog.at_level(logging.INFO, logger="jaxserve.loading.int4_checkpoint"):
@@ -230,8 +272,9 @@ def test_act_order_on_a_tensor_parallel_mesh(checkpoints):
 
     whole, _, _ = checkpoints(Variant("gptq", -1))
     with pytest.raises(ConfigError, match="cannot be split over the mesh"):
-        load_hf_params(whole, cfg, jnp.float32, make_shardings(cfg, mesh, quantization="int4").params,
-                       quantization="int4")
+        load_hf_params(
+            whole, cfg, jnp.float32, make_shardings(cfg, mesh, quantization="int4").params, quantization="int4"
+        )
 
 
 def _with_quantization_config(tmp_path, float_model, qc: dict) -> str:
@@ -243,17 +286,20 @@ def _with_quantization_config(tmp_path, float_model, qc: dict) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("qc,message", [
-    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "8 bits"),
-    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3 bits"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "'gemv'"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": False}, "zero_point"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "'marlin'"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, "lm_head"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 33}, "group_size 33"),
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "'fp8'"),
-])
+@pytest.mark.parametrize(
+    "qc,message",
+    [
+        ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "8 bits"),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3 bits"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "'gemv'"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": False}, "zero_point"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "'marlin'"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, "lm_head"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 33}, "group_size 33"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
+        ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "'fp8'"),
+    ],
+)
 def test_unsupported_quantization_configs_are_clear_errors(tmp_path, float_model, qc, message):
     path = _with_quantization_config(tmp_path, float_model, qc)
     with pytest.raises(ConfigError, match=message):

@@ -11,8 +11,10 @@ from jaxserve.loading import resources
 
 from hf_models import NEAR_TIE
 
-QUESTIONS = ["What is the capital of France?",
-             "Write a Python function square_number that returns the square of a number."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a Python function square_number that returns the square of a number.",
+]
 STEPS, TOP = 24, 5
 
 
@@ -28,8 +30,9 @@ def referee():
 @pytest.fixture(scope="module")
 def llm():
     # Few, small buckets: each of the 30-layer model's executables compiles for ~10 s on 2 cores.
-    with LLM(dtype="float32", max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64,
-             token_buckets="powers-of-two") as llm:
+    with LLM(
+        dtype="float32", max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64, token_buckets="powers-of-two"
+    ) as llm:
         yield llm
 
 
@@ -45,12 +48,19 @@ def chat_ids(llm, question: str) -> list[int]:
 def test_greedy_chat_equals_transformers(llm, referee, question):
     ids = chat_ids(llm, question)
     with torch.no_grad():
-        ref = referee.generate(torch.tensor([ids]), max_new_tokens=STEPS, do_sample=False, output_logits=True,
-                               return_dict_in_generate=True, pad_token_id=2)
-    ref_tokens = ref.sequences[0, len(ids):].tolist()
+        ref = referee.generate(
+            torch.tensor([ids]),
+            max_new_tokens=STEPS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=2,
+        )
+    ref_tokens = ref.sequences[0, len(ids) :].tolist()
     ref_logprobs = [torch.log_softmax(s[0].double(), -1).numpy() for s in ref.logits]
-    out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
-        max_tokens=STEPS, temperature=0, logprobs=TOP))[0].outputs[0]
+    out = llm.generate(
+        prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=STEPS, temperature=0, logprobs=TOP)
+    )[0].outputs[0]
     for step, (ours, theirs, entries) in enumerate(zip(out.token_ids, ref_tokens, out.logprobs)):
         expected = ref_logprobs[step]
         for token, logprob in entries.items():  # every logprob we report is the referee's

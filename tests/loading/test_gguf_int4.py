@@ -15,8 +15,14 @@ from jaxserve.model.llama import forward_dense
 
 from test_gguf_model import gguf_from_hf
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16, num_attention_heads=4,
-             num_key_value_heads=2)
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    head_dim=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -34,10 +40,12 @@ def test_q4_tensors_load_into_int4_exactly(tmp_path, qtype):
     assert isinstance(layer.wq, quant.Int4Array) and layer.wq.group_size == 32
     # Q4_1: q * d + m is the library's own formula; Q4_0's (q - 8) * d may differ from q * d - 8d by an ulp
     tol = dict(rtol=0, atol=0) if qtype == "Q4_1" else dict(rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(np.asarray(quant.dequantize_int4(layer.wq)),
-                               unpermute_rope_rows(held["blk.1.attn_q.weight"], 4).T, **tol)
-    np.testing.assert_allclose(np.asarray(quant.dequantize_int4(layer.wk)),
-                               unpermute_rope_rows(held["blk.1.attn_k.weight"], 2).T, **tol)
+    np.testing.assert_allclose(
+        np.asarray(quant.dequantize_int4(layer.wq)), unpermute_rope_rows(held["blk.1.attn_q.weight"], 4).T, **tol
+    )
+    np.testing.assert_allclose(
+        np.asarray(quant.dequantize_int4(layer.wk)), unpermute_rope_rows(held["blk.1.attn_k.weight"], 2).T, **tol
+    )
     np.testing.assert_allclose(np.asarray(quant.dequantize_int4(layer.w_down)), held["blk.1.ffn_down.weight"].T, **tol)
 
     float_params = load_hf_params(model_dir, cfg, jnp.float32)
@@ -80,9 +88,11 @@ def test_default_model_int4_is_the_file():
     for field in quant.DENSE_FIELDS:
         w = getattr(q4.layers, field)
         assert isinstance(w, quant.Int4Array), field
-        np.testing.assert_array_equal(np.asarray(quant.dequantize_int4(w)), np.asarray(getattr(float_params.layers, field)),
-                                      err_msg=field)
+        np.testing.assert_array_equal(
+            np.asarray(quant.dequantize_int4(w)), np.asarray(getattr(float_params.layers, field)), err_msg=field
+        )
     ids = jnp.asarray([np.random.RandomState(0).randint(0, cfg.vocab_size, 12).tolist()])
     forward = jax.jit(forward_dense, static_argnames="cfg")
-    np.testing.assert_allclose(np.asarray(forward(q4, ids, cfg=cfg)), np.asarray(forward(float_params, ids, cfg=cfg)),
-                               atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(forward(q4, ids, cfg=cfg)), np.asarray(forward(float_params, ids, cfg=cfg)), atol=1e-4, rtol=0
+    )

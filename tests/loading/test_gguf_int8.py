@@ -15,8 +15,14 @@ from jaxserve.model.llama import forward_dense
 
 from test_gguf_model import gguf_from_hf
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16, num_attention_heads=4,
-             num_key_value_heads=2)
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    head_dim=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +37,9 @@ def q8_model(tmp_path_factory):
 
 def test_q8_0_tensors_load_into_int8_groups_of_32_exactly(q8_model):
     model_dir, cfg, held = q8_model
-    q8 = load_hf_params(model_dir, cfg, jnp.float32, stacked=False, quantization="int8", quantize_lm_head=True,
-                        group_size=32)
+    q8 = load_hf_params(
+        model_dir, cfg, jnp.float32, stacked=False, quantization="int8", quantize_lm_head=True, group_size=32
+    )
     layer = q8.layers[1]
     assert isinstance(layer.wq, quant.QuantArray) and layer.wq.group_size == 32
     assert layer.wq.scales.shape == (cfg.hidden_size // 32, cfg.num_heads * cfg.head_dim)

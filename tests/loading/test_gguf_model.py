@@ -29,12 +29,27 @@ FAMILIES = {
     "mistral": {"sliding_window": 12, "head_dim": 16},
     "qwen2": {"tie_word_embeddings": True},
     "qwen3": {"tie_word_embeddings": True, "head_dim": 32},
-    "gemma3": {"num_hidden_layers": 6, "head_dim": 32, "sliding_window": 8, "query_pre_attn_scalar": 32,
-               "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "rope_theta": 100000.0,
-               "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
-               "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
-    "qwen3_moe": {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                  "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "gemma3": {
+        "num_hidden_layers": 6,
+        "head_dim": 32,
+        "sliding_window": 8,
+        "query_pre_attn_scalar": 32,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+        "rope_theta": 100000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+    },
+    "qwen3_moe": {
+        "head_dim": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
 }
 
@@ -81,8 +96,17 @@ QUANT_TYPES = ["F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q
 def test_quantized_tensors_read_as_the_library_dequantizes_them(tmp_path, qtype):
     """Rows of 256 so that K-quant super-blocks fit; the loaded weights (ours [in, out], Q/K un-permuted)
     equal the library's dequantization of the bytes in the file."""
-    path, _, held = gguf_from_hf(tmp_path, "llama", qtype, hidden_size=256, intermediate_size=256,
-                                 num_hidden_layers=1, head_dim=64, num_attention_heads=4, num_key_value_heads=2)
+    path, _, held = gguf_from_hf(
+        tmp_path,
+        "llama",
+        qtype,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        head_dim=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model_dir = resolve_model_path(path)
     cfg = ModelConfig.from_dir(model_dir)
     params = load_hf_params(model_dir, cfg, jnp.float32, stacked=False)
@@ -108,8 +132,9 @@ def test_moe_experts_load_as_int4(tmp_path):
         got = getattr(q4, field)
         assert isinstance(got, quant.Int4Array) and got.shape == getattr(floats, field).shape
         want = quant.quantize_int4(getattr(floats, field), got.group_size)
-        np.testing.assert_allclose(np.asarray(quant.dequantize_int4(got)), np.asarray(quant.dequantize_int4(want)),
-                                   atol=1e-5, rtol=0)
+        np.testing.assert_allclose(
+            np.asarray(quant.dequantize_int4(got)), np.asarray(quant.dequantize_int4(want)), atol=1e-5, rtol=0
+        )
 
 
 def test_rope_permutation_round_trips():
@@ -126,8 +151,9 @@ def test_rope_permutation_round_trips():
 GEMMA3_AS_TRANSFORMERS_READS = {"head_dim": 256, "query_pre_attn_scalar": 256, "rope_scaling": None}
 
 
-@pytest.mark.parametrize("arch,overrides", [("qwen3", {"head_dim": 128}), ("gemma3", GEMMA3_AS_TRANSFORMERS_READS)],
-                         ids=["qwen3", "gemma3"])
+@pytest.mark.parametrize(
+    "arch,overrides", [("qwen3", {"head_dim": 128}), ("gemma3", GEMMA3_AS_TRANSFORMERS_READS)], ids=["qwen3", "gemma3"]
+)
 def test_quantized_file_greedy_equals_transformers_gguf_loading(tmp_path, arch, overrides):
     """transformers' own GGUF loading of the same Q8_0 file is the referee (its dequantized weights,
     not the original's): greedy tokens through the engine equal it."""
@@ -137,14 +163,23 @@ def test_quantized_file_greedy_equals_transformers_gguf_loading(tmp_path, arch, 
     from jaxserve import LLM, SamplingParams
 
     path, _, _ = gguf_from_hf(tmp_path, arch, "Q8_0", **overrides)
-    ref_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.rsplit("/", 1)[1],
-                                                     dtype=torch.float32).eval()
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.rsplit("/", 1)[1], dtype=torch.float32
+    ).eval()
     prompt = np.random.RandomState(5).randint(3, 500, 11).tolist()
     ref, gaps = hf_greedy(ref_model, prompt, 8)
-    with LLM(path, dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
-             token_buckets="powers-of-two", enable_prefix_caching=False) as llm:
-        out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=8, temperature=0,
-                                                                                    ignore_eos=True))
+    with LLM(
+        path,
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        token_buckets="powers-of-two",
+        enable_prefix_caching=False,
+    ) as llm:
+        out = llm.generate(
+            prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        )
     assert_same_greedy(out[0].outputs[0].token_ids, ref, gaps, f"{arch} Q8_0")
 
 

@@ -66,8 +66,10 @@ def assert_same_ids(texts, got, want, tok):
     for mode in want:
         for text, g, w in zip(texts, got[mode], want[mode]):
             if g != w:
-                bad.append(f"{mode} {text!r}:\n  ours     {g} {[tok.id_to_token(i) for i in g]}"
-                           f"\n  llama.cpp {w} {[tok.id_to_token(i) for i in w]}")
+                bad.append(
+                    f"{mode} {text!r}:\n  ours     {g} {[tok.id_to_token(i) for i in g]}"
+                    f"\n  llama.cpp {w} {[tok.id_to_token(i) for i in w]}"
+                )
     if bad:
         pytest.fail(f"{len(bad)} texts tokenize differently:\n" + "\n".join(bad[:10]), pytrace=False)
 
@@ -93,8 +95,7 @@ def test_tokenizer_files_load_and_encode_like_llamacpp(base_metadata, golden, tm
         assert tok.add_bos_token == (name == "smollm2@llama-bpe")  # llama3's default: add BOS
         assert tok.pad_token_id == 2
     else:
-        assert [tokens[i] for i in (tok.bos_token_id, *tok.eos_token_ids, tok.pad_token_id)] == [
-            "<s>", "</s>", "<pad>"]
+        assert [tokens[i] for i in (tok.bos_token_id, *tok.eos_token_ids, tok.pad_token_id)] == ["<s>", "</s>", "<pad>"]
         assert tok.add_bos_token and not tok.add_eos_token
     assert tok.chat_template == md["tokenizer.chat_template"]
 
@@ -137,8 +138,22 @@ def test_unsupported_pre_tokenizer_is_named(base_metadata):
     md = dict(base_metadata["smollm2"], **{"tokenizer.ggml.pre": "no-such-pre"})
     with pytest.raises(ValueError, match=r"'no-such-pre'.*supported: .*smollm"):
         gguf_tokenizer(md)
-    assert {"default", "gpt-2", "llama-bpe", "qwen2", "smollm", "starcoder", "refact", "command-r",
-            "codeshell", "exaone", "minerva-7b", "deepseek-llm", "gpt-4o", "tekken"} <= set(SUPPORTED_PRE_TOKENIZERS)
+    assert {
+        "default",
+        "gpt-2",
+        "llama-bpe",
+        "qwen2",
+        "smollm",
+        "starcoder",
+        "refact",
+        "command-r",
+        "codeshell",
+        "exaone",
+        "minerva-7b",
+        "deepseek-llm",
+        "gpt-4o",
+        "tekken",
+    } <= set(SUPPORTED_PRE_TOKENIZERS)
 
 
 @pytest.mark.parametrize("model", ["bert", "t5", "rwkv", None])
@@ -155,13 +170,16 @@ def test_metadata_without_tokens_is_an_error():
 
 # --- live comparison, defined only where llama-cpp-python is installed ----------------------------
 
+
 def fuzz_texts(n=300, seed=0):
     """Strings of mixed scripts, digits, punctuation and whitespace runs, and special tokens."""
     rng = random.Random(seed)
-    pool = (list("abcXYZ  \t\n\r0123456789'.,;:!?-_()[]{}<>/\\\"#$%^&*+=|~`")
-            + list("éÀßçøΩσ日本語中한글🙂👍🏽\u200d\u00a0\u3000\u0301\u2009١")
-            + ["'s", "'LL", "   ", "\r\n", "<|im_start|>", "<|im_end|>", "<s>", "</s>", "<0x41>", "▁"])
-    return [''.join(rng.choice(pool) for _ in range(rng.randint(0, 40))) for _ in range(n)]
+    pool = (
+        list("abcXYZ  \t\n\r0123456789'.,;:!?-_()[]{}<>/\\\"#$%^&*+=|~`")
+        + list("éÀßçøΩσ日本語中한글🙂👍🏽\u200d\u00a0\u3000\u0301\u2009١")
+        + ["'s", "'LL", "   ", "\r\n", "<|im_start|>", "<|im_end|>", "<s>", "</s>", "<0x41>", "▁"]
+    )
+    return ["".join(rng.choice(pool) for _ in range(rng.randint(0, 40))) for _ in range(n)]
 
 
 if HAVE_LLAMA_CPP:

@@ -27,8 +27,11 @@ except ImportError:  # pragma: no cover - huggingface_hub 1.x
 
 COMMIT_1 = "1" * 40
 COMMIT_2 = "2" * 40
-WEIGHTS = {"config.json": json.dumps({"architectures": ["LlamaForCausalLM"]}), "model.safetensors": "weights",
-           "tokenizer.json": "{}"}
+WEIGHTS = {
+    "config.json": json.dumps({"architectures": ["LlamaForCausalLM"]}),
+    "model.safetensors": "weights",
+    "tokenizer.json": "{}",
+}
 
 
 def cache_repo(cache, repo_id, snapshots, refs):
@@ -71,14 +74,40 @@ def hub_error(status, error_code, message=None, url="https://huggingface.co/api/
     return raised.value
 
 
-@pytest.mark.parametrize("name", ["Qwen/Qwen3-0.6B", "meta-llama/Llama-3.1-8B-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct",
-                                  "org_1/model.v2", "a/b"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "Qwen/Qwen3-0.6B",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "org_1/model.v2",
+        "a/b",
+    ],
+)
 def test_repo_ids(name):
     assert hub.looks_like_repo_id(name)
 
 
-@pytest.mark.parametrize("name", ["model", "a/b/c", "./a/b", "/abs/path", "~/a", "a--b/c", "a/b..c", "a/b.git",
-                                  "-a/b", "a/b-", "a/.b", "a /b", "ünï/code", "", "a/" + "b" * 97])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model",
+        "a/b/c",
+        "./a/b",
+        "/abs/path",
+        "~/a",
+        "a--b/c",
+        "a/b..c",
+        "a/b.git",
+        "-a/b",
+        "a/b-",
+        "a/.b",
+        "a /b",
+        "ünï/code",
+        "",
+        "a/" + "b" * 97,
+    ],
+)
 def test_not_repo_ids(name):
     assert not hub.looks_like_repo_id(name)
 
@@ -90,8 +119,9 @@ def test_an_existing_path_is_not_a_repo_id(tmp_path, monkeypatch):
 
 
 def test_offline_serves_the_cached_snapshot_and_a_revision(offline_cache):
-    repo = cache_repo(offline_cache, "org/name", {COMMIT_1: WEIGHTS, COMMIT_2: WEIGHTS},
-                      refs={"main": COMMIT_1, "v2": COMMIT_2})
+    repo = cache_repo(
+        offline_cache, "org/name", {COMMIT_1: WEIGHTS, COMMIT_2: WEIGHTS}, refs={"main": COMMIT_1, "v2": COMMIT_2}
+    )
     path = hub.download_model("org/name")
     assert path == str(repo / "snapshots" / COMMIT_1)
     assert json.load(open(os.path.join(path, "config.json")))["architectures"] == ["LlamaForCausalLM"]
@@ -183,37 +213,71 @@ def test_download_asks_for_the_files_the_engine_reads(online, tmp_path, monkeypa
     assert repo_id == "org/name" and kwargs["revision"] == "v1.0" and kwargs["cache_dir"] == "/cache"
     assert "token" not in kwargs
     allowed = set(kwargs["allow_patterns"])
-    for pattern in ("config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer.json", "tokenizer.model",
-                    "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
-                    "generation_config.json"):
+    for pattern in (
+        "config.json",
+        "*.safetensors",
+        "*.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+        "chat_template.json",
+        "generation_config.json",
+    ):
         assert pattern in allowed
     assert not any(p.endswith((".bin", ".pt", ".pth", ".gguf", "*")) for p in allowed)
     # What those patterns select from a repository (huggingface_hub's own filter).
     from huggingface_hub.utils import filter_repo_objects
 
-    repo = ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-            "model.safetensors.index.json", "tokenizer.json", "generation_config.json", "README.md", ".gitattributes",
-            "pytorch_model.bin", "consolidated.safetensors", "original/consolidated.00.pth",
-            "onnx/model.safetensors", "params.json"]
-    chosen = list(filter_repo_objects(repo, allow_patterns=kwargs["allow_patterns"],
-                                      ignore_patterns=kwargs["ignore_patterns"]))
-    assert chosen == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                      "model.safetensors.index.json", "tokenizer.json", "generation_config.json"]
+    repo = [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "generation_config.json",
+        "README.md",
+        ".gitattributes",
+        "pytorch_model.bin",
+        "consolidated.safetensors",
+        "original/consolidated.00.pth",
+        "onnx/model.safetensors",
+        "params.json",
+    ]
+    chosen = list(
+        filter_repo_objects(repo, allow_patterns=kwargs["allow_patterns"], ignore_patterns=kwargs["ignore_patterns"])
+    )
+    assert chosen == [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "generation_config.json",
+    ]
     online(tmp_path=tmp_path)
     hub.download_model("org/name")
     assert huggingface_hub.snapshot_download.calls[0][1]["revision"] is None  # main
     assert huggingface_hub.snapshot_download.calls[0][1]["cache_dir"] is None  # huggingface_hub's cache
 
 
-@pytest.mark.parametrize("status, code, message, expected", [
-    (404, "RepoNotFound", None, ["no model 'org/name' on the Hugging Face Hub", "spelling", "private", "HF_TOKEN"]),
-    (401, None, None, ["no model 'org/name'", "HF_TOKEN"]),  # the Hub's answer for a private repo without a token
-    (401, None, "Invalid credentials in Authorization header", ["refused the token", "HF_TOKEN", "invalid"]),
-    (403, "GatedRepo", None, ["gated model", "accept its licence", "https://huggingface.co/org/name", "HF_TOKEN"]),
-    (404, "RevisionNotFound", None, ["no revision 'v9'", "https://huggingface.co/org/name/tree/main",
-                                     "drop --revision"]),
-    (500, None, None, ["Hugging Face Hub failed for org/name (HTTP 500)"]),
-])
+@pytest.mark.parametrize(
+    "status, code, message, expected",
+    [
+        (404, "RepoNotFound", None, ["no model 'org/name' on the Hugging Face Hub", "spelling", "private", "HF_TOKEN"]),
+        (401, None, None, ["no model 'org/name'", "HF_TOKEN"]),  # the Hub's answer for a private repo without a token
+        (401, None, "Invalid credentials in Authorization header", ["refused the token", "HF_TOKEN", "invalid"]),
+        (403, "GatedRepo", None, ["gated model", "accept its licence", "https://huggingface.co/org/name", "HF_TOKEN"]),
+        (
+            404,
+            "RevisionNotFound",
+            None,
+            ["no revision 'v9'", "https://huggingface.co/org/name/tree/main", "drop --revision"],
+        ),
+        (500, None, None, ["Hugging Face Hub failed for org/name (HTTP 500)"]),
+    ],
+)
 def test_hub_errors_say_what_to_do(online, tmp_path, status, code, message, expected):
     error = hub_error(status, code, message)
     online(tmp_path=tmp_path, error=error)
@@ -244,16 +308,30 @@ def test_connection_failure_as_snapshot_download_raises_it(online, tmp_path):
     assert f"not in the local cache ({tmp_path / 'c'})" in message and "HF_HUB_OFFLINE=1" in message
 
 
-@pytest.mark.parametrize("listed, expected", [
-    (["config.json", "qwen2.5-0.5b-instruct-q4_k_m.gguf", "qwen2.5-0.5b-instruct-q8_0.gguf"],
-     ["holds GGUF files, not safetensors", "hf download org/name qwen2.5-0.5b-instruct-q4_k_m.gguf",
-      "pass that .gguf file as the model"]),
-    (["config.json", "pytorch_model.bin", "tokenizer.json"],
-     ["only pickle weights (pytorch_model.bin)", "unpickling runs code", "--revision refs/pr/N",
-      "safe_serialization=True"]),
-    (["params.json", "consolidated.safetensors"], ["Mistral's own checkpoint format"]),
-    (["README.md"], ["no safetensors weights"]),
-])
+@pytest.mark.parametrize(
+    "listed, expected",
+    [
+        (
+            ["config.json", "qwen2.5-0.5b-instruct-q4_k_m.gguf", "qwen2.5-0.5b-instruct-q8_0.gguf"],
+            [
+                "holds GGUF files, not safetensors",
+                "hf download org/name qwen2.5-0.5b-instruct-q4_k_m.gguf",
+                "pass that .gguf file as the model",
+            ],
+        ),
+        (
+            ["config.json", "pytorch_model.bin", "tokenizer.json"],
+            [
+                "only pickle weights (pytorch_model.bin)",
+                "unpickling runs code",
+                "--revision refs/pr/N",
+                "safe_serialization=True",
+            ],
+        ),
+        (["params.json", "consolidated.safetensors"], ["Mistral's own checkpoint format"]),
+        (["README.md"], ["no safetensors weights"]),
+    ],
+)
 def test_repos_without_safetensors(online, tmp_path, monkeypatch, listed, expected):
     online(tmp_path=tmp_path, files={"config.json": "{}", "tokenizer.json": "{}"})
     monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda repo_id, revision=None: listed)

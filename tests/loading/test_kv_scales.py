@@ -45,8 +45,11 @@ def test_checkpoint_scales_reach_the_fp8_cache(hf_model_dir, tmp_path):
 
     # Layer 1's K/V of 3 tokens written to slots 4..6: the pages hold x / scale, read back as x.
     x = jnp.asarray(np.random.default_rng(0).standard_normal((3, K, cfg.head_dim)) * 3, jnp.float32)
-    write = jax.jit(lambda c, x: jax.tree.map(lambda a: a[None], write_kv_slots(
-        jax.tree.map(lambda a: a[0], c), 1, x, 10 * x, jnp.asarray([4, 5, 6]))))
+    write = jax.jit(
+        lambda c, x: jax.tree.map(
+            lambda a: a[None], write_kv_slots(jax.tree.map(lambda a: a[0], c), 1, x, 10 * x, jnp.asarray([4, 5, 6]))
+        )
+    )
     out = jax.tree.map(lambda a: np.asarray(a, np.float32), write(cache, x))
     stored_k = out.k[0, 1, :, 1, :3].transpose(1, 0, 2)  # slots 4..6 = page 1, slots 0..2
     stored_v = out.v[0, 1, :, 1, :3].transpose(1, 0, 2)
@@ -59,8 +62,10 @@ def test_checkpoint_scales_reach_the_fp8_cache(hf_model_dir, tmp_path):
 def test_one_scale_for_both_and_refused_scales(hf_model_dir, tmp_path):
     path, _ = hf_model_dir("llama")
     cfg = ModelConfig.from_dir(path)
-    one = lambda x: {f"model.layers.{i}.self_attn.kv_scale": np.asarray(x, np.float32)  # noqa: E731
-                     for i in range(cfg.num_layers)}
+    one = lambda x: {
+        f"model.layers.{i}.self_attn.kv_scale": np.asarray(x, np.float32)  # noqa: E731
+        for i in range(cfg.num_layers)
+    }
     both = with_tensors(path, str(tmp_path / "both"), one(0.5))
     k, v = read_kv_scales(both, cfg)  # "kv_scale": one scale for K and V
     assert np.all(k == 0.5) and np.all(v == 0.5)

@@ -17,8 +17,18 @@ STD = 0.08
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def make_peft_adapter(hf_model, out_dir: str, *, r: int, lora_alpha: float, target_modules,
-                      use_rslora: bool = False, seed: int = 0, std: float = STD, **lora_options):
+def make_peft_adapter(
+    hf_model,
+    out_dir: str,
+    *,
+    r: int,
+    lora_alpha: float,
+    target_modules,
+    use_rslora: bool = False,
+    seed: int = 0,
+    std: float = STD,
+    **lora_options,
+):
     """Wrap a copy of `hf_model` (a transformers model, or the directory of one) in a PEFT LoRA of
     rank r, randomise its lora_A / lora_B weights, save_pretrained it to `out_dir` (safetensors) and
     return the PeftModel (eval mode, float32). `lora_options`: any other LoraConfig field
@@ -32,9 +42,14 @@ def make_peft_adapter(hf_model, out_dir: str, *, r: int, lora_alpha: float, targ
         base = transformers.AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.float32)
     else:
         base = copy.deepcopy(hf_model)
-    config = peft.LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules)
-                             if not isinstance(target_modules, str) else target_modules,
-                             use_rslora=use_rslora, lora_dropout=0.0, **lora_options)
+    config = peft.LoraConfig(
+        r=r,
+        lora_alpha=lora_alpha,
+        target_modules=list(target_modules) if not isinstance(target_modules, str) else target_modules,
+        use_rslora=use_rslora,
+        lora_dropout=0.0,
+        **lora_options,
+    )
     if any(p.dtype != torch.float32 for p in base.parameters()):
         base = base.float()  # (a GGUF-loaded model is float32 already, and refuses .float())
     model = peft.get_peft_model(base, config).eval()
@@ -49,9 +64,15 @@ def make_peft_adapter(hf_model, out_dir: str, *, r: int, lora_alpha: float, targ
 
 def peft_layer(model, layer: int, module: str):
     """The PEFT LoRA layer wrapping `module` (jaxserve's key: q k v o gate up down) of decoder `layer`."""
-    block, name = {"q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"), "v": ("self_attn", "v_proj"),
-                   "o": ("self_attn", "o_proj"), "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"),
-                   "down": ("mlp", "down_proj")}[module]
+    block, name = {
+        "q": ("self_attn", "q_proj"),
+        "k": ("self_attn", "k_proj"),
+        "v": ("self_attn", "v_proj"),
+        "o": ("self_attn", "o_proj"),
+        "gate": ("mlp", "gate_proj"),
+        "up": ("mlp", "up_proj"),
+        "down": ("mlp", "down_proj"),
+    }[module]
     return getattr(getattr(model.base_model.model.model.layers[layer], block), name)
 
 

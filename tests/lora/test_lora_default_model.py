@@ -31,24 +31,40 @@ def models(tmp_path_factory):
     made = {}
     for seed, (name, (r, alpha, targets, rslora, std)) in enumerate(ADAPTERS.items()):
         out = str(tmp_path_factory.mktemp(f"smollm2-lora-{name}"))
-        made[name] = (LoRARequest(name, seed + 1, out),
-                      make_peft_adapter(base, out, r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
-                                        seed=seed + 11, std=std))
+        made[name] = (
+            LoRARequest(name, seed + 1, out),
+            make_peft_adapter(
+                base, out, r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, seed=seed + 11, std=std
+            ),
+        )
     return base, made
 
 
 def test_adapters_on_the_default_model_equal_peft(models):
     base, made = models
-    with LLM(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
-             token_buckets="powers-of-two", enable_lora=True, max_loras=4, max_lora_rank=16) as llm:
+    with LLM(
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        token_buckets="powers-of-two",
+        enable_lora=True,
+        max_loras=4,
+        max_lora_rank=16,
+    ) as llm:
         from jaxserve.server.chat import build_chat_renderer
 
-        text = build_chat_renderer(llm.tokenizer).render([{"role": "user", "content": "Write a short poem about the sea."}])
+        text = build_chat_renderer(llm.tokenizer).render(
+            [{"role": "user", "content": "Write a short poem about the sea."}]
+        )
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
         order = [None, *made]
-        outs = llm.generate(prompt_token_ids=[ids] * len(order), use_tqdm=False,
-                            sampling_params=SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True),
-                            lora_request=[None if n is None else made[n][0] for n in order])
+        outs = llm.generate(
+            prompt_token_ids=[ids] * len(order),
+            use_tqdm=False,
+            sampling_params=SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True),
+            lora_request=[None if n is None else made[n][0] for n in order],
+        )
         ours = [list(o.outputs[0].token_ids) for o in outs]
         assert llm.engine.stats()["compiles_after_warmup"] == 0
     for name, got in zip(order, ours):

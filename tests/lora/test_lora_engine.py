@@ -31,16 +31,31 @@ def adapters(hf_model_dir, tmp_path_factory):
     made = {}
     for seed, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
         path = str(tmp_path_factory.mktemp(f"lora-{name}"))
-        made[name] = (path, make_peft_adapter(hf_model, path, r=r, lora_alpha=alpha, target_modules=targets,
-                                              use_rslora=rslora, seed=seed + 1))
+        made[name] = (
+            path,
+            make_peft_adapter(
+                hf_model, path, r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, seed=seed + 1
+            ),
+        )
     return model_dir, hf_model, made
 
 
 @pytest.fixture(scope="module")
 def llm(adapters):
     model_dir, _, made = adapters
-    with LLM(model_dir, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, max_num_seqs=8,
-             page_size=4, max_model_len=64, max_num_batched_tokens=32, num_pages=96, warm_up=True) as llm:
+    with LLM(
+        model_dir,
+        dtype="float32",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=16,
+        max_num_seqs=8,
+        page_size=4,
+        max_model_len=64,
+        max_num_batched_tokens=32,
+        num_pages=96,
+        warm_up=True,
+    ) as llm:
         yield llm
 
 
@@ -56,8 +71,9 @@ def test_each_adapter_matches_peft(adapters, llm):
     _, base_model, made = adapters
     loras = requests(adapters)
     for name, (_, peft_model) in made.items():
-        ours = token_ids(llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, lora_request=loras[name],
-                                      use_tqdm=False))
+        ours = token_ids(
+            llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, lora_request=loras[name], use_tqdm=False)
+        )
         for prompt, got in zip(PROMPTS, ours):
             want, gaps = hf_greedy(peft_model, prompt, STEPS)
             assert_same_greedy(got, want, gaps, f"adapter {name}")
@@ -69,14 +85,24 @@ def test_each_adapter_matches_peft(adapters, llm):
 
 def test_one_batch_of_three_adapters_and_the_base_equals_each_alone(adapters, llm):
     loras = requests(adapters)
-    alone = {name: token_ids(llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY,
-                                          lora_request=lora, use_tqdm=False))[0] for name, lora in loras.items()}
+    alone = {
+        name: token_ids(
+            llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY, lora_request=lora, use_tqdm=False)
+        )[0]
+        for name, lora in loras.items()
+    }
     alone[None] = token_ids(llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY, use_tqdm=False))[0]
     assert len({tuple(v) for v in alone.values()}) == 4  # the adapters do move the tokens
     order = [None, "qv4", "all8rs", "mlp16", "qv4", None]
     loads_before = llm.engine.lora.loads_total
-    mixed = token_ids(llm.generate(prompt_token_ids=PROMPTS[:1] * len(order), sampling_params=GREEDY,
-                                   lora_request=[None if n is None else loras[n] for n in order], use_tqdm=False))
+    mixed = token_ids(
+        llm.generate(
+            prompt_token_ids=PROMPTS[:1] * len(order),
+            sampling_params=GREEDY,
+            lora_request=[None if n is None else loras[n] for n in order],
+            use_tqdm=False,
+        )
+    )
     assert mixed == [alone[n] for n in order]
     assert llm.engine.lora.loads_total > loads_before  # three adapters over two slots: some swapped in
     assert llm.engine.stats()["compiles_after_warmup"] == 0
@@ -88,8 +114,9 @@ def test_two_adapters_never_share_kv_pages(adapters, llm):
     blocks = llm.engine.blocks
 
     def run(name):
-        return token_ids(llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY, lora_request=loras[name],
-                                      use_tqdm=False))[0]
+        return token_ids(
+            llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY, lora_request=loras[name], use_tqdm=False)
+        )[0]
 
     blocks.reset_prefix_cache()
     alone = run("all8rs")
@@ -109,18 +136,29 @@ def test_load_unload_at_run_time_compiles_nothing(adapters, llm, tmp_path):
     engine.add_lora(LoRARequest("runtime", 77, path))
     with pytest.raises(LoRAError, match="already loaded"):
         engine.add_lora(LoRARequest("runtime", 78, path))
-    runtime = token_ids(llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY,
-                                     lora_request=LoRARequest("runtime", 77, path), use_tqdm=False))
-    qv4 = token_ids(llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY, lora_request=loras["qv4"],
-                                 use_tqdm=False))
+    runtime = token_ids(
+        llm.generate(
+            prompt_token_ids=PROMPTS[:1],
+            sampling_params=GREEDY,
+            lora_request=LoRARequest("runtime", 77, path),
+            use_tqdm=False,
+        )
+    )
+    qv4 = token_ids(
+        llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY, lora_request=loras["qv4"], use_tqdm=False)
+    )
     assert runtime == qv4
     assert "runtime" in [r.lora_name for r in engine.list_loras()]
     engine.remove_lora("runtime")
     with pytest.raises(LoRANotFoundError):
         engine.remove_lora("runtime")
     with pytest.raises(LoRANotFoundError):
-        llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY, lora_request=LoRARequest("runtime", 77),
-                     use_tqdm=False)
+        llm.generate(
+            prompt_token_ids=PROMPTS[:1],
+            sampling_params=GREEDY,
+            lora_request=LoRARequest("runtime", 77),
+            use_tqdm=False,
+        )
     assert engine.stats()["compiles_after_warmup"] == 0
 
 
@@ -140,10 +178,16 @@ def test_lora_needs_enable_lora(adapters):
         LLM(adapters[0], dtype="float32", lora_modules=["a=/x"], warm_up=False)
 
 
-@pytest.mark.parametrize("variant", [dict(speculative_method="ngram", num_speculative_tokens=3),
-                                     dict(num_scheduler_steps=4), dict(async_scheduling=False),
-                                     dict(mesh_shape=(1, 2))],
-                         ids=["ngram-speculation", "multi-step", "serial", "tensor-parallel"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(speculative_method="ngram", num_speculative_tokens=3),
+        dict(num_scheduler_steps=4),
+        dict(async_scheduling=False),
+        dict(mesh_shape=(1, 2)),
+    ],
+    ids=["ngram-speculation", "multi-step", "serial", "tensor-parallel"],
+)
 def test_speculation_and_step_variants_keep_each_adapters_tokens(adapters, llm, variant):
     """The same mixed batch through n-gram speculation (the target verifies under each row's adapter),
     multi-step decoding, serial scheduling and a (1, 2) mesh: the tokens of the plain engine."""
@@ -152,12 +196,25 @@ def test_speculation_and_step_variants_keep_each_adapters_tokens(adapters, llm, 
     order = [None, "qv4", "all8rs", "mlp16"]
     prompts = [PROMPTS[0] + PROMPTS[0][:6]] * len(order)  # a repeat for the n-gram proposer to find
     chosen = [None if n is None else loras[n] for n in order]
-    want = token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, lora_request=chosen,
-                                  use_tqdm=False))
-    with LLM(model_dir, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16, max_num_seqs=8,
-             page_size=4, max_model_len=64, max_num_batched_tokens=32, num_pages=96, **variant) as other:
-        got = token_ids(other.generate(prompt_token_ids=prompts, sampling_params=GREEDY, lora_request=chosen,
-                                       use_tqdm=False))
+    want = token_ids(
+        llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, lora_request=chosen, use_tqdm=False)
+    )
+    with LLM(
+        model_dir,
+        dtype="float32",
+        enable_lora=True,
+        max_loras=4,
+        max_lora_rank=16,
+        max_num_seqs=8,
+        page_size=4,
+        max_model_len=64,
+        max_num_batched_tokens=32,
+        num_pages=96,
+        **variant,
+    ) as other:
+        got = token_ids(
+            other.generate(prompt_token_ids=prompts, sampling_params=GREEDY, lora_request=chosen, use_tqdm=False)
+        )
         assert other.engine.stats()["compiles_after_warmup"] == 0
     assert got == want
 
@@ -169,18 +226,36 @@ def test_target_modules_narrow_the_slots(adapters, llm):
 
     model_dir = adapters[0]
     loras = requests(adapters)
-    want = token_ids(llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, lora_request=loras["qv4"],
-                                  use_tqdm=False))
-    with LLM(model_dir, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, max_num_seqs=8,
-             page_size=4, max_model_len=64, max_num_batched_tokens=32, num_pages=96,
-             lora_target_modules="q_proj,v_proj") as narrow:
+    want = token_ids(
+        llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, lora_request=loras["qv4"], use_tqdm=False)
+    )
+    with LLM(
+        model_dir,
+        dtype="float32",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=16,
+        max_num_seqs=8,
+        page_size=4,
+        max_model_len=64,
+        max_num_batched_tokens=32,
+        num_pages=96,
+        lora_target_modules="q_proj,v_proj",
+    ) as narrow:
         lora = narrow.engine.runner.params.layers[0].lora
         assert (lora.q, lora.v) != (None, None) and (lora.k, lora.o, lora.gate, lora.up, lora.down) == (None,) * 5
         assert narrow.engine.runner.lora.nbytes < llm.engine.runner.lora.nbytes / 3
-        assert token_ids(narrow.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, lora_request=loras["qv4"],
-                                         use_tqdm=False)) == want
-        with pytest.raises(LoRAError, match="k_proj, o_proj, gate_proj, up_proj, down_proj; this engine adapts "
-                                            "q_proj, v_proj only"):
+        assert (
+            token_ids(
+                narrow.generate(
+                    prompt_token_ids=PROMPTS, sampling_params=GREEDY, lora_request=loras["qv4"], use_tqdm=False
+                )
+            )
+            == want
+        )
+        with pytest.raises(
+            LoRAError, match="k_proj, o_proj, gate_proj, up_proj, down_proj; this engine adapts q_proj, v_proj only"
+        ):
             narrow.engine.add_lora(loras["all8rs"])
     args = EngineConfig.from_cli(["--enable-lora", "--lora-target-modules", "q_proj", "v_proj"])
     assert args.lora_target_modules == ("q", "v")

@@ -32,16 +32,23 @@ class FakeAdapter:  # what runner.lora reads of a PeftAdapter
 
 
 def make_cfg():
-    return ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=16)
+    return ModelConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+    )
 
 
 def random_adapter(cfg, rank, targets, seed):
     rng = np.random.default_rng(seed)
     dims = module_dims(cfg)
-    return FakeAdapter({m: (rng.normal(0, 0.3, (cfg.num_layers, dims[m][0], rank)).astype(np.float32),
-                            rng.normal(0, 0.3, (cfg.num_layers, rank, dims[m][1])).astype(np.float32))
-                        for m in targets})
+    return FakeAdapter(
+        {
+            m: (
+                rng.normal(0, 0.3, (cfg.num_layers, dims[m][0], rank)).astype(np.float32),
+                rng.normal(0, 0.3, (cfg.num_layers, rank, dims[m][1])).astype(np.float32),
+            )
+            for m in targets
+        }
+    )
 
 
 def merged(params, adapter):
@@ -54,8 +61,9 @@ def merged(params, adapter):
 
 
 def batch_of(rows, row_lora):
-    return RaggedBatch.build(rows, page_size=PAGE, num_tokens=N, num_rows=S, max_pages=P,
-                             num_logits=S).replace(row_lora=np.asarray(row_lora, np.int32))
+    return RaggedBatch.build(rows, page_size=PAGE, num_tokens=N, num_rows=S, max_pages=P, num_logits=S).replace(
+        row_lora=np.asarray(row_lora, np.int32)
+    )
 
 
 ROWS = [(list(range(5, 12)), 0, [1, 2]), (list(range(20, 29)), 0, [3, 4, 5]), ([7, 9, 11], 0, [6])]
@@ -92,8 +100,9 @@ def test_rewriting_a_slot_replaces_the_adapter_and_compiles_once():
     assert CompileCounter.requests == before  # one executable for every slot and adapter
     cache = KVCache(k=jnp.zeros(cache_shape(cfg, 8, PAGE)[1:]), v=jnp.zeros(cache_shape(cfg, 8, PAGE)[1:]))
     got, _ = forward_ragged(params, cache, batch_of(ROWS[:1], [1, -1, -1, -1]), cfg=cfg)
-    want, _ = forward_ragged(merged(init_dummy_params(cfg, 0, jnp.float32, std=0.2), small), cache,
-                             batch_of(ROWS[:1], [-1] * S), cfg=cfg)
+    want, _ = forward_ragged(
+        merged(init_dummy_params(cfg, 0, jnp.float32, std=0.2), small), cache, batch_of(ROWS[:1], [-1] * S), cfg=cfg
+    )
     np.testing.assert_allclose(got[0], want[0], rtol=2e-5, atol=2e-5)
 
 
@@ -140,6 +149,7 @@ def test_tensor_parallel_mesh_matches_one_device(stacked):
         params = slots.write(params, slot, adapter)
     lora = params.layers.lora if stacked else params.layers[0].lora
     lead = (None,) if stacked else ()
+
     def spec(x):  # trailing Nones spelled out
         return tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
 

@@ -13,6 +13,8 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.lora.request import LORA_MODULES
 
 MODEL = "checkpoints/small"
+
+
 def write_adapter(path, cfg, r, targets, seed, std=0.3):
     """A PEFT adapter directory written directly with numpy (the benchmark's writer), random A and B."""
     return bl.write_peft_adapter(str(path), cfg, rank=r, modules=targets, seed=seed, std=std, lora_alpha=2 * r)
@@ -28,25 +30,40 @@ def server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("adapters")
     cfg = ModelConfig.from_dir(MODEL)
-    paths = {"a": write_adapter(root / "a", cfg, 8, ("q", "v"), 1),
-             "b": write_adapter(root / "b", cfg, 4, ("o", "down", "up"), 2),
-             "c": write_adapter(root / "c", cfg, 8, LORA_MODULES, 3)}
-    settings = EngineConfig(model=MODEL, dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
-                            page_size=8, enable_lora=True, max_loras=1, max_lora_rank=8,
-                            lora_modules=(f"a={paths['a']}",))
+    paths = {
+        "a": write_adapter(root / "a", cfg, 8, ("q", "v"), 1),
+        "b": write_adapter(root / "b", cfg, 4, ("o", "down", "up"), 2),
+        "c": write_adapter(root / "c", cfg, 8, LORA_MODULES, 3),
+    }
+    settings = EngineConfig(
+        model=MODEL,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        page_size=8,
+        enable_lora=True,
+        max_loras=1,
+        max_lora_rank=8,
+        lora_modules=(f"a={paths['a']}",),
+    )
     engine = AsyncLLMEngine(LLMEngine(settings))
     engine.start()
     try:
-        with TestClient(create_app(ServerOptions(served_model_names=("base",), allow_runtime_lora_updating=True),
-                                   engine), raise_server_exceptions=False) as client:
+        with TestClient(
+            create_app(ServerOptions(served_model_names=("base",), allow_runtime_lora_updating=True), engine),
+            raise_server_exceptions=False,
+        ) as client:
             yield client, engine, paths
     finally:
         engine.shutdown()
 
 
 def complete(client, model, prompt, max_tokens=10):
-    response = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                                                    "temperature": 0, "ignore_eos": True})
+    response = client.post(
+        "/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    )
     assert response.status_code == 200, response.text
     assert response.json()["model"] == model
     return response.json()["choices"][0]["text"]
@@ -94,8 +111,16 @@ def test_offline_chat_takes_an_adapter(tmp_path):
     cfg = ModelConfig.from_dir(MODEL)
     adapter = LoRARequest("chatty", 1, write_adapter(tmp_path / "chatty", cfg, 8, LORA_MODULES, 4))
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(MODEL, dtype="float32", max_model_len=128, max_num_seqs=2, max_num_batched_tokens=64, page_size=8,
-             enable_lora=True, max_lora_rank=8) as llm:
+    with LLM(
+        MODEL,
+        dtype="float32",
+        max_model_len=128,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        page_size=8,
+        enable_lora=True,
+        max_lora_rank=8,
+    ) as llm:
         chat = llm.chat([{"role": "user", "content": "hello"}], greedy, lora_request=adapter, use_tqdm=False)[0]
         ids = list(chat.prompt_token_ids)
         plain = llm.generate(prompt_token_ids=[ids], sampling_params=greedy, lora_request=adapter, use_tqdm=False)[0]
@@ -115,8 +140,12 @@ def test_async_generate_takes_an_adapter(server):
     ids = engine.tokenizer.encode(PROMPTS[1])
 
     async def run(lora):
-        return "".join([d.outputs[0].text async for d in engine.generate(prompt_token_ids=ids, sampling_params=params,
-                                                                          lora_request=lora)])
+        return "".join(
+            [
+                d.outputs[0].text
+                async for d in engine.generate(prompt_token_ids=ids, sampling_params=params, lora_request=lora)
+            ]
+        )
 
     text = asyncio.run(run(LoRARequest("d", 99, paths["c"])))
     assert "d" in [r.lora_name for r in engine.list_loras()]

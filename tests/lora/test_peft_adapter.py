@@ -23,12 +23,22 @@ WEIGHTS = "adapter_model.safetensors"
 # name -> (LoraConfig fields, {module: (rank, scaling)} expected per targeted module)
 ADAPTERS = {
     "qv_r4": (dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), {"q": (4, 2.0), "v": (4, 2.0)}),
-    "all_r8_rslora": (dict(r=8, lora_alpha=16, target_modules=ALL_MODULES, use_rslora=True),
-                      {m: (8, 16 / math.sqrt(8)) for m in LORA_MODULES}),
+    "all_r8_rslora": (
+        dict(r=8, lora_alpha=16, target_modules=ALL_MODULES, use_rslora=True),
+        {m: (8, 16 / math.sqrt(8)) for m in LORA_MODULES},
+    ),
     # v_proj of rank 4 (padded to 8), q_proj of alpha 4, layer 1 only
-    "patterns": (dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
-                      rank_pattern={"v_proj": 4}, alpha_pattern={"q_proj": 4}, layers_to_transform=[1]),
-                 {"q": (8, 0.5), "v": (4, 4.0), "down": (8, 2.0)}),
+    "patterns": (
+        dict(
+            r=8,
+            lora_alpha=16,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+            rank_pattern={"v_proj": 4},
+            alpha_pattern={"q_proj": 4},
+            layers_to_transform=[1],
+        ),
+        {"q": (8, 0.5), "v": (4, 4.0), "down": (8, 2.0)},
+    ),
 }
 
 
@@ -128,6 +138,7 @@ def test_accepts_unprefixed_names_named_adapters_all_linear_and_bf16(base, adapt
 
 # ---- refusals ----
 
+
 def _copy(src, dest, config=None, tensors=None) -> str:
     """A copy of adapter directory `src` at `dest`, its adapter_config.json updated with `config` and
     its tensors replaced by `tensors` (name -> array), when given."""
@@ -158,12 +169,16 @@ CONFIG_REFUSALS = {
     "lora_bias": ({"lora_bias": True}, r"lora_bias: true \(a bias on lora_B\) is not supported"),
     "modules_to_save": ({"modules_to_save": ["lm_head"]}, r"modules_to_save \['lm_head'\] is not supported"),
     "layer_replication": ({"layer_replication": [[0, 2]]}, r"layer_replication is not supported \(it repeats"),
-    "embed_tokens": ({"target_modules": ["q_proj", "embed_tokens"]},
-                     r"target_modules \['embed_tokens'\] are not supported; jaxserve adapts only q_proj"),
+    "embed_tokens": (
+        {"target_modules": ["q_proj", "embed_tokens"]},
+        r"target_modules \['embed_tokens'\] are not supported; jaxserve adapts only q_proj",
+    ),
     "lm_head": ({"target_modules": ["lm_head", "q_proj", "v_proj"]}, r"target_modules \['lm_head'\] are not"),
     "mixtral_names": ({"target_modules": ["q_proj", "w1"]}, r"target_modules \['w1'\] are not supported"),
-    "regex_lm_head": ({"target_modules": r".*(q_proj|v_proj|lm_head)"},
-                      r"target_modules '\.\*\(q_proj\|v_proj\|lm_head\)' also selects lm_head"),
+    "regex_lm_head": (
+        {"target_modules": r".*(q_proj|v_proj|lm_head)"},
+        r"target_modules '\.\*\(q_proj\|v_proj\|lm_head\)' also selects lm_head",
+    ),
     "rank_pattern": ({"rank_pattern": {"q_proj": "four"}}, "rank_pattern must map module patterns to numbers"),
     "r": ({"r": 0}, "needs a positive integer r and a number lora_alpha, got r=0"),
 }
@@ -214,27 +229,45 @@ def _move_to_layer_2(t):
 
 LAYER0 = "base_model.model.model.layers.0"
 TENSOR_REFUSALS = {
-    "lm_head": (_put({"base_model.model.lm_head.lora_A.weight": _zeros(4, 64),
-                      "base_model.model.lm_head.lora_B.weight": _zeros(512, 4)}),
-                r"tensor base_model\.model\.lm_head\.lora_A\.weight adapts a module jaxserve cannot"),
-    "embeddings": (_put({"base_model.model.model.embed_tokens.lora_embedding_A": _zeros(4, 512)}),
-                   r"tensor base_model\.model\.model\.embed_tokens\.lora_embedding_A adapts a module"),
-    "wrong_block": (_put({f"{LAYER0}.mlp.q_proj.lora_A.weight": _zeros(4, 64)}),
-                    r"mlp\.q_proj\.lora_A\.weight adapts a module"),
-    "shape": (_put({Q0_A: _zeros(4, 48)}),
-              rf"tensor {re.escape(Q0_A)} has shape \[4, 48\], but the base model and the adapter's rank need "
-              r"\[4, 64\]"),
+    "lm_head": (
+        _put(
+            {
+                "base_model.model.lm_head.lora_A.weight": _zeros(4, 64),
+                "base_model.model.lm_head.lora_B.weight": _zeros(512, 4),
+            }
+        ),
+        r"tensor base_model\.model\.lm_head\.lora_A\.weight adapts a module jaxserve cannot",
+    ),
+    "embeddings": (
+        _put({"base_model.model.model.embed_tokens.lora_embedding_A": _zeros(4, 512)}),
+        r"tensor base_model\.model\.model\.embed_tokens\.lora_embedding_A adapts a module",
+    ),
+    "wrong_block": (
+        _put({f"{LAYER0}.mlp.q_proj.lora_A.weight": _zeros(4, 64)}),
+        r"mlp\.q_proj\.lora_A\.weight adapts a module",
+    ),
+    "shape": (
+        _put({Q0_A: _zeros(4, 48)}),
+        rf"tensor {re.escape(Q0_A)} has shape \[4, 48\], but the base model and the adapter's rank need "
+        r"\[4, 64\]",
+    ),
     "rank_vs_config": (_put({Q0_B: _zeros(64, 2)}), rf"tensor {re.escape(Q0_B)} has shape \[64, 2\].* need \[64, 4\]"),
-    "layer": (_move_to_layer_2,
-              r"layers\.2\.self_attn\.q_proj\.lora_[AB]\.weight is for layer 2, but the base model has 2 layers "
-              r"\(0\.\.1\)"),
+    "layer": (
+        _move_to_layer_2,
+        r"layers\.2\.self_attn\.q_proj\.lora_[AB]\.weight is for layer 2, but the base model has 2 layers "
+        r"\(0\.\.1\)",
+    ),
     "no_b": (lambda t: t.pop(Q0_B), rf"tensor {re.escape(Q0_A)} has no lora_B beside it"),
     "no_a": (lambda t: t.pop(Q0_A), rf"tensor {re.escape(Q0_B)} has no lora_A beside it"),
-    "twice": (lambda t: t.update({Q0_A.replace(".weight", ".default.weight"): t[Q0_A]}),
-              r"lora_A of model\.layers\.0\.self_attn\.q_proj is stored twice"),
+    "twice": (
+        lambda t: t.update({Q0_A.replace(".weight", ".default.weight"): t[Q0_A]}),
+        r"lora_A of model\.layers\.0\.self_attn\.q_proj is stored twice",
+    ),
     "empty": (lambda t: t.clear(), "adapter_model.safetensors holds no lora_A / lora_B tensors"),
-    "int": (lambda t: t.update({Q0_A: t[Q0_A].astype(np.int32)}),
-            f"tensor {re.escape(Q0_A)} has dtype I32, not a float"),
+    "int": (
+        lambda t: t.update({Q0_A: t[Q0_A].astype(np.int32)}),
+        f"tensor {re.escape(Q0_A)} has dtype I32, not a float",
+    ),
 }
 
 
@@ -245,15 +278,21 @@ def test_refuses_tensors(case, base, adapters, tmp_path):
 
 
 def test_refuses_a_rank_above_max_lora_rank(base, adapters):
-    _refused(adapters["all_r8_rslora"][0], base[0], r"adapter rank 8 \(.*\) is above --max-lora-rank 4; start "
-             r"the server with --max-lora-rank 8 or more", max_rank=4)
+    _refused(
+        adapters["all_r8_rslora"][0],
+        base[0],
+        r"adapter rank 8 \(.*\) is above --max-lora-rank 4; start "
+        r"the server with --max-lora-rank 8 or more",
+        max_rank=4,
+    )
     _refused(adapters["patterns"][0], base[0], "adapter rank 8", max_rank=4)
     assert load_peft_adapter(adapters["qv_r4"][0], base[0], max_rank=4).rank == 4
 
 
 def test_refuses_mlp_targets_on_a_mixture_of_experts(base, adapters, tmp_path):
-    moe = dataclasses.replace(base[0], architecture="Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
-                              moe_intermediate_size=32)
+    moe = dataclasses.replace(
+        base[0], architecture="Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    )
     message = r"the adapter targets the MLP \({}\) of a mixture-of-experts model \(Qwen3MoeForCausalLM, 4 experts\)"
     _refused(adapters["all_r8_rslora"][0], moe, message.format("down_proj, gate_proj, up_proj"))
     all_linear = _copy(adapters["all_r8_rslora"][0], tmp_path / "all_linear", config={"target_modules": "all-linear"})

@@ -49,12 +49,27 @@ def test_text_prompts_use_the_model_tokenizer(hf_model_dir, tokenizer_dir, tmp_p
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, model_dir / f.name)
     tok = load_tokenizer(model_dir)
-    llm = LLM(str(model_dir), dtype="float32", page_size=8, max_model_len=64, max_num_seqs=2,
-              max_num_batched_tokens=32, warm_up=False)
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        page_size=8,
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        warm_up=False,
+    )
     out = llm.generate(["def main():"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     assert out.prompt_token_ids == tok.encode("def main():")
     assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
     # tokenizer=PATH overrides the model directory's (here the model dir has none)
-    llm2 = LLM(path, tokenizer=str(tokenizer_dir), dtype="float32", page_size=8, max_model_len=64,
-               max_num_seqs=2, max_num_batched_tokens=32, warm_up=False)
+    llm2 = LLM(
+        path,
+        tokenizer=str(tokenizer_dir),
+        dtype="float32",
+        page_size=8,
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        warm_up=False,
+    )
     assert llm2.tokenizer.vocab_size == 512

@@ -44,17 +44,27 @@ def gemma3(hf_model_dir):
 def test_config_and_weights(gemma3):
     path, model, cfg, params = gemma3
     assert (cfg.architecture, cfg.servable, cfg.hidden_act, cfg.sliding_window) == (
-        "Gemma3ForCausalLM", True, "gelu_pytorch_tanh", 8)
+        "Gemma3ForCausalLM",
+        True,
+        "gelu_pytorch_tanh",
+        8,
+    )
     assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling.kind, cfg.query_pre_attn_scalar) == (
-        1e5, 1e4, "linear", 24)
+        1e5,
+        1e4,
+        "linear",
+        24,
+    )
     windows, scales = layer_attention_params(cfg)
     assert windows.tolist() == [8, NO_SLIDING_WINDOW, 8, NO_SLIDING_WINDOW]
     np.testing.assert_allclose(np.asarray(scales), 24**-0.5)
     assert params.lm_head is None and params.layers.post_mlp_norm.shape == (4, 64)
     hf_layer = model.model.layers[2]
-    for ours, theirs in [(params.layers.mlp_norm, hf_layer.pre_feedforward_layernorm),
-                         (params.layers.post_attn_norm, hf_layer.post_attention_layernorm),
-                         (params.layers.post_mlp_norm, hf_layer.post_feedforward_layernorm)]:
+    for ours, theirs in [
+        (params.layers.mlp_norm, hf_layer.pre_feedforward_layernorm),
+        (params.layers.post_attn_norm, hf_layer.post_attention_layernorm),
+        (params.layers.post_mlp_norm, hf_layer.post_feedforward_layernorm),
+    ]:
         np.testing.assert_array_equal(np.asarray(ours[2]), theirs.weight.detach().numpy())
     assert cfg.num_params() == sum(p.numel() for p in model.parameters())
 
@@ -70,8 +80,14 @@ def test_prefill_decode_and_dense_logits_match_hf(gemma3, scan):
     pages = [3, 1, 4, 2][: -(-len(full) // PAGE)]  # out of order, page 0 unused
     cache = init_cache(cfg, num_pages=5, page_size=PAGE, dtype=jnp.float32)
     options = steps.StepOptions(scan_layers=scan)
-    logits, cache = steps.prefill(params, cache, step_batch(prompt, 0, pages), cfg=cfg,
-                                  options=steps.StepOptions(scan_layers=scan), all_logits=True)
+    logits, cache = steps.prefill(
+        params,
+        cache,
+        step_batch(prompt, 0, pages),
+        cfg=cfg,
+        options=steps.StepOptions(scan_layers=scan),
+        all_logits=True,
+    )
     np.testing.assert_allclose(np.asarray(logits[0, 0]), ref[: len(prompt)], atol=1e-4, rtol=0)
     for pos in range(len(prompt), len(full)):
         logits, cache = steps.decode(params, cache, step_batch([full[pos]], pos, pages), cfg=cfg, options=options)
@@ -95,8 +111,18 @@ def llm(gemma3):
     # 8 usable pages: the first three prompts need 9 (their K/V: 30, 23, 16 tokens), so one is preempted.
     # Layers scanned (the engine's accelerator default; the window and RoPE table as scanned operands):
     # each step shape compiles one layer body, not four.
-    with LLM(gemma3[0], dtype="float32", page_size=PAGE, num_pages=9, max_model_len=64, max_num_seqs=4,
-             max_num_batched_tokens=32, enable_prefix_caching=True, scan_layers=True, warm_up=False) as llm:
+    with LLM(
+        gemma3[0],
+        dtype="float32",
+        page_size=PAGE,
+        num_pages=9,
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=True,
+        scan_layers=True,
+        warm_up=False,
+    ) as llm:
         yield llm
 
 
@@ -105,8 +131,9 @@ def test_greedy_through_the_engine_matches_hf(gemma3, llm):
     pool too small for all three, so one is preempted and recomputed), then two that share the first one's
     prefix (whole pages served from the prefix cache)."""
     _, model, cfg, _ = gemma3
-    check_greedy_through_engine(llm, model, cfg.vocab_size, "gemma3", PAGE, (2 * PAGE + 3, PAGE + 4, 5),
-                                expect_preemption=True)
+    check_greedy_through_engine(
+        llm, model, cfg.vocab_size, "gemma3", PAGE, (2 * PAGE + 3, PAGE + 4, 5), expect_preemption=True
+    )
 
 
 def test_int8_and_orbax_loading(gemma3, tmp_path):
@@ -145,11 +172,13 @@ def test_hf_conditional_generation_matches_hf(tmp_path):
     from hf_models import ARCHS, TINY
 
     text = {**TINY, **ARCHS["gemma3"][2]}
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
     torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
-        text_config=text, vision_config=vision, mm_tokens_per_image=4)).eval()
+    model = transformers.Gemma3ForConditionalGeneration(
+        transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    ).eval()
     model.save_pretrained(str(tmp_path))
     cfg = ModelConfig.from_dir(str(tmp_path))
     assert cfg.architecture == "Gemma3ForConditionalGeneration" and cfg.layer_types == tuple(text["layer_types"])
@@ -167,14 +196,26 @@ def test_conditional_generation_checkpoint_loads_its_text_tower(gemma3, tmp_path
     the published language_model.model.*); the vision tower's tensors are skipped."""
     path, _, cfg, params = gemma3
     text = json.loads((pathlib.Path(path) / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-        "text_config": {**text, "architectures": None}, "vision_config": {"model_type": "siglip_vision_model"},
-        "eos_token_id": [1, 106]}))
-    prefix, head = ("model.language_model.", "lm_head.") if layout == "transformers5" else (
-        "language_model.model.", "language_model.lm_head.")
-    tensors = {(prefix + k[len("model."):] if k.startswith("model.") else head + k[len("lm_head."):]): v
-               for k, v in hf_tensors(params, cfg).items()}
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Gemma3ForConditionalGeneration"],
+                "model_type": "gemma3",
+                "text_config": {**text, "architectures": None},
+                "vision_config": {"model_type": "siglip_vision_model"},
+                "eos_token_id": [1, 106],
+            }
+        )
+    )
+    prefix, head = (
+        ("model.language_model.", "lm_head.")
+        if layout == "transformers5"
+        else ("language_model.model.", "language_model.lm_head.")
+    )
+    tensors = {
+        (prefix + k[len("model.") :] if k.startswith("model.") else head + k[len("lm_head.") :]): v
+        for k, v in hf_tensors(params, cfg).items()
+    }
     vision = "model.vision_tower." if layout == "transformers5" else "vision_tower."
     tensors[vision + "vision_model.embeddings.patch_embedding.weight"] = np.ones((4, 3, 2, 2), np.float32)
     tensors["multi_modal_projector.mm_soft_emb_norm.weight"] = np.ones(8, np.float32)

@@ -15,6 +15,8 @@ from hf_models import assert_same_greedy, hf_greedy
 
 ARCHS = ["llama", "llama3_rope", "mistral", "qwen2", "qwen2_window"]
 PAGE = 8
+
+
 def step_batch(tokens, start, pages):
     n = len(tokens)
     return StepBatch(
@@ -47,8 +49,9 @@ def test_prefill_and_decode_logits_match_hf(hf_model_dir, arch, scan_layers):
     decode_opts = steps.StepOptions(scan_layers=scan_layers)
     for pos in range(len(prompt), len(full)):  # feed token `pos`, compare the logits it predicts
         logits, cache = steps.decode(params, cache, step_batch([full[pos]], pos, pages), cfg=cfg, options=decode_opts)
-        np.testing.assert_allclose(np.asarray(logits[0, 0]), ref[pos], atol=1e-4, rtol=0,
-                                   err_msg=f"decode step at position {pos}")
+        np.testing.assert_allclose(
+            np.asarray(logits[0, 0]), ref[pos], atol=1e-4, rtol=0, err_msg=f"decode step at position {pos}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +63,15 @@ def llms(hf_model_dir):
     def get(arch):
         if arch not in made:
             path, _ = hf_model_dir(arch)
-            made[arch] = LLM(path, dtype="float32", page_size=PAGE, max_model_len=64, max_num_seqs=4,
-                             max_num_batched_tokens=32, warm_up=False)
+            made[arch] = LLM(
+                path,
+                dtype="float32",
+                page_size=PAGE,
+                max_model_len=64,
+                max_num_seqs=4,
+                max_num_batched_tokens=32,
+                warm_up=False,
+            )
         return made[arch]
 
     return get
@@ -105,8 +115,7 @@ def test_bfloat16_top1_agreement_with_hf(hf_model_dir):
             ref = model(torch.tensor([ids])).logits[0].float().numpy()
         pages = list(range(1, 1 + -(-n // PAGE)))
         cache = init_cache(cfg, num_pages=9, page_size=PAGE, dtype=jnp.bfloat16)
-        logits, _ = steps.prefill(params, cache, step_batch(ids, 0, pages), cfg=cfg,
-                                  all_logits=True)
+        logits, _ = steps.prefill(params, cache, step_batch(ids, 0, pages), cfg=cfg, all_logits=True)
         ours = np.asarray(logits[0, 0], np.float32)
         top2 = np.sort(ref, axis=-1)[:, -2:]
         spacing = 2.0 ** (np.floor(np.log2(np.abs(top2[:, 1]) + 1e-30)) - 7)  # bf16 ulp at the top logit
@@ -128,8 +137,23 @@ def test_qwen2_sliding_window_through_the_engine_with_preemption(hf_model_dir):
     from model_checks import check_greedy_through_engine
 
     path, model = hf_model_dir("qwen2_window")
-    with LLM(path, dtype="float32", page_size=PAGE, num_pages=9, max_model_len=64, max_num_seqs=4,
-             max_num_batched_tokens=32, warm_up=False) as llm:
+    with LLM(
+        path,
+        dtype="float32",
+        page_size=PAGE,
+        num_pages=9,
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        warm_up=False,
+    ) as llm:
         assert llm.model_config.num_sliding_layers == 1 and llm.blocks.sliding_window is None
-        check_greedy_through_engine(llm, model, llm.model_config.vocab_size, "qwen2_window", PAGE,
-                                    (2 * PAGE + 3, PAGE + 4, 5), expect_preemption=True)
+        check_greedy_through_engine(
+            llm,
+            model,
+            llm.model_config.vocab_size,
+            "qwen2_window",
+            PAGE,
+            (2 * PAGE + 3, PAGE + 4, 5),
+            expect_preemption=True,
+        )

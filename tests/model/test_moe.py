@@ -16,8 +16,9 @@ def hf_block(kind: str, seed: int = 0):
         from transformers import Qwen3MoeConfig
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-        cfg = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
-                             norm_topk_prob=False)
+        cfg = Qwen3MoeConfig(
+            hidden_size=32, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False
+        )
         block = Qwen3MoeSparseMoeBlock(cfg)
     else:
         from transformers import MixtralConfig
@@ -37,8 +38,11 @@ def test_moe_mlp_matches_hf(kind, normalize):
     x = np.random.default_rng(1).normal(size=(1, 13, 32)).astype(np.float32)
     with torch.no_grad():
         want = block(torch.from_numpy(x)).numpy()[0]
-    p = MoEParams.from_hf(block.gate.weight.detach().numpy(), block.experts.gate_up_proj.detach().numpy(),
-                          block.experts.down_proj.detach().numpy())
+    p = MoEParams.from_hf(
+        block.gate.weight.detach().numpy(),
+        block.experts.gate_up_proj.detach().numpy(),
+        block.experts.down_proj.detach().numpy(),
+    )
     fn = jax.jit(lambda x, p: moe_mlp(x, p, top_k=2, normalize=normalize))
     got = np.asarray(fn(jnp.asarray(x[0]), p))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
@@ -56,12 +60,17 @@ def test_few_tokens_read_only_their_experts(tokens):
     x = np.random.default_rng(4).normal(size=(1, tokens, 32)).astype(np.float32)
     with torch.no_grad():
         want = block(torch.from_numpy(x)).numpy()[0]
-    p = MoEParams.from_hf(block.gate.weight.detach().numpy(), block.experts.gate_up_proj.detach().numpy(),
-                          block.experts.down_proj.detach().numpy())
+    p = MoEParams.from_hf(
+        block.gate.weight.detach().numpy(),
+        block.experts.gate_up_proj.detach().numpy(),
+        block.experts.down_proj.detach().numpy(),
+    )
     got = jax.jit(lambda x, p: moe_mlp(x, p, top_k=2, normalize=False))(jnp.asarray(x[0]), p)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
     def jaxpr(n):
         return str(jax.make_jaxpr(lambda x, p: moe_mlp(x, p, top_k=2, normalize=False))(jnp.zeros((n, 32)), p))
+
     assert "ragged_dot" not in jaxpr(tokens) and "ragged_dot" in jaxpr(13)  # 26 assignments: grouped
 
 

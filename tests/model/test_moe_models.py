@@ -93,8 +93,10 @@ def assert_logits_close(got, ref, model, ids, cfg, label, atol=1e-4):
 
 def test_config_and_weights(family):
     name, (path, model, cfg, params) = family
-    want = {"qwen3_moe": ("Qwen3MoeForCausalLM", 8, 32, False, True),
-            "mixtral": ("MixtralForCausalLM", 4, 128, True, False)}[name]
+    want = {
+        "qwen3_moe": ("Qwen3MoeForCausalLM", 8, 32, False, True),
+        "mixtral": ("MixtralForCausalLM", 4, 128, True, False),
+    }[name]
     assert (cfg.architecture, cfg.num_experts, cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.qk_norm) == want
     assert cfg.servable and cfg.num_experts_per_tok == 2 and cfg.dense_layers == () and cfg.sliding_window is None
     E, D, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -123,12 +125,19 @@ def test_prefill_decode_and_dense_logits_match_hf(family, scan):
     print(f"{name}: smallest router top-k gap {router_gap(model, full, cfg.num_experts_per_tok):.1e}")
     pages = [3, 1, 4, 2][: -(-len(full) // PAGE)]  # out of order, page 0 unused
     cache = init_cache(cfg, num_pages=5, page_size=PAGE, dtype=jnp.float32)
-    logits, cache = steps.prefill(params, cache, step_batch(prompt, 0, pages), cfg=cfg,
-                                  options=steps.StepOptions(scan_layers=scan), all_logits=True)
+    logits, cache = steps.prefill(
+        params,
+        cache,
+        step_batch(prompt, 0, pages),
+        cfg=cfg,
+        options=steps.StepOptions(scan_layers=scan),
+        all_logits=True,
+    )
     assert_logits_close(logits[0, 0], ref[: len(prompt)], model, prompt, cfg, f"{name} prefill")
     for pos in range(len(prompt), len(full)):
-        logits, cache = steps.decode(params, cache, step_batch([full[pos]], pos, pages), cfg=cfg,
-                                     options=steps.StepOptions(scan_layers=scan))
+        logits, cache = steps.decode(
+            params, cache, step_batch([full[pos]], pos, pages), cfg=cfg, options=steps.StepOptions(scan_layers=scan)
+        )
         assert_logits_close(logits[0, 0], ref[pos], model, full[: pos + 1], cfg, f"{name} decode {pos}")
     dense_params = params if scan else unstack_layers(params)  # stacked layers scan, a tuple unrolls
     dense = jax.jit(forward_dense, static_argnames="cfg")(dense_params, jnp.asarray([full], jnp.int32), cfg=cfg)
@@ -141,8 +150,13 @@ def test_mixed_ragged_step_matches_hf(family, scan):
     gives HF's logits for both."""
     name, (_, model, cfg, params) = family
     check_mixed_ragged_step_matches_hf(
-        cfg, params, model, scan, PAGE,
-        lambda got, want, ids, label: assert_logits_close(got, want, model, ids, cfg, f"{name} {label}"))
+        cfg,
+        params,
+        model,
+        scan,
+        PAGE,
+        lambda got, want, ids, label: assert_logits_close(got, want, model, ids, cfg, f"{name} {label}"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +165,18 @@ def llm(family):
 
     # 8 usable pages: the first three prompts need 9 (their K/V: 30, 19, 16 tokens), so one is preempted.
     # Layers scanned: each step shape compiles one layer body.
-    with LLM(family[1][0], dtype="float32", page_size=PAGE, num_pages=9, max_model_len=64, max_num_seqs=4,
-             max_num_batched_tokens=32, enable_prefix_caching=True, scan_layers=True, warm_up=False) as llm:
+    with LLM(
+        family[1][0],
+        dtype="float32",
+        page_size=PAGE,
+        num_pages=9,
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=True,
+        scan_layers=True,
+        warm_up=False,
+    ) as llm:
         yield llm
 
 
@@ -161,8 +185,7 @@ def test_greedy_through_the_engine_matches_hf(family, llm):
     three, so one is preempted and recomputed), then two that share the first one's prefix (whole pages
     served from the prefix cache)."""
     name, (_, model, cfg, _) = family
-    check_greedy_through_engine(llm, model, cfg.vocab_size, name, PAGE, (2 * PAGE + 3, PAGE, 5),
-                                expect_preemption=True)
+    check_greedy_through_engine(llm, model, cfg.vocab_size, name, PAGE, (2 * PAGE + 3, PAGE, 5), expect_preemption=True)
 
 
 def test_fused_expert_checkpoint_loads(family, tmp_path):
@@ -216,7 +239,11 @@ def test_int8_experts_and_orbax(qwen3_moe, tmp_path):
     save_params(str(out), params)
     restored = load_model(EngineConfig(model=str(out), dtype="float32"), make_mesh((1, 2))).params
     assert restored.layers.w_gate is None and tuple(restored.layers.expert_up.sharding.spec) == (
-        None, None, None, "model")
+        None,
+        None,
+        None,
+        "model",
+    )
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -257,15 +284,26 @@ def test_engine_serves_int4_experts(qwen3_moe):
     from jaxserve.model.weights import param_bytes
 
     path, _, cfg, _ = qwen3_moe
-    with LLM(path, quantization="int4", dtype="float32", page_size=PAGE, max_model_len=32, max_num_seqs=2,
-             max_num_batched_tokens=16, scan_layers=True, warm_up=False) as llm:
+    with LLM(
+        path,
+        quantization="int4",
+        dtype="float32",
+        page_size=PAGE,
+        max_model_len=32,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        scan_layers=True,
+        warm_up=False,
+    ) as llm:
         params = llm.runner.params
         assert isinstance(params.layers.expert_up, quant.Int4Array)
         assert llm.memory.param_bytes == param_bytes(params) == cfg.param_bytes(4, "int4")
         assert "int4 linear layers (experts included)" in llm.memory.describe()
         prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, size=11).tolist()
-        out = llm.generate(prompt_token_ids=[prompt, prompt[:5]], sampling_params=SamplingParams(
-            max_tokens=4, temperature=0, ignore_eos=True))
+        out = llm.generate(
+            prompt_token_ids=[prompt, prompt[:5]],
+            sampling_params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+        )
         assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
 
 
@@ -286,8 +324,9 @@ def test_experts_tensor_parallel_on_a_mesh(qwen3_moe):
     D, F = cfg.hidden_size, cfg.moe_intermediate_size
     for n in (13, 2):  # 26 assignments (grouped), 4 (gathered, <= experts)
         tokens = jnp.asarray(np.random.RandomState(9).randint(0, cfg.vocab_size, size=(1, n)), jnp.int32)
-        np.testing.assert_allclose(np.asarray(dense(sharded, tokens, cfg=cfg)),
-                                   np.asarray(dense(params, tokens, cfg=cfg)), atol=1e-4, rtol=0)  # sum order
+        np.testing.assert_allclose(
+            np.asarray(dense(sharded, tokens, cfg=cfg)), np.asarray(dense(params, tokens, cfg=cfg)), atol=1e-4, rtol=0
+        )  # sum order
         hlo = dense.lower(sharded, tokens, cfg=cfg).compile().as_text()
         gathered = [tuple(int(d) for d in m.split(",")) for m in re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(", hlo)]
         assert not [s for s in gathered if {D, F} <= set(s)], gathered

@@ -62,12 +62,14 @@ def _paged_logits(params, cfg, options, prompt, decodes):
     cache = init_cache(cfg, num_pages=5, page_size=PAGE, dtype=jnp.float32)
     if options.mesh is not None:
         cache = jax.device_put(cache, jax.sharding.NamedSharding(options.mesh, jax.sharding.PartitionSpec()))
-    logits, cache = steps.prefill(params, cache, step_batch(prompt, 0, pages), cfg=cfg,
-                                  options=options, all_logits=True)
+    logits, cache = steps.prefill(
+        params, cache, step_batch(prompt, 0, pages), cfg=cfg, options=options, all_logits=True
+    )
     out = [logits[0, 0]]
     for i, token in enumerate(decodes):
-        logits, cache = steps.decode(params, cache, step_batch([token], len(prompt) + i, pages), cfg=cfg,
-                                     options=options)
+        logits, cache = steps.decode(
+            params, cache, step_batch([token], len(prompt) + i, pages), cfg=cfg, options=options
+        )
         out.append(logits[0, 0])
     return out
 
@@ -86,7 +88,8 @@ def test_paged_steps_on_a_mesh_equal_one_device(models, mesh, name, mode):
     for i, (g, w) in enumerate(zip(got, want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=0, err_msg=f"{name} {mode} {i}")
     assert [int(np.argmax(g[-1] if g.ndim > 1 else g)) for g in got] == [
-        int(np.argmax(w[-1] if w.ndim > 1 else w)) for w in want]
+        int(np.argmax(w[-1] if w.ndim > 1 else w)) for w in want
+    ]
 
 
 def _ragged_dots(closed_jaxpr, inside=()):
@@ -120,8 +123,12 @@ def test_expert_parallel_program(models, mesh, name, tokens):
     ep = ExpertParallel(cfg, mesh)
     ids = jnp.asarray(np.random.RandomState(9).randint(0, cfg.vocab_size, size=(1, tokens)), jnp.int32)
     dense = jax.jit(forward_dense, static_argnames=("cfg", "expert_parallel"))
-    np.testing.assert_allclose(np.asarray(dense(sharded, ids, cfg=cfg, expert_parallel=ep)),
-                               np.asarray(dense(params, ids, cfg=cfg)), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(dense(sharded, ids, cfg=cfg, expert_parallel=ep)),
+        np.asarray(dense(params, ids, cfg=cfg)),
+        atol=1e-4,
+        rtol=0,
+    )
 
     jaxpr = jax.make_jaxpr(lambda p, t: forward_dense(p, t, cfg=cfg, expert_parallel=ep))(sharded, ids)
     assert "shard_map" in str(jaxpr)
@@ -132,7 +139,7 @@ def test_expert_parallel_program(models, mesh, name, tokens):
     else:  # each assignment gathers its expert among the local ones
         assert grouped == []
     hlo = dense.lower(sharded, ids, cfg=cfg, expert_parallel=ep).compile().as_text()
-    entry = hlo[hlo.index("ENTRY"):]
+    entry = hlo[hlo.index("ENTRY") :]
     weight_params = [tuple(int(d) for d in s.split(",")) for s in re.findall(r"f32\[([\d,]+)\]\S* parameter\(", entry)]
     assert (L, here, D, F) in weight_params and (L, E, D, F) not in weight_params, weight_params
     assert _collectives(hlo, "all-gather") == [], f"{name}: an all-gather in the expert-parallel program"
@@ -146,8 +153,12 @@ def _assert_expert_parallel_matches_one_device(cfg, mesh, sharded, params) -> No
     ep = ExpertParallel(cfg, mesh)
     for n in (13, 1):
         ids = jnp.asarray(np.random.RandomState(6).randint(0, cfg.vocab_size, size=(1, n)), jnp.int32)
-        np.testing.assert_allclose(np.asarray(dense(sharded, ids, cfg=cfg, expert_parallel=ep)),
-                                   np.asarray(dense(params, ids, cfg=cfg)), atol=1e-4, rtol=0)
+        np.testing.assert_allclose(
+            np.asarray(dense(sharded, ids, cfg=cfg, expert_parallel=ep)),
+            np.asarray(dense(params, ids, cfg=cfg)),
+            atol=1e-4,
+            rtol=0,
+        )
 
 
 def test_int8_experts_expert_parallel(models, mesh):
@@ -186,8 +197,15 @@ def test_expert_parallel_needs_the_model_axis_to_divide_the_experts(models):
 
 
 # ---------------------------------------------------------------- through the engine
-SETTINGS = dict(dtype="float32", page_size=PAGE, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-                scan_layers=True, warm_up=False)
+SETTINGS = dict(
+    dtype="float32",
+    page_size=PAGE,
+    max_model_len=64,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    scan_layers=True,
+    warm_up=False,
+)
 
 
 def _engine_tokens(path, **settings):

@@ -46,8 +46,11 @@ def test_orbax_restores_what_was_saved_in_the_requested_dtype(converted):
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(loaded.params))
     # The same weights rounded to bf16 on the safetensors path give the same logits.
     params_bf16 = load_model(EngineConfig(model=hf_dir, dtype="bfloat16"), make_mesh((1, 1))).params
-    ref = forward_dense(jax.tree.map(lambda x: x.astype(jnp.float32), params_bf16),
-                        jnp.asarray(TOKENS % loaded.cfg.vocab_size), cfg=loaded.cfg)
+    ref = forward_dense(
+        jax.tree.map(lambda x: x.astype(jnp.float32), params_bf16),
+        jnp.asarray(TOKENS % loaded.cfg.vocab_size),
+        cfg=loaded.cfg,
+    )
     np.testing.assert_allclose(ours, np.asarray(ref), atol=1e-5, rtol=0)
 
 

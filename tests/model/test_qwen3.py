@@ -15,8 +15,12 @@ from jaxserve.config import ModelConfig
 from jaxserve.model.llama import forward_dense
 
 from hf_models import hf_greedy
-from model_checks import (check_greedy_through_engine, check_mixed_ragged_step_matches_hf,
-                          check_paged_and_dense_logits_match, hf_logits)
+from model_checks import (
+    check_greedy_through_engine,
+    check_mixed_ragged_step_matches_hf,
+    check_paged_and_dense_logits_match,
+    hf_logits,
+)
 
 PAGE = 8
 
@@ -32,12 +36,18 @@ def qwen3(hf_model_dir):
 def test_config_and_weights(qwen3):
     path, model, cfg, params = qwen3
     assert (cfg.architecture, cfg.servable, cfg.qk_norm, cfg.qkv_bias, cfg.tie_word_embeddings) == (
-        "Qwen3ForCausalLM", True, True, False, True)
+        "Qwen3ForCausalLM",
+        True,
+        True,
+        False,
+        True,
+    )
     assert cfg.head_dim == 32 != cfg.hidden_size // cfg.num_heads
     assert params.lm_head is None and params.layers.bq is None
     assert params.layers.q_norm.shape == params.layers.k_norm.shape == (2, 32)
-    np.testing.assert_array_equal(np.asarray(params.layers.k_norm[1]),
-                                  model.model.layers[1].self_attn.k_norm.weight.detach().numpy())
+    np.testing.assert_array_equal(
+        np.asarray(params.layers.k_norm[1]), model.model.layers[1].self_attn.k_norm.weight.detach().numpy()
+    )
     assert cfg.num_params() == sum(p.numel() for p in model.parameters())
 
 
@@ -62,8 +72,16 @@ def test_mixed_ragged_step_matches_hf(qwen3, scan):
 def llm(qwen3):
     from jaxserve import LLM
 
-    with LLM(qwen3[0], dtype="float32", page_size=PAGE, max_model_len=64, max_num_seqs=4,
-             max_num_batched_tokens=32, enable_prefix_caching=True, warm_up=False) as llm:
+    with LLM(
+        qwen3[0],
+        dtype="float32",
+        page_size=PAGE,
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=True,
+        warm_up=False,
+    ) as llm:
         yield llm
 
 
@@ -71,8 +89,9 @@ def test_greedy_through_the_engine_matches_hf(qwen3, llm):
     """Greedy tokens through LLM.generate: three prompts batched together, then two that share the first
     one's prefix (whole pages served from the prefix cache)."""
     _, model, cfg, _ = qwen3
-    check_greedy_through_engine(llm, model, cfg.vocab_size, "qwen3", PAGE, (2 * PAGE + 3, PAGE, 5),
-                                expect_preemption=False)
+    check_greedy_through_engine(
+        llm, model, cfg.vocab_size, "qwen3", PAGE, (2 * PAGE + 3, PAGE, 5), expect_preemption=False
+    )
 
 
 def test_int8_and_orbax_loading(qwen3, tmp_path):

@@ -35,8 +35,16 @@ ROWS = [(13, 1, 1), (30, 1, 1), (0, 9, 0), (11, 7, 1), (20, 3, 3)]
 
 
 def make_cfg(**kw):
-    return ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=16, **kw)
+    return ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        **kw,
+    )
 
 
 def nan_cache(cfg, num_pages, quantized):
@@ -44,8 +52,12 @@ def nan_cache(cfg, num_pages, quantized):
     shape = cache_shape(cfg, num_pages, PAGE)[1:]  # one replica
     if not quantized:
         return KVCache(k=jnp.full(shape, jnp.nan, jnp.float32), v=jnp.full(shape, jnp.nan, jnp.float32))
-    return KVCache(k=jnp.full(shape, 127, jnp.int8), v=jnp.full(shape, 127, jnp.int8),
-                   k_scale=jnp.full(shape[:-1], jnp.nan), v_scale=jnp.full(shape[:-1], jnp.nan))
+    return KVCache(
+        k=jnp.full(shape, 127, jnp.int8),
+        v=jnp.full(shape, 127, jnp.int8),
+        k_scale=jnp.full(shape[:-1], jnp.nan),
+        v_scale=jnp.full(shape[:-1], jnp.nan),
+    )
 
 
 RAGGED = jax.jit(forward_ragged, static_argnames=("cfg", "scan_layers"))
@@ -67,7 +79,7 @@ def scenario(cfg, quantized, seed=0, spec=ROWS):
     ids = rng.permutation(np.arange(1, num_pages))
     page_lists, c = [], 0
     for k in need:
-        page_lists.append([int(x) for x in ids[c: c + k]])
+        page_lists.append([int(x) for x in ids[c : c + k]])
         c += k
     history = [rng.integers(0, cfg.vocab_size, h).tolist() for h, _, _ in spec]
     new = [rng.integers(0, cfg.vocab_size, n).tolist() for _, n, _ in spec]
@@ -84,12 +96,19 @@ def run_scenario(cfg, params, quantized, scan):
     ref_logits, ref_cache = [], base
     for (h, n, nl), toks, pg in zip(ROWS, new, pages):
         logits, ref_cache = run_alone(params, ref_cache, cfg, toks, h, pg, scan)
-        ref_logits.append(np.asarray(logits[n - nl: n]))
+        ref_logits.append(np.asarray(logits[n - nl : n]))
     rows = [RaggedRow(toks, h, pg, nl) for (h, _, nl), toks, pg in zip(ROWS, new, pages)]
     batch = RaggedBatch.build(rows, page_size=PAGE, num_tokens=N, num_rows=S, max_pages=P, num_logits=L)
     logits, cache = RAGGED(params, base, batch, cfg=cfg, scan_layers=scan)
-    return dict(logits=np.asarray(logits), cache=cache, ref_logits=np.concatenate(ref_logits), ref_cache=ref_cache,
-                base=base, pages=pages, num_pages=num_pages)
+    return dict(
+        logits=np.asarray(logits),
+        cache=cache,
+        ref_logits=np.concatenate(ref_logits),
+        ref_cache=ref_cache,
+        base=base,
+        pages=pages,
+        num_pages=num_pages,
+    )
 
 
 def assert_same_cache(got, ref):
@@ -202,8 +221,9 @@ def test_rectangle_rows_lay_out_as_the_host_packer_does():
     for field in dataclasses.fields(want):
         np.testing.assert_array_equal(np.asarray(getattr(got, field.name)), getattr(want, field.name), field.name)
     every = layout(StepBatch(tokens, start, num_new, table), PAGE, True).logit_index
-    np.testing.assert_array_equal(np.asarray(every).reshape(B, T), [[0, 1, 2, 3, 4], [5, 5, 5, 5, 5],
-                                                                     [6, 7, 8, 8, 8], [9, 10, 10, 10, 10]])
+    np.testing.assert_array_equal(
+        np.asarray(every).reshape(B, T), [[0, 1, 2, 3, 4], [5, 5, 5, 5, 5], [6, 7, 8, 8, 8], [9, 10, 10, 10, 10]]
+    )
     padded = layout(StepBatch(tokens, start, np.asarray([2, 0, 3, 0], np.int32), table), PAGE, False)
     np.testing.assert_array_equal(np.asarray(padded.query_start), [0, 2, 2, 5, 5])
     np.testing.assert_array_equal(np.asarray(padded.context_lens), [2, 0, 6, 0])
@@ -237,13 +257,14 @@ def test_write_kv_slots_drops_out_of_range(quantized):
 
 def _largest_intermediate(fn, *args) -> int:
     """Elements of the largest array any equation of fn's jaxpr (sub-jaxprs included) makes."""
+
     def walk(jaxpr):
         big = 0
         for eqn in jaxpr.eqns:
             for v in eqn.outvars:
                 big = max(big, int(np.prod(v.aval.shape)) if hasattr(v.aval, "shape") else 0)
             for p in eqn.params.values():
-                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
                     if isinstance(sub, jax.extend.core.ClosedJaxpr):
                         big = max(big, walk(sub.jaxpr))
                     elif isinstance(sub, jax.extend.core.Jaxpr):
@@ -276,8 +297,20 @@ def test_reference_attention_memory_is_ragged(quantized):
 
     def ours(q, kp, table):
         stack = lambda x: None if x is None else x[None]  # noqa: E731  (a one-layer stack)
-        return ragged_attention_reference(q, stack(kp), stack(kp), 0, positions, qs, context, table, 7, 0.25,
-                                          k_scale=stack(scale), v_scale=stack(scale))
+        return ragged_attention_reference(
+            q,
+            stack(kp),
+            stack(kp),
+            0,
+            positions,
+            qs,
+            context,
+            table,
+            7,
+            0.25,
+            k_scale=stack(scale),
+            v_scale=stack(scale),
+        )
 
     got = _largest_intermediate(ours, q, kp, table)
     assert got < naive and got <= bound, (got, bound, naive)
@@ -286,8 +319,9 @@ def test_reference_attention_memory_is_ragged(quantized):
     from pallas_kernels.ragged_paged_attention import reference_ragged_paged_attention
 
     def per_token(q, kp, table):
-        return reference_ragged_paged_attention(q, kp, kp, table, context, qs, jnp.int32(rows), k_scale=scale,
-                                                v_scale=scale)
+        return reference_ragged_paged_attention(
+            q, kp, kp, table, context, qs, jnp.int32(rows), k_scale=scale, v_scale=scale
+        )
 
     assert _largest_intermediate(per_token, q, kp, table) > bound
 
@@ -314,7 +348,7 @@ def test_reference_attention_any_tile_equals_kernel_reference(query_tile, spec):
         for p in range(P):
             if r >= len(rows) or p * PAGE >= b.context_lens[r]:
                 continue
-            kp[:, b.page_table[r, p], max(0, b.context_lens[r] - p * PAGE):] = np.nan
+            kp[:, b.page_table[r, p], max(0, b.context_lens[r] - p * PAGE) :] = np.nan
     owned = {p for pg in pages for p in pg}
     kp[:, [p for p in range(num_pages) if p not in owned]] = np.nan
     vp[np.isnan(kp)] = np.nan
@@ -322,15 +356,35 @@ def test_reference_attention_any_tile_equals_kernel_reference(query_tile, spec):
     fn = jax.jit(lambda *a: ragged_attention_reference(*a, query_tile=query_tile))
     # Layer 1 of a stack whose layer 0 is NaN: the reference gathers the right layer of the whole cache.
     stack = lambda x: np.stack([np.full_like(x, np.nan), x])  # noqa: E731
-    out = np.asarray(fn(q, stack(kp), stack(vp), jnp.int32(1), b.positions, b.query_start, b.context_lens,
-                        b.page_table, jnp.int32(6), jnp.float32(0.3)))
-    assert np.all(out[b.query_start[-1]:] == 0), "padding tokens attend to nothing"
+    out = np.asarray(
+        fn(
+            q,
+            stack(kp),
+            stack(vp),
+            jnp.int32(1),
+            b.positions,
+            b.query_start,
+            b.context_lens,
+            b.page_table,
+            jnp.int32(6),
+            jnp.float32(0.3),
+        )
+    )
+    assert np.all(out[b.query_start[-1] :] == 0), "padding tokens attend to nothing"
     for r, row in enumerate(rows):
         t0, n = b.query_start[r], len(row.tokens)
-        ref = reference_ragged_paged_attention(q[t0: t0 + n], kp, vp, b.page_table[r: r + 1], b.context_lens[r: r + 1],
-                                               np.asarray([0, n], np.int32), np.int32(1), sm_scale=0.3,
-                                               sliding_window=6)
-        np.testing.assert_allclose(out[t0: t0 + n], np.asarray(ref), atol=1e-5, rtol=0, err_msg=f"row {r}")
+        ref = reference_ragged_paged_attention(
+            q[t0 : t0 + n],
+            kp,
+            vp,
+            b.page_table[r : r + 1],
+            b.context_lens[r : r + 1],
+            np.asarray([0, n], np.int32),
+            np.int32(1),
+            sm_scale=0.3,
+            sliding_window=6,
+        )
+        np.testing.assert_allclose(out[t0 : t0 + n], np.asarray(ref), atol=1e-5, rtol=0, err_msg=f"row {r}")
 
 
 def _random_step(rng, num_tokens, num_rows, max_pages, page, num_pages):
@@ -344,14 +398,21 @@ def _random_step(rng, num_tokens, num_rows, max_pages, page, num_pages):
             break
         rows.append(RaggedRow(list(range(n)), start, list(range(nxt, nxt + need))))
         nxt, left = nxt + need, left - n
-    return pack_ragged(rows, page_size=page, num_tokens=num_tokens, num_rows=num_rows, max_pages=max_pages,
-                       num_logits=num_rows)
+    return pack_ragged(
+        rows, page_size=page, num_tokens=num_tokens, num_rows=num_rows, max_pages=max_pages, num_logits=num_rows
+    )
 
 
 @pytest.mark.parametrize("quantized", [False, True])
-@pytest.mark.parametrize("loop", [{}, dict(query_tile=1, block_keys=4, pairs_per_iteration=3),
-                                  dict(query_tile=3, block_keys=8, pairs_per_iteration=64)],
-                         ids=["default", "many-iterations", "one-iteration"])
+@pytest.mark.parametrize(
+    "loop",
+    [
+        {},
+        dict(query_tile=1, block_keys=4, pairs_per_iteration=3),
+        dict(query_tile=3, block_keys=8, pairs_per_iteration=64),
+    ],
+    ids=["default", "many-iterations", "one-iteration"],
+)
 def test_blocked_attention_equals_reference(quantized, loop):
     """The engine's plain-JAX attention (key blocks per item, an online softmax over a while loop)
     gives what the reference gives: random ragged steps of 1..64 tokens, sliding windows, traced
@@ -379,8 +440,18 @@ def test_blocked_attention_equals_reference(quantized, loop):
         b = _random_step(rng, n, 6, 10, page, num_pages)
         q = jnp.asarray(rng.standard_normal((n, heads, h)), jnp.float32)
         window = jnp.int32(int(rng.integers(1, 30)) if trial % 2 else np.iinfo(np.int32).max)
-        args = (q, k, v, jnp.int32(1), b.positions, b.query_start, b.context_lens, b.page_table, window,
-                jnp.float32(0.3))
+        args = (
+            q,
+            k,
+            v,
+            jnp.int32(1),
+            b.positions,
+            b.query_start,
+            b.context_lens,
+            b.page_table,
+            window,
+            jnp.float32(0.3),
+        )
         got, want = np.asarray(blocked(*args)), np.asarray(reference(*args))
         real = b.query_start[-1]
         assert np.isfinite(got).all() and np.all(got[real:] == 0), trial
@@ -398,8 +469,14 @@ def test_blocked_attention_cost_does_not_grow_with_the_page_table():
     sizes = {}
     for width in (8, 64):
         k = jnp.asarray(rng.standard_normal((1, kv, 80, page, h)), jnp.float32)
-        b = pack_ragged([RaggedRow([1] * 20, 0, list(range(1, 6))), RaggedRow([2], 9, [6, 7, 8])],
-                        page_size=page, num_tokens=n, num_rows=rows, max_pages=width, num_logits=rows)
+        b = pack_ragged(
+            [RaggedRow([1] * 20, 0, list(range(1, 6))), RaggedRow([2], 9, [6, 7, 8])],
+            page_size=page,
+            num_tokens=n,
+            num_rows=rows,
+            max_pages=width,
+            num_logits=rows,
+        )
         q = jnp.asarray(rng.standard_normal((n, heads, h)), jnp.float32)
         args = (q, k, k, 0, b.positions, b.query_start, b.context_lens, b.page_table)
         blocked = _largest_intermediate(lambda *a: ragged_attention_blocked(*a), *args)

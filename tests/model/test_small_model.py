@@ -39,8 +39,11 @@ def llm():
 
 @pytest.mark.parametrize("checkpoint", [DEFAULT, DRAFT], ids=["default", "draft"])
 def test_scoring_the_held_out_file_reproduces_the_readme_loss(checkpoint, llm):
-    scorer = llm if checkpoint == DEFAULT else LLM(str(checkpoint), max_model_len=2048,
-                                                   enable_prompt_logprobs=True, **COMMON)
+    scorer = (
+        llm
+        if checkpoint == DEFAULT
+        else LLM(str(checkpoint), max_model_len=2048, enable_prompt_logprobs=True, **COMMON)
+    )
     text = (DEFAULT / "heldout_score.py").read_text()  # one score file, shipped with the target
     tok = scorer.engine.tokenizer
     ids = tok.encode(text) + [tok.eos_token_ids[0]]  # <s> text </s>, as the README's figure was computed
@@ -57,12 +60,12 @@ def test_exported_model_gives_the_same_greedy_tokens_in_transformers(llm, tmp_pa
     sys.path.insert(0, str(ROOT / "scripts"))
     from export_orbax_to_hf import export
 
-    model = AutoModelForCausalLM.from_pretrained(str(export(str(DEFAULT), str(tmp_path / "hf"))),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(export(str(DEFAULT), str(tmp_path / "hf"))), dtype=torch.float32)
     tok = llm.engine.tokenizer
     prompts = [tok.encode(text[:200]) for _, text in list(iter_texts("heldout"))[:8]]
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
-        max_tokens=24, temperature=0, ignore_eos=True))
+    outs = llm.generate(
+        prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    )
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         ref, gaps = hf_greedy(model, prompt, 24)
         assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"held-out prompt {i}")
@@ -78,9 +81,16 @@ def test_restore_onto_a_1x2_mesh_gives_the_same_logits():
 
 
 # Function headers in the style of the standard library (the training corpus).
-HEADERS = ["def __repr__(self):\n", "def __init__(self, name, value=None):\n", "def close(self):\n",
-           "def get(self, key, default=None):\n", "def __len__(self):\n", "def _check_name(name):\n",
-           "def read_lines(path):\n", "def is_valid(self, value):\n"]
+HEADERS = [
+    "def __repr__(self):\n",
+    "def __init__(self, name, value=None):\n",
+    "def close(self):\n",
+    "def get(self, key, default=None):\n",
+    "def __len__(self):\n",
+    "def _check_name(name):\n",
+    "def read_lines(path):\n",
+    "def is_valid(self, value):\n",
+]
 
 
 def function_parses(header: str, completion: str, finished: bool) -> bool:
@@ -114,8 +124,9 @@ def function_parses(header: str, completion: str, finished: bool) -> bool:
 
 def parsing_completions(scorer) -> int:
     outs = scorer.generate(HEADERS, SamplingParams(max_tokens=64, temperature=0))
-    return sum(function_parses(h, o.outputs[0].text, o.outputs[0].finish_reason == "stop")
-               for h, o in zip(HEADERS, outs))
+    return sum(
+        function_parses(h, o.outputs[0].text, o.outputs[0].finish_reason == "stop") for h, o in zip(HEADERS, outs)
+    )
 
 
 def test_function_headers_complete_to_python_more_often_than_with_random_weights(llm):

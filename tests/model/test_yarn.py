@@ -33,8 +33,9 @@ VARIANTS = {
 def qwen3_config(rope_scaling, **extra):
     import transformers
 
-    return transformers.Qwen3Config(**{**TINY, "head_dim": 32, "rope_theta": 10000.0, **extra},
-                                    rope_scaling=dict(rope_scaling))
+    return transformers.Qwen3Config(
+        **{**TINY, "head_dim": 32, "rope_theta": 10000.0, **extra}, rope_scaling=dict(rope_scaling)
+    )
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -72,7 +73,8 @@ def test_yarn_qwen3_logits_match_hf(yarn_qwen3):
     import dataclasses
 
     plain = jax.jit(forward_dense, static_argnames="cfg")(
-        params, jnp.asarray([full], jnp.int32), cfg=dataclasses.replace(cfg, rope_scaling=None))
+        params, jnp.asarray([full], jnp.int32), cfg=dataclasses.replace(cfg, rope_scaling=None)
+    )
     assert np.abs(np.asarray(plain[0]) - ref).max() > 1e-2
 
 
@@ -82,10 +84,18 @@ def test_yarn_qwen3_greedy_through_engine_matches_hf(yarn_qwen3):
     path, model, cfg, _ = yarn_qwen3
     rng = np.random.RandomState(3)
     prompts = [rng.randint(0, cfg.vocab_size, size=n).tolist() for n in (5, 19)]
-    with LLM(path, dtype="float32", page_size=PAGE, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-             warm_up=False) as llm:
-        outputs = llm.generate(prompt_token_ids=prompts,
-                               sampling_params=SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    with LLM(
+        path,
+        dtype="float32",
+        page_size=PAGE,
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        warm_up=False,
+    ) as llm:
+        outputs = llm.generate(
+            prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        )
     for prompt, out in zip(prompts, outputs):
         ref, gaps = hf_greedy(model, prompt, 16)
         assert_same_greedy(out.outputs[0].token_ids, ref, gaps, f"qwen3 yarn prompt len {len(prompt)}")

@@ -70,8 +70,9 @@ def test_a_row_permutation_applies_to_the_activation(lead, kernels):
     stored = quant.quantize_int4(jnp.asarray(np.take_along_axis(w, perm[..., None], axis=-2)), 32)
     q = stored.replace(perm=jnp.asarray(perm))
     deq = np.asarray(quant.dequantize_int4(q))
-    np.testing.assert_array_equal(np.take_along_axis(deq, perm[..., None], axis=-2),
-                                  np.asarray(quant.dequantize_int4(stored)))
+    np.testing.assert_array_equal(
+        np.take_along_axis(deq, perm[..., None], axis=-2), np.asarray(quant.dequantize_int4(stored))
+    )
     assert np.abs(deq - w).max() <= float(stored.scales.max()) / 2 * (1 + 1e-5)  # each row near its own weight
     x = jax.random.normal(jax.random.PRNGKey(6), (*lead, 3, k))
     want = np.asarray(jnp.matmul(x, deq, precision="highest"))
@@ -88,8 +89,17 @@ def test_int4_axes_of_a_permuted_weight():
 
 @pytest.mark.parametrize("tied,lm_head", [(True, False), (False, False), (False, True)])
 def test_param_bytes_match_the_config_arithmetic(tied, lm_head):
-    cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, tie_word_embeddings=tied, qkv_bias=True)
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_word_embeddings=tied,
+        qkv_bias=True,
+    )
     params = jax.eval_shape(lambda: init_dummy_params(cfg, 0, jnp.float32))
     quantized = jax.eval_shape(lambda p: quant.quantize_params(p, lm_head, "int4"), params)
     assert isinstance(quantized.layers.wq, quant.Int4Array)
@@ -97,8 +107,9 @@ def test_param_bytes_match_the_config_arithmetic(tied, lm_head):
 
 
 def test_sharded_layout_follows_the_weight():
-    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16)
+    cfg = ModelConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+    )
     mesh = make_mesh((1, 2))
     sh = make_shardings(cfg, mesh, quantization="int4")
     assert isinstance(sh.params.layers.w_up, quant.Int4Array)
@@ -118,14 +129,23 @@ def test_engine_serves_int4_weights(hf_model_dir):
     assert llm.memory.param_bytes == param_bytes(params) == cfg.param_bytes(4, "int4")
     assert "int4 dense linear layers" in llm.memory.describe()
     prompt = np.random.RandomState(0).randint(0, cfg.vocab_size, size=11).tolist()
-    out = llm.generate(prompt_token_ids=[prompt, prompt[:5]], sampling_params=SamplingParams(
-        max_tokens=8, temperature=0, ignore_eos=True))
+    out = llm.generate(
+        prompt_token_ids=[prompt, prompt[:5]],
+        sampling_params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+    )
     assert [len(o.outputs[0].token_ids) for o in out] == [8, 8]
 
 
 def _dequantized(params):
-    deq = jax.tree.map(lambda x: (quant.dequantize_int4(x) if isinstance(x, quant.Int4Array) else quant.dequantize(x))
-                       if quant.is_quant(x) else x, params, is_leaf=quant.is_quant)
+    deq = jax.tree.map(
+        lambda x: (
+            (quant.dequantize_int4(x) if isinstance(x, quant.Int4Array) else quant.dequantize(x))
+            if quant.is_quant(x)
+            else x
+        ),
+        params,
+        is_leaf=quant.is_quant,
+    )
     return deq.replace(embed=deq.embed.T) if params.lm_head is None and quant.is_quant(params.embed) else deq
 
 
@@ -136,13 +156,23 @@ def test_tied_table_quantized_as_the_head(quantization):
     from jaxserve.model.llama import forward_dense
     from jaxserve.planning.weight_bytes import param_bytes_per_device
 
-    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
     params = init_dummy_params(cfg, 0, jnp.float32)
     params = params.replace(embed=params.embed * 20)  # a spread of logits
     q = quant.quantize_params(params, True, quantization)
     assert quant.is_quant(q.embed) and q.embed.shape == (64, 96) and q.lm_head is None
-    assert param_bytes(q) == cfg.param_bytes(4, quantization, True) == param_bytes_per_device(cfg, 4, quantization, True)
+    assert (
+        param_bytes(q) == cfg.param_bytes(4, quantization, True) == param_bytes_per_device(cfg, 4, quantization, True)
+    )
     ids = jnp.asarray([[1, 5, 7, 90, 3, 3, 2]])
     want = np.asarray(forward_dense(_dequantized(q), ids, cfg=cfg))
     for kernel in ("reference", "xla_cpu"):
@@ -150,24 +180,33 @@ def test_tied_table_quantized_as_the_head(quantization):
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0, err_msg=kernel)
 
 
-@pytest.mark.parametrize("quantized", [dict(quantization="int4"),
-                                       dict(quantization="int8", activation_quantization="int8")])
+@pytest.mark.parametrize(
+    "quantized", [dict(quantization="int4"), dict(quantization="int8", activation_quantization="int8")]
+)
 def test_quantized_engine_compiles_nothing_after_warm_up(hf_model_dir, quantized):
     """As tests/test_compilation.py for float32: the same executables (one per bucket), and a varied
     workload afterwards compiles nothing, with int4 weights (or W8A8) and a quantized tied head."""
     from jaxserve.runner.compilation import CompileCounter
 
     path, _ = hf_model_dir("llama")
-    kw = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-              compilation_cache_dir="none")
+    kw = dict(
+        dtype="float32",
+        page_size=8,
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        compilation_cache_dir="none",
+    )
     llm = LLM(path, quantize_lm_head=True, **quantized, **kw)
     assert len(llm.runner.step_shapes()) == len(llm.runner.table.executables)
     before = CompileCounter.requests
     rng = np.random.RandomState(0)
     for batch in (1, 3, 4, 2):
         prompts = [rng.randint(0, 512, size=rng.randint(1, 40)).tolist() for _ in range(batch)]
-        params = [SamplingParams(max_tokens=int(rng.randint(1, 20)), temperature=float(rng.choice([0, 0.8])))
-                  for _ in range(batch)]
+        params = [
+            SamplingParams(max_tokens=int(rng.randint(1, 20)), temperature=float(rng.choice([0, 0.8])))
+            for _ in range(batch)
+        ]
         llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert CompileCounter.requests == before and llm.runner.unplanned_compiles == 0
     shapes = len(llm.runner.step_shapes())
@@ -182,8 +221,18 @@ def test_moe_param_bytes_count_int4_experts():
     ModelConfig's, which the planner checks its per-device count against."""
     from jaxserve.planning.weight_bytes import param_bytes_per_device
 
-    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=0, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=0,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
     params = jax.eval_shape(lambda: init_dummy_params(cfg, 0, jnp.float32))
     quantized = jax.eval_shape(lambda p: quant.quantize_params(p, quantization="int4"), params)
     assert isinstance(quantized.layers.expert_down, quant.Int4Array)

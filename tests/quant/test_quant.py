@@ -26,8 +26,12 @@ PROMPT, NEW, NUM_PROMPTS = 8, 64, 8
 # int8 spends 7 on each (token, head)'s own range: on this model, whose attention logits are sharp (std
 # ~4), that is 6x int8's logit error (e5m2: 12x, 65% agreement; on the trained model of
 # test_quant_quality, which checks both formats, e4m3's error is 0.013 of the logit std).
-VARIANTS = {"int8 weights": ("int8", "auto"), "int8 KV": ("none", "int8"), "both": ("int8", "int8"),
-            "fp8 KV": ("none", "fp8")}  # name: (weights, kv_cache_dtype)
+VARIANTS = {
+    "int8 weights": ("int8", "auto"),
+    "int8 KV": ("none", "int8"),
+    "both": ("int8", "int8"),
+    "fp8 KV": ("none", "fp8"),
+}  # name: (weights, kv_cache_dtype)
 RMS_BOUND = {"int8 weights": 0.08, "int8 KV": 0.05, "both": 0.09, "fp8 KV": 0.2}
 AGREEMENT_BOUND = {"int8 weights": 0.9, "int8 KV": 0.9, "both": 0.9, "fp8 KV": 0.75}
 # Greedy tokens equal float32's wherever float32's top-2 logit margin is at least this (no near-tie):
@@ -36,8 +40,15 @@ NEAR_TIE = {"fp8 KV": 1.5}
 
 
 # ---- quantize / dequantize --------------------------------------------------------------------------
-@pytest.mark.parametrize("shape,dtype,group", [((64, 48), jnp.float32, 0), ((64, 48), jnp.float32, 16),
-                                               ((3, 32, 16), jnp.float32, 8), ((40, 24), jnp.bfloat16, 0)])
+@pytest.mark.parametrize(
+    "shape,dtype,group",
+    [
+        ((64, 48), jnp.float32, 0),
+        ((64, 48), jnp.float32, 16),
+        ((3, 32, 16), jnp.float32, 8),
+        ((40, 24), jnp.bfloat16, 0),
+    ],
+)
 def test_weight_round_trip_error_bound(shape, dtype, group):
     """Each element is off by at most half a step (scale / 2 = max|w| / 254 of its group, or of its output
     channel with group 0)."""
@@ -93,8 +104,15 @@ def tiny(hf_model_dir):
     torch.set_num_threads(1)  # tiny matmuls: extra threads only contend with XLA's
     try:
         with torch.no_grad():
-            ids = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=NEW,
-                                 min_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+            ids = model.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                max_new_tokens=NEW,
+                min_new_tokens=NEW,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
     finally:
         torch.set_num_threads(threads)
     return cfg, params, ids.numpy().astype(np.int32), jax.jit(quant.quantize_params)(params)
@@ -105,11 +123,13 @@ def all_logits(cfg, params, tokens, kv_cache_dtype="auto", **options):
     n, T = tokens.shape
     pages = -(-T // PAGE)
     cache = init_cache(cfg, n * pages + 1, PAGE, jnp.float32, kv_cache_dtype=kv_cache_dtype)
-    batch = StepBatch(tokens=tokens[None], start_pos=np.zeros((1, n), np.int32),
-                      num_new=np.full((1, n), T, np.int32),
-                      page_table=np.arange(1, n * pages + 1, dtype=np.int32).reshape(1, n, pages))
-    logits, cache = steps.prefill(params, cache, batch, cfg=cfg, options=steps.StepOptions(**options),
-                                  all_logits=True)
+    batch = StepBatch(
+        tokens=tokens[None],
+        start_pos=np.zeros((1, n), np.int32),
+        num_new=np.full((1, n), T, np.int32),
+        page_table=np.arange(1, n * pages + 1, dtype=np.int32).reshape(1, n, pages),
+    )
+    logits, cache = steps.prefill(params, cache, batch, cfg=cfg, options=steps.StepOptions(**options), all_logits=True)
     return np.asarray(logits[0]), cache
 
 
@@ -164,9 +184,12 @@ def test_per_layer_form_and_kernels_agree(tiny, short_int8):
     np.testing.assert_allclose(prefilled, scanned[:, :-1], atol=1e-3, rtol=0)
     n, T = tokens.shape
     assert T % PAGE == 0  # the prefill's pages (all_logits) also hold the decoded token
-    batch = StepBatch(tokens=tokens[None, :, -1:], start_pos=np.full((1, n), T - 1, np.int32),
-                      num_new=np.ones((1, n), np.int32),
-                      page_table=np.arange(1, n * (T // PAGE) + 1, dtype=np.int32).reshape(1, n, T // PAGE))
+    batch = StepBatch(
+        tokens=tokens[None, :, -1:],
+        start_pos=np.full((1, n), T - 1, np.int32),
+        num_new=np.ones((1, n), np.int32),
+        page_table=np.arange(1, n * (T // PAGE) + 1, dtype=np.int32).reshape(1, n, T // PAGE),
+    )
     for options in (dict(matmul_backend="xla_cpu"), pallas):
         logits, _ = steps.decode_nodonate(per_layer, cache, batch, cfg=cfg, options=steps.StepOptions(**options))
         np.testing.assert_allclose(np.asarray(logits[0]), scanned[:, -1], atol=1e-3, rtol=0, err_msg=str(options))
@@ -177,11 +200,18 @@ def test_per_layer_form_and_kernels_agree(tiny, short_int8):
 def test_int8_cache_write_and_page_copy(kv):
     """int8: each (token, head) within half its own step; float8: within the format's relative step of
     x / the layer's scale, saturated (not NaN, not inf) where x / scale is past the format's range."""
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8)
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
+    )
     layer_scales = (np.asarray([1.0, 0.5], np.float32), np.asarray([1.0, 2.0], np.float32))
-    cache = init_cache(cfg, num_pages=6, page_size=4, dtype=jnp.float32, kv_cache_dtype=kv,
-                       kv_scales=None if kv == "int8" else layer_scales)
+    cache = init_cache(
+        cfg,
+        num_pages=6,
+        page_size=4,
+        dtype=jnp.float32,
+        kv_cache_dtype=kv,
+        kv_scales=None if kv == "int8" else layer_scales,
+    )
     k = jnp.asarray(np.random.default_rng(3).standard_normal((1, 3, 2, 8)), jnp.float32)  # [B, T, K, H]
     if kv != "int8":
         check_fp8_write_and_page_copy(cache, kv, k.at[0, 0, 1, 2].set(-1e6), layer_scales)
@@ -192,16 +222,26 @@ def test_int8_cache_write_and_page_copy(kv):
     for page in (2, 4):
         got = c.k[0, 1, :, page, 3] * c.k_scale[0, 1, :, page, 3][:, None]
         np.testing.assert_allclose(got, np.asarray(k[0, 0]), atol=float(np.abs(k).max()) / 254 + 1e-6)
-    np.testing.assert_allclose(c.v[0, 1, :, 5, 0] * c.v_scale[0, 1, :, 5, 0][:, None], -np.asarray(k[0, 1]),
-                               atol=float(np.abs(k).max()) / 254 + 1e-6)
+    np.testing.assert_allclose(
+        c.v[0, 1, :, 5, 0] * c.v_scale[0, 1, :, 5, 0][:, None],
+        -np.asarray(k[0, 1]),
+        atol=float(np.abs(k).max()) / 254 + 1e-6,
+    )
     assert np.all(c.v_scale[0, 1, :, 5, 1] == 0.0) and np.all(c.k_scale[0, 0] == 0.0)
 
 
 def write_two(cache, k):
     """`write_kv` of one replica, as inside a step: layer 1, positions 3, 4 (5 is padding) of pages [2, 5];
     then page 2 copied to page 4."""
-    one = jax.jit(write_kv)(jax.tree.map(lambda x: x[0], cache), 1, k, -k, page_table=jnp.asarray([[2, 5]]),
-                            positions=jnp.asarray([[3, 4, 5]]), valid=jnp.asarray([[True, True, False]]))
+    one = jax.jit(write_kv)(
+        jax.tree.map(lambda x: x[0], cache),
+        1,
+        k,
+        -k,
+        page_table=jnp.asarray([[2, 5]]),
+        positions=jnp.asarray([[3, 4, 5]]),
+        valid=jnp.asarray([[True, True, False]]),
+    )
     return copy_pages_jit(jax.tree.map(lambda x: x[None], one), jnp.asarray([2]), jnp.asarray([4]))
 
 
@@ -222,8 +262,16 @@ def check_fp8_write_and_page_copy(cache, kv, k, layer_scales):
 
 
 # ---- memory: the CPU path's temporaries, the plan's bytes -------------------------------------------
-MEM_CFG = ModelConfig(vocab_size=128, hidden_size=256, intermediate_size=1024, num_layers=3, num_heads=4,
-                      num_kv_heads=2, head_dim=64, tie_word_embeddings=True)
+MEM_CFG = ModelConfig(
+    vocab_size=128,
+    hidden_size=256,
+    intermediate_size=1024,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    tie_word_embeddings=True,
+)
 
 
 def decode_temp_bytes(params, compiler_options, matmul_backend="reference"):
@@ -244,8 +292,10 @@ def test_cpu_int8_step_holds_one_dequantized_weight_at_a_time():
     layer_f32 = sum(x.size * 4 for x in jax.tree.leaves(params.layers[0]) if x.dtype == jnp.int8)
     temp = decode_temp_bytes(params, step_compiler_options("cpu"))
     chunked = decode_temp_bytes(params, step_compiler_options("cpu"), "xla_cpu")
-    print(f"decode temporaries {temp / 1e6:.2f} MB (chunked: {chunked / 1e6:.2f} MB); "
-          f"one layer's weights in f32 {layer_f32 / 1e6:.2f} MB")
+    print(
+        f"decode temporaries {temp / 1e6:.2f} MB (chunked: {chunked / 1e6:.2f} MB); "
+        f"one layer's weights in f32 {layer_f32 / 1e6:.2f} MB"
+    )
     assert temp < layer_f32
     assert chunked < MEM_CFG.hidden_size * MEM_CFG.intermediate_size * 4 / 2
     if jax.default_backend() == "cpu":  # negative control: the default scheduler hoists every convert
@@ -254,8 +304,17 @@ def test_cpu_int8_step_holds_one_dequantized_weight_at_a_time():
 
 @pytest.mark.parametrize("tied,lm_head", [(True, False), (False, False), (False, True)])
 def test_param_bytes_match_the_config_arithmetic(tied, lm_head):
-    cfg = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, tie_word_embeddings=tied, qkv_bias=True)
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_word_embeddings=tied,
+        qkv_bias=True,
+    )
     params = jax.eval_shape(lambda: init_dummy_params(cfg, 0, jnp.bfloat16))
     assert param_bytes(params) == cfg.param_bytes(2)
     for group in (None, 0, 16, 32):
@@ -293,7 +352,9 @@ def test_mesh_sharded_int8_matches_unsharded(tiny, short_int8):
     sh = make_shardings(cfg, mesh, quantization="int8", group_size=q.layers.wq.group_size)
     assert q.layers.wq.group_size > 0
     assert sh.params.layers.wq.scales.spec == jax.sharding.PartitionSpec(None, None, "model")  # column-parallel
-    assert sh.params.layers.wo.scales.spec == jax.sharding.PartitionSpec(None, "model", None)  # row-parallel: groups split
+    assert sh.params.layers.wo.scales.spec == jax.sharding.PartitionSpec(
+        None, "model", None
+    )  # row-parallel: groups split
     per_channel = make_shardings(cfg, mesh, quantization="int8", group_size=0)
     assert per_channel.params.layers.wo.scales.spec == jax.sharding.PartitionSpec(None, None, None)  # out whole
     assert sh.cache_scale.spec[:3] == ("data", None, "model")
@@ -302,11 +363,22 @@ def test_mesh_sharded_int8_matches_unsharded(tiny, short_int8):
     # Two replicas: each row of the batch in its own replica's page pool.
     n, T = tokens.shape
     pages = -(-T // PAGE)
-    cache = init_cache(cfg, pages + 1, PAGE, jnp.float32, num_replicas=2, sharding=sh.cache,
-                       kv_cache_dtype="int8", scale_sharding=sh.cache_scale)
-    batch = StepBatch(tokens=tokens[:, None], start_pos=np.zeros((2, 1), np.int32),
-                      num_new=np.full((2, 1), T, np.int32),
-                      page_table=np.tile(np.arange(1, pages + 1, dtype=np.int32), (2, 1, 1)))
+    cache = init_cache(
+        cfg,
+        pages + 1,
+        PAGE,
+        jnp.float32,
+        num_replicas=2,
+        sharding=sh.cache,
+        kv_cache_dtype="int8",
+        scale_sharding=sh.cache_scale,
+    )
+    batch = StepBatch(
+        tokens=tokens[:, None],
+        start_pos=np.zeros((2, 1), np.int32),
+        num_new=np.full((2, 1), T, np.int32),
+        page_table=np.tile(np.arange(1, pages + 1, dtype=np.int32), (2, 1, 1)),
+    )
     for attention in ("reference", "pallas_interpret"):  # the kernels per device, scales sharded like pages
         options = steps.StepOptions(scan_layers=True, attention_backend=attention, mesh=mesh)
         logits, _ = steps.prefill_nodonate(placed, cache, batch, cfg=cfg, options=options, all_logits=True)
@@ -316,8 +388,9 @@ def test_mesh_sharded_int8_matches_unsharded(tiny, short_int8):
 
 # ---- the CPU decode path: row and column chunks ---------------------------------------------------------
 @pytest.mark.parametrize("rows", [1, 5, 16, 17])
-@pytest.mark.parametrize("shape,group", [((576, 1536), 64), ((1536, 576), 0), ((96, 96), 48), ((64, 49152 // 16), 32),
-                                         ((64, 3072), 0)])
+@pytest.mark.parametrize(
+    "shape,group", [((576, 1536), 64), ((1536, 576), 0), ((96, 96), 48), ((64, 49152 // 16), 32), ((64, 3072), 0)]
+)
 def test_cpu_chunked_paths_equal_the_dequantized_weight(rows, shape, group):
     """kernel="xla_cpu": decode rows (at most CHUNK_MAX_ROWS) loop over chunks of input rows, or of output
     columns for a wide weight (a head), each widened and scaled in the loop; more rows widen the whole

@@ -34,10 +34,15 @@ FP8_AGREEMENT = {"fp8 KV": 0.97, "fp8_e5m2 KV": 0.93}
 def scores():
     """Each variant's (mean NLL, argmax, top-2 margin) over the same windows (`quant_quality.score`)."""
     windows = heldout_windows(DEFAULT, 16, 256)  # 4,096 held-out tokens
-    loaded = {q: load_model(EngineConfig(model=DEFAULT, dtype="float32", quantization=q), make_mesh((1, 1)),
-                            stacked=True) for q in ("none", "int8", "int4")}
-    return {name: score(loaded[q].params, loaded[q].cfg, windows, jnp.float32, kv)
-            for name, (q, kv) in VARIANTS.items() if name != "w8a8"}  # w8a8: int8 weights' numbers here
+    loaded = {
+        q: load_model(EngineConfig(model=DEFAULT, dtype="float32", quantization=q), make_mesh((1, 1)), stacked=True)
+        for q in ("none", "int8", "int4")
+    }
+    return {
+        name: score(loaded[q].params, loaded[q].cfg, windows, jnp.float32, kv)
+        for name, (q, kv) in VARIANTS.items()
+        if name != "w8a8"
+    }  # w8a8: int8 weights' numbers here
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +71,10 @@ def test_fp8_kv_perplexity_and_greedy_where_no_near_tie(scores, perplexities, va
     _, argmax, _ = scores[variant]
     _, want, margin = scores["float"]
     clear = margin >= NEAR_TIE
-    print(f"{variant}: perplexity {perplexities[variant] / base - 1:+.3%}, top-1 agreement "
-          f"{np.mean(argmax == want):.2%}; {clear.mean():.0%} of positions have no near-tie")
+    print(
+        f"{variant}: perplexity {perplexities[variant] / base - 1:+.3%}, top-1 agreement "
+        f"{np.mean(argmax == want):.2%}; {clear.mean():.0%} of positions have no near-tie"
+    )
     assert np.mean(argmax == want) >= FP8_AGREEMENT[variant]
     assert clear.mean() > 0.3  # the check below covers most positions
     np.testing.assert_array_equal(argmax[clear], want[clear])

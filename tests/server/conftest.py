@@ -22,8 +22,13 @@ def make_client():
 
     made = []
 
-    def make(token_delay: float = 0.001, settings: dict | None = None, tokenizer=None, engine_cls=MockAsyncLLMEngine,
-             **options):
+    def make(
+        token_delay: float = 0.001,
+        settings: dict | None = None,
+        tokenizer=None,
+        engine_cls=MockAsyncLLMEngine,
+        **options,
+    ):
         """`engine_cls`: the mock engine's class (a subclass scripting its replies); the client's
         `mock_engine` is the engine behind it."""
         engine = engine_cls(mock_settings(**(settings or {})), token_delay=token_delay, tokenizer=tokenizer)
@@ -70,9 +75,24 @@ def server_args(request):
     """Engine flags of the subprocess servers (the one switch between mock and real engine)."""
     if server_kind() == "real":
         model_dir, tok_dir = request.getfixturevalue("tiny_text_model")
-        return ["--model", model_dir, "--tokenizer", tok_dir, "--dtype", "float32",
-                "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-num-batched-tokens", "16",
-                "--num-pages", "256", "--page-size", "16"]
+        return [
+            "--model",
+            model_dir,
+            "--tokenizer",
+            tok_dir,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "16",
+            "--num-pages",
+            "256",
+            "--page-size",
+            "16",
+        ]
     return list(MOCK_ARGS)
 
 
@@ -96,8 +116,11 @@ def start_server(tmp_path, server_args):
 @pytest.fixture(scope="session")
 def shared_server(tmp_path_factory, server_args):
     """One server (API key TEST_API_KEY) for the many end-to-end checks and the load test."""
-    server = ServerProcess(server_args + ["--api-key", TEST_API_KEY], tmp_path_factory.mktemp("srv") / "server.log",
-                           startup_timeout=600.0 if server_kind() == "real" else 60.0)
+    server = ServerProcess(
+        server_args + ["--api-key", TEST_API_KEY],
+        tmp_path_factory.mktemp("srv") / "server.log",
+        startup_timeout=600.0 if server_kind() == "real" else 60.0,
+    )
     server.start()
     yield server
     server.stop()

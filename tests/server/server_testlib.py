@@ -62,13 +62,20 @@ def default_model_client(max_model_len: int, max_num_batched_tokens: int):
     from jaxserve.llm_engine import LLMEngine
     from jaxserve.server.api import ServerOptions, create_app
 
-    settings = EngineConfig(model=str(resources.small_checkpoint()), dtype="float32", max_model_len=max_model_len,
-                            max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens, page_size=8)
+    settings = EngineConfig(
+        model=str(resources.small_checkpoint()),
+        dtype="float32",
+        max_model_len=max_model_len,
+        max_num_seqs=4,
+        max_num_batched_tokens=max_num_batched_tokens,
+        page_size=8,
+    )
     engine = AsyncLLMEngine(LLMEngine(settings, warm_up=False))
     engine.start()
     try:
-        with TestClient(create_app(ServerOptions(served_model_names=("default",)), engine),
-                        raise_server_exceptions=False) as c:
+        with TestClient(
+            create_app(ServerOptions(served_model_names=("default",)), engine), raise_server_exceptions=False
+        ) as c:
             yield c
     finally:
         engine.shutdown()
@@ -103,9 +110,21 @@ class ServerProcess:
         env.pop("XLA_FLAGS", None)  # one CPU device is enough for a served tiny model
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve.serve", "--host", "127.0.0.1", "--port", str(self.port),
-             "--no-access-log", *self.args],
-            cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            [
+                sys.executable,
+                "-m",
+                "jaxserve.serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--no-access-log",
+                *self.args,
+            ],
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
@@ -171,7 +190,7 @@ def sse_events(lines) -> list:
     for line in lines:
         if not line.startswith("data: "):
             continue
-        payload = line[len("data: "):]
+        payload = line[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
 
@@ -188,5 +207,14 @@ TEST_API_KEY = "test-key-123"
 # Few shape buckets (batch 1-8, one prefill chunk size, 4 or 8 pages), so a real server warms up fast;
 # the persistent compilation cache (default ~/.cache/jaxserve/xla) makes later starts faster still.
 MAX_MODEL_LEN = 128
-MOCK_ARGS = ["--mock-engine", "--mock-token-delay", "0.004", "--max-model-len", str(MAX_MODEL_LEN),
-             "--num-pages", "600", "--max-num-seqs", "8"]
+MOCK_ARGS = [
+    "--mock-engine",
+    "--mock-token-delay",
+    "0.004",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--num-pages",
+    "600",
+    "--max-num-seqs",
+    "8",
+]

@@ -100,11 +100,15 @@ def test_stop_strings(client):
     cut = full.index(stop)
     out = complete(client, max_tokens=40, temperature=0, ignore_eos=True, stop=[stop]).json()["choices"][0]
     assert out["text"] == full[:cut] and out["finish_reason"] == "stop"
-    out = complete(client, max_tokens=40, temperature=0, ignore_eos=True, stop=stop,
-                   include_stop_str_in_output=True).json()["choices"][0]
+    out = complete(
+        client, max_tokens=40, temperature=0, ignore_eos=True, stop=stop, include_stop_str_in_output=True
+    ).json()["choices"][0]
     assert out["text"] == full[: cut + len(stop)]
-    events = stream_events(client, "/v1/completions",
-                           dict(prompt=PROMPT, max_tokens=40, temperature=0, ignore_eos=True, stop=[stop], stream=True))
+    events = stream_events(
+        client,
+        "/v1/completions",
+        dict(prompt=PROMPT, max_tokens=40, temperature=0, ignore_eos=True, stop=[stop], stream=True),
+    )
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == full[:cut]
 
 
@@ -187,9 +191,20 @@ def test_logprobs_that_are_not_finite_never_reach_the_json(make_client, stream):
     """Whatever the engine hands over: alternatives that are not finite are left out of the top lists
     (completions, chat, prompt_logprobs), a token's own -inf is -9999.0; every body is strict JSON."""
     client = make_client(engine_cls=NonFiniteLogprobsEngine)
-    bodies = [("/v1/completions", dict(prompt="abc", max_tokens=4, logprobs=5, prompt_logprobs=3, ignore_eos=True)),
-              ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                            logprobs=True, top_logprobs=5, prompt_logprobs=3, ignore_eos=True))]
+    bodies = [
+        ("/v1/completions", dict(prompt="abc", max_tokens=4, logprobs=5, prompt_logprobs=3, ignore_eos=True)),
+        (
+            "/v1/chat/completions",
+            dict(
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=4,
+                logprobs=True,
+                top_logprobs=5,
+                prompt_logprobs=3,
+                ignore_eos=True,
+            ),
+        ),
+    ]
     for path, body in bodies:
         r = client.post(path, json={**body, "stream": stream})
         assert r.status_code == 200, r.text
@@ -216,7 +231,6 @@ def test_logprobs_that_are_not_finite_never_reach_the_json(make_client, stream):
                     alts = [a["token"] for a in entry["top_logprobs"]]
                     assert len(alts) == 5 and "~" not in alts and "^" not in alts
                     assert entry["logprob"] > -9999.0
-
 
 
 def test_the_servers_json_is_strict():
@@ -261,8 +275,11 @@ def test_stream_equals_non_stream(client, endpoint):
 
 
 def test_stream_n2(client):
-    events = stream_events(client, "/v1/completions",
-                           dict(prompt=PROMPT, n=2, max_tokens=8, temperature=1.0, seed=3, ignore_eos=True, stream=True))
+    events = stream_events(
+        client,
+        "/v1/completions",
+        dict(prompt=PROMPT, n=2, max_tokens=8, temperature=1.0, seed=3, ignore_eos=True, stream=True),
+    )
     texts = {0: "", 1: ""}
     finished = set()
     for e in events[:-1]:
@@ -279,24 +296,57 @@ def test_stream_n2(client):
 
 
 def test_null_fields_count_as_absent(client):
-    r = complete(client, max_tokens=3, temperature=None, top_p=None, logit_bias=None, suffix=None, stop=None,
-                 stream=None, user=None, seed=None, n=None, tools=None)
+    r = complete(
+        client,
+        max_tokens=3,
+        temperature=None,
+        top_p=None,
+        logit_bias=None,
+        suffix=None,
+        stop=None,
+        stream=None,
+        user=None,
+        seed=None,
+        n=None,
+        tools=None,
+    )
     assert r.status_code == 200, r.text
-    r = chat(client, max_tokens=3, tools=None, tool_choice=None, response_format=None, logprobs=None,
-             messages=[{"role": "user", "content": "hi", "name": None}], stream_options=None)
+    r = chat(
+        client,
+        max_tokens=3,
+        tools=None,
+        tool_choice=None,
+        response_format=None,
+        logprobs=None,
+        messages=[{"role": "user", "content": "hi", "name": None}],
+        stream_options=None,
+    )
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("path,extra,field", [
-    ("/v1/completions", {"suffix": "end"}, "suffix"),
-    ("/v1/completions", {"best_of": 2}, "best_of"),
-    ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
-    ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "content"),
-    ("/v1/chat/completions", {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-     "continuous_usage_stats"),
-])
+@pytest.mark.parametrize(
+    "path,extra,field",
+    [
+        ("/v1/completions", {"suffix": "end"}, "suffix"),
+        ("/v1/completions", {"best_of": 2}, "best_of"),
+        ("/v1/completions", {"frobnicate": 1}, "frobnicate"),
+        ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}
+                ]
+            },
+            "content",
+        ),
+        (
+            "/v1/chat/completions",
+            {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+            "continuous_usage_stats",
+        ),
+    ],
+)
 def test_unsupported_fields_rejected_by_name(client, path, extra, field):
     body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
     body.update(extra)
@@ -309,31 +359,37 @@ def test_response_format_text_is_accepted(client):
     assert chat(client, max_tokens=2, response_format={"type": "text"}).status_code == 200
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": PROMPT, "temperature": 5}, "temperature"),
-    ({"prompt": PROMPT, "top_p": 0}, "top_p"),
-    ({"prompt": PROMPT, "n": 0}, "n"),
-    ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens"),
-    ({"prompt": PROMPT, "logprobs": 50}, "logprobs"),
-    ({"prompt": PROMPT, "seed": -3}, "seed"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": 5}, "prompt"),
-    ({"prompt": [[1, 2], []]}, "prompt"),
-    ({"prompt": [-1, 2]}, "prompt"),
-    ({}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": PROMPT, "temperature": 5}, "temperature"),
+        ({"prompt": PROMPT, "top_p": 0}, "top_p"),
+        ({"prompt": PROMPT, "n": 0}, "n"),
+        ({"prompt": PROMPT, "max_tokens": -1}, "max_tokens"),
+        ({"prompt": PROMPT, "logprobs": 50}, "logprobs"),
+        ({"prompt": PROMPT, "seed": -3}, "seed"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": [[1, 2], []]}, "prompt"),
+        ({"prompt": [-1, 2]}, "prompt"),
+        ({}, "prompt"),
+    ],
+)
 def test_out_of_range_is_400(client, body, param):
     err = assert_error(client.post("/v1/completions", json=body), 400)
     assert err["param"] == param
     assert err["type"] == "invalid_request_error" and err["code"] == "validation_error"
 
 
-@pytest.mark.parametrize("body", [
-    {"messages": []},
-    {"messages": [{"role": "robot", "content": "hi"}]},
-    {"messages": [{"role": "user", "content": 3}]},
-    {"messages": "hi"},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": []},
+        {"messages": [{"role": "robot", "content": "hi"}]},
+        {"messages": [{"role": "user", "content": 3}]},
+        {"messages": "hi"},
+    ],
+)
 def test_bad_chat_is_400(client, body):
     err = assert_error(client.post("/v1/chat/completions", json=body), 400)
     assert err["type"] == "invalid_request_error" and err["code"] == "validation_error"
@@ -353,10 +409,12 @@ def test_invalid_json_and_non_object(client):
     assert assert_error(r, 400)["code"] == "validation_error"
 
 
-ROUTES = [("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
-          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
-          ("/tokenize", {"prompt": 5}, "prompt"),
-          ("/detokenize", {"tokens": ["a"]}, "tokens")]
+ROUTES = [
+    ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/detokenize", {"tokens": ["a"]}, "tokens"),
+]
 
 
 @pytest.mark.parametrize("path,body,param", ROUTES)
@@ -364,10 +422,19 @@ def test_validation_errors_are_400_on_every_route(client, path, body, param):
     """As OpenAI and vLLM answer them (FastAPI's default is a 422), with OpenAI's error object, the
     type the other 400s have; a malformed or non-object body likewise."""
     err = assert_error(client.post(path, json=body), 400, param)
-    assert err == {"message": err["message"], "type": "invalid_request_error", "param": param,
-                   "code": "validation_error"}
-    for content, code in ((b'{"x": ', "invalid_json"), (b"[1]", "validation_error"), (b'"text"', "validation_error"),
-                          (b"", None), (b"null", None)):
+    assert err == {
+        "message": err["message"],
+        "type": "invalid_request_error",
+        "param": param,
+        "code": "validation_error",
+    }
+    for content, code in (
+        (b'{"x": ', "invalid_json"),
+        (b"[1]", "validation_error"),
+        (b'"text"', "validation_error"),
+        (b"", None),
+        (b"null", None),
+    ):
         r = client.post(path, content=content, headers={"content-type": "application/json"})
         assert r.status_code == 400, (path, content, r.status_code, r.text)
         err = r.json()["error"]
@@ -381,7 +448,8 @@ def test_openapi_documents_400_not_422(client):
     for path, _, _ in ROUTES:
         responses = schema["paths"][path]["post"]["responses"]
         assert "422" not in responses and responses["400"]["content"]["application/json"]["schema"] == {
-            "$ref": "#/components/schemas/ErrorResponse"}, responses
+            "$ref": "#/components/schemas/ErrorResponse"
+        }, responses
     assert not any("422" in op.get("responses", {}) for ops in schema["paths"].values() for op in ops.values())
     assert "HTTPValidationError" not in schema["components"]["schemas"]
 
@@ -422,7 +490,9 @@ def test_api_key_401(make_client):
     assert_error(complete(client), 401)
     assert_error(client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"}), 401)
     assert client.get("/v1/models").status_code == 401
-    ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"Authorization": "Bearer sekrit"})
+    ok = client.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"Authorization": "Bearer sekrit"}
+    )
     assert ok.status_code == 200
     assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
 
@@ -450,7 +520,11 @@ def test_max_waiting_503(make_client):
     threads[0].start()
     assert wait_until(lambda: engine.stats()["num_running"] == 1, timeout=10)
     threads[1].start()
-    assert wait_until(lambda: engine.stats()["num_waiting"] == 1, timeout=10), (results, engine.stats(), client.app.state.jaxserve.pending_first)
+    assert wait_until(lambda: engine.stats()["num_waiting"] == 1, timeout=10), (
+        results,
+        engine.stats(),
+        client.app.state.jaxserve.pending_first,
+    )
     t0 = time.monotonic()
     err = assert_error(complete(client, max_tokens=1), 503)
     assert err["code"] == "queue_full" and time.monotonic() - t0 < 1.0
@@ -504,9 +578,25 @@ def test_every_sampling_field_reaches_the_engine(make_client):
     engine's (one engine request yields all n choices), never a server-side fan-out."""
     client = make_client()
     calls = record_submits(client)
-    fields = dict(n=3, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=1, stop=["zz"], stop_token_ids=[7],
-                  min_tokens=1, repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3, logprobs=2,
-                  prompt_logprobs=1, include_stop_str_in_output=True, skip_special_tokens=False, ignore_eos=True)
+    fields = dict(
+        n=3,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        seed=1,
+        stop=["zz"],
+        stop_token_ids=[7],
+        min_tokens=1,
+        repetition_penalty=1.1,
+        presence_penalty=0.2,
+        frequency_penalty=0.3,
+        logprobs=2,
+        prompt_logprobs=1,
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+        ignore_eos=True,
+    )
     out = complete(client, max_tokens=4, **fields)
     assert out.status_code == 200, out.text
     out = out.json()
@@ -524,12 +614,22 @@ def test_metrics_exposed(client):
     stream_events(client, "/v1/completions", dict(prompt=PROMPT, max_tokens=5, stream=True, ignore_eos=True))
     text = client.get("/metrics").text
     m = parse_metrics(text)
-    for name in ("jaxserve:num_requests_running", "jaxserve:num_requests_waiting", "jaxserve:kv_cache_usage_perc",
-                 "jaxserve:prefix_cache_hit_rate", "jaxserve:num_preemptions_total", "jaxserve:prompt_tokens_total",
-                 "jaxserve:generation_tokens_total", "jaxserve:compiles_after_warmup_total",
-                 "jaxserve:time_to_first_token_seconds_count", "jaxserve:time_per_output_token_seconds_count",
-                 "jaxserve:e2e_request_latency_seconds_count", "jaxserve:request_queue_time_seconds_count",
-                 "jaxserve:kv_pages_used", "jaxserve:model_bytes_read_per_second"):
+    for name in (
+        "jaxserve:num_requests_running",
+        "jaxserve:num_requests_waiting",
+        "jaxserve:kv_cache_usage_perc",
+        "jaxserve:prefix_cache_hit_rate",
+        "jaxserve:num_preemptions_total",
+        "jaxserve:prompt_tokens_total",
+        "jaxserve:generation_tokens_total",
+        "jaxserve:compiles_after_warmup_total",
+        "jaxserve:time_to_first_token_seconds_count",
+        "jaxserve:time_per_output_token_seconds_count",
+        "jaxserve:e2e_request_latency_seconds_count",
+        "jaxserve:request_queue_time_seconds_count",
+        "jaxserve:kv_pages_used",
+        "jaxserve:model_bytes_read_per_second",
+    ):
         assert name in m, name
     assert m["jaxserve:e2e_request_latency_seconds_count"] == 2
     assert m["jaxserve:generation_tokens_total"] >= 10
@@ -554,8 +654,11 @@ def test_openapi_schema_documents_the_api(client):
 
 def test_a_refused_request_is_not_counted_as_aborted(client):
     """A request the engine refuses (a 400 from its checks) is an error, not an abort."""
+
     def aborted():
-        return parse_metrics(client.get("/metrics").text).get('jaxserve:request_finished_total{finish_reason="abort"}', 0)
+        return parse_metrics(client.get("/metrics").text).get(
+            'jaxserve:request_finished_total{finish_reason="abort"}', 0
+        )
 
     before = aborted()
     assert_error(complete(client, max_tokens=2, logit_bias={str(VOCAB_SIZE + 5): 1.0}), 400)

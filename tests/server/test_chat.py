@@ -10,8 +10,12 @@ import pytest
 from jaxserve.server.chat import CHATML_TEMPLATE, ChatRenderer, ChatTemplateError
 from jaxserve.testing.mock_engine import MockTokenizer
 
-MESSAGES = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi!"},
-            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again?"}]
+MESSAGES = [
+    {"role": "system", "content": "Be kind."},
+    {"role": "user", "content": "Hi!"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "Again?"},
+]
 
 # A Hugging Face style template: BOS, role alternation enforced with raise_exception, loop controls.
 HF_TEMPLATE = (
@@ -44,8 +48,11 @@ def test_checkpoint_template_and_its_errors():
 
 def test_continue_final_message():
     r = ChatRenderer(None)
-    text = r.render([{"role": "user", "content": "Q"}, {"role": "assistant", "content": "The answer is"}],
-                    add_generation_prompt=False, continue_final_message=True)
+    text = r.render(
+        [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "The answer is"}],
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
     assert text.endswith("<|im_start|>assistant\nThe answer is")
 
 
@@ -65,8 +72,16 @@ def test_server_uses_the_checkpoint_template(make_client):
     assert r.json()["usage"]["prompt_tokens"] == len(expected)
     bad = client.post("/v1/chat/completions", json={"messages": [MESSAGES[1], MESSAGES[1]], "max_tokens": 2})
     assert bad.status_code == 400 and "alternate" in bad.json()["error"]["message"]
-    parts = client.post("/v1/chat/completions", json={"max_tokens": 2, "messages": [MESSAGES[0],
-        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]}]})
+    parts = client.post(
+        "/v1/chat/completions",
+        json={
+            "max_tokens": 2,
+            "messages": [
+                MESSAGES[0],
+                {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]},
+            ],
+        },
+    )
     plain = client.post("/v1/chat/completions", json={"max_tokens": 2, "messages": MESSAGES[:2]})
     assert parts.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
 

@@ -22,8 +22,12 @@ from jaxserve.testing.mock_engine import MockTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "checkpoints" / "small"
-CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "Bye"},
+]
 
 # The shape of SmolLM3 / Qwen3-style templates: a {% generation %} block around assistant turns,
 # tools and documents when given, a kwarg (enable_thinking), tojson, strftime_now.
@@ -49,8 +53,12 @@ def test_generation_block_renders_its_body():
 
 def test_tools_documents_and_kwargs_reach_the_template():
     r = ChatRenderer(MockTokenizer(), template=MODERN)
-    text = r.render(CONVERSATION[1:2], tools=[{"type": "function", "function": {"name": "f"}}],
-                    documents=[{"title": "T", "text": "body"}], chat_template_kwargs={"enable_thinking": False})
+    text = r.render(
+        CONVERSATION[1:2],
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        documents=[{"title": "T", "text": "body"}],
+        chat_template_kwargs={"enable_thinking": False},
+    )
     assert '[TOOLS][{"type": "function", "function": {"name": "f"}}][/TOOLS]' in text
     assert "[DOC T]body[/DOC]" in text and text.endswith("<a><think></think>")
     with pytest.raises(ChatTemplateError, match="messages"):
@@ -70,7 +78,9 @@ def test_shipped_model_template_is_chatml_plus_tools_and_a_bare_tokenizer_falls_
     assert r.source == "checkpoint" and "chat_template.jinja" in r.origin
     chatml = ChatRenderer(None)
     for gen in (True, False):  # without tools exactly the built-in ChatML
-        assert r.render(CONVERSATION, add_generation_prompt=gen) == chatml.render(CONVERSATION, add_generation_prompt=gen)
+        assert r.render(CONVERSATION, add_generation_prompt=gen) == chatml.render(
+            CONVERSATION, add_generation_prompt=gen
+        )
     assert "<tool_call>" in r.render(CONVERSATION, tools=[{"type": "function", "function": {"name": "f"}}])
     for name in ("tokenizer.model", "tokenizer_config.json"):
         shutil.copy(DEFAULT / name, tmp_path / name)
@@ -91,16 +101,21 @@ def test_chat_template_setting_file_or_inline(tmp_path):
 
 
 def test_a_template_that_refuses_system_messages_still_passes():
-    gemma_like = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-                  "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    gemma_like = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
     assert build_chat_renderer(MockTokenizer(), gemma_like).render(CONVERSATION[1:2]) == "Hi"
 
 
-@pytest.mark.parametrize("template, message", [
-    ("{% for m in messages %}{{ m.content }}", "does not compile"),  # no endfor
-    ("{{ messages[0].content.upper(1, 2, 3) }}", "cannot render"),
-    ("{% generation %}{{ x }}", "does not compile"),
-])
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ("{% for m in messages %}{{ m.content }}", "does not compile"),  # no endfor
+        ("{{ messages[0].content.upper(1, 2, 3) }}", "cannot render"),
+        ("{% generation %}{{ x }}", "does not compile"),
+    ],
+)
 def test_broken_template_file_fails_at_start_up(tmp_path, capsys, template, message):
     path = tmp_path / "broken.jinja"
     path.write_text(template)
@@ -129,11 +144,17 @@ def test_server_renders_with_the_start_up_renderer_and_kwargs(make_client):
     client = make_client(chat_renderer=build_chat_renderer(tok, MODERN))
     assert client.get("/v1/capabilities").json()["chat_template"] == "setting"
     calls = record_submits(client)
-    body = {"messages": CONVERSATION[1:2], "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False},
-            "documents": [{"title": "T", "text": "x"}]}
+    body = {
+        "messages": CONVERSATION[1:2],
+        "max_tokens": 2,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "documents": [{"title": "T", "text": "x"}],
+    }
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
-    assert tok.decode(calls[-1][1], skip_special_tokens=False) == "<|endoftext|>[DOC T]x[/DOC]<u>Hi</u><a><think></think>"
+    assert (
+        tok.decode(calls[-1][1], skip_special_tokens=False) == "<|endoftext|>[DOC T]x[/DOC]<u>Hi</u><a><think></think>"
+    )
     bad = client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"add_generation_prompt": False}})
     assert bad.status_code == 400 and "add_generation_prompt" in bad.json()["error"]["message"]
     tools = client.post("/v1/chat/completions", json={**body, "tools": [{"type": "function"}]})

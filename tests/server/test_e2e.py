@@ -53,48 +53,70 @@ def test_chat(oai, model):
 def test_stream_text_equals_greedy_text(oai, model, kind):
     if kind == "completion":
         whole = oai.completions.create(model=model, prompt="The meaning of life", **GREEDY).choices[0].text
-        chunks = list(oai.completions.create(model=model, prompt="The meaning of life", stream=True,
-                                             stream_options={"include_usage": True}, **GREEDY))
+        chunks = list(
+            oai.completions.create(
+                model=model, prompt="The meaning of life", stream=True, stream_options={"include_usage": True}, **GREEDY
+            )
+        )
         text = "".join(c.choices[0].text for c in chunks if c.choices)
     else:
         messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Why?"}]
         whole = oai.chat.completions.create(model=model, messages=messages, **GREEDY).choices[0].message.content
-        chunks = list(oai.chat.completions.create(model=model, messages=messages, stream=True,
-                                                  stream_options={"include_usage": True}, **GREEDY))
+        chunks = list(
+            oai.chat.completions.create(
+                model=model, messages=messages, stream=True, stream_options={"include_usage": True}, **GREEDY
+            )
+        )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole
     assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].choices == []
 
 
 def test_n2(oai, model):
-    out = oai.completions.create(model=model, prompt="Pick a word:", n=2, temperature=1.0, seed=11, max_tokens=8,
-                                 extra_body={"ignore_eos": True})
+    out = oai.completions.create(
+        model=model, prompt="Pick a word:", n=2, temperature=1.0, seed=11, max_tokens=8, extra_body={"ignore_eos": True}
+    )
     assert sorted(c.index for c in out.choices) == [0, 1] and out.usage.completion_tokens == 16
-    same = oai.completions.create(model=model, prompt="Pick a word:", n=2, temperature=1.0, seed=11, max_tokens=8,
-                                  extra_body={"ignore_eos": True})
+    same = oai.completions.create(
+        model=model, prompt="Pick a word:", n=2, temperature=1.0, seed=11, max_tokens=8, extra_body={"ignore_eos": True}
+    )
     assert [c.text for c in same.choices] == [c.text for c in out.choices]  # seeded
 
 
 def test_stop(oai, model):
-    full = oai.completions.create(model=model, prompt="Counting:", temperature=0, max_tokens=48,
-                                  extra_body={"ignore_eos": True}).choices[0].text
+    full = (
+        oai.completions.create(
+            model=model, prompt="Counting:", temperature=0, max_tokens=48, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     # a two-character stop string from the middle of the text (no whitespace, no U+FFFD)
-    candidates = [full[i:i + 2] for i in range(len(full) // 3, len(full) - 1)]
+    candidates = [full[i : i + 2] for i in range(len(full) // 3, len(full) - 1)]
     stop = next(c for c in candidates if c.isprintable() and not any(ch.isspace() or ch == "\ufffd" for ch in c))
-    out = oai.completions.create(model=model, prompt="Counting:", temperature=0, max_tokens=48, stop=[stop],
-                                 extra_body={"ignore_eos": True}).choices[0]
+    out = oai.completions.create(
+        model=model, prompt="Counting:", temperature=0, max_tokens=48, stop=[stop], extra_body={"ignore_eos": True}
+    ).choices[0]
     assert out.finish_reason == "stop" and out.text == full[: full.index(stop)]
 
 
 def test_logprobs(oai, model):
-    out = oai.completions.create(model=model, prompt="Numbers", temperature=0, max_tokens=6, logprobs=3,
-                                 extra_body={"ignore_eos": True}).choices[0]
+    out = oai.completions.create(
+        model=model, prompt="Numbers", temperature=0, max_tokens=6, logprobs=3, extra_body={"ignore_eos": True}
+    ).choices[0]
     lp = out.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == 6 and all(v <= 0 for v in lp.token_logprobs)
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert 1 <= len(top) <= 3 and max(top.values()) >= chosen - 1e-5  # greedy: chosen is the top token
-    chat = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], temperature=0,
-                                       max_tokens=4, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    chat = oai.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        temperature=0,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
 
@@ -114,8 +136,12 @@ def test_errors_then_next_request_succeeds(oai, model, shared_server):
             oai.completions.create(**kwargs)
         assert "error" in info.value.body or info.value.message
         assert oai.completions.create(model=model, prompt="fine", max_tokens=2).usage.completion_tokens >= 1
-    r = httpx.post(shared_server.url + "/v1/completions", content=b"{not json", timeout=30,
-                   headers={"content-type": "application/json", **AUTH})
+    r = httpx.post(
+        shared_server.url + "/v1/completions",
+        content=b"{not json",
+        timeout=30,
+        headers={"content-type": "application/json", **AUTH},
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     r = httpx.post(shared_server.url + "/v1/completions", json={"prompt": "y" * (9 * 2**20)}, timeout=60, headers=AUTH)
     assert r.status_code == 413
@@ -124,8 +150,14 @@ def test_errors_then_next_request_succeeds(oai, model, shared_server):
 
 def test_client_disconnect_frees_pages(shared_server, model):
     max_tokens = MAX_MODEL_LEN - 20
-    body = {"model": model, "prompt": "A long story:", "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        "prompt": "A long story:",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     url = shared_server.url
     assert wait_until(lambda: shared_server.metrics()["jaxserve:num_requests_running"] == 0, timeout=30)
     baseline = shared_server.metrics()["jaxserve:kv_pages_used"]
@@ -182,8 +214,14 @@ def test_sigterm_drains_and_exits_0(start_server):
                 time.sleep(1.0)  # SIGTERM arrives during this pause
 
     def stream():
-        body = {"model": model, "prompt": "Drain me", "max_tokens": MAX_MODEL_LEN - 16, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": model,
+            "prompt": "Drain me",
+            "max_tokens": MAX_MODEL_LEN - 16,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
             result["events"] = sse_events(read_slowly(r.iter_lines()))
 
@@ -218,7 +256,9 @@ def test_mock_engine_failure_is_500(oai, model):
 def test_metrics_text_format(shared_server):
     text = httpx.get(shared_server.url + "/metrics").text
     assert "# TYPE jaxserve:time_to_first_token_seconds histogram" in text
-    assert "# TYPE jaxserve:generation_tokens_total counter" in text or "# TYPE jaxserve:generation_tokens counter" in text
+    assert (
+        "# TYPE jaxserve:generation_tokens_total counter" in text or "# TYPE jaxserve:generation_tokens counter" in text
+    )
     json.dumps(shared_server.metrics())
 
 
@@ -249,15 +289,25 @@ def test_tokenize_detokenize_and_logit_bias(oai, model, shared_server):
     token at every greedy step (the mock engine ignores the bias: only the real one is checked)."""
     text = "Once upon a time"
     tokens = httpx.post(shared_server.url + "/tokenize", json={"model": model, "prompt": text}, timeout=60).json()
-    assert tokens["count"] == len(tokens["tokens"]) == oai.completions.create(
-        model=model, prompt=text, max_tokens=1).usage.prompt_tokens
+    assert (
+        tokens["count"]
+        == len(tokens["tokens"])
+        == oai.completions.create(model=model, prompt=text, max_tokens=1).usage.prompt_tokens
+    )
     back = httpx.post(shared_server.url + "/detokenize", json={"tokens": tokens["tokens"]}, timeout=60)
     assert back.status_code == 200 and text in back.json()["prompt"]
     bad = httpx.post(shared_server.url + "/detokenize", json={"tokens": [10**9]}, timeout=60)
     assert bad.status_code == 400 and "vocabulary" in bad.json()["error"]["message"]
     forced = tokens["tokens"][-1]
-    out = oai.completions.create(model=model, prompt=text, temperature=0, max_tokens=6,
-                                 logit_bias={str(forced): 100}, logprobs=0, extra_body={"ignore_eos": True})
+    out = oai.completions.create(
+        model=model,
+        prompt=text,
+        temperature=0,
+        max_tokens=6,
+        logit_bias={str(forced): 100},
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
     assert out.choices[0].finish_reason == "length"
     if server_kind() == "real":  # each output token is the forced one (its text, as logprobs spell tokens)
         one = httpx.post(shared_server.url + "/detokenize", json={"tokens": [forced]}, timeout=60).json()["prompt"]

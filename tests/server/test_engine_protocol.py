@@ -23,8 +23,9 @@ class StubLLMEngine:
         self.memory = types.SimpleNamespace(max_model_len=96)
         self.config = EngineConfig(max_model_len=96)
         self.intake = Intake()
-        self.processor = Processor(Limits(vocab_size=260, max_model_len=96, page_size=16, usable_pages=16,
-                                          max_num_seqs=4), self.tokenizer)
+        self.processor = Processor(
+            Limits(vocab_size=260, max_model_len=96, page_size=16, usable_pages=16, max_num_seqs=4), self.tokenizer
+        )
 
     def close(self) -> None:
         pass

@@ -19,8 +19,16 @@ from jaxserve.config.generation_config import load_generation_defaults
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = str(ROOT / "checkpoints" / "small")
-QWEN_LIKE = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
-             "max_new_tokens": 64, "bos_token_id": 1, "eos_token_id": [2, 3]}
+QWEN_LIKE = {
+    "do_sample": True,
+    "temperature": 0.7,
+    "top_p": 0.8,
+    "top_k": 20,
+    "repetition_penalty": 1.05,
+    "max_new_tokens": 64,
+    "bos_token_id": 1,
+    "eos_token_id": [2, 3],
+}
 
 
 def defaults(**settings):
@@ -43,8 +51,13 @@ def test_shipped_model_is_greedy_and_vllm_ignores_the_file():
 
 
 def test_file_values_become_sampling_params_fields(qwen_like):
-    assert defaults(generation_config=qwen_like) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
-                                                     "repetition_penalty": 1.05, "max_tokens": 64}
+    assert defaults(generation_config=qwen_like) == {
+        "temperature": 0.7,
+        "top_p": 0.8,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+        "max_tokens": 64,
+    }
     assert defaults(model=qwen_like) == defaults(generation_config=qwen_like)  # auto reads the model's
     assert defaults(generation_config=qwen_like + "/generation_config.json")["top_k"] == 20  # the file itself
 
@@ -71,10 +84,17 @@ def test_flags_and_yaml_spellings(tmp_path):
     assert json.loads(EngineConfig.from_yaml(str(tmp_path / "c.yaml")).override_generation_config) == {"top_p": 0.9}
 
 
-@pytest.mark.parametrize("override, message", [
-    ('{"temprature": 1}', "unknown key"), ("temperature=1", "JSON object"), ('{"top_p": 0}', "top_p"),
-    ('{"max_new_tokens": 0}', "max_new_tokens"), ('[1]', "JSON object"), ('{"do_sample": "no"}', "do_sample"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ('{"temprature": 1}', "unknown key"),
+        ("temperature=1", "JSON object"),
+        ('{"top_p": 0}', "top_p"),
+        ('{"max_new_tokens": 0}', "max_new_tokens"),
+        ("[1]", "JSON object"),
+        ('{"do_sample": "no"}', "do_sample"),
+    ],
+)
 def test_bad_override_is_a_settings_error(override, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig(override_generation_config=override)
@@ -102,7 +122,9 @@ def test_server_fills_unset_fields_from_the_defaults(make_client, qwen_like):
     assert r.status_code == 200
     p = calls[-1][0]
     assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (1.0, 0, 0.8, 100)  # explicit values win
-    assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    assert (
+        client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    )
     assert calls[-1][0].max_tokens == 64  # chat: max_new_tokens (the context has room for it)
     caps = client.get("/v1/capabilities").json()["generation_defaults"]
     assert caps["source"].endswith("generation_config.json") and caps["values"]["top_k"] == 20
@@ -119,8 +141,11 @@ def test_completions_default_max_tokens_follows_vllm(make_client):
     calls = record_submits(plain)
     plain.post("/v1/completions", json={"prompt": "ab"})
     assert calls[-1][0].max_tokens == 16 and calls[-1][0].temperature == 1.0  # the built-in defaults
-    many = make_client(generation_defaults=load_generation_defaults(
-        EngineConfig(override_generation_config={"max_new_tokens": 10_000}), log=False))
+    many = make_client(
+        generation_defaults=load_generation_defaults(
+            EngineConfig(override_generation_config={"max_new_tokens": 10_000}), log=False
+        )
+    )
     calls = record_submits(many)
     many.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     max_len = many.app.state.jaxserve.max_model_len
@@ -129,8 +154,15 @@ def test_completions_default_max_tokens_follows_vllm(make_client):
 
 # ---- the shipped model: greedy by default ---------------------------------------------------------
 
-SMALL = dict(dtype="float32", page_size=16, num_pages=64, max_model_len=128, max_num_seqs=2,
-             max_num_batched_tokens=64, warm_up=False)
+SMALL = dict(
+    dtype="float32",
+    page_size=16,
+    num_pages=64,
+    max_model_len=128,
+    max_num_seqs=2,
+    max_num_batched_tokens=64,
+    warm_up=False,
+)
 PROMPT = "def is_valid(self, value):\n"
 
 
@@ -169,8 +201,9 @@ def served(default_llm):
 def texts(client, seeds, **fields) -> list[str]:
     out = []
     for seed in seeds:
-        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "seed": seed,
-                                                 "ignore_eos": True, **fields})
+        r = client.post(
+            "/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "seed": seed, "ignore_eos": True, **fields}
+        )
         assert r.status_code == 200, r.text
         out.append(r.json()["choices"][0]["text"])
     return out

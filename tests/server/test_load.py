@@ -19,8 +19,9 @@ AUTH = {"Authorization": f"Bearer {TEST_API_KEY}"}
 
 def workload(seed: int = 0):
     rng = random.Random(seed)
-    distinct = [(" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))), rng.randint(8, 40))
-                for _ in range(NUM_DISTINCT)]
+    distinct = [
+        (" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8))), rng.randint(8, 40)) for _ in range(NUM_DISTINCT)
+    ]
     jobs = [distinct[i % NUM_DISTINCT] for i in range(NUM_REQUESTS)]
     n_drop = int(NUM_REQUESTS * DISCONNECT_SHARE)
     drop = set(rng.sample(range(NUM_REQUESTS), n_drop))
@@ -62,6 +63,7 @@ async def run_load(url, model, jobs):
     limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY)
     sem = asyncio.Semaphore(CONCURRENCY)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120, headers=AUTH) as client:
+
         async def limited(job):
             async with sem:
                 return await run_one(client, model, *job)
@@ -96,8 +98,11 @@ def test_load_with_disconnects(shared_server):
 
     def drained():
         m = shared_server.metrics()
-        return (m["jaxserve:num_requests_running"] == 0 and m["jaxserve:num_requests_waiting"] == 0
-                and m["jaxserve:kv_pages_used"] == 0)
+        return (
+            m["jaxserve:num_requests_running"] == 0
+            and m["jaxserve:num_requests_waiting"] == 0
+            and m["jaxserve:kv_pages_used"] == 0
+        )
 
     assert wait_until(drained, timeout=30), shared_server.metrics()
     m = shared_server.metrics()

@@ -48,10 +48,12 @@ def adapters(tmp_path):
 @pytest.fixture
 def lora_client(make_client, adapters):
     """Adapters a and b loaded at start (ids 1, 2), c on disk; runtime updating on; two device slots."""
+
     def make(token_delay=0.001, runtime=True, **settings):
         values = dict(enable_lora=True, max_loras=2, lora_modules=(f"a={adapters['a']}", f"b={adapters['b']}"))
         values.update(settings)
         return make_client(token_delay=token_delay, settings=values, allow_runtime_lora_updating=runtime)
+
     return make
 
 
@@ -81,8 +83,16 @@ def test_model_names_the_adapter_and_is_echoed(lora_client):
         assert len(texts[model]) == 12
     assert len(set(texts.values())) == 3  # each adapter reached the engine: other tokens
     assert complete(client, "a").json()["choices"][0]["text"] == texts["a"]  # deterministic
-    chat = client.post("/v1/chat/completions", json={"model": "b", "messages": [{"role": "user", "content": "hi"}],
-                                                     "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+    chat = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "b",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert chat.status_code == 200 and chat.json()["model"] == "b"
     chunks = sse_chunks(complete(client, "a", stream=True))
     assert {c["model"] for c in chunks} == {"a"} and "".join(c["choices"][0]["text"] for c in chunks) == texts["a"]
@@ -100,8 +110,11 @@ def test_models_lists_each_adapter_with_its_parent(adapters):
 
     from jaxserve.server.api import ServerOptions, create_app
 
-    modules = (f"a={adapters['a']}", json.dumps({"name": "b", "path": adapters["b"], "base_model_name": "mock-2"}),
-               {"name": "c", "path": adapters["c"], "base_model_name": "elsewhere"})
+    modules = (
+        f"a={adapters['a']}",
+        json.dumps({"name": "b", "path": adapters["b"], "base_model_name": "mock-2"}),
+        {"name": "c", "path": adapters["c"], "base_model_name": "elsewhere"},
+    )
     engine = MockAsyncLLMEngine(mock_settings(enable_lora=True, lora_modules=modules))
     client = TestClient(create_app(ServerOptions(served_model_names=("mock", "mock-2")), engine))
     cards = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
@@ -112,8 +125,14 @@ def test_models_lists_each_adapter_with_its_parent(adapters):
     assert cards["c"]["parent"] == "mock"  # not a served name: the first one (as vLLM)
     assert cards["a"]["object"] == "model" and cards["a"]["max_model_len"] == 512
     lora = client.get("/v1/capabilities").json()["lora"]
-    assert lora == {"enabled": True, "runtime_updating": False, "max_loras": 1, "max_lora_rank": 16,
-                    "max_cpu_loras": 1, "adapters": ["a", "b", "c"]}
+    assert lora == {
+        "enabled": True,
+        "runtime_updating": False,
+        "max_loras": 1,
+        "max_lora_rank": 16,
+        "max_cpu_loras": 1,
+        "adapters": ["a", "b", "c"],
+    }
 
 
 def test_mock_engine_meets_the_lora_protocol():
@@ -150,8 +169,12 @@ def test_load_use_unload_at_run_time(lora_client, adapters):
 def test_load_inplace_replaces_the_adapter(lora_client, adapters, tmp_path):
     client = lora_client()
     other = make_adapter(tmp_path / "..", f"{tmp_path.name}-a2")
-    assert_error(client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": other}), 400,
-                 "has already been loaded", "load_inplace")
+    assert_error(
+        client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": other}),
+        400,
+        "has already been loaded",
+        "load_inplace",
+    )
     r = client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": other, "load_inplace": True})
     assert r.status_code == 200, r.text
     assert {m["id"]: m["root"] for m in client.get("/v1/models").json()["data"]}["a"] == other
@@ -161,19 +184,22 @@ def test_load_inplace_replaces_the_adapter(lora_client, adapters, tmp_path):
     assert {m["id"]: m["root"] for m in client.get("/v1/models").json()["data"]}["a"] == other
 
 
-@pytest.mark.parametrize("body, words", [
-    ({"lora_name": "x"}, ["Both 'lora_name' and 'lora_path' must be provided."]),
-    ({"lora_path": "/p"}, ["Both 'lora_name' and 'lora_path' must be provided."]),
-    ({"lora_name": "", "lora_path": "/p"}, ["Both 'lora_name' and 'lora_path'"]),
-    ({"lora_name": 5, "lora_path": "/p"}, ["lora_name"]),
-    ({"lora_name": "x", "lora_path": "/p", "load_inplace": "maybe"}, ["load_inplace"]),
-    ({"lora_name": "x", "lora_path": "/p", "rank": 8}, ["rank"]),
-    ({"lora_name": "x", "lora_path": "/p", "is_3d_lora_weight": True}, ["is_3d_lora_weight"]),
-    ({"lora_name": "x", "lora_path": "/does/not/exist"}, ["/does/not/exist"]),
-    ({"lora_name": "mock", "lora_path": "ADAPTER"}, ["base model's name"]),
-    ({"lora_name": "b", "lora_path": "ADAPTER"}, ["'b' has already been loaded"]),
-    ([1, 2], ["invalid request"]),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"lora_name": "x"}, ["Both 'lora_name' and 'lora_path' must be provided."]),
+        ({"lora_path": "/p"}, ["Both 'lora_name' and 'lora_path' must be provided."]),
+        ({"lora_name": "", "lora_path": "/p"}, ["Both 'lora_name' and 'lora_path'"]),
+        ({"lora_name": 5, "lora_path": "/p"}, ["lora_name"]),
+        ({"lora_name": "x", "lora_path": "/p", "load_inplace": "maybe"}, ["load_inplace"]),
+        ({"lora_name": "x", "lora_path": "/p", "rank": 8}, ["rank"]),
+        ({"lora_name": "x", "lora_path": "/p", "is_3d_lora_weight": True}, ["is_3d_lora_weight"]),
+        ({"lora_name": "x", "lora_path": "/does/not/exist"}, ["/does/not/exist"]),
+        ({"lora_name": "mock", "lora_path": "ADAPTER"}, ["base model's name"]),
+        ({"lora_name": "b", "lora_path": "ADAPTER"}, ["'b' has already been loaded"]),
+        ([1, 2], ["invalid request"]),
+    ],
+)
 def test_bad_load_bodies_are_400(lora_client, adapters, body, words):
     if isinstance(body, dict) and body.get("lora_path") == "ADAPTER":
         body = {**body, "lora_path": adapters["c"]}
@@ -186,10 +212,14 @@ def test_adapters_the_engine_refuses_are_400_naming_the_problem(lora_client, tmp
     embed = make_adapter(tmp_path, "embed", targets=("q_proj", "embed_tokens"))
     empty = tmp_path / "empty"
     empty.mkdir()
-    for name, path, words in (("big", big, ["rank 64", "--max-lora-rank"]), ("embed", embed, ["embed_tokens"]),
-                              ("empty", str(empty), ["adapter_config.json"])):
-        error = assert_error(client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}), 400,
-                             *words)
+    for name, path, words in (
+        ("big", big, ["rank 64", "--max-lora-rank"]),
+        ("embed", embed, ["embed_tokens"]),
+        ("empty", str(empty), ["adapter_config.json"]),
+    ):
+        error = assert_error(
+            client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}), 400, *words
+        )
         assert error["code"] == "invalid_lora_adapter"
     assert [a.lora_name for a in client.mock_engine.list_loras()] == ["a", "b"]
     assert client.post("/v1/load_lora_adapter", content=b"{not json").status_code == 400
@@ -238,8 +268,19 @@ def test_runtime_routes_are_not_served_unless_allowed(lora_client, adapters):
     assert complete(client, "a").status_code == 200  # adapters loaded at start still serve
 
 
-@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("True", True), (" TRUE ", True),
-                                       ("0", False), ("false", False), ("yes", False), ("", False)])
+@pytest.mark.parametrize(
+    "value, on",
+    [
+        ("1", True),
+        ("true", True),
+        ("True", True),
+        (" TRUE ", True),
+        ("0", False),
+        ("false", False),
+        ("yes", False),
+        ("", False),
+    ],
+)
 def test_vllm_environment_variable(monkeypatch, lora_client, adapters, value, on):
     monkeypatch.setenv(RUNTIME_UPDATING_ENV, value)
     assert runtime_updating_allowed(None) is on
@@ -251,8 +292,9 @@ def test_vllm_environment_variable(monkeypatch, lora_client, adapters, value, on
 
 def test_without_enable_lora(make_client, adapters):
     client = make_client(allow_runtime_lora_updating=True)
-    assert_error(client.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": adapters["c"]}), 400,
-                 "--enable-lora")
+    assert_error(
+        client.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": adapters["c"]}), 400, "--enable-lora"
+    )
     assert_error(client.post("/v1/unload_lora_adapter", json={"lora_name": "c"}), 400, "--enable-lora")
     assert_error(complete(client, "c"), 404, "does not exist")
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["mock"]
@@ -264,16 +306,27 @@ def test_without_enable_lora(make_client, adapters):
 
 
 def test_lora_metrics_shape():
-    stats = {"lora": {"max_loras": 4, "running": {"a": 2, "b": 1, "gone": 0}, "waiting": {"c": 3},
-                      "resident": ["a", "b"], "cpu_cached": ["a", "b", "c"], "loads_total": 5,
-                      "evictions_total": 2}}
+    stats = {
+        "lora": {
+            "max_loras": 4,
+            "running": {"a": 2, "b": 1, "gone": 0},
+            "waiting": {"c": 3},
+            "resident": ["a", "b"],
+            "cpu_cached": ["a", "b", "c"],
+            "loads_total": 5,
+            "evictions_total": 2,
+        }
+    }
     families = {f.name: f for f in lora_metrics(stats, now=1234.5)}
     for name in ("vllm:lora_requests_info", "jaxserve:lora_requests_info"):
         (sample,) = families[name].samples
         assert sample.labels == {"max_lora": "4", "running_lora_adapters": "a,b", "waiting_lora_adapters": "c"}
         assert sample.value == 1234.5 and families[name].type == "gauge"
-    assert {s.labels["lora_name"]: s.value for s in families["jaxserve:lora_requests_running"].samples} == \
-        {"a": 2, "b": 1, "gone": 0}
+    assert {s.labels["lora_name"]: s.value for s in families["jaxserve:lora_requests_running"].samples} == {
+        "a": 2,
+        "b": 1,
+        "gone": 0,
+    }
     assert families["jaxserve:lora_adapters_resident"].samples[0].value == 2
     assert families["jaxserve:lora_adapters_cpu_cached"].samples[0].value == 3
     assert families["jaxserve:lora_loads"].samples[0].value == 5 and families["jaxserve:lora_loads"].type == "counter"
@@ -296,8 +349,7 @@ def test_metrics_show_running_and_waiting_adapters(lora_client):
     before = time.time()
     metrics = parse_metrics(client.get("/metrics").text)
     info = {k: v for k, v in metrics.items() if k.startswith("vllm:lora_requests_info")}
-    assert list(info) == ['vllm:lora_requests_info{max_lora="1",running_lora_adapters="a",'
-                          'waiting_lora_adapters="b"}']
+    assert list(info) == ['vllm:lora_requests_info{max_lora="1",running_lora_adapters="a",waiting_lora_adapters="b"}']
     assert abs(next(iter(info.values())) - before) < 60
     assert metrics['jaxserve:lora_requests_running{lora_name="a"}'] == 1
     assert metrics['jaxserve:lora_requests_waiting{lora_name="b"}'] == 1
@@ -320,12 +372,34 @@ def resolve(argv):
 
 
 def test_lora_flags(tmp_path):
-    ns, settings = resolve(["--mock-engine", "--enable-lora", "--lora-modules", "a=/p/a", "b=/p/b",
-                            '{"name": "c", "path": "/p/c", "base_model_name": "m"}', "--max-loras", "3",
-                            "--max-lora-rank", "64", "--max-cpu-loras", "8", "--allow-runtime-lora-updating"])
-    assert settings.lora_modules == (LoRARequest("a", 1, "/p/a"), LoRARequest("b", 2, "/p/b"),
-                                     LoRARequest("c", 3, "/p/c", "m"))
-    assert (settings.enable_lora, settings.max_loras, settings.max_lora_rank, settings.max_cpu_loras) == (True, 3, 64, 8)
+    ns, settings = resolve(
+        [
+            "--mock-engine",
+            "--enable-lora",
+            "--lora-modules",
+            "a=/p/a",
+            "b=/p/b",
+            '{"name": "c", "path": "/p/c", "base_model_name": "m"}',
+            "--max-loras",
+            "3",
+            "--max-lora-rank",
+            "64",
+            "--max-cpu-loras",
+            "8",
+            "--allow-runtime-lora-updating",
+        ]
+    )
+    assert settings.lora_modules == (
+        LoRARequest("a", 1, "/p/a"),
+        LoRARequest("b", 2, "/p/b"),
+        LoRARequest("c", 3, "/p/c", "m"),
+    )
+    assert (settings.enable_lora, settings.max_loras, settings.max_lora_rank, settings.max_cpu_loras) == (
+        True,
+        3,
+        64,
+        8,
+    )
     assert ns.allow_runtime_lora_updating is True
     ns, settings = resolve(["--mock-engine", "--enable-lora", "--lora-modules", "a=/p/a", "--lora-modules", "b=/p/b"])
     assert [r.lora_name for r in settings.lora_modules] == ["a", "b"] and ns.allow_runtime_lora_updating is None
@@ -335,22 +409,33 @@ def test_lora_flags(tmp_path):
     assert [(r.lora_name, r.lora_path) for r in settings.lora_modules] == [("a", "/p/a"), ("b", "/p/b")]
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--lora-modules", "a=/p"], "needs --enable-lora"),
-    (["--allow-runtime-lora-updating"], "--allow-runtime-lora-updating needs --enable-lora"),
-    (["--enable-lora", "--lora-modules", "mock=/p"], "also a served model name"),
-    (["--enable-lora", "--lora-modules", "a=/p", "a=/q"], "unique"),
-    (["--enable-lora", "--lora-modules", "nopath"], "NAME=PATH"),
-    (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "--max-cpu-loras"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--lora-modules", "a=/p"], "needs --enable-lora"),
+        (["--allow-runtime-lora-updating"], "--allow-runtime-lora-updating needs --enable-lora"),
+        (["--enable-lora", "--lora-modules", "mock=/p"], "also a served model name"),
+        (["--enable-lora", "--lora-modules", "a=/p", "a=/q"], "unique"),
+        (["--enable-lora", "--lora-modules", "nopath"], "NAME=PATH"),
+        (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "--max-cpu-loras"),
+    ],
+)
 def test_contradictions_stop_the_start(capsys, argv, words):
     assert serve.main(["--mock-engine", *argv]) == 2
     assert words in capsys.readouterr().err
 
 
 def test_a_bad_start_adapter_stops_the_engine_start(tmp_path):
-    ns, settings = resolve(["--mock-engine", "--enable-lora", "--max-lora-rank", "8", "--lora-modules",
-                            f"a={make_adapter(tmp_path, 'a', r=16)}"])
+    ns, settings = resolve(
+        [
+            "--mock-engine",
+            "--enable-lora",
+            "--max-lora-rank",
+            "8",
+            "--lora-modules",
+            f"a={make_adapter(tmp_path, 'a', r=16)}",
+        ]
+    )
     with pytest.raises(LoRAError, match="rank 16"):
         serve.build_engine(ns, settings)
     with pytest.raises(ConfigError, match="lora_modules needs enable_lora"):
@@ -362,9 +447,19 @@ def test_served_over_http_with_the_environment_variable(tmp_path, monkeypatch, a
     import httpx
 
     monkeypatch.setenv(RUNTIME_UPDATING_ENV, "1")
-    server = ServerProcess([*MOCK_ARGS, "--enable-lora", "--max-loras", "2", "--lora-modules",
-                            f"a={adapters['a']}", json.dumps({"name": "b", "path": adapters["b"]})],
-                           tmp_path / "server.log", startup_timeout=60)
+    server = ServerProcess(
+        [
+            *MOCK_ARGS,
+            "--enable-lora",
+            "--max-loras",
+            "2",
+            "--lora-modules",
+            f"a={adapters['a']}",
+            json.dumps({"name": "b", "path": adapters["b"]}),
+        ],
+        tmp_path / "server.log",
+        startup_timeout=60,
+    )
     server.start()
     try:
         url = server.url

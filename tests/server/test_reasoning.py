@@ -15,14 +15,24 @@ from server_testlib import ScriptedEngine, sse_chunks
 
 TEMPLATE = (resources.small_checkpoint() / "chat_template.jinja").read_text()
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 @pytest.fixture
 def scripted(make_client):
-    client = make_client(token_delay=0.0002, settings=dict(max_model_len=4096, num_pages=2048), engine_cls=ScriptedEngine,
-                         chat_renderer=ChatRenderer(MockTokenizer(), template=TEMPLATE), reasoning_parser="qwen3")
+    client = make_client(
+        token_delay=0.0002,
+        settings=dict(max_model_len=4096, num_pages=2048),
+        engine_cls=ScriptedEngine,
+        chat_renderer=ChatRenderer(MockTokenizer(), template=TEMPLATE),
+        reasoning_parser="qwen3",
+    )
     return client, client.mock_engine
 
 
@@ -81,9 +91,11 @@ def test_a_closed_think_block_in_the_prompt_means_all_content(scripted):
 
 def test_tool_calls_are_parsed_from_the_content_only(scripted):
     client, engine = scripted
-    engine.reply = ('<think>Maybe <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>? '
-                    'No: Paris.</think>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-                    '</tool_call>')
+    engine.reply = (
+        '<think>Maybe <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>? '
+        'No: Paris.</think>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call>"
+    )
     choice = post(client, tools=[WEATHER]).json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert "Rome" in choice["message"]["reasoning_content"] and choice["message"]["content"] is None

@@ -13,8 +13,12 @@ CASES = [
     # (model output, the prompt left the reasoning open, reasoning, content)
     ("<think>\nLet me think: 2 + 2.\n</think>\n\nIt is 4.", True, "Let me think: 2 + 2.\n", "It is 4."),
     ("Let me think: 2 + 2.\n</think>\n\nIt is 4.", True, "Let me think: 2 + 2.\n", "It is 4."),  # <think> in the prompt
-    ("  <think>a < b and </thinking> is not the tag</think>{\"x\":1}", True, "a < b and </thinking> is not the tag",
-     '{"x":1}'),
+    (
+        '  <think>a < b and </thinking> is not the tag</think>{"x":1}',
+        True,
+        "a < b and </thinking> is not the tag",
+        '{"x":1}',
+    ),
     ("<think>\nstill going when max_tokens cut it </thi", True, "still going when max_tokens cut it </thi", ""),
     ("no tags at all", True, "no tags at all", ""),  # a reasoning that never ends: all reasoning
     ("<thinkish> is text", True, "<thinkish> is text", ""),

@@ -37,7 +37,7 @@ def jaxserve_files(frame) -> tuple[str, ...]:
     while frame is not None:
         path = frame.f_code.co_filename
         if path.startswith(PACKAGE):
-            rel = path[len(PACKAGE):]
+            rel = path[len(PACKAGE) :]
             if not files or files[-1] != rel:
                 files.append(rel)
         frame = frame.f_back
@@ -67,7 +67,7 @@ class PathRecorder:
         if event == "call":
             name, path = code.co_name, code.co_filename
             if from_jaxserve and path.startswith(PACKAGE) and path != caller.f_code.co_filename:
-                self.calls.add((caller.f_code.co_filename[len(PACKAGE):], path[len(PACKAGE):]))
+                self.calls.add((caller.f_code.co_filename[len(PACKAGE) :], path[len(PACKAGE) :]))
             if name == "__init__" and type(frame.f_locals.get("self")).__name__ in ("EngineRequest", "RequestOutput"):
                 self._record(type(frame.f_locals["self"]).__name__, caller)
             elif from_jaxserve and name == "put" and path.endswith(os.path.join("engine", "intake.py")):
@@ -106,8 +106,16 @@ def profiled_app(tiny_text_model):
     from jaxserve.server.api import ServerOptions, create_app
 
     model_dir, tok_dir = tiny_text_model
-    settings = EngineConfig(model=model_dir, tokenizer=tok_dir, dtype="float32", max_model_len=64, max_num_seqs=2,
-                            max_num_batched_tokens=16, page_size=16, num_pages=16)
+    settings = EngineConfig(
+        model=model_dir,
+        tokenizer=tok_dir,
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        page_size=16,
+        num_pages=16,
+    )
     recorder = PathRecorder()
     engine = AsyncLLMEngine(LLMEngine(settings))
     threading.setprofile(recorder)  # the engine's step thread and the client's event-loop thread, made below
@@ -123,8 +131,13 @@ def profiled_app(tiny_text_model):
 
 
 def stream_chat(client) -> str:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 3,
+        "temperature": 0,
+        "stream": True,
+    }
     with client.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
         return "".join(response.iter_text())
@@ -139,8 +152,15 @@ def test_a_streamed_chat_crosses_at_most_twelve_file_boundaries(profiled_app):
     finally:
         recorder.on = False
     assert again == first or "data: [DONE]" in again
-    assert set(recorder.stacks) == {"EngineRequest", "intake", "compiled step", "samples fetched", "RequestOutput",
-                                    "handed back", "SSE chunk"}, sorted(recorder.stacks)
+    assert set(recorder.stacks) == {
+        "EngineRequest",
+        "intake",
+        "compiled step",
+        "samples fetched",
+        "RequestOutput",
+        "handed back",
+        "SSE chunk",
+    }, sorted(recorder.stacks)
     edges = recorder.boundaries()
     print(f"\n{len(edges)} file boundaries:")
     for caller, callee in edges:
@@ -148,6 +168,8 @@ def test_a_streamed_chat_crosses_at_most_twelve_file_boundaries(profiled_app):
     # For the record: every file-to-file call the request caused, helpers included, and those into
     # files that call on into others (not leaves).
     callers = {a for a, _ in recorder.calls}
-    print(f"{len(recorder.calls)} distinct file-to-file calls, {sum(b in callers for _, b in recorder.calls)} "
-          f"into files that call on")
+    print(
+        f"{len(recorder.calls)} distinct file-to-file calls, {sum(b in callers for _, b in recorder.calls)} "
+        f"into files that call on"
+    )
     assert len(edges) <= BOUND, edges

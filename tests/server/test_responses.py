@@ -17,9 +17,18 @@ from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
 
 TEMPLATE = (resources.small_checkpoint() / "chat_template.jinja").read_text()
-WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather of a city", "strict": True,
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-                          "additionalProperties": False}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather of a city",
+    "strict": True,
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 EVENT = TypeAdapter(ResponseStreamEvent)
 
@@ -47,9 +56,13 @@ class Scripted(MockAsyncLLMEngine):
 @pytest.fixture
 def scripted(make_client):
     def make(reasoning_parser=None, **settings):
-        client = make_client(token_delay=0.0, settings=dict(max_model_len=4096, num_pages=2048, **settings),
-                             engine_cls=Scripted, chat_renderer=ChatRenderer(MockTokenizer(), template=TEMPLATE),
-                             reasoning_parser=reasoning_parser)
+        client = make_client(
+            token_delay=0.0,
+            settings=dict(max_model_len=4096, num_pages=2048, **settings),
+            engine_cls=Scripted,
+            chat_renderer=ChatRenderer(MockTokenizer(), template=TEMPLATE),
+            reasoning_parser=reasoning_parser,
+        )
         return client, client.mock_engine
 
     return make
@@ -66,8 +79,8 @@ def sse(response) -> list[dict]:
         if not block.strip():
             continue
         kind, data = block.split("\n")
-        assert kind == f"event: {json.loads(data[len('data: '):])['type']}", block
-        events.append(json.loads(data[len("data: "):]))
+        assert kind == f"event: {json.loads(data[len('data: ') :])['type']}", block
+        events.append(json.loads(data[len("data: ") :]))
     return events
 
 
@@ -136,12 +149,21 @@ def check_events(events: list[dict]) -> dict:
 
 def same_output(a: dict, b: dict) -> bool:
     """Two responses' outputs and usage alike, ids apart."""
+
     def shape(r):
         u = r["usage"]
-        usage = (u["input_tokens"], u["output_tokens"], u["output_tokens_details"]["reasoning_tokens"],
-                 u["total_tokens"])
-        return ([(i["type"], i.get("name"), item_text(i), i["status"]) for i in r["output"]], r["status"],
-                r["incomplete_details"], usage)
+        usage = (
+            u["input_tokens"],
+            u["output_tokens"],
+            u["output_tokens_details"]["reasoning_tokens"],
+            u["total_tokens"],
+        )
+        return (
+            [(i["type"], i.get("name"), item_text(i), i["status"]) for i in r["output"]],
+            r["status"],
+            r["incomplete_details"],
+            usage,
+        )
 
     return shape(a) == shape(b)
 
@@ -151,26 +173,44 @@ def same_output(a: dict, b: dict) -> bool:
 
 def test_create_is_the_chat_completion_of_the_same_conversation(make_client):
     client = make_client(token_delay=0.0, settings=dict(max_model_len=512, num_pages=512))
-    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
-                    {"role": "user", "content": [{"type": "input_text", "text": "Tell me "},
-                                                 {"type": "input_text", "text": "more."}]}]
-    r = client.post("/v1/responses", json={"input": conversation, "instructions": "Be brief.", "temperature": 0,
-                                           "max_output_tokens": 60, "metadata": {"k": "v"}})
+    conversation = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Tell me "}, {"type": "input_text", "text": "more."}],
+        },
+    ]
+    r = client.post(
+        "/v1/responses",
+        json={
+            "input": conversation,
+            "instructions": "Be brief.",
+            "temperature": 0,
+            "max_output_tokens": 60,
+            "metadata": {"k": "v"},
+        },
+    )
     assert r.status_code == 200, r.text
     body = Response.model_validate(r.json())  # every field the client's type requires, of its type
-    messages = [{"role": "system", "content": "Be brief."}] + conversation[:2] + [{"role": "user",
-                                                                                   "content": "Tell me more."}]
+    messages = (
+        [{"role": "system", "content": "Be brief."}] + conversation[:2] + [{"role": "user", "content": "Tell me more."}]
+    )
     chat = client.post("/v1/chat/completions", json={"messages": messages, "temperature": 0, "max_tokens": 60}).json()
     assert body.output_text == chat["choices"][0]["message"]["content"]
     assert body.status == ("incomplete" if chat["choices"][0]["finish_reason"] == "length" else "completed")
-    assert (body.usage.input_tokens, body.usage.output_tokens) == (chat["usage"]["prompt_tokens"],
-                                                                   chat["usage"]["completion_tokens"])
+    assert (body.usage.input_tokens, body.usage.output_tokens) == (
+        chat["usage"]["prompt_tokens"],
+        chat["usage"]["completion_tokens"],
+    )
     assert body.usage.total_tokens == chat["usage"]["total_tokens"] and body.metadata == {"k": "v"}
     assert body.id.startswith("resp_") and body.output[0].id.startswith("msg_") and body.temperature == 0
     # the official client: the same response; a string input is one user message
     made = oai(client).responses.create(model="mock", input="Tell me more.", temperature=0, max_output_tokens=60)
-    alone = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Tell me more."}],
-                                                      "temperature": 0, "max_tokens": 60}).json()
+    alone = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Tell me more."}], "temperature": 0, "max_tokens": 60},
+    ).json()
     assert made.output_text == alone["choices"][0]["message"]["content"] and made.model == "mock"
 
 
@@ -184,10 +224,18 @@ def test_stream_events_and_the_helpers_final_response(scripted):
     with oai(client).responses.stream(model="mock", input="Capital of France?") as stream:
         kinds = [event.type for event in stream]
         helper = stream.get_final_response()
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert same_output(helper.model_dump(mode="json"), plain) and helper.output_text == engine.reply
 
 
@@ -212,12 +260,14 @@ def test_function_tool_round_trip(scripted):
     first = api.responses.create(model="mock", input="Weather in Paris?", tools=[WEATHER])
     message, call = first.output
     assert message.type == "message" and message.content[0].text == "Let me check."
-    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {
-        "city": "Paris"}
+    assert (
+        call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    )
     assert call.call_id.startswith("call_") and call.id.startswith("fc_") and first.status == "completed"
     assert first.tools[0].name == "get_weather" and "<tools>" in engine.prompts[-1]
-    streamed = check_events(sse(client.post("/v1/responses", json={"input": "Weather in Paris?", "tools": [WEATHER],
-                                                                   "stream": True})))
+    streamed = check_events(
+        sse(client.post("/v1/responses", json={"input": "Weather in Paris?", "tools": [WEATHER], "stream": True}))
+    )
     assert same_output(streamed, first.model_dump(mode="json"))
     # the call's output, continuing the stored response; then the same conversation sent whole
     engine.reply = "It is 18 degrees."
@@ -237,19 +287,25 @@ def test_reasoning_items_streamed_and_not(scripted):
     engine.reply = "<think>\nTwo and two.\n</think>\n\nIt is 4."
     plain = client.post("/v1/responses", json={"input": "2 + 2?"}).json()
     reasoning, message = plain["output"]
-    assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text",
-                                                                          "text": "Two and two.\n"}]
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [
+        {"type": "reasoning_text", "text": "Two and two.\n"}
+    ]
     assert item_text(message) == "It is 4." and plain["status"] == "completed"
     assert plain["usage"]["output_tokens_details"]["reasoning_tokens"] == len(
-        MockTokenizer().encode("<think>\nTwo and two.\n</think>"))
+        MockTokenizer().encode("<think>\nTwo and two.\n</think>")
+    )
     events = sse(client.post("/v1/responses", json={"input": "2 + 2?", "stream": True}))
     assert same_output(check_events(events), plain)
     kinds = [e["type"] for e in events]
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
     # sent back as input, the reasoning item is accepted and not rendered (templates drop earlier reasoning)
     engine.reply = "5."
-    again = client.post("/v1/responses", json={"input": [{"role": "user", "content": "2 + 2?"}, *plain["output"],
-                                                         {"role": "user", "content": "Plus one?"}]})
+    again = client.post(
+        "/v1/responses",
+        json={
+            "input": [{"role": "user", "content": "2 + 2?"}, *plain["output"], {"role": "user", "content": "Plus one?"}]
+        },
+    )
     assert again.status_code == 200, again.text
     assert "It is 4." in engine.prompts[-1] and "Two and two." not in engine.prompts[-1]
 
@@ -257,8 +313,9 @@ def test_reasoning_items_streamed_and_not(scripted):
 def test_an_engine_failure(make_client):
     client = make_client(token_delay=0.001, settings=dict(max_model_len=512, num_pages=512))
     assert client.post("/v1/responses", json={"input": "<<mock-fail>>"}).status_code == 500
-    events = sse(client.post("/v1/responses", json={"input": "<<mock-fail-later>>", "max_output_tokens": 8,
-                                                    "stream": True}))
+    events = sse(
+        client.post("/v1/responses", json={"input": "<<mock-fail-later>>", "max_output_tokens": 8, "stream": True})
+    )
     failed = check_events(events)  # what came before the failure, then response.failed
     assert events[-1]["type"] == "response.failed" and failed["status"] == "failed"
     assert failed["error"]["code"] == "server_error" and "injected failure" in failed["error"]["message"]
@@ -281,8 +338,7 @@ def test_previous_response_id_continues_the_conversation(scripted):
     assert "My name is Ann." in prompt and "Hi Ann." in prompt and "What is my name?" in prompt
     assert "Be brief." not in prompt  # instructions are not carried over (as OpenAI)
     assert api.responses.retrieve(second.id).model_dump() == second.model_dump()
-    assert client.delete(f"/v1/responses/{first.id}").json() == {"id": first.id, "object": "response",
-                                                                  "deleted": True}
+    assert client.delete(f"/v1/responses/{first.id}").json() == {"id": first.id, "object": "response", "deleted": True}
     r = client.post("/v1/responses", json={"input": "again", "previous_response_id": first.id})
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
     assert first.id in r.json()["error"]["message"]
@@ -323,37 +379,50 @@ def test_storing_turned_off(scripted):
 # ---- refusals -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("extra,param,needle", [
-    ({"tools": [{"type": "web_search"}]}, "tools", "web_search"),
-    ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools", "file_search"),
-    ({"tools": [{"type": "computer_use_preview", "display_width": 1, "display_height": 1, "environment": "linux"}]},
-     "tools", "computer_use_preview"),
-    ({"tools": [dict(WEATHER, defer_loading=True)]}, "tools", "defer_loading"),
-    ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "web_search_preview"),
-    ({"background": True}, "background", "background"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input",
-     "input_image"),
-    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input", "input_file"),
-    ({"input": [{"type": "web_search_call", "id": "w", "status": "completed"}]}, "input", "web_search_call"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item_reference"),
-    ({"input": [{"role": "tool", "content": "x"}]}, "input", "role"),
-    ({"input": []}, "input", "input"),
-    ({"conversation": "conv_1"}, "conversation", "conversation"),
-    ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt"),
-    ({"include": ["message.output_text.logprobs"]}, "include", "include"),
-    ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
-    ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
-    ({"truncation": "auto"}, "truncation", "truncation"),
-    ({"text": {"verbosity": "low"}}, "text", "verbosity"),
-    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "schema"),
-    ({"text": {"format": {"type": "xml"}}}, "text", "xml"),
-    ({"service_tier": "flex"}, "service_tier", "service_tier"),
-    ({"frobnicate": 1}, "frobnicate", "frobnicate"),
-    ({"previous_response_id": "resp_nope"}, "previous_response_id", "resp_nope"),
-    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
-    ({"temperature": 3}, "temperature", "temperature"),
-    ({"max_output_tokens": 5000}, "input", "context length"),
-])
+@pytest.mark.parametrize(
+    "extra,param,needle",
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools", "web_search"),
+        ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools", "file_search"),
+        (
+            {
+                "tools": [
+                    {"type": "computer_use_preview", "display_width": 1, "display_height": 1, "environment": "linux"}
+                ]
+            },
+            "tools",
+            "computer_use_preview",
+        ),
+        ({"tools": [dict(WEATHER, defer_loading=True)]}, "tools", "defer_loading"),
+        ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice", "web_search_preview"),
+        ({"background": True}, "background", "background"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+            "input",
+            "input_image",
+        ),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input", "input_file"),
+        ({"input": [{"type": "web_search_call", "id": "w", "status": "completed"}]}, "input", "web_search_call"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item_reference"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input", "role"),
+        ({"input": []}, "input", "input"),
+        ({"conversation": "conv_1"}, "conversation", "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt"),
+        ({"include": ["message.output_text.logprobs"]}, "include", "include"),
+        ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
+        ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
+        ({"truncation": "auto"}, "truncation", "truncation"),
+        ({"text": {"verbosity": "low"}}, "text", "verbosity"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "schema"),
+        ({"text": {"format": {"type": "xml"}}}, "text", "xml"),
+        ({"service_tier": "flex"}, "service_tier", "service_tier"),
+        ({"frobnicate": 1}, "frobnicate", "frobnicate"),
+        ({"previous_response_id": "resp_nope"}, "previous_response_id", "resp_nope"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"temperature": 3}, "temperature", "temperature"),
+        ({"max_output_tokens": 5000}, "input", "context length"),
+    ],
+)
 def test_refusals_are_400s_naming_the_field(make_client, extra, param, needle):
     client = make_client(token_delay=0.0, settings=dict(max_model_len=512, num_pages=512))
     r = client.post("/v1/responses", json={"input": "x", **extra})

@@ -20,8 +20,17 @@ def test_every_engine_setting_is_a_flag():
     text = serve.build_parser().format_help()
     for name in EngineConfig.field_names():
         assert "--" + name.replace("_", "-") in text
-    for flag in ("--host", "--port", "--api-key", "--max-waiting", "--served-model-name", "--max-body-bytes",
-                 "--grace-seconds", "--mock-engine", "--config"):
+    for flag in (
+        "--host",
+        "--port",
+        "--api-key",
+        "--max-waiting",
+        "--served-model-name",
+        "--max-body-bytes",
+        "--grace-seconds",
+        "--mock-engine",
+        "--config",
+    ):
         assert flag in text
 
 
@@ -48,7 +57,9 @@ def test_yaml_then_flags(tmp_path):
 
 def test_mock_settings_default_small():
     settings, name, _ = resolve(["--mock-engine", "--max-num-seqs", "3"])
-    assert name == "mock" and settings.max_num_seqs == 3 and settings.max_model_len == serve.MOCK_DEFAULTS["max_model_len"]
+    assert (
+        name == "mock" and settings.max_num_seqs == 3 and settings.max_model_len == serve.MOCK_DEFAULTS["max_model_len"]
+    )
 
 
 def test_bad_settings_exit_2(capsys):
@@ -98,10 +109,15 @@ def test_jaxserve_command_dispatches_subcommands(capsys):
 def test_engine_failure_exits_1_and_a_missing_model_2(tmp_path):
     """A model that resolves but cannot load fails in the engine (the server was listening: exit 1); a
     model that names nothing fails before the server starts (exit 2)."""
+
     def serve_exit(model: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "jaxserve.serve", "--port", "0", "--model", model],
-                              capture_output=True, text=True, timeout=120,
-                              env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+        return subprocess.run(
+            [sys.executable, "-m", "jaxserve.serve", "--port", "0", "--model", model],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+        )
 
     proc = serve_exit(str(tmp_path))  # an empty directory
     assert proc.returncode == 1, proc.stderr[-2000:]

@@ -14,8 +14,10 @@ from server_testlib import default_model_client
 
 SCHEMA = {
     "type": "object",
-    "properties": {"answer": {"type": "string", "maxLength": 12}, "score": {"type": "integer", "minimum": 1,
-                                                                            "maximum": 5}},
+    "properties": {
+        "answer": {"type": "string", "maxLength": 12},
+        "score": {"type": "integer", "minimum": 1, "maximum": 5},
+    },
     "required": ["answer", "score"],
     "additionalProperties": False,
 }
@@ -74,16 +76,33 @@ def test_vllm_fields_on_completions(client):
     assert r.json()["choices"][0]["message"]["content"] in ("yes", "no")
 
 
-@pytest.mark.parametrize("extra,needle", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
-      "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["a"]}}}}, "json_schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
-    ({"guided_regex": r"(a)\1"}, "backreference"),
-    ({"guided_regex": r"(?=a)b"}, "look"),
-    ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_json and guided_regex"),
-    ({"structured_outputs": {"jsn": {}}}, "jsn"),
-    ({"guided_choice": []}, "empty"),
-])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {
+                            "type": "object",
+                            "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}},
+                            "required": ["a"],
+                        },
+                    },
+                }
+            },
+            "json_schema",
+        ),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
+        ({"guided_regex": r"(a)\1"}, "backreference"),
+        ({"guided_regex": r"(?=a)b"}, "look"),
+        ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_json and guided_regex"),
+        ({"structured_outputs": {"jsn": {}}}, "jsn"),
+        ({"guided_choice": []}, "empty"),
+    ],
+)
 def test_bad_constraints_are_400s_and_the_server_keeps_serving(client, extra, needle):
     r = chat(client, **extra)
     assert r.status_code == 400, r.text
@@ -91,7 +110,6 @@ def test_bad_constraints_are_400s_and_the_server_keeps_serving(client, extra, ne
     assert r.json()["error"]["code"] == "invalid_structured_output"
     ok = complete(client, max_tokens=4, temperature=0)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
-
 
 
 def test_grammars_compile_before_intake_never_on_the_step_thread(client, monkeypatch):
@@ -113,6 +131,7 @@ def test_grammars_compile_before_intake_never_on_the_step_thread(client, monkeyp
 
 # ---- under --reasoning-parser: the grammar applies after </think> ---------------------------------
 
+
 def _reasoning_on(client, monkeypatch):
     monkeypatch.setattr(client.app.state.jaxserve.options, "reasoning_parser", "qwen3")
 
@@ -122,8 +141,15 @@ def test_reasoning_parser_closed_think_block_content_parses(client, monkeypatch)
     _reasoning_on(client, monkeypatch)
     rf = {"type": "json_schema", "json_schema": {"name": "rating", "schema": SCHEMA, "strict": True}}
     messages = MESSAGES + [{"role": "assistant", "content": "<think>\n\n</think>\n\n"}]
-    r = chat(client, messages=messages, continue_final_message=True, add_generation_prompt=False, response_format=rf,
-             temperature=1.0, seed=2)
+    r = chat(
+        client,
+        messages=messages,
+        continue_final_message=True,
+        add_generation_prompt=False,
+        response_format=rf,
+        temperature=1.0,
+        seed=2,
+    )
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice
     assert choice["message"]["reasoning_content"] is None
@@ -174,6 +200,7 @@ def test_gated_grammar_on_the_engine_after_the_models_own_marker(client):
 
 # ---- logprobs under a grammar: strict JSON, only allowed tokens -----------------------------------
 
+
 def _reject_constant(name):
     raise ValueError(f"not JSON: {name}")
 
@@ -185,7 +212,7 @@ def strict_json(text: str):
 
 def strict_chunks(r) -> list[dict]:
     assert r.status_code == 200, r.text
-    lines = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    lines = [line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     chunks = [strict_json(line) for line in lines[:-1]]
     assert not any("error" in c for c in chunks), chunks
@@ -203,8 +230,18 @@ YES_NO = ["yes", "no"]
 def test_completion_logprobs_under_a_grammar_are_strict_json(client, stream):
     """guided_choice allows fewer tokens than asked for: the masked ones are left out of top_logprobs
     (once -Infinity in a stream, a 500 otherwise)."""
-    r = client.post("/v1/completions", json={"prompt": "Answer:", "max_tokens": 4, "guided_choice": YES_NO,
-                                             "logprobs": 5, "temperature": 1.0, "seed": 1, "stream": stream})
+    r = client.post(
+        "/v1/completions",
+        json={
+            "prompt": "Answer:",
+            "max_tokens": 4,
+            "guided_choice": YES_NO,
+            "logprobs": 5,
+            "temperature": 1.0,
+            "seed": 1,
+            "stream": stream,
+        },
+    )
     if stream:
         pieces = [c["choices"][0] for c in strict_chunks(r) if c["choices"]]
         text = "".join(p["text"] for p in pieces)
@@ -233,8 +270,9 @@ def test_completion_logprobs_under_a_grammar_are_strict_json(client, stream):
 def test_chat_top_logprobs_under_response_format_are_strict_json(client, stream):
     docs = ['"yes"', '"no"']
     rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"enum": YES_NO}}}
-    r = chat(client, response_format=rf, logprobs=True, top_logprobs=20, temperature=1.0, seed=3, max_tokens=8,
-             stream=stream)
+    r = chat(
+        client, response_format=rf, logprobs=True, top_logprobs=20, temperature=1.0, seed=3, max_tokens=8, stream=stream
+    )
     if stream:
         pieces = [c["choices"][0] for c in strict_chunks(r) if c["choices"]]
         content = "".join(p["delta"].get("content") or "" for p in pieces)

@@ -29,8 +29,7 @@ def test_tokenize_detokenize_round_trip(client):
 def test_tokenize_chat_renders_the_chat_template_as_chat_completions_does(client):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     out = client.post("/tokenize", json={"messages": messages, "return_token_strs": True}).json()
-    want = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-            "<|im_start|>assistant\n")
+    want = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert out["tokens"] == MockTokenizer().encode(want) and out["count"] == len(out["tokens"])
     assert "".join(out["token_strs"]) == want
     chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
@@ -46,17 +45,20 @@ def test_capabilities_list_the_endpoints(client):
     assert caps["limits"]["max_logit_bias"] == 300
 
 
-@pytest.mark.parametrize("path,body,status,needle", [
-    ("/detokenize", {"tokens": [5, VOCAB_SIZE]}, 400, "vocabulary"),
-    ("/detokenize", {"tokens": [-1]}, 400, "vocabulary"),
-    ("/detokenize", {"tokens": []}, 400, "empty"),
-    ("/tokenize", {"prompt": ""}, 400, "empty"),
-    ("/tokenize", {}, 400, "exactly one of prompt or messages"),
-    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "exactly one"),
-    ("/tokenize", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
-    ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
-    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path,body,status,needle",
+    [
+        ("/detokenize", {"tokens": [5, VOCAB_SIZE]}, 400, "vocabulary"),
+        ("/detokenize", {"tokens": [-1]}, 400, "vocabulary"),
+        ("/detokenize", {"tokens": []}, 400, "empty"),
+        ("/tokenize", {"prompt": ""}, 400, "empty"),
+        ("/tokenize", {}, 400, "exactly one of prompt or messages"),
+        ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "exactly one"),
+        ("/tokenize", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+        ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ],
+)
 def test_bad_tokenize_input_is_a_named_error(client, path, body, status, needle):
     assert_error(client.post(path, json=body), status, needle)
     assert client.post("/tokenize", json={"prompt": "still serving"}).status_code == 200
@@ -69,14 +71,17 @@ def test_without_a_tokenizer_tokenize_is_a_400(make_client):
     assert_error(client.post("/detokenize", json={"tokens": [5]}), 400, "no tokenizer")
 
 
-@pytest.mark.parametrize("bias,needle", [
-    ({"5": 100.5}, "[-100, 100]"),
-    ({"5": -101}, "[-100, 100]"),
-    ({"x": 1}, "token ids"),
-    ({"-3": 1}, "negative"),
-    ({str(VOCAB_SIZE): 1}, "vocabulary"),
-    ({str(i): 1 for i in range(301)}, "300"),
-])
+@pytest.mark.parametrize(
+    "bias,needle",
+    [
+        ({"5": 100.5}, "[-100, 100]"),
+        ({"5": -101}, "[-100, 100]"),
+        ({"x": 1}, "token ids"),
+        ({"-3": 1}, "negative"),
+        ({str(VOCAB_SIZE): 1}, "vocabulary"),
+        ({str(i): 1 for i in range(301)}, "300"),
+    ],
+)
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_bad_logit_bias_is_a_400_naming_it(client, path, bias, needle):
     body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}

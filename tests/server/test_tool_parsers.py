@@ -16,31 +16,67 @@ WEATHER = '{"city": "Paris", "days": 3, "units": ["c", "f"], "note": "a } \\" ] 
 
 CASES = [
     # (parser, model output, expected content, expected [(name, arguments)])
-    ("hermes", f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>', None,
-     [("get_weather", WEATHER)]),
-    ("hermes", 'Let me look.\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n'
-               '{"arguments": {"x": 1.5e3, "y": null, "z": true}, "name": "b.c-d"}\n</tool_call>',
-     "Let me look.", [("a", "{}"), ("b.c-d", '{"x": 1.5e3, "y": null, "z": true}')]),
-    ("hermes", '<tool_call>{"name": "f", "parameters": {"q": "<tool_call>"}}</tool_call>', None,
-     [("f", '{"q": "<tool_call>"}')]),
+    (
+        "hermes",
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>',
+        None,
+        [("get_weather", WEATHER)],
+    ),
+    (
+        "hermes",
+        'Let me look.\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+        '{"arguments": {"x": 1.5e3, "y": null, "z": true}, "name": "b.c-d"}\n</tool_call>',
+        "Let me look.",
+        [("a", "{}"), ("b.c-d", '{"x": 1.5e3, "y": null, "z": true}')],
+    ),
+    (
+        "hermes",
+        '<tool_call>{"name": "f", "parameters": {"q": "<tool_call>"}}</tool_call>',
+        None,
+        [("f", '{"q": "<tool_call>"}')],
+    ),
     ("hermes", '<tool_call>\n{"name": "no_args"}\n</tool_call>', None, [("no_args", "{}")]),
-    ("hermes", "Plain answer, no tools. Tags like <tool or <tool_ca stay text.", "Plain answer, no tools. "
-               "Tags like <tool or <tool_ca stay text.", []),
-    ("hermes", 'Broken: <tool_call>{"name": 3, "arguments": {}}</tool_call>',
-     'Broken: <tool_call>{"name": 3, "arguments": {}}</tool_call>', []),
-    ("hermes", '<tool_call>not json</tool_call>', "<tool_call>not json</tool_call>", []),
-    ("hermes", 'ends in a tag <tool_c', "ends in a tag <tool_c", []),
-    ("hermes", 'Ünïcödé ✓ <tool_call>{"name": "emoji", "arguments": {"s": "🎉 ü"}}</tool_call>', "Ünïcödé ✓",
-     [("emoji", '{"s": "🎉 ü"}')]),
+    (
+        "hermes",
+        "Plain answer, no tools. Tags like <tool or <tool_ca stay text.",
+        "Plain answer, no tools. Tags like <tool or <tool_ca stay text.",
+        [],
+    ),
+    (
+        "hermes",
+        'Broken: <tool_call>{"name": 3, "arguments": {}}</tool_call>',
+        'Broken: <tool_call>{"name": 3, "arguments": {}}</tool_call>',
+        [],
+    ),
+    ("hermes", "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+    ("hermes", "ends in a tag <tool_c", "ends in a tag <tool_c", []),
+    (
+        "hermes",
+        'Ünïcödé ✓ <tool_call>{"name": "emoji", "arguments": {"s": "🎉 ü"}}</tool_call>',
+        "Ünïcödé ✓",
+        [("emoji", '{"s": "🎉 ü"}')],
+    ),
     ("llama3_json", f'{{"name": "get_weather", "parameters": {WEATHER}}}', None, [("get_weather", WEATHER)]),
-    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"k": [1, {"n": 2}]}}; {"name": "b", "arguments": {}}',
-     None, [("a", '{"k": [1, {"n": 2}]}'), ("b", "{}")]),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "a", "parameters": {"k": [1, {"n": 2}]}}; {"name": "b", "arguments": {}}',
+        None,
+        [("a", '{"k": [1, {"n": 2}]}'), ("b", "{}")],
+    ),
     ("llama3_json", "  The answer is 4.", "The answer is 4.", []),
     ("llama3_json", '{"result": 4}', '{"result": 4}', []),
-    ("llama3_json", '{"name": "a", "parameters": {}} trailing words', '{"name": "a", "parameters": {}} trailing words',
-     []),
-    ("json_array", '[{"name":"a","arguments":{"q":"x,y]"}},{"name":"b","arguments":{"n":-0.5}}]', None,
-     [("a", '{"q":"x,y]"}'), ("b", '{"n":-0.5}')]),
+    (
+        "llama3_json",
+        '{"name": "a", "parameters": {}} trailing words',
+        '{"name": "a", "parameters": {}} trailing words',
+        [],
+    ),
+    (
+        "json_array",
+        '[{"name":"a","arguments":{"q":"x,y]"}},{"name":"b","arguments":{"n":-0.5}}]',
+        None,
+        [("a", '{"q":"x,y]"}'), ("b", '{"n":-0.5}')],
+    ),
     ("json_array", '[{"name":"only","arguments":{}}]', None, [("only", "{}")]),
 ]
 

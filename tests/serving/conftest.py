@@ -16,8 +16,9 @@ def serve_url():
     from ray import serve
 
     port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}})
+    ray.init(
+        num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}}
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         yield f"http://127.0.0.1:{port}"

@@ -10,8 +10,7 @@ import time
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.serving.ray.multihost_replica import (FollowerGroup, actor_resources, placement_bundles,
-                                                    process_settings)
+from jaxserve.serving.ray.multihost_replica import FollowerGroup, actor_resources, placement_bundles, process_settings
 from serving_testlib import free_port
 
 
@@ -30,8 +29,9 @@ def test_one_bundle_per_process_each_with_the_replica_resources():
 def waiting_follower(serve_url):
     """Process 1 of a 2-process job whose process 0 never comes: its actor waits in
     jax.distributed.initialize, as a follower waits for process 0 while the replica starts."""
-    settings = process_settings(EngineConfig(model="checkpoints/small", distributed_timeout=5), 2,
-                                f"127.0.0.1:{free_port()}", 0)
+    settings = process_settings(
+        EngineConfig(model="checkpoints/small", distributed_timeout=5), 2, f"127.0.0.1:{free_port()}", 0
+    )
     group = FollowerGroup.start(settings, {"CPU": 0.5}, warm_up=False)
     yield group
     group.stop()

@@ -20,7 +20,10 @@ from jaxserve.serving.ray.deployments import engine_deployment_options
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MANIFESTS = sorted(glob.glob(os.path.join(ROOT, "configs", "kuberay", "*.yaml")))
 # The model each manifest serves -> the directory of its config.json (no weights) in configs/models.
-CONFIG_ONLY = {"Meta-Llama-3-8B-Instruct": "configs/models/llama3-8b", "Meta-Llama-3-70B-Instruct": "configs/models/llama3-70b"}
+CONFIG_ONLY = {
+    "Meta-Llama-3-8B-Instruct": "configs/models/llama3-8b",
+    "Meta-Llama-3-70B-Instruct": "configs/models/llama3-70b",
+}
 # The node pools' accelerators (GKE node labels) -> the planner's device names.
 POOL_DEVICE = {"nvidia-l4": "l4", "tpu-v5-lite-podslice": "tpu-v5e"}
 # Kubernetes resource names of the accelerators a pod holds -> Ray's resource names.
@@ -93,6 +96,8 @@ def test_a_manifest_runs_serve_rays_application(path, monkeypatch):
     assert plan([*argv_from_args(engine), "--device", POOL_DEVICE[pool], "--devices", str(devices)]) == 0
     # The Serve HTTP proxy listens where the head pod's serve port is.
     serve_config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
-    head_ports = {p["name"]: p["containerPort"]
-                  for p in manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]}
+    head_ports = {
+        p["name"]: p["containerPort"]
+        for p in manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]
+    }
     assert serve_config["http_options"]["port"] == head_ports["serve"]

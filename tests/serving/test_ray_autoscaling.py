@@ -13,14 +13,27 @@ from jaxserve.serving.ray.deployments import AppSpec
 from jaxserve.testing.mock_engine import mock_settings
 from serving_testlib import running_replicas, wait_for
 
-AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0.5,
-               "downscale_delay_s": 2, "metrics_interval_s": 0.5, "look_back_period_s": 1}
+AUTOSCALING = {
+    "min_replicas": 1,
+    "max_replicas": 2,
+    "target_ongoing_requests": 2,
+    "upscale_delay_s": 0.5,
+    "downscale_delay_s": 2,
+    "metrics_interval_s": 0.5,
+    "look_back_period_s": 1,
+}
 
 
 @pytest.fixture(scope="module")
 def url(deploy):
-    spec = AppSpec(settings=mock_settings(), model_name="mock", num_replicas=None, autoscaling=AUTOSCALING,
-                   mock_engine=True, mock_token_delay=0.01)
+    spec = AppSpec(
+        settings=mock_settings(),
+        model_name="mock",
+        num_replicas=None,
+        autoscaling=AUTOSCALING,
+        mock_engine=True,
+        mock_token_delay=0.01,
+    )
     return deploy(spec, name="autoscaled")
 
 
@@ -30,8 +43,9 @@ def test_load_adds_a_replica_and_the_quiet_removes_it(url):
 
     def client_loop(client: httpx.Client):
         while not stop.is_set():
-            r = client.post("/v1/completions", json={"model": "mock", "prompt": [1, 2, 3], "max_tokens": 40,
-                                                     "ignore_eos": True})
+            r = client.post(
+                "/v1/completions", json={"model": "mock", "prompt": [1, 2, 3], "max_tokens": 40, "ignore_eos": True}
+            )
             codes.append(r.status_code)
             if r.status_code == 200:
                 served.add(r.headers["x-jaxserve-replica"])

@@ -19,16 +19,18 @@ STREAMS, TOKENS = 16, 300
 
 @pytest.fixture(scope="module")
 def url(deploy):
-    spec = AppSpec(settings=mock_settings(), model_name="mock", num_replicas=2, mock_engine=True,
-                   mock_token_delay=0.01)
+    spec = AppSpec(settings=mock_settings(), model_name="mock", num_replicas=2, mock_engine=True, mock_token_delay=0.01)
     return deploy(spec, name="faults")
 
 
 def kill_replica(replica_id: str) -> None:
     import ray
 
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].endswith(f"#{replica_id}") and "JaxserveEngine" in a["name"]]
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].endswith(f"#{replica_id}") and "JaxserveEngine" in a["name"]
+    ]
     assert len(names) == 1, names
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
 
@@ -39,8 +41,13 @@ def test_a_killed_replica_fails_its_streams_only_and_is_replaced(url):
     started = threading.Semaphore(0)
 
     def stream(i: int, client: httpx.Client) -> None:
-        body = {"model": "mock", "prompt": [rng.randrange(3, 250) for _ in range(24)], "stream": True,
-                "max_tokens": TOKENS, "ignore_eos": True}
+        body = {
+            "model": "mock",
+            "prompt": [rng.randrange(3, 250) for _ in range(24)],
+            "stream": True,
+            "max_tokens": TOKENS,
+            "ignore_eos": True,
+        }
         out = results[i]
         out["chunks"] = []
         try:
@@ -78,6 +85,7 @@ def test_a_killed_replica_fails_its_streams_only_and_is_replaced(url):
     assert wait_for(lambda: running_replicas("faults") == 2, 90), "Serve did not replace the killed replica"
     with httpx.Client(base_url=url, timeout=60) as client:
         for _ in range(8):
-            r = client.post("/v1/completions", json={"model": "mock", "prompt": [rng.randrange(3, 250)] * 8,
-                                                     "max_tokens": 3})
+            r = client.post(
+                "/v1/completions", json={"model": "mock", "prompt": [rng.randrange(3, 250)] * 8, "max_tokens": 3}
+            )
             assert r.status_code == 200, r.text

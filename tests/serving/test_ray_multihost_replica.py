@@ -25,8 +25,17 @@ from serving_testlib import free_port
 
 # Few buckets (token counts 1 .. 32, powers of two), both processes one CPU device each: tensor parallel
 # over the two "hosts", so every step's all-reduces cross them (gloo).
-ENGINE = dict(dtype="float32", page_size=16, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
-              token_buckets="powers-of-two", num_pages=64, mesh_shape="1,2", compilation_cache_dir="none")
+ENGINE = dict(
+    dtype="float32",
+    page_size=16,
+    max_model_len=128,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    token_buckets="powers-of-two",
+    num_pages=64,
+    mesh_shape="1,2",
+    compilation_cache_dir="none",
+)
 PROMPTS = [[5 + i, 17, 300 + 7 * i, 42, 9, 1000 + i] * (1 + i % 3) for i in range(6)]
 MAX_TOKENS = 8
 READY_WITHIN = 240  # seconds: two raylets, Serve, two engine processes compiling on 2 shared cores
@@ -72,10 +81,29 @@ class ServeRay:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
-        argv = [sys.executable, "-m", "jaxserve.serving.ray.cli", "--config", "small", "--model", "checkpoints/small",
-                *flags(ENGINE), "--num-processes", "2", "--distributed-timeout", "10", "--num-replicas", "1",
-                "--ray-address", cluster.address, "--proxy-location", "HeadOnly", "--port", str(self.port),
-                "--no-access-log"]
+        argv = [
+            sys.executable,
+            "-m",
+            "jaxserve.serving.ray.cli",
+            "--config",
+            "small",
+            "--model",
+            "checkpoints/small",
+            *flags(ENGINE),
+            "--num-processes",
+            "2",
+            "--distributed-timeout",
+            "10",
+            "--num-replicas",
+            "1",
+            "--ray-address",
+            cluster.address,
+            "--proxy-location",
+            "HeadOnly",
+            "--port",
+            str(self.port),
+            "--no-access-log",
+        ]
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
 
     def tail(self) -> str:
@@ -124,14 +152,17 @@ def one_process_texts():
 
     settings = {**ENGINE, "mesh_shape": (1, 2)}
     with LLM("checkpoints/small", warm_up=False, **settings) as llm:
-        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(max_tokens=MAX_TOKENS,
-                                                                                   temperature=0.0))
+        outs = llm.generate(
+            prompt_token_ids=PROMPTS, sampling_params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        )
     return [o.outputs[0].text for o in outs]
 
 
 def complete(client: httpx.Client, ids: list[int]) -> httpx.Response:
-    return client.post("/v1/completions", json={"model": "checkpoints/small", "prompt": ids,
-                                                "max_tokens": MAX_TOKENS, "temperature": 0})
+    return client.post(
+        "/v1/completions",
+        json={"model": "checkpoints/small", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0},
+    )
 
 
 def test_a_two_host_replica_answers_like_one_process(server, one_process_texts):
@@ -149,8 +180,9 @@ def test_a_two_host_replica_answers_like_one_process(server, one_process_texts):
 
 
 def live_placement_groups(cluster) -> list[dict]:
-    out = subprocess.run([sys.executable, "-c", PLACEMENT_QUERY, cluster.address], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", PLACEMENT_QUERY, cluster.address], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -164,8 +196,13 @@ def test_the_replica_is_one_placement_group_spread_over_both_nodes(two_node_clus
 def follower_processes(cluster) -> list[psutil.Process]:
     """The follower actors' processes (workers of this cluster's raylets, titled by Ray after the
     method they run)."""
-    raylets = [proc.process.pid for node in cluster.list_all_nodes()
-               for kind, procs in node.all_processes.items() if kind == "raylet" for proc in procs]
+    raylets = [
+        proc.process.pid
+        for node in cluster.list_all_nodes()
+        for kind, procs in node.all_processes.items()
+        if kind == "raylet"
+        for proc in procs
+    ]
     found = []
     for pid in raylets:
         for child in psutil.Process(pid).children(recursive=True):
@@ -186,8 +223,14 @@ def test_a_dead_follower_fails_the_replica_fast_and_serve_replaces_it(two_node_c
         assert first.status_code == 200, first.text
         old_replica = first.headers["x-jaxserve-replica"]
         (follower,) = follower_processes(two_node_cluster)
-        body = {"model": "checkpoints/small", "prompt": PROMPTS[1], "max_tokens": 100, "ignore_eos": True,
-                "stream": True, "temperature": 0}
+        body = {
+            "model": "checkpoints/small",
+            "prompt": PROMPTS[1],
+            "max_tokens": 100,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0,
+        }
         chunks: list[str] = []
         with client.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200

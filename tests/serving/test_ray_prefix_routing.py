@@ -19,8 +19,13 @@ GROUPS, PER_GROUP, PREFIX = 4, 16, 512
 
 @pytest.fixture(scope="module")
 def url(deploy):
-    spec = AppSpec(settings=mock_settings(max_model_len=1024, num_pages=2048), model_name="mock", num_replicas=2,
-                   mock_engine=True, mock_token_delay=0.002)
+    spec = AppSpec(
+        settings=mock_settings(max_model_len=1024, num_pages=2048),
+        model_name="mock",
+        num_replicas=2,
+        mock_engine=True,
+        mock_token_delay=0.002,
+    )
     return deploy(spec)
 
 
@@ -33,8 +38,11 @@ def complete(client: httpx.Client, ids: list[int]) -> str:
 def test_each_shared_prefix_group_stays_on_one_replica(url):
     rng = random.Random(0)
     prefixes = [[rng.randrange(3, 250) for _ in range(PREFIX)] for _ in range(GROUPS)]
-    requests = [(g, prefixes[g] + [rng.randrange(3, 250) for _ in range(rng.randrange(1, 40))])
-                for g in range(GROUPS) for _ in range(PER_GROUP)]
+    requests = [
+        (g, prefixes[g] + [rng.randrange(3, 250) for _ in range(rng.randrange(1, 40))])
+        for g in range(GROUPS)
+        for _ in range(PER_GROUP)
+    ]
     with httpx.Client(base_url=url, timeout=60) as client:
         # A group's first request, alone, places its prefix (as a system prompt first seen); the rest
         # arrive together, interleaved across groups.

@@ -15,8 +15,15 @@ from jaxserve.loading.model_source import resolve_model_settings
 from jaxserve.serving.ray.deployments import AppSpec
 
 # Few buckets and no warm-up: each replica compiles only the token counts it meets.
-SETTINGS = dict(model="checkpoints/small", dtype="float32", page_size=16, max_model_len=256, max_num_seqs=8,
-                max_num_batched_tokens=64, token_buckets="powers-of-two")
+SETTINGS = dict(
+    model="checkpoints/small",
+    dtype="float32",
+    page_size=16,
+    max_model_len=256,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    token_buckets="powers-of-two",
+)
 MAX_TOKENS = 8
 REQUESTS, CONCURRENCY = 200, 32
 
@@ -28,8 +35,12 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def url(deploy):
-    spec = AppSpec(settings=resolve_model_settings(EngineConfig.from_dict(SETTINGS)), model_name="small",
-                   num_replicas=2, warm_up=False)
+    spec = AppSpec(
+        settings=resolve_model_settings(EngineConfig.from_dict(SETTINGS)),
+        model_name="small",
+        num_replicas=2,
+        warm_up=False,
+    )
     return deploy(spec)
 
 
@@ -40,14 +51,16 @@ def reference():
 
     settings = {k: v for k, v in SETTINGS.items() if k != "model"}
     with LLM(SETTINGS["model"], warm_up=False, **settings) as llm:
-        outs = llm.generate(prompt_token_ids=prompts(REQUESTS), sampling_params=SamplingParams(max_tokens=MAX_TOKENS,
-                                                                                         temperature=0.0))
+        outs = llm.generate(
+            prompt_token_ids=prompts(REQUESTS), sampling_params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+        )
     return [o.outputs[0].text for o in outs]
 
 
 def complete(client: httpx.Client, ids: list[int], **extra) -> httpx.Response:
-    return client.post("/v1/completions", json={"model": "small", "prompt": ids, "max_tokens": MAX_TOKENS,
-                                                "temperature": 0, **extra})
+    return client.post(
+        "/v1/completions", json={"model": "small", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+    )
 
 
 def test_two_replicas_serve_concurrent_requests_like_one_engine(url, reference):
@@ -63,8 +76,11 @@ def test_two_replicas_serve_concurrent_requests_like_one_engine(url, reference):
 def test_streaming_carries_the_replica_and_the_same_text(url, reference):
     ids = prompts(REQUESTS)[0]
     with httpx.Client(base_url=url, timeout=120) as client:
-        with client.stream("POST", "/v1/completions", json={"model": "small", "prompt": ids, "stream": True,
-                                                            "max_tokens": MAX_TOKENS, "temperature": 0}) as r:
+        with client.stream(
+            "POST",
+            "/v1/completions",
+            json={"model": "small", "prompt": ids, "stream": True, "max_tokens": MAX_TOKENS, "temperature": 0},
+        ) as r:
             assert r.status_code == 200
             assert r.headers["x-jaxserve-replica"]
             chunks = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]

@@ -30,8 +30,18 @@ def test_fixed_replicas_resources_and_the_prefix_router():
 
 
 def test_autoscaling_flags_and_their_conflicts():
-    s = spec("--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "4",
-             "--downscale-delay-s", "5", "--router", "pow2")
+    s = spec(
+        "--min-replicas",
+        "1",
+        "--max-replicas",
+        "2",
+        "--target-ongoing-requests",
+        "4",
+        "--downscale-delay-s",
+        "5",
+        "--router",
+        "pow2",
+    )
     assert s.num_replicas is None and not s.prefix_routing
     assert s.autoscaling == {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 4, "downscale_delay_s": 5}
     with pytest.raises(ConfigError, match="not both"):
@@ -70,12 +80,30 @@ def test_the_cli_refuses_a_bad_mix_with_exit_2(capsys):
 
 
 def test_serve_run_args_build_the_same_application():
-    args = {"config": "small", "model": "checkpoints/small", "num_replicas": 2, "mock_engine": False,
-            "replica_resources": {"CPU": 1}, "served_model_name": ["a", "b"]}
-    assert argv_from_args(args) == ["--config", "small", "--model", "checkpoints/small", "--num-replicas", "2",
-                                    "--replica-resources", '{"CPU": 1}', "--served-model-name", "a", "b"]
-    assert argv_from_args({"mock_engine": "true", "enable_prefix_caching": "false", "api_key": "false"},
-                          {"--no-enable-prefix-caching"}) == ["--mock-engine", "--no-enable-prefix-caching"]
+    args = {
+        "config": "small",
+        "model": "checkpoints/small",
+        "num_replicas": 2,
+        "mock_engine": False,
+        "replica_resources": {"CPU": 1},
+        "served_model_name": ["a", "b"],
+    }
+    assert argv_from_args(args) == [
+        "--config",
+        "small",
+        "--model",
+        "checkpoints/small",
+        "--num-replicas",
+        "2",
+        "--replica-resources",
+        '{"CPU": 1}',
+        "--served-model-name",
+        "a",
+        "b",
+    ]
+    assert argv_from_args(
+        {"mock_engine": "true", "enable_prefix_caching": "false", "api_key": "false"}, {"--no-enable-prefix-caching"}
+    ) == ["--mock-engine", "--no-enable-prefix-caching"]
     app = app_builder(args)
     assert type(app).__name__ == "Application"
 
@@ -96,9 +124,25 @@ def test_serve_ray_serves_then_drains_on_sigterm(tmp_path):
 
     port = free_port()
     log = open(tmp_path / "serve-ray.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.serving.ray.cli", "--mock-engine", "--num-replicas", "1",
-                             "--port", str(port), "--mock-token-delay", "0.01", "--grace-seconds", "20"],
-                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, RAY_ADDRESS=""))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxserve.serving.ray.cli",
+            "--mock-engine",
+            "--num-replicas",
+            "1",
+            "--port",
+            str(port),
+            "--mock-token-delay",
+            "0.01",
+            "--grace-seconds",
+            "20",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, RAY_ADDRESS=""),
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -118,8 +162,11 @@ def test_serve_ray_serves_then_drains_on_sigterm(tmp_path):
             streaming = threading.Event()
 
             def stream():
-                with client.stream("POST", "/v1/completions", json={"model": "mock", "prompt": [1, 2], "stream": True, "ignore_eos": True,
-                                                                    "max_tokens": 150}) as s:
+                with client.stream(
+                    "POST",
+                    "/v1/completions",
+                    json={"model": "mock", "prompt": [1, 2], "stream": True, "ignore_eos": True, "max_tokens": 150},
+                ) as s:
                     for line in s.iter_lines():
                         if line.startswith("data: "):
                             chunks.append(line[6:])

@@ -27,8 +27,9 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray, min_expected: float
     return float(stats.chi2.sf(statistic, df=len(obs) - 1))
 
 
-def processed_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                    min_p: float = 0.0) -> np.ndarray:
+def processed_probs(
+    logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> np.ndarray:
     """The distribution a sampled row draws from, written independently of jaxserve (numpy, f64):
     softmax(logits / T) restricted to the top-k, then to the smallest most-likely set holding top_p
     of the top-k mass, then to tokens with p >= min_p * p_max; renormalised."""

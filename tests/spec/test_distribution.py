@@ -23,7 +23,7 @@ def exact_joint(model) -> np.ndarray:
         logits = model(torch.tensor(seqs)).logits.double().numpy()  # [V*V, 5, V]
     n = len(PROMPT)
     p1 = processed_probs(logits[0, n - 1], **SETTING)  # [V]
-    p2 = processed_probs(logits[:: V, n], **SETTING)  # [V(x1), V]
+    p2 = processed_probs(logits[::V, n], **SETTING)  # [V(x1), V]
     p3 = processed_probs(logits[:, n + 1], **SETTING).reshape(V, V, V)
     return p1[:, None, None] * p2[:, :, None] * p3
 
@@ -51,9 +51,18 @@ def models(hf_model_dir, tmp_path_factory):
 def test_sampled_tokens_follow_the_target_and_a_wrong_verifier_is_caught(models):
     target_path, target, draft_path = models
     # A budget of 32 rows x (1 + 2 drafts): verifications share the step's token budget.
-    llm = LLM(target_path, dtype="float32", page_size=8, max_model_len=16, max_num_seqs=32,
-              max_num_batched_tokens=96, warm_up=False, speculative_model=draft_path, num_speculative_tokens=2,
-              speculative_adaptive=False)
+    llm = LLM(
+        target_path,
+        dtype="float32",
+        page_size=8,
+        max_model_len=16,
+        max_num_seqs=32,
+        max_num_batched_tokens=96,
+        warm_up=False,
+        speculative_model=draft_path,
+        num_speculative_tokens=2,
+        speculative_adaptive=False,
+    )
     joint = exact_joint(target)
     counts = sample_counts(llm, REQUESTS)
     stats = llm.engine.stats()

@@ -61,18 +61,27 @@ def test_speculative_settings_are_checked():
     assert EngineConfig(model="m").speculation is None
     # n-gram speculation and prompt logprobs: a scoring step verifies nothing, and there is no draft cache.
     EngineConfig(model="m", speculative_method="ngram", num_speculative_tokens=3, enable_prompt_logprobs=True)
-    cli = EngineConfig.from_cli(["--model", "m", "--speculative-model", "d", "--num-speculative-tokens", "4",
-                                 "--speculative-adaptive", "false"])
+    cli = EngineConfig.from_cli(
+        ["--model", "m", "--speculative-model", "d", "--num-speculative-tokens", "4", "--speculative-adaptive", "false"]
+    )
     assert cli == ok.replace(speculative_adaptive=False)
-    for bad, match in [(dict(num_speculative_tokens=4), "needs speculative_model"),
-                       (dict(speculative_model="d"), "num_speculative_tokens is 0"),
-                       (dict(speculative_method="ngram", speculative_model="d", num_speculative_tokens=2),
-                        "needs no speculative_model"),
-                       (dict(speculative_method="ngram", num_speculative_tokens=2, prompt_lookup_min=3,
-                             prompt_lookup_max=2), "prompt_lookup_min"),
-                       (dict(num_speculative_tokens=-1), ">= 0"),
-                       (dict(speculative_model="d", num_speculative_tokens=2, enable_prompt_logprobs=True),
-                        "enable_prompt_logprobs is not supported with a draft model")]:
+    for bad, match in [
+        (dict(num_speculative_tokens=4), "needs speculative_model"),
+        (dict(speculative_model="d"), "num_speculative_tokens is 0"),
+        (
+            dict(speculative_method="ngram", speculative_model="d", num_speculative_tokens=2),
+            "needs no speculative_model",
+        ),
+        (
+            dict(speculative_method="ngram", num_speculative_tokens=2, prompt_lookup_min=3, prompt_lookup_max=2),
+            "prompt_lookup_min",
+        ),
+        (dict(num_speculative_tokens=-1), ">= 0"),
+        (
+            dict(speculative_model="d", num_speculative_tokens=2, enable_prompt_logprobs=True),
+            "enable_prompt_logprobs is not supported with a draft model",
+        ),
+    ]:
         with pytest.raises(ConfigError, match=match):
             EngineConfig(model="m", **bad)
 
@@ -80,14 +89,23 @@ def test_speculative_settings_are_checked():
 def test_spec_metrics_in_prometheus():
     from jaxserve.server.metrics import ServerMetrics
 
-    stats = dict(num_running=1, spec_decode_num_draft_tokens=40, spec_decode_num_accepted_tokens=30,
-                 spec_decode_num_verify_steps=10, spec_decode_num_steps=8, spec_decode_acceptance_rate=0.75,
-                 spec_decode_mean_accepted_length=4.0)
+    stats = dict(
+        num_running=1,
+        spec_decode_num_draft_tokens=40,
+        spec_decode_num_accepted_tokens=30,
+        spec_decode_num_verify_steps=10,
+        spec_decode_num_steps=8,
+        spec_decode_acceptance_rate=0.75,
+        spec_decode_mean_accepted_length=4.0,
+    )
     text = ServerMetrics(lambda: stats).render().decode()
-    for line in ["jaxserve:spec_decode_num_draft_tokens_total 40.0",
-                 "jaxserve:spec_decode_num_accepted_tokens_total 30.0",
-                 "jaxserve:spec_decode_num_verify_steps_total 10.0", "jaxserve:spec_decode_acceptance_rate 0.75",
-                 "jaxserve:spec_decode_mean_accepted_length 4.0"]:
+    for line in [
+        "jaxserve:spec_decode_num_draft_tokens_total 40.0",
+        "jaxserve:spec_decode_num_accepted_tokens_total 30.0",
+        "jaxserve:spec_decode_num_verify_steps_total 10.0",
+        "jaxserve:spec_decode_acceptance_rate 0.75",
+        "jaxserve:spec_decode_mean_accepted_length 4.0",
+    ]:
         assert line in text, line
     assert "spec_decode" not in ServerMetrics(lambda: dict(num_running=1)).render().decode()
 

@@ -13,8 +13,12 @@ from jaxserve.spec_decode.rejection import expand_positions, positions_of, verif
 
 V, K, N = 6, 2, 20000
 # Sampling parameters are arrays, so every setting reuses one compilation.
-SETTINGS = [dict(temperature=0.8, top_k=4), dict(temperature=1.3), dict(temperature=1.0, top_p=0.7),
-            dict(temperature=1.0, min_p=0.15)]
+SETTINGS = [
+    dict(temperature=0.8, top_k=4),
+    dict(temperature=1.3),
+    dict(temperature=1.0, top_p=0.7),
+    dict(temperature=1.0, min_p=0.15),
+]
 
 verify_jit = jax.jit(verify, static_argnames=("accept_all",))
 
@@ -52,8 +56,9 @@ def run(setting: dict, point_mass: bool, accept_all: bool):
         drafts = np.stack([rng.choice(V, size=N, p=q[j]) for j in range(K)], axis=1)
     logits = np.broadcast_to(target, (N, K + 1, V)).astype(np.float32)
     draft_probs = None if point_mass else np.broadcast_to(q, (N, K, V)).astype(np.float32)
-    out = jax.device_get(verify_dense(logits, drafts.astype(np.int32), draft_probs, np.full(N, K, np.int32), st,
-                                      accept_all=accept_all))
+    out = jax.device_get(
+        verify_dense(logits, drafts.astype(np.int32), draft_probs, np.full(N, K, np.int32), st, accept_all=accept_all)
+    )
     return p, q, drafts, out
 
 
@@ -69,7 +74,7 @@ def test_emitted_tokens_follow_the_target(point_mass):
         p, q, drafts, out = run(setting, point_mass, accept_all=False)
         pvalues = position_pvalues(p, out)
         assert min(pvalues) > SIGNIFICANCE, (setting, pvalues)
-    # Acceptance of the first draft: sum_x min(p, q) for a draft distribution, sum_x g(x) p(x) for points.
+        # Acceptance of the first draft: sum_x min(p, q) for a draft distribution, sum_x g(x) p(x) for points.
         expected = np.minimum(p[0], q[0]).sum() if not point_mass else p[0].mean()
         assert abs((out.num_accepted >= 1).mean() - expected) < 0.02
         # Accepted tokens are the drafts; filtering keeps every emitted token in the target's support.
@@ -94,8 +99,15 @@ def test_greedy_rows_accept_argmax_matches():
     logits = np.broadcast_to(target, (4, K + 1, V)).astype(np.float32)
     # A sampled row in the batch must not change the greedy rows.
     st = sampling([RowSampling(seed=i) for i in range(4)] + [RowSampling(temperature=1.0, seed=9)])
-    out = jax.device_get(verify_dense(np.concatenate([logits, logits[:1]]), np.concatenate([drafts, drafts[:1]]),
-                                      None, np.append(num_draft, K), st))
+    out = jax.device_get(
+        verify_dense(
+            np.concatenate([logits, logits[:1]]),
+            np.concatenate([drafts, drafts[:1]]),
+            None,
+            np.append(num_draft, K),
+            st,
+        )
+    )
     assert out.num_accepted[:4].tolist() == [K, 0, 1, 1]
     assert out.tokens[0].tolist() == best.tolist()  # both drafts, then the bonus argmax
     assert out.tokens[1, 0] == best[0] and out.tokens[2, :2].tolist() == best[:2].tolist()
@@ -103,8 +115,9 @@ def test_greedy_rows_accept_argmax_matches():
 
 
 def test_penalty_history_grows_with_the_drafts():
-    st = SamplingTensors.pack([RowSampling(repetition_penalty=1.5, prompt_ids=[5, 7], output_ids=[9])], 1,
-                              history_len=6)
+    st = SamplingTensors.pack(
+        [RowSampling(repetition_penalty=1.5, prompt_ids=[5, 7], output_ids=[9])], 1, history_len=6
+    )
     group, offset = positions_of(dense_positions(1, K + 1), K + 1)
     ext = jax.device_get(expand_positions(st, np.array([[1, 2]], np.int32), group, offset))
     assert ext.history.tolist() == [[5, 7, 9, -1, -1, -1], [5, 7, 9, 1, -1, -1], [5, 7, 9, 1, 2, -1]]
@@ -140,11 +153,25 @@ def test_ragged_groups_verify_as_dense_ones(point_mass):
     rows[3] = RowSampling(repetition_penalty=1.4, prompt_ids=[1, 2], output_ids=[3], seed=3, step=1)
     draft_probs = None if point_mass else rng.dirichlet(np.ones(V), size=(G + padding_groups, K)).astype(np.float32)
     pad = [RowSampling()] * padding_groups
-    a = jax.device_get(verify_jit(ragged, group_logits, np.concatenate([drafts, np.zeros((2, K), np.int32)]),
-                                  draft_probs, np.append(num_draft, [0, 0]),
-                                  SamplingTensors.pack(rows + pad, G + padding_groups, history_len=8)))
-    b = jax.device_get(verify_dense(dense, drafts, None if point_mass else draft_probs[:G], num_draft,
-                                    SamplingTensors.pack(rows, G, history_len=8)))
+    a = jax.device_get(
+        verify_jit(
+            ragged,
+            group_logits,
+            np.concatenate([drafts, np.zeros((2, K), np.int32)]),
+            draft_probs,
+            np.append(num_draft, [0, 0]),
+            SamplingTensors.pack(rows + pad, G + padding_groups, history_len=8),
+        )
+    )
+    b = jax.device_get(
+        verify_dense(
+            dense,
+            drafts,
+            None if point_mass else draft_probs[:G],
+            num_draft,
+            SamplingTensors.pack(rows, G, history_len=8),
+        )
+    )
     assert a.num_accepted[:G].tolist() == b.num_accepted.tolist()
     assert 0 < b.num_accepted.sum() < num_draft.sum()  # some drafts accepted, some rejected
     for g in range(G):
@@ -163,14 +190,16 @@ def test_a_group_without_drafts_samples_as_the_sampler_does():
     logits = rng.normal(0, 1.5, size=(G, V)).astype(np.float32)
     rows = [RowSampling(seed=g, step=5 + g, logprobs=3, **SETTINGS[g % 4]) for g in range(G)]
     rows[0] = RowSampling(seed=0, logprobs=3)
-    rows[1] = RowSampling(repetition_penalty=1.3, presence_penalty=0.5, prompt_ids=[1], output_ids=[2, 2], seed=1,
-                          logprobs=3)
+    rows[1] = RowSampling(
+        repetition_penalty=1.3, presence_penalty=0.5, prompt_ids=[1], output_ids=[2, 2], seed=1, logprobs=3
+    )
     rows[2] = RowSampling(temperature=1.0, logit_bias={4: 3.0}, seed=2, step=1, logprobs=3)
     st = SamplingTensors.pack(rows, G, history_len=8)
     plain = jax.device_get(jax.jit(sample, static_argnames="want_logprobs")(logits, st, want_logprobs=V))
     group_logits = np.repeat(np.arange(G, dtype=np.int32)[:, None], W, axis=1)
-    out = jax.device_get(verify_jit(logits, group_logits, np.zeros((G, K), np.int32), None, np.zeros(G, np.int32),
-                                    st, np.ones(G, bool)))
+    out = jax.device_get(
+        verify_jit(logits, group_logits, np.zeros((G, K), np.int32), None, np.zeros(G, np.int32), st, np.ones(G, bool))
+    )
     assert out.num_accepted.tolist() == [0] * G
     assert out.tokens[:, 0].tolist() == plain.tokens.tolist()
     np.testing.assert_allclose(out.logprobs[:, 0], plain.logprobs, rtol=1e-6)

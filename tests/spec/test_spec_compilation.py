@@ -14,6 +14,7 @@ SETTINGS = dict(dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, 
 
 class SpeculateEvery:
     """A policy proposing 3 tokens every `interval` decode steps, whatever speculation costs."""
+
     adaptive = False
 
     def __init__(self, interval: int):
@@ -44,12 +45,19 @@ def test_no_compilation_after_warm_up_with_speculation(hf_model_dir, tmp_path, m
     for batch in (1, 2, 2, 1):
         segment = rng.randint(0, 512, size=3).tolist()
         prompts = [(segment * 3)[: rng.randint(1, 9)] for _ in range(batch)]
-        params = [SamplingParams(max_tokens=int(rng.randint(18, 24)), temperature=float(rng.choice([0, 0.8])),
-                                 repetition_penalty=float(rng.choice([1.0, 1.2])), ignore_eos=True)
-                  for _ in range(batch)]
+        params = [
+            SamplingParams(
+                max_tokens=int(rng.randint(18, 24)),
+                temperature=float(rng.choice([0, 0.8])),
+                repetition_penalty=float(rng.choice([1.0, 1.2])),
+                ignore_eos=True,
+            )
+            for _ in range(batch)
+        ]
         llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    llm.generate(prompt_token_ids=[[5, 6, 7, 5, 6]], sampling_params=SamplingParams(n=2, max_tokens=20, seed=1),
-                 use_tqdm=False)
+    llm.generate(
+        prompt_token_ids=[[5, 6, 7, 5, 6]], sampling_params=SamplingParams(n=2, max_tokens=20, seed=1), use_tqdm=False
+    )
     assert CompileCounter.requests == before
     assert llm.runner.unplanned_compiles == 0
     stats = llm.engine.stats()

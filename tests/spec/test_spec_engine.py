@@ -12,8 +12,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.errors import ConfigError
 
 # Small buckets keep compilation short: batches 1-4, 4 or 8 pages of 8 tokens, chunks of 16 or 32.
-BASE = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-            warm_up=False)
+BASE = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False)
 SMALL_POOL = dict(num_pages=12)  # 11 usable pages (88 tokens) for 4 sequences of up to 54: preemption
 K = 3
 
@@ -34,8 +33,7 @@ def varied_requests(n=32, seed=0):
         else:
             prompt = rng.randint(0, 512, size=int(rng.randint(1, 30))).tolist()
         penalties = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2) if kind == 3 else {}
-        params.append(SamplingParams(max_tokens=int(rng.randint(1, 25)), temperature=0, ignore_eos=True,
-                                     **penalties))
+        params.append(SamplingParams(max_tokens=int(rng.randint(1, 25)), temperature=0, ignore_eos=True, **penalties))
         prompts.append(prompt)
     return prompts, params
 
@@ -70,8 +68,14 @@ def reference(target):
 
 @pytest.fixture(scope="module")
 def draft_llm(target, draft_dir):
-    return LLM(target[0], **BASE, **SMALL_POOL, speculative_model=draft_dir, num_speculative_tokens=K,
-               speculative_adaptive=False)
+    return LLM(
+        target[0],
+        **BASE,
+        **SMALL_POOL,
+        speculative_model=draft_dir,
+        num_speculative_tokens=K,
+        speculative_adaptive=False,
+    )
 
 
 def test_draft_speculation_is_greedy_exact_under_preemption(draft_llm, reference):
@@ -94,8 +98,14 @@ def test_draft_speculation_is_greedy_exact_under_preemption(draft_llm, reference
 
 
 def test_ngram_speculation_is_greedy_exact_under_preemption(target, reference):
-    llm = LLM(target[0], **BASE, **SMALL_POOL, speculative_method="ngram", num_speculative_tokens=K,
-              speculative_adaptive=False)
+    llm = LLM(
+        target[0],
+        **BASE,
+        **SMALL_POOL,
+        speculative_method="ngram",
+        num_speculative_tokens=K,
+        speculative_adaptive=False,
+    )
     prompts, params = varied_requests()
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert token_ids(outputs) == reference[1]
@@ -111,8 +121,14 @@ def test_ngram_speculation_is_greedy_exact_under_preemption(target, reference):
 def test_ngram_speculation_with_prompt_logprobs(target, reference):
     """A step scoring prompt tokens (prompt_logprobs) runs the plain scoring variant beside the
     speculative steps: greedy outputs as without speculation, every prompt token scored."""
-    llm = LLM(target[0], **BASE, speculative_method="ngram", num_speculative_tokens=K, speculative_adaptive=False,
-              enable_prompt_logprobs=True)
+    llm = LLM(
+        target[0],
+        **BASE,
+        speculative_method="ngram",
+        num_speculative_tokens=K,
+        speculative_adaptive=False,
+        enable_prompt_logprobs=True,
+    )
     prompts, params = varied_requests(8)
     params = [dataclasses.replace(p, prompt_logprobs=1) if i % 2 else p for i, p in enumerate(params)]
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -132,8 +148,10 @@ def test_stop_conditions_cut_an_accepted_run(draft_llm, reference):
     full = expected[i]
     stop = full[5]
     cut = full[: full.index(stop) + 1]
-    params = [SamplingParams(max_tokens=len(full), temperature=0, stop_token_ids=[stop]),
-              SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, logprobs=3)]
+    params = [
+        SamplingParams(max_tokens=len(full), temperature=0, stop_token_ids=[stop]),
+        SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, logprobs=3),
+    ]
     spec = draft_llm.generate(prompt_token_ids=[prompts[i]] * 2, sampling_params=params, use_tqdm=False)
     assert spec[0].outputs[0].token_ids == cut and spec[0].outputs[0].finish_reason == "stop"
     assert spec[1].outputs[0].token_ids == full[:7] and spec[1].outputs[0].finish_reason == "length"
@@ -149,8 +167,10 @@ def test_seeded_sampling_with_speculation_is_independent_of_the_batch(draft_llm)
     prompts = [rng.randint(0, 512, size=8).tolist() for _ in range(3)]  # all three fit the small pool
     params = [SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=100 + i) for i in range(3)]
     together = token_ids(draft_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
-    alone = [token_ids(draft_llm.generate(prompt_token_ids=[p], sampling_params=s, use_tqdm=False))[0]
-             for p, s in zip(prompts, params)]
+    alone = [
+        token_ids(draft_llm.generate(prompt_token_ids=[p], sampling_params=s, use_tqdm=False))[0]
+        for p, s in zip(prompts, params)
+    ]
     assert together == alone
 
 
@@ -169,8 +189,11 @@ def test_speculative_steps_make_only_explicit_transfers(draft_llm):
     engine.runner.warm_up(progress=False)
     rng = np.random.RandomState(9)
     for i in range(3):
-        engine.add_request(f"g{i}", prompt_token_ids=rng.randint(0, 512, size=6).tolist(),
-                           sampling_params=SamplingParams(max_tokens=30, temperature=0.5 * i, ignore_eos=True))
+        engine.add_request(
+            f"g{i}",
+            prompt_token_ids=rng.randint(0, 512, size=6).tolist(),
+            sampling_params=SamplingParams(max_tokens=30, temperature=0.5 * i, ignore_eos=True),
+        )
     while any(s.num_pending > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     engine.step()
@@ -190,8 +213,11 @@ def test_first_runs_of_an_executable_are_not_step_time_samples(draft_llm):
     spec, runner = draft_llm.engine.spec, draft_llm.runner
 
     def generate():
-        draft_llm.generate(prompt_token_ids=[[1, 2, 3, 4, 5]],
-                           sampling_params=SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+        draft_llm.generate(
+            prompt_token_ids=[[1, 2, 3, 4, 5]],
+            sampling_params=SamplingParams(max_tokens=12, ignore_eos=True),
+            use_tqdm=False,
+        )
 
     generate()
     generate()  # a prefix-cache hit the second time: other prefill shapes
@@ -215,10 +241,10 @@ def test_ngram_speculation_over_quantized_weights_is_greedy_exact(target, quanti
     speculation gives the same greedy tokens as plain decoding of the same quantized model."""
     quantized = dict(BASE, quantization=quantization)
     prompts, params = varied_requests(12, seed=3)
-    plain = token_ids(LLM(target[0], **quantized).generate(prompt_token_ids=prompts, sampling_params=params,
-                                                           use_tqdm=False))
-    llm = LLM(target[0], **quantized, speculative_method="ngram", num_speculative_tokens=K,
-              speculative_adaptive=False)
+    plain = token_ids(
+        LLM(target[0], **quantized).generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    )
+    llm = LLM(target[0], **quantized, speculative_method="ngram", num_speculative_tokens=K, speculative_adaptive=False)
     assert token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)) == plain
     assert llm.engine.stats()["spec_decode_num_draft_tokens"] > 0
     assert_pool_whole(llm)

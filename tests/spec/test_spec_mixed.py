@@ -9,8 +9,17 @@ from spec_testlib import perturbed_copy
 from jaxserve import LLM, SamplingParams
 
 K = 3
-SETTINGS = dict(dtype="float32", page_size=8, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32,
-                enable_prefix_caching=False, warm_up=False, num_speculative_tokens=K, speculative_adaptive=False)
+SETTINGS = dict(
+    dtype="float32",
+    page_size=8,
+    max_model_len=256,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    enable_prefix_caching=False,
+    warm_up=False,
+    num_speculative_tokens=K,
+    speculative_adaptive=False,
+)
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
@@ -36,7 +45,7 @@ def test_verifications_ride_along_with_a_long_prompt(llm):
             engine.add_request(f"s{i}", None, SamplingParams(max_tokens=120, **GREEDY), prompt)
         running = [engine.requests[f"s{i}"].seqs[0] for i in range(3)]
         while min(len(s.output_token_ids) for s in running) < 24:  # into the loops greedy decoding of
-            step()                                                 # this model falls into: n-gram hits
+            step()  # this model falls into: n-gram hits
         engine.add_request("long", None, SamplingParams(max_tokens=8, **GREEDY), long_prompt)
         long_seq = engine.requests["long"].seqs[0]
         plans.clear()
@@ -53,10 +62,10 @@ def test_verifications_ride_along_with_a_long_prompt(llm):
             step()
         outputs = rec.token_ids()
     assert engine.spec.counters.accepted > 0
-    for request_id, prompt, max_tokens in [*((f"s{i}", p, 120) for i, p in enumerate(short)),
-                                           ("long", long_prompt, 8)]:
-        alone = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=max_tokens,
-                                                                                       **GREEDY), use_tqdm=False)
+    for request_id, prompt, max_tokens in [*((f"s{i}", p, 120) for i, p in enumerate(short)), ("long", long_prompt, 8)]:
+        alone = llm.generate(
+            prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=max_tokens, **GREEDY), use_tqdm=False
+        )
         assert outputs[request_id] == alone[0].outputs[0].token_ids, request_id
     assert engine.stats()["steps_by_kind"]["mixed"] >= 5
     for r in range(engine.num_replicas):

@@ -58,15 +58,24 @@ def test_lru_eviction(sp_tokenizer):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        (StructuredSpec.regex(r"(?=a)b"), "regex '(?=a)b': look-around, including look-ahead and look-behind, is not supported"),
+        (
+            StructuredSpec.regex(r"(?=a)b"),
+            "regex '(?=a)b': look-around, including look-ahead and look-behind, is not supported",
+        ),
         (StructuredSpec.regex(r"(a)\1"), r"regex '(a)\\1': backreferences are not supported"),
         (StructuredSpec.regex(r"[a-"), "regex '[a-': "),
-        (StructuredSpec.json_schema({"type": "integer", "minimum": 5, "maximum": 1}),
-         "json_schema: Unsatisfiable schema: minimum (5) is greater than maximum (1)"),
-        (StructuredSpec.json_schema({"properties": {"a": {"$ref": "#/$defs/missing"}}}),
-         "json_schema: Pointer '/$defs/missing' does not exist"),
-        (StructuredSpec.json_schema({"type": "string", "format": "no-such-format"}),
-         "json_schema: Unknown format: no-such-format"),
+        (
+            StructuredSpec.json_schema({"type": "integer", "minimum": 5, "maximum": 1}),
+            "json_schema: Unsatisfiable schema: minimum (5) is greater than maximum (1)",
+        ),
+        (
+            StructuredSpec.json_schema({"properties": {"a": {"$ref": "#/$defs/missing"}}}),
+            "json_schema: Pointer '/$defs/missing' does not exist",
+        ),
+        (
+            StructuredSpec.json_schema({"type": "string", "format": "no-such-format"}),
+            "json_schema: Unknown format: no-such-format",
+        ),
         (StructuredSpec.json_schema({"type": "objekt"}), "json_schema: "),
         (StructuredSpec.json_schema({"type": "string", "pattern": "(?<=x)y"}), "json_schema: "),
         (StructuredSpec.grammar("start: undefined_rule"), 'grammar: at 1(8): unknown name: "undefined_rule"'),

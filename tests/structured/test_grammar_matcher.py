@@ -28,7 +28,10 @@ SCHEMA = {
         "role": {"enum": ["admin", "user", "guest"]},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 8}, "floor": {"type": "integer", "minimum": -2, "maximum": 30}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "floor": {"type": "integer", "minimum": -2, "maximum": 30},
+            },
             "required": ["city"],
             "additionalProperties": False,
         },
@@ -202,7 +205,7 @@ def test_fill_bitmasks_batch_matches_one_by_one(compiler):
     for i, s in enumerate(specs * 2):
         g = compiler.compile(s)
         m = g.matcher()
-        m.advance_many(random_walk(g, np.random.default_rng(i))[: i])
+        m.advance_many(random_walk(g, np.random.default_rng(i))[:i])
         matchers.append(m)
     rows = [(m, 2 * i) for i, m in enumerate(matchers)]  # odd rows: unconstrained
     expected = allocate_bitmask(12, 8192)

@@ -11,8 +11,12 @@ import pytest
 from jaxserve.structured import GrammarMatcher, ReasoningGatedMatcher, StructuredSpec, allowed_tokens, fill_bitmasks
 from jaxserve.structured.bitmask import allocate_bitmask
 
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 5}},
-          "required": ["a", "b"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 5}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
 
 
 def _spec():
@@ -80,7 +84,7 @@ def test_marker_split_over_tokens_and_in_one_token_with_the_answer(any_compiler)
     for t in allowed_tokens(row, g.vocab_size).tolist():
         b = b"</th" + gate.token_bytes[t]
         p = b.find(b"</think>")
-        assert p < 0 or not b[p + 8:].strip()
+        assert p < 0 or not b[p + 8 :].strip()
     # Forced anyway ("ink>{" as tokens after "</th"), the answer bytes go to the grammar.
     for t in _ids(compiler, 'ink>{"a":'):
         m.advance(t)

@@ -40,18 +40,28 @@ def test_vllm_fields_and_aliases(kwargs, spec):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"response_format": {"type": "json_object"}, "guided_regex": "a"},
-         "response_format and guided_regex both constrain the output; send one of them"),
-        ({"structured_outputs": {"regex": "a", "choice": ["a"]}},
-         "structured_outputs.regex and structured_outputs.choice both constrain the output"),
+        (
+            {"response_format": {"type": "json_object"}, "guided_regex": "a"},
+            "response_format and guided_regex both constrain the output; send one of them",
+        ),
+        (
+            {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+            "structured_outputs.regex and structured_outputs.choice both constrain the output",
+        ),
         ({"structured_outputs": {"jsn": {}}}, "structured_outputs: unknown key 'jsn'"),
         ({"response_format": {"type": "xml"}}, "response_format.type 'xml' is not one of"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-         "response_format.json_schema.schema is missing"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
-         "response_format.json_schema.schema: a schema must be a JSON object, got an array"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}},
-         "response_format.json_schema.strict must be a boolean"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema is missing",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+            "response_format.json_schema.schema: a schema must be a JSON object, got an array",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}},
+            "response_format.json_schema.strict must be a boolean",
+        ),
         ({"guided_choice": []}, "choice: the list of choices is empty"),
     ],
 )

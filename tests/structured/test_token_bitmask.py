@@ -30,7 +30,9 @@ def test_matches_llguidance_reference(vocab, dtype):
     np.testing.assert_array_equal(np.isinf(np.asarray(got, np.float32)), np.isinf(ref))
     np.testing.assert_array_equal(np.isneginf(np.asarray(got, np.float32)), ~unpack_bitmask(mask, vocab))
     kept = ~np.isinf(ref)
-    np.testing.assert_array_equal(np.asarray(got, np.float32)[kept], np.asarray(jnp.asarray(logits, dtype), np.float32)[kept])
+    np.testing.assert_array_equal(
+        np.asarray(got, np.float32)[kept], np.asarray(jnp.asarray(logits, dtype), np.float32)[kept]
+    )
     assert np.flatnonzero(~np.isinf(np.asarray(got[2], np.float32))).tolist() == [0, vocab - 1]
 
 

@@ -7,12 +7,19 @@ import llguidance
 
 from jaxserve.structured.tools import closed_objects, tool_call_schema
 
-WEATHER = {"name": "get_weather", "parameters": {
-    "type": "object", "required": ["city"],
-    "properties": {"city": {"type": "string"},
-                   "when": {"type": "object", "properties": {"day": {"type": "integer"}}},
-                   "stops": {"type": "array", "items": {"type": "object", "properties": {"at": {"type": "string"}}}},
-                   "extra": {"type": "object", "properties": {"k": {}}, "additionalProperties": True}}}}
+WEATHER = {
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "required": ["city"],
+        "properties": {
+            "city": {"type": "string"},
+            "when": {"type": "object", "properties": {"day": {"type": "integer"}}},
+            "stops": {"type": "array", "items": {"type": "object", "properties": {"at": {"type": "string"}}}},
+            "extra": {"type": "object", "properties": {"k": {}}, "additionalProperties": True},
+        },
+    },
+}
 
 
 def accepts(schema, value) -> bool:
@@ -23,6 +30,7 @@ def accepts(schema, value) -> bool:
 
 class _ByteTokenizer:
     """The smallest llguidance tokenizer: one token per byte, so any text can be offered byte by byte."""
+
     eos_token_id = 256
     bos_token_id = None
     tokens = [bytes([b]) for b in range(256)] + [b"<eos>"]
@@ -34,18 +42,31 @@ class _ByteTokenizer:
 
 def test_undeclared_properties_are_refused_at_every_depth_unless_allowed():
     schema = tool_call_schema([WEATHER])
-    call = {"name": "get_weather", "arguments": {"city": "Oslo", "when": {"day": 3}, "stops": [{"at": "x"}],
-                                                 "extra": {"k": 1, "more": 2}}}
+    call = {
+        "name": "get_weather",
+        "arguments": {"city": "Oslo", "when": {"day": 3}, "stops": [{"at": "x"}], "extra": {"k": 1, "more": 2}},
+    }
     assert accepts(schema, [call])  # "extra" allows others, as its schema says
-    for bad in ({"city": "Oslo", "description": "..."}, {"city": "Oslo", "when": {"day": 3, "hour": 1}},
-                {"city": "Oslo", "stops": [{"at": "x", "why": "y"}]}):
+    for bad in (
+        {"city": "Oslo", "description": "..."},
+        {"city": "Oslo", "when": {"day": 3, "hour": 1}},
+        {"city": "Oslo", "stops": [{"at": "x", "why": "y"}]},
+    ):
         assert not accepts(schema, [{"name": "get_weather", "arguments": bad}]), bad
 
 
 def test_closed_objects_keeps_what_the_schema_says_and_follows_defs():
     assert closed_objects({"type": "object", "properties": {}, "additionalProperties": {"type": "string"}}) == {
-        "type": "object", "properties": {}, "additionalProperties": {"type": "string"}}
-    closed = closed_objects({"$defs": {"D": {"type": "object", "properties": {"q": {}}}},
-                             "type": "object", "properties": {"d": {"$ref": "#/$defs/D"}}})
+        "type": "object",
+        "properties": {},
+        "additionalProperties": {"type": "string"},
+    }
+    closed = closed_objects(
+        {
+            "$defs": {"D": {"type": "object", "properties": {"q": {}}}},
+            "type": "object",
+            "properties": {"d": {"$ref": "#/$defs/D"}},
+        }
+    )
     assert closed["$defs"]["D"]["additionalProperties"] is False and closed["additionalProperties"] is False
     assert closed_objects({"type": "string"}) == {"type": "string"}

@@ -33,8 +33,16 @@ logger = logging.getLogger("jaxserve.serve_ray")
 # jaxserve serve's flags that serve-ray refuses (spec_from_namespace, _replica_settings): LoRA (the router and
 # the replicas' ingress carry no adapter yet) and the multi-host addresses it chooses itself.
 REFUSED_FLAGS = {
-    "--enable-lora", "--no-enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras",
-    "--lora-target-modules", "--allow-runtime-lora-updating", "--coordinator-address", "--process-id",
+    "--enable-lora",
+    "--no-enable-lora",
+    "--lora-modules",
+    "--max-loras",
+    "--max-lora-rank",
+    "--max-cpu-loras",
+    "--lora-target-modules",
+    "--allow-runtime-lora-updating",
+    "--coordinator-address",
+    "--process-id",
 }
 
 
@@ -50,29 +58,60 @@ def build_parser(prog: str = "jaxserve serve-ray") -> argparse.ArgumentParser:
     g.add_argument("--num-replicas", type=int, default=None, help="a fixed number of engine replicas (default 1)")
     g.add_argument("--min-replicas", type=int, default=None, help="autoscaling: the fewest engine replicas")
     g.add_argument("--max-replicas", type=int, default=None, help="autoscaling: the most engine replicas")
-    g.add_argument("--target-ongoing-requests", type=float, default=None,
-                   help="autoscaling: requests in flight per replica Serve aims for (default: max_num_seqs)")
+    g.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=None,
+        help="autoscaling: requests in flight per replica Serve aims for (default: max_num_seqs)",
+    )
     g.add_argument("--upscale-delay-s", type=float, default=None, help="autoscaling: Serve's upscale_delay_s")
     g.add_argument("--downscale-delay-s", type=float, default=None, help="autoscaling: Serve's downscale_delay_s")
-    g.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS"),
-                   help="the Ray cluster to join (default: $RAY_ADDRESS, else a local Ray instance)")
-    g.add_argument("--replica-resources", type=_resources, default={},
-                   help='each engine replica\'s Ray resources as JSON: \'{"GPU": 1}\', \'{"TPU": 4}\', \'{"CPU": 2}\' '
-                        "(default: 1 CPU)")
-    g.add_argument("--max-ongoing-requests", type=int, default=None,
-                   help="requests one engine replica takes at once (default: 4 x max_num_seqs)")
-    g.add_argument("--router", default="prefix", choices=("prefix", "pow2"),
-                   help="prefix: the replica holding the prompt's prefix (else the less loaded of two); "
-                        "pow2: Ray's default, the less loaded of two random replicas")
-    g.add_argument("--route-imbalance", type=int, default=8,
-                   help="prefix router: leave the prefix's replica when its queue is this much longer than the shortest")
+    g.add_argument(
+        "--ray-address",
+        default=os.environ.get("RAY_ADDRESS"),
+        help="the Ray cluster to join (default: $RAY_ADDRESS, else a local Ray instance)",
+    )
+    g.add_argument(
+        "--replica-resources",
+        type=_resources,
+        default={},
+        help="each engine replica's Ray resources as JSON: '{\"GPU\": 1}', '{\"TPU\": 4}', '{\"CPU\": 2}' "
+        "(default: 1 CPU)",
+    )
+    g.add_argument(
+        "--max-ongoing-requests",
+        type=int,
+        default=None,
+        help="requests one engine replica takes at once (default: 4 x max_num_seqs)",
+    )
+    g.add_argument(
+        "--router",
+        default="prefix",
+        choices=("prefix", "pow2"),
+        help="prefix: the replica holding the prompt's prefix (else the less loaded of two); "
+        "pow2: Ray's default, the less loaded of two random replicas",
+    )
+    g.add_argument(
+        "--route-imbalance",
+        type=int,
+        default=8,
+        help="prefix router: leave the prefix's replica when its queue is this much longer than the shortest",
+    )
     g.add_argument("--app-name", default="jaxserve", help="the Serve application's name")
-    g.add_argument("--placement-strategy", default="STRICT_SPREAD", choices=PLACEMENT_STRATEGIES,
-                   help="with --num-processes N > 1 (each replica one multi-host engine of N processes, each with "
-                        "--replica-resources): how Ray places a replica's N bundles. STRICT_SPREAD: one process "
-                        "per node (hosts); PACK: N processes on one node (trying it on one machine)")
-    g.add_argument("--proxy-location", default="EveryNode", choices=("EveryNode", "HeadOnly", "Disabled"),
-                   help="where Serve runs its HTTP proxy (HeadOnly when several Ray nodes share one machine)")
+    g.add_argument(
+        "--placement-strategy",
+        default="STRICT_SPREAD",
+        choices=PLACEMENT_STRATEGIES,
+        help="with --num-processes N > 1 (each replica one multi-host engine of N processes, each with "
+        "--replica-resources): how Ray places a replica's N bundles. STRICT_SPREAD: one process "
+        "per node (hosts); PACK: N processes on one node (trying it on one machine)",
+    )
+    g.add_argument(
+        "--proxy-location",
+        default="EveryNode",
+        choices=("EveryNode", "HeadOnly", "Disabled"),
+        help="where Serve runs its HTTP proxy (HeadOnly when several Ray nodes share one machine)",
+    )
     return parser
 
 
@@ -92,11 +131,15 @@ def spec_from_namespace(ns: argparse.Namespace) -> Any:
 
     autoscaled = any(v is not None for v in (ns.min_replicas, ns.max_replicas, ns.target_ongoing_requests))
     if autoscaled and ns.num_replicas is not None:
-        raise ConfigError("give --num-replicas (a fixed count) or --min-replicas/--max-replicas (autoscaling), not both")
+        raise ConfigError(
+            "give --num-replicas (a fixed count) or --min-replicas/--max-replicas (autoscaling), not both"
+        )
     settings, name, note, processes = _replica_settings(ns)
     if settings.enable_lora:  # the router and the replicas' ingress do not carry an adapter yet
-        raise ConfigError("serve-ray does not serve LoRA adapters yet: drop --enable-lora, or serve them with "
-                          "jaxserve serve (one machine)")
+        raise ConfigError(
+            "serve-ray does not serve LoRA adapters yet: drop --enable-lora, or serve them with "
+            "jaxserve serve (one machine)"
+        )
     if processes > 1 and ns.mock_engine:
         raise ConfigError("--mock-engine runs in one process; drop --num-processes")
     autoscaling = None
@@ -105,26 +148,43 @@ def spec_from_namespace(ns: argparse.Namespace) -> Any:
         high = ns.max_replicas if ns.max_replicas is not None else max(low, 1)
         if not 0 <= low <= high or high < 1:
             raise ConfigError(f"need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1 (got {low}, {high})")
-        autoscaling = {"min_replicas": low, "max_replicas": high,
-                       "target_ongoing_requests": ns.target_ongoing_requests or settings.max_num_seqs}
+        autoscaling = {
+            "min_replicas": low,
+            "max_replicas": high,
+            "target_ongoing_requests": ns.target_ongoing_requests or settings.max_num_seqs,
+        }
         for key in ("upscale_delay_s", "downscale_delay_s"):
             if getattr(ns, key) is not None:
                 autoscaling[key] = getattr(ns, key)
     elif (ns.num_replicas or 1) < 1:
         raise ConfigError("--num-replicas must be >= 1")
-    server = dict(api_key=ns.api_key or None, max_waiting=ns.max_waiting, max_body_bytes=ns.max_body_bytes,
-                  device_bandwidth=ns.device_bandwidth, weights_note=note,
-                  tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
-                  reasoning_parser=ns.reasoning_parser)
+    server = dict(
+        api_key=ns.api_key or None,
+        max_waiting=ns.max_waiting,
+        max_body_bytes=ns.max_body_bytes,
+        device_bandwidth=ns.device_bandwidth,
+        weights_note=note,
+        tool_call_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
+        reasoning_parser=ns.reasoning_parser,
+    )
     if ns.served_model_name:
         server["served_model_names"] = tuple(ns.served_model_name)
-    return AppSpec(settings=settings, model_name=name, server=server,
-                   num_replicas=None if autoscaled else (ns.num_replicas or 1), autoscaling=autoscaling,
-                   replica_resources=dict(ns.replica_resources), max_ongoing_requests=ns.max_ongoing_requests,
-                   prefix_routing=ns.router == "prefix",
-                   router_kwargs={"block_size": settings.page_size, "imbalance": ns.route_imbalance},
-                   grace_seconds=ns.grace_seconds, mock_engine=ns.mock_engine, mock_token_delay=ns.mock_token_delay,
-                   processes_per_replica=processes, placement_strategy=ns.placement_strategy)
+    return AppSpec(
+        settings=settings,
+        model_name=name,
+        server=server,
+        num_replicas=None if autoscaled else (ns.num_replicas or 1),
+        autoscaling=autoscaling,
+        replica_resources=dict(ns.replica_resources),
+        max_ongoing_requests=ns.max_ongoing_requests,
+        prefix_routing=ns.router == "prefix",
+        router_kwargs={"block_size": settings.page_size, "imbalance": ns.route_imbalance},
+        grace_seconds=ns.grace_seconds,
+        mock_engine=ns.mock_engine,
+        mock_token_delay=ns.mock_token_delay,
+        processes_per_replica=processes,
+        placement_strategy=ns.placement_strategy,
+    )
 
 
 def _replica_settings(ns: argparse.Namespace) -> tuple[Any, str, str | None, int]:
@@ -136,8 +196,9 @@ def _replica_settings(ns: argparse.Namespace) -> tuple[Any, str, str | None, int
     from jaxserve.serve import resolve_settings
 
     if hasattr(ns, "coordinator_address") or hasattr(ns, "process_id"):  # settings' flags default to absent
-        raise ConfigError("serve-ray chooses each replica's --coordinator-address and --process-id itself; "
-                          "give only --num-processes")
+        raise ConfigError(
+            "serve-ray chooses each replica's --coordinator-address and --process-id itself; give only --num-processes"
+        )
     # A placeholder lets a multi-process job's settings validate; no process ever sees it.
     settings, name, note = resolve_settings(argparse.Namespace(**{**vars(ns), "coordinator_address": "serve-ray:0"}))
     if settings.process_id != 0:
@@ -178,7 +239,9 @@ def app_builder(args: dict[str, Any]) -> Any:
     from jaxserve.serving.ray.deployments import build_application
 
     parser = build_parser()
-    return build_application(spec_from_namespace(parser.parse_args(argv_from_args(args, set(parser._option_string_actions)))))
+    return build_application(
+        spec_from_namespace(parser.parse_args(argv_from_args(args, set(parser._option_string_actions))))
+    )
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "jaxserve serve-ray") -> int:
@@ -186,11 +249,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "jaxserve serve-ray") ->
     try:
         import ray  # noqa: F401 - checked before the model resolves
     except ImportError:
-        print("error: jaxserve serve-ray needs Ray Serve, the [ray] extra: pip install -e '.[ray]' in the "
-              "jaxserve checkout", file=sys.stderr)
+        print(
+            "error: jaxserve serve-ray needs Ray Serve, the [ray] extra: pip install -e '.[ray]' in the "
+            "jaxserve checkout",
+            file=sys.stderr,
+        )
         return 2
-    logging.basicConfig(level=getattr(logging, ns.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, ns.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     for line in ns.vllm_notes:  # vLLM flags accepted with no effect here, each with the reason
         logger.info("%s", line)
     try:
@@ -218,8 +285,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "jaxserve serve-ray") ->
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     serve.run(build_application(spec), name=ns.app_name, route_prefix="/", blocking=False)
-    logger.info("ready on http://%s:%d (model %r, %s)", ns.host, ns.port, spec.model_name,
-                f"{spec.num_replicas} replica(s)" if spec.autoscaling is None else f"autoscaling {spec.autoscaling}")
+    logger.info(
+        "ready on http://%s:%d (model %r, %s)",
+        ns.host,
+        ns.port,
+        spec.model_name,
+        f"{spec.num_replicas} replica(s)" if spec.autoscaling is None else f"autoscaling {spec.autoscaling}",
+    )
     stops = {signal.SIGTERM, signal.SIGINT}
     while not stops & set(wake.recv(64)):  # the fd also hears other signals Python handles (SIGCHLD, ...)
         pass

@@ -68,8 +68,9 @@ class EngineReplica:
                 from jaxserve.loading.tokenizer import load_tokenizer
 
                 tokenizer = load_tokenizer(spec.settings.tokenizer)
-            self.engine = MockAsyncLLMEngine.from_settings(spec.settings, token_delay=spec.mock_token_delay,
-                                                           tokenizer=tokenizer)
+            self.engine = MockAsyncLLMEngine.from_settings(
+                spec.settings, token_delay=spec.mock_token_delay, tokenizer=tokenizer
+            )
         else:
             from jaxserve.engine.async_engine import AsyncLLMEngine
 
@@ -90,14 +91,19 @@ class EngineReplica:
         from jaxserve.serving.ray import multihost_replica as mh
 
         settings = mh.process_settings(spec.settings, spec.processes_per_replica, mh.coordinator_address(), 0)
-        logger.info("engine replica: process 0 of %d, coordinator %s", settings.num_processes,
-                    settings.coordinator_address)
+        logger.info(
+            "engine replica: process 0 of %d, coordinator %s", settings.num_processes, settings.coordinator_address
+        )
         self.followers = mh.FollowerGroup.start(settings, spec.replica_resources, spec.warm_up)
         return self.followers.build_leader(lambda: LLMEngine(settings, warm_up=spec.warm_up))
 
     def info(self) -> dict[str, Any]:
-        return {"max_model_len": self.engine.max_model_len, "config": self.engine.config, "replica": self.replica_id,
-                "limits": self.engine.processor.limits}  # the ingress's processor checks against them
+        return {
+            "max_model_len": self.engine.max_model_len,
+            "config": self.engine.config,
+            "replica": self.replica_id,
+            "limits": self.engine.processor.limits,
+        }  # the ingress's processor checks against them
 
     def stats(self) -> dict[str, Any]:
         return dict(self.engine.stats(), replica=self.replica_id)
@@ -173,15 +179,19 @@ class OpenAIIngress:
         info = await self.handle.options(stream=False).info.remote()
         settings = self.spec.settings
         tokenizer = await asyncio.to_thread(_load_tokenizer, settings)
-        options = ServerOptions(**{"served_model_names": (self.spec.model_name,), "model_path": settings.model,
-                                   **self.spec.server},
-                                chat_renderer=None if self.spec.mock_engine else load_chat_renderer(settings),
-                                generation_defaults=None if self.spec.mock_engine else load_generation_defaults(settings))
+        options = ServerOptions(
+            **{"served_model_names": (self.spec.model_name,), "model_path": settings.model, **self.spec.server},
+            chat_renderer=None if self.spec.mock_engine else load_chat_renderer(settings),
+            generation_defaults=None if self.spec.mock_engine else load_generation_defaults(settings),
+        )
         engine = RemoteEngine(self.handle, tokenizer, info["max_model_len"], info["config"], info["limits"])
         app = create_app(options, engine, shutdown_engine=True)
         app.add_middleware(ReplicaHeader)
-        app.add_middleware(ReplicaMetrics, handle=self.handle,
-                           ingress_registry=lambda: getattr(app.state.jaxserve.metrics, "registry", None))
+        app.add_middleware(
+            ReplicaMetrics,
+            handle=self.handle,
+            ingress_registry=lambda: getattr(app.state.jaxserve.metrics, "registry", None),
+        )
         return app
 
 
@@ -221,7 +231,8 @@ def engine_deployment_options(spec: AppSpec) -> dict[str, Any]:
         options["num_replicas"] = spec.num_replicas
     if spec.prefix_routing:
         options["request_router_config"] = RequestRouterConfig(
-            request_router_class=router.PrefixAwareRouter, request_router_kwargs=dict(spec.router_kwargs))
+            request_router_class=router.PrefixAwareRouter, request_router_kwargs=dict(spec.router_kwargs)
+        )
     return options
 
 
@@ -231,6 +242,6 @@ def build_application(spec: AppSpec) -> Any:
 
     engine = serve.deployment(EngineReplica, name="JaxserveEngine").options(**engine_deployment_options(spec))
     ingress = serve.deployment(serve.ingress()(OpenAIIngress), name="JaxserveIngress").options(
-        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000,
-        graceful_shutdown_timeout_s=spec.grace_seconds)
+        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000, graceful_shutdown_timeout_s=spec.grace_seconds
+    )
     return ingress.bind(engine.bind(spec), spec)

@@ -32,8 +32,7 @@ def replica_families(replica_stats: list[dict]) -> list[Metric]:
     for stats in sorted(replica_stats, key=lambda s: str(s.get("replica"))):
         replica = str(stats.get("replica"))
         for family in _EngineCollector(lambda s=stats: s, lambda: None).collect():
-            into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type,
-                                                         family.unit))
+            into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
             for sample in family.samples:
                 labels = dict(sample.labels)
                 if "replica" in labels:  # the engine's own data-parallel index
@@ -76,15 +75,21 @@ class ReplicaMetrics:
         if scope["type"] != "http" or scope["path"] != "/metrics" or scope["method"] != "GET":
             return await self.app(scope, receive, send)
         body = await asyncio.to_thread(render, await self.replica_stats(), self.ingress_registry())
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", CONTENT_TYPE), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", CONTENT_TYPE), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def replica_stats(self) -> list[dict]:
         """`stats()` of every replica that answered in time."""
         try:
-            results = await self.handle.broadcast("stats").results_async(timeout_s=self.timeout_s,
-                                                                        return_exceptions=True)
+            results = await self.handle.broadcast("stats").results_async(
+                timeout_s=self.timeout_s, return_exceptions=True
+            )
         except Exception as err:  # noqa: BLE001 - Ray's errors: a scrape with the ingress's series only
             logger.warning("metrics: broadcasting stats to the engine replicas failed: %s", err)
             return []

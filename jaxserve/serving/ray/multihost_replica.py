@@ -88,8 +88,12 @@ class JaxserveFollower:
         from jaxserve.llm_engine import LLMEngine  # lazy: pulls in JAX
         from jaxserve.runner import multihost
 
-        logger.info("follower %d of %d: coordinator %s", settings.process_id, settings.num_processes,
-                    settings.coordinator_address)
+        logger.info(
+            "follower %d of %d: coordinator %s",
+            settings.process_id,
+            settings.num_processes,
+            settings.coordinator_address,
+        )
         return multihost.run_follower(LLMEngine(settings, warm_up=warm_up))
 
 
@@ -115,7 +119,8 @@ class FollowerGroup:
             options = actor_resources(resources)
             if group is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_bundle_index=i)
+                    placement_group=group, placement_group_bundle_index=i
+                )
             actor = actor_class.options(max_restarts=0, **options).remote()
             actors.append(actor)
             runs.append(actor.run.remote(leader_settings.replace(process_id=i), warm_up))

@@ -64,8 +64,15 @@ class RemoteEngine:
     """A ServingEngine over the engine deployment. `handle`: the deployment's DeploymentHandle with
     `stream=True`; `max_model_len` and `config` come from a replica (`EngineReplica.info`)."""
 
-    def __init__(self, handle: Any, tokenizer: Any, max_model_len: int | None, config: EngineConfig | None,
-                 limits: Limits, retries: int = 2):
+    def __init__(
+        self,
+        handle: Any,
+        tokenizer: Any,
+        max_model_len: int | None,
+        config: EngineConfig | None,
+        limits: Limits,
+        retries: int = 2,
+    ):
         self._handle = handle
         # The one way in, here at the ingress over the replicas' limits: a replica takes what it made.
         self.processor = Processor(limits, tokenizer)
@@ -127,8 +134,13 @@ class RemoteEngine:
                 raise
             except Exception as err:  # noqa: BLE001 - Ray's errors; refusals arrive as values, not here
                 failure = err
-                logger.warning("request %s: no replica accepted it (attempt %d of %d): %s", request_id, attempt + 1,
-                               self.retries + 1, err)
+                logger.warning(
+                    "request %s: no replica accepted it (attempt %d of %d): %s",
+                    request_id,
+                    attempt + 1,
+                    self.retries + 1,
+                    err,
+                )
         raise ReplicaUnavailable(f"no engine replica took the request: {type(failure).__name__}: {failure}")
 
     async def _pump(self, request_id: str, stream: Any, queue: asyncio.Queue, tag: Any) -> None:

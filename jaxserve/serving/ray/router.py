@@ -33,8 +33,9 @@ def _build() -> type:
     from ray.serve.request_router import FIFOMixin, RequestRouter
 
     class PrefixAwareRouter(FIFOMixin, RequestRouter):
-        def initialize_state(self, block_size: int = 16, imbalance: int = 8, max_blocks: int = 200_000,
-                             **_: Any) -> None:
+        def initialize_state(
+            self, block_size: int = 16, imbalance: int = 8, max_blocks: int = 200_000, **_: Any
+        ) -> None:
             self.index = PrefixIndex(block_size=block_size, max_blocks=max_blocks)
             self.imbalance = imbalance
             self.routed = {"prefix": 0, "balanced": 0}  # how each choice was made (tests and logs read it)
@@ -55,8 +56,7 @@ def _build() -> type:
                         lens[r.replica_id] = queue_len
             return lens
 
-        async def choose_replicas(self, candidate_replicas: list[Any],
-                                  pending_request: Any = None) -> list[list[Any]]:
+        async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None) -> list[list[Any]]:
             if not candidate_replicas:
                 return []
             by_id = {r.replica_id: r for r in candidate_replicas}
