@@ -27,12 +27,15 @@ OTHER_PROGRAMS = {
     "--head": "ray start",
     "--build-arg": "docker build",
     "--profile": "vllm bench serve (docs/bench.md: a flag jaxserve bench does not have)",
+    "--n_ctx": "python -m llama_cpp.server",
+    "--n_threads": "python -m llama_cpp.server",
+    "--chat_format": "python -m llama_cpp.server",
+    "--interrupt_requests": "python -m llama_cpp.server",
 }
 # Not flags: words the docs write with two dashes.
 NOT_FLAGS = {
     "--flag": "ARCHITECTURE.md: the general form of a setting's flag",
     "--kebab-case": "TUNING.md: the general form of a setting's flag",
-    "--take_intake": "ARCHITECTURE.md: an arrow's label in the data-flow diagram",
 }
 # Paths the docs name as they were at a measured commit (BENCHMARKS.md is a log), with where they are now.
 HISTORICAL_PATHS = {
