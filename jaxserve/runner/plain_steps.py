@@ -21,6 +21,18 @@ from jaxserve.runner.step_variant import StepContext, StepVariant, flat_rows, wi
 from jaxserve.structured.apply import TokenMask
 
 
+def plain_inputs(ctx: StepContext, key: tuple, logits: int | None = None) -> tuple:
+    """(RaggedBatch, SamplingTensors, TokenMask) specs of bucket `key`: L = one logit per sampling row
+    (`logits`: how many the batch lists, if more)."""
+    N, P = key[:2]
+    L = ctx.num_logits(N)
+    return (
+        ctx.ragged_spec(N, P, L if logits is None else logits),
+        SamplingTensors.spec((ctx.num_replicas, L), ctx.history_len),
+        TokenMask.spec((ctx.num_replicas, L), ctx.cfg.vocab_size),
+    )
+
+
 class PlainStep(StepVariant):
     """The ragged step. Its inputs live in one persistent `InputBatch` per bucket, rewritten only
     where the rows changed since the bucket's last step."""
@@ -39,14 +51,7 @@ class PlainStep(StepVariant):
         return True
 
     def input_specs(self, key: tuple) -> tuple:
-        c = self.ctx
-        N, P = key[:2]
-        L = c.num_logits(N)
-        return (
-            c.ragged_spec(N, P, L),
-            SamplingTensors.spec((c.num_replicas, L), c.history_len),
-            TokenMask.spec((c.num_replicas, L), c.cfg.vocab_size),
-        )
+        return plain_inputs(self.ctx, key)
 
     def pack(self, rows: Sequence[Any], key: tuple, layout: Layout) -> StepInputs:
         c = self.ctx
@@ -103,16 +108,9 @@ class ScoreStep(StepVariant):
         return any(r.targets is not None for r in rows)
 
     def input_specs(self, key: tuple) -> tuple:
-        c = self.ctx
-        N, P = key[:2]
-        L = c.num_logits(N)
-        return (
-            c.ragged_spec(N, P, N),
-            SamplingTensors.spec((c.num_replicas, L), c.history_len),
-            TokenMask.spec((c.num_replicas, L), c.cfg.vocab_size),
-            c.i32(L),
-            c.i32(N),
-        )
+        """The plain step's, with logits at every token, plus (sample index, targets)."""
+        c, N = self.ctx, key[0]
+        return plain_inputs(c, key, logits=N) + (c.i32(c.num_logits(N)), c.i32(N))
 
     def pack(self, rows: Sequence[Any], key: tuple, layout: Layout) -> StepInputs:
         return pack_rows(self.ctx, rows, key, score=True)
@@ -158,15 +156,8 @@ class MultiStep(StepVariant):
         return self.ctx.bucket_for(rows, [r.num_steps - 1 for r in rows]) + self.tag
 
     def input_specs(self, key: tuple) -> tuple:
-        c = self.ctx
-        N, P = key[:2]
-        L = c.num_logits(N)
-        return (
-            c.ragged_spec(N, P, L),
-            SamplingTensors.spec((c.num_replicas, L), c.history_len),
-            TokenMask.spec((c.num_replicas, L), c.cfg.vocab_size),
-            c.i32(c.max_rows),
-        )
+        """The plain step's, plus each row's number of decode steps."""
+        return plain_inputs(self.ctx, key) + (self.ctx.i32(self.ctx.max_rows),)
 
     def static(self, key: tuple) -> dict:
         return super().static(key) | dict(num_steps=self.ctx.num_scheduler_steps, page_size=self.ctx.page_size)
