@@ -30,12 +30,6 @@ class ExecutableTable:
     def __len__(self) -> int:
         return len(self.executables)
 
-    def __contains__(self, key: tuple) -> bool:
-        return key in self.executables
-
-    def keys(self) -> list[tuple]:
-        return list(self.executables)
-
     def lower(self, key: tuple) -> Any:
         lowered, self.layouts[key] = self._lower(key)
         return lowered
