@@ -283,8 +283,7 @@ class EngineCore:
                     self._outbox.append(last)
             else:
                 self._admit_queued(item)
-        out, self._outbox = self._outbox, []
-        return out
+        return self.take_outbox()
 
     def _admit_queued(self, request: EngineRequest) -> bool:
         try:
