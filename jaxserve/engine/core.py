@@ -128,7 +128,7 @@ class EngineCore:
         self.composition = StepComposition(self.buckets.token_counts, memory.param_bytes, memory.kv_bytes_per_token)
         self.last_step_seconds = 0.0
         self._step_started = 0.0  # time.perf_counter() of the last schedule()
-        self.multihost: Any = None  # multi-host process 0: the broadcaster to the other processes
+        self.multihost: Any = None  # multi-host process 0: the runner's peers (multihost.Leader)
         self.lora: Any = None  # LoRA serving: the engine.lora_manager.LoRAManager, once enable_lora
         self.closed = False
 

@@ -140,7 +140,7 @@ def from_buffer(step: Callable, num_leading: int) -> Callable:
 # The sampling inputs that are padding in most steps: each row's penalty history and logit-bias slots
 # (together 95% of a step's input words when no row uses them). They travel apart from the packed
 # buffer, as 2-D [R, L * width] operands, so that a step needing none of them reuses arrays already
-# on the device and copies nothing (`ModelRunner._put_sparse`).
+# on the device and copies nothing (`InputTransfer.put_sparse`).
 SPARSE_FIELDS = ("history", "bias_ids", "bias_values")
 
 
