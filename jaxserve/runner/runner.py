@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine.buckets import BucketTable, score_shapes
+from jaxserve.engine.buckets import BucketTable
 from jaxserve.errors import EngineClosedError
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.transfer import Layout
@@ -115,7 +115,7 @@ class ModelRunner:
 
     def score_shapes(self) -> list[tuple]:
         """The prompt-scoring variant's executables (compiled when prompt logprobs are enabled)."""
-        return score_shapes(self.buckets)
+        return self.score.keys()
 
     def num_logits(self, num_tokens: int) -> int:
         return self.ctx.num_logits(num_tokens)
