@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from jaxserve.engine.buckets import MULTI_STEP, SCORE, step_shapes
+from jaxserve.engine.buckets import MULTI_STEP, SCORE, score_shapes, step_shapes
 from jaxserve.model.sampler import RowSampling, SamplingTensors
 from jaxserve.model.transfer import SPARSE_FIELDS, Layout
 from jaxserve.runner.input_batch import InputBatch
@@ -43,9 +43,6 @@ class PlainStep(StepVariant):
         super().__init__(ctx)
         self._idle_host_sparse = idle_host_sparse  # L -> the sparse sampling inputs no row uses (host)
         self._input_batches: dict[tuple, InputBatch] = {}
-
-    def keys(self) -> list[tuple]:
-        return step_shapes(self.ctx.buckets, 1)
 
     def accepts(self, rows: Sequence[Any]) -> bool:
         return True
@@ -103,6 +100,9 @@ class ScoreStep(StepVariant):
 
     tag = (SCORE,)
     jitted = score_step
+
+    def keys(self) -> list[tuple]:
+        return score_shapes(self.ctx.buckets)
 
     def accepts(self, rows: Sequence[Any]) -> bool:
         return any(r.targets is not None for r in rows)

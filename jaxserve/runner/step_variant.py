@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine.buckets import BucketTable, pick_step_shape
+from jaxserve.engine.buckets import BucketTable, pick_step_shape, step_shapes
 from jaxserve.model.kv_cache import RaggedBatch, cache_shardings, copy_pages_padded
 from jaxserve.model.transfer import Layout
 from jaxserve.runner.grammar_masks import GrammarMasks
@@ -149,9 +149,9 @@ class StepVariant:
 
     # ---- which executables -------------------------------------------------------------------
     def keys(self) -> list[tuple]:
-        """Every executable of this variant: one per token bucket, at the one page-table width."""
-        b = self.ctx.buckets
-        return [(t, b.page_counts[-1]) + self.tag for t in b.token_counts]
+        """Every executable of this variant: by default one per token bucket of the ragged step, at
+        the one page-table width (`buckets.step_shapes`, the bucket table's one rule)."""
+        return [key + self.tag for key in step_shapes(self.ctx.buckets, 1)]
 
     def owns(self, key: tuple) -> bool:
         return tuple(key[2:]) == self.tag
