@@ -397,6 +397,11 @@ class EngineCore:
         self.counters["prefill_tokens_computed"] += prefill_tokens
         return records
 
+    @staticmethod
+    def samples_under_grammar(batch: SchedulerOutput) -> bool:
+        """Whether a row of `batch` samples under a grammar: its mask needs every token before it."""
+        return any(row.samples and row.seq.grammar is not None for row in batch.rows)
+
     def advance_grammars(self, step: InFlightStep, samples: Any) -> None:
         """Give each constrained row of a dispatched step its sampled token (`samples`: the step's
         StepSamples), so that the next step's masks follow it; detokenizing and stop checks wait for

@@ -9,9 +9,9 @@ name N's samples as placeholders, resolved on the device). One deep (`--no-async
 on a speculative or multi-step engine, whose runs decide the next inputs on the host) it is the
 core's serial step. Two things make the step thread wait before N+1 is dispatched, both here:
 
-- **Grammars.** A constrained row's next mask follows the token it sampled in N: the wrapper waits
-  for N's samples and hands them to the core (`advance_grammars`) before N+1 is packed; the rest of
-  N's processing still overlaps N+1.
+- **Grammars.** A constrained row's next mask follows the token it sampled in N: when a constrained
+  row samples in N+1, the wrapper waits for N's samples and hands them to the core
+  (`advance_grammars`) before N+1 is packed; the rest of N's processing still overlaps N+1.
 - **Arrivals.** With a front end feeding the core's intake from other threads (`arrivals=True`,
   AsyncLLMEngine), N+1's dispatch is held back until just before N should end (`ArrivalWindow`), and
   requests that arrive meanwhile are admitted and their first prompt chunks join N+1 in the tokens
@@ -70,7 +70,9 @@ class Overlap:
         batch = core.schedule()
         if in_flight and batch.rows:
             previous = in_flight[-1]
-            if previous.constrained:  # this step's masks follow the tokens of the one in flight
+            if previous.constrained and core.samples_under_grammar(batch):
+                # This step's masks follow the tokens of the one in flight; without a constrained row
+                # sampling here, those grammars take their tokens at the update, as free rows do.
                 core.advance_grammars(previous, previous.samples())
             elif self.arrivals:
                 self._join_arrivals(batch, previous)

@@ -34,6 +34,7 @@ class RecordingCore:
     def __init__(self, async_scheduling=True, can_overlap=True, constrained=False):
         self.config = types.SimpleNamespace(async_scheduling=async_scheduling)
         self.can_overlap, self.constrained = can_overlap, constrained
+        self.grammar_rows_next = True  # the next batch has a row sampling under a grammar
         self.calls: list[tuple] = []
         self.scheduled = 0
 
@@ -51,6 +52,9 @@ class RecordingCore:
         return InFlightStep(
             batch, [], Pending(n), serial=False, constrained=self.constrained, dispatched_at=time.perf_counter()
         )
+
+    def samples_under_grammar(self, batch):
+        return self.constrained and self.grammar_rows_next
 
     def advance_grammars(self, step, samples):
         self.calls.append(("grammar", step.batch.rows[0], samples))
@@ -98,6 +102,17 @@ def test_the_grammars_take_the_previous_samples_before_the_next_step_is_packed()
     overlap.step()
     assert overlap.step() == ["out1"]
     assert core.calls[2:] == [("schedule", 2), ("grammar", 1, "samples1"), ("execute", 2), ("update", 1, "samples1")]
+
+
+def test_no_wait_for_the_grammars_when_no_constrained_row_samples_next():
+    """A step after a constrained one, with no row sampling under a grammar: dispatched without
+    waiting for the step in flight (those grammars take their tokens at its update)."""
+    core = RecordingCore(constrained=True)
+    core.grammar_rows_next = False
+    overlap = Overlap(core)
+    overlap.step()
+    assert overlap.step() == ["out1"]
+    assert core.calls[2:] == [("schedule", 2), ("execute", 2), ("update", 1, "samples1")]
 
 
 def test_a_step_scoring_prompt_tokens_gets_no_drafts():
