@@ -40,12 +40,12 @@ from jaxserve.server.responses_protocol import RESPONSES_SAMPLING, DeletedRespon
 from jaxserve.server.responses_stream import OutputItems, item_status, response_status, stream_events
 from jaxserve.server.streaming import (
     Choice,
-    Fanout,
     ResponseAssembler,
     SSEResponse,
     Submission,
     _ClientGone,
     race_disconnect,
+    start_fanout,
 )
 from jaxserve.server.tool_parsers import ToolCallStream, get_parser
 
@@ -486,17 +486,9 @@ class ResponsesService:
         if body.user or body.safety_identifier:
             logger.debug("%s: user %r", rid, body.user or body.safety_identifier)
         sub = Submission(job.requests[0], 0, 0, arrival=arrival)
-        fan = Fanout(state, [sub])
-        try:
-            await race_disconnect(fan.prime(), request)
-        except _ClientGone:
-            fan.close()
+        fan = await start_fanout(state, request, [sub])
+        if fan is None:
             return Response(status_code=499)
-        except BaseException as err:
-            fan.close()
-            if isinstance(err, asyncio.CancelledError):
-                raise
-            raise engine_error(err) from None
 
         choice = _choice(job, sub)
         assembler = ResponseAssembler(state, rid, model, job, [sub], {0: choice}, chat)

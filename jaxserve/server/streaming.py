@@ -56,6 +56,24 @@ class Submission:
     prompt_text = property(lambda self: self.request.prompt)
 
 
+async def start_fanout(state: ServerState, request: Request, subs: list[Submission]) -> Fanout | None:
+    """Submit every prompt (`Fanout.prime`), racing the client's disconnect: the Fanout once the engine
+    accepted them all; None if the client went away first (the caller answers 499). An engine's
+    refusal is raised as its HTTP error."""
+    fan = Fanout(state, subs)
+    try:
+        await race_disconnect(fan.prime(), request)
+    except _ClientGone:
+        fan.close()
+        return None
+    except BaseException as err:
+        fan.close()
+        if isinstance(err, asyncio.CancelledError):
+            raise
+        raise engine_error(err) from None
+    return fan
+
+
 async def respond(
     state: ServerState,
     request: Request,
@@ -68,17 +86,9 @@ async def respond(
     """Submit `job`'s prompts; once the engine has accepted every one (else its 400), answer or stream."""
     n = job.params.n
     subs = [Submission(request, p, p * n, arrival=arrival, width=n) for p, request in enumerate(job.requests)]
-    fan = Fanout(state, subs)
-    try:
-        await race_disconnect(fan.prime(), request)
-    except _ClientGone:
-        fan.close()
+    fan = await start_fanout(state, request, subs)
+    if fan is None:
         return Response(status_code=499)
-    except BaseException as err:
-        fan.close()
-        if isinstance(err, asyncio.CancelledError):
-            raise
-        raise engine_error(err) from None
 
     # After the engine accepted the prompts: echoing decodes their token ids, which it has checked.
     tok = state.tokenizer
