@@ -4,6 +4,8 @@ a Python keyword, a YAML key and a `--kebab-case` flag."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from typing import Any
 
 from jaxserve.errors import ConfigError
 from jaxserve.config.generation_config import parse_override
@@ -25,6 +27,21 @@ from jaxserve.lora.request import parse_lora_modules, parse_lora_target_modules
 from jaxserve.sampling.fields import MAX_LOGPROBS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def parse_json_object(value: Any) -> str:
+    """A JSON object given as text or a mapping (YAML, Python), kept as its canonical JSON text (the
+    settings stay hashable)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"expected a JSON object, got {value!r}")
+    return json.dumps(value, sort_keys=True)
+
+
 # --kv-cache-dtype's values, the one list of them (vLLM's spellings where they mean the same).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 # The float8 ones (model/kv_cache.py: 1 byte per element, a per-layer scale); "fp8" is vLLM's fp8_e4m3.
@@ -406,6 +423,26 @@ class EngineConfig(Settings):
         if self.activation_quantization == "int8" and (
             self.quantization != "int8" or self.quantization_group_size not in (None, 0, -1)
         ):
+    # Embeddings (docs/embeddings.md): a pooling engine answers /v1/embeddings and LLM.embed, not generation.
+    runner: str = setting(
+        "auto",
+        "vLLM's: generate (text generation; auto is generate) | pooling (embeddings: /v1/embeddings, LLM.embed)",
+        choice("auto", "generate", "pooling"),
+        group="pooling",
+    )
+    convert: str = setting(
+        "auto",
+        "vLLM's: with --runner pooling, what the model is served as: embed (auto is embed)",
+        choice("auto", "none", "embed"),
+        group="pooling",
+    )
+    pooler_config: str | None = setting(
+        None,
+        'vLLM\'s: a JSON object over the model\'s own pooling: {"pooling_type": "LAST" | "MEAN" | "CLS", '
+        '"normalize": bool, "dimensions": N, "matryoshka_dimensions": [N, ...]}',
+        optional(parse_json_object),
+        group="pooling",
+    )
             raise ConfigError(
                 "activation_quantization=int8 (W8A8) needs quantization=int8 with a scale per output "
                 "channel (quantization_group_size unset or 0)"
@@ -436,6 +473,8 @@ class EngineConfig(Settings):
         if k < 0:
             raise ConfigError(f"num_speculative_tokens must be >= 0, got {k}")
         if method == "ngram" and self.speculative_model is not None:
+        if self.convert == "embed" and not self.pooling:
+            raise ConfigError("convert='embed' needs runner='pooling' (--runner pooling --convert embed)")
             raise ConfigError("speculative_method='ngram' needs no speculative_model; drop one of them")
         if method == "draft" and k > 0 and self.speculative_model is None:
             raise ConfigError(
@@ -468,3 +507,8 @@ class EngineConfig(Settings):
     def speculation(self) -> str | None:
         """The speculative decoding in use: "draft", "ngram" or None (off)."""
         return self.speculative_method if self.num_speculative_tokens > 0 else None
+    @property
+    def pooling(self) -> bool:
+        """Whether this engine pools (embeddings) instead of generating (`runner` pooling)."""
+        return self.runner == "pooling"
+

@@ -35,6 +35,16 @@ PLAN_ONLY_ARCHITECTURES: tuple[str, ...] = ()
 PLANNABLE_ARCHITECTURES = SUPPORTED_ARCHITECTURES + PLAN_ONLY_ARCHITECTURES
 
 
+# Bare base models (saved without a head: embedding checkpoints such as Qwen3-Embedding's Qwen3Model)
+# -> the causal LM whose layer stack they are; loading/checkpoint.py reads their unprefixed tensors.
+BASE_MODELS = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and options of a decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE, Mixtral); hashable,
@@ -272,7 +282,7 @@ class ModelConfig:
         plan_only=True (the planner) also accepts PLAN_ONLY_ARCHITECTURES and configs `check_servable`
         refuses (a Qwen3-MoE with dense layers); without it they raise UnsupportedModelError."""
         archs = hf.get("architectures") or [arch_from_model_type(hf.get("model_type"))]
-        arch = archs[0]
+        arch = BASE_MODELS.get(archs[0], archs[0])  # a bare base model (embeddings) is its causal LM's stack
         if arch not in PLANNABLE_ARCHITECTURES:
             planned = (
                 f" (planned only, not served yet: {', '.join(PLAN_ONLY_ARCHITECTURES)})"

@@ -145,13 +145,7 @@ FLAGS = (
         ("--task",),
         "text generation is what jaxserve serves",
         refuse=_not_in("auto", "generate"),
-        refusal="jaxserve serves text generation only: no pooling, embedding or scoring models",
-    ),
-    Flag(
-        ("--runner",),
-        "text generation is what jaxserve serves",
-        refuse=_not_in("auto", "generate"),
-        refusal="jaxserve serves text generation only: no pooling, embedding or scoring models",
+        refusal="--task serves text generation only here: serve embeddings with --runner pooling --convert embed",
     ),
     Flag(("--language-model-only",), "jaxserve serves text only", switch=True),
     Flag(

@@ -213,6 +213,15 @@ def _expert_parts(rest: str, tensor: np.ndarray) -> list[tuple[str, int | None, 
     return None
 
 
+def _with_model_prefix(name: str) -> str:
+    """A bare base model's tensor (`Qwen3Model` / `LlamaModel` saved alone: `layers.0...`,
+    `embed_tokens.weight`, `norm.weight`) under the causal LM's `model.` prefix."""
+    return "model." + name if name.startswith(_BASE_MODEL_NAMES) else name
+
+
+_BASE_MODEL_NAMES = ("layers.", "embed_tokens.", "norm.")
+
+
 def _text_tower_name(name: str, cfg: ModelConfig) -> str | None:
     """`name` as the text model calls it, or None for a tensor of a multimodal checkpoint's other towers."""
     if cfg.architecture != "Gemma3ForConditionalGeneration":
@@ -306,7 +315,7 @@ def load_hf_params(
     layer_specs = {f: getattr(specs.layers, f) for f in LayerParams.__dataclass_fields__}
     top: dict[str, Any] = {}  # embed, final_norm, lm_head: one tensor each, placed as read
     for path, stored_name, tensor in iter_checkpoint_tensors(model_dir):
-        name = _text_tower_name(stored_name, cfg)
+        name = _text_tower_name(_with_model_prefix(stored_name), cfg)
         if name is None or name.endswith(_IGNORED_SUFFIXES):
             continue
         if name.startswith("model.layers."):

@@ -67,6 +67,8 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
     """
     model_dir = resolve_model_dir(settings)
     cfg = ModelConfig.from_dir(model_dir)
+    if settings.runner == "pooling":  # embeddings read no head: a causal LM's lm_head is skipped, a base model has none
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
     int4_format = read_int4_format(model_dir) if settings.load_format in ("auto", "safetensors") else None
     if int4_format is not None and int4_format.group_size is not None and settings.quantization == "int4":
         if settings.quantization_group_size not in (None, int4_format.group_size):

@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxserve.model import lora as lora_ops, quant
 from jaxserve.config import ModelConfig
+from jaxserve.model.hidden_states import HiddenOutput, HiddenStates, check_layers, pick_layers, sum_rows
 from jaxserve.model.kv_cache import KVCache, RaggedBatch, attend, write_kv_slots
 from jaxserve.model.layers import (
     apply_rope,
@@ -216,11 +217,15 @@ def forward_ragged(
     matmul: str = "reference",
     expert_parallel: ExpertParallelFn | None = None,
     hidden: bool = False,
+    states: HiddenStates | None = None,
+    state_index: jax.Array | None = None,  # i32[M]: tokens of the flat axis whose states `states` returns
 ) -> tuple[jax.Array, KVCache]:
     """One ragged step (prompt chunks, decodes, verifications in one flat token axis) for one
     replica. Returns (logits f32[len(logit_index), V] at `batch.logit_index`, cache); with `hidden`,
     the final-normed hidden states there instead (f[len(logit_index), D]: `lm_head` makes them
     logits), so that a caller can decide on the device which of them are worth the vocabulary matmul.
+    With `states` (`model/hidden_states.py`: chosen layers' states, the final-normed state at
+    `state_index`, per-row sums), a `HiddenOutput` in place of the logits.
 
     The layers run on a [1, N, D] activation (the flat token axis as one batch row); K/V written by
     slot (padding dropped), attention over each row's pages. Layers scanned (stacked weights,
@@ -231,6 +236,13 @@ def forward_ragged(
     x = _embed(params, cfg, batch.tokens)[None]  # f[1, N, D]
     windows, sm_scales = layer_attention_params(cfg)
     lora_columns = _lora_columns(params, batch, x.dtype)
+    if states is not None:
+        check_layers(states, cfg.num_layers)
+    kept: dict[int, jax.Array] = {}  # unrolled: layer -> its input's states at state_index
+
+    def keep(layer: int, x: jax.Array) -> None:
+        if states is not None and layer in states.layers:
+            kept[layer] = x[0][state_index]
 
     def run(lp, layer, x, cache):
         kind = None if kinds is None else int(kinds[layer])
@@ -251,12 +263,14 @@ def forward_ragged(
 
     if isinstance(params.layers, tuple):
         for layer, lp in enumerate(params.layers):
+            keep(layer, x)
             x, cache = run(lp, layer, x, cache)
     elif scan_layers:
 
         def body(carry, xs):
             lp, layer, window, sm_scale, kind = xs
             x, cache = carry
+            seen = x[0][state_index] if states is not None and states.layers else None
             return _ragged_layer(
                 cfg,
                 attention,
@@ -270,16 +284,42 @@ def forward_ragged(
                 batch,
                 expert_parallel,
                 lora_columns,
-            ), None
+            ), seen
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         xs = (params.layers, layer_ids, windows, sm_scales, None if kinds is None else jnp.asarray(kinds))
-        (x, cache), _ = jax.lax.scan(body, (x, cache), xs)
+        (x, cache), per_layer = jax.lax.scan(body, (x, cache), xs)
+        if per_layer is not None:
+            kept = dict(zip(states.layers, pick_layers(per_layer, states)))
     else:
         for layer in range(cfg.num_layers):
+            keep(layer, x)
             x, cache = run(jax.tree.map(lambda w: w[layer], params.layers), layer, x, cache)
+    if states is not None:
+        return _hidden_output(params, cfg, x[0], batch, states, state_index, kept), cache
     x = _norm(cfg, x[0][batch.logit_index], params.final_norm)
     return (x if hidden else lm_head(params, cfg, x)), cache
+
+
+def _hidden_output(
+    params: Params,
+    cfg: ModelConfig,
+    x: jax.Array,  # f[N, D]: the last layer's output, every token
+    batch: RaggedBatch,
+    states: HiddenStates,
+    state_index: jax.Array | None,
+    kept: dict[int, jax.Array],
+) -> HiddenOutput:
+    """The `HiddenOutput` a step with `states` returns (`model/hidden_states.py`)."""
+    logits = None
+    if states.logits:
+        logits = lm_head(params, cfg, _norm(cfg, x[batch.logit_index], params.final_norm))
+    layers = jnp.stack([kept[i] for i in states.layers]) if states.layers else None
+    final = _norm(cfg, x[state_index], params.final_norm) if states.final else None
+    sums = None
+    if states.row_sums:
+        sums = sum_rows(_norm(cfg, x, params.final_norm), batch.token_row, batch.context_lens.shape[-1])
+    return HiddenOutput(logits=logits, layers=layers, final=final, row_sums=sums)
 
 
 def _lora_columns(params: Params, batch: RaggedBatch, dtype) -> jax.Array | None:

@@ -11,6 +11,7 @@ import jax
 from jaxserve.config import ModelConfig
 from jaxserve.model import quant
 from jaxserve.model.attention_dispatch import ragged_attention_impl, runs_per_shard
+from jaxserve.model.hidden_states import HiddenStates
 from jaxserve.model.kv_cache import KVCache, RaggedBatch
 from jaxserve.model.llama import forward_ragged, lm_head
 from jaxserve.model.sharding import DATA, MODEL, ExpertParallel
@@ -34,12 +35,16 @@ def ragged_step(
     cfg: ModelConfig,
     options: StepOptions = StepOptions(),
     hidden: bool = False,
+    states: HiddenStates | None = None,
+    state_index: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """One ragged step of every replica (`batch`: `RaggedBatch.stack` of one per replica): prompt
     chunks, decodes and verifications in one flat token axis. Returns logits f32[R, L, V] at each
     replica's `logit_index` (list every token there for all of them), and the updated cache
     (docs/ARCHITECTURE.md, "The ragged step"). With `hidden`, the final-normed hidden states
-    f[R, L, D] instead (`ragged_logits` finishes them).
+    f[R, L, D] instead (`ragged_logits` finishes them). With `states` (static), a `HiddenOutput` of
+    [R, ...] in place of the logits: chosen layers' and the final-normed states at `state_index`
+    i32[R, M] (indices into each replica's flat token axis), per-row sums (`model/hidden_states.py`).
 
     Every attention backend of `ATTENTION_IMPLS`: the Pallas ones get each replica's whole stacked
     cache and the layer index (no per-layer slice), per device under `shard_map` on a mesh of several
@@ -55,10 +60,14 @@ def ragged_step(
         attention=ragged_attention_impl(options.attention_backend, options.mesh),
         expert_parallel=expert_parallel_impl(cfg, options),
         hidden=hidden,
+        states=states,
     )
     # A shard_map inside the vmap maps the replica axis onto `data` through spmd_axis_name.
     spmd = DATA if runs_per_shard(options.attention_backend, options.mesh) else None
-    return jax.vmap(fwd, in_axes=(None, 0, 0), spmd_axis_name=spmd)(params, cache, batch)
+    if states is None or not states.needs_index:
+        return jax.vmap(fwd, in_axes=(None, 0, 0), spmd_axis_name=spmd)(params, cache, batch)
+    at = lambda p, c, b, i: fwd(p, c, b, state_index=i)
+    return jax.vmap(at, in_axes=(None, 0, 0, 0), spmd_axis_name=spmd)(params, cache, batch, state_index)
 
 
 def ragged_logits(params: Params, hidden: jax.Array, cfg: ModelConfig, options: StepOptions = StepOptions()):
