@@ -397,6 +397,26 @@ class EngineConfig(Settings):
     responses_store_max_age: float = setting(
         3600.0, "seconds a stored response is kept", parse_float, group="responses API"
     )
+    # Embeddings (docs/embeddings.md): a pooling engine answers /v1/embeddings and LLM.embed, not generation.
+    runner: str = setting(
+        "auto",
+        "vLLM's: generate (text generation; auto is generate) | pooling (embeddings: /v1/embeddings, LLM.embed)",
+        choice("auto", "generate", "pooling"),
+        group="pooling",
+    )
+    convert: str = setting(
+        "auto",
+        "vLLM's: with --runner pooling, what the model is served as: embed (auto is embed)",
+        choice("auto", "none", "embed"),
+        group="pooling",
+    )
+    pooler_config: str | None = setting(
+        None,
+        'vLLM\'s: a JSON object over the model\'s own pooling: {"pooling_type": "LAST" | "MEAN" | "CLS", '
+        '"normalize": bool, "dimensions": N, "matryoshka_dimensions": [N, ...]}',
+        optional(parse_json_object),
+        group="pooling",
+    )
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -423,30 +443,12 @@ class EngineConfig(Settings):
         if self.activation_quantization == "int8" and (
             self.quantization != "int8" or self.quantization_group_size not in (None, 0, -1)
         ):
-    # Embeddings (docs/embeddings.md): a pooling engine answers /v1/embeddings and LLM.embed, not generation.
-    runner: str = setting(
-        "auto",
-        "vLLM's: generate (text generation; auto is generate) | pooling (embeddings: /v1/embeddings, LLM.embed)",
-        choice("auto", "generate", "pooling"),
-        group="pooling",
-    )
-    convert: str = setting(
-        "auto",
-        "vLLM's: with --runner pooling, what the model is served as: embed (auto is embed)",
-        choice("auto", "none", "embed"),
-        group="pooling",
-    )
-    pooler_config: str | None = setting(
-        None,
-        'vLLM\'s: a JSON object over the model\'s own pooling: {"pooling_type": "LAST" | "MEAN" | "CLS", '
-        '"normalize": bool, "dimensions": N, "matryoshka_dimensions": [N, ...]}',
-        optional(parse_json_object),
-        group="pooling",
-    )
             raise ConfigError(
                 "activation_quantization=int8 (W8A8) needs quantization=int8 with a scale per output "
                 "channel (quantization_group_size unset or 0)"
             )
+        if self.convert == "embed" and not self.pooling:
+            raise ConfigError("convert='embed' needs runner='pooling' (--runner pooling --convert embed)")
         self._validate_speculation()
         self._validate_distributed()
         self._validate_lora()
@@ -473,8 +475,6 @@ class EngineConfig(Settings):
         if k < 0:
             raise ConfigError(f"num_speculative_tokens must be >= 0, got {k}")
         if method == "ngram" and self.speculative_model is not None:
-        if self.convert == "embed" and not self.pooling:
-            raise ConfigError("convert='embed' needs runner='pooling' (--runner pooling --convert embed)")
             raise ConfigError("speculative_method='ngram' needs no speculative_model; drop one of them")
         if method == "draft" and k > 0 and self.speculative_model is None:
             raise ConfigError(
@@ -504,11 +504,11 @@ class EngineConfig(Settings):
             )
 
     @property
-    def speculation(self) -> str | None:
-        """The speculative decoding in use: "draft", "ngram" or None (off)."""
-        return self.speculative_method if self.num_speculative_tokens > 0 else None
-    @property
     def pooling(self) -> bool:
         """Whether this engine pools (embeddings) instead of generating (`runner` pooling)."""
         return self.runner == "pooling"
 
+    @property
+    def speculation(self) -> str | None:
+        """The speculative decoding in use: "draft", "ngram" or None (off)."""
+        return self.speculative_method if self.num_speculative_tokens > 0 else None
