@@ -3,6 +3,8 @@
     jaxserve serve [MODEL] [flags]  the OpenAI-compatible server (= python -m jaxserve.serve); MODEL a
                                   directory, a GGUF file or a Hugging Face ID, as `vllm serve ORG/NAME`
     jaxserve serve-ray [MODEL] [flags]  the same server over replicas on Ray Serve (= jaxserve.serving.ray.cli)
+    jaxserve compile [MODEL] [flags]  every executable `serve` with these flags uses, into the executable store
+                                  (= python -m jaxserve.precompile); `jaxserve compile --list` shows the store
     jaxserve plan [flags]           will a model fit, how many sequences, how fast (= python -m jaxserve.plan)
     jaxserve compare-hf [flags]     greedy tokens and logprobs against Hugging Face (= python -m jaxserve.compare_hf)
     jaxserve bench {serve,latency,throughput} [flags]  benchmarks, as `vllm bench` (= python -m jaxserve.bench.cli)
@@ -23,6 +25,10 @@ SUBCOMMANDS = {
     "serve-ray": (
         "jaxserve.serving.ray.cli",
         "the same server over engine replicas on Ray Serve (needs jaxserve[ray])",
+    ),
+    "compile": (
+        "jaxserve.precompile",
+        "compile every executable `serve` with the same flags uses into the executable store; --list shows it",
     ),
     "plan": ("jaxserve.plan", "memory and roofline planner: fit, capacity, bounds, replicas for a rate"),
     "compare-hf": ("jaxserve.compare_hf", "parity check against Hugging Face transformers (needs jaxserve[hf])"),

@@ -26,7 +26,12 @@ from jaxserve.model.weights import param_bytes
 from jaxserve.planning.memory import plan_memory
 from jaxserve.runner import multihost
 from jaxserve.runner.backends import default_scan_layers, resolve_attention, resolve_quantized_matmul
-from jaxserve.runner.compilation import CompileCounter, check_memory_mappings, enable_compilation_cache
+from jaxserve.runner.compilation import (
+    CompileCounter,
+    attach_executable_store,
+    check_memory_mappings,
+    enable_compilation_cache,
+)
 from jaxserve.runner.runner import ModelRunner
 from jaxserve.spec_decode.decoder import draft_kv_bytes_per_token
 from jaxserve.model.step_options import StepOptions
@@ -38,7 +43,7 @@ class LLMEngine(EngineCore):
     def __init__(self, config: EngineConfig, warm_up: bool = True):
         s = config = implied_quantization(config)  # an AWQ / GPTQ checkpoint is served as int4
         multihost.initialize(s)  # num_processes > 1: jax.distributed, before any device is touched
-        cache_path = enable_compilation_cache(s.compilation_cache_dir)
+        cache_path = enable_compilation_cache(s.compilation_cache_dir, s.compilation_cache)
         logger.info("persistent compilation cache: %s", cache_path or "off")
         platform = jax.default_backend()
         self.mesh = make_mesh(s.mesh_shape)
@@ -93,6 +98,8 @@ class LLMEngine(EngineCore):
             self.shardings,
             num_scheduler_steps=s.num_scheduler_steps,
         )
+        store = attach_executable_store(runner, s)  # serialized executables: loaded at warm-up, no tracing
+        logger.info("executable store: %s", store.directory if store is not None else "off")
         super().__init__(
             s,
             runner,

@@ -8,6 +8,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 sys.path.insert(0, os.path.dirname(__file__))  # tests/hf_models.py and friends
+# No serialized executables from the user's store: a loaded executable skips tracing, so a test that
+# patches model code would run what an earlier run stored (tests of the store turn it on themselves).
+os.environ.setdefault("JAXSERVE_EXECUTABLE_STORE", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -48,6 +48,12 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
+def parse_cache_dir(value: Any) -> str | None:
+    """A directory, or "none" / "off" kept as given (caches disabled: `optional` would turn "none" into
+    None, the default directory)."""
+    return None if value is None else parse_str(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig(Settings):
     """Every engine setting. The same name is a Python keyword, a YAML key and a `--kebab-case` flag."""
@@ -355,8 +361,28 @@ class EngineConfig(Settings):
     )
     compilation_cache_dir: str | None = setting(
         None,
-        "persistent XLA compilation cache; default ~/.cache/jaxserve/xla, 'none' disables it",
-        optional(parse_str),
+        "where compiled code is kept between starts: the executable store in DIR/executables, the persistent "
+        "XLA cache in DIR/xla; default $JAXSERVE_COMPILATION_CACHE_DIR or ~/.cache/jaxserve; 'none' disables both",
+        parse_cache_dir,
+        group="compilation and kernels",
+    )
+    compilation_cache: bool = setting(
+        True,
+        "keep compiled code between starts (--no-compilation-cache: every start compiles everything)",
+        parse_bool,
+        group="compilation and kernels",
+    )
+    executable_store: bool = setting(
+        True,
+        "load the step executables serialized by an earlier start or `jaxserve compile` (no tracing) and "
+        "store those compiled (docs/startup.md); $JAXSERVE_EXECUTABLE_STORE=0 turns it off by default",
+        parse_bool,
+        group="compilation and kernels",
+    )
+    executable_store_max_size: int = setting(
+        4 * 2**30,
+        "bytes the executable store may hold (e.g. 4GiB); past it the least recently used entries are removed",
+        parse_size,
         group="compilation and kernels",
     )
     # Multi-host serving (jaxserve.runner.multihost, docs/multihost.md): one process per host, all with the same settings

@@ -8,6 +8,7 @@ afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -42,6 +43,7 @@ class CompileCounter:
     compiles or loads it from the persistent cache) and those XLA actually compiled (`compiles()`)."""
 
     _lock = threading.Lock()
+    _local = threading.local()  # cache hits of the current thread (`thread_cache_hits`)
     _installed = False
     requests = 0
     cache_hits = 0
@@ -60,11 +62,17 @@ class CompileCounter:
 
         def on_event(event: str, **kwargs) -> None:
             if event == _CACHE_HIT_EVENT:
+                cls._local.hits = getattr(cls._local, "hits", 0) + 1
                 with cls._lock:
                     cls.cache_hits += 1
 
         jax.monitoring.register_event_duration_secs_listener(on_duration)
         jax.monitoring.register_event_listener(on_event)
+
+    @classmethod
+    def thread_cache_hits(cls) -> int:
+        """Persistent-cache hits of compiles made on the calling thread."""
+        return getattr(cls._local, "hits", 0)
 
     @classmethod
     def compiles(cls) -> int:
@@ -133,21 +141,38 @@ def check_memory_mappings(platform: str) -> float | None:
     return fraction
 
 
+CACHE_DIR_ENV = "JAXSERVE_COMPILATION_CACHE_DIR"
+STORE_ENV = "JAXSERVE_EXECUTABLE_STORE"  # "0": the executable store is off unless a caller opens one
+
+
 def default_cache_dir() -> str:
+    """The root of jaxserve's compiled-code caches: $JAXSERVE_COMPILATION_CACHE_DIR, else
+    $XDG_CACHE_HOME/jaxserve or ~/.cache/jaxserve."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return os.environ[CACHE_DIR_ENV]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxserve", "xla")
+    return os.path.join(base, "jaxserve")
 
 
-def enable_compilation_cache(cache_dir: str | None) -> str | None:
-    """Turn on JAX's persistent cache in `cache_dir/<jax version>-<backend>`; "" or "none" disables it.
+def cache_root(cache_dir: str | None, enabled: bool = True) -> str | None:
+    """The caches' root directory for the `compilation_cache_dir` setting; None when disabled ("",
+    "none", "off", or `compilation_cache` false)."""
+    if not enabled or (cache_dir is not None and cache_dir.lower() in ("", "none", "off")):
+        return None
+    return cache_dir or default_cache_dir()
+
+
+def enable_compilation_cache(cache_dir: str | None, enabled: bool = True) -> str | None:
+    """Turn on JAX's persistent cache in `<root>/xla/jax-<version>-<backend>`; returns its path
+    (None: disabled, see `cache_root`).
 
     JAX's cache key already covers the jaxlib version and device kind; the versioned subdirectory
     just keeps stale entries of other versions out of the way.
     """
-    if cache_dir is not None and cache_dir.lower() in ("", "none", "off"):
+    root = cache_root(cache_dir, enabled)
+    if root is None:
         return None
-    root = cache_dir or default_cache_dir()
-    path = os.path.join(root, f"jax-{jax.__version__}-{jax.default_backend()}")
+    path = os.path.join(root, "xla", f"jax-{jax.__version__}-{jax.default_backend()}")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -155,10 +180,61 @@ def enable_compilation_cache(cache_dir: str | None) -> str | None:
     return path
 
 
+def store_directory(settings: Any) -> str | None:
+    """Where the engine's executable store is (`<root>/executables`), or None when it is off: caches
+    disabled, `executable_store` false, $JAXSERVE_EXECUTABLE_STORE=0, or a multi-process job (each
+    process would need its own devices' entries; not supported yet)."""
+    root = cache_root(settings.compilation_cache_dir, settings.compilation_cache)
+    if root is None or not settings.executable_store or settings.num_processes > 1:
+        return None
+    if os.environ.get(STORE_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    return os.path.join(root, "executables")
+
+
+def attach_executable_store(runner: Any, settings: Any) -> Any:
+    """Give the runner's executable table the store of these settings (see `store_directory`);
+    returns the store, or None (off, or refused as unsafe: the engine compiles as usual)."""
+    from jaxserve.runner.executable_keys import step_signature
+    from jaxserve.runner.executable_store import ExecutableStore
+
+    directory = store_directory(settings)
+    store = None if directory is None else ExecutableStore.open(directory, settings.executable_store_max_size)
+    if store is not None:
+        runner.table.attach_store(store, lambda key: step_signature(runner, key))
+    return store
+
+
+@contextlib.contextmanager
+def persistent_cache_bypassed(bypass: bool = True):
+    """Compile without JAX's persistent cache while in this block (every thread).
+
+    For the executable store: on XLA:CPU, an executable read from the persistent cache serializes
+    to bytes that load but fail at their first call ("Function ... not found", jax 0.10.2), so what
+    the store writes must be a real compile. jax reads whether the cache is used once per process
+    (`compilation_cache.is_cache_used`), so this flips that private flag; where it is missing (another
+    jax), nothing is bypassed and `compile_buckets` reports the hits, which are then not stored."""
+    try:
+        from jax._src import compilation_cache as cc
+
+        cc.is_cache_used(jax.devices()[0].client)  # the once-per-process check, settled first
+        saved = cc._cache_used
+    except Exception:  # noqa: BLE001 - a jax without these internals
+        bypass = False
+    if not bypass:
+        yield
+        return
+    cc._cache_used = False
+    try:
+        yield
+    finally:
+        cc._cache_used = saved
+
+
 def compile_buckets(
     shapes: list[tuple], lower: Callable[[tuple], Any], options: dict[str, str], platform: str, progress: bool = True
-) -> list[tuple[tuple, Any, float]]:
-    """(shape, executable, seconds) of each bucket, lowered by `lower(shape)`.
+) -> list[tuple[tuple, Any, float, bool]]:
+    """(shape, executable, seconds, from the persistent cache) of each bucket, lowered by `lower(shape)`.
 
     Tracing holds the GIL, so buckets are lowered one by one, each compiled meanwhile on a pool.
     XLA:CPU already spreads one compile over every core (its codegen is split), so on a CPU the
@@ -169,9 +245,9 @@ def compile_buckets(
     from tqdm import tqdm
 
     def compile_one(shape, lowered):
-        start = time.perf_counter()
+        start, hits = time.perf_counter(), CompileCounter.thread_cache_hits()
         executable = lowered.compile(options)
-        return shape, executable, time.perf_counter() - start
+        return shape, executable, time.perf_counter() - start, CompileCounter.thread_cache_hits() > hits
 
     workers = 1 if platform == "cpu" else (os.cpu_count() or 1)
     with (

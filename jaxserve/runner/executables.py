@@ -1,14 +1,17 @@
 """The one table of compiled steps: every variant's executables by key ((tokens, pages) bucket and
 the variant's tag), with each one's input layout, compiled ahead of time at warm-up and run once
-there; a key needed later is compiled then, and counted (`unplanned_compiles`)."""
+there; a key needed later is compiled then, and counted (`unplanned_compiles`). With an executable
+store attached (`attach_store`), a key is first looked up there, by a key computed without tracing,
+and loaded instead of lowered and compiled; what is compiled is written to it."""
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Iterable
 
 from jaxserve.model.transfer import Layout
-from jaxserve.runner.compilation import compile_buckets
+from jaxserve.runner.compilation import CompileCounter, compile_buckets, persistent_cache_bypassed
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +29,16 @@ class ExecutableTable:
         self.first_runs = 0
         self.ran: set[tuple] = set()
         self.warmed = False  # compile_all ran: a compile after it was not foreseen (--enforce-eager: none ran)
+        self.store: Any = None  # executable_store.ExecutableStore (attach_store)
+        self._signature: Callable[[tuple], Any] | None = None  # key -> executable_keys.StepSignature
+        self._signatures: dict[tuple, Any] = {}
+        self.loaded: list[tuple[tuple, float]] = []  # (key, seconds) of each executable loaded from the store
+        self.stored: list[tuple[tuple, float, str]] = []  # (key, compile seconds, path) of each one written
+
+    def attach_store(self, store: Any, signature: Callable[[tuple], Any]) -> None:
+        """Load executables from `store` (by `signature(key)`, computed without tracing) before
+        compiling them, and write what is compiled to it."""
+        self.store, self._signature = store, signature
 
     def __len__(self) -> int:
         return len(self.executables)
@@ -42,7 +55,15 @@ class ExecutableTable:
             if not planned:
                 self.unplanned_compiles += 1
                 logger.log(logging.WARNING if self.warmed else logging.INFO, "compiling unplanned step %s", key)
-            executable = self.executables[key] = self.lower(key).compile(self.compiler_options)
+            executable = self._load(key)
+            if executable is None:
+                lowered = self.lower(key)
+                start, hits = time.perf_counter(), CompileCounter.thread_cache_hits()
+                with persistent_cache_bypassed(self.store is not None):
+                    executable = lowered.compile(self.compiler_options)
+                cached = CompileCounter.thread_cache_hits() > hits
+                self._save(key, executable, time.perf_counter() - start, cached)
+            self.executables[key] = executable
         return executable
 
     def layout(self, key: tuple) -> Layout:
@@ -61,15 +82,95 @@ class ExecutableTable:
         """Compile the keys not compiled yet (`compilation.compile_buckets`); (key, seconds) of each."""
         self.warmed = True
         keys = [k for k in keys if k not in self.executables]
+        if self.store is not None:
+            for key in keys:
+                executable = self._load(key)
+                if executable is not None:
+                    self.executables[key] = executable
+            keys = [k for k in keys if k not in self.executables]
         logger.info("compiling %d step buckets: %s", len(keys), keys)
         timings = []
-        for key, executable, seconds in compile_buckets(
-            keys, self.lower, self.compiler_options, self.platform, progress
-        ):
+        with persistent_cache_bypassed(self.store is not None):
+            compiled = compile_buckets(keys, self.lower, self.compiler_options, self.platform, progress)
+        for key, executable, seconds, cached in compiled:
             self.executables[key] = executable
             timings.append((key, seconds))
             logger.info("bucket %s compiled in %.2fs", key, seconds)
+            self._save(key, executable, seconds, cached)
         return timings
+
+    # ---- the executable store --------------------------------------------------------------------
+    def _load(self, key: tuple) -> Any:
+        """Key's executable from the store (its input layout recorded), or None: no store, no entry,
+        or an entry that cannot be used (the store warns; the caller compiles)."""
+        if self.store is None:
+            return None
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        start = time.perf_counter()
+        try:
+            signature = self._signatures[key] = self._signature(key)
+        except Exception as err:  # noqa: BLE001 - a key that cannot be described is compiled, not loaded
+            logger.warning("no executable store key for %s (%s: %s): compiling it", key, type(err).__name__, err)
+            return None
+        entry = self.store.load(signature.key_hash, signature.key)
+        if entry is None:
+            return None
+        try:  # on the devices the key names, in order: never the backend's default (a sub-mesh would abort)
+            executable = deserialize_and_load(
+                entry.blob,
+                entry.in_tree,
+                entry.out_tree,
+                backend=signature.devices[0].client,
+                execution_devices=signature.devices,
+            )
+        except Exception as err:  # noqa: BLE001 - e.g. XLA refusing the code: compiled instead
+            self.store._unusable(self.store.path(signature.key_hash), f"{type(err).__name__}: {err}")
+            return None
+        self.layouts[key] = signature.layout
+        seconds = time.perf_counter() - start
+        self.loaded.append((key, seconds))
+        logger.info("bucket %s loaded from the executable store in %.3fs", key, seconds)
+        return executable
+
+    def _save(self, key: tuple, executable: Any, seconds: float, from_cache: bool = False) -> None:
+        """Write a compiled executable to the store (when its key's layout and devices are the ones it
+        was compiled with, and it was compiled, not read from JAX's persistent cache, whose executables
+        serialize broken on XLA:CPU: `compilation.persistent_cache_bypassed`)."""
+        if self.store is None:
+            return
+        if from_cache:
+            logger.warning("step %s not stored: it came from the persistent XLA cache", key)
+            return
+        from jax.experimental.serialize_executable import serialize
+
+        try:
+            signature = self._signatures.get(key) or self._signature(key)
+        except Exception as err:  # noqa: BLE001
+            logger.warning("step %s not stored: no key (%s: %s)", key, type(err).__name__, err)
+            return
+        if signature.layout != self.layouts.get(key):
+            logger.warning("step %s not stored: its key's input layout differs from the compiled one", key)
+            return
+        compiled_on = getattr(getattr(executable._executable, "_unloaded_executable", None), "device_list", None)
+        if compiled_on is not None and [d.id for d in compiled_on] != [d.id for d in signature.devices]:
+            logger.warning("step %s not stored: compiled for devices %s, its key names others", key, compiled_on)
+            return
+        try:
+            parts = serialize(executable)
+        except (ValueError, NotImplementedError) as err:  # e.g. a program with const_args
+            logger.warning("step %s not stored: %s", key, err)
+            return
+        m = signature.key.get("model") or {}
+        about = dict(
+            variant=signature.key["variant"].rsplit(".", 1)[-1],
+            bucket=list(key),
+            compile_seconds=round(seconds, 3),
+            model=f"{m.get('architecture')} {m.get('num_layers')}x{m.get('hidden_size')}",
+        )
+        path = self.store.save(signature.key_hash, signature.key, parts, about)
+        if path is not None:
+            self.stored.append((key, seconds, path))
 
     def clear(self) -> None:
         self.executables.clear()
