@@ -11,6 +11,8 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.llm_engine import LLMEngine
+from jaxserve.engine.pooling import embed_prompts
+from jaxserve.pooling_engine import PoolingEngine
 from jaxserve.engine.output_processor import OutputAccumulator
 from jaxserve.engine.overlap import Overlap
 from jaxserve.engine.processor import EngineRequest, Prompt
@@ -38,8 +40,9 @@ class LLM:
         apply_memory_utilization(config.gpu_memory_utilization)  # before JAX's backend starts, if it has not
         # Before the engine compiles: a generation_config that cannot be used fails at once.
         self.generation_defaults = load_generation_defaults(config)
-        self.engine = LLMEngine(config, warm_up=warm_up)
-        self.overlap = Overlap(self.engine)  # the step loop: async scheduling's steps in flight
+        # runner="pooling": an embeddings engine (LLM.embed, docs/embeddings.md) in place of generation
+        self.engine = PoolingEngine(config, warm_up) if config.pooling else LLMEngine(config, warm_up=warm_up)
+        self.overlap = None if config.pooling else Overlap(self.engine)  # the step loop: steps in flight
         self._ids = itertools.count()
         self._chat_renderer = None  # built on the first chat() call
 
@@ -56,7 +59,8 @@ class LLM:
         afterwards raises EngineClosedError. On a CPU each executable's code is mapped into the process
         and Linux caps the mappings (vm.max_map_count), so a script building several engines closes
         each before the next, or uses `with LLM(...) as llm:`."""
-        self.overlap.close()  # the steps still in flight are dropped with the engine
+        if self.overlap is not None:
+            self.overlap.close()  # the steps still in flight are dropped with the engine
         self.engine.close()
 
     def __enter__(self) -> "LLM":
@@ -64,6 +68,19 @@ class LLM:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+    def embed(
+        self,
+        prompts: Any = None,
+        pooling_params: Any = None,
+        use_tqdm: bool = True,
+        prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        dimensions: int | None = None,
+    ) -> list:
+        """vLLM's `LLM.embed` (an engine of runner="pooling"): one output per prompt, in order, each
+        with `.outputs.embedding`. `prompts`: a text, texts, or {"prompt_token_ids": [...]} dicts;
+        `pooling_params` (or `dimensions`): a Matryoshka model's output size. docs/embeddings.md."""
+        return embed_prompts(self.engine, prompts, prompt_token_ids, pooling_params, dimensions)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses when given no SamplingParams: the model's generation_config.json values

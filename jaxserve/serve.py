@@ -296,6 +296,10 @@ def build_engine(ns: argparse.Namespace, settings: EngineConfig) -> Any:
 
             tokenizer = load_tokenizer(settings.tokenizer)
         return MockAsyncLLMEngine.from_settings(settings, token_delay=ns.mock_token_delay, tokenizer=tokenizer)
+    if settings.pooling:  # embeddings (docs/embeddings.md)
+        from jaxserve.pooling_engine import start_async_pooling_engine  # lazy: pulls in JAX
+
+        return start_async_pooling_engine(settings)
     from jaxserve.llm_engine import start_async_engine  # lazy: pulls in JAX
 
     return start_async_engine(settings)

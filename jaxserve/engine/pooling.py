@@ -221,6 +221,14 @@ class PoolingCore:
             out.extend(self.step())
         return out
 
+    def check_serving(self) -> None:
+        """Generation on a pooling engine: refused, naming what it serves."""
+        raise RequestError("this engine pools (runner='pooling'): it makes embeddings (LLM.embed), not text")
+
+    @property
+    def processor(self) -> Any:
+        self.check_serving()
+
     def stats(self) -> dict:
         return dict(
             num_waiting=len(self.waiting),
@@ -235,6 +243,49 @@ class PoolingCore:
     def close(self) -> None:
         self.closed = True
         self.runner.close()
+
+
+def embed_prompts(
+    core: PoolingCore,
+    prompts: Any = None,
+    prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    pooling_params: Any = None,
+    dimensions: int | None = None,
+) -> list[EmbeddingRequestOutput]:
+    """`LLM.embed`: every prompt checked (RequestError naming the bad one) before any runs, then run to
+    completion; outputs in prompt order. `prompts`: a text, texts, or vLLM's {"prompt_token_ids": ids}
+    dicts; `prompt_token_ids`: ids, or a list of them. `pooling_params`: anything with `dimensions`
+    (vLLM's PoolingParams) or a dict of it."""
+    if not isinstance(core, PoolingCore):
+        raise RequestError("LLM.embed needs an engine of runner='pooling' (LLM(model, runner='pooling'))")
+    if (prompts is None) == (prompt_token_ids is None):
+        raise RequestError("give exactly one of prompts and prompt_token_ids")
+    if prompt_token_ids is not None:
+        one = prompt_token_ids and isinstance(prompt_token_ids[0], (int, np.integer))
+        items: list = [list(prompt_token_ids)] if one else [list(ids) for ids in prompt_token_ids]
+    else:
+        items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+    if pooling_params is not None:
+        given = pooling_params.get("dimensions") if isinstance(pooling_params, dict) else pooling_params.dimensions
+        dimensions = given if given is not None else dimensions
+    ids_list = []
+    for i, item in enumerate(items):
+        if isinstance(item, dict):
+            item = item.get("prompt_token_ids", item.get("prompt"))
+        if isinstance(item, str):
+            if core.tokenizer is None:
+                raise RequestError(f"prompt {i}: this model has no tokenizer; give prompt_token_ids")
+            item = core.tokenizer.encode(item)
+        try:
+            core.check_prompt(item, dimensions)
+        except ValueError as err:
+            raise RequestError(f"prompt {i}: {err}") from None
+        ids_list.append([int(t) for t in item])
+    base = f"embed-{core.num_finished}-{time.monotonic_ns()}"
+    for i, ids in enumerate(ids_list):
+        core.add_request(f"{base}-{i}", ids, dimensions)
+    done = {out.request_id: out for out in core.run_to_completion()}
+    return [done[f"{base}-{i}"] for i in range(len(ids_list))]
 
 
 class AsyncPoolingEngine:

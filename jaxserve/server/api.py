@@ -2,7 +2,8 @@
 `completions` / `chat_completions` here -> `requests.translate` (body -> prompts + SamplingParams, the 400s)
 -> `streaming.respond` (engine requests, response or SSE stream) -> `ServingEngine.generate`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses with GET and DELETE
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings (server/embeddings.py: a
+--runner pooling engine; a generation engine answers it with a 400), POST /v1/responses with GET and DELETE
 /v1/responses/{id} (OpenAI's Responses API over the chat path: server/responses.py), GET /v1/models,
 GET /v1/capabilities, GET /health (200 only once the engine is warm and while not draining), GET /metrics (Prometheus),
 POST /tokenize and POST /detokenize (vLLM's; like /health and /metrics, outside the /v1 API-key gate);
@@ -40,6 +41,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.sampling.params import MAX_LOGIT_BIAS, SamplingParams
+from jaxserve.server.embeddings import EMBEDDINGS_ROUTE, add_embeddings_routes, refuse_generation
 from jaxserve.server.engine_protocol import ServingEngine
 from jaxserve.server.errors import APIError, dumps, error_body, error_response
 from jaxserve.server.lora import LORA_ROUTES, add_lora_routes
@@ -87,6 +89,7 @@ _KNOWN_ROUTES = {
     "/tokenize",
     "/detokenize",
     RESPONSES_ROUTE,
+    EMBEDDINGS_ROUTE,
     *LORA_ROUTES,
 }
 
@@ -306,6 +309,7 @@ def create_app(
                 "GET /metrics",
                 "POST /tokenize",
                 "POST /detokenize",
+                f"POST {EMBEDDINGS_ROUTE}",
             ]
             + ([f"POST {r}" for r in LORA_ROUTES] if state.lora.runtime_updating else []),
             "lora": state.lora.describe(),
@@ -357,6 +361,7 @@ def create_app(
         return detokenize(state, body)
 
     add_responses_routes(app, state, err_responses)  # POST /v1/responses, GET and DELETE /v1/responses/{id}
+    add_embeddings_routes(app, state, err_responses)  # POST /v1/embeddings (a --runner pooling engine)
     if state.lora.runtime_updating:
         add_lora_routes(app, state, err_responses)
 
@@ -387,6 +392,7 @@ async def _generate(
     """Both generation routes: the checks (503, 404), translation (400), the queue bound (503), then the engine."""
     arrival = time.monotonic()
     state.check_ready()
+    refuse_generation(state)
     model, lora_request = state.check_model(body.model)
     job = translate(state, body, chat, lora_request=lora_request)
     await state.check_queue()
