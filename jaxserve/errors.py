@@ -32,3 +32,17 @@ class LoRAError(RequestError):
 
 class LoRANotFoundError(LoRAError):
     """No adapter of that name is loaded: the server's 404."""
+
+
+class EngineSleepingError(JaxServeError, RuntimeError):
+    """The engine is asleep (`sleep(level)`): its weights or KV cache are off the devices until
+    `wake_up()` (or `update_weights` for level 2's weights); the server's 503."""
+
+
+class EnginePausedError(JaxServeError, RuntimeError):
+    """Generation is paused (`pause(mode)`) until `resume()`."""
+
+
+class WeightsDeletedError(JaxServeError, RuntimeError):
+    """A weight the engine serves was deleted by someone else: `update_weights` adopted the caller's
+    array without a copy, and a later computation donated or deleted it (a trainer's step)."""

@@ -82,6 +82,37 @@ class LLM:
         `pooling_params` (or `dimensions`): a Matryoshka model's output size. docs/embeddings.md."""
         return embed_prompts(self.engine, prompts, prompt_token_ids, pooling_params, dimensions)
 
+    # ---- training loops: new weights, pause, sleep (jaxserve/runner/weight_control.py, docs/training_loop.md)
+    def update_weights(self, params: Any = None, weight_version: int | str | None = None, **options: Any):
+        """Serve new weights from the next generate on, compiling nothing (`LLMEngine.update_weights`:
+        a Params pytree, a mapping of HF names to arrays, or (name, array) chunks; `draft_params=`,
+        `copy=`). Returns its UpdateReport."""
+        self.overlap.flush()  # a step left in flight reads the old weights first
+        return self.engine.update_weights(params, weight_version, **options)
+
+    def pause(self, mode: str = "abort") -> list[RequestOutput]:
+        """vLLM's pause: "abort", "wait" or "keep" the requests in the engine; generate refuses until resume()."""
+        self.overlap.flush()
+        return self.engine.pause(mode)
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def is_paused(self) -> bool:
+        return self.engine.is_paused()
+
+    def sleep(self, level: int = 1) -> list[RequestOutput]:
+        """vLLM's sleep: level 1 weights to host memory, level 2 discarded; the KV cache discarded."""
+        self.overlap.flush()
+        return self.engine.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Weights and KV cache back on the devices, or only `tags` ("weights", "kv_cache")."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses when given no SamplingParams: the model's generation_config.json values
         (`do_sample: false` is greedy) over SamplingParams' own defaults, as vLLM's method of this name."""
@@ -120,6 +151,7 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
     ) -> list[RequestOutput]:
         """Every prompt through the processor (all checked, every grammar compiled) before any is queued."""
+        self.engine.check_serving()  # asleep, paused, or weights deleted: refused before anything is queued
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):

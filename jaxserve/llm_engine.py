@@ -33,13 +33,14 @@ from jaxserve.runner.compilation import (
     enable_compilation_cache,
 )
 from jaxserve.runner.runner import ModelRunner
+from jaxserve.runner.weight_control import WeightControl
 from jaxserve.spec_decode.decoder import draft_kv_bytes_per_token
 from jaxserve.model.step_options import StepOptions
 
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine(EngineCore):
+class LLMEngine(WeightControl, EngineCore):  # WeightControl: update_weights, pause, sleep (training loops)
     def __init__(self, config: EngineConfig, warm_up: bool = True):
         s = config = implied_quantization(config)  # an AWQ / GPTQ checkpoint is served as int4
         multihost.initialize(s)  # num_processes > 1: jax.distributed, before any device is touched
@@ -116,6 +117,7 @@ class LLMEngine(EngineCore):
         # Multi-host: process 0 hands every later device call to the other processes, which run
         # multihost.run_follower(engine) instead of serving (None in a single process and on followers).
         self.multihost = multihost.attach(self)
+        self._init_weight_control()
 
     def _speculative_decoder(self):
         """Speculative decoding (jaxserve.spec_decode): the draft shares the pages and page tables

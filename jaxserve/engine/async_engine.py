@@ -25,6 +25,7 @@ from jaxserve.engine.core import EngineCore, RequestFailure
 from jaxserve.engine.intake import Abort
 from jaxserve.engine.output_processor import stream_deltas
 from jaxserve.engine.overlap import Overlap
+from jaxserve.engine.pause import check_mode
 from jaxserve.engine.processor import EngineRequest, Processor, claim
 from jaxserve.errors import LoRAError
 from jaxserve.sampling.params import RequestOutput, SamplingParams
@@ -45,6 +46,7 @@ class AsyncLLMEngine:
         # request id -> where its deltas go: (the caller's event loop, its queue, the caller's tag)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Any]] = {}
         self._ids = itertools.count()
+        self._draining = False  # pause("wait"): the step thread takes no new request
 
     # ---- what the server reads (jaxserve.server.engine_protocol.ServingEngine) ----------------
     @property
@@ -88,8 +90,9 @@ class AsyncLLMEngine:
         while not intake.closed.is_set():
             intake.wake.clear()  # before taking: whatever arrives later sets it again and ends the wait below
             with self._lock:
-                outputs = self.engine.take_intake()
-                busy = overlap.has_unfinished_requests()
+                held = self._held()  # paused or asleep: no step, and new requests wait in the intake
+                outputs = [] if held or self._draining else self.engine.take_intake()
+                busy = not held and overlap.has_unfinished_requests()
                 if busy:
                     try:
                         outputs += overlap.step()
@@ -106,6 +109,10 @@ class AsyncLLMEngine:
                 intake.wake.wait(0.05)
             elif self._stats_waiting.is_set():
                 time.sleep(0.0005)  # let the stats() caller blocked on the lock take it
+
+    def _held(self) -> bool:
+        state = getattr(self.engine, "pause_state", None)  # LLMEngine's (a stand-in core has none)
+        return state is not None and state.holds
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         """Put `(tag, item)` in the request's queue; its last item (finished, or an error) ends its stream."""
@@ -143,6 +150,8 @@ class AsyncLLMEngine:
         if isinstance(request.grammar, concurrent.futures.Future):
             # Shielded: a caller that goes away must not cancel a compilation other requests share.
             await asyncio.shield(asyncio.wrap_future(request.grammar))
+        if getattr(self.engine, "is_sleeping", lambda: False)():  # EngineSleepingError: the server's 503
+            self.engine.pause_state.check_serving()
         claim(request.request_id, self._streams, self.engine.closed)
         self._streams[request.request_id] = (asyncio.get_running_loop(), queue, tag)
         self.engine.intake.put(request)
@@ -188,6 +197,59 @@ class AsyncLLMEngine:
         with self._lock:
             self._stats_waiting.clear()
             return fn(*args)
+
+    # ---- training loops: new weights, pause, sleep (jaxserve/runner/weight_control.py) ----------
+    # Each runs on the step thread's lock, between two steps, after the steps in flight are processed.
+    async def update_weights(self, params: Any = None, weight_version: Any = None, **options: Any) -> Any:
+        """`LLMEngine.update_weights` between two steps; running requests go on with the new weights."""
+        return await asyncio.to_thread(self._control, self.engine.update_weights, params, weight_version, **options)
+
+    async def pause(self, mode: str = "abort") -> None:
+        """vLLM's pause_generation: "abort" ends the requests now, "wait" lets them finish first (new
+        ones wait in the intake), "keep" freezes them until resume(). Requests sent meanwhile wait."""
+        check_mode(mode)
+        if mode == "wait":
+            self._draining = True  # the step thread takes no new request from now on
+            while self.overlap.has_unfinished_requests():
+                await asyncio.sleep(0.005)
+        await asyncio.to_thread(self._control, self.engine.pause, mode)
+
+    async def resume(self) -> None:
+        await asyncio.to_thread(self._between_steps, self.engine.resume)
+        self.engine.intake.wake.set()
+
+    async def is_paused(self) -> bool:
+        return self.engine.is_paused()
+
+    async def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep (the requests held are aborted; new ones are refused until wake_up)."""
+        await asyncio.to_thread(self._control, self.engine.sleep, level)
+
+    async def wake_up(self, tags: Any = None) -> None:
+        await asyncio.to_thread(self._between_steps, self.engine.wake_up, tags)
+        self.engine.intake.wake.set()
+
+    async def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    @property
+    def weight_version(self) -> Any:
+        return getattr(self.engine, "weight_version", None)
+
+    def _control(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """`fn` between two steps, the steps in flight processed first; the deltas of both delivered."""
+
+        def run() -> Any:
+            outputs = self.overlap.flush()
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                self._draining = False
+            for out in outputs + (result if isinstance(result, list) else []):
+                self._deliver(out.request_id, out)
+            return result
+
+        return self._between_steps(run)
 
     def abort(self, request_id: str) -> None:
         """Abort between steps (queued behind the request's own admission, so it cannot overtake it);

@@ -63,6 +63,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self.weight_version: int | str = 0  # stamped on every delta (set by update_weights)
 
     def detokenizer(self, prompt_ids: list[int], params: SamplingParams):
         """A sequence's incremental detokenizer (None without a tokenizer: outputs have ids only)."""
@@ -182,6 +183,7 @@ class OutputProcessor:
             finished=finished,
             prompt_logprobs=prompt_logprobs,
             metrics=self._metrics(request, finished, spec_metrics),
+            weight_version=self.weight_version,
         )
 
     @staticmethod
@@ -261,6 +263,7 @@ class OutputAccumulator:
         total.outputs.sort(key=lambda o: o.index)
         total.finished = delta.finished
         total.metrics = delta.metrics
+        total.weight_version = delta.weight_version
         if delta.prompt_logprobs is not None:
             total.prompt_logprobs = delta.prompt_logprobs
         return total

@@ -234,6 +234,24 @@ def _text_tower_name(name: str, cfg: ModelConfig) -> str | None:
     return name
 
 
+def hf_weight_field(name: str, cfg: ModelConfig) -> tuple[str, int | None, bool] | None:
+    """Where a Hugging Face tensor goes: (Params or LayerParams field, layer or None, transpose?), None
+    for a tensor no weight takes (rotary tables, KV scales, another tower's); ModelLoadError for a name
+    this family has no weight of. Expert tensors are not mapped here (`load_hf_params` reads them)."""
+    name = _text_tower_name(name, cfg)
+    if name is None or name.endswith(_IGNORED_SUFFIXES):
+        return None
+    if name in _TOP_NAMES:
+        field, transpose = _TOP_NAMES[name]
+        return field, None, transpose
+    if name.startswith("model.layers."):
+        index, _, rest = name[len("model.layers.") :].partition(".")
+        field, transpose = _layer_names(cfg).get(rest, (None, False))
+        if field is not None and index.isdigit() and int(index) < cfg.num_layers:
+            return field, int(index), transpose
+    raise ModelLoadError(f"unexpected tensor {name!r} (not a {cfg.architecture} weight)")
+
+
 class _PerLayer:
     """stacked=False: one host buffer per layer of a weight, placed on its devices as soon as the
     layer's tensors are all in (experts arrive one by one), so the host holds one layer of a weight

@@ -155,3 +155,6 @@ class RequestOutput:
     # With prompt_logprobs: per prompt token, {token id: logprob} of it and the top-N given the tokens
     # before it; None for the first token (nothing predicts it). Complete once the prompt is computed.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # The weights that produced it: `update_weights(..., weight_version=)`'s, else the count of updates
+    # (0: the weights the engine started with), as SGLang's weight_version.
+    weight_version: int | str | None = None
