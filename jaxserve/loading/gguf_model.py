@@ -10,13 +10,16 @@ by the file's path, size and modification time and the sidecar files' contents:
 - the values of a `generation_config.json` lying beside the GGUF file merged over that one (a GGUF
   file carries no sampling defaults; the default model ships its model card's);
 - `gguf_source.json`, naming the GGUF file and where each tensor lies in it, from which the weights
-  are read at load (checkpoint.iter_checkpoint_tensors -> loading/gguf_weights.py), never copied.
+  are read at load (checkpoint.iter_checkpoint_tensors -> loading/gguf_weights.py), never copied;
+- `checksums.json`, the SHA-256 of each of those files: a directory whose files do not match it (a
+  truncated tokenizer.json stopped the server at start) is written again, with one warning.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -29,8 +32,11 @@ from jaxserve.errors import ModelLoadError
 from jaxserve.loading.gguf_config import gguf_architecture, hf_config
 from jaxserve.loading.gguf_file import open_gguf, read_metadata
 
+logger = logging.getLogger(__name__)
+
 SOURCE_FILE = "gguf_source.json"
-_FORMAT = 3  # bump when the files written here change meaning, so stale cache entries are rebuilt
+CHECKSUMS = "checksums.json"
+_FORMAT = 4  # bump when the files written here change meaning, so stale cache entries are rebuilt
 _SIDECARS = ("generation_config.json",)
 
 
@@ -56,8 +62,11 @@ def model_dir_for(gguf_path: str | os.PathLike, sidecar_dir: str | os.PathLike |
     extra = {name: (sidecars / name).read_text(encoding="utf-8") for name in _SIDECARS if (sidecars / name).is_file()}
     key = hashlib.sha256(f"{_FORMAT}|{path}|{stat.st_size}|{stat.st_mtime_ns}|{json.dumps(extra)}".encode())
     target = cache_root() / f"{path.stem}-{key.hexdigest()[:16]}"
-    if (target / SOURCE_FILE).is_file():
-        return str(target)
+    if target.is_dir():
+        damage = check_files(target)
+        if damage is None:
+            return str(target)
+        logger.warning("%s: %s; writing it again from %s", target, damage, path)
     files = describe(path)
     for name, text in extra.items():  # its values over the file's (the stop ids llama.cpp would use)
         try:
@@ -131,10 +140,31 @@ def iter_gguf_tensors(model_dir: str) -> Iterator[tuple[str, str, np.ndarray]]:
         yield str(path), name, values
 
 
+def check_files(folder: Path) -> str | None:
+    """None when every file `checksums.json` lists is there with its SHA-256; else what is wrong."""
+    try:
+        sums = json.loads((folder / CHECKSUMS).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return f"{CHECKSUMS} missing or damaged"
+    if not isinstance(sums, dict) or SOURCE_FILE not in sums:
+        return f"{CHECKSUMS} damaged"
+    for name, digest in sums.items():
+        try:
+            data = (folder / name).read_bytes()
+        except OSError:
+            return f"{name} missing"
+        if hashlib.sha256(data).hexdigest() != digest:
+            return f"{name} damaged (checksum mismatch)"
+    return None
+
+
 def _write_atomically(target: Path, files: dict[str, str]) -> Path:
-    """Write the files into a fresh folder and rename it into place, so a concurrent start (several
-    hosts of a multi-host job, two servers) never reads a half-written directory. Where the cache is
-    not writable, a private temporary directory serves this process instead."""
+    """Write the files (and their checksums) into a fresh folder and rename it into place, so a
+    concurrent start (several hosts of a multi-host job, two servers) never reads a half-written
+    directory; a damaged one there is moved aside first. Where the cache is not writable, a private
+    temporary directory serves this process instead."""
+    files = dict(files)
+    files[CHECKSUMS] = json.dumps({n: hashlib.sha256(t.encode("utf-8")).hexdigest() for n, t in files.items()})
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
@@ -144,8 +174,20 @@ def _write_atomically(target: Path, files: dict[str, str]) -> Path:
         (staging / name).write_text(text, encoding="utf-8")
     if staging == target:
         return target
+    if target.exists() and check_files(target) is not None:  # damaged: out of the way (another may race)
+        aside = Path(tempfile.mkdtemp(prefix=f".{target.name}-damaged-", dir=target.parent))
+        try:
+            os.rename(target, aside / "old")
+        except OSError:
+            pass
+        shutil.rmtree(aside, ignore_errors=True)
     try:
         os.rename(staging, target)
     except OSError:  # another process got there first: theirs is the same
         shutil.rmtree(staging, ignore_errors=True)
+    if check_files(target) is not None:  # still not whole (a racing writer's, or unwritable): ours, privately
+        private = Path(tempfile.mkdtemp(prefix="jaxserve-gguf-"))
+        for name, text in files.items():
+            (private / name).write_text(text, encoding="utf-8")
+        return private
     return target
