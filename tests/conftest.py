@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/hf_models.py and friends
 # No serialized executables from the user's store: a loaded executable skips tracing, so a test that
 # patches model code would run what an earlier run stored (tests of the store turn it on themselves).
 os.environ.setdefault("JAXSERVE_EXECUTABLE_STORE", "0")
+os.environ.setdefault("JAXSERVE_WEIGHTS_CACHE", "0")  # likewise GGUF weights converted by an earlier run
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

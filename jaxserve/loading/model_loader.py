@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxserve.loading import converted_weights
 from jaxserve.model import quant
 from jaxserve.loading.checkpoint import checkpoint_dtype, load_hf_params
 from jaxserve.loading.int4_checkpoint import read_int4_format
@@ -125,7 +126,7 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
         )
         quantized &= stored == "none"  # an int8 checkpoint is restored as int8: nothing left to quantize
     else:  # safetensors, or a GGUF file behind the directory: int8 quantized tensor by tensor as read
-        params = load_hf_params(
+        convert = lambda: load_hf_params(  # noqa: E731
             model_dir,
             cfg,
             dtype,
@@ -135,6 +136,12 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
             settings.quantize_lm_head,
             settings.quantization_group_size,
         )
+        if converted_weights.enabled(model_dir):  # a GGUF file: its converted weights kept between starts
+            parts = dict(cfg=cfg, dtype=dtype, stacked=stacked, quantization=settings.quantization)
+            parts.update(lm_head=settings.quantize_lm_head, group_size=settings.quantization_group_size)
+            params = converted_weights.load_or_convert(model_dir, parts, shardings.params, convert)
+        else:
+            params = convert()
         quantized = False
     if quantized:
         params = quant.quantize_params_placed(

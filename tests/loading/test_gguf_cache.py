@@ -58,3 +58,40 @@ def test_damaged_metadata_is_rebuilt(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="jaxserve.loading.gguf_model"):
         resolve_model_path(gguf)  # intact: read as it is, no warning
     assert not caplog.text
+
+
+def test_converted_weights_are_mapped_and_damage_converts_again(tmp_path, monkeypatch, caplog):
+    import jax
+    import numpy as np
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.loading import converted_weights
+    from jaxserve.loading.model_loader import load_model
+    from jaxserve.model.sharding import make_mesh
+
+    monkeypatch.setenv(converted_weights.ENV, "1")
+    model = make_hf_model(str(tmp_path / "hf"), "llama")
+    gguf = str(tmp_path / "llama-Q4_0.gguf")
+    write_gguf(gguf, {**model.config.to_dict(), "model_type": "llama"}, hf_state(model), "Q4_0")
+    settings = EngineConfig(model=resolve_model_path(gguf), dtype="float32")
+    mesh = make_mesh((1, 1))
+
+    def load():
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="jaxserve.loading.converted_weights"):
+            params = load_model(settings, mesh, stacked=False).params
+        return [np.asarray(x) for x in jax.tree.leaves(params)], caplog.text
+
+    converted, log = load()
+    assert "converted weights cached" in log
+    (data,) = (converted_weights.cache_dir()).glob("*.bin")
+    mapped, log = load()
+    assert "mapped from" in log and all(np.array_equal(a, b) for a, b in zip(converted, mapped))
+
+    raw = data.read_bytes()
+    for damaged in (raw[: len(raw) // 2], raw[:100] + bytes(b ^ 0x11 for b in raw[100:140]) + raw[140:]):
+        data.write_bytes(damaged)
+        again, log = load()
+        assert "not used" in log and "converted weights cached" in log
+        assert all(np.array_equal(a, b) for a, b in zip(converted, again))
+    assert "mapped from" in load()[1]
