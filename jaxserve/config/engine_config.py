@@ -213,6 +213,13 @@ class EngineConfig(Settings):
     enable_prefix_caching: bool = setting(
         True, "reuse the KV pages of shared prompt prefixes", parse_bool, group="cache"
     )
+    enable_sleep_mode: bool = setting(
+        False,
+        "vLLM's: serve POST /sleep, /wake_up, /pause, /resume, GET /is_sleeping, /is_paused and SGLang's "
+        "POST /update_weights_from_disk, for a trainer (docs/training_loop.md)",
+        parse_bool,
+        group="cache",
+    )
     max_logprobs: int = setting(
         MAX_LOGPROBS,
         f"vLLM's: the most top logprobs a request may ask for (logprobs, top_logprobs, "

@@ -183,13 +183,6 @@ FLAGS = (
         "(--quantization int8 or int4)",
     ),
     Flag(
-        ("--enable-sleep-mode",),
-        "",
-        switch=True,
-        refuse=lambda value: value,
-        refusal="no sleep mode: stop the server to free the devices",
-    ),
-    Flag(
         ("--kv-transfer-config",),
         "",
         refuse=_ALWAYS,

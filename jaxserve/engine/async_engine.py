@@ -25,7 +25,7 @@ from jaxserve.engine.core import EngineCore, RequestFailure
 from jaxserve.engine.intake import Abort
 from jaxserve.engine.output_processor import stream_deltas
 from jaxserve.engine.overlap import Overlap
-from jaxserve.engine.pause import check_mode
+from jaxserve.engine.pause import abort_all, check_mode
 from jaxserve.engine.processor import EngineRequest, Processor, claim
 from jaxserve.errors import LoRAError
 from jaxserve.sampling.params import RequestOutput, SamplingParams
@@ -231,6 +231,20 @@ class AsyncLLMEngine:
 
     async def is_sleeping(self) -> bool:
         return self.engine.is_sleeping()
+
+    async def update_weights_from_disk(
+        self, model_path: str, load_format: Any = None, weight_version: Any = None, *, abort_all_requests: bool = False
+    ) -> tuple[Any, int]:
+        """SGLang's: new weights read from a checkpoint directory between two steps (the requests held
+        aborted first with `abort_all_requests`); (the UpdateReport, how many were aborted)."""
+
+        def run() -> tuple[Any, int]:
+            aborted = abort_all(self.engine) if abort_all_requests else []
+            for out in aborted:
+                self._deliver(out.request_id, out)
+            return self.engine.update_weights_from_disk(model_path, load_format, weight_version), len(aborted)
+
+        return await asyncio.to_thread(self._control, run)
 
     @property
     def weight_version(self) -> Any:

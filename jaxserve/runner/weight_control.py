@@ -88,6 +88,24 @@ class WeightControl:
         )
         return report
 
+    def update_weights_from_disk(
+        self, model_path: str, load_format: str | None = None, weight_version: int | str | None = None
+    ) -> UpdateReport:
+        """SGLang's: new weights from a checkpoint directory of this model's shape (safetensors, or a
+        GGUF-backed one), read tensor by tensor from memory maps (`update_weights` of the chunks)."""
+        import os
+
+        from jaxserve.errors import RequestError
+        from jaxserve.loading.checkpoint import iter_checkpoint_tensors
+
+        if load_format not in (None, "auto", "safetensors"):
+            raise RequestError(f"load_format {load_format!r}: only auto / safetensors checkpoints are read")
+        path = os.path.expanduser(model_path)
+        if not os.path.isdir(path):
+            raise RequestError(f"model_path {model_path!r} is not a checkpoint directory on the server")
+        chunks = ((name, tensor) for _, name, tensor in iter_checkpoint_tensors(path))
+        return self.update_weights(chunks, weight_version)
+
     def check_weights(self) -> None:
         """WeightsDeletedError if an adopted weight was deleted since (checked before every step)."""
         self.weights.check()

@@ -45,6 +45,7 @@ from jaxserve.server.embeddings import EMBEDDINGS_ROUTE, add_embeddings_routes, 
 from jaxserve.server.engine_protocol import ServingEngine
 from jaxserve.server.errors import APIError, dumps, error_body, error_response
 from jaxserve.server.lora import LORA_ROUTES, add_lora_routes
+from jaxserve.server.sleep_routes import add_sleep_routes
 from jaxserve.server.protocol import (
     KNOWN_UNSUPPORTED,
     MAX_LOGPROBS,
@@ -364,6 +365,7 @@ def create_app(
     add_embeddings_routes(app, state, err_responses)  # POST /v1/embeddings (a --runner pooling engine)
     if state.lora.runtime_updating:
         add_lora_routes(app, state, err_responses)
+    add_sleep_routes(app, state)  # /sleep, /wake_up, /pause, ...: 404 without --enable-sleep-mode
 
     app.openapi = functools.partial(_openapi_without_422, app.openapi)
     return app
