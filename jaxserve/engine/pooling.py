@@ -323,6 +323,14 @@ class AsyncPoolingEngine:
             self._thread.join()
         self.core.close()
 
+    @property
+    def processor(self) -> Any:
+        """Generation routes reach for the processor: refused with the route this engine serves."""
+        raise RequestError(
+            "this server runs a pooling model (--runner pooling): it serves POST /v1/embeddings only; "
+            "start jaxserve serve without --runner pooling to generate text"
+        )
+
     def stats(self) -> dict:
         """Counters read without waiting for the step in progress."""
         return self.core.stats()

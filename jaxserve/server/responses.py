@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from jaxserve.server.embeddings import refuse_generation
 from jaxserve.server.errors import APIError, engine_error
 from jaxserve.server.protocol import ChatCompletionRequest
 from jaxserve.server.reasoning_parsers import ReasoningStream
@@ -472,6 +473,7 @@ class ResponsesService:
         state = self.state
         arrival = time.monotonic()
         state.check_ready()
+        refuse_generation(state)  # a pooling server serves /v1/embeddings only
         model, lora_request = state.check_model(body.model)
         if body.store and not self.enabled:
             raise _unsupported("store: true, but this server runs with --no-responses-store", "store")

@@ -99,8 +99,13 @@ def test_bad_input_is_a_400_naming_it(served, body, says):
 
 def test_pooling_server_refuses_generation(served):
     client, _ = served
-    r = client.post("/v1/completions", json={"prompt": "w1", "max_tokens": 2})
-    assert r.status_code == 400 and "/v1/embeddings" in r.json()["error"]["message"]
+    for route, body in [
+        ("/v1/completions", {"prompt": "w1", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}]}),
+        ("/v1/responses", {"input": "w1"}),
+    ]:
+        r = client.post(route, json=body)
+        assert r.status_code == 400 and "/v1/embeddings" in r.json()["error"]["message"], route
     assert client.post("/v1/embeddings", json={"input": "w1", "model": "other"}).status_code == 404
 
 
