@@ -248,12 +248,12 @@ def bench_steps(args, llm, token: int, start: int, max_len: int) -> dict:
     """Decode below LLM.generate: `ModelRunner.execute` on a prepared row (host packing + compiled step
     + token fetch), and the compiled executable alone on device-resident inputs, synced every step
     (as decode must be, to feed the token back) and pipelined (no sync: the device-time floor)."""
-    from jaxserve.engine.row_work import RowWork
+    from jaxserve.runner.step_row import StepRow
     from jaxserve.runner.step_timing import capture_step, time_step
 
     runner = llm.runner
     page_ids = list(range(1, math.ceil(max_len / llm.memory.page_size) + 1))  # page 0 is the padding page
-    row = lambda tok, pos: RowWork([tok], pos, page_ids)
+    row = lambda tok, pos: StepRow([tok], pos, page_ids)
 
     def runner_loop(steps: int) -> float:
         tok = token

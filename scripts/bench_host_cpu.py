@@ -6,8 +6,9 @@ clock, which a loaded 2-core machine inflates by 2x from run to run).
 `time.thread_time()` of the thread that steps the engine (through `LLM.overlap`, as `LLM.generate`
 does) counts what it computes and not what it waits for: scheduling, packing, dispatch, fetching and
 unpacking the samples, detokenizing, stop checks, deltas; not the device's own threads. With
-`--no-op-runner` the runner's prepare_inputs and execute are replaced by stand-ins that sample
-token 7 for every row at once, leaving the engine core and the overlap wrapper alone.
+`--no-op-runner` the runner's execute is replaced by a stand-in that applies the step's update to the
+running batch and samples token 7 for every row at once, leaving the engine core, the overlap wrapper
+and the running batch alone.
 
     python scripts/bench_host_cpu.py --batch 64                  # the shipped small model
     python scripts/bench_host_cpu.py --batch 64 --no-op-runner
@@ -74,8 +75,12 @@ def main(argv: list[str] | None = None) -> dict:
     ) as llm:
         engine = llm.engine
         if args.no_op_runner:
-            engine.runner.prepare_inputs = lambda rows, *_: rows
-            engine.runner.execute = lambda rows, logprobs=True: NoOpPending(rows, B)
+            runner = engine.runner
+            if hasattr(runner, "batch"):  # the update is applied to the running batch (host work), not laid out
+                runner.execute = lambda update: NoOpPending(runner.batch.apply(update), B)
+            else:  # a tree from before the running batch: the core hands the rows whole
+                runner.prepare_inputs = lambda rows, *_: rows
+                runner.execute = lambda rows, logprobs=True: NoOpPending(rows, B)
         steps = getattr(llm, "overlap", None) or engine  # a tree from before the overlap wrapper: its core
         params = SamplingParams(max_tokens=args.steps * args.rounds + 100, temperature=0, ignore_eos=True)
         for i in range(B):

@@ -12,7 +12,8 @@ For each model and each (batch, context) point it
    their instances (no engine code changes; the wrappers are removed afterwards):
 
    * schedule    `Scheduler.schedule`
-   * pack        building the step inputs: `LLMEngine._row_work`, `ModelRunner._pack` (a plain step
+   * pack        building the step inputs: `RunningBatch.apply` (the scheduler's update applied and
+                 the rows read out of the batch), `ModelRunner.prepare_inputs` (a plain step
                  writes its bucket's buffer in place, `jaxserve/runner/input_batch.py`) and, for
                  the steps packed from scratch, `Layout.pack` (jaxserve/model/transfer.py)
    * copy        the host->device copy of that buffer where it is a `jax.device_put` of its own
@@ -187,7 +188,7 @@ class StepTimer:
             return make
 
         self._patch(eng.scheduler, "schedule", timed("schedule", keep="plan"))
-        self._patch(eng, "_row_work", timed("pack"))
+        self._patch(run.batch, "apply", timed("pack"))
         self._patch(run, "prepare_inputs", timed("pack"))
 
         def run_step(fn):

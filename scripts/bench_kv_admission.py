@@ -58,8 +58,7 @@ class NoComputeStep:
 
 def skip_compute(runner) -> None:
     """Make the runner's steps return token 1 for every row without running the model."""
-    runner.prepare_inputs = lambda rows, before_masks=None: rows
-    runner.execute = lambda rows, logprobs=True: NoComputeStep(rows)
+    runner.execute = lambda update: NoComputeStep(runner.batch.apply(update))
 
 
 def run(engine: LLMEngine, prompts, out_lens) -> dict:

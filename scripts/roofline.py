@@ -349,19 +349,19 @@ def build_llm(args, batches: Sequence[int], contexts: Sequence[int], prefill_poi
 
 def decode_rows(batch: int, context: int, page_size: int, token: int = 1):
     """`batch` rows each decoding the token at position context - 1 (so it attends to `context` tokens)."""
-    from jaxserve.engine.row_work import RowWork
+    from jaxserve.runner.step_row import StepRow
 
     n = math.ceil(context / page_size)
-    return [RowWork([token], context - 1, list(range(1 + b * n, 1 + (b + 1) * n))) for b in range(batch)]
+    return [StepRow([token], context - 1, list(range(1 + b * n, 1 + (b + 1) * n))) for b in range(batch)]
 
 
 def prefill_rows(batch: int, prompt_len: int, page_size: int, vocab: int, seed: int = 0):
-    from jaxserve.engine.row_work import RowWork
+    from jaxserve.runner.step_row import StepRow
 
     n = math.ceil(prompt_len / page_size)
     rng = np.random.default_rng(seed)
     return [
-        RowWork(rng.integers(1, vocab, prompt_len).tolist(), 0, list(range(1 + b * n, 1 + (b + 1) * n)))
+        StepRow(rng.integers(1, vocab, prompt_len).tolist(), 0, list(range(1 + b * n, 1 + (b + 1) * n)))
         for b in range(batch)
     ]
 

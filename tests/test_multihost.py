@@ -120,7 +120,7 @@ def test_decode_step_message_is_small(llm):
     penalty history, all padding, is not sent)."""
     import jax
 
-    from jaxserve.engine.row_work import RowWork
+    from jaxserve.runner.step_row import StepRow
     from jaxserve.model.sampler import RowSampling
 
     sent = []
@@ -133,7 +133,7 @@ def test_decode_step_message_is_small(llm):
     try:
         llm.runner.execute_rows(
             [
-                RowWork([7], 20 + i, [1 + 3 * i, 2 + 3 * i, 3 + 3 * i], RowSampling(temperature=0.7, seed=i))
+                StepRow([7], 20 + i, [1 + 3 * i, 2 + 3 * i, 3 + 3 * i], RowSampling(temperature=0.7, seed=i))
                 for i in range(4)
             ]
         )

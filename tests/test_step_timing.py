@@ -7,7 +7,7 @@ import numpy as np
 
 def test_time_step_calls_the_captured_step_and_leaves_the_runner_usable(hf_model_dir):
     from jaxserve import LLM
-    from jaxserve.engine.row_work import RowWork
+    from jaxserve.runner.step_row import StepRow
     from jaxserve.runner.step_timing import capture_step, time_step
 
     path, _ = hf_model_dir("llama")
@@ -15,7 +15,7 @@ def test_time_step_calls_the_captured_step_and_leaves_the_runner_usable(hf_model
         path, dtype="float32", page_size=8, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, warm_up=False
     ) as llm:
         runner = llm.runner
-        rows = [RowWork([5], 9, [1, 2]), RowWork([6], 3, [3])]
+        rows = [StepRow([5], 9, [1, 2]), StepRow([6], 3, [3])]
         want = np.asarray(runner.execute_rows(rows).tokens)
         step = capture_step(runner, rows)
         assert step.shape == (4, runner.buckets.page_counts[-1])

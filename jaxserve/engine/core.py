@@ -39,15 +39,14 @@ from jaxserve.engine.in_flight import DispatchedRow, InFlightStep
 from jaxserve.engine.intake import Abort, Intake
 from jaxserve.engine.output_processor import OutputProcessor, Request
 from jaxserve.engine.processor import EngineRequest, Limits, Processor, check_open, claim
-from jaxserve.engine.row_work import RowWork
-from jaxserve.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.scheduler_output import ScheduledRow, SchedulerOutput
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.stats import engine_stats, spec_metrics
 from jaxserve.engine.step_stats import StepComposition, is_prompt_chunk
 from jaxserve.errors import RequestError
-from jaxserve.model.ragged import is_placeholder, placeholder
+from jaxserve.model.ragged import placeholder
 from jaxserve.sampling.params import RequestOutput, SamplingParams
-from jaxserve.sampling.row import RowSampling
 
 logger = logging.getLogger(__name__)
 
@@ -335,62 +334,53 @@ class EngineCore:
         return self.scheduler.schedule()
 
     def execute(self, batch: SchedulerOutput) -> InFlightStep | None:
-        """Hand the batch to the runner (page copies of forked sequences first) and dispatch it, not
-        waiting for it; None if it has no rows. A plain step's sampling rows get a placeholder for
-        their token and their tokens count as computed, so the next step can be scheduled at once.
+        """Hand the batch's update to the runner (page copies of forked sequences first) and dispatch
+        it, not waiting for it; None if it has no rows. A plain step's sampling rows get a placeholder
+        for their token and their tokens count as computed, so the next step can be scheduled at once.
         A constrained row's grammar must have taken its previous token (`advance_grammars`)."""
         self._copy_forked_pages(batch)
         if not batch.rows:
             return None
-        works = self._row_work(batch.rows)
+        if self.lora is not None:  # every running sequence's adapter in a device slot (at most max_loras)
+            self.lora.prepare(self.scheduler.adapters_in_use(waiting=False))
         verifies, calls = False, 1  # calls: decode steps in the call (multi-step), each reading every weight
         if self.spec is not None:
             # The scheduler gives no drafts to a step scoring prompt tokens: it verifies nothing.
-            if not any(w.targets is not None for w in works):
-                self.spec.prepare(batch.rows, works)
+            if not any(row.scores_prompt for row in batch.rows):
+                self.spec.prepare(batch.rows, batch.update.rows)
                 verifies = True
         elif self.config.num_scheduler_steps > 1:  # a step of decodes alone: its rows' later steps in one call
-            for row, work in zip(batch.rows, works):
-                work.num_steps = 1 + row.num_lookahead
-                calls = max(calls, work.num_steps)
+            calls = 1 + max(row.num_lookahead for row in batch.rows)
         serial = verifies or calls > 1
         self.composition.record(batch.rows, calls)  # before the rows take placeholders
-        logprobs = any(row.seq.params.logprobs is not None for row in batch.rows)
-        pending = self.runner.execute(works, logprobs=logprobs)  # laid out, dispatched, not waited for
+        constrained = self.samples_under_grammar(batch)
+        pending = self.runner.execute(batch.update)  # applied, laid out, dispatched, not waited for
         dispatched_at = time.perf_counter()
-        return InFlightStep(
-            batch,
-            self._dispatched_rows(batch, works, pending, serial),
-            pending,
-            serial,
-            verifies,
-            any(w.grammar is not None for w in works),
-            dispatched_at,
-        )
+        rows = self._dispatched_rows(batch, pending, serial)
+        return InFlightStep(batch, rows, pending, serial, verifies, constrained, dispatched_at)
 
-    def _dispatched_rows(
-        self, batch: SchedulerOutput, works: list[RowWork], pending: Any, serial: bool
-    ) -> list[DispatchedRow]:
+    def _dispatched_rows(self, batch: SchedulerOutput, pending: Any, serial: bool) -> list[DispatchedRow]:
         """Each row's record of what its update owes it. A plain step's bookkeeping is done here, at
         dispatch: each row's tokens count as computed, and each row that samples holds a placeholder
         of its token until the step is processed (a serial step's rows append their runs then)."""
+        targets = self.outputs.prompt_targets
         if serial:
-            return [DispatchedRow(row, work.targets) for row, work in zip(batch.rows, works)]
+            return [DispatchedRow(row, targets(row.seq, row.start, row.num_tokens)) for row in batch.rows]
         records = []
         prefill, prefill_tokens = batch.kind == "prefill", 0
-        for row, work, slot in zip(batch.rows, works, pending.packed.sample_slots()):
+        for row, slot in zip(batch.rows, pending.packed.sample_slots()):
             seq = row.seq
-            record = DispatchedRow(row, work.targets, preemptions=seq.num_preemptions)
+            record = DispatchedRow(row, targets(seq, row.start, row.num_tokens), preemptions=seq.num_preemptions)
             if prefill or row.start < seq.num_tokens - 1:  # a prompt chunk (step_stats.is_prompt_chunk)
                 prefill_tokens += row.num_tokens
+            samples = row.samples
             seq.num_computed += row.num_tokens
-            tokens = work.tokens
-            if is_placeholder(tokens[0] if len(tokens) == 1 else min(tokens)):  # a token still in flight
+            if samples and seq.in_flight:  # its input is the token still in flight: a placeholder
                 # Its K/V hashes need that token's id: told to the block manager once it is known.
                 record.computed = seq.num_computed
             else:  # told now, so the next schedule sees it (a parent's fork copies these pages)
                 self._mark_computed(seq, seq.token_view, seq.num_computed)
-            if work.samples:
+            if samples:
                 record.sample_at = len(seq.output_token_ids)
                 seq.output_token_ids.append(placeholder(slot))
             records.append(record)
@@ -458,50 +448,6 @@ class EngineCore:
             self._resolve_token(seq, len(seq.output_token_ids) - 1, token)
             if seq.is_finished:
                 break
-
-    def _row_work(self, rows: list[ScheduledRow]) -> list[RowWork]:
-        """Each row's share of the step; its page ids are the block manager's live table (with its
-        version, so the runner rewrites a row's page table only when it changed)."""
-        work = []
-        live_page_ids = self.blocks.live_page_ids
-        if self.lora is not None:  # every running sequence's adapter in a device slot (at most max_loras)
-            self.lora.prepare(self.scheduler.adapters_in_use(waiting=False))
-        for r in rows:
-            seq, start, n = r.seq, r.start, r.num_tokens
-            prompt, output = seq.prompt_token_ids, seq.output_token_ids
-            if n == 1 and start >= len(prompt):  # a decode row (most rows, every step): its one token by index
-                tokens = [output[start - len(prompt)]]
-            else:
-                tokens = seq.token_view[start : start + n]
-            samples = start + n == len(prompt) + len(output)  # ScheduledRow.samples
-            pages, version = live_page_ids(seq.seq_id)
-            targets = None if seq.prompt_logprobs is None else self.outputs.prompt_targets(seq, start, n)
-            work.append(
-                RowWork(
-                    tokens,
-                    start,
-                    pages,
-                    seq.row_sampling or self._row_sampling(seq),
-                    seq.replica,
-                    targets,
-                    samples,
-                    seq.grammar if samples else None,
-                    step=len(output),
-                    pages_version=version,
-                    lora_slot=-1 if seq.lora is None else seq.lora.slot,
-                )
-            )
-        return work
-
-    @staticmethod
-    def _row_sampling(seq: Sequence) -> RowSampling:
-        """The sequence's sampling row, built once: its params and seed are fixed, and its prompt and
-        output lists are read where they stand when a step is packed (the step index goes apart)."""
-        if seq.row_sampling is None:
-            seq.row_sampling = RowSampling.from_params(
-                seq.params, seed=seq.seed, step=0, prompt_ids=seq.prompt_token_ids, output_ids=seq.output_token_ids
-            )
-        return seq.row_sampling
 
     def _multi_step_lookahead(self, seq: Sequence, batch_size: int) -> int:
         """num_scheduler_steps: the decode steps after this one that `seq` may still take (the scheduler

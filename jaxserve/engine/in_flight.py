@@ -12,7 +12,7 @@ import dataclasses
 import time
 from typing import Any
 
-from jaxserve.engine.scheduler import ScheduledRow, SchedulerOutput
+from jaxserve.engine.scheduler_output import ScheduledRow, SchedulerOutput
 
 
 @dataclasses.dataclass(slots=True)

@@ -31,7 +31,7 @@ from typing import Any
 
 from jaxserve.engine.arrival_window import ArrivalWindow
 from jaxserve.engine.in_flight import InFlightStep
-from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.engine.scheduler_output import SchedulerOutput
 
 
 class Overlap:

@@ -13,40 +13,12 @@ recomputed (its output so far is kept).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from typing import Callable, Iterable
 
 from jaxserve.engine.block_manager import BlockManager, OutOfPagesError
+from jaxserve.engine.scheduler_output import BatchTracker, ScheduledRow, SchedulerOutput
 from jaxserve.engine.sequence import Sequence, Status
-
-
-@dataclasses.dataclass
-class ScheduledRow:
-    seq: Sequence
-    start: int  # first token computed this step (= seq.num_computed when scheduled)
-    num_tokens: int
-    # Tokens after it whose pages are allocated: speculative decoding's drafts to verify (in this
-    # step), or multi-step's later decode steps (in the same call).
-    num_lookahead: int = 0
-
-    @property
-    def samples(self) -> bool:
-        """The row reaches the sequence's last token, so its logits give the next one."""
-        return self.start + self.num_tokens == self.seq.num_tokens
-
-    @property
-    def scores_prompt(self) -> bool:
-        """The row has prompt tokens to score (prompt logprobs): its step is a scoring step."""
-        return self.seq.prompt_logprobs is not None and self.start + 1 < len(self.seq.prompt_token_ids)
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    kind: str  # "prefill" | "decode" | "mixed" (prompt chunks and sampling decodes) | "idle"
-    rows: list[ScheduledRow]
-    page_copies: list[tuple[int, int, int]]  # (replica, src, dst) to copy before the step (forks)
-    preempted: list[Sequence]
 
 
 class Scheduler:
@@ -82,6 +54,8 @@ class Scheduler:
         self.lookahead_steps = lookahead_steps
         # LoRA: the most adapters the running sequences may use at once (the device slots); None: no LoRA.
         self.max_loras: int | None = None
+        # The runner's running batch as sent so far: its slots, and what each step's update says changed.
+        self.tracker = BatchTracker(blocks.live_page_ids)
 
     def adapters_in_use(self, waiting: bool = True) -> set:
         """The LoRA adapters (`engine.lora_manager.Adapter`) of the running sequences, and of the
@@ -98,6 +72,7 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.finished_time = time.monotonic()
+        self.tracker.release(seq)
         if seq in self.running:
             self.running.remove(seq)
             self.blocks.free(seq.seq_id)
@@ -129,7 +104,7 @@ class Scheduler:
         if self.lookahead is not None and self.lookahead_steps and len(rows) == decodes:
             self._give_lookahead(rows, [self.max_model_len] * self.blocks.num_replicas)  # later steps
         kind = "decode" if len(rows) == decodes else "prefill" if not decodes else "mixed"
-        return SchedulerOutput(kind, rows, copies, preempted)
+        return SchedulerOutput(kind, rows, copies, preempted, self.tracker.emit(rows))
 
     def takes_arrivals(self, batch: SchedulerOutput) -> bool:
         """Whether a request arriving now could still join `batch` (`top_up`): nobody waits ahead of
@@ -152,6 +127,7 @@ class Scheduler:
         topped up (only plain steps are held back)."""
         new = self._prompt_chunks(batch.rows)
         if new:
+            batch.update = self.tracker.emit(new, batch.update)
             batch.rows.extend(new)
             batch.kind = "prefill" if batch.kind == "prefill" else "mixed"
         return new
@@ -337,6 +313,7 @@ class Scheduler:
         """Free all of a sequence's pages and queue it first; it is recomputed from its tokens later."""
         self.running.remove(seq)
         self.blocks.free(seq.seq_id)
+        self.tracker.release(seq)
         seq.status = Status.WAITING
         seq.num_computed = 0
         seq.replica = None

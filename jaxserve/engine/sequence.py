@@ -79,7 +79,6 @@ class Sequence:
     # Structured output: the GrammarMatcher (jaxserve.structured) holding the grammar's state after the
     # output so far. Preemption by recompute keeps it (the output is kept); n > 1 siblings get copies.
     grammar: Any = None
-    row_sampling: Any = None  # its jaxserve.sampling.row.RowSampling, made on its first step (EngineCore._row_sampling)
     lora: Any = None  # its LoRA adapter (engine.lora_manager.Adapter); None: the base model
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from jaxserve.engine.scheduler import ScheduledRow
+from jaxserve.engine.scheduler_output import ScheduledRow
 
 STEP_KINDS = ("decode", "prefill", "mixed")
 

@@ -108,7 +108,7 @@ class InputBatch:
         ]
 
     def write(self, rows: Sequence[Any]) -> tuple[np.ndarray, list[tuple[int, int, int]], list[tuple[Any, int]]]:
-        """Lay out `rows` (`runner.RowWork`, any replicas, in row order) as `ModelRunner._pack` does;
+        """Lay out `rows` (`StepRow`, any replicas, in row order) as `ModelRunner._pack` does;
         returns (logit_at, token_at, grammars): each row's flat sample index (-1: no sample), its
         (replica, first token, tokens), and (grammar, flat index) of each constrained row."""
         R, L = self.replicas, self.num_logits

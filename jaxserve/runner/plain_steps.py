@@ -133,7 +133,7 @@ class ScoreStep(StepVariant):
 
 class MultiStep(StepVariant):
     """`num_scheduler_steps` decode steps in one call, for a step of decode rows of which one takes
-    more than one step (`RowWork.num_steps`); compiled for the decode-sized buckets."""
+    more than one step (`StepRow.num_steps`); compiled for the decode-sized buckets."""
 
     tag = (MULTI_STEP,)
     jitted = multi_decode_step

@@ -19,7 +19,7 @@ from jaxserve.runner.step_io import StepInputs
 def pack_rows(
     ctx: Any, rows: Sequence[Any], key: tuple, score: bool = False, extra_steps: Sequence[int] | None = None
 ) -> StepInputs:
-    """`rows` (RowWork) in bucket `key` of the plain step's inputs. `score`: logits at every token,
+    """`rows` (StepRow) in bucket `key` of the plain step's inputs. `score`: logits at every token,
     the sampler taking the rows' own (`score_inputs`: sample index [R, L], targets [R, N]).
     `extra_steps`: each row's decode steps after its first in the same call (multi-step), whose
     pages are read too."""

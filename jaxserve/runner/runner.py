@@ -30,8 +30,10 @@ from jaxserve.runner.executables import ExecutableTable
 from jaxserve.runner.input_transfer import InputTransfer
 from jaxserve.runner.multihost import NoPeers
 from jaxserve.runner.plain_steps import MultiStep, PlainStep, ScoreStep
+from jaxserve.runner.running_batch import RunningBatch
 from jaxserve.runner.speculative import SpeculativeStep
 from jaxserve.runner.step_io import PendingSamples, StepInputs, StepSamples, split_sparse
+from jaxserve.runner.step_row import StepRow
 from jaxserve.runner.step_variant import DeviceState, StepContext, StepVariant
 from jaxserve.model.step_options import StepOptions
 
@@ -65,6 +67,7 @@ class ModelRunner:
         # Asked in order which variant runs a step's rows; the first that accepts does. The ones after
         # `score` are what warm-up compiles.
         self.variants: list[StepVariant] = [self.score, MultiStep(ctx), self.plain]
+        self.batch = RunningBatch(multi_step=num_scheduler_steps > 1)  # the running rows, by slot
         self.peers: Any = NoPeers()  # multi-host process 0: runner/multihost.Leader
         self.speculation: SpeculativeStep | None = None  # enable_speculation
         self.lora: Any = None  # enable_lora: runner.lora.LoRASlots
@@ -103,6 +106,7 @@ class ModelRunner:
         `draft` model's params and a cache of its own over the same page ids)."""
         self.speculation = SpeculativeStep(self.ctx, self.state, method, num_tokens, draft)
         self.variants = [self.score, self.speculation]
+        self.batch = RunningBatch(draft_model=draft is not None)
         return self.speculation
 
     # ---- compilation ---------------------------------------------------------------------------
@@ -187,25 +191,30 @@ class ModelRunner:
         self.state.copy_pages(replica, src, dst, self.buckets.batch_sizes[-1])
 
     # ---- execution -----------------------------------------------------------------------------
-    def prepare_inputs(self, rows: Sequence[Any]) -> StepInputs:
-        """Lay a step's rows (RowWork) out on the host (nothing is sent yet) in the first variant that
-        takes them. A row's tokens may hold placeholders of the previous step's samples
+    def prepare_inputs(self, rows: Sequence[StepRow]) -> StepInputs:
+        """Lay a step's rows out on the host (nothing is sent yet) in the first variant that takes
+        them. A row's tokens may hold placeholders of the previous step's samples
         (jaxserve.model.placeholders); a constrained row's grammar already took the tokens before them."""
         variant = next(v for v in self.variants if v.accepts(rows))
         key = variant.key_for(rows)
         return variant.pack(rows, key, self.table.layout(key))
 
-    def execute(self, rows: Sequence[Any], logprobs: bool = True) -> PendingSamples:
-        """One step: lay the rows out, run it on the device (not waiting for it) and start its
-        samples' copy to the host. `logprobs=False`: the samples' logprobs are not fetched."""
+    def execute(self, update: Any) -> PendingSamples:
+        """One step of the engine: apply the scheduler's `BatchUpdate` to the running batch, lay the
+        step's rows out, run it on the device (not waiting for it) and start its samples' copy to the
+        host (their logprobs only when a row asked for them)."""
+        return self._execute(self.batch.apply(update), update.logprobs)
+
+    def execute_rows(self, rows: Sequence[StepRow]) -> StepSamples:
+        """One step of rows the caller describes whole (research code, tests, benchmarks), run to
+        completion; the engine's running batch is left as it is."""
+        return self._execute(rows, True).result()
+
+    def _execute(self, rows: Sequence[StepRow], logprobs: bool) -> PendingSamples:
         packed = self.prepare_inputs(rows)
         variant = self._variant_of(packed.shape)
         out = self.run_step(packed.shape, packed.inputs, packed.buffer)
         return PendingSamples(variant.fetched(out, logprobs), packed, variant.unpack, start_copy=self.platform != "cpu")
-
-    def execute_rows(self, rows: Sequence[Any]) -> StepSamples:
-        """`execute` and wait for the samples: one step run to completion (tests, benchmarks)."""
-        return self.execute(rows).result()
 
     def run_step(self, key: tuple, inputs: tuple, buffer: np.ndarray | None = None) -> Any:
         """Dispatch executable `key` on host inputs (arrays, leading axis R); returns its outputs on
@@ -288,6 +297,7 @@ class ModelRunner:
         self.closed = True
         self.table.clear()
         self.transfer.clear()
+        self.batch.clear()
         for variant in self.variants:
             variant.clear()
         self.state.delete()

@@ -196,7 +196,7 @@ _step_jit = jax.jit(
 
 
 def _pack(spec: SpeculativeStep, rows: Sequence[Any], shape: tuple) -> StepInputs:
-    """Lay `rows` (RowWork: prompt chunks, decodes, verifications) out in bucket `shape` as a
+    """Lay `rows` (StepRow: prompt chunks, decodes, verifications) out in bucket `shape` as a
     speculative step: a StepInputs whose `speculative` holds (SpecRows, DraftInputs)."""
     ctx = spec.ctx
     R, S, ps = ctx.num_replicas, ctx.max_rows, ctx.page_size

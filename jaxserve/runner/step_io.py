@@ -1,9 +1,8 @@
 """What goes into one executed step and what comes out of it, host side.
 
-`RowWork` (`jaxserve.engine.row_work`) is one sequence's share of a step as the engine hands it to
-the runner; `StepInputs` is the
-rows laid out in a bucket (the inputs the compiled step reads); `PendingSamples` is a dispatched
-step on its way back; `StepSamples` is what it produced, one run of tokens per row. Plain steps,
+`StepRow` (`jaxserve.runner.step_row`) is one sequence's share of a step, as the running batch
+(`runner/running_batch.py`) reads it from its slots; `StepInputs` is the rows laid out in a bucket
+(the inputs the compiled step reads); `PendingSamples` is a dispatched step on its way back; `StepSamples` is what it produced, one run of tokens per row. Plain steps,
 multi-step calls and speculative steps all end in a `StepSamples`, so the engine updates its
 sequences from every kind of step with one loop (`EngineCore.update_from_output`).
 """

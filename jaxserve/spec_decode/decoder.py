@@ -255,11 +255,11 @@ class SpeculativeDecoder:
 
     def _probe_rows(self, batch: int, drafts: int) -> list:
         """`batch` rows of each replica on the padding page, each verifying `drafts` drafts."""
-        from jaxserve.engine.row_work import RowWork
+        from jaxserve.runner.step_row import StepRow
 
         pages = [PADDING_PAGE] * -(-(drafts + 1) // self.blocks.page_size)
         return [
-            RowWork([0] * (drafts + 1), 0, pages, replica=rep, num_drafts=drafts, draft_tokens=[0])
+            StepRow([0] * (drafts + 1), 0, pages, replica=rep, num_drafts=drafts, draft_tokens=[0])
             for rep in range(self.num_replicas)
             for _ in range(batch)
         ]
@@ -273,22 +273,20 @@ class SpeculativeDecoder:
                 self.costs(batch)
 
     # ---- the speculative step ----------------------------------------------------------------------
-    def prepare(self, scheduled: Sequence[Any], works: Sequence[Any]) -> None:
-        """Give each decode row of a step its drafts (`row.num_lookahead`: the host's n-gram proposal,
-        or zeros the draft model fills in the step) and, for the draft model, the tokens its cache
-        lacks; every row says whether it returns logprobs. Notes what the step is, for its timing."""
+    def prepare(self, scheduled: Sequence[Any], updates: Sequence[Any]) -> None:
+        """Give each decode row of a step (`updates`: the batch update's rows, in the same order) its
+        drafts (`row.num_lookahead`: the host's n-gram proposal, or zeros the draft model fills in the
+        step) and, for the draft model, its lag (how many tokens the draft's cache lacks). Notes
+        what the step is, for its timing."""
         verifying = False
-        for row, work in zip(scheduled, works):
-            seq, k = row.seq, row.num_lookahead
-            work.want_logprobs = seq.params.logprobs is not None
+        for row, update in zip(scheduled, updates):
             if is_prompt_chunk(row):
                 continue
-            if k:
-                drafts = self.state(seq).proposal[:k] if self.method == "ngram" else [0] * k
-                work.tokens, work.num_drafts, verifying = list(work.tokens) + list(drafts), k, True
-            if self.method == "draft":  # what its cache lacks, but never more tokens than the row has
-                lag, p = self.state(seq).lag, work.start_pos
-                work.draft_tokens, work.draft_start = seq.token_view[p - lag : p - lag + min(lag, k) + 1], p - lag
+            seq, k = row.seq, row.num_lookahead
+            update.drafts = (self.state(seq).proposal[:k] if self.method == "ngram" else [0] * k) if k else []
+            verifying |= k > 0
+            if self.method == "draft":
+                update.draft_lag = self.state(seq).lag
         decodes = [row for row in scheduled if not is_prompt_chunk(row)]
         self._timing = None
         if decodes and len(decodes) == len(scheduled):  # decode-only steps are priced per batch bucket

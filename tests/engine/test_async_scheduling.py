@@ -96,9 +96,9 @@ def test_next_step_is_dispatched_before_the_last_is_fetched(monkeypatch):
         engine = llm.engine
         execute = engine.runner.execute
 
-        def recording_execute(packed, logprobs=True):
+        def recording_execute(update):
             events.append("dispatch")
-            return execute(packed, logprobs)
+            return execute(update)
 
         engine.runner.execute = recording_execute
         for i in range(3):

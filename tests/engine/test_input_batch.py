@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.row_work import RowWork
+from jaxserve.runner.step_row import StepRow
 from jaxserve.model.transfer import SPARSE_FIELDS
 from jaxserve.runner.step_io import split_sparse
 from jaxserve.runner.input_batch import InputBatch
@@ -150,25 +150,25 @@ def test_rows_are_rewritten_only_when_they_change():
 
     table = array("i", [5, 6])
     rs = RowSampling(temperature=0.5, top_k=-1, seed=9)
-    row = RowWork([3], 6, table, rs, step=2, pages_version=0)
+    row = StepRow([3], 6, table, rs, step=2, pages_version=0)
     writer.write([row])
     assert writer.batch.page_table[0, 0].tolist() == [5, 6, 0]
     assert writer.batch.slots[0, 0] == 6 * 4 + 2
     assert writer.idle_sampling.top_k[0, 0] == 0 and writer.idle_sampling.step[0, 0] == 2
     table[0] = 9  # not told (same version): the entries written are kept, as a table never changes so
-    writer.write([RowWork([4], 7, table, rs, step=3, pages_version=0)])
+    writer.write([StepRow([4], 7, table, rs, step=3, pages_version=0)])
     assert writer.batch.page_table[0, 0, 0] == 5
-    writer.write([RowWork([4], 7, table, rs, step=3, pages_version=1)])  # a released page: rewritten
+    writer.write([StepRow([4], 7, table, rs, step=3, pages_version=1)])  # a released page: rewritten
     assert writer.batch.page_table[0, 0].tolist() == [9, 6, 0]
     grammar = object()
-    writer.write([RowWork([4], 7, table, rs, step=3, pages_version=1, grammar=grammar), row])
+    writer.write([StepRow([4], 7, table, rs, step=3, pages_version=1, grammar=grammar), row])
     assert writer.mask().constrained[0].tolist() == [True, False, False, False]
     writer.write([])  # every row and slot back to padding
     assert not writer.mask().constrained.any()
     assert writer.batch.page_table.sum() == 0 and writer.batch.context_lens.sum() == 0
     assert writer.idle_sampling.temperature[0, 0] == 0 and writer.idle_sampling.seed[0, 0] == 0
     with pytest.raises(ValueError):
-        writer.write([RowWork([1] * 9, 0, array("i", [1, 2, 3]), rs)])
+        writer.write([StepRow([1] * 9, 0, array("i", [1, 2, 3]), rs)])
 
 
 def test_written_steps_with_pages_released_outside_the_window(hf_model_dir):
@@ -219,7 +219,7 @@ def test_a_writer_with_history_writes_what_a_fresh_writer_writes():
             rows = []
         elif kind == "decode" and step % 3 and step > 0 and rows:
             rows = [
-                RowWork(
+                StepRow(
                     [int(rng.randint(-5, 50))],
                     min(r.start_pos + len(r.tokens), 15),
                     r.page_ids,
@@ -240,7 +240,7 @@ def test_a_writer_with_history_writes_what_a_fresh_writer_writes():
                 start = int(rng.randint(0, 16 - n + 1))
                 samples = bool(rng.rand() < 0.8)
                 rows.append(
-                    RowWork(
+                    StepRow(
                         rng.randint(-3, 50, size=n).tolist(),
                         start,
                         tables[rng.randint(len(tables))],

@@ -1,6 +1,6 @@
 """Step composition for /metrics: steps by kind (decode, prefill, mixed) and real tokens per step."""
 
-from jaxserve.engine.scheduler import ScheduledRow
+from jaxserve.engine.scheduler_output import ScheduledRow
 from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.step_stats import StepComposition
 from jaxserve.sampling.params import SamplingParams

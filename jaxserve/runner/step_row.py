@@ -1,5 +1,6 @@
-"""RowWork: one sequence's share of a step, as the engine core hands it to the runner (plain data,
-so the host-only core builds it and the runner packs it)."""
+"""StepRow: one row of a step as the variants lay it out. The runner makes them from its running
+batch (`runner.running_batch`) for the engine's steps; research code and benchmarks that run steps
+of their own rows (`ModelRunner.execute_rows`) make them directly."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from jaxserve.sampling.row import RowSampling
 
 
 @dataclasses.dataclass
-class RowWork:
+class StepRow:
     """One sequence's share of a step: compute `tokens` starting at `start_pos`; sample one token
     after them unless `samples` is False (a prompt chunk that does not end its prompt)."""
 
