@@ -39,6 +39,7 @@ from jaxserve.lora.request import LoRARequest
 from jaxserve.planning.memory import MemoryPlan
 from jaxserve.sampling.params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 from jaxserve.testing.mock_lora import MockLoRAManager, read_adapter_config
+from jaxserve.testing.mock_sleep import MockSleepMode
 
 # ----------------------------------------------------------------------------------------------
 # A byte-level tokenizer: ids 0..3 are specials (as in jaxserve's trained byte-level tokenizers),
@@ -172,7 +173,7 @@ class MockLLMEngine:
         )
 
 
-class MockAsyncLLMEngine:
+class MockAsyncLLMEngine(MockSleepMode):  # MockSleepMode: the trainer's routes
     """Deterministic fake of `jaxserve.engine.async_engine.AsyncLLMEngine` (see the module docstring)."""
 
     is_mock = True
@@ -298,6 +299,7 @@ class MockAsyncLLMEngine:
     async def submit(self, request: EngineRequest, queue: asyncio.Queue, tag: Any = None) -> None:
         """Queue a request its processor checked (`processor.process`); here only what depends on
         the mock: its adapter, the simulated cache, its id free and the engine open."""
+        self.check_awake()  # asleep: EngineSleepingError (the server's 503)
         request_id, ids, params, lora_request = (
             request.request_id,
             request.prompt_token_ids,

@@ -107,3 +107,22 @@ def test_the_routes_are_off_without_the_flag(make_client):
     for method, path in [("post", "/sleep"), ("post", "/wake_up"), ("get", "/is_sleeping"), ("post", "/pause")]:
         response = getattr(client, method)(path)
         assert response.status_code == 404 and "--enable-sleep-mode" in response.json()["error"]["message"]
+
+
+def test_the_mock_engine_answers_them_too(make_client, tmp_path):
+    """`jaxserve serve --mock-engine --enable-sleep-mode`: the same routes and refusals, no model."""
+    client = make_client(settings={"enable_sleep_mode": True})
+    body = {**BODY, "model": "mock"}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert client.post("/sleep", params={"level": 2}).status_code == 200
+    assert client.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert client.post("/v1/completions", json=body).status_code == 503
+    response = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": "v2"})
+    assert response.json()["success"] is True
+    assert client.post("/wake_up", params={"tags": "kv_cache"}).status_code == 200
+    assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert client.get("/get_weight_version").json() == {"weight_version": "v2"}
+    assert client.post("/pause", params={"mode": "wait"}).json() == {"status": "paused"}
+    assert client.get("/is_paused").json() == {"is_paused": True}
+    assert client.post("/resume").status_code == 200
+    assert client.post("/v1/completions", json=body).status_code == 200
