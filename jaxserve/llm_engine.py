@@ -67,6 +67,7 @@ class LLMEngine(WeightControl, EngineCore):  # WeightControl: update_weights, pa
             scan_layers=scan,
             mesh=self.mesh,
             moe_parallelism=s.moe_parallelism,
+            logprobs_mode=s.logprobs_mode,
             attention_backend=resolve_attention(s.attention_backend, platform, s.mesh_shape),
             matmul_backend=resolve_quantized_matmul(
                 s.quantized_matmul_backend, platform, s.mesh_shape, s.quantization, s.activation_quantization

@@ -220,6 +220,13 @@ class EngineConfig(Settings):
         parse_bool,
         group="cache",
     )
+    logprobs_mode: str = setting(
+        "raw_logprobs",
+        "vLLM's: what sampled and top logprobs are of: raw_logprobs (the model's distribution) | "
+        "processed_logprobs (the one each row draws from: after bias, penalties, temperature, top-k/p)",
+        choice("raw_logprobs", "processed_logprobs"),
+        group="cache",
+    )
     max_logprobs: int = setting(
         MAX_LOGPROBS,
         f"vLLM's: the most top logprobs a request may ask for (logprobs, top_logprobs, "

@@ -221,13 +221,17 @@ def _draw(logits: jax.Array, st: SamplingTensors, sampled: jax.Array) -> jax.Arr
     return jax.vmap(jax.random.categorical)(step_keys(st.seed, st.step), filtered).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, st: SamplingTensors, *, want_logprobs: int = 0) -> SampleOutput:
+def sample(
+    logits: jax.Array, st: SamplingTensors, *, want_logprobs: int = 0, logprobs_mode: str = "raw_logprobs"
+) -> SampleOutput:
     """Sample one token per row of logits f32[*B, V]; `want_logprobs` (static) is the top-N to return
     (computed when a row's `num_top_logprobs` is above 0, else zeros).
 
     Order as vLLM: logit_bias -> penalties -> temperature -> top-k/top-p/min-p -> sample (greedy rows
     take the argmax of the biased, penalised logits). Logprobs are of the raw model distribution,
     log_softmax(logits), before bias, penalties and temperature: vLLM's default (logprobs_mode="raw_logprobs").
+    `logprobs_mode="processed_logprobs"` (static): of the distribution the row draws from instead, after
+    bias, penalties, temperature and top-k/top-p/min-p (a greedy row: bias and penalties only).
     """
     batch, V = logits.shape[:-1], logits.shape[-1]
     raw = logits.reshape(-1, V).astype(jnp.float32)
@@ -243,6 +247,8 @@ def sample(logits: jax.Array, st: SamplingTensors, *, want_logprobs: int = 0) ->
         lambda: greedy,
     )
 
+    if logprobs_mode == "processed_logprobs":  # what the row samples from: the logprobs a trainer's policy has
+        raw = filter_logits(processed, st, sampled)
     # Only the logsumexp is needed for the chosen token; the full log_softmax only for top-N.
     lse = jax.nn.logsumexp(raw, axis=-1)
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0] - lse

@@ -29,3 +29,6 @@ class StepOptions:
     # each device's own experts under shard_map (the params laid out by make_shardings(...,
     # moe_parallelism="expert")); "tensor" leaves the experts, split on their hidden dimension, to GSPMD.
     moe_parallelism: str = "tensor"
+    # What a sample's logprobs are of (vLLM's logprobs_mode): "raw_logprobs", the model's distribution, or
+    # "processed_logprobs", the one the row draws from (model/sampler.sample).
+    logprobs_mode: str = "raw_logprobs"

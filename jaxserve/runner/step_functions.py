@@ -41,17 +41,19 @@ def _forward_and_sample(params, cache, batch, sampling, mask, cfg, options, cach
     logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, L, V]
     if cache_sharding is not None:  # keep the donated cache's layout stable from step to step
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
-    return sample_per_replica(logits, mask, sampling, options.mesh), cache
+    return sample_per_replica(logits, mask, sampling, options.mesh, options.logprobs_mode), cache
 
 
-def sample_per_replica(logits, mask, sampling, mesh):
+def sample_per_replica(logits, mask, sampling, mesh, logprobs_mode="raw_logprobs"):
     """`sample` of logits [R, L, V] under their grammar masks, each replica's rows on its own devices
     (`sharding.per_replica`). Masks first, so every sampler transform (and the logprobs) sees only
     allowed tokens. Top logprobs under a cond inside `sample` (only steps where a row asks pay for
     the top-k): one executable, where a second compiled variant per bucket would double start-up."""
-    return per_replica(lambda x, m, st: sample(mask_logits(x, m), st, want_logprobs=MAX_LOGPROBS), mesh)(
-        logits, mask, sampling
-    )
+
+    def one(x, m, st):
+        return sample(mask_logits(x, m), st, want_logprobs=MAX_LOGPROBS, logprobs_mode=logprobs_mode)
+
+    return per_replica(one, mesh)(logits, mask, sampling)
 
 
 def _generate_step(

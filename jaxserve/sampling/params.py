@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import numpy as np
+
 from jaxserve.errors import RequestError
 from jaxserve.sampling.fields import FIELDS
 from jaxserve.structured.spec import StructuredSpec
@@ -113,6 +115,13 @@ class CompletionOutput:
     # Per output token, {token id: logprob} for the chosen token and the top-N (when logprobs was asked).
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+
+    def sampled_logprobs(self) -> np.ndarray | None:
+        """f32[len(token_ids)]: each sampled token's logprob as one array (what a trainer's loss takes;
+        `logprobs=0` asks for them alone), or None when logprobs were not asked for."""
+        if self.logprobs is None:
+            return None
+        return np.asarray([entry[t] for entry, t in zip(self.logprobs, self.token_ids)], np.float32)
 
 
 @dataclasses.dataclass

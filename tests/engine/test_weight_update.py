@@ -16,6 +16,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ModelLoadError, WeightsDeletedError
 from jaxserve.loading.checkpoint import iter_safetensors, load_hf_params, write_safetensors
+from jaxserve.model.llama import forward_dense
 from jaxserve.runner.compilation import CompileCounter
 
 SETTINGS = {
@@ -156,3 +157,61 @@ def test_update_while_requests_run_keeps_their_pages(models, engine_a):
         engine.step()
     engine.blocks.check_invariants()
     assert engine.blocks.num_used_pages() == 0
+
+
+def test_arrays_on_another_sharding_are_resharded_one_at_a_time(models):
+    """A trainer's arrays on one device, the engine tensor-parallel over two: each weight lands on the
+    engine's sharding with the trainer's values, the trainer's arrays untouched, and the engine's
+    device memory never holds more than the served weights plus one tensor (no step runs: no compile)."""
+    a, _ = models
+    with LLM(a, **SETTINGS, tensor_parallel_size=2, warm_up=False) as llm:
+        served = llm.runner.params
+        shardings = [x.sharding for x in jax.tree.leaves(served)]
+        trainer = jax.tree.map(lambda x: jax.device_put(x + 1, jax.devices()[3]), served)
+        updater = llm.engine.weights
+        mesh = set(jax.devices()[:2])
+
+        def engine_bytes() -> int:  # live arrays on the engine's devices (the trainer's are on another)
+            return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted() and x.sharding.device_set <= mesh)
+
+        before, extra, place = engine_bytes(), [], updater._place
+
+        def placed(*args, **kwargs):  # each new tensor placed, the old one not yet deleted
+            out = place(*args, **kwargs)
+            extra.append(engine_bytes() - before)
+            return out
+
+        updater._place = placed
+        report = llm.update_weights(trainer)
+        assert report.copied == report.tensors == 21 and report.adopted == 0
+        assert engine_bytes() == before  # the old weights deleted (before NumPy reads the shards below)
+        new = jax.tree.leaves(llm.runner.params)
+        assert [x.sharding for x in new] == shardings
+        assert all(np.array_equal(x, y) for x, y in zip(new, jax.tree.leaves(trainer)))
+        assert not any(x.is_deleted() for x in jax.tree.leaves(trainer))
+        assert len(extra) == 21 and 0 < max(extra) <= max(x.nbytes for x in new)  # one tensor at a time
+
+
+def test_rollout_logprobs_equal_the_dense_forward_after_an_update(models, engine_a, engine_b):
+    """Sampled rollouts after update_weights: each token's logprob (`sampled_logprobs()`, an array)
+    equals what the trainer's dense forward gives on the same weights, within 1e-4 in float32."""
+    a, b = models
+    llm, cfg = engine_a[0], engine_a[0].model_config
+    llm.update_weights(tensors_of(b))
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=7, logprobs=0, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+    dense = jax.jit(lambda p, t: jax.nn.log_softmax(forward_dense(p, t, cfg=cfg), axis=-1))
+    worst, kl = 0.0, []
+    for prompt, out in zip(PROMPTS, outs):
+        sample = out.outputs[0]
+        got = sample.sampled_logprobs()
+        assert got.dtype == np.float32 and got.shape == (len(sample.token_ids),)
+        tokens = np.asarray([prompt + sample.token_ids], np.int32)
+        table = np.asarray(dense(engine_b[0].runner.params, tokens))[0]  # f32[T, V]
+        want = table[np.arange(len(prompt) - 1, tokens.shape[1] - 1), sample.token_ids]
+        worst = max(worst, float(np.abs(got - want).max()))
+        d = want.astype(np.float64) - got
+        kl.append(float(np.mean(np.exp(d) - 1 - d)))  # the k3 estimate of KL(engine || trainer)
+    print(f"rollout vs dense logprobs: largest difference {worst:.2e}, mismatch KL {max(kl):.2e}")
+    assert worst < 1e-4
+    llm.update_weights(tensors_of(a))
