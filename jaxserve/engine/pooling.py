@@ -99,11 +99,11 @@ class PoolingCore:
         self.runner, self.pooler, self.tokenizer, self.config = runner, pooler, tokenizer, config
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.page_size = runner.page_size
-        # A prompt must fit the step's page table and the pool: the longest one served.
-        self.max_model_len = min(max_model_len, runner.max_pages * self.page_size)
         self.blocks = BlockManager(
             num_pages, self.page_size, runner.num_replicas, enable_prefix_caching=False, watermark=0.0
         )
+        # A prompt must fit the step's page table and an idle pool: the longest one served.
+        self.max_model_len = min(max_model_len, runner.max_pages * self.page_size, self.blocks.max_admissible_tokens)
         self.waiting: collections.deque[_Prompt] = collections.deque()
         self.running: list[_Prompt] = []
         self.num_steps = self.num_prompt_tokens = self.num_finished = 0
