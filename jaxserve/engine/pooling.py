@@ -343,18 +343,27 @@ class AsyncPoolingEngine:
         self, request_id: str, token_ids: list[int], dimensions: int | None = None
     ) -> EmbeddingRequestOutput:
         """One prompt's embedding; RequestError for what the engine refuses. Cancelled: aborted."""
+        (out,) = await self.embed_many([request_id], [token_ids], dimensions)
+        return out
+
+    async def embed_many(
+        self, request_ids: list[str], prompts: list[list[int]], dimensions: int | None = None
+    ) -> list[EmbeddingRequestOutput]:
+        """Several prompts' embeddings, in order, queued together (one request's inputs start in the
+        same step); RequestError for what the engine refuses. Cancelled: every one aborted."""
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        futures = [loop.create_future() for _ in prompts]
         with self._lock:
             if self._stopping:
                 raise RequestError("the engine is shutting down")
-            self._adds.append((request_id, token_ids, dimensions, future, loop))
+            for request_id, token_ids, future in zip(request_ids, prompts, futures):
+                self._adds.append((request_id, token_ids, dimensions, future, loop))
             self._lock.notify()
         try:
-            return await future
-        except asyncio.CancelledError:
+            return list(await asyncio.gather(*futures))
+        except BaseException:  # cancelled, or one refused: the others are not wanted either
             with self._lock:
-                self._aborts.append(request_id)
+                self._aborts.extend(request_ids)
                 self._lock.notify()
             raise
 

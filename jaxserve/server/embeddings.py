@@ -13,7 +13,6 @@ start one for embeddings, as vLLM does ("does not support Embeddings API").
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 import sys
@@ -146,9 +145,7 @@ async def create_embeddings(state: ServerState, body: EmbeddingRequest) -> JSONR
         logger.debug("embeddings for user %r", body.user)
     base = f"embd-{uuid.uuid4().hex}"
     try:
-        outputs = await asyncio.gather(
-            *(engine.embed(f"{base}-{i}", ids, body.dimensions) for i, ids in enumerate(prompts))
-        )
+        outputs = await engine.embed_many([f"{base}-{i}" for i in range(len(prompts))], prompts, body.dimensions)
     except RequestError as err:
         raise APIError(400, str(err), param="input") from None
     data = [
