@@ -75,12 +75,19 @@ class WeightUpdater:
         self.foreign: dict[int, tuple[str, jax.Array]] = {}  # id -> (weight, the caller's array) served now
         self.host: Params | None = None  # sleep level 1: the weights in host memory
         self.on_device = True  # False while asleep (offloaded or discarded)
+        self.lost: set[str] = set()  # weights freed by an update that failed before placing their new values
         self._quantizers: dict[Any, Callable] = {}
         self._writers: dict[Any, Callable] = {}
 
     # ---- checks -----------------------------------------------------------------------------------
     def check(self) -> None:
-        """Raise WeightsDeletedError if an adopted array was deleted since (a trainer's donation)."""
+        """Raise WeightsDeletedError if an adopted array was deleted since (a trainer's donation), or an
+        update failed half-way."""
+        if self.lost:
+            raise WeightsDeletedError(
+                f"the {self.name} lacks {', '.join(sorted(self.lost))}: an update_weights failed after freeing "
+                "them; call update_weights again with every weight it lacks"
+            )
         for weight, array in self.foreign.values():
             if array.is_deleted():
                 raise WeightsDeletedError(
@@ -190,12 +197,16 @@ class WeightUpdater:
         """The new served tensor for one slot; the old one's buffers deleted (unless the caller's)."""
         spec = self._spec(field, layer)
         whole = not self.stacked or field in TOP_FIELDS or layer is None
-        if whole:
+        if whole:  # checked, then the old tensor freed before the new one is placed: no peak beyond it
+            self._check(value, spec, field, layer)
+            self._release(old, keep=value)
+            self.lost.add(_name(field, layer))  # until it is placed: a failure below leaves it lost
             new = self._place(value, spec, field, layer, copy, report)
+            self.lost.discard(_name(field, layer))
         else:  # one layer of a stacked weight: written into the engine's stacked array
             new = self._write_layer(old, layer, self._place(value, _layer_spec(spec), field, layer, True, report))
+            self._release(old, keep=new)
         report.tensors += 1
-        self._release(old, keep=new)
         for leaf in jax.tree.leaves(new):
             if not _owned_by(leaf, report, value):
                 self.foreign[id(leaf)] = (_name(field, layer), leaf)
@@ -206,6 +217,26 @@ class WeightUpdater:
             return getattr(self.layout, field)
         layers = self.layout.layers
         return getattr(layers if self.stacked else layers[layer], field)
+
+    def _check(self, value: Any, spec: Any, field: str, layer: int | None) -> None:
+        """What `_place` would refuse, refused before the served tensor is freed."""
+        name = _name(field, layer)
+        if quant.is_quant(spec) and quant.is_quant(value):
+            if type(value) is not type(spec) or value.group_size != spec.group_size:
+                raise ModelLoadError(f"{name} is quantized differently from the engine's ({type(spec).__name__})")
+            pairs = list(zip(jax.tree.leaves(value), jax.tree.leaves(spec)))
+        elif quant.is_quant(spec):
+            shape = tuple(np.shape(value))
+            pairs = [(None, None)] if field == "embed" and shape == tuple(spec.shape[::-1]) else [(value, spec)]
+        elif quant.is_quant(value):
+            raise ModelLoadError(f"{name} is quantized, but this engine serves it as {spec.dtype} floats")
+        else:
+            pairs = [(value, spec)]
+        for v, sp in pairs:
+            if sp is not None and tuple(np.shape(v)) != tuple(sp.shape):
+                raise ModelLoadError(f"{name} has shape {tuple(np.shape(v))}; the {self.name} serves {tuple(sp.shape)}")
+            if isinstance(v, jax.Array) and v.is_deleted():
+                raise WeightsDeletedError(f"the array given for {name} was deleted (donated) before update_weights")
 
     def _place(self, value: Any, spec: Any, field: str, layer: int | None, copy: bool, report: UpdateReport) -> Any:
         """`value` as the engine serves it: adopted when it already is, else placed, cast and quantized."""
