@@ -110,3 +110,17 @@ def test_pooler_config_refusals(tmp_path):
     write_st_files(tmp_path, {"pooling_mode": "max"}, normalize=True)
     with pytest.raises(ConfigError, match="'max' is not served"):
         resolve_pooler_config(str(tmp_path), {"architectures": ["LlamaModel"]}, None)
+
+
+def test_launch_line_flags():
+    """vLLM's launch line for an embeddings server parses into the pooling settings."""
+    from jaxserve import serve
+
+    ns = serve.build_parser().parse_args(
+        ["/m", "--runner", "pooling", "--convert", "embed", "--pooler-config", '{"pooling_type": "MEAN"}']
+    )
+    settings = serve.settings_from_flags(ns)
+    assert settings.pooling and settings.convert == "embed"
+    assert parse_pooler_config(settings.pooler_config) == {"pooling_type": "MEAN"}
+    with pytest.raises(ConfigError, match="runner='pooling'"):
+        serve.settings_from_flags(serve.build_parser().parse_args(["/m", "--convert", "embed"]))
