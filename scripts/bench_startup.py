@@ -1,12 +1,15 @@
-"""Start-up of `python -m jaxserve.serve`: seconds until /health answers, executables, peak RSS.
+"""Start-up of `python -m jaxserve.serve`: seconds until /health answers, to the first streamed token of
+a chat, executables, peak RSS.
 
-Each start runs the server as a subprocess with its own persistent compilation cache directory:
-"cold" starts from an empty one, "warm" starts again on the directory the cold start filled. The
-server is stopped (SIGTERM) as soon as it is ready and its executables gauge and peak RSS (VmHWM)
-are read. Extra arguments after `--` go to the server.
+Each start runs the server as a subprocess with its own compilation cache directory (the executable
+store and XLA's persistent cache): "cold" starts from an empty one, "warm" starts again on the
+directory the cold start filled. The server is stopped (SIGTERM) once it answered a chat's first
+token, and its executables gauge and peak RSS (VmHWM) are read. Extra arguments after `--` go to the
+server.
 
     python scripts/bench_startup.py --out out/startup.json
     python scripts/bench_startup.py --label ngram8 -- --speculative-method ngram --num-speculative-tokens 8
+    python scripts/bench_startup.py --compare-store --rounds 3   # before (--no-executable-store) vs after, alternated
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def peak_rss_mib(pid: int) -> float | None:
     return None
 
 
-def start_once(server_args: list[str], cache_dir: str, port: int, timeout_s: float) -> dict:
+def start_once(server_args: list[str], cache_dir: str, port: int, timeout_s: float, env: dict | None = None) -> dict:
     cmd = [
         sys.executable,
         "-m",
@@ -46,8 +49,12 @@ def start_once(server_args: list[str], cache_dir: str, port: int, timeout_s: flo
         *server_args,
     ]
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("JAXSERVE_EXECUTABLE_STORE", "JAXSERVE_WEIGHTS_CACHE")},
+        **(env or {}),
+    }
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     ready = None
     try:
         while time.perf_counter() - start < timeout_s:
@@ -60,8 +67,9 @@ def start_once(server_args: list[str], cache_dir: str, port: int, timeout_s: flo
                         break
             except OSError:
                 time.sleep(0.25)
-        executables = None
+        executables = first_token = None
         if ready is not None:
+            first_token = first_chat_token(port) - start
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
                 m = re.search(rb"^jaxserve:executables ([0-9.]+)", r.read(), re.M)
                 executables = int(float(m.group(1))) if m else None
@@ -75,7 +83,33 @@ def start_once(server_args: list[str], cache_dir: str, port: int, timeout_s: flo
     if ready is None:
         log.seek(0)
         raise RuntimeError(f"server not ready after {timeout_s} s (exit {proc.returncode}):\n{log.read()[-3000:]}")
-    return dict(ready_s=round(ready, 1), executables=executables, peak_rss_mib=round(rss or 0.0))
+    log.seek(0)
+    text = log.read()
+    return dict(
+        ready_s=round(ready, 1),
+        first_token_s=round(first_token, 1),
+        executables=executables,
+        loaded_from_store=text.count("loaded from the executable store"),
+        compiled=len(re.findall(r"bucket \S.* compiled in", text)),
+        peak_rss_mib=round(rss or 0.0),
+    )
+
+
+def first_chat_token(port: int) -> float:
+    """perf_counter() when the first content delta of a streamed chat arrives."""
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8, "stream": True}
+    ).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=600) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if (choices[0].get("delta") or {}).get("content"):
+                    return time.perf_counter()
+    raise RuntimeError("the chat streamed no token")
 
 
 def main(argv=None) -> dict:
@@ -85,24 +119,49 @@ def main(argv=None) -> dict:
     parser.add_argument("--port", type=int, default=8190)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", default=None, help="append the result as a JSON line here")
+    parser.add_argument(
+        "--compare-store",
+        action="store_true",
+        help="before (--no-executable-store: XLA's persistent cache only) against after (the executable store): "
+        "a cold start of each, then --rounds warm starts of each, alternated",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="warm starts of each with --compare-store")
     args, server_args = parser.parse_known_args(argv)
     server_args = [a for a in server_args if a != "--"]
     server_args = ["--config", args.config, *server_args]
-    with tempfile.TemporaryDirectory(prefix="jaxserve-startup-") as cache:
-        cold = start_once(server_args, cache, args.port, args.timeout)
-        warm = start_once(server_args, cache, args.port, args.timeout)
-    result = dict(
-        label=args.label,
-        server_args=server_args,
-        cold=cold,
-        warm=warm,
-        date=time.strftime("%Y-%m-%d %H:%M"),
-        load_avg=os.getloadavg(),
-    )
+    if args.compare_store:
+        result = compare_store(server_args, args)
+    else:
+        with tempfile.TemporaryDirectory(prefix="jaxserve-startup-") as cache:
+            cold = start_once(server_args, cache, args.port, args.timeout)
+            warm = start_once(server_args, cache, args.port, args.timeout)
+        result = dict(label=args.label, server_args=server_args, cold=cold, warm=warm)
+    result.update(date=time.strftime("%Y-%m-%d %H:%M"), load_avg=os.getloadavg())
     print(json.dumps(result))
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps(result) + "\n")
+    return result
+
+
+def compare_store(server_args: list[str], args: argparse.Namespace) -> dict:
+    """Cold then alternated warm starts, before (store and converted-weights cache off) and after (both
+    on), each on caches of its own (the GGUF metadata's and converted weights' under its own JAXSERVE_CACHE)."""
+    modes = {"before": ["--no-executable-store"], "after": []}
+    envs = {"before": {"JAXSERVE_WEIGHTS_CACHE": "0"}, "after": {}}
+    result: dict = dict(label=args.label, server_args=server_args, cold={}, warm={m: [] for m in modes})
+    with tempfile.TemporaryDirectory(prefix="jaxserve-startup-") as root:
+        caches = {m: os.path.join(root, m) for m in modes}
+        for mode in modes:
+            envs[mode]["JAXSERVE_CACHE"] = os.path.join(root, mode + "-data")
+        for mode, extra in modes.items():
+            result["cold"][mode] = start_once([*server_args, *extra], caches[mode], args.port, args.timeout, envs[mode])
+            print(mode, "cold", result["cold"][mode], flush=True)
+        for _ in range(args.rounds):
+            for mode, extra in modes.items():
+                run = start_once([*server_args, *extra], caches[mode], args.port, args.timeout, envs[mode])
+                result["warm"][mode].append(run)
+                print(mode, "warm", run, flush=True)
     return result
 
 
