@@ -1,9 +1,12 @@
 """The functions every plain bucket compiles: one ragged step (the forward, then a sample per row),
-its prompt-scoring variant and its multi-step variant. Each takes (params, cache, carried tokens,
+its prompt-scoring variant and its multi-step variant; `generate_states_step` is the ragged step that
+also returns hidden states (for EAGLE-3's target step). Each takes (params, cache, carried tokens,
 sparse sampling inputs, the packed inputs: `jaxserve.model.transfer`) and returns (samples, cache,
 carried tokens); the cache is donated."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -181,3 +184,41 @@ def _score_step(
 
 
 score_step = jax.jit(from_buffer(_score_step, 4), static_argnames=_STATIC, donate_argnums=(1,))
+
+
+def _generate_states_step(
+    params,
+    cache,
+    carried,
+    sparse,
+    batch,
+    sampling,
+    mask,
+    state_index,
+    cfg,
+    options,
+    states,
+    cache_sharding=None,
+    out_sharding=None,
+    carry_sharding=None,
+):
+    """The ragged step that also returns hidden states (`model/hidden_states.py`): a sample per row
+    that samples, as `generate_step`, and `states`' layers / final-normed state at `state_index`
+    i32[R, M] (EAGLE-3: the aux layers at the tokens of the rows that speculate). Returns ((samples,
+    HiddenOutput without its logits), cache, carried); `states` is static, so an engine that never
+    compiles this compiles nothing new."""
+    batch, sampling = _take_carried(batch, with_sparse(sampling, sparse), carried)
+    wanted = dataclasses.replace(states, logits=True)
+    hidden, cache = ragged_step(params, cache, batch, cfg, options, states=wanted, state_index=state_index)
+    if cache_sharding is not None:
+        cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
+    sampled = sample_per_replica(hidden.logits, mask, sampling, options.mesh)
+    out = (sampled, hidden.replace(logits=None))
+    if out_sharding is not None:
+        out = jax.lax.with_sharding_constraint(out, out_sharding)
+    return out, cache, _carry(sampled.tokens, carried, carry_sharding)
+
+
+generate_states_step = jax.jit(
+    from_buffer(_generate_states_step, 4), static_argnames=_STATIC + ("states",), donate_argnums=(1,)
+)

@@ -161,3 +161,58 @@ def test_hidden_states_at_chosen_tokens_equal_hf(tmp_path, scan):
     logits = np.stack([hf[0].logits[0, -1].numpy(), hf[1].logits[0, -1].numpy()])
     np.testing.assert_allclose(np.asarray(out.logits[0, :2]), logits, rtol=1e-4, atol=1e-4)
     assert out.row_sums is None
+
+
+def test_generate_states_step_samples_and_returns_layers(tmp_path):
+    """runner/step_functions.generate_states_step (EAGLE-3's target step): greedy samples and the chosen
+    layers' states at chosen tokens, as HF gives them."""
+    import jax
+    import torch
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.loading.model_loader import load_model
+    from jaxserve.model.hidden_states import HiddenStates
+    from jaxserve.model.kv_cache import RaggedBatch, init_cache
+    from jaxserve.model.ragged import RaggedRow, pack_ragged
+    from jaxserve.model.sampler import SamplingTensors
+    from jaxserve.model.sharding import make_mesh
+    from jaxserve.model.step_options import StepOptions
+    from jaxserve.model.transfer import SPARSE_FIELDS, Layout
+    from jaxserve.runner.grammar_masks import GrammarMasks
+    from jaxserve.runner.step_functions import generate_states_step
+    from jaxserve.sampling.row import RowSampling
+
+    model = make_hf_model(str(tmp_path), "llama")
+    loaded = load_model(EngineConfig(model=str(tmp_path)), make_mesh((1, 1)), stacked=False)
+    cfg, L = loaded.cfg, 4
+    rows = [[5, 9, 200, 31, 7], [400, 3, 3]]
+    arrays = pack_ragged(
+        [RaggedRow(rows[0], 0, [1, 2]), RaggedRow(rows[1], 0, [3])],
+        page_size=4,
+        num_tokens=16,
+        num_rows=4,
+        max_pages=2,
+        num_logits=L,
+    )
+    batch = RaggedBatch(**{k: np.asarray(v)[None] for k, v in vars(arrays).items()}, row_lora=None)
+    sampling = SamplingTensors.pack([RowSampling(temperature=0.0)] * 2 + [None] * (L - 2), (1, L), 8)
+    sparse = tuple(jax.numpy.asarray(getattr(sampling, f).reshape(1, -1)) for f in SPARSE_FIELDS)
+    sampling = sampling.replace(**{f: None for f in SPARSE_FIELDS})
+    mask = GrammarMasks(1, cfg.vocab_size).fill(L, [])
+    state_index = np.asarray([[4, 7]], np.int32)  # each row's last token
+    states = HiddenStates(layers=(1,))
+    carried = jax.numpy.zeros((1, 4), jax.numpy.int32)
+    static = dict(cfg=cfg, options=StepOptions())
+
+    def run(step, inputs, **more):
+        layout = Layout.of(inputs)
+        cache = init_cache(cfg, 8, 4, loaded.dtype, 1)
+        return step(loaded.params, cache, carried, sparse, layout.pack(inputs), layout=layout, **static, **more)[0]
+
+    sampled, hidden = run(generate_states_step, (batch, sampling, mask, state_index), states=states)
+    with torch.no_grad():
+        hf = [model(torch.tensor([r]), output_hidden_states=True) for r in rows]
+    assert [int(t) for t in np.asarray(sampled.tokens)[0, :2]] == [int(h.logits[0, -1].argmax()) for h in hf]
+    want = np.stack([h.hidden_states[1][0, -1].numpy() for h in hf])
+    np.testing.assert_allclose(np.asarray(hidden.layers[0, 0]), want, rtol=1e-4, atol=1e-4)
+    assert hidden.logits is None and hidden.final is None
