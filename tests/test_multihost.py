@@ -5,12 +5,15 @@ a (1, 4) mesh (tensor parallel across the processes) and a (2, 2) mesh (one repl
 Every subprocess runs under a hard timeout, so a hang fails the test instead of CI.
 """
 
+import dataclasses
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+
+from array import array
 
 import numpy as np
 import pytest
@@ -19,6 +22,7 @@ from jaxserve.runner import multihost
 from jaxserve.runner.multihost import NoPeers
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
+from jaxserve.sampling.row import RowSampling
 
 DRIVER = os.path.join(os.path.dirname(__file__), "multihost_driver.py")
 JOB_TIMEOUT = 300  # seconds for a whole job (start-up, compiling on a busy 2-core machine, the workload)
@@ -210,6 +214,77 @@ def test_follower_loop_replays_the_leaders_calls():
     assert multihost.follower_loop(Runner(), channel) == 0
     assert calls == [("copy", 0, [1], [2])]
     assert leader.stats()["multihost_messages_total"] == 1
+
+
+def test_update_message_round_trip():
+    from types import SimpleNamespace
+
+    from jaxserve.engine.scheduler_output import BatchUpdate, NewRow, RowUpdate
+    from jaxserve.sampling.params import SamplingParams
+
+    params = SamplingParams(temperature=0.7, top_k=5, repetition_penalty=1.2, logit_bias={3: -2.0}, logprobs=2)
+    update = BatchUpdate(
+        [NewRow(2, 0, [5, 6, 7, 8], 3, params, 99, array("i", [4, 9]), SimpleNamespace(slot=1), None, True, True)],
+        [RowUpdate(2, 3, 1), RowUpdate(0, 9, 1, 2, 9, [-5], 2, array("i", [11]), [4, 4], 1)],
+        [1],
+        True,
+    )
+    words = np.arange(4, dtype=np.int32)
+    message = multihost.decode(multihost.encode_update_message(5, update, {1: words}))
+    got = message.update
+    assert (message.op, message.seq) == (multihost.OP_UPDATE, 5)
+    assert (got.finished, got.logprobs) == ([1], True)
+    assert [dataclasses.astuple(r) for r in got.rows] == [
+        (2, 3, 1, 0, 0, None, 0, None, None, 0),
+        (0, 9, 1, 2, 9, [-5], 2, [11], [4, 4], 1),
+    ]
+    (new,) = got.new_rows
+    assert (new.slot, new.token_ids, new.prompt_len, new.seed, list(new.page_ids), new.lora.slot) == (
+        2,
+        [5, 6, 7, 8],
+        3,
+        99,
+        [4, 9],
+        1,
+    )
+    sampling = RowSampling.from_params(new.params, seed=new.seed, step=0)
+    assert sampling == RowSampling.from_params(params, seed=99, step=0)  # logit_bias's keys are ints again
+    np.testing.assert_array_equal(message.masks[1].words, words)
+
+
+def test_a_follower_replays_engine_steps_from_their_updates(hf_model_dir):
+    """A leader engine sends each step as its batch update (page copies of n = 2 forks as they are);
+    a second engine replaying the messages through `follower_loop` ends with the same KV cache and
+    carried samples: it ran the same steps, rebuilt from the diffs (penalties from its own tokens)."""
+    import jax
+
+    from jaxserve import LLM, SamplingParams
+
+    path, _ = hf_model_dir("llama")
+    settings = dict(
+        dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False
+    )
+    channel = _ListChannel()
+    with LLM(path, **settings) as leader, LLM(path, **settings) as follower:
+        leader.runner.peers = peers = multihost.Leader(channel)
+        prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(5)]
+        params = [
+            SamplingParams(max_tokens=12, temperature=0.8, seed=1, repetition_penalty=1.3),
+            SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=7, temperature=1.0, n=2, seed=4, frequency_penalty=0.5),
+            SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2),
+            SamplingParams(max_tokens=5, temperature=0.5, seed=8),
+        ]
+        leader.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        peers.shutdown()
+        kinds = [multihost.decode(channel.messages[i]).op for i in range(len(channel.messages) - 1)]
+        assert multihost.OP_UPDATE in kinds and multihost.OP_COPY_PAGES in kinds and multihost.OP_STEP not in kinds
+        assert multihost.follower_loop(follower.runner, channel) == kinds.count(multihost.OP_UPDATE)
+        for got, want in zip(jax.tree.leaves(follower.runner.cache), jax.tree.leaves(leader.runner.cache), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(follower.runner.carried), np.asarray(leader.runner.carried))
+        stats = peers.stats()
+        assert stats["multihost_message_bytes_total"] / stats["multihost_messages_total"] < 1000
 
 
 # ---------------------------------------------------------------- a real 2-process job

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.runner.update_codec import SentMask
 from jaxserve.structured.apply import TokenMask
 
 
@@ -24,12 +25,20 @@ class GrammarMasks:
         self.rows = 0  # constrained rows masked, all steps together
 
     def fill(self, L: int, grammars: list[tuple[Any, int]]) -> TokenMask:
-        """The step's TokenMask [R, L]; `grammars`: (GrammarMatcher, flat logit slot) per constrained row."""
+        """The step's TokenMask [R, L]; `grammars`: (GrammarMatcher, flat logit slot) per constrained
+        row. On a multi-host follower a row's grammar is the words the leader filled
+        (`update_codec.SentMask`): copied as they are."""
         R = self.num_replicas
         bitmask = self._buffers.get(L)
         if bitmask is None:
             bitmask = self._buffers[L] = np.full((R * L, -(-self.vocab_size // 32)), -1, np.int32)
         constrained = np.zeros(R * L, bool)
+        sent = [(g, at) for g, at in grammars if isinstance(g, SentMask)]
+        if sent:
+            for mask, at in sent:
+                bitmask[at] = mask.words
+            constrained[[at for _, at in sent]] = True
+            grammars = [(g, at) for g, at in grammars if not isinstance(g, SentMask)]
         if grammars:
             from jaxserve.structured import fill_bitmasks
 

@@ -5,20 +5,24 @@ One process per host, started with the same settings but `process_id`. `initiali
 (data, model) mesh spans them: every process loads its shards of the weights and the cache and runs the
 same compiled SPMD steps; XLA's collectives (NCCL, ICI, gloo on CPU) cross the hosts inside the step.
 
-Only process 0 (the leader) has a scheduler, a block manager and the HTTP server. The runner packs each
-step into bucketed host arrays; the leader's `Leader` hands them to the others before running the step,
-as ONE message in the jax.distributed key-value store (the coordination service process 0 already
-hosts); each follower (`follower_loop`) blocks on the next key, unpacks, and makes the same call with
-the same inputs. Every executable is the runner's, so speculative decoding's verify and draft-prefill
-steps travel as steps too (followers hold the draft's params and cache as well). Page copies (forked
-sequences, both caches) and shutdown travel the same way. This is the only
-host-to-host exchange in the step loop; `scripts/bench_multihost.py` measures it.
+Only process 0 (the leader) has a scheduler, a block manager and the HTTP server. Each engine step
+travels as its batch update (`runner/update_codec.py`: the rows new to the batch, the tokens and
+pages the others gained, the slots freed, and the mask words of rows under a grammar), as ONE
+message in the jax.distributed key-value store (the coordination service process 0 already hosts);
+each follower (`follower_loop`) keeps a running batch of its own, applies the update and makes the
+same call with the inputs it lays out itself. Steps of rows given whole (research code,
+speculation's timing probes) travel as their packed inputs. Every executable is the runner's, so
+speculative decoding's steps travel as steps too (followers hold the draft's params and cache as
+well). Page copies (forked sequences, both caches) and shutdown travel the same way. This is the
+only host-to-host exchange in the step loop; `scripts/bench_multihost.py` measures it.
 
-Message: a fixed header (magic, version, op, sequence number, four int32 arguments: for a step the
-bucket's kind and up to three sizes) then, for a step, each input array of the bucket in pytree order: its kept width along the last axis, a fill value for
-the rest, and the kept bytes. The shapes come from the bucket (both sides know them), so the message
-carries no shapes; trimming the padding (page tables, token chunks, the penalty history that is -1
-unless a row uses penalties) keeps a decode step's message to a few hundred bytes.
+Message: a fixed header (magic, version, op, sequence number, four int32 arguments: for a step of
+whole rows the bucket's kind and up to three sizes) then the update, or each input array of the
+bucket in pytree order: its kept width along the last axis, a fill value for the rest, and the kept
+bytes. The shapes come from the bucket (both sides know them), so the message carries no shapes;
+trimming the padding (page tables, token chunks, the penalty history that is -1 unless a row uses
+penalties) keeps such a decode step's message to a few hundred bytes, and an update of a steady
+decode step is smaller still (each row's slot, position and one token).
 
 Failure: a process that dies breaks the next collective (gloo / NCCL report the closed peer) or misses
 its heartbeats (`distributed_timeout`); the leader then exits at once with a message naming the cause
@@ -46,16 +50,17 @@ import numpy as np
 
 from jaxserve.engine.buckets import MULTI_STEP, SCORE
 from jaxserve.errors import ConfigError, JaxServeError
+from jaxserve.runner.update_codec import decode_update, encode_update
 
 logger = logging.getLogger(__name__)
 
-OP_STEP, OP_COPY_PAGES, OP_SHUTDOWN = 1, 2, 3
+OP_STEP, OP_COPY_PAGES, OP_SHUTDOWN, OP_UPDATE = 1, 2, 3, 4
 # A step message's bucket kind, by its index: the key's trailing tag, after how many sizes. Ragged steps
 # (tokens, pages; speculative ones in a speculative engine) and their variants.
 STEP_VARIANTS = ((), (SCORE,), (MULTI_STEP,))
 _STEP_SIZES = (2, 2, 2)
 # magic u32, version u16, op u16, seq u64, four int32 arguments (step: variant, sizes; copy: replica, n)
-_MAGIC, _VERSION = 0x4D53584A, 4  # b"JXSM" little-endian; version 4: speculative steps are ragged buckets
+_MAGIC, _VERSION = 0x4D53584A, 5  # b"JXSM" little-endian; version 5: engine steps travel as batch updates
 _HEADER = struct.Struct("<IHHQ4i")
 # per input array: layout (_WHOLE or _ROWS), int32 sent as int16 (0/1), the fill value of trimmed rows
 _LEAF = struct.Struct("<BBd")
@@ -253,6 +258,10 @@ def encode_copy(seq: int, replica: int, src: np.ndarray, dst: np.ndarray) -> byt
     return _HEADER.pack(_MAGIC, _VERSION, OP_COPY_PAGES, seq, replica, len(src), 0, 0) + src.tobytes() + dst.tobytes()
 
 
+def encode_update_message(seq: int, update: Any, masks: dict[int, np.ndarray]) -> bytes:
+    return _HEADER.pack(_MAGIC, _VERSION, OP_UPDATE, seq, 0, 0, 0, 0) + encode_update(update, masks)
+
+
 def encode_shutdown(seq: int) -> bytes:
     return _HEADER.pack(_MAGIC, _VERSION, OP_SHUTDOWN, seq, 0, 0, 0, 0)
 
@@ -266,6 +275,8 @@ class Message:
     replica: int = 0  # OP_COPY_PAGES
     src: np.ndarray | None = None
     dst: np.ndarray | None = None
+    update: Any = None  # OP_UPDATE: the BatchUpdate, and the constrained rows' masks
+    masks: dict | None = None
 
 
 def decode(data: bytes, runner: Any = None) -> Message:
@@ -281,6 +292,9 @@ def decode(data: bytes, runner: Any = None) -> Message:
     if op == OP_COPY_PAGES:
         pages = np.frombuffer(data, np.int32, 2 * a1, offset)
         return Message(op, seq, replica=a0, src=pages[:a1].copy(), dst=pages[a1:].copy())
+    if op == OP_UPDATE:
+        update, masks = decode_update(data, offset)
+        return Message(op, seq, update=update, masks=masks)
     if op != OP_STEP:
         raise PeerFailureError(f"unknown message op {op}")
     shape = _step_shape((a0, a1, a2, a3))
@@ -349,6 +363,9 @@ class NoPeers:
     def step(self, key: tuple, inputs: tuple) -> None:
         pass
 
+    def execute(self, update: Any, rows: Any, packed: Any) -> None:
+        pass
+
     def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray) -> None:
         pass
 
@@ -384,6 +401,16 @@ class Leader:
     def step(self, shape: tuple, inputs: tuple) -> None:
         leaves = jax.tree.leaves(inputs)
         self._send(lambda seq: encode_step(seq, shape, leaves))
+
+    def execute(self, update: Any, rows: Any, packed: Any) -> None:
+        """An engine step: its batch update, and the mask words of its rows sampling under a grammar
+        (`packed`: the step's laid-out inputs, whose masks the leader's matchers filled)."""
+        masks = {}
+        if packed.mask is not None and any(row.grammar is not None for row in rows):
+            words = np.asarray(packed.mask.bitmask).reshape(-1, packed.mask.bitmask.shape[-1])
+            at = packed.logit_at
+            masks = {i: words[at[i]] for i, row in enumerate(rows) if row.grammar is not None and at[i] >= 0}
+        self._send(lambda seq: encode_update_message(seq, update, masks))
 
     def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray) -> None:
         self._send(lambda seq: encode_copy(seq, replica, src, dst))
@@ -446,7 +473,10 @@ def follower_loop(runner: Any, channel: Any = None, should_stop: Callable[[], bo
         else:
             try:
                 # Waited for here, so that a failed collective fails this step's message.
-                jax.block_until_ready(runner.run_step(message.shape, message.inputs))
+                if message.op == OP_UPDATE:
+                    runner.execute(message.update, message.masks).wait()
+                else:
+                    jax.block_until_ready(runner.run_step(message.shape, message.inputs))
             except Exception as err:  # noqa: BLE001 - a collective with a dead peer, most likely
                 raise PeerFailureError(f"step {seq} failed: {type(err).__name__}: {str(err).strip()[:500]}") from err
             steps += 1

@@ -199,21 +199,27 @@ class ModelRunner:
         key = variant.key_for(rows)
         return variant.pack(rows, key, self.table.layout(key))
 
-    def execute(self, update: Any) -> PendingSamples:
+    def execute(self, update: Any, sent_masks: dict | None = None) -> PendingSamples:
         """One step of the engine: apply the scheduler's `BatchUpdate` to the running batch, lay the
         step's rows out, run it on the device (not waiting for it) and start its samples' copy to the
-        host (their logprobs only when a row asked for them)."""
-        return self._execute(self.batch.apply(update), update.logprobs)
+        host (their logprobs only when a row asked for them). The other processes of a multi-host job
+        get the update (and the constrained rows' masks) and make the same call; a follower passes
+        those masks as `sent_masks` (row index -> `update_codec.SentMask`)."""
+        rows = self.batch.apply(update)
+        for i, mask in (sent_masks or {}).items():
+            rows[i].grammar = mask
+        packed = self.prepare_inputs(rows)
+        self.peers.execute(update, rows, packed)
+        return self._pending(packed, self._run(packed.shape, packed.inputs, packed.buffer), update.logprobs)
 
     def execute_rows(self, rows: Sequence[StepRow]) -> StepSamples:
         """One step of rows the caller describes whole (research code, tests, benchmarks), run to
         completion; the engine's running batch is left as it is."""
-        return self._execute(rows, True).result()
-
-    def _execute(self, rows: Sequence[StepRow], logprobs: bool) -> PendingSamples:
         packed = self.prepare_inputs(rows)
+        return self._pending(packed, self.run_step(packed.shape, packed.inputs, packed.buffer), True).result()
+
+    def _pending(self, packed: StepInputs, out: Any, logprobs: bool) -> PendingSamples:
         variant = self._variant_of(packed.shape)
-        out = self.run_step(packed.shape, packed.inputs, packed.buffer)
         return PendingSamples(variant.fetched(out, logprobs), packed, variant.unpack, start_copy=self.platform != "cpu")
 
     def run_step(self, key: tuple, inputs: tuple, buffer: np.ndarray | None = None) -> Any:
@@ -222,6 +228,9 @@ class ModelRunner:
         InputBatch's). The other processes of a multi-host job get the inputs first and make the same
         call (`multihost.follower_loop`)."""
         self.peers.step(key, inputs)
+        return self._run(key, inputs, buffer)
+
+    def _run(self, key: tuple, inputs: tuple, buffer: np.ndarray | None) -> Any:
         try:
             return self._dispatch(key, inputs, buffer)
         except Exception as err:  # noqa: BLE001 - the processes are out of step: fatal (it exits)
