@@ -180,7 +180,8 @@ class BatchTracker:
             entry = RowUpdate(held.slot, row.start, row.num_tokens, row.num_lookahead)
             lo = held.num_tokens if held.unresolved is None else held.unresolved
             if end > lo:  # a decode's input token (after a run: the run's tokens too)
-                tokens = entry.tokens = seq.token_view[lo:end]
+                p = len(seq.prompt_token_ids)
+                tokens = entry.tokens = seq.output_token_ids[lo - p : end - p] if lo >= p else seq.token_view[lo:end]
                 entry.tokens_from, held.num_tokens = lo, max(held.num_tokens, end)
                 held.unresolved = end - 1 if is_placeholder(tokens[-1]) else None
             if pages is not held.pages or version != held.pages_version:  # a new table: whole

@@ -16,7 +16,6 @@ import dataclasses
 from array import array
 from typing import Any
 
-from jaxserve.engine.sequence import TokenView
 from jaxserve.runner.step_row import StepRow
 from jaxserve.sampling.row import RowSampling
 
@@ -83,13 +82,12 @@ class RunningBatch:
     def _row(self, held: _Slot, u: Any) -> StepRow:
         start, end, prompt, output = u.start, u.start + u.num_tokens, held.prompt, held.output
         prompt_len = len(prompt)
-        tokens = TokenView(prompt, output)
         samples = end == prompt_len + len(output)
         targets = None
         if held.scores_prompt and start + 1 < prompt_len:  # the next prompt token of each position
             targets = [prompt[p + 1] if p + 1 < prompt_len else 0 for p in range(start, end)]
         row = StepRow(
-            [output[start - prompt_len]] if end - start == 1 and start >= prompt_len else tokens[start:end],
+            _tokens(prompt, output, start, end),
             start,
             held.pages,
             held.sampling,
@@ -110,8 +108,19 @@ class RunningBatch:
                 row.tokens, row.num_drafts = row.tokens + u.drafts, k
             if self.draft_model:  # what the draft's cache lacks, never more tokens than the row has
                 lag = u.draft_lag
-                row.draft_tokens, row.draft_start = tokens[start - lag : start - lag + min(lag, k) + 1], start - lag
+                tokens = _tokens(prompt, output, start - lag, start - lag + min(lag, k) + 1)
+                row.draft_tokens, row.draft_start = tokens, start - lag
         return row
 
     def clear(self) -> None:
         self._slots.clear()
+
+
+def _tokens(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """(prompt + output)[start:end], without joining the two lists."""
+    p = len(prompt)
+    if start >= p:
+        return output[start - p : end - p]
+    if end <= p:
+        return prompt[start:end]
+    return prompt[start:] + output[: end - p]
