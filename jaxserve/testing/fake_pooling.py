@@ -38,8 +38,10 @@ class FakePoolingRunner:
         self.steps: list[list[tuple[int, int]]] = []  # per step: each row's (start, tokens)
 
     def run(self, rows: Sequence[Any]) -> _Pooled:
-        if len(rows) > self.max_rows or sum(len(r.tokens) for r in rows) > self.max_tokens:
-            raise AssertionError("the core scheduled past the step's budget")
+        for rep in range(self.num_replicas):  # each replica's rows under its own budget
+            mine = [r for r in rows if r.replica == rep]
+            if len(mine) > self.max_rows or sum(len(r.tokens) for r in mine) > self.max_tokens:
+                raise AssertionError(f"the core scheduled past replica {rep}'s step budget")
         self.steps.append([(r.start_pos, len(r.tokens)) for r in rows])
         chunks = [token_states(r.tokens, self.hidden_size, r.start_pos) for r in rows]
         last = self.pooling_type == "LAST"

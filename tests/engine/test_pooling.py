@@ -124,3 +124,17 @@ def test_launch_line_flags():
     assert parse_pooler_config(settings.pooler_config) == {"pooling_type": "MEAN"}
     with pytest.raises(ConfigError, match="runner='pooling'"):
         serve.settings_from_flags(serve.build_parser().parse_args(["/m", "--convert", "embed"]))
+
+
+def test_data_parallel_replicas_share_the_prompts():
+    """Two replicas: each step packs each replica's rows under its own budget; every prompt pools as
+    alone, and both pools are whole afterwards."""
+    fake = FakePoolingRunner(16, "MEAN", max_tokens=8, max_rows=2)
+    fake.num_replicas = 2
+    core = PoolingCore(fake, PoolerConfig(pooling_type="MEAN"), 16, 512, num_pages=64, max_model_len=64)
+    prompts = [[i + 1] * (3 + 4 * i) for i in range(6)]
+    outs = embed_prompts(core, prompt_token_ids=prompts)
+    for ids, out in zip(prompts, outs):
+        np.testing.assert_allclose(out.outputs.data, expected(ids, "MEAN"), rtol=1e-5, atol=1e-6)
+    assert max(len(step) for step in fake.steps) > 2  # rows of both replicas in one step
+    assert all(core.blocks.num_free_pages(r) == core.blocks.num_usable_pages for r in (0, 1))
