@@ -12,6 +12,7 @@ Measured on an engine built without warm-up (the update compiles nothing and nev
   weights sampled after every tensor is placed;
 - 100 updates alternating two weight sets (copied from the host), with live device bytes and the
   process's RSS after each;
+- sleep(1) and sleep(2): live device bytes and RSS asleep and woken;
 - against a restart: the time to build the same engine again (without its compile).
 """
 
@@ -83,7 +84,8 @@ def main() -> None:
     print(f"  emptying the prefix cache alone: {(time.perf_counter() - start) * 1e3:.3f} ms")
 
     # From host memory: HF names -> NumPy, every tensor copied in.
-    host = hf_tensors(llm.runner.params, cfg)
+    # copies: NumPy views of the trainer's (CPU) arrays would keep them alive after they are dropped
+    host = {name: np.array(x) for name, x in hf_tensors(llm.runner.params, cfg).items()}
     wall, placing, reports = timed(lambda: llm.update_weights(host, copy=True), max(3, args.repeats // 4))
     jax.block_until_ready(llm.runner.params)
     print(f"from host NumPy (HF names): {wall:.1f} ms per update ({reports[-1].copied} tensors copied)")
@@ -105,8 +107,35 @@ def main() -> None:
     )
     marks = sorted({0, 1, 4, 9, 24, 49, len(rss) - 1} & set(range(len(rss))))
     print("  RSS after update " + ", ".join(f"{i + 1}: {rss[i] / mib:.0f}" for i in marks) + " MiB")
-    llm.close()
+
+    # Sleep: what each level frees (JAX's live device bytes, and the process's RSS: on a CPU the
+    # "device" is host memory, so level 1's host copy keeps the weights' bytes in the process).
     del trainer
+    gc.collect()
+    rows = [("awake", live_bytes(), rss_bytes())]
+    for level in (1, 2):
+        start = time.perf_counter()
+        llm.sleep(level)
+        slept = time.perf_counter() - start
+        gc.collect()
+        rows.append((f"sleep({level}) in {slept * 1e3:.0f} ms", live_bytes(), rss_bytes()))
+        start = time.perf_counter()
+        if level == 1:
+            llm.wake_up()
+        else:
+            llm.wake_up(["kv_cache"])
+            llm.update_weights(host)
+        woke = time.perf_counter() - start
+        rows.append(
+            (
+                f"woken ({'wake_up()' if level == 1 else 'kv_cache + update_weights'}) in {woke * 1e3:.0f} ms",
+                live_bytes(),
+                rss_bytes(),
+            )
+        )
+    for what, dev, rss in rows:
+        print(f"  {what}: live device bytes {dev / mib:.0f} MiB, RSS {rss / mib:.0f} MiB")
+    llm.close()
 
     # Resharding: the engine tensor-parallel over 3 devices, the trainer's arrays on one device.
     llm = LLM(warm_up=False, compilation_cache_dir="none", tensor_parallel_size=3)

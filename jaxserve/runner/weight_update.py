@@ -281,9 +281,9 @@ class WeightUpdater:
                 value = value.astype(spec.dtype)  # on the caller's devices, before it moves
             out = jax.device_put(value, spec.sharding, may_alias=False)
         else:
-            host = np.asarray(value)
-            if host.dtype != spec.dtype:
-                host = host.astype(spec.dtype)
+            # A private copy first: on a CPU the device array would alias the caller's memory (its NumPy
+            # array, or a checkpoint's memory map), which the caller may change or rewrite later.
+            host = np.array(value, dtype=spec.dtype, copy=True)
             with jax.transfer_guard_host_to_device("allow"):
                 out = jax.device_put(host, spec.sharding)
         if report is not None:
@@ -328,7 +328,8 @@ class WeightUpdater:
         if not self.on_device:
             return
         params = self._get()
-        self.host = jax.device_get(params) if keep_on_host else None
+        # Copies: on a CPU device_get's arrays are views of the buffers about to be deleted.
+        self.host = jax.tree.map(lambda x: np.array(x, copy=True), params) if keep_on_host else None
         for leaf in jax.tree.leaves(params):
             if isinstance(leaf, jax.Array) and self.foreign.pop(id(leaf), None) is None and not leaf.is_deleted():
                 leaf.delete()

@@ -307,6 +307,7 @@ class ResponseAssembler:
         self.fmt = LogprobFormatter(state.tokenizer)
         self.created = int(time.time())
         self.totals = OutputAccumulator()  # each engine request's output so far, by request id
+        self.weight_version: Any = None  # of the weights that made the last output (SGLang's metadata)
 
     # ---- bookkeeping -----------------------------------------------------------------------------
     def _observe(self, i: int, out: RequestOutput) -> list[tuple[Choice, str, list[int], list, bool]]:
@@ -320,6 +321,8 @@ class ResponseAssembler:
             if m is not None and m.first_scheduled_time and m.arrival_time:
                 self.state.metrics.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
         total = {t.index: t for t in self.totals.add(out).outputs}
+        if out.weight_version is not None:
+            self.weight_version = out.weight_version
         for o in out.outputs:
             choice = self.choices.get(sub.base_choice + o.index)
             if choice is None:
@@ -400,6 +403,8 @@ class ResponseAssembler:
             "model": self.model,
             "choices": choices,
             "usage": self.usage(),
+            # SGLang's: which weights answered (update_weights' weight_version; absent from the mock engine)
+            **({"metadata": {"weight_version": self.weight_version}} if self.weight_version is not None else {}),
         }
 
     # ---- streaming -------------------------------------------------------------------------------

@@ -86,8 +86,12 @@ def test_every_form_of_new_weights_matches_a_fresh_engine(models, engine_a, engi
         for o in llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY, use_tqdm=False)
     )
     executables, compiles = llm.runner.num_executables(), CompileCounter.requests
-    report = llm.update_weights(tensors_of(b))
+    new = {name: np.array(x) for name, x in tensors_of(b).items()}  # the trainer's own NumPy arrays
+    report = llm.update_weights(new)
     assert (report.tensors, report.copied, report.adopted, report.weight_version) == (21, 21, 0, 1)
+    assert generate(llm) == want
+    for x in new.values():  # changed in place afterwards (on a CPU a device array could alias them): no effect
+        x[...] = 0
     assert generate(llm) == want
     llm.update_weights(tensors_of(a))  # back to A: the engine is not stuck on B
     assert generate(llm) == before

@@ -95,6 +95,7 @@ def test_update_weights_from_disk(server):
     assert response.status_code == 200 and response.json()["success"] is True, response.text
     assert client.get("/get_weight_version").json() == {"weight_version": "v7"}
     assert complete(client) != want
+    assert client.post("/v1/completions", json=BODY).json()["metadata"] == {"weight_version": "v7"}  # as SGLang
     body = {"model_path": model_dir, "abort_all_requests": True, "load_format": "auto", "flush_cache": True}
     assert client.post("/update_weights_from_disk", json=body).json()["num_paused_requests"] == 0
     assert complete(client) == want
