@@ -415,6 +415,11 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
 # --------------------------------------------------------------------------------------------
 
 
+# Tokens a detokenizer's decode window grows to before it starts again at the newest ones: a decode's
+# cost barely depends on its length at this size, while starting again costs a decode of its own.
+WINDOW_TOKENS = 8
+
+
 class IncrementalDetokenizer:
     """Turns a stream of generated token ids into a stream of text deltas.
 
@@ -493,7 +498,9 @@ class IncrementalDetokenizer:
             self._text_cache = None
         new_start = self._read
         self._read = len(self._ids)
-        if new_start < self._read:
+        # The window moves up to the tokens just committed only once it holds WINDOW_TOKENS: until
+        # then its own text is the next prefix, and each step costs one decode, not two.
+        if new_start < self._read and self._read - self._prefix >= WINDOW_TOKENS:
             isolated = self._decode(self._ids[new_start : self._read])
             if isolated:
                 self._prefix, self._prefix_text = new_start, isolated
