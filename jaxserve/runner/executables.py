@@ -84,8 +84,9 @@ class ExecutableTable:
         self.warmed = True
         keys = [k for k in keys if k not in self.executables]
         if self.store is not None and keys:
-            # XLA links a loaded executable's code with the GIL released (~1 s for a step of the default
-            # model on a CPU core): one thread per core loads them side by side.
+            # XLA links a loaded executable's code with the GIL released (1-4 s for a step of the default
+            # model's unrolled layers on a shared CPU core), so one thread per core loads them side by
+            # side; on the saturated 2-core machine measured this gained nothing (docs/BENCHMARKS.md).
             from concurrent.futures import ThreadPoolExecutor
 
             start, loaded = time.perf_counter(), 0
