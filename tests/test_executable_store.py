@@ -238,3 +238,19 @@ def test_where_the_store_is(monkeypatch):
         assert store_directory(EngineConfig(**off)) is None, off
     monkeypatch.setenv("JAXSERVE_EXECUTABLE_STORE", "0")
     assert store_directory(EngineConfig(compilation_cache_dir="/x")) is None
+
+
+def test_key_changes_with_the_engine_settings(hf_model_dir):
+    """Engines of other settings (not warmed up: nothing compiles) key the same bucket differently."""
+    path, _ = hf_model_dir("llama")
+    base = {**SETTINGS, "compilation_cache_dir": "none", "enforce_eager": True}
+    variants = [{}, {"dtype": "bfloat16"}, {"max_num_seqs": 4}, {"quantization": "int8"}, {"num_scheduler_steps": 2}]
+    keys = []
+    for extra in variants:
+        llm = LLM(path, **{**base, **extra})
+        keys.append(executable_keys.step_signature(llm.runner, llm.runner.step_shapes()[0]).key_hash)
+        llm.close()
+    assert len(set(keys)) == len(keys)
+    again = LLM(path, **base)
+    assert executable_keys.step_signature(again.runner, again.runner.step_shapes()[0]).key_hash == keys[0]
+    again.close()
