@@ -254,3 +254,21 @@ def test_key_changes_with_the_engine_settings(hf_model_dir):
     again = LLM(path, **base)
     assert executable_keys.step_signature(again.runner, again.runner.step_shapes()[0]).key_hash == keys[0]
     again.close()
+
+
+def test_persistent_cache_bypass_nests(tmp_path):
+    """Steps compiled for the store skip JAX's cache (its executables serialize broken on XLA:CPU);
+    overlapping bypasses (two engines compiling) leave the cache as it was."""
+    from jax._src import compilation_cache as cc
+
+    from jaxserve.runner.compilation import persistent_cache_bypassed
+
+    cc.is_cache_used(jax.devices()[0].client)
+    before = cc._cache_used
+    outer = persistent_cache_bypassed()
+    outer.__enter__()
+    with persistent_cache_bypassed():
+        assert cc._cache_used is False
+    assert cc._cache_used is False
+    outer.__exit__(None, None, None)
+    assert cc._cache_used == before

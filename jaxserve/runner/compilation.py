@@ -205,6 +205,10 @@ def attach_executable_store(runner: Any, settings: Any) -> Any:
     return store
 
 
+_bypass_lock = threading.Lock()
+_bypass = {"depth": 0, "saved": None}  # nested or concurrent bypasses: the first saves, the last restores
+
+
 @contextlib.contextmanager
 def persistent_cache_bypassed(bypass: bool = True):
     """Compile without JAX's persistent cache while in this block (every thread).
@@ -218,17 +222,24 @@ def persistent_cache_bypassed(bypass: bool = True):
         from jax._src import compilation_cache as cc
 
         cc.is_cache_used(jax.devices()[0].client)  # the once-per-process check, settled first
-        saved = cc._cache_used
+        cc._cache_used  # noqa: B018 - present in this jax
     except Exception:  # noqa: BLE001 - a jax without these internals
         bypass = False
     if not bypass:
         yield
         return
-    cc._cache_used = False
+    with _bypass_lock:
+        if _bypass["depth"] == 0:
+            _bypass["saved"] = cc._cache_used
+        _bypass["depth"] += 1
+        cc._cache_used = False
     try:
         yield
     finally:
-        cc._cache_used = saved
+        with _bypass_lock:
+            _bypass["depth"] -= 1
+            if _bypass["depth"] == 0:
+                cc._cache_used = _bypass["saved"]
 
 
 def compile_buckets(
