@@ -43,10 +43,11 @@ class UnsafeStoreError(Exception):
 
 
 def check_private(path: str, st: os.stat_result | None = None) -> None:
-    """UnsafeStoreError unless `path` belongs to this user and no group or other user can write it."""
+    """UnsafeStoreError unless `path` belongs to this user (or to root: an image's read-only store) and no
+    group or other user can write it."""
     st = st or os.stat(path)
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        raise UnsafeStoreError(f"{path} is owned by uid {st.st_uid}, not by this user ({os.getuid()})")
+    if hasattr(os, "getuid") and st.st_uid not in (os.getuid(), 0):
+        raise UnsafeStoreError(f"{path} is owned by uid {st.st_uid}, not by this user ({os.getuid()}) or root")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise UnsafeStoreError(f"{path} can be written by other users (mode {stat.filemode(st.st_mode)})")
 
