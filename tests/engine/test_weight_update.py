@@ -236,3 +236,15 @@ def test_a_draft_model_is_kept_unless_its_weights_are_given(models):
         assert report.draft == "updated" and report.tensors == 42
         target, draft = jax.tree.leaves(state.params), jax.tree.leaves(state.draft_params)
         assert all(np.array_equal(x, y) for x, y in zip(target, draft))
+
+
+def test_int4_engine_requantizes_as_a_fresh_engine_loads(models):
+    """An int4 engine given float weights holds what a fresh int4 engine on them holds (codes, scales,
+    biases), without running a step (no compile)."""
+    a, b = models
+    settings = {**SETTINGS, "quantization": "int4", "warm_up": False}
+    with LLM(b, **settings) as fresh, LLM(a, **settings) as llm:
+        report = llm.update_weights(tensors_of(b))
+        assert report.quantized == 14
+        served, want = jax.tree.leaves(llm.runner.params), jax.tree.leaves(fresh.runner.params)
+        assert len(served) == len(want) and all(np.array_equal(x, y) for x, y in zip(served, want))
