@@ -180,6 +180,58 @@ def layer_attention_params(cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     return windows, jnp.full((cfg.num_layers,), scale, jnp.float32)
 
 
+def decoder_layer(
+    cfg: ModelConfig,
+    lp: LayerParams,  # one layer's slice
+    x: jax.Array,  # f[B, T, D]
+    cos: jax.Array,  # this layer's RoPE table
+    sin: jax.Array,
+    attend_fn: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+    expert_parallel: ExpertParallelFn | None = None,
+    lora_columns: jax.Array | None = None,
+) -> jax.Array:
+    """The one decoder layer both forwards run (serving's cached ragged step and training's dense
+    forward), so rollouts and the trainer compute the same function: pre-norm, q/k/v with RoPE,
+    `attend_fn(q, k, v) -> f[B, T, N, H]` (the forward's attention: dense and causal, or the paged
+    cache's, which first writes k and v into it), then the output projection and the MLP."""
+    q, k, v = _project_qkv(cfg, lp, x, cos, sin, lora_columns)
+    return _output_and_mlp(cfg, lp, x, attend_fn(q, k, v), expert_parallel, lora_columns)
+
+
+def layer_loop(
+    layers: tuple | LayerParams,
+    num_layers: int,
+    x: jax.Array,
+    carry,
+    body: Callable,
+    *,
+    scan: bool,
+    observe: Callable[[jax.Array], jax.Array] | None = None,
+):
+    """The one layer loop both forwards drive: `body(lp, layer, x, carry) -> (x, carry)` per layer.
+    Unrolled over a tuple of per-layer params, or over stacked ones sliced per layer when not `scan`
+    (`layer` a Python int); `lax.scan` over stacked ones otherwise (`layer` a traced i32). `observe(x)`:
+    what to keep of each layer's input (hidden states for EAGLE-3 and pooling), stacked
+    [num_layers, ...]. Returns (x, carry, kept or None)."""
+    if scan and not isinstance(layers, tuple):
+
+        def step(state, xs):
+            lp, layer = xs
+            x, carry = state
+            seen = None if observe is None else observe(x)
+            return body(lp, layer, x, carry), seen
+
+        (x, carry), kept = jax.lax.scan(step, (x, carry), (layers, jnp.arange(num_layers, dtype=jnp.int32)))
+        return x, carry, kept
+    kept = []
+    for layer in range(num_layers):
+        lp = layers[layer] if isinstance(layers, tuple) else jax.tree.map(lambda w, i=layer: w[i], layers)
+        if observe is not None:
+            kept.append(observe(x))
+        x, carry = body(lp, layer, x, carry)
+    return x, carry, None if observe is None else jnp.stack(kept)
+
+
 def _ragged_layer(
     cfg: ModelConfig,
     attention: RaggedAttentionFn,
@@ -195,10 +247,16 @@ def _ragged_layer(
     expert_parallel: ExpertParallelFn | None = None,
     lora_columns: jax.Array | None = None,  # f[N, M * R]: each token's adapter slot (model/lora.py)
 ) -> tuple[jax.Array, KVCache]:
-    q, k, v = _project_qkv(cfg, lp, x, cos, sin, lora_columns)  # [1, N, heads, H]: the flat axis as one batch row
-    cache = write_kv_slots(cache, layer, k[0], v[0], batch.slots)
-    attn = attend(attention, q[0], cache, layer, batch, window, sm_scale)  # reads int8 / float8 pages as stored
-    return _output_and_mlp(cfg, lp, x, attn[None], expert_parallel, lora_columns), cache
+    """`decoder_layer` over the paged cache: the flat token axis as one batch row, K/V written by
+    slot, then attention over each row's pages (int8 / float8 pages read as stored)."""
+    written = []
+
+    def paged(q, k, v):
+        written.append(write_kv_slots(cache, layer, k[0], v[0], batch.slots))
+        return attend(attention, q[0], written[0], layer, batch, window, sm_scale)[None]
+
+    x = decoder_layer(cfg, lp, x, cos, sin, paged, expert_parallel, lora_columns)
+    return x, written[0]
 
 
 # Unrolled layers call one layer's function as a nested jit: JAX traces and lowers it once per step
@@ -238,15 +296,13 @@ def forward_ragged(
     lora_columns = _lora_columns(params, batch, x.dtype)
     if states is not None:
         check_layers(states, cfg.num_layers)
-    kept: dict[int, jax.Array] = {}  # unrolled: layer -> its input's states at state_index
+    kinds_array = None if kinds is None else jnp.asarray(kinds)
 
-    def keep(layer: int, x: jax.Array) -> None:
-        if states is not None and layer in states.layers:
-            kept[layer] = x[0][state_index]
-
-    def run(lp, layer, x, cache):
-        kind = None if kinds is None else int(kinds[layer])
-        return _ragged_layer_traced_once(
+    def body(lp, layer, x, cache):
+        unrolled = isinstance(layer, int)
+        kind = None if kinds is None else int(kinds[layer]) if unrolled else kinds_array[layer]
+        run = _ragged_layer_traced_once if unrolled else _ragged_layer
+        return run(
             cfg,
             attention,
             lp,
@@ -261,40 +317,9 @@ def forward_ragged(
             lora_columns,
         )
 
-    if isinstance(params.layers, tuple):
-        for layer, lp in enumerate(params.layers):
-            keep(layer, x)
-            x, cache = run(lp, layer, x, cache)
-    elif scan_layers:
-
-        def body(carry, xs):
-            lp, layer, window, sm_scale, kind = xs
-            x, cache = carry
-            seen = x[0][state_index] if states is not None and states.layers else None
-            return _ragged_layer(
-                cfg,
-                attention,
-                lp,
-                layer,
-                window,
-                sm_scale,
-                x,
-                cache,
-                *_layer_rope(cos, sin, kind),
-                batch,
-                expert_parallel,
-                lora_columns,
-            ), seen
-
-        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        xs = (params.layers, layer_ids, windows, sm_scales, None if kinds is None else jnp.asarray(kinds))
-        (x, cache), per_layer = jax.lax.scan(body, (x, cache), xs)
-        if per_layer is not None:
-            kept = dict(zip(states.layers, pick_layers(per_layer, states)))
-    else:
-        for layer in range(cfg.num_layers):
-            keep(layer, x)
-            x, cache = run(jax.tree.map(lambda w: w[layer], params.layers), layer, x, cache)
+    observe = (lambda x: x[0][state_index]) if states is not None and states.layers else None
+    x, cache, per_layer = layer_loop(params.layers, cfg.num_layers, x, cache, body, scan=scan_layers, observe=observe)
+    kept = {} if per_layer is None else dict(zip(states.layers, pick_layers(per_layer, states)))
     if states is not None:
         return _hidden_output(params, cfg, x[0], batch, states, state_index, kept), cache
     x = _norm(cfg, x[0][batch.logit_index], params.final_norm)
@@ -361,16 +386,18 @@ def forward_dense(
     x = _embed(params, cfg, tokens)
     sm_scale = None if cfg.query_pre_attn_scalar is None else float(cfg.query_pre_attn_scalar**-0.5)
 
-    def layer(x, lp, window, kind):
-        q, k, v = _project_qkv(cfg, lp, x, *_layer_rope(cos, sin, kind))
-        return _output_and_mlp(cfg, lp, x, causal_attention(q, k, v, window, sm_scale), expert_parallel)
+    windows = layer_attention_params(cfg)[0] if cfg.layer_types else None
+    kinds_array = None if kinds is None else jnp.asarray(kinds)
 
-    if isinstance(params.layers, tuple):
-        for i, lp in enumerate(params.layers):
-            x = layer(x, lp, _layer_window(cfg, i), None if kinds is None else int(kinds[i]))
-    elif not cfg.layer_types:
-        x, _ = jax.lax.scan(lambda x, lp: (layer(x, lp, cfg.sliding_window, None), None), x, params.layers)
-    else:  # local and global layers: window and RoPE table scanned with the weights
-        xs = (params.layers, layer_attention_params(cfg)[0], None if kinds is None else jnp.asarray(kinds))
-        x, _ = jax.lax.scan(lambda x, xs: (layer(x, *xs), None), x, xs)
+    def body(lp, layer, x, carry):
+        if isinstance(layer, int):  # unrolled: the layer's window and table as static values
+            window, kind = _layer_window(cfg, layer), None if kinds is None else int(kinds[layer])
+        elif windows is None:  # scanned, every layer alike
+            window, kind = cfg.sliding_window, None
+        else:  # scanned local and global layers: window and table chosen by the layer
+            window, kind = windows[layer], None if kinds is None else kinds_array[layer]
+        attend_fn = lambda q, k, v: causal_attention(q, k, v, window, sm_scale)  # noqa: E731
+        return decoder_layer(cfg, lp, x, *_layer_rope(cos, sin, kind), attend_fn, expert_parallel), carry
+
+    x, _, _ = layer_loop(params.layers, cfg.num_layers, x, None, body, scan=True)
     return _logits(params, cfg, x)
