@@ -23,6 +23,7 @@ from jaxserve.runner.executable_store import ExecutableStore, key_hash
 from jaxserve.runner.executables import ExecutableTable
 
 SETTINGS = dict(dtype="float32", page_size=8, max_model_len=32, max_num_seqs=2, max_num_batched_tokens=8)
+ON_TWO_DEVICES = {**SETTINGS, "mesh_shape": (1, 2)}  # a sub-mesh of the 4 test devices
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7, 8, 9]]
 
 
@@ -135,10 +136,12 @@ def test_key_changes_with_what_changes_the_program(monkeypatch):
 
 # ---- an engine on the store ----------------------------------------------------------------------------
 def test_warm_start_loads_without_tracing_and_damage_recompiles(hf_model_dir, tmp_path, monkeypatch, caplog):
+    """On a mesh of 2 of the 4 devices: a sub-mesh executable loaded without its devices would abort."""
     monkeypatch.setenv("JAXSERVE_EXECUTABLE_STORE", "1")
     path, _ = hf_model_dir("llama")
     root = str(tmp_path / "cache")
-    cold = LLM(path, compilation_cache_dir=root, **SETTINGS)
+    cold = LLM(path, compilation_cache_dir=root, **ON_TWO_DEVICES)
+    assert len(cold.engine.mesh.devices.flat) == 2 < jax.device_count()
     keys = cold.runner.step_shapes()
     assert len(cold.runner.table.stored) == len(keys) and not cold.runner.table.loaded
     expected = _generate(cold)
@@ -150,7 +153,7 @@ def test_warm_start_loads_without_tracing_and_damage_recompiles(hf_model_dir, tm
     with monkeypatch.context() as m:
         m.setattr(ExecutableTable, "lower", no_lowering)
         before = CompileCounter.compiles()
-        warm = LLM(path, compilation_cache_dir=root, **SETTINGS)
+        warm = LLM(path, compilation_cache_dir=root, **ON_TWO_DEVICES)
         assert sorted(k for k, _ in warm.runner.table.loaded) == sorted(keys) and not warm.runner.table.stored
         assert CompileCounter.compiles() == before  # the steps loaded, the page copy from XLA's cache
         assert _generate(warm) == expected
@@ -165,7 +168,7 @@ def test_warm_start_loads_without_tracing_and_damage_recompiles(hf_model_dir, tm
         f.seek(-5000, os.SEEK_END)
         f.write(bytes(b ^ 0x5A for b in chunk))
     with caplog.at_level("WARNING"):
-        damaged = LLM(path, compilation_cache_dir=root, **SETTINGS)
+        damaged = LLM(path, compilation_cache_dir=root, **ON_TWO_DEVICES)
     warnings = [r.getMessage() for r in caplog.records if "executable store entry" in r.getMessage()]
     assert len(warnings) == 2, warnings
     table = damaged.runner.table
