@@ -72,12 +72,14 @@ def compile_all(settings: EngineConfig) -> int:
     from jaxserve.llm_engine import LLMEngine
 
     start = time.perf_counter()
-    engine = LLMEngine(settings)
+    engine = LLMEngine(settings, warm_up=False)
     try:
         table = engine.runner.table
         if table.store is None:
             print("error: the executable store is off or refused (see the warning above): nothing was stored")
             return 1
+        table.fresh_compiles = True  # every step compiled (not read back from JAX's cache), so stored
+        engine.warm_up()
         for key, seconds, path in table.stored:
             print(f"wrote {path} ({key}): compiled in {seconds:.1f} s")
         for key, seconds in table.loaded:

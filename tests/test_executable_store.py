@@ -57,7 +57,7 @@ def test_entry_round_trip_and_damage(tmp_path):
         with open(path, "wb") as f:
             f.write(damaged)
         assert store.load(key_hash(key), key) is None
-    assert len(store.warnings) == 3 and all("compiling it again" in w for w in store.warnings)
+    assert len(store.warnings) == 3 and all("compiled again" in w for w in store.warnings)
     assert "truncated" in store.warnings[0] and "checksum" in store.warnings[1]
     assert store.load(key_hash({"other": 1}), {"other": 1}) is None and len(store.warnings) == 3  # absent: silent
 
@@ -172,7 +172,9 @@ def test_warm_start_loads_without_tracing_and_damage_recompiles(hf_model_dir, tm
     warnings = [r.getMessage() for r in caplog.records if "executable store entry" in r.getMessage()]
     assert len(warnings) == 2, warnings
     table = damaged.runner.table
-    assert len(table.loaded) == len(keys) - 2 and len(table.stored) == 2
+    # the two damaged steps: from JAX's persistent cache, where the cold start also put them; not stored
+    # (such executables serialize broken on XLA:CPU; `jaxserve compile` compiles afresh and stores)
+    assert len(table.loaded) == len(keys) - 2 and not table.stored
     assert _generate(damaged) == expected
     damaged.close()
 

@@ -120,7 +120,7 @@ class ExecutableStore:
 
     def _unusable(self, path: str, reason: str) -> None:
         """Note (one warning line) that an entry is not used; the caller compiles it again."""
-        line = f"executable store entry {os.path.basename(path)} not used ({reason}): compiling it again"
+        line = f"executable store entry {os.path.basename(path)} not used ({reason}): compiled again"
         self.warnings.append(line)
         logger.warning(line)
 

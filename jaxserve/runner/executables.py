@@ -31,6 +31,11 @@ class ExecutableTable:
         self.ran: set[tuple] = set()
         self.warmed = False  # compile_all ran: a compile after it was not foreseen (--enforce-eager: none ran)
         self.store: Any = None  # executable_store.ExecutableStore (attach_store)
+        # With a store: compile bypassing JAX's persistent cache, so that every compile is stored
+        # (`jaxserve compile`). Otherwise a step JAX's cache holds is served from there and not stored
+        # (its executable serializes broken on XLA:CPU), as fast as before the store when only the
+        # source changed (a new key) but not the program.
+        self.fresh_compiles = False
         self._signature: Callable[[tuple], Any] | None = None  # key -> executable_keys.StepSignature
         self._signatures: dict[tuple, Any] = {}
         self.loaded: list[tuple[tuple, float]] = []  # (key, seconds) of each executable loaded from the store
@@ -60,7 +65,7 @@ class ExecutableTable:
             if executable is None:
                 lowered = self.lower(key)
                 start, hits = time.perf_counter(), CompileCounter.thread_cache_hits()
-                with persistent_cache_bypassed(self.store is not None):
+                with persistent_cache_bypassed(self.store is not None and self.fresh_compiles):
                     executable = lowered.compile(self.compiler_options)
                 cached = CompileCounter.thread_cache_hits() > hits
                 self._save(key, executable, time.perf_counter() - start, cached)
@@ -105,7 +110,7 @@ class ExecutableTable:
             )
         logger.info("compiling %d step buckets: %s", len(keys), keys)
         timings = []
-        with persistent_cache_bypassed(self.store is not None):
+        with persistent_cache_bypassed(self.store is not None and self.fresh_compiles):
             compiled = compile_buckets(keys, self.lower, self.compiler_options, self.platform, progress)
         for key, executable, seconds, cached in compiled:
             self.executables[key] = executable
@@ -151,11 +156,11 @@ class ExecutableTable:
     def _save(self, key: tuple, executable: Any, seconds: float, from_cache: bool = False) -> None:
         """Write a compiled executable to the store (when its key's layout and devices are the ones it
         was compiled with, and it was compiled, not read from JAX's persistent cache, whose executables
-        serialize broken on XLA:CPU: `compilation.persistent_cache_bypassed`)."""
+        serialize broken on XLA:CPU: `compilation.persistent_cache_bypassed`, `fresh_compiles`)."""
         if self.store is None:
             return
         if from_cache:
-            logger.warning("step %s not stored: it came from the persistent XLA cache", key)
+            logger.info("step %s not stored: it came from JAX's persistent cache (`jaxserve compile` stores it)", key)
             return
         from jax.experimental.serialize_executable import serialize
 
