@@ -164,13 +164,13 @@ class WeightControl:
         return self.pause_state.sleeping
 
     # ---- the core's entry points, checked ----------------------------------------------------------
-    def admit(self, request: Any) -> None:
+    def admit(self, *args: Any, **kwargs: Any) -> None:
         self.pause_state.check_serving()
-        super().admit(request)
+        super().admit(*args, **kwargs)
 
-    def execute(self, batch: Any) -> Any:
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
         self.check_weights()
-        return super().execute(batch)
+        return super().execute(*args, **kwargs)
 
     def step(self) -> list[RequestOutput]:
         if self.pause_state.holds:  # paused or asleep: requests kept stay where they are
