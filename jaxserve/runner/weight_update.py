@@ -8,9 +8,10 @@ tensor by tensor from any of the forms a trainer holds:
 - a mapping from Hugging Face tensor names to arrays, or an iterator of (name, array) chunks (what a
   trainer holding an HF-layout model streams, and what `update_weights_from_disk` reads from files).
 
-Why tensor by tensor: each new tensor is placed (resharded onto the engine's sharding, cast to its
-dtype, quantized for an int8 / int4 engine) and the old one deleted before the next is read, so
-device memory peaks at the served weights plus one tensor, never two copies of the model. Nothing is
+Why tensor by tensor: each new tensor is checked (shape, a deleted array), the old one freed, then the
+new one placed (resharded onto the engine's sharding, cast to its dtype, quantized for an int8 / int4
+engine) before the next is read, so device memory never holds more than the served weights (an int8
+/ int4 engine: plus one float tensor while it is quantized), never two copies of the model. Nothing is
 compiled for the steps: every new leaf has the shape, dtype and sharding the executables were
 compiled for, so they take it as they took the old one.
 
@@ -208,7 +209,7 @@ class WeightUpdater:
             self._release(old, keep=new)
         report.tensors += 1
         for leaf in jax.tree.leaves(new):
-            if not _owned_by(leaf, report, value):
+            if not _owned_by(leaf, value):
                 self.foreign[id(leaf)] = (_name(field, layer), leaf)
         return new
 
@@ -362,7 +363,7 @@ def _layer_spec(spec: Any) -> Any:
     return jax.tree.map(one, spec)
 
 
-def _owned_by(leaf: Any, report: UpdateReport, value: Any) -> bool:
+def _owned_by(leaf: Any, value: Any) -> bool:
     """Whether a new served leaf is the engine's own (not one of the caller's arrays, adopted)."""
     return not any(leaf is x for x in jax.tree.leaves(value))
 
