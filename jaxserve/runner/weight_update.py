@@ -324,14 +324,16 @@ class WeightUpdater:
 
     # ---- sleep ------------------------------------------------------------------------------------
     def offload(self, keep_on_host: bool) -> None:
-        """Free the weights' device buffers; with `keep_on_host` (sleep level 1) first copy them to
-        host memory, for `restore`. The caller's adopted arrays are dropped, never deleted."""
+        """Free the weights' device buffers; with `keep_on_host` (sleep level 1) first copy them all to
+        host memory, for `restore`. Without (level 2) only the model's weights go, the ones
+        `update` brings back: LoRA slots stay. The caller's adopted arrays are dropped, never deleted."""
         if not self.on_device:
             return
         params = self._get()
         # Copies: on a CPU device_get's arrays are views of the buffers about to be deleted.
         self.host = jax.tree.map(lambda x: np.array(x, copy=True), params) if keep_on_host else None
-        for leaf in jax.tree.leaves(params):
+        freed = params if keep_on_host else list(self._slots(params).values())
+        for leaf in jax.tree.leaves(freed):
             if isinstance(leaf, jax.Array) and self.foreign.pop(id(leaf), None) is None and not leaf.is_deleted():
                 leaf.delete()
         self.foreign.clear()

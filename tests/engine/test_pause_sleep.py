@@ -109,3 +109,18 @@ def test_pause_keep_abort_and_wait(served):
     assert not llm.is_paused()
     no_page_held(engine)
     assert generate(llm) == want
+
+
+def test_sleep_level_2_keeps_the_lora_slots(served):
+    """Level 2 discards the model's weights, which update_weights brings back; the LoRA slots (the
+    engine's, not the trainer's) stay on the devices. No step runs: nothing compiles but the slot write."""
+    _, _, path = served
+    with LLM(path, **SETTINGS, enable_lora=True, max_loras=1, max_lora_rank=4, warm_up=False) as llm:
+        slots = jax.tree.leaves([lp.lora for lp in llm.runner.params.layers])
+        llm.sleep(2)
+        assert not any(x.is_deleted() for x in slots)
+        assert llm.runner.params.layers[0].wq.is_deleted()
+        llm.wake_up(["kv_cache"])
+        llm.update_weights(tensors_of(path))
+        assert not llm.is_sleeping()
+        assert all(x is y for x, y in zip(jax.tree.leaves([lp.lora for lp in llm.runner.params.layers]), slots))
