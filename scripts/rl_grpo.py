@@ -22,11 +22,14 @@ import re
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # --engine-tp on a CPU
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.model.llama import forward_dense
@@ -102,6 +105,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--max-model-len", type=int, default=64)
     ap.add_argument("--out", default="out/grpo")
     ap.add_argument("--no-chat", dest="chat", action="store_false", help='bare "3+4=" prompts, no chat template')
+    ap.add_argument(
+        "--engine-tp",
+        type=int,
+        default=1,
+        help="the engine tensor-parallel over this many devices while the trainer keeps its params replicated "
+        "over all of them: every update_weights reshards (on a CPU: 4 virtual devices)",
+    )
     args = ap.parse_args(argv)
 
     llm = LLM(
@@ -111,11 +121,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         max_num_seqs=min(64, args.prompts * args.group),
         max_num_batched_tokens=max(64, args.prompts * args.group),
         page_size=8,
+        tensor_parallel_size=args.engine_tp,
     )
     cfg = llm.model_config
     # The trainer's own copy of the weights and its optimizer state, made by jitted functions so that they
-    # are placed as the train step's outputs will be (one compile of the step, not two).
-    params = jax.jit(lambda p: jax.tree.map(lambda x: x + 0, p))(llm.runner.params)
+    # are placed as the train step's outputs will be (one compile of the step, not two): on the engine's
+    # devices and shardings, or (--engine-tp) replicated over every device, shardings the engine does not use.
+    copy = lambda p: jax.tree.map(lambda x: x + 0, p)
+    if args.engine_tp > 1:
+        everywhere = NamedSharding(Mesh(np.asarray(jax.devices()), ("all",)), PartitionSpec())
+        params = jax.jit(copy)(jax.device_put(llm.runner.params, everywhere))
+    else:
+        params = jax.jit(copy)(llm.runner.params)
     optimizer = optax.adam(args.lr)
     opt_state = jax.jit(optimizer.init)(params)
     train_step = make_train_step(cfg, optimizer)

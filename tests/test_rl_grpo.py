@@ -25,6 +25,16 @@ def test_three_iterations_sync_the_weights_and_agree_on_logprobs(tmp_path):
         assert json.load(f) == history
 
 
+def test_trainer_and_engine_on_different_shardings(tmp_path):
+    """--engine-tp 2: the engine tensor-parallel over two virtual devices, the trainer's params
+    replicated over four; every update reshards (nothing adopted) and the logprobs still agree."""
+    argv = ["--model", str(resources.small_checkpoint()), "--iterations", "2", "--prompts", "2", "--group", "2"]
+    history = rl_grpo.main(argv + ["--no-chat", "--max-model-len", "32", "--engine-tp", "2", "--out", str(tmp_path)])
+    assert [h["adopted"] for h in history] == [0, 0]
+    assert [h["weight_version"] for h in history] == [0, 1]
+    assert max(h["logprob_mismatch"] for h in history) < 1e-4
+
+
 def test_the_reward_reads_the_first_number():
     assert rl_grpo.reward(" 7 apples", "7") == 1.0
     assert rl_grpo.reward("The answer is 7.", "7") == 1.0
