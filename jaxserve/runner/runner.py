@@ -69,6 +69,8 @@ class ModelRunner:
         self.variants: list[StepVariant] = [self.score, MultiStep(ctx), self.plain]
         self.batch = RunningBatch(multi_step=num_scheduler_steps > 1)  # the running rows, by slot
         self.peers: Any = NoPeers()  # multi-host process 0: runner/multihost.Leader
+        # Checks before every engine step, each raising what stops it (weights a trainer deleted since).
+        self.before_step: list[Callable[[], None]] = []
         self.speculation: SpeculativeStep | None = None  # enable_speculation
         self.lora: Any = None  # enable_lora: runner.lora.LoRASlots
         self._lora_writes = 0  # the slot write's executable, once LoRA is served
@@ -205,6 +207,8 @@ class ModelRunner:
         host (their logprobs only when a row asked for them). The other processes of a multi-host job
         get the update (and the constrained rows' masks) and make the same call; a follower passes
         those masks as `sent_masks` (row index -> `update_codec.SentMask`)."""
+        for check in self.before_step:
+            check()
         rows = self.batch.apply(update)
         for i, mask in (sent_masks or {}).items():
             rows[i].grammar = mask

@@ -3,8 +3,8 @@ and wake up (LLMEngine's; `LLM` and `AsyncLLMEngine` call them, the latter betwe
 
 A mixin over `EngineCore` so the core stays host only: the weights are `weight_update.WeightUpdater`'s,
 the device buffers' sleep `sleep_mode.DeviceSleep`'s, the requests' side `engine.pause`. It adds one
-check before every step (`execute`): a weight adopted from the caller that a trainer step has since
-donated raises `WeightsDeletedError` there, not an XLA error inside the step.
+check before every step (the runner's `before_step`): a weight adopted from the caller that a trainer
+step has since donated raises `WeightsDeletedError` there, not an XLA error inside the step.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class WeightControl:
             )
         self.device_sleep = DeviceSleep(state, [u for u in (self.weights, self.draft_weights) if u is not None])
         self.weight_updates = 0  # update_weights calls (the counted weight_version)
+        runner.before_step.append(self.check_weights)
 
     @property
     def weight_version(self) -> int | str:
@@ -167,10 +168,6 @@ class WeightControl:
     def admit(self, *args: Any, **kwargs: Any) -> None:
         self.pause_state.check_serving()
         super().admit(*args, **kwargs)
-
-    def execute(self, *args: Any, **kwargs: Any) -> Any:
-        self.check_weights()
-        return super().execute(*args, **kwargs)
 
     def step(self) -> list[RequestOutput]:
         if self.pause_state.holds:  # paused or asleep: requests kept stay where they are

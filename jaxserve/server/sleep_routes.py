@@ -28,11 +28,16 @@ from pydantic import BaseModel, ConfigDict
 
 from jaxserve.errors import JaxServeError, RequestError
 from jaxserve.server.errors import APIError, engine_error
+from jaxserve.server.protocol import ErrorResponse
 
 if TYPE_CHECKING:
     from jaxserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
+
+# What these routes answer besides 200 and FastAPI's 422: a bad level, mode, tag or checkpoint (400),
+# sleep mode off (404), the engine loading or asleep (503).
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 503)}
 
 SLEEP_ROUTES = (
     "POST /sleep",
@@ -77,35 +82,35 @@ def add_sleep_routes(app: FastAPI, state: ServerState) -> None:
         except JaxServeError as err:
             raise engine_error(err) from None
 
-    @app.post("/sleep")
+    @app.post("/sleep", responses=ERRORS)
     async def sleep(level: int = 1):
         await run(engine().sleep(level))
         return Response(status_code=200)
 
-    @app.post("/wake_up")
+    @app.post("/wake_up", responses=ERRORS)
     async def wake_up(tags: Annotated[list[str] | None, Query()] = None):
         await run(engine().wake_up(tags))
         return Response(status_code=200)
 
-    @app.get("/is_sleeping")
+    @app.get("/is_sleeping", responses=ERRORS)
     async def is_sleeping():
         return {"is_sleeping": await engine().is_sleeping()}
 
-    @app.post("/pause")
+    @app.post("/pause", responses=ERRORS)
     async def pause(mode: str = "abort"):
         await run(engine().pause(mode))
         return {"status": "paused"}
 
-    @app.post("/resume")
+    @app.post("/resume", responses=ERRORS)
     async def resume():
         await run(engine().resume())
         return {"status": "resumed"}
 
-    @app.get("/is_paused")
+    @app.get("/is_paused", responses=ERRORS)
     async def is_paused():
         return {"is_paused": await engine().is_paused()}
 
-    @app.post("/update_weights_from_disk")
+    @app.post("/update_weights_from_disk", responses=ERRORS)
     async def update_weights_from_disk(body: UpdateWeightsFromDiskRequest):
         eng = engine()
         try:
@@ -121,7 +126,7 @@ def add_sleep_routes(app: FastAPI, state: ServerState) -> None:
         )
         return {"success": True, "message": message, "num_paused_requests": aborted}
 
-    @app.get("/get_weight_version")
+    @app.get("/get_weight_version", responses={503: {"model": ErrorResponse}})
     async def get_weight_version():
         state.check_ready()  # no flag needed: reading the version changes nothing
         return {"weight_version": getattr(state.engine, "weight_version", None)}
