@@ -6,8 +6,8 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.runner.step_io import PendingSamples
-from jaxserve.model.ragged import is_placeholder
 from jaxserve.engine.output_processor import OutputAccumulator
+from engine_testlib import random_traffic
 
 SETTINGS = dict(
     dtype="float32", page_size=8, max_model_len=192, max_num_seqs=8, max_num_batched_tokens=32, warm_up=False
@@ -123,35 +123,8 @@ def test_aborts_while_a_step_is_in_flight_lose_no_page():
     back in the pool and no output ever showed a placeholder."""
     rng = np.random.RandomState(7)
     with LLM("checkpoints/small", **SETTINGS, num_pages=24) as llm:
-        engine, blocks = llm.engine, llm.blocks
-        live, next_id = set(), 0
-        for _ in range(120):
-            action = rng.randint(4)
-            if action == 0 or not live:
-                params = SamplingParams(
-                    max_tokens=int(rng.randint(1, 30)),
-                    temperature=float(rng.rand() < 0.5),
-                    n=int(rng.choice([1, 1, 2])),
-                    seed=next_id,
-                )
-                engine.add_request(f"q{next_id}", None, params, rng.randint(3, 500, size=rng.randint(1, 40)).tolist())
-                live.add(f"q{next_id}")
-                next_id += 1
-            elif action == 1:
-                in_flight = llm.overlap.in_flight[-1] if llm.overlap.in_flight else None
-                ids = sorted({r.seq.request_id for r in in_flight.batch.rows} & live) if in_flight else []
-                victim = ids[rng.randint(len(ids))] if ids else sorted(live)[rng.randint(len(live))]
-                out = engine.abort_request(victim)
-                live.discard(victim)
-                assert out is None or all(not is_placeholder(t) for c in out.outputs for t in c.token_ids)
-            else:
-                for out in llm.overlap.step():
-                    assert all(t >= 0 for c in out.outputs for t in c.token_ids)
-                    if out.finished:
-                        live.discard(out.request_id)
-            blocks.check_invariants()
-        while llm.overlap.has_unfinished_requests():
-            llm.overlap.step()
+        blocks = llm.blocks
+        random_traffic(llm, rng, 120, after_each=blocks.check_invariants)
         assert blocks.num_free_pages(0) == blocks.num_usable_pages
         blocks.check_invariants()
 

@@ -12,6 +12,7 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.sequence import Sequence
 from jaxserve.model.ragged import placeholder
 from jaxserve.runner.running_batch import RunningBatch
+from engine_testlib import random_traffic
 
 SETTINGS = dict(
     dtype="float32", page_size=8, max_model_len=192, max_num_seqs=8, max_num_batched_tokens=32, warm_up=False
@@ -108,35 +109,13 @@ def test_the_running_batch_holds_what_the_sequences_hold():
                 assert held.sampling.output_ids is held.output
                 checked["rows"] += 1
             assert len({u.slot for u in update.rows}) == len(update.rows)
-            assert len(slots) == sum(s.seq_id in blocks for r in engine.requests.values() for s in r.seqs)
+            held = engine.scheduler.tracker._held  # the sequences the batch holds: each with pages, one slot
+            assert sorted(slots) == sorted(h.slot for h in held.values()) and all(i in blocks for i in held)
             checked["new"] += len(update.new_rows)
             checked["finished"] += len(update.finished)
             return pending
 
         engine.execute, runner.execute = core_execute, runner_execute
-        live, next_id = set(), 0
-        for _ in range(100):
-            action = rng.randint(4)
-            if action == 0 or not live:
-                params = SamplingParams(
-                    max_tokens=int(rng.randint(1, 30)),
-                    temperature=float(rng.rand() < 0.5),
-                    n=int(rng.choice([1, 1, 2])),
-                    seed=next_id,
-                    repetition_penalty=1.2 if next_id % 3 == 0 else 1.0,
-                )
-                engine.add_request(f"q{next_id}", None, params, rng.randint(3, 500, size=rng.randint(1, 40)).tolist())
-                live.add(f"q{next_id}")
-                next_id += 1
-            elif action == 1:
-                victim = sorted(live)[rng.randint(len(live))]
-                engine.abort_request(victim)
-                live.discard(victim)
-            else:
-                for out in llm.overlap.step():
-                    if out.finished:
-                        live.discard(out.request_id)
-        while llm.overlap.has_unfinished_requests():
-            llm.overlap.step()
+        random_traffic(llm, rng, 100, penalties=True)
         assert llm.engine.scheduler.num_preemptions > 0
     assert checked["rows"] > 200 and checked["new"] > 20 and checked["finished"] > 10
