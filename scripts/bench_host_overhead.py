@@ -188,7 +188,10 @@ class StepTimer:
             return make
 
         self._patch(eng.scheduler, "schedule", timed("schedule", keep="plan"))
-        self._patch(run.batch, "apply", timed("pack"))
+        if hasattr(run, "batch"):  # the running batch applying the scheduler's update (not in older trees)
+            self._patch(run.batch, "apply", timed("pack"))
+        else:
+            self._patch(eng, "_row_work", timed("pack"))
         self._patch(run, "prepare_inputs", timed("pack"))
 
         def run_step(fn):
@@ -231,7 +234,8 @@ class StepTimer:
 
             return wrapper
 
-        self._patch(run, "run_step", run_step)
+        # Every step reaches `_run` (engine steps and rows given whole); a tree from before it: `run_step`.
+        self._patch(run, "_run" if hasattr(run, "_run") else "run_step", run_step)
         self._patch(run, "put_inputs", put_inputs)
         self._patch(run, "put_buffer", put_buffer)
 
