@@ -38,7 +38,7 @@ class PoolingEngine(PoolingCore):
             raise ValueError("PoolingEngine needs runner='pooling'")
         if s.num_processes > 1 or s.enable_lora or s.speculation:
             raise ValueError("--runner pooling serves one process without LoRA or speculative decoding")
-        enable_compilation_cache(s.compilation_cache_dir)
+        enable_compilation_cache(s.compilation_cache_dir, s.compilation_cache)
         platform = jax.default_backend()
         self.mesh = make_mesh(s.mesh_shape)
         scan = s.scan_layers if s.scan_layers is not None else default_scan_layers(platform)
