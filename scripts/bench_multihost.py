@@ -2,9 +2,10 @@
 
     python scripts/bench_multihost.py [--iters 1000] [--batch 16] [--pages 64] [--json OUT]
 
-Process 0 encodes a typical decode step's packed inputs (jaxserve.runner.multihost.encode_step: the
-ragged layout of `--batch` sampled rows, one token each, page tables in a `--pages` bucket, no
-penalties, no grammar) and publishes it in the jax.distributed key-value store, as the Leader does
+Process 0 encodes a typical decode step of `--batch` sampled rows (one token each, page tables in a
+`--pages` bucket, no penalties, no grammar) as the leader sends it, its batch update
+(`multihost.encode_update_message`, `--message update`, the default), or as its packed inputs
+(`encode_step`, `--message step`: what steps of whole rows still send) and publishes it in the jax.distributed key-value store, as the Leader does
 every step; process 1 receives and decodes it, as a
 follower does, and acknowledges with a 1-byte key. Reported per message (mean, p50, p99 in µs):
   encode   process 0 packing the message
@@ -38,6 +39,12 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=16, help="decode rows in the step")
     p.add_argument("--pages", type=int, default=64, help="page-table bucket (max_model_len / page_size)")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument(
+        "--message",
+        choices=("update", "step"),
+        default="update",
+        help="update: an engine step's batch update (what the leader sends now); step: its packed inputs",
+    )
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
@@ -101,6 +108,21 @@ def decode_step_inputs(batch, pages, page_size, vocab_size, rng):
     return ragged, st, mask
 
 
+def decode_step_update(batch, pages, page_size, vocab_size, rng):
+    """The same decode step as the scheduler's batch update of a steady batch: each row's slot,
+    position and one new token; one row gains a page (no new rows, nothing freed, no grammar)."""
+    from jaxserve.engine.scheduler_output import BatchUpdate, RowUpdate
+
+    used = rng.integers(int(0.4 * pages), int(0.9 * pages), batch)
+    start = used * page_size - rng.integers(1, page_size, batch)
+    rows = [
+        RowUpdate(i, int(s), 1, tokens_from=int(s), tokens=[int(rng.integers(0, vocab_size))])
+        for i, s in enumerate(start)
+    ]
+    rows[0].pages_from, rows[0].page_ids = int(used[0]), [int(rng.integers(1, 8 * pages))]
+    return BatchUpdate([], rows, [], False)
+
+
 def summary(seconds):
     us = np.asarray(seconds) * 1e6
     return dict(mean_us=float(us.mean()), p50_us=float(np.percentile(us, 50)), p99_us=float(np.percentile(us, 99)))
@@ -123,13 +145,20 @@ def worker(args) -> None:
     inputs = decode_step_inputs(args.batch, args.pages, args.page_size, VOCAB_SIZE, np.random.default_rng(0))
     leaves = jax.tree.leaves(inputs)
     full_bytes = sum(x.nbytes for x in leaves)
+    update = decode_step_update(args.batch, args.pages, args.page_size, VOCAB_SIZE, np.random.default_rng(0))
+
+    def encode(seq):
+        if args.message == "update":
+            return multihost.encode_update_message(seq, update, {})
+        return multihost.encode_step(seq, shape, leaves)
+
     timings = {k: [] for k in ("encode", "send", "round", "decode")}
     size = 0
     for seq in range(args.warmup + args.iters):
         keep = seq >= args.warmup
         if leader:
             t0 = time.perf_counter()
-            data = multihost.encode_step(seq, shape, leaves)
+            data = encode(seq)
             t1 = time.perf_counter()
             channel.send(seq, data)
             t2 = time.perf_counter()
@@ -148,8 +177,8 @@ def worker(args) -> None:
             client.key_value_set_bytes(f"bench/ack/{seq}", b"1")
             if keep:
                 timings["decode"].append(t1 - t0)
-            assert message.shape == shape
-    data = multihost.encode_step(0, shape, leaves)
+            assert message.shape == shape or len(message.update.rows) == args.batch
+    data = encode(0)
     buffer = np.zeros(1 << (len(data) - 1).bit_length(), np.uint8)
     buffer[: len(data)] = np.frombuffer(data, np.uint8)
     broadcast = []
@@ -164,7 +193,12 @@ def worker(args) -> None:
         result = dict(
             machine=dict(cpus=os.cpu_count(), jax=jax.__version__, load_average=os.getloadavg()),
             message=dict(
-                batch=args.batch, pages=args.pages, page_size=args.page_size, bytes=size, unpacked_bytes=full_bytes
+                kind=args.message,
+                batch=args.batch,
+                pages=args.pages,
+                page_size=args.page_size,
+                bytes=size,
+                unpacked_bytes=full_bytes,
             ),
             iters=args.iters,
             encode=summary(timings["encode"]),
