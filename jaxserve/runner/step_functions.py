@@ -44,19 +44,20 @@ def _forward_and_sample(params, cache, batch, sampling, mask, cfg, options, cach
     logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, L, V]
     if cache_sharding is not None:  # keep the donated cache's layout stable from step to step
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
-    return sample_per_replica(logits, mask, sampling, options.mesh, options.logprobs_mode), cache
+    return sample_per_replica(logits, mask, sampling, options), cache
 
 
-def sample_per_replica(logits, mask, sampling, mesh, logprobs_mode="raw_logprobs"):
+def sample_per_replica(logits, mask, sampling, options):
     """`sample` of logits [R, L, V] under their grammar masks, each replica's rows on its own devices
-    (`sharding.per_replica`). Masks first, so every sampler transform (and the logprobs) sees only
+    (`sharding.per_replica` over `options.mesh`), their logprobs as `options.logprobs_mode` says (every
+    step that samples reports the same kind). Masks first, so every sampler transform (and the logprobs) sees only
     allowed tokens. Top logprobs under a cond inside `sample` (only steps where a row asks pay for
     the top-k): one executable, where a second compiled variant per bucket would double start-up."""
 
     def one(x, m, st):
-        return sample(mask_logits(x, m), st, want_logprobs=MAX_LOGPROBS, logprobs_mode=logprobs_mode)
+        return sample(mask_logits(x, m), st, want_logprobs=MAX_LOGPROBS, logprobs_mode=options.logprobs_mode)
 
-    return per_replica(one, mesh)(logits, mask, sampling)
+    return per_replica(one, options.mesh)(logits, mask, sampling)
 
 
 def _generate_step(
@@ -171,9 +172,7 @@ def _score_step(
     logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, N, V]
     if cache_sharding is not None:
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
-    sampled = sample_per_replica(
-        jnp.take_along_axis(logits, sample_index[..., None], axis=1), mask, sampling, options.mesh
-    )
+    sampled = sample_per_replica(jnp.take_along_axis(logits, sample_index[..., None], axis=1), mask, sampling, options)
     logp = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
     target = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
@@ -212,7 +211,7 @@ def _generate_states_step(
     hidden, cache = ragged_step(params, cache, batch, cfg, options, states=wanted, state_index=state_index)
     if cache_sharding is not None:
         cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
-    sampled = sample_per_replica(hidden.logits, mask, sampling, options.mesh)
+    sampled = sample_per_replica(hidden.logits, mask, sampling, options)
     out = (sampled, hidden.replace(logits=None))
     if out_sharding is not None:
         out = jax.lax.with_sharding_constraint(out, out_sharding)

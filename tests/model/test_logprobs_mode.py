@@ -62,3 +62,23 @@ def test_processed_logprobs_are_of_the_distribution_each_row_draws_from():
     scaled = logits[0] / 0.7  # row 0's top logprobs are of its processed distribution too (top-10 of it)
     processed = log_softmax(np.where(scaled >= np.sort(scaled)[::-1][9], scaled, -np.inf))
     np.testing.assert_allclose(out.top_logprobs[0], np.sort(processed)[::-1][:4], atol=1e-4)
+
+
+def test_every_step_that_samples_reports_the_mode():
+    """A request with prompt logprobs samples its first token in the scoring step: under
+    processed_logprobs that token's logprob is of the processed distribution there too, as the same
+    request's without prompt logprobs (sampled by the plain step) is."""
+    from jaxserve import LLM, SamplingParams
+
+    settings = dict(dtype="float32", page_size=8, max_model_len=64, max_num_seqs=4, warm_up=False)
+    params = dict(max_tokens=3, temperature=0.6, top_k=5, seed=11, logprobs=0)
+    prompt = list(range(5, 21))
+    with LLM("checkpoints/small", logprobs_mode="processed_logprobs", enable_prompt_logprobs=True, **settings) as llm:
+        # Apart: in one batch both would sample in the scoring step.
+        (plain,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(**params), use_tqdm=False)
+        (scored,) = llm.generate(
+            prompt_token_ids=[prompt], sampling_params=SamplingParams(prompt_logprobs=1, **params), use_tqdm=False
+        )
+    a, b = plain.outputs[0], scored.outputs[0]
+    assert a.token_ids == b.token_ids
+    np.testing.assert_allclose(b.sampled_logprobs(), a.sampled_logprobs(), atol=1e-5)
