@@ -18,6 +18,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -88,14 +89,12 @@ def host_cpu() -> str:
 
 def environment_key() -> dict:
     """The process-wide part of the key (the same for every executable of a process)."""
-    import jaxlib
-
     config = {k: describe(v) for k, v in sorted(jax.config.values.items()) if not _CONFIG_IGNORED.search(k)}
     backend = jax.devices()[0].client
     return dict(
         jaxserve_source=source_hash(),
         jax=jax.__version__,
-        jaxlib=jaxlib.__version__,
+        jaxlib=importlib.metadata.version("jaxlib"),  # jax's own dependency: read, not imported
         environment={k: os.environ[k] for k in _ENV_VARS if k in os.environ},
         jax_config=digest(config),
         backend=backend.platform,

@@ -14,7 +14,7 @@ from jaxserve.engine.pooling_config import PoolerConfig
 from jaxserve.server.api import ServerOptions, create_app
 from jaxserve.testing.fake_pooling import fake_pooling_engine, token_states
 
-openai = pytest.importorskip("openai")
+import openai
 
 
 class WordTokenizer:
@@ -117,7 +117,7 @@ def test_generation_server_says_how_to_serve_embeddings(client):
 
 # ---- schemathesis over the route, on the fake pooling engine --------------------------------------
 
-schemathesis = pytest.importorskip("schemathesis")
+import schemathesis  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error, status_code_conformance  # noqa: E402
 
