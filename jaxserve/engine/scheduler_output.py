@@ -29,7 +29,7 @@ import heapq
 from array import array
 from typing import Any, Callable
 
-from jaxserve.engine.sequence import Sequence
+from jaxserve.engine.sequence import Sequence, token_slice
 from jaxserve.model.ragged import is_placeholder
 from jaxserve.sampling.params import SamplingParams
 
@@ -155,6 +155,7 @@ class BatchTracker:
         for row in rows:
             seq = row.seq
             end = row.start + row.num_tokens
+            update.logprobs |= seq.params.logprobs is not None
             held = self._held.get(seq.seq_id)
             pages, version = self._page_table(seq.seq_id)
             if held is None:
@@ -175,13 +176,11 @@ class BatchTracker:
                     )
                 )
                 out.append(RowUpdate(held.slot, row.start, row.num_tokens, row.num_lookahead))
-                update.logprobs |= seq.params.logprobs is not None
                 continue
             entry = RowUpdate(held.slot, row.start, row.num_tokens, row.num_lookahead)
             lo = held.num_tokens if held.unresolved is None else held.unresolved
             if end > lo:  # a decode's input token (after a run: the run's tokens too)
-                p = len(seq.prompt_token_ids)
-                tokens = entry.tokens = seq.output_token_ids[lo - p : end - p] if lo >= p else seq.token_view[lo:end]
+                tokens = entry.tokens = token_slice(seq.prompt_token_ids, seq.output_token_ids, lo, end)
                 entry.tokens_from, held.num_tokens = lo, max(held.num_tokens, end)
                 held.unresolved = end - 1 if is_placeholder(tokens[-1]) else None
             if pages is not held.pages or version != held.pages_version:  # a new table: whole
@@ -191,7 +190,6 @@ class BatchTracker:
                 entry.pages_from, entry.page_ids = held.num_pages, pages[held.num_pages :]
                 held.num_pages = len(pages)
             out.append(entry)
-            update.logprobs |= seq.params.logprobs is not None
         return update
 
     def _hold(self, seq: Sequence, pages: array, version: int) -> _Held:

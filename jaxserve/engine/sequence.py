@@ -18,6 +18,17 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+def token_slice(prompt: list[int], output: list[int], start: int, stop: int) -> list[int]:
+    """(prompt + output)[start:stop] for 0 <= start <= stop <= the total, without joining the lists
+    (a decode row's one token is a slice of `output` alone)."""
+    p = len(prompt)
+    if stop <= p:
+        return prompt[start:stop]
+    if start >= p:
+        return output[start - p : stop - p]
+    return prompt[start:] + output[: stop - p]
+
+
 class TokenView(collections.abc.Sequence):
     """prompt + output read in place: a step slices a row's few tokens (and the block manager a
     page's) without the whole list being rebuilt each step."""
@@ -34,11 +45,7 @@ class TokenView(collections.abc.Sequence):
             start, stop, step = index.indices(len(self))
             if step != 1:
                 return list(self)[index]
-            if stop <= p:
-                return self._prompt[start:stop]
-            if start >= p:
-                return self._output[start - p : stop - p]
-            return self._prompt[start:] + self._output[: stop - p]
+            return token_slice(self._prompt, self._output, start, stop)
         if index < 0:
             index += len(self)
         return self._prompt[index] if index < p else self._output[index - p]

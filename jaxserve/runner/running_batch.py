@@ -16,6 +16,7 @@ import dataclasses
 from array import array
 from typing import Any
 
+from jaxserve.engine.sequence import token_slice
 from jaxserve.runner.step_row import StepRow
 from jaxserve.sampling.row import RowSampling
 
@@ -87,7 +88,7 @@ class RunningBatch:
         if held.scores_prompt and start + 1 < prompt_len:  # the next prompt token of each position
             targets = [prompt[p + 1] if p + 1 < prompt_len else 0 for p in range(start, end)]
         row = StepRow(
-            _tokens(prompt, output, start, end),
+            token_slice(prompt, output, start, end),
             start,
             held.pages,
             held.sampling,
@@ -108,19 +109,9 @@ class RunningBatch:
                 row.tokens, row.num_drafts = row.tokens + u.drafts, k
             if self.draft_model:  # what the draft's cache lacks, never more tokens than the row has
                 lag = u.draft_lag
-                tokens = _tokens(prompt, output, start - lag, start - lag + min(lag, k) + 1)
+                tokens = token_slice(prompt, output, start - lag, start - lag + min(lag, k) + 1)
                 row.draft_tokens, row.draft_start = tokens, start - lag
         return row
 
     def clear(self) -> None:
         self._slots.clear()
-
-
-def _tokens(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
-    """(prompt + output)[start:end], without joining the two lists."""
-    p = len(prompt)
-    if start >= p:
-        return output[start - p : end - p]
-    if end <= p:
-        return prompt[start:end]
-    return prompt[start:] + output[: end - p]
