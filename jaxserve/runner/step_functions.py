@@ -32,18 +32,22 @@ def _take_carried(batch: RaggedBatch, sampling: SamplingTensors, carried: jax.Ar
     )
 
 
+def _constrain(x, sharding):
+    """`x` laid out as `sharding` says; None: as XLA chooses. The donated cache keeps its layout from
+    step to step; on a mesh spanning processes the samples are replicated, so every process reads them."""
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
 def _carry(tokens: jax.Array, carried: jax.Array, carry_sharding=None) -> jax.Array:
     """The tokens the next step's placeholders name: this step's samples i32[R, L] at carried's width."""
-    out = carry_tokens(tokens, carried.shape[-1])
-    return out if carry_sharding is None else jax.lax.with_sharding_constraint(out, carry_sharding)
+    return _constrain(carry_tokens(tokens, carried.shape[-1]), carry_sharding)
 
 
 def _forward_and_sample(params, cache, batch, sampling, mask, cfg, options, cache_sharding=None):
     """The forward of a step whose inputs are whole (placeholders resolved), then a sample per row
     that samples: (samples [R, L], cache)."""
     logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, L, V]
-    if cache_sharding is not None:  # keep the donated cache's layout stable from step to step
-        cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
+    cache = _constrain(cache, cache_sharding)
     return sample_per_replica(logits, mask, sampling, options), cache
 
 
@@ -79,8 +83,7 @@ def _generate_step(
     returns (samples [R, L], cache, carried)."""
     batch, sampling = _take_carried(batch, with_sparse(sampling, sparse), carried)
     out, cache = _forward_and_sample(params, cache, batch, sampling, mask, cfg, options, cache_sharding)
-    if out_sharding is not None:  # multi-host: every process reads its own full copy of the samples
-        out = jax.lax.with_sharding_constraint(out, out_sharding)
+    out = _constrain(out, out_sharding)
     return out, cache, _carry(out.tokens, carried, carry_sharding)
 
 
@@ -140,8 +143,7 @@ def _multi_decode_step(
         return (cache, batch, sampling.advanced(out.tokens)), out
 
     (cache, _, _), out = jax.lax.scan(one, (cache, batch, sampling), jnp.arange(num_steps, dtype=jnp.int32))
-    if out_sharding is not None:
-        out = jax.lax.with_sharding_constraint(out, out_sharding)
+    out = _constrain(out, out_sharding)
     return out, cache, carried
 
 
@@ -170,15 +172,13 @@ def _score_step(
     `sample_index` i32[R, L] the ones that sample."""
     batch, sampling = _take_carried(batch, with_sparse(sampling, sparse), carried)
     logits, cache = ragged_step(params, cache, batch, cfg, options)  # f32[R, N, V]
-    if cache_sharding is not None:
-        cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
+    cache = _constrain(cache, cache_sharding)
     sampled = sample_per_replica(jnp.take_along_axis(logits, sample_index[..., None], axis=1), mask, sampling, options)
     logp = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
     target = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     out = (sampled, PromptScores(target, top_ids, top_logprobs))
-    if out_sharding is not None:
-        out = jax.lax.with_sharding_constraint(out, out_sharding)
+    out = _constrain(out, out_sharding)
     return out, cache, _carry(sampled.tokens, carried, carry_sharding)
 
 
@@ -209,12 +209,10 @@ def _generate_states_step(
     batch, sampling = _take_carried(batch, with_sparse(sampling, sparse), carried)
     wanted = dataclasses.replace(states, logits=True)
     hidden, cache = ragged_step(params, cache, batch, cfg, options, states=wanted, state_index=state_index)
-    if cache_sharding is not None:
-        cache = jax.lax.with_sharding_constraint(cache, cache_sharding)
+    cache = _constrain(cache, cache_sharding)
     sampled = sample_per_replica(hidden.logits, mask, sampling, options)
     out = (sampled, hidden.replace(logits=None))
-    if out_sharding is not None:
-        out = jax.lax.with_sharding_constraint(out, out_sharding)
+    out = _constrain(out, out_sharding)
     return out, cache, _carry(sampled.tokens, carried, carry_sharding)
 
 
