@@ -31,6 +31,8 @@ class LLM:
     (SmolLM2-135M-Instruct, also named "SmolLM2-135M-Instruct")."""
 
     def __init__(self, model: str | None = None, *, warm_up: bool = True, **settings: Any):
+        if "speculative_config" in settings:  # vLLM's spelling: {"method": ..., "model": ..., ...}
+            settings = _with_speculative_config(settings)
         try:
             config = EngineConfig.from_dict({"model": model, **settings})
         except TypeError as err:
@@ -239,3 +241,25 @@ class LLM:
         for result, request in zip(results, requests):
             result.prompt = request.prompt
         return results
+
+
+def _with_speculative_config(settings: dict[str, Any]) -> dict[str, Any]:
+    """`speculative_config` (vLLM's dict, or its JSON) as the speculative settings it names; a setting
+    also given on its own must agree."""
+    import json
+
+    from jaxserve.config.vllm_flags import speculative_settings
+
+    settings = dict(settings)
+    config = settings.pop("speculative_config")
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"speculative_config is not JSON: {err}") from None
+    for name, value in speculative_settings(config).items():
+        value = value if name in ("speculative_method", "speculative_model") else int(value)
+        if name in settings and settings[name] != value:
+            raise ConfigError(f"speculative_config sets {name}={value!r} but {name}={settings[name]!r} was given too")
+        settings[name] = value
+    return settings

@@ -124,9 +124,12 @@ class LLMEngine(WeightControl, EngineCore):  # WeightControl: update_weights, pa
         """Speculative decoding (jaxserve.spec_decode): the draft shares the pages and page tables
         (the core calls this once its block manager exists)."""
         from jaxserve.spec_decode import SpeculativeDecoder, load_draft
+        from jaxserve.spec_decode.decoder import load_eagle3_head
 
         s, draft = self.config, None
-        if s.speculation == "draft":
+        if s.speculation == "eagle3":
+            draft = load_eagle3_head(s, self.mesh, self.model_config, self.dtype)
+        elif s.speculation == "draft":
             draft = load_draft(
                 s, self.mesh, self.runner.options.scan_layers, self.model_config, self.tokenizer, self.dtype
             )

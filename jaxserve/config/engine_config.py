@@ -300,14 +300,17 @@ class EngineConfig(Settings):
     )
     speculative_model: str | None = setting(
         None,
-        "draft model directory for speculative decoding (same vocabulary as the model)",
+        "draft model directory for speculative decoding (same vocabulary as the model), or the EAGLE-3 "
+        "head's (speculators format) with speculative_method=eagle3",
         optional(parse_str),
         group="speculative decoding",
     )
     speculative_method: str = setting(
         "draft",
-        "draft (proposals from speculative_model) | ngram (prompt lookup: copy from earlier tokens)",
-        choice("draft", "ngram"),
+        "draft (proposals from the draft model speculative_model) | eagle3 (from the EAGLE-3 head "
+        "speculative_model, which reads the model's own hidden states) | ngram (prompt lookup: copy from "
+        "earlier tokens)",
+        choice("draft", "eagle3", "ngram"),
         group="speculative decoding",
     )
     num_speculative_tokens: int = setting(
@@ -520,17 +523,19 @@ class EngineConfig(Settings):
             raise ConfigError(
                 "num_speculative_tokens > 0 needs speculative_model=PATH (a draft model), or speculative_method='ngram'"
             )
+        if method == "eagle3" and k > 0 and self.speculative_model is None:
+            raise ConfigError("speculative_method='eagle3' needs speculative_model=PATH: the EAGLE-3 head's directory")
         if k > 0 and self.num_scheduler_steps > 1:
             raise ConfigError(
                 "num_scheduler_steps > 1 and speculative decoding both batch decode work per host "
                 "round-trip; use one of them (set num_scheduler_steps=1 or num_speculative_tokens=0)"
             )
-        if self.speculation == "draft" and self.enable_prompt_logprobs:
-            # A step scoring prompt tokens runs the plain scoring variant, without the draft model, whose
+        if self.speculation in ("draft", "eagle3") and self.enable_prompt_logprobs:
+            # A step scoring prompt tokens runs the plain scoring variant, without the draft, whose
             # cache would then miss those tokens (n-gram speculation has no cache to keep up).
             raise ConfigError(
-                "enable_prompt_logprobs is not supported with a draft model (speculative_method="
-                "'draft'); use speculative_method='ngram' or turn one of them off"
+                f"enable_prompt_logprobs is not supported with speculative_method='{self.speculation}'; "
+                "use speculative_method='ngram' or turn one of them off"
             )
         if self.speculative_model is not None and k == 0:
             raise ConfigError(
@@ -550,5 +555,5 @@ class EngineConfig(Settings):
 
     @property
     def speculation(self) -> str | None:
-        """The speculative decoding in use: "draft", "ngram" or None (off)."""
+        """The speculative decoding in use: "draft", "eagle3", "ngram" or None (off)."""
         return self.speculative_method if self.num_speculative_tokens > 0 else None

@@ -338,8 +338,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         metavar="JSON",
         help='vLLM\'s speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4} or {"model": DRAFT, "num_speculative_tokens": 4}; sets the '
-        "--speculative-* settings (other methods, such as eagle or mtp, are refused)",
+        '"prompt_lookup_max": 4}, {"model": DRAFT, "num_speculative_tokens": 4} or {"method": "eagle3", '
+        '"model": HEAD, "num_speculative_tokens": 4}; sets the --speculative-* settings (other methods, '
+        "such as eagle (EAGLE-1) or mtp, are refused)",
     )
     g.add_argument(
         "--disable-uvicorn-access-log",
@@ -431,34 +432,41 @@ def _speculative(ns: argparse.Namespace, text: str) -> None:
         config = json.loads(text)
     except json.JSONDecodeError as err:
         raise ConfigError(f"--speculative-config is not JSON: {err}") from None
+    for name, value in speculative_settings(config, "--speculative-config").items():
+        _set(ns, name, value, "--speculative-config", "--" + name.replace("_", "-"))
+
+
+def speculative_settings(config: Any, where: str = "speculative_config") -> dict[str, str]:
+    """vLLM's speculative config (a dict: `--speculative-config`'s JSON, `LLM(speculative_config=...)`)
+    as jaxserve's settings, each value a string for its parser."""
     if not isinstance(config, dict):
-        raise ConfigError(
-            '--speculative-config takes a JSON object such as {"method": "ngram", "num_speculative_tokens": 4}'
-        )
+        raise ConfigError(f'{where} takes a JSON object such as {{"method": "ngram", "num_speculative_tokens": 4}}')
     unknown = sorted(set(config) - set(SPECULATIVE_KEYS))
     if unknown:
         raise ConfigError(
-            f"--speculative-config: {', '.join(map(repr, unknown))} not served here; the keys read are "
-            f"{', '.join(SPECULATIVE_KEYS)}"
+            f"{where}: {', '.join(map(repr, unknown))} not served here; the keys read are {', '.join(SPECULATIVE_KEYS)}"
         )
     method = config.get("method") or ("draft_model" if config.get("model") else None)
     if method == "ngram":
         values = {"speculative_method": "ngram"}
-    elif method in ("draft_model", "draft"):
+    elif method in ("draft_model", "draft", "eagle3"):
         if not config.get("model"):
-            raise ConfigError('--speculative-config: a draft model needs "model": a directory or Hugging Face ID')
-        values = {"speculative_method": "draft", "speculative_model": str(config["model"])}
+            what = "an EAGLE-3 head" if method == "eagle3" else "a draft model"
+            raise ConfigError(f'{where}: {what} needs "model": a directory or Hugging Face ID')
+        values = {
+            "speculative_method": "eagle3" if method == "eagle3" else "draft",
+            "speculative_model": str(config["model"]),
+        }
     else:
         raise ConfigError(
-            f"--speculative-config method {method!r}: jaxserve speculates with a draft model "
-            '({"model": DRAFT, ...}) or n-gram prompt lookup ({"method": "ngram", ...}); EAGLE, '
-            "MTP, Medusa and suffix decoding are not implemented"
+            f'{where} method {method!r}: jaxserve speculates with an EAGLE-3 head ({{"method": "eagle3", '
+            '"model": HEAD, ...}), a draft model ({"model": DRAFT, ...}) or n-gram prompt lookup '
+            '({"method": "ngram", ...}); EAGLE-1, MTP, Medusa and suffix decoding are not implemented'
         )
     for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
         if key in config:
             values[key] = str(config[key])
-    for name, value in values.items():
-        _set(ns, name, value, "--speculative-config", "--" + name.replace("_", "-"))
+    return values
 
 
 def _quantization(ns: argparse.Namespace) -> None:

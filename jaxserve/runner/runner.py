@@ -108,7 +108,7 @@ class ModelRunner:
         `draft` model's params and a cache of its own over the same page ids)."""
         self.speculation = SpeculativeStep(self.ctx, self.state, method, num_tokens, draft)
         self.variants = [self.score, self.speculation]
-        self.batch = RunningBatch(draft_model=draft is not None)
+        self.batch = RunningBatch(draft_model=method == "draft")
         return self.speculation
 
     # ---- compilation ---------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from jaxserve.model.kv_cache import KVCache, RaggedBatch, cache_shardings, init_
 from jaxserve.model.weights import Params
 from jaxserve.model.ragged import RaggedArrays, RaggedRow, pack_ragged, row_lora_slots
 from jaxserve.model.sampler import RowSampling, SamplingTensors
+from jaxserve.spec_decode.eagle3_draft import eagle3_start_arrays, eagle_cache_sharding, init_eagle_cache
 from jaxserve.spec_decode.step import DraftInputs, SpecOptions, SpecRows, speculative_step
 from jaxserve.model.transfer import Layout, from_buffer, with_sparse
 from jaxserve.runner.step_io import StepInputs, StepSamples
@@ -36,12 +37,16 @@ class SpeculativeStep(StepVariant):
     def __init__(self, ctx: StepContext, state: DeviceState, method: str, num_tokens: int, draft: Any = None):
         super().__init__(ctx)
         self.state = state
-        self.method = method  # "draft" | "ngram"
+        self.method = method  # "draft" | "eagle3" | "ngram"
         self.num_tokens = num_tokens  # K, the most drafts a step verifies
         self.accept_all = False  # a deliberately wrong verifier: only the test that must catch it sets this
         self.draft_cfg: ModelConfig | None = None
         self.draft_cache_sharding: Any = None
-        if draft is not None:
+        if draft is not None and method == "eagle3":
+            self.draft_cfg, self.draft_cache_sharding = draft.cfg, eagle_cache_sharding(ctx.shardings)
+            state.draft_params = draft.params
+            state.draft_cache = init_eagle_cache(draft.cfg, state.cache, draft.dtype, self.draft_cache_sharding)
+        elif draft is not None:
             c = state.cache
             state.draft_params = draft.params
             state.draft_cache = init_cache(
@@ -79,9 +84,11 @@ class SpeculativeStep(StepVariant):
             group_logits=c.i32(G * self.width),
         )
         draft = None
-        if self.method == "draft":
+        if self.method in ("draft", "eagle3"):
             draft = DraftInputs(
-                batch=c.ragged_spec(N, P, G, lora=False), draft_index=c.i32(G, self.num_tokens), group_row=c.i32(G)
+                batch=c.ragged_spec(G if self.method == "eagle3" else N, P, G, lora=False),
+                draft_index=c.i32(G, self.num_tokens),
+                group_row=c.i32(G),
             )
         return c.ragged_spec(N, P, num_logits(N, G, self)), SamplingTensors.spec((R, G), c.history_len), rows, draft
 
@@ -205,7 +212,7 @@ def _pack(spec: SpeculativeStep, rows: Sequence[Any], shape: tuple) -> StepInput
     pages = [r.page_ids[: -(-(r.start_pos + len(r.tokens)) // ps)] for r in rows]
     N, P = shape
     G = ctx.num_logits(N)
-    draft = spec.method == "draft"
+    draft, eagle3 = spec.method == "draft", spec.method == "eagle3"
     fields: dict[str, list] = {f.name: [] for f in dataclasses.fields(RaggedArrays)}
     draft_fields: dict[str, list] = {f.name: [] for f in dataclasses.fields(RaggedArrays)}
     row_lora = [row_lora_slots([rows[i].lora_slot for i in indices], S) for indices in per_replica]
@@ -253,12 +260,18 @@ def _pack(spec: SpeculativeStep, rows: Sequence[Any], shape: tuple) -> StepInput
             _append(
                 draft_fields, _draft_arrays([rows[i] for i in indices], [pages[i] for i in indices], ps, N, S, P, G)
             )
+        elif eagle3:
+            group_rows = [rows[i] for i in indices if rows[i].samples]
+            _append(
+                draft_fields,
+                eagle3_start_arrays(group_rows, [pages[i] for i in indices if rows[i].samples], ps, G, S, P),
+            )
     batch = RaggedBatch(
         **{name: np.stack(v) for name, v in fields.items()}, row_lora=np.stack(row_lora) if ctx.lora else None
     )
     st = SamplingTensors.pack(flat_sampling, (R, G), ctx.history_len, steps=flat_steps)
     draft_inputs = None
-    if draft:
+    if draft or eagle3:
         draft_inputs = DraftInputs(
             batch=RaggedBatch(**{name: np.stack(v) for name, v in draft_fields.items()}),
             draft_index=draft_index,

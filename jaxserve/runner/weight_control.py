@@ -31,7 +31,7 @@ class WeightControl:
         self.weights = WeightUpdater(lambda: state.params, lambda p: setattr(state, "params", p), self.model_config)
         self.draft_weights = None
         spec = runner.speculation
-        if spec is not None and spec.draft_cfg is not None:
+        if spec is not None and spec.method == "draft":  # an EAGLE-3 head is served as loaded
             self.draft_weights = WeightUpdater(
                 lambda: state.draft_params, lambda p: setattr(state, "draft_params", p), spec.draft_cfg, "draft model"
             )

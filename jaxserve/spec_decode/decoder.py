@@ -55,6 +55,26 @@ def load_draft(settings: EngineConfig, mesh: Any, stacked: bool, target_cfg: Mod
     return load_model(draft_settings, mesh, stacked=stacked)
 
 
+@dataclasses.dataclass
+class LoadedHead:
+    """An EAGLE-3 head on the devices: what `runner.enable_speculation` takes for method eagle3."""
+
+    params: Any  # model.eagle3.Eagle3Params, replicated over the mesh
+    cfg: Any  # model.eagle3.Eagle3Config
+    dtype: Any
+
+
+def load_eagle3_head(settings: EngineConfig, mesh: Any, target_cfg: ModelConfig, dtype: Any) -> LoadedHead:
+    """The EAGLE-3 head in speculative_model (speculators format), in the model's dtype, replicated on
+    its mesh; refused when it was trained for another model (vocabulary, state width, depth)."""
+    from jaxserve.loading.eagle3_checkpoint import load_eagle3
+
+    cfg, host = load_eagle3(settings.speculative_model, target_cfg, jnp.dtype(dtype))
+    where = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    params = jax.tree.map(lambda x: jax.device_put(x, where), host)
+    return LoadedHead(params=params, cfg=cfg, dtype=jnp.dtype(dtype))
+
+
 def _check_same_tokenizer(path: str, tokenizer: Any, why: str) -> None:
     from jaxserve.loading.tokenizer import load_tokenizer
 
@@ -77,6 +97,12 @@ def _check_same_tokenizer(path: str, tokenizer: Any, why: str) -> None:
 
 def draft_kv_bytes_per_token(settings: EngineConfig, dtype: Any) -> int:
     """KV bytes one token takes in the draft's cache (0 without a draft); it shares the target's pages."""
+    if settings.speculation == "eagle3":  # the head's one layer, and the model's fused states it drafts from
+        from jaxserve.loading.eagle3_checkpoint import read_config
+
+        head = read_config(settings.speculative_model, ModelConfig.from_dir(settings.model))
+        itemsize = jnp.dtype(dtype).itemsize
+        return head.layer.kv_bytes_per_token(itemsize) + head.hidden_size * itemsize
     if settings.speculation != "draft":
         return 0
     return ModelConfig.from_dir(settings.speculative_model).kv_bytes_per_token(jnp.dtype(dtype).itemsize)
@@ -148,7 +174,19 @@ class SpeculativeDecoder:
                 param_bytes(draft.params) / 4e6,
                 param_bytes(runner.params) / 4e6,
             )
-        self.speculation = runner.enable_speculation(self.method, self.k, draft if self.method == "draft" else None)
+        if self.method == "eagle3":
+            if draft is None:
+                raise ValueError("the eagle3 method needs the loaded head")
+            logger.info(
+                "EAGLE-3 head: %.1f M parameters (%.1f MiB), draft vocabulary %d, aux layers %s",
+                sum(x.size for x in jax.tree.leaves(draft.params)) / 1e6,
+                param_bytes(draft.params) / 2**20,
+                draft.cfg.draft_vocab_size,
+                list(draft.cfg.aux_layers),
+            )
+        self.speculation = runner.enable_speculation(
+            self.method, self.k, draft if self.method in ("draft", "eagle3") else None
+        )
         self.policy = SpecPolicy(self.k, settings.speculative_adaptive)
         logger.info(
             "speculative decoding: %s, %d tokens per step%s (adaptive=%s)",

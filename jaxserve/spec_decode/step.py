@@ -38,7 +38,9 @@ from jaxserve.model.kv_cache import KVCache, RaggedBatch
 from jaxserve.model.weights import Params
 from jaxserve.model.sampler import MAX_LOGPROBS, SamplingTensors, sample
 from jaxserve.model.sharding import per_replica
-from jaxserve.spec_decode.draft import propose_ragged
+from jaxserve.model.hidden_states import HiddenStates
+from jaxserve.spec_decode import eagle3_draft
+from jaxserve.spec_decode.draft import _draw, propose_ragged
 from jaxserve.spec_decode.rejection import VerifyOutput, verify
 from jaxserve.model.ragged_step import ragged_logits, ragged_step
 from jaxserve.model.step_options import StepOptions
@@ -48,7 +50,7 @@ from jaxserve.model.step_options import StepOptions
 class SpecOptions:
     """Static choices of the speculative step (part of its compilation key)."""
 
-    method: str  # "draft" | "ngram"
+    method: str  # "draft" | "eagle3" | "ngram"
     num_tokens: int  # K: the most drafts a group verifies; groups are K + 1 logits wide
     accept_all: bool = False  # a deliberately wrong verifier, only for the test that must catch it
 
@@ -66,12 +68,14 @@ class SpecRows:
 
 @flax.struct.dataclass
 class DraftInputs:
-    """The draft model's share of a step (method "draft"), per replica."""
+    """The draft's share of a step (methods "draft" and "eagle3"), per replica."""
 
     # Every row's tokens the draft's cache lacks, on the step's axis of N (never more than the row's
     # own): a prompt chunk's tokens; a decode row's pending token, after the token before it when the
     # last step accepted every draft (the draft never fed its last one; a row verifying nothing then
     # takes that one alone). logit_index i32[G]: each group's last token.
+    # EAGLE-3: [R, G], one token per group: its pending token at position n - 1, rows = groups
+    # (`eagle3_draft.propose`).
     batch: RaggedBatch
     draft_index: jax.Array  # i32[R, G, K]  where draft j of group g goes on the target's token axis; N: nowhere
     group_row: jax.Array  # i32[R, G]  the row of each group (its page table)
@@ -122,24 +126,46 @@ def speculative_step(
     K, W = spec.num_tokens, spec.num_tokens + 1
     verifying = jnp.any(rows.num_draft > 0)
     draft_probs = None
-    if spec.method == "draft":
-        drafts, draft_probs, draft_cache = propose_ragged(
-            draft_params,
-            draft_cache,
-            draft,
-            rows.num_draft,
-            sampling,
-            verifying,
-            cfg=draft_cfg,
-            options=options,
-            num_tokens=K,
-        )
+    if spec.method in ("draft", "eagle3"):
+        if spec.method == "draft":
+            drafts, draft_probs, draft_cache = propose_ragged(
+                draft_params,
+                draft_cache,
+                draft,
+                rows.num_draft,
+                sampling,
+                verifying,
+                cfg=draft_cfg,
+                options=options,
+                num_tokens=K,
+            )
+        else:
+            drafts, draft_probs, draft_cache = eagle3_draft.propose(
+                draft_params,
+                draft_cfg,
+                draft_cache,
+                params,
+                cfg,
+                draft.batch,
+                rows.num_draft,
+                sampling,
+                verifying,
+                _draw,
+                options=options,
+                num_tokens=K,
+            )
         draft_cache = constrain(draft_cache, draft_cache_sharding)
         tokens = jax.vmap(lambda t, at, d: t.at[at.reshape(-1)].set(d.reshape(-1), mode="drop"))(
             batch.tokens, draft.draft_index, drafts
         )
         batch = batch.replace(tokens=tokens)
-    hidden, cache = ragged_step(params, cache, batch, cfg, options, hidden=True)  # f[R, L, D]
+    if spec.method == "eagle3":
+        hidden, cache, draft_cache = _target_with_states(
+            params, cache, draft_params, draft_cache, batch, cfg, draft_cfg, options
+        )
+        draft_cache = constrain(draft_cache, draft_cache_sharding)
+    else:
+        hidden, cache = ragged_step(params, cache, batch, cfg, options, hidden=True)  # f[R, L, D]
     cache = constrain(cache, cache_sharding)
     # Each group's tokens at its logit positions: [pending or last, d_1..d_K] (padding past its drafts).
     at = jnp.take_along_axis(batch.logit_index, rows.group_logits, axis=1)  # i32[R, G * W]: token index
@@ -167,6 +193,20 @@ def speculative_step(
     else:
         out = jax.lax.cond(verifying, verify_groups, sample_groups)
     return out, cache, draft_cache
+
+
+def _target_with_states(params, cache, head, head_cache, batch, cfg, head_cfg, options):
+    """EAGLE-3's target pass: the forward keeps the head's aux layers' states at every token, stores
+    them fused at the tokens' slots, and the head catches up over the step (`eagle3_draft`). Returns
+    the final-normed states at the logit positions f[R, L, D] and both caches."""
+    R, N = batch.tokens.shape
+    states = HiddenStates(layers=head_cfg.aux_layers, final=True, logits=False)
+    every = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (R, N))
+    out, cache = ragged_step(params, cache, batch, cfg, options, states=states, state_index=every)
+    hidden = jnp.take_along_axis(out.final, batch.logit_index[..., None], axis=1)
+    head_cache = eagle3_draft.store_states(head_cache, head, out.layers, batch.slots)
+    head_cache = eagle3_draft.catch_up(head, head_cfg, head_cache, params, cfg, batch, options)
+    return hidden, cache, head_cache
 
 
 def _verify_replicas(logits, group_logits, drafts, draft_probs, num_draft, sampling, want_logprobs, *, accept_all):
