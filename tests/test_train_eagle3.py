@@ -1,0 +1,149 @@
+"""scripts/eagle3_data.py and scripts/train_eagle3.py on a tiny random Llama (float32): the hidden
+states the data keeps are HF transformers' `hidden_states` at the aux layers, the training-time-test
+loss falls under a few optimizer steps on a fixed batch, and a run resumed from its checkpoint ends
+in the same state as one that was never interrupted. No timing assertions (training figures come
+from the scripts themselves, docs/eagle3_training.md)."""
+
+import json
+
+import eagle3_data as ed
+import eagle3_ttt as ttt
+import jax
+import numpy as np
+import pytest
+import train_eagle3 as te
+
+AUX = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def tiny(hf_model_dir):
+    path, model = hf_model_dir("llama", num_hidden_layers=4)
+    cfg, params, _ = ed.load_target(path)
+    return path, model, cfg, params
+
+
+def _sequences(vocab: int, count: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, size=int(rng.integers(20, 60))).tolist() for _ in range(count)]
+
+
+def test_states_equal_hf_hidden_states(tiny):
+    import torch
+
+    _, model, cfg, params = tiny
+    seqs = _sequences(cfg.vocab_size, 3, 0)
+    got = ed.compute_states(ed.make_states_fn(cfg, AUX), params, seqs, tokens_per_batch=128, bucket=32)
+    for seq, (aux, final, greedy) in zip(seqs, got):
+        with torch.no_grad():
+            out = model(torch.tensor([seq]), output_hidden_states=True)
+        want = np.concatenate([out.hidden_states[i][0].numpy() for i in AUX], axis=-1)
+        # float32 over states of magnitude ~30 (the tiny model's wide-spread weights): a tolerance to scale
+        np.testing.assert_allclose(aux, want, rtol=1e-4, atol=2e-5 * np.abs(want).max())
+        final_want = out.hidden_states[-1][0].numpy()
+        np.testing.assert_allclose(final, final_want, rtol=1e-4, atol=2e-5 * np.abs(final_want).max())
+        np.testing.assert_array_equal(greedy, out.logits[0].argmax(-1).numpy())
+
+
+@pytest.fixture(scope="module")
+def work(tiny, tmp_path_factory):
+    """A data directory as eagle3_data writes it: random 'conversations' (prompt of 8 tokens), their
+    states, a draft vocabulary of 128 ids (from answer frequencies, as the vocab phase builds it)."""
+    _, _, cfg, params = tiny
+    root = tmp_path_factory.mktemp("eagle3-data")
+    states_fn = ed.make_states_fn(cfg, AUX)
+    for split, count, seed in (("train", 12, 1), ("heldout", 4, 2)):
+        seqs = _sequences(cfg.vocab_size, count, seed)
+        records = [{"id": str(i), "prompt_ids": s[:8], "answer_ids": s[8:]} for i, s in enumerate(seqs)]
+        ed.write_shard(root / "states" / split / f"{split}-00000", records, ed.compute_states(states_fn, params, seqs))
+    (root / "target.json").write_text(json.dumps({"vocab_size": cfg.vocab_size, "aux_layers": list(AUX)}))
+    d2t = ed.build_vocab(ed.answer_counts(root, "train", cfg.vocab_size), 128, {0, 1})
+    assert len(d2t) == 128 and list(d2t) == sorted(d2t) and {0, 1} <= set(d2t.tolist())
+    np.save(root / "d2t.npy", d2t)
+    return root
+
+
+def _args(tiny_path, work, out, **extra):
+    args = ["--data", str(work), "--out", str(out), "--model", tiny_path, "--target-name", "tiny"]
+    args += ["--rows", "2", "--seq-len", "96", "--total-steps", "20", "--warmup", "2", "--lr", "3e-3"]
+    args += ["--eval-k", "3", "--checkpoint-minutes", "0"]
+    for key, value in extra.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    return args
+
+
+def test_loss_falls_on_a_fixed_batch(tiny, work):
+    path, _, _, _ = tiny
+    ns = _namespace(path, work)
+    cfg, head, embed, rows = te.build(ns, work)
+    trainable = te.split_params(head, False)
+    optimizer, train_step, _ = te.make_steps(ns, cfg, head, embed, rows, 20)
+    opt_state = optimizer.init(trainable)
+    corpus = te.Corpus.load(work, "train")
+    batch = te.to_batch(te.make_batch(corpus, te.epoch_rows(corpus, 0, 0, 96)[:2], 96))
+    losses = []
+    for step in range(6):
+        trainable, opt_state, metrics = train_step(trainable, opt_state, batch, step)
+        losses.append(float(metrics["loss"]))
+    assert np.isfinite(losses).all()
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def _namespace(path, work):
+    import argparse
+
+    return argparse.Namespace(
+        model=path,
+        seed=0,
+        norm_before_residual=True,
+        lr=3e-3,
+        warmup=2,
+        weight_decay=0.01,
+        ttt_steps=3,
+        decay=1.0,
+        noise_std=0.05,
+        eval_k=3,
+    )
+
+
+def test_ttt_attention_sees_its_chain():
+    """A query at step 2 sees step 0's keys of its sequence up to itself and its own index's keys of
+    steps 1 and 2: changing any other key leaves its output alone."""
+    rng = np.random.default_rng(0)
+    B, T, N, K, H = 1, 6, 2, 1, 4
+    doc = jax.numpy.asarray([[0, 0, 0, 1, 1, -1]])
+    q = rng.normal(size=(B, T, N, H)).astype(np.float32)
+    ks = [rng.normal(size=(B, T, K, H)).astype(np.float32) for _ in range(3)]
+    vs = [rng.normal(size=(B, T, K, H)).astype(np.float32) for _ in range(3)]
+    base = np.asarray(ttt.ttt_attention(q, ks[2], vs[2], doc, ks[:2], vs[:2], 0.5))
+    for step, index in ((0, 2), (0, 3), (1, 0), (1, 2), (2, 4)):  # keys query 1 must not see
+        ks2 = [k.copy() for k in ks]
+        vs2 = [v.copy() for v in vs]
+        vs2[step][0, index] += 10.0
+        changed = np.asarray(ttt.ttt_attention(q, ks2[2], vs2[2], doc, ks2[:2], vs2[:2], 0.5))
+        np.testing.assert_allclose(changed[0, 1], base[0, 1], rtol=1e-6, atol=1e-6)
+    for step, index in ((0, 0), (0, 1), (1, 1), (2, 1)):  # keys it must see
+        vs2 = [v.copy() for v in vs]
+        vs2[step][0, index] += 10.0
+        changed = np.asarray(ttt.ttt_attention(q, ks[2], vs2[2], doc, ks[:2], vs2[:2], 0.5))
+        assert np.abs(changed[0, 1] - base[0, 1]).max() > 1e-3
+
+
+def test_resume_ends_in_the_same_state(tiny, work, tmp_path):
+    from jaxserve.loading.eagle3_checkpoint import load_eagle3
+
+    path, _, cfg, _ = tiny
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    assert te.main(_args(path, work, straight, max_steps=4)) == 0
+    assert te.main(_args(path, work, cut, max_steps=2)) == 0
+    assert json.loads((cut / "state" / "meta.json").read_text())["step"] == 2
+    assert te.main(_args(path, work, cut, max_steps=4)) == 0
+    a, b = np.load(straight / "state" / "arrays.npz"), np.load(cut / "state" / "arrays.npz")
+    assert sorted(a.files) == sorted(b.files)
+    for name in a.files:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    log = json.loads((cut / "training_log.json").read_text())
+    assert log["step"] == 4 and len(log["evals"][-1]["acceptance_by_position"]) == 3
+    head_cfg, head = load_eagle3(str(cut), cfg, np.float32)  # the saved head loads as serving loads it
+    assert head_cfg.aux_layers == AUX and head.embed is None
+    np.testing.assert_array_equal(np.asarray(head.draft_to_target), np.load(work / "d2t.npy"))
