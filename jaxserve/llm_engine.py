@@ -11,6 +11,7 @@ host-only `EngineCore` (jaxserve.engine.core) the runner; everything after start
 from __future__ import annotations
 
 import logging
+import time
 
 import jax
 
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine(WeightControl, EngineCore):  # WeightControl: update_weights, pause, sleep (training loops)
     def __init__(self, config: EngineConfig, warm_up: bool = True):
+        self.started_at = time.perf_counter()
         s = config = implied_quantization(config)  # an AWQ / GPTQ checkpoint is served as int4
         multihost.initialize(s)  # num_processes > 1: jax.distributed, before any device is touched
         cache_path = enable_compilation_cache(s.compilation_cache_dir, s.compilation_cache)
@@ -180,26 +182,61 @@ class LLMEngine(WeightControl, EngineCore):  # WeightControl: update_weights, pa
             return None
 
     def warm_up(self) -> None:
-        """Compile every executable the bucket table plans (and time speculation's steps)."""
-        before = CompileCounter.requests
-        self.runner.warm_up()
-        if self.config.enable_prompt_logprobs:
-            self.runner.warm_up(self.runner.score_shapes())
+        """Compile every executable the bucket table plans (and time speculation's steps); with
+        compile_in_background, only the opening token buckets' before it returns, the others' on a
+        thread (`runner/background_compile.py`)."""
+        before = CompileCounter.foreground()  # a background compile thread's are planned, not counted
+        background = self._background_compile()
+        if background is not None:
+            background.open()
+        else:
+            self.runner.warm_up()
+            if self.config.enable_prompt_logprobs:
+                self.runner.warm_up(self.runner.score_shapes())
         self.runner.warm_up_page_copies()
         if self.spec is not None:
             self.spec.warm_up()
-        self.runner.compiles_at_warm_up = CompileCounter.requests
+        self.runner.compiles_at_warm_up = CompileCounter.foreground()
         planned = executable_counts(self.config, self.memory.max_model_len, self.num_replicas, jax.default_backend())
         self.warm_up_compiles = self.runner.compiles_at_warm_up - before  # persistent-cache hits too
         logger.info(
             "warm-up compiled %d executables; the bucket table plans %s", self.warm_up_compiles, planned.describe()
         )
         check_memory_mappings(jax.default_backend())
+        if background is not None:
+            logger.info(
+                "serving %.1f s after start-up began, with token buckets %s of %d (%.1f s compiling them); "
+                "compiling the others in the background, in this order: %s",
+                time.perf_counter() - self.started_at,
+                ", ".join(map(str, background.opening)),
+                background.total,
+                background.compile_seconds,
+                ", ".join(map(str, background.order)) or "none",
+            )
+            background.start()
+
+    def _background_compile(self):
+        """The runner's BackgroundCompile when compile_in_background is on and can be (one process,
+        no speculation: runner/background_compile.py says why), else None."""
+        s = self.config
+        if not s.compile_in_background or self.runner.background is not None:
+            return None
+        if s.num_processes > 1 or self.spec is not None:
+            logger.info("compile_in_background off: %s", "multi-host" if s.num_processes > 1 else "speculation")
+            return None
+        from jaxserve.runner.background_compile import BackgroundCompile
+
+        keys = self.runner.step_shapes() + (self.runner.score_shapes() if s.enable_prompt_logprobs else [])
+        self.runner.background = BackgroundCompile(self.runner, keys, self.scheduler.cap_budget)
+        return self.runner.background
 
     def num_executables(self) -> int:
         return self.runner.num_executables()
 
 
 def start_async_engine(config: EngineConfig) -> AsyncLLMEngine:
-    """The server's engine: an LLMEngine whose steps run on a thread of their own."""
+    """The server's engine: an LLMEngine whose steps run on a thread of their own; it serves while
+    the larger token buckets compile unless compile_in_background is false."""
+    if config.compile_in_background is None:
+        config = config.replace(compile_in_background=True)
     return AsyncLLMEngine(LLMEngine(config))

@@ -72,7 +72,7 @@ def compile_all(settings: EngineConfig) -> int:
     from jaxserve.llm_engine import LLMEngine
 
     start = time.perf_counter()
-    engine = LLMEngine(settings, warm_up=False)
+    engine = LLMEngine(settings.replace(compile_in_background=False), warm_up=False)  # every step, now
     try:
         table = engine.runner.table
         if table.store is None:

@@ -396,6 +396,15 @@ class EngineConfig(Settings):
         parse_bool,
         group="compilation and kernels",
     )
+    compile_in_background: bool | None = setting(
+        None,
+        "compile the smallest decode and prefill token buckets, start serving, and compile the others on a "
+        "thread while steps keep to the ready ones (same outputs, slower until all are ready; docs/startup.md); "
+        "default: on for `jaxserve serve`, off for LLM(...) and `jaxserve compile`. Off with num_processes > 1 "
+        "or speculative decoding",
+        optional(parse_bool),
+        group="compilation and kernels",
+    )
     executable_store_max_size: int = setting(
         4 * 2**30,
         "bytes the executable store may hold (e.g. 4GiB); past it the least recently used entries are removed",

@@ -125,12 +125,56 @@ def step_shapes(buckets: BucketTable, num_scheduler_steps: int = 1) -> list[tupl
     return plain + multi
 
 
-def pick_step_shape(buckets: BucketTable, num_tokens: int, num_pages: int) -> tuple:
+def pick_step_shape(
+    buckets: BucketTable, num_tokens: int, num_pages: int, ready: tuple[int, ...] | None = None
+) -> tuple:
     """The compiled (tokens, pages) step holding `num_tokens` tokens whose longest row has `num_pages`
-    pages: the smallest token bucket, at the one page-table width."""
+    pages: the smallest token bucket, at the one page-table width. `ready`: the token buckets usable
+    now while the others compile in the background (`opening_buckets`); None: all of them. A step
+    larger than every ready bucket (the scheduler's budget is capped to the largest, so none should
+    come) takes the table's bucket, compiled then and counted as unplanned."""
     if num_pages > buckets.page_counts[-1]:
         raise ValueError(f"a row of {num_pages} pages exceeds the step's page table ({buckets.page_counts[-1]})")
+    if ready is not None and num_tokens <= ready[-1]:
+        return pick_bucket(num_tokens, ready), buckets.page_counts[-1]
     return pick_bucket(num_tokens, buckets.token_counts), buckets.page_counts[-1]
+
+
+def opening_buckets(buckets: BucketTable) -> tuple[int, ...]:
+    """The token buckets a start compiling in the background opens with (`compile_in_background`):
+    the smallest (a lone decode) and the smallest that holds a decode of every row, which is also
+    the step's budget until larger buckets are ready (a longer prompt is chunked to it). Any step
+    the scheduler makes then fits one of them, so no request waits for a seat, only for more steps."""
+    counts = buckets.token_counts
+    return tuple(sorted({counts[0], pick_bucket(buckets.max_rows, counts)}))
+
+
+def background_order(token_counts: tuple[int, ...], ready: tuple[int, ...]) -> list[int]:
+    """The buckets not in `ready`, in the order the background compiles them, largest benefit first.
+
+    First the largest (the step's full token budget: a long prompt then takes few steps instead of
+    many small ones); then, each time, the bucket nearest the geometric middle of the widest gap
+    (by ratio) between ready buckets, since a step pads to the next ready bucket and the widest gap
+    wastes the most: 1, 16 ready of 1..512 gives 512, 64 (or 128), 256, 32, 4, ..."""
+    ready_set, left = set(ready), [t for t in token_counts if t not in ready]
+    order = []
+    if left:
+        order.append(left.pop())  # token_counts is sorted: the largest
+        ready_set.add(order[-1])
+    while left:
+        done = sorted(ready_set)
+        best = max(left, key=lambda t: _gap(t, done))
+        left.remove(best)
+        ready_set.add(best)
+        order.append(best)
+    return order
+
+
+def _gap(t: int, ready: list[int]) -> tuple[float, float]:
+    """(the ratio of the ready buckets around t, t's closeness to their geometric middle)."""
+    lo = max((r for r in ready if r < t), default=0.5)
+    hi = min((r for r in ready if r > t), default=2 * t)
+    return hi / lo, -abs(math.log(t * t / (lo * hi)))
 
 
 def score_shapes(buckets: BucketTable) -> list[tuple]:

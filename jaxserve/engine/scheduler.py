@@ -37,7 +37,8 @@ class Scheduler:
     ):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs  # per replica
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens  # the step's budget: `cap_budget`
+        self.full_budget = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.scheduling = scheduling
         self.preemption_mode = preemption_mode
@@ -62,6 +63,13 @@ class Scheduler:
         waiting ones unless `waiting` is False."""
         seqs = (*self.running, *self.waiting) if waiting else self.running
         return {s.lora for s in seqs if s.lora is not None}
+
+    def cap_budget(self, tokens: int) -> None:
+        """Cap each step's token budget at `tokens`, the largest token bucket compiled so far (while
+        the others compile in the background: runner/background_compile.py); a longer prompt is
+        chunked to it. Only ever raised, up to the configured budget, so a step scheduled under an
+        older cap still fits a ready bucket."""
+        self.max_num_batched_tokens = min(self.full_budget, tokens)
 
     # ---- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:

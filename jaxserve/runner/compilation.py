@@ -47,6 +47,7 @@ class CompileCounter:
     _installed = False
     requests = 0
     cache_hits = 0
+    background_requests = 0  # of `requests`, those made on a thread marked `mark_background`
 
     @classmethod
     def install(cls) -> None:
@@ -59,6 +60,7 @@ class CompileCounter:
             if event == _COMPILE_EVENT:
                 with cls._lock:
                     cls.requests += 1
+                    cls.background_requests += getattr(cls._local, "background", False)
 
         def on_event(event: str, **kwargs) -> None:
             if event == _CACHE_HIT_EVENT:
@@ -68,6 +70,18 @@ class CompileCounter:
 
         jax.monitoring.register_event_duration_secs_listener(on_duration)
         jax.monitoring.register_event_listener(on_event)
+
+    @classmethod
+    def mark_background(cls) -> None:
+        """Count the calling thread's requests as planned background compiles
+        (runner/background_compile.py), not in `foreground`."""
+        cls._local.background = True
+
+    @classmethod
+    def foreground(cls) -> int:
+        """Requests made outside background compile threads: what `compiles_after_warmup` counts."""
+        with cls._lock:
+            return cls.requests - cls.background_requests
 
     @classmethod
     def thread_cache_hits(cls) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable, Iterable
 
@@ -40,6 +41,10 @@ class ExecutableTable:
         self._signatures: dict[tuple, Any] = {}
         self.loaded: list[tuple[tuple, float]] = []  # (key, seconds) of each executable loaded from the store
         self.stored: list[tuple[tuple, float, str]] = []  # (key, compile seconds, path) of each one written
+        self.compiled: list[tuple[tuple, float]] = []  # (key, seconds) of each one compiled here (not loaded)
+        # Held while a key missing from the table is loaded or compiled (`get`): the background
+        # compiler (runner/background_compile.py) and a step needing an unplanned key never build one twice.
+        self._building = threading.RLock()
 
     def attach_store(self, store: Any, signature: Callable[[tuple], Any]) -> None:
         """Load executables from `store` (by `signature(key)`, computed without tracing) before
@@ -57,7 +62,12 @@ class ExecutableTable:
         """Key's executable, compiled now if it is not yet (`planned` False: counted and logged as a
         compile the warm-up did not foresee)."""
         executable = self.executables.get(key)
-        if executable is None:
+        if executable is not None:
+            return executable
+        with self._building:
+            executable = self.executables.get(key)  # built meanwhile by another thread
+            if executable is not None:
+                return executable
             if not planned:
                 self.unplanned_compiles += 1
                 logger.log(logging.WARNING if self.warmed else logging.INFO, "compiling unplanned step %s", key)
@@ -68,8 +78,9 @@ class ExecutableTable:
                 with persistent_cache_bypassed(self.store is not None and self.fresh_compiles):
                     executable = lowered.compile(self.compiler_options)
                 cached = CompileCounter.thread_cache_hits() > hits
+                self.compiled.append((key, time.perf_counter() - start))
                 self._save(key, executable, time.perf_counter() - start, cached)
-            self.executables[key] = executable
+            self.executables[key] = executable  # in place whole: a reader sees it or not
         return executable
 
     def layout(self, key: tuple) -> Layout:
@@ -114,6 +125,7 @@ class ExecutableTable:
             compiled = compile_buckets(keys, self.lower, self.compiler_options, self.platform, progress)
         for key, executable, seconds, cached in compiled:
             self.executables[key] = executable
+            self.compiled.append((key, seconds))
             timings.append((key, seconds))
             logger.info("bucket %s compiled in %.2fs", key, seconds)
             self._save(key, executable, seconds, cached)

@@ -74,7 +74,8 @@ class ModelRunner:
         self.speculation: SpeculativeStep | None = None  # enable_speculation
         self.lora: Any = None  # enable_lora: runner.lora.LoRASlots
         self._lora_writes = 0  # the slot write's executable, once LoRA is served
-        self.compiles_at_warm_up: int | None = None  # CompileCounter.requests once warmed up
+        self.compiles_at_warm_up: int | None = None  # CompileCounter.foreground() once warmed up
+        self.background: Any = None  # runner/background_compile.BackgroundCompile: buckets compiling after start-up
         self.closed = False  # close(): executables dropped, params and cache deleted
         CompileCounter.install()
 
@@ -177,13 +178,24 @@ class ModelRunner:
 
     def stats(self) -> dict:
         return dict(
-            compiles_after_warmup=(CompileCounter.requests - self.compiles_at_warm_up)
+            compiles_after_warmup=(CompileCounter.foreground() - self.compiles_at_warm_up)
             if self.compiles_at_warm_up is not None
             else None,
             executables=self.num_executables(),
+            **(self.background.stats() if self.background is not None else self._bucket_stats()),
             # structured output: host time computing grammar masks, and the constrained rows masked
             grammar_mask_seconds_total=self.grammar_masks.seconds,
             grammar_masked_rows_total=self.grammar_masks.rows,
+        )
+
+    def _bucket_stats(self) -> dict:
+        """Token buckets ready and their build seconds when all were compiled at start-up."""
+        total = len(self.buckets.token_counts)
+        built = self.table.compiled + self.table.loaded
+        return dict(
+            buckets_ready=total if self.compiles_at_warm_up is not None else 0,
+            buckets_total=total,
+            bucket_compile_seconds=sum(seconds for _, seconds in built),
         )
 
     def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray) -> None:
@@ -308,6 +320,8 @@ class ModelRunner:
         if self.closed:
             return
         self.closed = True
+        if self.background is not None:  # before the table goes: nothing compiles after close
+            self.background.stop()
         self.table.clear()
         self.transfer.clear()
         self.batch.clear()

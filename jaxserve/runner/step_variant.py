@@ -43,6 +43,9 @@ class StepContext:
     num_scheduler_steps: int = 1
     lora: bool = False  # each step carries its rows' LoRA slots (`RaggedBatch.row_lora`)
     grammar_masks: GrammarMasks | None = None
+    # The token buckets steps may use while the others compile in the background (sorted; replaced
+    # whole as each becomes ready: runner/background_compile.py); None: every bucket is ready.
+    ready_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self):
         # Token history for repetition/presence/frequency penalties, padded to one fixed length so
@@ -105,7 +108,7 @@ class StepContext:
             n_tokens = sum(len(r.tokens) for r in rows)
         else:
             n_tokens = max(sum(len(r.tokens) for r in rows if r.replica == rep) for rep in range(R))
-        return pick_step_shape(self.buckets, n_tokens, max(need))
+        return pick_step_shape(self.buckets, n_tokens, max(need), self.ready_tokens)
 
 
 @dataclasses.dataclass

@@ -239,6 +239,14 @@ class _EngineCollector:
         yield from gauge(
             "jaxserve:executables", "Compiled step executables the engine holds (buckets and variants).", "executables"
         )
+        # Serving while the rest compile (--compile-in-background): token buckets usable now, of all.
+        yield from gauge("jaxserve:step_buckets_ready", "Token buckets compiled and usable by steps.", "buckets_ready")
+        yield from gauge("jaxserve:step_buckets_total", "Token buckets the engine compiles.", "buckets_total")
+        yield from gauge(
+            "jaxserve:step_bucket_compile_seconds",
+            "Seconds spent building the ready token buckets' executables (start-up and background).",
+            "bucket_compile_seconds",
+        )
         # Speculative decoding (only when it is on).
         yield from counter(
             "jaxserve:spec_decode_num_draft_tokens", "Draft tokens proposed.", "spec_decode_num_draft_tokens"

@@ -1,0 +1,35 @@
+"""The bucket rules of serving while the rest compile (host only): which token buckets open, in what
+order the others compile, and which ready bucket a step takes meanwhile."""
+
+import pytest
+
+from jaxserve.engine.buckets import BucketTable, background_order, opening_buckets, pick_step_shape
+
+
+def test_opening_buckets_hold_a_lone_decode_and_every_rows_decodes():
+    assert opening_buckets(BucketTable.build(16, 512, 64)) == (1, 16)
+    assert opening_buckets(BucketTable.build(2, 16, 8)) == (1, 4)
+    assert opening_buckets(BucketTable.build(12, 512, 64)) == (1, 16)  # the bucket holding 12 rows
+    assert opening_buckets(BucketTable.build(1, 1, 8)) == (1,)
+
+
+def test_background_order_is_largest_first_then_the_widest_gap():
+    table = BucketTable.build(16, 512, 64)
+    order = background_order(table.token_counts, (1, 16))
+    assert sorted(order) == [4, 8, 32, 64, 128, 256, 512]
+    assert order[0] == 512  # the full budget: a long prompt in few steps
+    assert order[1] in (64, 128)  # the middle of 16..512, the widest gap left
+    assert order.index(4) < order.index(8)  # 1..16 is wider than 64..128 once 64 is in
+    assert background_order((1, 4), (1, 4)) == []
+
+
+def test_a_step_takes_the_smallest_ready_bucket_that_holds_it():
+    table = BucketTable.build(16, 512, 64)
+    assert pick_step_shape(table, 3, 5) == (4, 64)
+    assert pick_step_shape(table, 3, 5, ready=(1, 16)) == (16, 64)
+    assert pick_step_shape(table, 1, 5, ready=(1, 16)) == (1, 64)
+    assert pick_step_shape(table, 100, 5, ready=(1, 16, 512)) == (512, 64)
+    # Above every ready bucket (the capped budget makes none): the table's, compiled then.
+    assert pick_step_shape(table, 100, 5, ready=(1, 16)) == (128, 64)
+    with pytest.raises(ValueError):
+        pick_step_shape(table, 3, 65, ready=(1, 16))
