@@ -157,7 +157,26 @@ def join_params(head, trainable):
     return dataclasses.replace(head, **trainable)
 
 
+_COMPILED: dict = {}  # one compiled pair per (head shape, hyperparameters): runs in one process share them
+
+
 def make_steps(args, cfg, head, embed, rows, total_steps: int):
+    """(optimizer, train_step(trainable, opt_state, batch, step) -> (trainable, opt_state, metrics),
+    eval_step(trainable, batch) -> (accepted by position, starts, loss, accuracy by step))."""
+    key = (cfg, args.lr, args.warmup, args.weight_decay, args.ttt_steps, args.decay, args.noise_std, args.seed)
+    key += (args.eval_k, total_steps)
+    if key not in _COMPILED:
+        _COMPILED[key] = _compile_steps(args, cfg, total_steps)
+    optimizer, train_jit, eval_jit = _COMPILED[key]
+    frozen = (head, embed, rows)
+    return (
+        optimizer,
+        lambda trainable, opt_state, batch, step: train_jit(trainable, opt_state, frozen, batch, step),
+        lambda trainable, batch: eval_jit(trainable, frozen, batch),
+    )
+
+
+def _compile_steps(args, cfg, total_steps: int):
     import eagle3_ttt as ttt
     import jax
     import jax.numpy as jnp
@@ -167,26 +186,30 @@ def make_steps(args, cfg, head, embed, rows, total_steps: int):
         0.0, args.lr, min(args.warmup, max(total_steps // 10, 1)), max(total_steps, 2), end_value=args.lr * 0.1
     )
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=args.weight_decay))
+    ttt_steps, decay, noise_std, seed, eval_k = args.ttt_steps, args.decay, args.noise_std, args.seed, args.eval_k
 
-    def loss_fn(trainable, batch, noise):
-        return ttt.ttt_loss(join_params(head, trainable), cfg, embed, rows, batch, args.ttt_steps, args.decay, noise)
+    def loss_fn(trainable, frozen, batch, noise):
+        head, embed, rows = frozen
+        return ttt.ttt_loss(join_params(head, trainable), cfg, embed, rows, batch, ttt_steps, decay, noise)
 
     @jax.jit
-    def train_step(trainable, opt_state, batch, step):
+    def train_step(trainable, opt_state, frozen, batch, step):
         noise = None
-        if args.noise_std > 0:
-            key = jax.random.fold_in(jax.random.key(args.seed + 1), step)
-            noise = args.noise_std * jax.random.normal(key, batch.aux.shape, batch.aux.dtype)
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, batch, noise)
+        if noise_std > 0:
+            key = jax.random.fold_in(jax.random.key(seed + 1), step)
+            noise = noise_std * jax.random.normal(key, batch.aux.shape, batch.aux.dtype)
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, frozen, batch, noise)
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         metrics["lr"] = schedule(step)
         return optax.apply_updates(trainable, updates), opt_state, metrics
 
     @jax.jit
-    def eval_step(trainable, batch):
-        accepted, starts = ttt.acceptance_counts(join_params(head, trainable), cfg, embed, batch, args.eval_k)
-        _, metrics = ttt.ttt_loss(join_params(head, trainable), cfg, embed, rows, batch, args.ttt_steps, args.decay)
-        return accepted, starts, metrics["loss"], jnp.stack([metrics[f"acc_{s}"] for s in range(args.ttt_steps)])
+    def eval_step(trainable, frozen, batch):
+        head, embed, rows = frozen
+        params = join_params(head, trainable)
+        accepted, starts = ttt.acceptance_counts(params, cfg, embed, batch, eval_k)
+        _, metrics = ttt.ttt_loss(params, cfg, embed, rows, batch, ttt_steps, decay)
+        return accepted, starts, metrics["loss"], jnp.stack([metrics[f"acc_{s}"] for s in range(ttt_steps)])
 
     return optimizer, train_step, eval_step
 
