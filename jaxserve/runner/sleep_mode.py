@@ -3,7 +3,7 @@
 The host's half (what a sleeping engine refuses, what `pause` does to requests) is
 `jaxserve.engine.pause`. Here: level 1 copies the weights to host memory and frees their device
 buffers, level 2 frees them with no copy (new weights come with `update_weights`); both free the KV
-cache's pages (the target's and a draft model's), which are re-created as zeros on `wake_up`, the
+cache's pages (the target's, a draft model's, an EAGLE-3 head's and its stored states), which are re-created as zeros on `wake_up`, the
 state `init_cache` made at start-up. A float8 cache's per-layer scales (a few floats, read from the
 checkpoint) stay. Nothing is compiled for the steps: every buffer comes back with the shape, dtype
 and sharding the executables were compiled for.
@@ -57,7 +57,7 @@ class DeviceSleep:
             cache = getattr(self.state, name)
             if cache is None or name in self.cache_layout:
                 continue
-            pages = {f: getattr(cache, f) for f in ("k", "v", "k_scale", "v_scale") if _is_pages(cache, f)}
+            pages = _page_arrays(cache)
             self.cache_layout[name] = {
                 f: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for f, x in pages.items()
             }
@@ -69,8 +69,24 @@ class DeviceSleep:
         """The discarded page arrays again, as zeros on their shardings (no sequence holds a page)."""
         for name, layout in self.cache_layout.items():
             fresh = {f: jnp.zeros(s.shape, s.dtype, device=s.sharding) for f, s in layout.items()}
-            setattr(self.state, name, getattr(self.state, name).replace(**fresh))
+            setattr(self.state, name, _with_page_arrays(getattr(self.state, name), fresh))
         self.cache_layout.clear()
+
+
+def _page_arrays(cache: Any) -> dict[str, jax.Array]:
+    """A cache's per-page arrays by name: a KVCache's; an EAGLE-3 head's (`EagleCache`) K/V as
+    "kv.<field>" and its stored states as "hidden"."""
+    if hasattr(cache, "kv"):
+        return {**{f"kv.{f}": x for f, x in _page_arrays(cache.kv).items()}, "hidden": cache.hidden}
+    return {f: getattr(cache, f) for f in ("k", "v", "k_scale", "v_scale") if _is_pages(cache, f)}
+
+
+def _with_page_arrays(cache: Any, arrays: dict[str, jax.Array]) -> Any:
+    """`cache` with the arrays `_page_arrays` named replaced."""
+    if hasattr(cache, "kv"):
+        kv = {name[3:]: x for name, x in arrays.items() if name.startswith("kv.")}
+        return cache.replace(kv=cache.kv.replace(**kv), hidden=arrays.get("hidden", cache.hidden))
+    return cache.replace(**arrays)
 
 
 def _is_pages(cache: Any, field: str) -> bool:

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine.buckets import BucketTable, pick_step_shape, step_shapes
-from jaxserve.model.kv_cache import RaggedBatch, cache_shardings, copy_pages_padded
+from jaxserve.model.kv_cache import KVCache, RaggedBatch, cache_shardings, copy_pages_padded
 from jaxserve.model.transfer import Layout
 from jaxserve.runner.grammar_masks import GrammarMasks
 from jaxserve.runner.step_io import StepInputs, StepSamples
@@ -130,8 +130,10 @@ class DeviceState:
     def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray, width: int) -> None:
         """Copy pages src[i] -> dst[i] of one replica in every KV cache, in one compiled width."""
         self.cache = copy_pages_padded(self.cache, replica, src, dst, width)
-        if self.draft_cache is not None:
+        if isinstance(self.draft_cache, KVCache):
             self.draft_cache = copy_pages_padded(self.draft_cache, replica, src, dst, width)
+        elif self.draft_cache is not None:  # an EAGLE-3 head's (spec_decode.eagle3_draft.EagleCache)
+            self.draft_cache = self.draft_cache.copy_pages(replica, src, dst, width)
 
     def delete(self) -> None:
         """Free every buffer now: a later use raises jax's "Array has been deleted"."""

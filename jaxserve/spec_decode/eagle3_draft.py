@@ -30,10 +30,18 @@ from typing import Any, Sequence
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.eagle3 import Eagle3Config, Eagle3Params, draft_logits, fuse, head_layer, target_logits
-from jaxserve.model.kv_cache import KVCache, RaggedBatch, attend, init_cache, write_kv_slots
+from jaxserve.model.kv_cache import (
+    KVCache,
+    RaggedBatch,
+    attend,
+    copy_pages_padded,
+    init_cache,
+    write_kv_slots,
+)
 from jaxserve.model.layers import NO_SLIDING_WINDOW, rope_cos_sin
 from jaxserve.model.llama import _embed
 from jaxserve.model.ragged import PAD_SLOT, PADDING_PAGE, RaggedArrays, RaggedRow, pack_ragged
@@ -51,6 +59,25 @@ class EagleCache:
 
     kv: KVCache  # the head's one layer: k, v f[R, 1, K, NP, S, H]
     hidden: jax.Array  # f[R, NP * S, D]: g of every slot the target computed (its fused aux states)
+
+    def copy_pages(self, replica: int, src: np.ndarray, dst: np.ndarray, width: int) -> EagleCache:
+        """Copy-on-write for forked sequences, as the target's pages are copied: K/V and stored states."""
+        kv = copy_pages_padded(self.kv, replica, src, dst, width)
+        hidden = self.hidden
+        for start in range(0, max(len(src), 1), width):
+            s = np.full(width, PADDING_PAGE, np.int32)
+            d = np.full(width, PADDING_PAGE, np.int32)
+            s[: len(src[start : start + width])] = src[start : start + width]
+            d[: len(dst[start : start + width])] = dst[start : start + width]
+            hidden = _copy_state_pages(hidden, s, d, replica=replica, page_size=self.kv.page_size)
+        return EagleCache(kv=kv, hidden=hidden)
+
+
+@functools.partial(jax.jit, static_argnames=("replica", "page_size"), donate_argnums=(0,))
+def _copy_state_pages(hidden: jax.Array, src: jax.Array, dst: jax.Array, *, replica: int, page_size: int):
+    R, slots, D = hidden.shape
+    pages = hidden.reshape(R, slots // page_size, page_size, D)
+    return pages.at[replica, dst].set(pages[replica, src]).reshape(R, slots, D)
 
 
 def eagle_cache_sharding(shardings: Any) -> EagleCache | None:
@@ -228,7 +255,8 @@ def propose(
             step = start.replace(
                 positions=pos,
                 slots=jnp.where(active, slots, PAD_SLOT),
-                context_lens=jnp.where(active, start.context_lens + j + 1, start.context_lens),
+                # rows are groups (G of them, then padding rows to the batch's S)
+                context_lens=start.context_lens.at[:, :G].add(jnp.where(active, j + 1, 0)),
             )
             hidden, tokens = prenorm, token
         return jnp.stack(drafts, axis=-1), jnp.stack(probs, axis=1), cache.replace(kv=kv)

@@ -77,3 +77,41 @@ def test_sampled_tokens_follow_the_target_and_a_wrong_verifier_is_caught(models)
         runner.table.executables.pop(shape, None)
     wrong = sample_counts(llm, REQUESTS // 4)
     assert chi_square_pvalue(wrong, joint) < 1e-6
+
+
+def test_eagle3_sampling_follows_the_target(hf_model_dir, tmp_path):
+    """EAGLE-3's drafts (a head over a draft vocabulary of 24 of the 32 ids: the others have
+    probability 0 under it) leave the sampled joint distribution the target's."""
+    import jax
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.loading.eagle3_checkpoint import save_eagle3
+    from jaxserve.model.eagle3 import Eagle3Config, init_params
+
+    target_path, target = hf_model_dir("llama", vocab_size=V, num_hidden_layers=4)
+    cfg = ModelConfig.from_dir(target_path)
+    vocab = np.sort(np.random.RandomState(1).choice(V, 24, replace=False))
+    head = Eagle3Config.for_target(cfg, len(vocab), (1, 2, 3))
+    # A zero lm_head: q uniform over the draft vocabulary after top-k's ties (accepted often enough to
+    # test the accept path; a random head's sharp q was accepted 2% of the time).
+    params = init_params(head, jax.random.PRNGKey(2), np.float32, vocab)
+    params = params.replace(lm_head=np.zeros_like(params.lm_head))
+    save_eagle3(str(tmp_path / "head"), head, params, target_name=target_path, dtype="float32")
+    llm = LLM(
+        target_path,
+        dtype="float32",
+        page_size=8,
+        max_model_len=16,
+        max_num_seqs=32,
+        max_num_batched_tokens=96,
+        warm_up=False,
+        speculative_config={"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 2},
+        speculative_adaptive=False,
+    )
+    joint = exact_joint(target)
+    counts = sample_counts(llm, REQUESTS)
+    stats = llm.engine.stats()
+    assert stats["spec_decode_acceptance_rate"] > 0.05, stats  # the accept path runs
+    pvalue = chi_square_pvalue(counts, joint)
+    assert pvalue > SIGNIFICANCE, pvalue
+    llm.close()

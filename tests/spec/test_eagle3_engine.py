@@ -132,6 +132,11 @@ def test_eagle3_is_greedy_exact_under_preemption_and_prefix_caching(target, refe
         # One at a time too: each sequence's drafts from its own states only.
         single = llm.generate(prompt_token_ids=prompts[:3], sampling_params=params[:3], use_tqdm=False)
         assert token_ids(single) == reference[:3]
+        # Sleep frees the head's K/V and stored states with the pool; awake, the same outputs.
+        llm.sleep(1)
+        llm.wake_up()
+        again = llm.generate(prompt_token_ids=prompts[:3], sampling_params=params[:3], use_tqdm=False)
+        assert token_ids(again) == reference[:3]
 
 
 def test_eagle3_settings_are_checked(target, head_dir):
