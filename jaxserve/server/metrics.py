@@ -69,6 +69,21 @@ def detect_device_bandwidth() -> float | None:
     return spec.hbm_bandwidth if spec is not None and spec.hbm_bandwidth > 0 else None
 
 
+def spec_positions(stats: dict):
+    """jaxserve:spec_decode_num_drafts_per_pos{position} and ..._num_accepted_tokens_per_pos{position}:
+    speculation's acceptance by draft position (vLLM's per-position counter)."""
+    for key, doc in (
+        ("spec_decode_num_drafts_per_pos", "Verifies that proposed a draft at this position (0: the first)."),
+        ("spec_decode_num_accepted_tokens_per_pos", "Drafts accepted at this position (0: the first)."),
+    ):
+        counts = stats.get(key)
+        if counts:
+            family = CounterMetricFamily(f"jaxserve:{key}", doc, labels=["position"])
+            for position, count in enumerate(counts):
+                family.add_metric([str(position)], float(count))
+            yield family
+
+
 def step_composition(stats: dict):
     """jaxserve:steps_total{kind} and the jaxserve:iteration_tokens histogram (real tokens per step)."""
     by_kind = stats.get("steps_by_kind")

@@ -114,6 +114,20 @@ class SpecCounters:
     accepted: int = 0  # of them accepted
     verified: int = 0  # (sequence, step) pairs with at least one draft verified
     steps: int = 0  # engine steps run speculatively
+    # By draft position j (0: the first draft): verifies that proposed a draft there, and those whose
+    # draft there was accepted (vLLM's spec_decode_num_accepted_tokens_per_pos).
+    proposed_per_pos: list[int] = dataclasses.field(default_factory=list)
+    accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+
+    def record(self, k: int, n: int) -> None:
+        """One verify of k drafts, n of them accepted."""
+        grow = k - len(self.proposed_per_pos)
+        if grow > 0:
+            self.proposed_per_pos.extend([0] * grow)
+            self.accepted_per_pos.extend([0] * grow)
+        for j in range(k):
+            self.proposed_per_pos[j] += 1
+            self.accepted_per_pos[j] += j < n
 
     @property
     def acceptance_rate(self) -> float:
@@ -346,6 +360,7 @@ class SpeculativeDecoder:
                 continue
             state.record(k, n)
             if k > 0:
+                self.counters.record(k, n)
                 self.counters.proposed += k
                 self.counters.accepted += n
                 self.counters.verified += 1
@@ -368,6 +383,8 @@ class SpeculativeDecoder:
             spec_decode_num_steps=c.steps,
             spec_decode_acceptance_rate=c.acceptance_rate,
             spec_decode_mean_accepted_length=c.mean_accepted_length,
+            spec_decode_num_drafts_per_pos=list(c.proposed_per_pos),
+            spec_decode_num_accepted_tokens_per_pos=list(c.accepted_per_pos),
         )
 
 

@@ -79,7 +79,7 @@ def test_speculative_settings_are_checked():
         (dict(num_speculative_tokens=-1), ">= 0"),
         (
             dict(speculative_model="d", num_speculative_tokens=2, enable_prompt_logprobs=True),
-            "enable_prompt_logprobs is not supported with a draft model",
+            "enable_prompt_logprobs is not supported with speculative_method='draft'",
         ),
     ]:
         with pytest.raises(ConfigError, match=match):
@@ -97,6 +97,8 @@ def test_spec_metrics_in_prometheus():
         spec_decode_num_steps=8,
         spec_decode_acceptance_rate=0.75,
         spec_decode_mean_accepted_length=4.0,
+        spec_decode_num_drafts_per_pos=[10, 9],
+        spec_decode_num_accepted_tokens_per_pos=[8, 5],
     )
     text = ServerMetrics(lambda: stats).render().decode()
     for line in [
@@ -105,9 +107,21 @@ def test_spec_metrics_in_prometheus():
         "jaxserve:spec_decode_num_verify_steps_total 10.0",
         "jaxserve:spec_decode_acceptance_rate 0.75",
         "jaxserve:spec_decode_mean_accepted_length 4.0",
+        'jaxserve:spec_decode_num_drafts_per_pos_total{position="1"} 9.0',
+        'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 8.0',
     ]:
         assert line in text, line
     assert "spec_decode" not in ServerMetrics(lambda: dict(num_running=1)).render().decode()
+
+
+def test_acceptance_is_counted_by_draft_position():
+    from jaxserve.spec_decode.decoder import SpecCounters
+
+    c = SpecCounters()
+    for k, n in [(3, 3), (3, 1), (2, 0), (4, 2)]:
+        c.record(k, n)
+    assert c.proposed_per_pos == [4, 4, 3, 1]
+    assert c.accepted_per_pos == [3, 2, 1, 0]
 
 
 def test_token_buffer_appends_only_what_is_new():
