@@ -194,19 +194,28 @@ def phase_prompts(args, work: Path) -> None:
         print(f"prompts {split}: {len(prompts)} -> {path}", flush=True)
 
 
-def _shards(work: Path, split: str, shard_size: int) -> list[list[dict]]:
+def _shards(work: Path, split: str, shard_size: int) -> list[tuple[str, list[dict]]]:
+    """(name, prompts) of each shard: named by the range of prompts it holds, so a data set grown
+    by more prompts keeps every whole shard and redoes only a partial last one."""
     prompts = [json.loads(line) for line in (work / "prompts" / f"{split}.jsonl").open()]
-    return [prompts[i : i + shard_size] for i in range(0, len(prompts), shard_size)]
+    return [
+        (f"{split}-{i:06d}-{min(i + shard_size, len(prompts)):06d}", prompts[i : i + shard_size])
+        for i in range(0, len(prompts), shard_size)
+    ]
 
 
 def phase_generate(args, work: Path) -> None:
     """The target's answers, shard by shard (one batched generate call each)."""
-    todo = [
-        (split, n, shard)
-        for split in ("train", "heldout")
-        for n, shard in enumerate(_shards(work, split, args.shard_size))
-        if not (work / "gen" / f"{split}-{n:05d}.jsonl").is_file()
+    shards = [
+        (split, name, shard) for split in ("train", "heldout") for name, shard in _shards(work, split, args.shard_size)
     ]
+    wanted = {name for _, name, _ in shards}
+    (work / "gen").mkdir(exist_ok=True)
+    for stale in (work / "gen").glob("*.jsonl"):  # shards of an earlier prompt count or shard size
+        if stale.stem not in wanted:
+            stale.unlink()
+            shutil.rmtree(work / "states" / stale.stem.split("-")[0] / stale.stem, ignore_errors=True)
+    todo = [(split, name, shard) for split, name, shard in shards if not (work / "gen" / f"{name}.jsonl").is_file()]
     if not todo:
         return
     from jaxserve import LLM, SamplingParams
@@ -222,8 +231,7 @@ def phase_generate(args, work: Path) -> None:
     _note(work, "generate", engine_start_seconds=time.perf_counter() - start)
     renderer = build_chat_renderer(llm.tokenizer, llm.config.chat_template)
     eos = set(llm.tokenizer.eos_token_ids)
-    (work / "gen").mkdir(exist_ok=True)
-    for split, n, shard in todo:
+    for split, name, shard in todo:
         start = time.perf_counter()
         kept, ids = [], []
         for p in shard:
@@ -249,7 +257,7 @@ def phase_generate(args, work: Path) -> None:
                 answer.append(llm.tokenizer.eos_token_id)  # the stop token, as the target saw it
             new += len(out.outputs[0].token_ids)
             lines.append(json.dumps({"id": p["id"], "prompt_ids": list(prompt_ids), "answer_ids": answer}) + "\n")
-        path = work / "gen" / f"{split}-{n:05d}.jsonl"
+        path = work / "gen" / f"{name}.jsonl"
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(lines))
         tmp.rename(path)

@@ -94,10 +94,19 @@ def _materials(key: str, text: str) -> list[tuple[str, dict]]:
     return found
 
 
+# the kinds in the order prompts take them, repeated: 9 function, 5 name, 4 docstring, 2 module in 20
+KIND_CYCLE = (
+    "function", "name", "docstring", "function", "function", "name", "module", "function", "docstring", "name",
+    "function", "function", "docstring", "name", "function", "module", "function", "name", "docstring", "function",
+)  # fmt: skip
+
+
 def build_prompts(split: str, count: int, seed: int) -> list[dict]:
     """`count` prompts of `split` ("train" or "heldout"), each {"id", "kind", "template", "content"}:
-    materials drawn evenly over the kinds (functions are most of the stdlib and would crowd the rest
-    out), a template drawn for each, in a fixed order for a seed."""
+    kinds in the proportions of KIND_CYCLE (functions are most of the stdlib and would crowd the
+    rest out), materials shuffled per kind and a template drawn for each, all fixed by the seed.
+    Prefix-stable: the first n of `count` prompts are `build_prompts(split, n, seed)`, so a larger
+    data set extends a smaller one (its generated shards stay valid)."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be train or heldout, not {split!r}")
     templates = TRAIN_TEMPLATES if split == "train" else HELDOUT_TEMPLATES
@@ -108,34 +117,21 @@ def build_prompts(split: str, count: int, seed: int) -> list[dict]:
     rng = random.Random(f"{seed}-{split}")
     for pool in by_kind.values():
         rng.shuffle(pool)
-    # share of each kind: code questions most, names (no code, short prompts) a fifth
-    share = {"function": 0.45, "docstring": 0.2, "module": 0.1, "name": 0.25}
+    picks = {kind: random.Random(f"{seed}-{split}-{kind}") for kind in templates}
+    next_of = dict.fromkeys(templates, 0)
     prompts: list[dict] = []
     seen: set[str] = set()
-    for kind, pool in by_kind.items():
-        want = round(count * share[kind])
-        for fields in pool:
-            if want == 0:
-                break
-            t = rng.randrange(len(templates[kind]))
+    slot = 0
+    while len(prompts) < count and any(next_of[k] < len(by_kind[k]) for k in templates):
+        kind = KIND_CYCLE[slot % len(KIND_CYCLE)]
+        slot += 1
+        while next_of[kind] < len(by_kind[kind]):
+            fields = by_kind[kind][next_of[kind]]
+            next_of[kind] += 1
+            t = picks[kind].randrange(len(templates[kind]))
             content = templates[kind][t].format(**fields)
-            if content in seen:
-                continue
-            seen.add(content)
-            prompts.append({"kind": kind, "template": t, "content": content})
-            want -= 1
-    spare = [(kind, fields) for kind, pool in by_kind.items() for fields in pool]
-    rng.shuffle(spare)
-    for kind, fields in spare:  # rounding, or a kind that ran short: fill up from any kind
-        if len(prompts) >= count:
-            break
-        t = rng.randrange(len(templates[kind]))
-        content = templates[kind][t].format(**fields)
-        if content not in seen:
-            seen.add(content)
-            prompts.append({"kind": kind, "template": t, "content": content})
-    rng.shuffle(prompts)
-    prompts = prompts[:count]
-    for i, p in enumerate(prompts):
-        p["id"] = f"{split}-{i:06d}"
+            if content not in seen:
+                seen.add(content)
+                prompts.append({"id": f"{split}-{len(prompts):06d}", "kind": kind, "template": t, "content": content})
+                break
     return prompts

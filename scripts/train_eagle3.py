@@ -49,7 +49,7 @@ class Corpus:
     def load(cls, work: Path, split: str, max_docs: int | None = None) -> Corpus:
         shards = [eagle3_data.read_shard(p) for p in eagle3_data.shard_dirs(work, split)]
         docs = [
-            (n, int(s["offsets"][j]), int(s["offsets"][j + 1]), int(s["prompt_lens"][j]))
+            (n, int(s["offsets"][j]), int(s["offsets"][j + 1]), int(s["prompt_lens"][j]), 0)
             for n, s in enumerate(shards)
             for j in range(len(s["prompt_lens"]))
         ]
@@ -59,7 +59,16 @@ class Corpus:
 
     @property
     def tokens(self) -> int:
-        return sum(end - start - 1 for _, start, end, _ in self.docs)
+        return sum(end - start - 1 - skip for _, start, end, _, skip in self.docs)
+
+    def trimmed(self, context: int | None) -> Corpus:
+        """The same sequences, each starting `context` indices before its first answer token (all of a
+        shorter prompt): the prompt indices carry no loss and are most of a sequence, so training
+        spends its time on answers; positions stay the true ones."""
+        if not context:
+            return self
+        docs = [(n, start, end, plen, max(0, plen - 1 - context)) for n, start, end, plen, _ in self.docs]
+        return Corpus(self.shards, docs)
 
 
 def pack(corpus: Corpus, order: list[int], seq_len: int) -> list[list[tuple[int, int]]]:
@@ -68,8 +77,8 @@ def pack(corpus: Corpus, order: list[int], seq_len: int) -> list[list[tuple[int,
     rows: list[list[tuple[int, int]]] = []
     room: list[int] = []
     for d in order:
-        _, start, end, _ = corpus.docs[d]
-        n = min(end - start - 1, seq_len)  # indices of a sequence of n + 1 tokens
+        _, start, end, _, skip = corpus.docs[d]
+        n = min(end - start - 1 - skip, seq_len)  # indices of a sequence of n + 1 tokens
         for r in range(max(0, len(rows) - 8), len(rows)):  # the last few open rows
             if room[r] >= n:
                 rows[r].append((d, n))
@@ -100,16 +109,17 @@ def make_batch(corpus: Corpus, rows: list[list[tuple[int, int]]], seq_len: int) 
     for r, row in enumerate(rows):
         at = 0
         for k, (d, n) in enumerate(row):
-            shard, start, end, plen = corpus.docs[d]
+            shard, start, end, plen, skip = corpus.docs[d]
             s = corpus.shards[shard]
             sl = slice(at, at + n)
-            out["tokens"][r, sl] = s["tokens"][start + 1 : start + 1 + n]
-            out["positions"][r, sl] = np.arange(1, n + 1)
+            first = start + skip  # the sequence's index `skip` is the row's first
+            out["tokens"][r, sl] = s["tokens"][first + 1 : first + 1 + n]
+            out["positions"][r, sl] = np.arange(skip + 1, skip + n + 1)
             out["doc"][r, sl] = k
-            out["aux"][r, sl] = s["aux"][start : start + n]
-            out["final"][r, sl] = s["final"][start + 1 : start + 1 + n]
-            out["greedy"][r, sl] = s["greedy"][start + 1 : start + 1 + n]
-            index = np.arange(1, n + 1)  # the position of each index's token
+            out["aux"][r, sl] = s["aux"][first : first + n]
+            out["final"][r, sl] = s["final"][first + 1 : first + 1 + n]
+            out["greedy"][r, sl] = s["greedy"][first + 1 : first + 1 + n]
+            index = np.arange(skip + 1, skip + n + 1)  # the position of each index's token
             out["mask"][r, sl] = (index >= plen) & (index < end - start - 1)
             at += n
     return out
@@ -358,6 +368,12 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-docs", type=int, default=None, help="held-out sequences scored (default: all)")
     ap.add_argument("--eval-minutes", type=float, default=15.0)
     ap.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    ap.add_argument(
+        "--prompt-context",
+        type=int,
+        default=64,
+        help="train on each sequence from this many indices before its answer (0: all of it; held-out: all)",
+    )
     ap.add_argument("--train-docs", type=int, default=None, help="use only the first N training sequences")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -366,7 +382,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     state_dir = out / "state"
 
-    train = Corpus.load(work, "train", args.train_docs)
+    train = Corpus.load(work, "train", args.train_docs).trimmed(args.prompt_context)
     heldout = Corpus.load(work, "heldout", args.eval_docs)
     cfg, head, embed, rows = build(args, work)
     trainable = split_params(head, args.train_lm_head)

@@ -147,3 +147,16 @@ def test_resume_ends_in_the_same_state(tiny, work, tmp_path):
     head_cfg, head = load_eagle3(str(cut), cfg, np.float32)  # the saved head loads as serving loads it
     assert head_cfg.aux_layers == AUX and head.embed is None
     np.testing.assert_array_equal(np.asarray(head.draft_to_target), np.load(work / "d2t.npy"))
+
+
+def test_trimmed_prompts_keep_the_counted_indices(work):
+    """Training rows start a few indices before the answer: the counted indices carry the same token,
+    position, states and target as in the whole sequence, and the prompt context before them is cut."""
+    corpus = te.Corpus.load(work, "train")
+    trimmed = corpus.trimmed(3)
+    full = te.make_batch(corpus, te.pack(corpus, [0], 96), 96)
+    cut = te.make_batch(trimmed, te.pack(trimmed, [0], 96), 96)
+    assert cut["mask"].sum() == full["mask"].sum() > 0
+    assert (cut["doc"] >= 0).sum() == (full["doc"] >= 0).sum() - (8 - 1 - 3)  # prompt of 8: 4 indices cut
+    for name in ("tokens", "positions", "aux", "final", "greedy"):
+        np.testing.assert_array_equal(cut[name][cut["mask"]], full[name][full["mask"]], err_msg=name)
