@@ -8,19 +8,27 @@ Workloads (prompts from held-out standard-library files, so the default model ne
 * natural  - the first lines of a file; the model continues it (the draft model's case).
 * random   - uniformly random token ids: nothing to copy, nothing predictable (low acceptance: the
              adaptive policy must keep speculation from slowing decoding down).
+* chat     - an instruct model's chat (its chat template) of held-out questions about code, docstrings and
+             modules (scripts/eagle3_prompts.py's held-out split: files and templates an EAGLE-3 head
+             was not trained on); answers end at the model's EOS (the EAGLE-3 comparison).
 * edit     - an instruct model's chat (its chat template): "Rewrite this function with one change:
              rename it to NAME_v2", then the function; the answer re-types the code with one edit
              (the real case n-gram speculation is for: code assistants editing a file).
 
 Every configuration gets an untimed pass first (it compiles the shapes the timed passes use); the
-timed passes alternate between configurations, and each figure is the median. Greedy decoding with
-EOS ignored, so every configuration produces the same tokens (checked and reported).
+timed passes alternate between configurations, and each figure is the median. Greedy decoding (EOS
+ignored, except in the chat workload), so every configuration produces the same tokens (checked and
+reported).
 
     python scripts/bench_spec.py --model checkpoints/small --draft checkpoints/small-draft \\
         --batch-sizes 1,8 --workloads copy,natural,random --out out/bench_spec.json
     # the default model (SmolLM2-135M-Instruct) editing code, n-gram proposals only
     python scripts/bench_spec.py --model SmolLM2-135M-Instruct --draft '' --methods ngram \\
         --workloads edit --batch-sizes 1 --out out/bench_spec_edit.json
+    # the default model's chats: none / n-gram / EAGLE-3 (the shipped head), batch 1, 4 and 16
+    python scripts/bench_spec.py --model SmolLM2-135M-Instruct --draft '' --eagle3 checkpoints/eagle3-smollm2-135m \\
+        --methods ngram,eagle3 --workloads chat --batch-sizes 1,4,16 --prompts 16 --new-tokens 256 \\
+        --out out/bench_spec_eagle3.json
 """
 
 from __future__ import annotations
@@ -69,6 +77,17 @@ def make_prompts(workload: str, tokenizer, vocab_size: int, count: int, seed: in
             text = renderer.render([{"role": "user", "content": ask}])
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
         return prompts
+    if workload == "chat":
+        from eagle3_prompts import build_prompts
+
+        from jaxserve.server.chat import build_chat_renderer
+
+        renderer = build_chat_renderer(tokenizer)
+        asks = build_prompts("heldout", count, seed)
+        return [
+            tokenizer.encode(renderer.render([{"role": "user", "content": a["content"]}]), add_special_tokens=False)
+            for a in asks
+        ]
     if workload == "natural":
         from corpus import iter_texts
 
@@ -95,6 +114,10 @@ def spec_settings(method: str, args) -> dict:
         )
     elif name == "draft":
         settings = dict(speculative_model=args.draft, num_speculative_tokens=args.k_draft)
+    elif name == "eagle3":
+        settings = dict(
+            speculative_method="eagle3", speculative_model=args.eagle3, num_speculative_tokens=args.k_eagle3
+        )
     else:
         raise SystemExit(f"unknown method {method!r}")
     for override in overrides:
@@ -105,11 +128,12 @@ def spec_settings(method: str, args) -> dict:
     return settings
 
 
-def timed_generate(llm, prompts: list[list[int]], batch: int, new_tokens: int):
-    """Generate for `prompts` in groups of `batch` (one generate call each); returns seconds, outputs."""
+def timed_generate(llm, prompts: list[list[int]], batch: int, new_tokens: int, eos: bool = False):
+    """Generate for `prompts` in groups of `batch` (one generate call each); returns seconds, outputs.
+    `eos`: a sequence ends at the model's EOS (chat answers), else after `new_tokens` tokens."""
     from jaxserve import SamplingParams
 
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=not eos)
     outputs = []
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
@@ -208,7 +232,7 @@ def main() -> None:
     ap.add_argument(
         "--methods",
         default="ngram,draft",
-        help="compared with speculation off: ngram, draft, each with optional overrides of the "
+        help="compared with speculation off: ngram, draft, eagle3, each with optional overrides of the "
         "flags, :k=N (ngram also :min=N, :max=N), e.g. ngram,ngram:k=8:min=1",
     )
     ap.add_argument("--workloads", default="copy,natural,random")
@@ -217,6 +241,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--k-ngram", type=int, default=6)
     ap.add_argument("--k-draft", type=int, default=4)
+    ap.add_argument("--eagle3", default="", help="EAGLE-3 head directory (speculators format) for method eagle3")
+    ap.add_argument("--k-eagle3", type=int, default=4)
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
@@ -231,7 +257,11 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     from jaxserve import LLM
 
-    methods = ["off"] + [m for m in args.methods.split(",") if m and not (m.startswith("draft") and not args.draft)]
+    methods = ["off"] + [
+        m
+        for m in args.methods.split(",")
+        if m and not (m.startswith("draft") and not args.draft) and not (m.startswith("eagle3") and not args.eagle3)
+    ]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     workloads = args.workloads.split(",")
     # Warmed up like a server: adaptive speculation picks (tokens, pages) buckets as it goes, and
@@ -258,13 +288,14 @@ def main() -> None:
         prompts = prompt_sets[workload]
         for batch in batch_sizes:
             outputs, times, spec_stats = {}, {m: [] for m in methods}, {}
+            eos = workload == "chat"  # answers end where the model ends them
             for m in methods:  # untimed: settles the measured step times (and would compile a missed shape)
-                _, outputs[m] = timed_generate(engines[m], prompts, batch, args.new_tokens)
+                _, outputs[m] = timed_generate(engines[m], prompts, batch, args.new_tokens, eos)
             compiles = {m: engines[m].engine.stats()["compiles_after_warmup"] for m in methods}
             for _ in range(args.repeats):
                 for m in methods:
                     before = dict(engines[m].engine.stats())
-                    seconds, out = timed_generate(engines[m], prompts, batch, args.new_tokens)
+                    seconds, out = timed_generate(engines[m], prompts, batch, args.new_tokens, eos)
                     times[m].append(seconds)
                     after = engines[m].engine.stats()
                     if m != "off":
@@ -277,6 +308,9 @@ def main() -> None:
                                 "spec_decode_num_steps",
                             )
                         }
+                        for k in ("spec_decode_num_drafts_per_pos", "spec_decode_num_accepted_tokens_per_pos"):
+                            was = before.get(k, [])
+                            spec_stats[m][k] = [n - (was[j] if j < len(was) else 0) for j, n in enumerate(after[k])]
                         spec_stats[m]["engine_steps"] = engines[m].engine.counters["steps"]
             tokens = sum(len(o) for o in outputs["off"])
             for m in methods:
@@ -299,7 +333,9 @@ def main() -> None:
                         s["spec_decode_num_accepted_tokens"],
                         s["spec_decode_num_verify_steps"],
                     )
+                    by_pos = zip(s["spec_decode_num_accepted_tokens_per_pos"], s["spec_decode_num_drafts_per_pos"])
                     row.update(
+                        acceptance_by_position=[round(a / n, 3) if n else 0.0 for a, n in by_pos],
                         acceptance_rate=accepted / proposed if proposed else 0.0,
                         mean_accepted_length=(accepted + verified) / verified if verified else 0.0,
                         draft_tokens=proposed,
@@ -331,14 +367,18 @@ def main() -> None:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
-    print("\n| workload | batch | method | tok/s | speedup | acceptance | mean accepted length | same tokens |")
-    print("|---|---:|---|---:|---:|---:|---:|---|")
+    print(
+        "\n| workload | batch | method | tok/s | speedup | acceptance | by position | tokens per target step "
+        "| same tokens |"
+    )
+    print("|---|---:|---|---:|---:|---:|---|---:|---|")
     for r in results:
         acc = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "–"
+        pos = " / ".join(f"{a:.2f}" for a in r.get("acceptance_by_position", [])) or "–"
         length = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "–"
         print(
             f"| {r['workload']} | {r['batch']} | {r['method']} | {r['tok_per_s']:.1f} | {r['speedup']:.2f}x | "
-            f"{acc} | {length} | {r['same_tokens']} |"
+            f"{acc} | {pos} | {length} | {r['same_tokens']} |"
         )
 
 

@@ -123,6 +123,17 @@ def _check_proposal_method(path: str, spec: dict) -> None:
             raise ConfigError(f"{path}: proposal method {kind!r} is not supported (jaxserve drafts a greedy chain)")
 
 
+def head_param_count(path: str) -> int:
+    """The head's parameters (its weights' elements, the vocabulary maps excluded), read from its
+    safetensors headers: what the memory plan counts before the head is loaded."""
+    return sum(
+        array.size
+        for file in safetensors_files(path)
+        for name, array in iter_safetensors(file)
+        if name not in ("d2t", "t2d")
+    )
+
+
 def load_eagle3(path: str, target: ModelConfig, dtype: Any):
     """(Eagle3Config, Eagle3Params as numpy arrays in `dtype`) of the head in `path`."""
     from jaxserve.model.eagle3 import Eagle3Params

@@ -261,7 +261,8 @@ class MemoryPlan:
         if self.draft_kv_bytes_per_token:
             draft = self.num_pages * self.page_size * self.draft_kv_bytes_per_token
             text += (
-                f"; draft model KV {self.draft_kv_bytes_per_token} bytes/token in the same pages "
+                f"; speculation's KV (a draft model's, or an EAGLE-3 head's and its stored states) "
+                f"{self.draft_kv_bytes_per_token} bytes/token in the same pages "
                 f"(+{draft / gib:.3f} GiB)"
             )
         if self.window_unread_bytes:
@@ -412,6 +413,10 @@ def _device_pool(
     draft = 0
     if settings.speculation == "draft":
         draft = ModelConfig.from_dir(settings.speculative_model).param_bytes(itemsize) // tp
+    elif settings.speculation == "eagle3":  # replicated on every device
+        from jaxserve.loading.eagle3_checkpoint import head_param_count
+
+        draft = head_param_count(settings.speculative_model) * itemsize
     in_use = device.in_use if settings.num_processes == 1 else 0
     used = max(in_use, weights) + draft
     utilization = settings.gpu_memory_utilization
@@ -426,7 +431,8 @@ def _device_pool(
         allowed = min(allowed, device.limit)
     reserve = activation_reserve(cfg, settings, itemsize)
     budget = allowed - used - reserve
-    weights_text = "weights" + (" + draft" if draft else "")
+    speculator = "EAGLE-3 head" if settings.speculation == "eagle3" else "draft"
+    weights_text = "weights" + (f" + {speculator}" if draft else "")
     formula = (
         f"{utilization:g} x {device.total / GIB:.2f} GiB of {device.platform} memory{cap} - "
         f"{used / GIB:.2f} GiB in use ({weights_text}) - {reserve / GIB:.2f} GiB reserve (activations, "

@@ -144,3 +144,32 @@ def test_what_the_head_cannot_serve_is_refused_by_name(tmp_path, change, message
     (head / "config.json").write_text(json.dumps(config))
     with pytest.raises((ConfigError, ModelLoadError), match=message):
         load_eagle3(str(head), TARGET, np.float32)
+
+
+def test_the_memory_plan_counts_the_head(tmp_path):
+    from jaxserve.config import EngineConfig
+    from jaxserve.loading.eagle3_checkpoint import head_param_count
+    from jaxserve.spec_decode.decoder import draft_kv_bytes_per_token
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(
+        json.dumps(
+            dict(
+                architectures=["LlamaForCausalLM"],
+                vocab_size=512,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            )
+        )
+    )
+    settings = EngineConfig(
+        model=str(target), speculative_method="eagle3", speculative_model=TINY, num_speculative_tokens=3
+    )
+    # The head's one layer (K and V of 2 heads of 16) and the fused state of 64 it drafts from, in float32.
+    assert draft_kv_bytes_per_token(settings, np.float32) == (2 * 2 * 16 + 64) * 4
+    D, F = 64, 128
+    assert head_param_count(TINY) == 3 * D * D + 2 * D * (64 + 32 + 32) + D * 64 + 3 * D * F + 4 * D + D * 128

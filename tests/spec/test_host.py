@@ -146,4 +146,4 @@ def test_a_memory_budget_buys_pages_for_both_caches():
     alone = plan_memory(cfg, settings, jnp.float32)
     shared = plan_memory(cfg, settings, jnp.float32, draft_kv_bytes_per_token=per_token // 4)
     assert shared.num_pages == 2**30 // (per_token * 5 // 4 * 16)
-    assert shared.num_pages < alone.num_pages and "draft model KV" in shared.describe()
+    assert shared.num_pages < alone.num_pages and "speculation's KV" in shared.describe()
