@@ -10,6 +10,8 @@ server.
     python scripts/bench_startup.py --out out/startup.json
     python scripts/bench_startup.py --label ngram8 -- --speculative-method ngram --num-speculative-tokens 8
     python scripts/bench_startup.py --compare-store --rounds 3   # before (--no-executable-store) vs after, alternated
+    python scripts/bench_startup.py --compare-background --rounds 1   # cold starts: all compiled first vs serving
+                                                                     # while the rest compile (TTFT, TPOT meanwhile)
 """
 
 from __future__ import annotations
@@ -37,7 +39,16 @@ def peak_rss_mib(pid: int) -> float | None:
     return None
 
 
-def start_once(server_args: list[str], cache_dir: str, port: int, timeout_s: float, env: dict | None = None) -> dict:
+def start_once(
+    server_args: list[str],
+    cache_dir: str,
+    port: int,
+    timeout_s: float,
+    env: dict | None = None,
+    measure=None,
+) -> dict:
+    """One start; `measure(port, start)`, if given, runs once the first chat answered and its dict
+    joins the result."""
     cmd = [
         sys.executable,
         "-m",
@@ -68,11 +79,12 @@ def start_once(server_args: list[str], cache_dir: str, port: int, timeout_s: flo
             except OSError:
                 time.sleep(0.25)
         executables = first_token = None
+        measured = {}
         if ready is not None:
             first_token = first_chat_token(port) - start
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-                m = re.search(rb"^jaxserve:executables ([0-9.]+)", r.read(), re.M)
-                executables = int(float(m.group(1))) if m else None
+            measured = measure(port, start) if measure is not None else {}
+            executables = metrics(port).get("jaxserve:executables")
+            executables = None if executables is None else int(executables)
         rss = peak_rss_mib(proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -85,14 +97,84 @@ def start_once(server_args: list[str], cache_dir: str, port: int, timeout_s: flo
         raise RuntimeError(f"server not ready after {timeout_s} s (exit {proc.returncode}):\n{log.read()[-3000:]}")
     log.seek(0)
     text = log.read()
+    opened = re.search(r"with token buckets ([0-9, ]+) of (\d+)", text)
     return dict(
         ready_s=round(ready, 1),
         first_token_s=round(first_token, 1),
         executables=executables,
         loaded_from_store=text.count("loaded from the executable store"),
-        compiled=len(re.findall(r"bucket \S.* compiled in", text)),
+        compiled=len(re.findall(r"bucket \S.* compiled in", text)) + len(re.findall(r"token bucket \d+ ready", text)),
+        opened_buckets=opened.group(1) if opened else None,
         peak_rss_mib=round(rss or 0.0),
+        **measured,
     )
+
+
+def metrics(port: int) -> dict[str, float]:
+    """The server's unlabelled /metrics samples."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^([a-z_:]+) ([-+0-9.eE]+)$", text, re.M)}
+
+
+def stream_completion(port: int, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
+    """(seconds to the first token, perf_counter() of each streamed token) of a greedy completion."""
+    body = json.dumps(
+        {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0, "ignore_eos": True}
+    ).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    sent, times = time.perf_counter(), []
+    with urllib.request.urlopen(request, timeout=900) as r:
+        for line in r:
+            if line.startswith(b"data: {") and (json.loads(line[6:]).get("choices") or [{}])[0].get("text"):
+                times.append(time.perf_counter())
+    return times[0] - sent, times
+
+
+def long_prompt(port: int, tokens: int = 1000) -> tuple[str, int]:
+    """A prompt of about `tokens` tokens (counted by the server's /tokenize)."""
+    words = "the river runs past the old stone mill where the miller keeps his grain and his cats".split()
+    text = " ".join(words[i % len(words)] for i in range(tokens))
+    body = json.dumps({"prompt": text}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/tokenize", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        n = json.loads(r.read())["count"]
+    return " ".join(text.split()[: int(len(text.split()) * tokens / n)]), tokens
+
+
+def speed(port: int, prompt: str, tag: str) -> dict:
+    """TTFT of the long prompt (one token) headed by `tag` (so no earlier measurement's KV pages
+    serve it from the prefix cache), then the decode time per output token of a 64-token completion
+    of a short prompt, with the token buckets ready before and after each."""
+    ready = metrics(port).get("jaxserve:step_buckets_ready")
+    ttft, _ = stream_completion(port, f"{tag}: {prompt}", 1)
+    _, times = stream_completion(port, "Once upon a time", 64)
+    return dict(
+        buckets_ready=[ready, metrics(port).get("jaxserve:step_buckets_ready")],
+        ttft_1k_s=round(ttft, 2),
+        tpot_ms=round(1e3 * (times[-1] - times[0]) / (len(times) - 1), 1),
+    )
+
+
+def measure_background(port: int, start: float) -> dict:
+    """While the rest compile: the long prompt's TTFT and the decode TPOT; when every bucket is ready
+    (seconds from process start); the same figures once all are."""
+    prompt, _ = long_prompt(port)
+    m = metrics(port)
+    if m.get("jaxserve:step_buckets_ready") == m.get("jaxserve:step_buckets_total"):  # all compiled before /health
+        return {"all_ready_s": None, "all_ready": speed(port, prompt, "Later")}
+    out = {"while_compiling": speed(port, prompt, "First")}
+    while True:
+        m = metrics(port)
+        if m.get("jaxserve:step_buckets_ready") == m.get("jaxserve:step_buckets_total"):
+            break
+        time.sleep(0.5)
+    out["all_ready_s"] = round(time.perf_counter() - start, 1)
+    out["bucket_compile_s"] = round(m.get("jaxserve:step_bucket_compile_seconds", 0.0), 1)
+    out["all_ready"] = speed(port, prompt, "Later")
+    return out
 
 
 def first_chat_token(port: int) -> float:
@@ -125,12 +207,21 @@ def main(argv=None) -> dict:
         help="before (--no-executable-store: XLA's persistent cache only) against after (the executable store): "
         "a cold start of each, then --rounds warm starts of each, alternated",
     )
+    parser.add_argument(
+        "--compare-background",
+        action="store_true",
+        help="cold starts (every cache empty), before (--no-compile-in-background) and after (serving while the "
+        "rest compile), alternated --rounds times: /health, first chat token, TTFT of a 1,000-token prompt and "
+        "decode TPOT while compiling and once all are ready, time to all ready",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="warm starts of each with --compare-store")
     args, server_args = parser.parse_known_args(argv)
     server_args = [a for a in server_args if a != "--"]
     server_args = ["--config", args.config, *server_args]
     if args.compare_store:
         result = compare_store(server_args, args)
+    elif args.compare_background:
+        result = compare_background(server_args, args)
     else:
         with tempfile.TemporaryDirectory(prefix="jaxserve-startup-") as cache:
             cold = start_once(server_args, cache, args.port, args.timeout)
@@ -162,6 +253,28 @@ def compare_store(server_args: list[str], args: argparse.Namespace) -> dict:
                 run = start_once([*server_args, *extra], caches[mode], args.port, args.timeout, envs[mode])
                 result["warm"][mode].append(run)
                 print(mode, "warm", run, flush=True)
+    return result
+
+
+def compare_background(server_args: list[str], args: argparse.Namespace) -> dict:
+    """Cold starts, every cache empty (its own compilation cache and JAXSERVE_CACHE each time), before
+    (all buckets compiled before /health) and after (serving while the rest compile), alternated."""
+    modes = {"before": ["--no-compile-in-background"], "after": ["--compile-in-background"]}
+    result: dict = dict(label=args.label, server_args=server_args, cold={m: [] for m in modes})
+    for _ in range(args.rounds):
+        for mode, extra in modes.items():
+            with tempfile.TemporaryDirectory(prefix="jaxserve-startup-") as root:
+                env = {"JAXSERVE_CACHE": os.path.join(root, "data")}
+                run = start_once(
+                    [*server_args, *extra],
+                    os.path.join(root, "cache"),
+                    args.port,
+                    args.timeout,
+                    env,
+                    measure_background,
+                )
+            result["cold"][mode].append(run)
+            print(mode, "cold", json.dumps(run), f"load {os.getloadavg()}", flush=True)
     return result
 
 
