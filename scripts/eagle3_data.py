@@ -105,11 +105,12 @@ def compute_states(states_fn, params, seqs: list[list[int]], tokens_per_batch: i
     i = 0
     while i < len(order):
         T = -(-len(seqs[order[i]]) // bucket) * bucket
+        rows = max(1, tokens_per_batch // T)  # one batch shape per length bucket: one compile each
         group = []
-        while i < len(order) and len(seqs[order[i]]) <= T and (len(group) + 1) * T <= max(tokens_per_batch, T):
+        while i < len(order) and len(seqs[order[i]]) <= T and len(group) < rows:
             group.append(order[i])
             i += 1
-        batch = np.zeros((len(group), T), np.int32)
+        batch = np.zeros((rows, T), np.int32)
         for r, j in enumerate(group):
             batch[r, : len(seqs[j])] = seqs[j]
         aux, final, greedy = (np.asarray(a) for a in states_fn(params, batch))
