@@ -121,7 +121,9 @@ class BackgroundCompile:
                 self.runner.table.get(key)
         except Exception as err:  # noqa: BLE001 - the engine serves on with the ready buckets
             if not self._stop.is_set():
-                logger.warning("token bucket %d failed to compile in the background (%s: %s)", tokens, type(err), err)
+                logger.warning(
+                    "token bucket %d failed to compile in the background (%s: %s)", tokens, type(err).__name__, err
+                )
                 self.failed.append((tokens, f"{type(err).__name__}: {err}"))
             return
         if self._stop.is_set():
