@@ -79,6 +79,7 @@ def test_a_request_for_a_held_bucket_answers_as_a_compiled_engine(tiny_text_mode
         o.outputs[0].token_ids for o in reference.generate(prompt_token_ids=PROMPTS, sampling_params=greedy)
     ]
     expected = [reference.tokenizer.decode(ids) for ids in expected_ids]
+    executables = reference.engine.num_executables()
     reference.close()
 
     engine = LLMEngine(EngineConfig(model=model_dir, tokenizer=tok_dir, compile_in_background=True, **SETTINGS))
@@ -116,6 +117,7 @@ def test_a_request_for_a_held_bucket_answers_as_a_compiled_engine(tiny_text_mode
         assert runner.unplanned_compiles == 0
         built = collections.Counter(key for key, _ in runner.table.compiled)
         assert set(built) == set(planned) and set(built.values()) == {1}  # each bucket exactly once
+        assert engine.num_executables() == executables
 
 
 def test_close_stops_the_background_compile(tiny_text_model, gate):
