@@ -68,11 +68,6 @@ def check_layers(states: HiddenStates, num_layers: int) -> None:
         raise ValueError(f"hidden-state layers {bad} past the model's {num_layers} layers (0..{num_layers - 1})")
 
 
-def pick_layers(per_layer: jax.Array, states: HiddenStates) -> jax.Array:
-    """A scanned forward's states at every layer input f[num_layers, M, D] -> the chosen ones."""
-    return per_layer[jnp.asarray(states.layers, jnp.int32)]
-
-
 def sum_rows(x: jax.Array, token_row: jax.Array, num_rows: int) -> jax.Array:
     """x f[N, D] summed per row (`RaggedBatch.token_row`; padding tokens name row S, dropped) in
     float32: f32[S, D]."""

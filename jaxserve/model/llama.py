@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxserve.model import lora as lora_ops, quant
 from jaxserve.config import ModelConfig
-from jaxserve.model.hidden_states import HiddenOutput, HiddenStates, check_layers, pick_layers, sum_rows
+from jaxserve.model.hidden_states import HiddenOutput, HiddenStates, check_layers, sum_rows
 from jaxserve.model.kv_cache import KVCache, RaggedBatch, attend, write_kv_slots
 from jaxserve.model.layers import (
     apply_rope,
@@ -207,12 +207,14 @@ def layer_loop(
     *,
     scan: bool,
     observe: Callable[[jax.Array], jax.Array] | None = None,
+    observed: tuple[int, ...] | None = None,
 ):
     """The one layer loop both forwards drive: `body(lp, layer, x, carry) -> (x, carry)` per layer.
     Unrolled over a tuple of per-layer params, or over stacked ones sliced per layer when not `scan`
     (`layer` a Python int); `lax.scan` over stacked ones otherwise (`layer` a traced i32). `observe(x)`:
     what to keep of each layer's input (hidden states for EAGLE-3 and pooling), stacked
-    [num_layers, ...]. Returns (x, carry, kept or None)."""
+    [num_layers, ...], or [len(observed), ...] in `observed`'s order for the layers it names (an
+    unrolled loop then keeps only those). Returns (x, carry, kept or None)."""
     if scan and not isinstance(layers, tuple):
 
         def step(state, xs):
@@ -222,14 +224,18 @@ def layer_loop(
             return body(lp, layer, x, carry), seen
 
         (x, carry), kept = jax.lax.scan(step, (x, carry), (layers, jnp.arange(num_layers, dtype=jnp.int32)))
+        if kept is not None and observed is not None:
+            kept = kept[jnp.asarray(observed, jnp.int32)]
         return x, carry, kept
-    kept = []
+    kept = {}
     for layer in range(num_layers):
         lp = layers[layer] if isinstance(layers, tuple) else jax.tree.map(lambda w, i=layer: w[i], layers)
-        if observe is not None:
-            kept.append(observe(x))
+        if observe is not None and (observed is None or layer in observed):
+            kept[layer] = observe(x)
         x, carry = body(lp, layer, x, carry)
-    return x, carry, None if observe is None else jnp.stack(kept)
+    if observe is None:
+        return x, carry, None
+    return x, carry, jnp.stack([kept[i] for i in (observed if observed is not None else range(num_layers))])
 
 
 def _ragged_layer(
@@ -318,8 +324,11 @@ def forward_ragged(
         )
 
     observe = (lambda x: x[0][state_index]) if states is not None and states.layers else None
-    x, cache, per_layer = layer_loop(params.layers, cfg.num_layers, x, cache, body, scan=scan_layers, observe=observe)
-    kept = {} if per_layer is None else dict(zip(states.layers, pick_layers(per_layer, states)))
+    observed = states.layers if observe is not None else None
+    x, cache, chosen = layer_loop(
+        params.layers, cfg.num_layers, x, cache, body, scan=scan_layers, observe=observe, observed=observed
+    )
+    kept = {} if chosen is None else dict(zip(states.layers, chosen))
     if states is not None:
         return _hidden_output(params, cfg, x[0], batch, states, state_index, kept), cache
     x = _norm(cfg, x[0][batch.logit_index], params.final_norm)
