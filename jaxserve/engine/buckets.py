@@ -116,12 +116,14 @@ class BucketTable:
 
 def step_shapes(buckets: BucketTable, num_scheduler_steps: int = 1) -> list[tuple]:
     """Every (tokens, pages) ragged step the engine may run, plus a multi-step variant of each
-    decode-sized one (tokens <= rows) when num_scheduler_steps > 1: one executable per token bucket,
+    decode-sized one (up to the bucket a decode of every row takes: with 2 rows, the 4-token bucket)
+    when num_scheduler_steps > 1: one executable per token bucket,
     at the largest page table, on every platform: attention reads only the keys each row sees, so a
     wider page table costs nothing and page-count buckets would only multiply executables.
     """
     plain = [(t, buckets.page_counts[-1]) for t in buckets.token_counts]
-    multi = [s + (MULTI_STEP,) for s in plain if s[0] <= buckets.max_rows] if num_scheduler_steps > 1 else []
+    decodes = pick_bucket(buckets.max_rows, buckets.token_counts)
+    multi = [s + (MULTI_STEP,) for s in plain if s[0] <= decodes] if num_scheduler_steps > 1 else []
     return plain + multi
 
 

@@ -3,7 +3,14 @@ order the others compile, and which ready bucket a step takes meanwhile."""
 
 import pytest
 
-from jaxserve.engine.buckets import BucketTable, background_order, opening_buckets, pick_step_shape
+from jaxserve.engine.buckets import (
+    MULTI_STEP,
+    BucketTable,
+    background_order,
+    opening_buckets,
+    pick_step_shape,
+    step_shapes,
+)
 
 
 def test_opening_buckets_hold_a_lone_decode_and_every_rows_decodes():
@@ -33,3 +40,12 @@ def test_a_step_takes_the_smallest_ready_bucket_that_holds_it():
     assert pick_step_shape(table, 100, 5, ready=(1, 16)) == (128, 64)
     with pytest.raises(ValueError):
         pick_step_shape(table, 3, 65, ready=(1, 16))
+
+
+def test_multi_step_is_planned_for_the_bucket_every_rows_decode_takes():
+    """Two rows' decodes take the 4-token bucket: its multi-step variant is planned (it used to be
+    compiled unplanned at the first two-row decode), and it opens with it."""
+    table = BucketTable.build(2, 16, 8)
+    multi = [s[0] for s in step_shapes(table, 4) if s[2:] == (MULTI_STEP,)]
+    assert multi == [1, 4] and opening_buckets(table) == (1, 4)
+    assert [s[0] for s in step_shapes(BucketTable.build(16, 256, 8), 4) if s[2:]] == [1, 4, 8, 16]
