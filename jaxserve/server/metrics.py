@@ -286,6 +286,7 @@ class _EngineCollector:
             "Tokens per verify step: accepted drafts + the target's own token (since start).",
             "spec_decode_mean_accepted_length",
         )
+        yield from spec_positions(stats)
         yield from step_composition(stats)
         yield from lora_metrics(stats)
         seconds = stats.get("last_step_seconds")
