@@ -328,7 +328,7 @@ def phase_states(args, work: Path) -> None:
 
 def special_ids(tokenizer) -> set[int]:
     """The ids the chat scaffolding and the end of an answer use (always in the draft vocabulary)."""
-    return set(tokenizer.special_ids) | set(tokenizer.eos_token_ids)
+    return set(tokenizer.all_special_ids) | set(tokenizer.eos_token_ids)
 
 
 def answer_counts(work: Path, split: str, vocab_size: int) -> np.ndarray:
