@@ -7,9 +7,10 @@ target's lm_head restricted to the draft vocabulary (frozen unless --train-lm-he
 embeddings are the target's (frozen, not saved), and the rest is new; we also start its final norm
 from the target's (the lm_head it feeds expects the target's scale). Training runs the
 training-time test (scripts/eagle3_ttt.py) with AdamW, linear warm-up then cosine decay, gradient
-clipping. Every --checkpoint-minutes the whole state (params, optimizer, data position, log) goes
-to OUT/state/ (written, then renamed); a run started again with the same OUT continues from it
-(same data order, same noise: both derive from the seed and the step). Every --eval-minutes the
+clipping. Every --checkpoint-minutes the whole state (params, optimizer, data position, log) goes to
+--state-dir (DATA/train_state/<OUT's name>, outside the head's folder; written, then renamed); the
+same command run again continues from it (same data order, same noise: both derive from the seed,
+the epoch and the step). Every --eval-minutes the
 held-out split is scored (greedy acceptance by draft position at k = --eval-k, simulated: no engine
 needed). At the end: OUT/config.json + model.safetensors (bf16, no embed_tokens),
 training_log.json and README.md.
@@ -341,7 +342,7 @@ def write_outputs(out: Path, args, cfg, head, trainable, meta: dict, work: Path)
         f"{last.get('acceptance_by_position')} (at the start: {first.get('acceptance_by_position')})\n"
         f"- held-out tokens per target step at k = {args.eval_k} (simulated): {last.get('tokens_per_target_step')}\n\n"
         "Serve: `jaxserve serve --speculative-config "
-        f'\'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": 3}}\'`\n'
+        f'\'{{"method": "eagle3", "model": "{out}", "num_speculative_tokens": 4}}\'`\n'
     )
 
 
@@ -375,12 +376,15 @@ def main(argv=None) -> int:
         help="train on each sequence from this many indices before its answer (0: all of it; held-out: all)",
     )
     ap.add_argument("--train-docs", type=int, default=None, help="use only the first N training sequences")
+    ap.add_argument(
+        "--state-dir", default=None, help="the resumable state (default: DATA/train_state/<OUT's name>, outside OUT)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     args.norm_before_residual = bool(args.norm_before_residual)
     work, out = Path(args.data), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    state_dir = out / "state"
+    state_dir = Path(args.state_dir) if args.state_dir else work / "train_state" / out.resolve().name
 
     train = Corpus.load(work, "train", args.train_docs).trimmed(args.prompt_context)
     heldout = Corpus.load(work, "heldout", args.eval_docs)

@@ -136,14 +136,21 @@ def test_resume_ends_in_the_same_state(tiny, work, tmp_path):
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     assert te.main(_args(path, work, straight, max_steps=4)) == 0
     assert te.main(_args(path, work, cut, max_steps=2)) == 0
-    assert json.loads((cut / "state" / "meta.json").read_text())["step"] == 2
+    state = work / "train_state"  # the default: beside the data, not in the head's folder
+    assert json.loads((state / "cut" / "meta.json").read_text())["step"] == 2
     assert te.main(_args(path, work, cut, max_steps=4)) == 0
-    a, b = np.load(straight / "state" / "arrays.npz"), np.load(cut / "state" / "arrays.npz")
+    a, b = np.load(state / "straight" / "arrays.npz"), np.load(state / "cut" / "arrays.npz")
     assert sorted(a.files) == sorted(b.files)
     for name in a.files:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     log = json.loads((cut / "training_log.json").read_text())
     assert log["step"] == 4 and len(log["evals"][-1]["acceptance_by_position"]) == 3
+    assert sorted(p.name for p in cut.iterdir()) == [
+        "README.md",
+        "config.json",
+        "model.safetensors",
+        "training_log.json",
+    ]
     head_cfg, head = load_eagle3(str(cut), cfg, np.float32)  # the saved head loads as serving loads it
     assert head_cfg.aux_layers == AUX and head.embed is None
     np.testing.assert_array_equal(np.asarray(head.draft_to_target), np.load(work / "d2t.npy"))
