@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -395,13 +396,17 @@ def main(argv=None) -> int:
         flush=True,
     )
 
-    resumed = None
     optimizer, _, _ = make_steps(args, cfg, head, embed, rows, 10**9)  # the state's shape only
     opt_state = optimizer.init(trainable)
-    if state_dir.exists() or state_dir.with_name("state.old").exists():
-        resumed = load_state(state_dir, trainable, opt_state)
+    resumed = load_state(state_dir, trainable, opt_state)
+    vocab = hashlib.sha256(np.asarray(head.draft_to_target).tobytes()).hexdigest()[:16]
     if resumed is not None:
         trainable, opt_state, meta = resumed
+        if meta.get("draft_vocab") != vocab:  # the data's vocabulary was rebuilt: the lm_head rows moved
+            raise SystemExit(
+                f"{state_dir} was trained with another draft vocabulary than {work / 'd2t.npy'}'s; "
+                "start afresh with another --out or --state-dir"
+            )
         print(f"resumed at step {meta['step']} ({meta['elapsed_seconds'] / 60:.1f} min done)", flush=True)
     else:
         meta = {
@@ -411,6 +416,7 @@ def main(argv=None) -> int:
             "tokens_seen": 0,
             "elapsed_seconds": 0.0,
             "total_steps": args.total_steps,
+            "draft_vocab": vocab,
             "train_log": [],
             "evals": [],
             "throughput": {},

@@ -151,6 +151,10 @@ def test_resume_ends_in_the_same_state(tiny, work, tmp_path):
         "model.safetensors",
         "training_log.json",
     ]
+    meta = json.loads((state / "cut" / "meta.json").read_text())
+    (state / "cut" / "meta.json").write_text(json.dumps({**meta, "draft_vocab": "another"}))
+    with pytest.raises(SystemExit, match="another draft vocabulary"):  # a rebuilt vocabulary is not resumed
+        te.main(_args(path, work, cut, max_steps=6))
     head_cfg, head = load_eagle3(str(cut), cfg, np.float32)  # the saved head loads as serving loads it
     assert head_cfg.aux_layers == AUX and head.embed is None
     np.testing.assert_array_equal(np.asarray(head.draft_to_target), np.load(work / "d2t.npy"))
