@@ -134,7 +134,9 @@ def _client():
 
 
 # Settings that may differ between the processes of a job: paths (the model and the draft are compared
-# by their configs), how a process reached the coordinator, and which process it is.
+# by their configs), how a process reached the coordinator, and which process it is; and
+# compile_in_background, which `jaxserve serve` turns on for the process serving HTTP and a multi-process
+# job never uses (every process compiles every bucket before serving).
 _LOCAL_SETTINGS = (
     "process_id",
     "coordinator_address",
@@ -142,6 +144,7 @@ _LOCAL_SETTINGS = (
     "tokenizer",
     "speculative_model",
     "compilation_cache_dir",
+    "compile_in_background",
 )
 
 
