@@ -13,6 +13,16 @@ V = 32  # a small vocabulary: the joint law of three tokens has V^3 cells, most 
 PROMPT = [3, 17, 9]
 SETTING = dict(temperature=1.0, top_k=4)
 REQUESTS, N = 250, 16  # 4000 samples; each request samples 16 sequences that share the prompt's pages
+# A budget of 32 rows x (1 + 2 drafts): verifications share the step's token budget.
+ENGINE = dict(
+    dtype="float32",
+    page_size=8,
+    max_model_len=16,
+    max_num_seqs=32,
+    max_num_batched_tokens=96,
+    warm_up=False,
+    speculative_adaptive=False,
+)
 
 
 def exact_joint(model) -> np.ndarray:
@@ -50,19 +60,7 @@ def models(hf_model_dir, tmp_path_factory):
 
 def test_sampled_tokens_follow_the_target_and_a_wrong_verifier_is_caught(models):
     target_path, target, draft_path = models
-    # A budget of 32 rows x (1 + 2 drafts): verifications share the step's token budget.
-    llm = LLM(
-        target_path,
-        dtype="float32",
-        page_size=8,
-        max_model_len=16,
-        max_num_seqs=32,
-        max_num_batched_tokens=96,
-        warm_up=False,
-        speculative_model=draft_path,
-        num_speculative_tokens=2,
-        speculative_adaptive=False,
-    )
+    llm = LLM(target_path, **ENGINE, speculative_model=draft_path, num_speculative_tokens=2)
     joint = exact_joint(target)
     counts = sample_counts(llm, REQUESTS)
     stats = llm.engine.stats()
@@ -97,17 +95,8 @@ def test_eagle3_sampling_follows_the_target(hf_model_dir, tmp_path):
     params = init_params(head, jax.random.PRNGKey(2), np.float32, vocab)
     params = params.replace(lm_head=np.zeros_like(params.lm_head))
     save_eagle3(str(tmp_path / "head"), head, params, target_name=target_path, dtype="float32")
-    llm = LLM(
-        target_path,
-        dtype="float32",
-        page_size=8,
-        max_model_len=16,
-        max_num_seqs=32,
-        max_num_batched_tokens=96,
-        warm_up=False,
-        speculative_config={"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 2},
-        speculative_adaptive=False,
-    )
+    spec = {"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 2}
+    llm = LLM(target_path, **ENGINE, speculative_config=spec)
     joint = exact_joint(target)
     counts = sample_counts(llm, REQUESTS)
     stats = llm.engine.stats()
