@@ -218,6 +218,11 @@ def main(argv=None) -> dict:
     args, server_args = parser.parse_known_args(argv)
     server_args = [a for a in server_args if a != "--"]
     server_args = ["--config", args.config, *server_args]
+    if not args.compare_background and not any("compile-in-background" in a for a in server_args):
+        # The server stops at its first token: compiling in the background, a cold start would store only
+        # the opening buckets and the warm start after it would load a partial store. Every executable
+        # ready before /health, so a warm start's /health is "every executable loaded".
+        server_args.append("--no-compile-in-background")
     if args.compare_store:
         result = compare_store(server_args, args)
     elif args.compare_background:

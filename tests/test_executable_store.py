@@ -261,6 +261,20 @@ def test_key_changes_with_the_engine_settings(hf_model_dir):
     again.close()
 
 
+def test_a_key_is_the_same_after_steps_ran(hf_model_dir):
+    """The key of a bucket compiled after start-up (in the background, or unplanned) is the one stored
+    at start-up: the state's shardings as a step returns them (XLA's spelling: P() for P('data', None,
+    'model') on a 1 x 1 mesh) describe the same layout. It differed, and a warm start compiled every
+    bucket it opened after /health."""
+    path, _ = hf_model_dir("llama")
+    llm = LLM(path, **{**SETTINGS, "compilation_cache_dir": "none"}, warm_up=False)  # as stored: before any step
+    key = llm.runner.step_shapes()[-1]
+    before = executable_keys.step_signature(llm.runner, key).key_hash
+    llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=3), use_tqdm=False)
+    assert executable_keys.step_signature(llm.runner, key).key_hash == before
+    llm.close()
+
+
 def test_persistent_cache_bypass_nests(tmp_path):
     """Steps compiled for the store skip JAX's cache (its executables serialize broken on XLA:CPU);
     overlapping bypasses (two engines compiling) leave the cache as it was."""

@@ -180,6 +180,23 @@ def abstract(tree: Any) -> Any:
     return digest([str(treedef)] + [_leaf(x) for x in leaves])
 
 
+def _effective_spec(sharding: jax.sharding.NamedSharding) -> str:
+    """The spec with mesh axes of size 1 left out (they split nothing): a step's outputs come back
+    with XLA's spelling of the same layout (P() for P('data', None, 'model') on a 1 x 1 mesh), so the
+    live state's spelling after a step differs from the one the executables were stored under."""
+    sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.devices.shape))
+
+    def kept(entry):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        names = tuple(n for n in names if n is not None and sizes.get(n, 1) > 1)
+        return None if not names else names[0] if len(names) == 1 else names
+
+    spec = [kept(e) for e in sharding.spec]
+    while spec and spec[-1] is None:
+        spec.pop()
+    return str(jax.sharding.PartitionSpec(*spec))
+
+
 def _leaf(x: Any) -> Any:
     shape = getattr(x, "shape", None)
     if shape is None:
@@ -228,7 +245,7 @@ def describe(value: Any) -> Any:
             types=[str(t) for t in getattr(value, "axis_types", ())],
         )
     if isinstance(value, jax.sharding.NamedSharding):
-        return dict(mesh=describe(value.mesh), spec=str(value.spec), memory_kind=value.memory_kind)
+        return dict(mesh=describe(value.mesh), spec=_effective_spec(value), memory_kind=value.memory_kind)
     if isinstance(value, jax.sharding.SingleDeviceSharding):
         return dict(device=next(iter(value.device_set)).id, memory_kind=value.memory_kind)
     if isinstance(value, jax.sharding.Sharding):
