@@ -10,6 +10,7 @@ server.
     python scripts/bench_startup.py --out out/startup.json
     python scripts/bench_startup.py --label ngram8 -- --speculative-method ngram --num-speculative-tokens 8
     python scripts/bench_startup.py --compare-store --rounds 3   # before (--no-executable-store) vs after, alternated
+    python scripts/bench_startup.py --warm-background   # a warm start serving while the rest load from the store
     python scripts/bench_startup.py --compare-background --rounds 1   # cold starts: all compiled first vs serving
                                                                      # while the rest compile (TTFT, TPOT meanwhile)
 """
@@ -214,10 +215,18 @@ def main(argv=None) -> dict:
         "rest compile), alternated --rounds times: /health, first chat token, TTFT of a 1,000-token prompt and "
         "decode TPOT while compiling and once all are ready, time to all ready",
     )
+    parser.add_argument(
+        "--warm-background",
+        action="store_true",
+        help="a cold start compiling every bucket (filling the store), then a warm start serving while the rest "
+        "load (--compile-in-background): /health, first chat token, all buckets ready, TTFT and TPOT meanwhile",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="warm starts of each with --compare-store")
     args, server_args = parser.parse_known_args(argv)
     server_args = [a for a in server_args if a != "--"]
     server_args = ["--config", args.config, *server_args]
+    if args.warm_background:
+        return warm_background(server_args, args)
     if not args.compare_background and not any("compile-in-background" in a for a in server_args):
         # The server stops at its first token: compiling in the background, a cold start would store only
         # the opening buckets and the warm start after it would load a partial store. Every executable
@@ -280,6 +289,25 @@ def compare_background(server_args: list[str], args: argparse.Namespace) -> dict
                 )
             result["cold"][mode].append(run)
             print(mode, "cold", json.dumps(run), f"load {os.getloadavg()}", flush=True)
+    return result
+
+
+def warm_background(server_args: list[str], args: argparse.Namespace) -> dict:
+    """A cold start compiling every bucket before /health (so the store holds them all), then a warm
+    start on the same caches serving while the rest load."""
+    with tempfile.TemporaryDirectory(prefix="jaxserve-startup-") as root:
+        env = {"JAXSERVE_CACHE": os.path.join(root, "data")}
+        cache = os.path.join(root, "cache")
+        cold = start_once([*server_args, "--no-compile-in-background"], cache, args.port, args.timeout, env)
+        warm = start_once(
+            [*server_args, "--compile-in-background"], cache, args.port, args.timeout, env, measure_background
+        )
+    result = dict(label=args.label, server_args=server_args, cold=cold, warm=warm)
+    result.update(date=time.strftime("%Y-%m-%d %H:%M"), load_avg=os.getloadavg())
+    print(json.dumps(result))
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(result) + "\n")
     return result
 
 
