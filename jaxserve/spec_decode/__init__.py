@@ -1,8 +1,9 @@
-"""Speculative decoding: draft-model and n-gram proposals, verified in one target pass, with the
-rejection-sampling rule that leaves the output distribution exactly the target's.
+"""Speculative decoding: EAGLE-3, draft-model and n-gram proposals, verified in one target pass, with
+the rejection-sampling rule that leaves the output distribution exactly the target's.
 
 Modules, one job each: `ngram` (host-side prompt lookup), `policy` (per-request state and how many
-tokens to propose), `draft` (the draft's jitted proposal loop), `rejection` (on-device acceptance),
+tokens to propose), `draft` (the draft's jitted proposal loop), `eagle3_draft` (an EAGLE-3 head's
+proposals from the target's stored states, and its catch-up after the target), `rejection` (on-device acceptance),
 `step` (the jitted propose + verify + accept step), `decoder` (host orchestration for the engine: what to
 propose, packing, acceptance). The runner lowers, compiles and calls the steps (`jaxserve.runner.speculative`).
 """
