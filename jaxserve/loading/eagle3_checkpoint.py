@@ -79,7 +79,8 @@ def read_config(path: str, target: ModelConfig):
     layers = int(layer_hf.get("num_hidden_layers", 1))
     if layers != 1:
         raise ConfigError(f"{path}: a head of {layers} decoder layers; jaxserve serves EAGLE-3 heads of one layer")
-    layer_hf.setdefault("architectures", ["LlamaForCausalLM"])
+    if not layer_hf.get("architectures") or any("Eagle" in a for a in layer_hf["architectures"]):
+        layer_hf["architectures"] = ["LlamaForCausalLM"]  # the head's one layer is a Llama layer
     layer_hf.setdefault("vocab_size", target.vocab_size)
     try:
         layer = ModelConfig.from_hf_dict(layer_hf)

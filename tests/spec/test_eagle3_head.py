@@ -103,6 +103,33 @@ def test_heads_with_their_own_embeddings_and_in_bf16_load(ref):
     np.testing.assert_allclose(logits, ref["logits"], atol=0.1, rtol=0)  # bf16 weights: rounding only
 
 
+def test_a_head_in_the_original_eagle3_layout_loads(ref, tmp_path):
+    """The original EAGLE-3 code's layout: a flat Llama config naming LlamaForCausalLMEagle3 with
+    draft_vocab_size, tensors under midlayer.*."""
+    from jaxserve.loading.checkpoint import iter_safetensors, write_safetensors
+
+    head = tmp_path / "original"
+    head.mkdir()
+    config = json.loads(open(os.path.join(TINY, "config.json")).read())
+    flat = {
+        **config["transformer_layer_config"],
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": 128,
+        "eagle_aux_hidden_state_layer_ids": [0, 1, 3],
+    }
+    (head / "config.json").write_text(json.dumps(flat))
+    tensors = {
+        name.replace("layers.0.", "midlayer."): np.array(x)
+        for name, x in iter_safetensors(os.path.join(TINY, "model.safetensors"))
+    }
+    write_safetensors(str(head / "model.safetensors"), tensors)
+    cfg, params = load_eagle3(str(head), TARGET, np.float32)
+    params = jax.tree.map(jnp.asarray, params)
+    g = np.asarray(fuse(params, jnp.asarray(ref["aux_hidden"])))
+    [(logits, _)] = run_head(cfg, params, ref["embed_tokens"], [(ref["input_ids"], ref["positions"], g)])
+    np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=0)
+
+
 def test_saved_head_round_trips(tmp_path):
     cfg, params = load_eagle3(TINY, TARGET, np.float32)
     save_eagle3(str(tmp_path / "head"), cfg, params, target_name="tiny", dtype="float32")
