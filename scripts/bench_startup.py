@@ -225,14 +225,16 @@ def main(argv=None) -> dict:
     args, server_args = parser.parse_known_args(argv)
     server_args = [a for a in server_args if a != "--"]
     server_args = ["--config", args.config, *server_args]
-    if args.warm_background:
-        return warm_background(server_args, args)
-    if not args.compare_background and not any("compile-in-background" in a for a in server_args):
+    if not (args.compare_background or args.warm_background) and not any(
+        "compile-in-background" in a for a in server_args
+    ):
         # The server stops at its first token: compiling in the background, a cold start would store only
         # the opening buckets and the warm start after it would load a partial store. Every executable
         # ready before /health, so a warm start's /health is "every executable loaded".
         server_args.append("--no-compile-in-background")
-    if args.compare_store:
+    if args.warm_background:
+        result = warm_background(server_args, args)
+    elif args.compare_store:
         result = compare_store(server_args, args)
     elif args.compare_background:
         result = compare_background(server_args, args)
@@ -302,13 +304,7 @@ def warm_background(server_args: list[str], args: argparse.Namespace) -> dict:
         warm = start_once(
             [*server_args, "--compile-in-background"], cache, args.port, args.timeout, env, measure_background
         )
-    result = dict(label=args.label, server_args=server_args, cold=cold, warm=warm)
-    result.update(date=time.strftime("%Y-%m-%d %H:%M"), load_avg=os.getloadavg())
-    print(json.dumps(result))
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(result) + "\n")
-    return result
+    return dict(label=args.label, server_args=server_args, cold=cold, warm=warm)
 
 
 if __name__ == "__main__":
