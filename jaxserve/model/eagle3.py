@@ -117,12 +117,6 @@ def fuse(params: Eagle3Params, aux: jax.Array) -> jax.Array:
     return jnp.matmul(aux.astype(params.fc.dtype), params.fc)
 
 
-def embed_tokens(params: Eagle3Params, target_embed: jax.Array, tokens: jax.Array) -> jax.Array:
-    """The head's token embeddings: its own table when it has one, else the target's."""
-    table = target_embed if params.embed is None else params.embed
-    return table[tokens]
-
-
 def head_layer(
     params: Eagle3Params,
     cfg: Eagle3Config,

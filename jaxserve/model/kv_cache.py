@@ -391,13 +391,20 @@ copy_pages_jit = jax.jit(copy_pages, static_argnames=("replica",), donate_argnam
 PADDING_PAGE = 0  # page 0 of every replica is never given to a sequence; padding rows point at it
 
 
-def copy_pages_padded(cache: KVCache, replica: int, src: np.ndarray, dst: np.ndarray, width: int) -> KVCache:
-    """`copy_pages_jit` over src/dst in chunks padded to `width`, so every fork reuses one compilation;
-    padding copies the padding page onto itself (so an empty call compiles the copy at warm-up)."""
+def padded_page_chunks(src: np.ndarray, dst: np.ndarray, width: int):
+    """(src, dst) page ids i32[width] in chunks, the last padded with the padding page (copied onto
+    itself), so every copy reuses one compilation; one chunk of padding for an empty copy (so that it
+    compiles at warm-up)."""
     for start in range(0, max(len(src), 1), width):
         s = np.full(width, PADDING_PAGE, np.int32)
         d = np.full(width, PADDING_PAGE, np.int32)
         chunk = slice(start, start + width)
         s[: len(src[chunk])], d[: len(dst[chunk])] = src[chunk], dst[chunk]
+        yield s, d
+
+
+def copy_pages_padded(cache: KVCache, replica: int, src: np.ndarray, dst: np.ndarray, width: int) -> KVCache:
+    """`copy_pages_jit` over src/dst in `padded_page_chunks`."""
+    for s, d in padded_page_chunks(src, dst, width):
         cache = copy_pages_jit(cache, s, d, replica=replica)
     return cache

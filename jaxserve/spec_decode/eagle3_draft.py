@@ -40,6 +40,7 @@ from jaxserve.model.kv_cache import (
     attend,
     copy_pages_padded,
     init_cache,
+    padded_page_chunks,
     write_kv_slots,
 )
 from jaxserve.model.layers import NO_SLIDING_WINDOW, rope_cos_sin
@@ -64,11 +65,7 @@ class EagleCache:
         """Copy-on-write for forked sequences, as the target's pages are copied: K/V and stored states."""
         kv = copy_pages_padded(self.kv, replica, src, dst, width)
         hidden = self.hidden
-        for start in range(0, max(len(src), 1), width):
-            s = np.full(width, PADDING_PAGE, np.int32)
-            d = np.full(width, PADDING_PAGE, np.int32)
-            s[: len(src[start : start + width])] = src[start : start + width]
-            d[: len(dst[start : start + width])] = dst[start : start + width]
+        for s, d in padded_page_chunks(src, dst, width):
             hidden = _copy_state_pages(hidden, s, d, replica=replica, page_size=self.kv.page_size)
         return EagleCache(kv=kv, hidden=hidden)
 
