@@ -1,0 +1,6 @@
+"""KV connectors: KV pages that enter and leave an engine's device pool (host only, no jax).
+
+`base` is the interface (vLLM V1's KVConnector split into a scheduler half and a worker half),
+`factory` the registry of connectors by name, `host_tier` the host-memory tier of the prefix cache
+(`--kv-offloading-size`). The device half that moves pages is `jaxserve.runner.page_io`.
+"""
