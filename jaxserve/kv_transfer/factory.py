@@ -49,3 +49,5 @@ def create_connector(
 
 
 register_connector(OFFLOADING_CONNECTOR, "jaxserve.kv_transfer.host_tier")
+# Prefill and decode on separate engines (docs/disaggregation.md).
+register_connector("JaxTransferConnector", "jaxserve.disagg.connector")

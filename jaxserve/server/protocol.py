@@ -133,6 +133,10 @@ class SamplingFields(_TableSamplingFields):
     )
     guided_choice: Optional[list[str]] = Field(None, description="the output is exactly one of these strings")
     guided_grammar: Optional[str] = Field(None, description="a Lark or GBNF grammar")
+    kv_transfer_params: Optional[dict[str, Any]] = Field(
+        None,
+        description="vLLM's: a P/D proxy's handle on KV pages (docs/disaggregation.md); passed to the KV connector",
+    )
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -330,6 +334,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Optional[Usage] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 class TopLogprob(BaseModel):
@@ -377,6 +382,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Optional[Usage] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 class ModelCard(BaseModel):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxserve.engine.processor import EngineRequest, Prompt, PromptError
 from jaxserve.errors import RequestError
+from jaxserve.kv_transfer.disagg import check_params as check_kv_transfer_params
 from jaxserve.lora.request import LoRARequest
 from jaxserve.sampling.fields import FIELDS
 from jaxserve.sampling.params import SamplingParams
@@ -201,6 +202,11 @@ def _sampling_values(body: CompletionRequest | ChatCompletionRequest) -> dict[st
         values["stop"] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
     if body.stop_token_ids is not None:
         values["stop_token_ids"] = tuple(body.stop_token_ids)
+    if body.kv_transfer_params is not None:
+        try:
+            values["kv_transfer_params"] = check_kv_transfer_params(body.kv_transfer_params)
+        except RequestError as err:
+            raise APIError(400, str(err), param="kv_transfer_params", code="invalid_kv_transfer_params") from None
     return values
 
 

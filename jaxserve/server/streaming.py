@@ -308,6 +308,7 @@ class ResponseAssembler:
         self.created = int(time.time())
         self.totals = OutputAccumulator()  # each engine request's output so far, by request id
         self.weight_version: Any = None  # of the weights that made the last output (SGLang's metadata)
+        self.kv_transfer_params: Any = None  # a KV connector's, on the final output (vLLM's P/D proxy reads it)
 
     # ---- bookkeeping -----------------------------------------------------------------------------
     def _observe(self, i: int, out: RequestOutput) -> list[tuple[Choice, str, list[int], list, bool]]:
@@ -323,6 +324,8 @@ class ResponseAssembler:
         total = {t.index: t for t in self.totals.add(out).outputs}
         if out.weight_version is not None:
             self.weight_version = out.weight_version
+        if getattr(out, "kv_transfer_params", None) is not None:
+            self.kv_transfer_params = out.kv_transfer_params
         for o in out.outputs:
             choice = self.choices.get(sub.base_choice + o.index)
             if choice is None:
@@ -405,6 +408,7 @@ class ResponseAssembler:
             "usage": self.usage(),
             # SGLang's: which weights answered (update_weights' weight_version; absent from the mock engine)
             **({"metadata": {"weight_version": self.weight_version}} if self.weight_version is not None else {}),
+            **({"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params is not None else {}),
         }
 
     # ---- streaming -------------------------------------------------------------------------------
