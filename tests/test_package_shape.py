@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "jaxserve"
 # Host only: plain Python and NumPy, unit-testable without a device.
-HOST_PACKAGES = ("jaxserve.engine", "jaxserve.config", "jaxserve.sampling", "jaxserve.server")
+HOST_PACKAGES = ("jaxserve.engine", "jaxserve.config", "jaxserve.sampling", "jaxserve.server", "jaxserve.kv_transfer")
 DEVICE_ROOTS = ("jax", "jaxlib", "flax")
 MAX_LINES = 600
 

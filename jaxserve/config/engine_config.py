@@ -213,6 +213,27 @@ class EngineConfig(Settings):
     enable_prefix_caching: bool = setting(
         True, "reuse the KV pages of shared prompt prefixes", parse_bool, group="cache"
     )
+    kv_transfer_config: str | None = setting(
+        None,
+        'vLLM\'s: a KV connector, as a JSON object {"kv_connector": NAME, "kv_role": kv_producer | kv_consumer | '
+        'kv_both, "kv_connector_extra_config": {...}}: pages loaded before a sequence runs and saved after '
+        "(docs/kv_offloading.md; OffloadingConnector is the host tier)",
+        optional(parse_json_object),
+        group="cache",
+    )
+    kv_offloading_size: float | None = setting(
+        None,
+        "vLLM's: GiB of host memory for the prefix cache's host tier: full prefix pages the device pool evicts "
+        "are kept there (LRU) and loaded back on a prefix hit instead of recomputed (docs/kv_offloading.md)",
+        optional(parse_float),
+        group="cache",
+    )
+    kv_offloading_backend: str = setting(
+        "native",
+        "vLLM's: the host tier's implementation: native (jaxserve's own; vLLM's lmcache is not available)",
+        choice("native"),
+        group="cache",
+    )
     enable_sleep_mode: bool = setting(
         False,
         "vLLM's: serve POST /sleep, /wake_up, /pause, /resume, GET /is_sleeping, /is_paused and SGLang's "
@@ -504,6 +525,9 @@ class EngineConfig(Settings):
         self._validate_speculation()
         self._validate_distributed()
         self._validate_lora()
+        from jaxserve.kv_transfer.driver import validate_kv_transfer
+
+        validate_kv_transfer(self)  # --kv-transfer-config, --kv-offloading-size
 
     def _validate_lora(self) -> None:
         if self.lora_modules and not self.enable_lora:

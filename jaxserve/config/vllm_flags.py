@@ -183,12 +183,6 @@ FLAGS = (
         "(--quantization int8 or int4)",
     ),
     Flag(
-        ("--kv-transfer-config",),
-        "",
-        refuse=_ALWAYS,
-        refusal="no KV connectors or disaggregated prefill: prefill and decode share each step here",
-    ),
-    Flag(
         ("--hf-overrides",),
         "",
         refuse=_ALWAYS,

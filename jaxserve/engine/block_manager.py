@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import operator
 from array import array
@@ -42,6 +43,15 @@ def _page_key(parent_key: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent_key + array("q", tokens).tobytes(), digest_size=32).digest()
 
 
+def chain_keys(tokens: Sequence[int], page_size: int, root: bytes = _ROOT_KEY, num_pages: int | None = None):
+    """The prefix cache's keys of the leading full pages of `tokens` (`num_pages` of them, default all),
+    chained from `root`: a KV connector's tier looks pages up by the same keys."""
+    key = root
+    for i in range(len(tokens) // page_size if num_pages is None else num_pages):
+        key = _page_key(key, tokens[i * page_size : (i + 1) * page_size])
+        yield key
+
+
 @dataclass
 class _Seq:
     replica: int
@@ -66,6 +76,7 @@ class _Pool:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently freed first
         self.key_of: dict[int, bytes] = {}
         self.page_of: dict[bytes, int] = {}
+        self.on_evict = None  # a KV connector's hook: (page, key) of a cached page about to be reused
 
     def num_available(self) -> int:
         return len(self.free) + len(self.evictable)
@@ -81,7 +92,10 @@ class _Pool:
             page = self.free.popleft()
         else:
             page, _ = self.evictable.popitem(last=False)
-            del self.page_of[self.key_of.pop(page)]
+            key = self.key_of.pop(page)
+            del self.page_of[key]
+            if self.on_evict is not None:
+                self.on_evict(page, key)
         self.ref[page] = 1
         return page
 
@@ -158,6 +172,14 @@ class BlockManager:
         self.num_window_released_pages = 0  # pages handed back by release_outside_window, ever
         self._pools = [_Pool(num_pages) for _ in range(num_replicas)]
         self._seqs: dict[Hashable, _Seq] = {}
+        self.on_reset = None  # a KV connector's hook: the cache was reset
+
+    def listen(self, on_evict, on_reset) -> None:
+        """A KV connector's hooks (`kv_transfer.base`): `on_evict(replica, page, key)` when a cached page is
+        evicted for reuse (its content intact until the step being scheduled runs), `on_reset()`."""
+        for r, pool in enumerate(self._pools):
+            pool.on_evict = functools.partial(on_evict, r)
+        self.on_reset = on_reset
 
     # ---------------------------------------------------------------- queries
 
@@ -450,6 +472,8 @@ class BlockManager:
             pool.evictable.clear()
         for seq in self._seqs.values():
             seq.cacheable = False
+        if self.on_reset is not None:
+            self.on_reset()
 
     # ---------------------------------------------------------------- checks
 

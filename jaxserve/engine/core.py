@@ -45,6 +45,7 @@ from jaxserve.engine.sequence import Sequence
 from jaxserve.engine.stats import engine_stats, spec_metrics
 from jaxserve.engine.step_stats import StepComposition, is_prompt_chunk
 from jaxserve.errors import RequestError
+from jaxserve.kv_transfer.driver import build_driver
 from jaxserve.model.ragged import placeholder
 from jaxserve.sampling.params import RequestOutput, SamplingParams
 
@@ -113,6 +114,8 @@ class EngineCore:
             lookahead=lookahead,
             lookahead_steps=later_steps,
         )
+        # A KV connector (jaxserve.kv_transfer: the host tier, or one moving pages between engines).
+        self.scheduler.kv = build_driver(s, self.scheduler, runner)
         if s.async_scheduling and not self.can_overlap:
             logger.info("async scheduling off: speculative and multi-step engines run each step to completion first")
         self.intake = Intake()
@@ -176,6 +179,8 @@ class EngineCore:
             self.multihost.shutdown()
         if self.spec is not None:
             self.spec.close()
+        if self.scheduler.kv is not None:
+            self.scheduler.kv.close()
         self.runner.close()
         if self._grammar_compiler is not None:
             self._grammar_compiler.close()
@@ -331,13 +336,18 @@ class EngineCore:
         multi-step's later steps included)."""
         self._check_open()
         self._step_started = time.perf_counter()
+        if self.scheduler.kv is not None:  # loads and saves finished since: those sequences move on
+            self.scheduler.kv.poll()
         return self.scheduler.schedule()
 
     def execute(self, batch: SchedulerOutput) -> InFlightStep | None:
         """Hand the batch's update to the runner (page copies of forked sequences first) and dispatch
         it, not waiting for it; None if it has no rows. A plain step's sampling rows get a placeholder
         for their token and their tokens count as computed, so the next step can be scheduled at once.
-        A constrained row's grammar must have taken its previous token (`advance_grammars`)."""
+        A constrained row's grammar must have taken its previous token (`advance_grammars`). A KV
+        connector's saves and loads go first (a save reads a page this step may overwrite)."""
+        if self.scheduler.kv is not None:
+            self.scheduler.kv.start()
         self._copy_forked_pages(batch)
         if not batch.rows:
             return None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from jaxserve.engine.block_manager import BlockManager, OutOfPagesError
 from jaxserve.engine.scheduler_output import BatchTracker, ScheduledRow, SchedulerOutput
@@ -57,6 +57,9 @@ class Scheduler:
         self.max_loras: int | None = None
         # The runner's running batch as sent so far: its slots, and what each step's update says changed.
         self.tracker = BatchTracker(blocks.live_page_ids)
+        # A KV connector (jaxserve.kv_transfer.driver.KVConnectorDriver): loads a sequence's pages before it
+        # runs, saves them after; it holds the sequences waiting for their KV. None: no connector.
+        self.kv: Any = None
 
     def adapters_in_use(self, waiting: bool = True) -> set:
         """The LoRA adapters (`engine.lora_manager.Adapter`) of the running sequences, and of the
@@ -83,9 +86,12 @@ class Scheduler:
         self.tracker.release(seq)
         if seq in self.running:
             self.running.remove(seq)
-            self.blocks.free(seq.seq_id)
+            if self.kv is None or not self.kv.finished(seq):  # a connector may keep them until saved
+                self.blocks.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif self.kv is not None:
+            self.kv.dropped(seq)  # aborted while its KV was loading
 
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -285,6 +291,8 @@ class Scheduler:
         seq.status = Status.RUNNING
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
+        if self.kv is not None and reuse and self.kv.admitted(seq):
+            return best  # its KV is on the way: it waits in self.kv.loading, holding its pages
         self.running.append(seq)
         return best
 

@@ -15,6 +15,8 @@ from jaxserve.sampling.params import SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"  # no pages; queued for admission (new, or preempted)
     RUNNING = "running"  # holds pages; computes a prompt chunk or one decode token per step
+    # holds pages while a KV connector loads some of them (jaxserve.kv_transfer): neither running nor waiting
+    WAITING_FOR_KV = "waiting_for_kv"
     FINISHED = "finished"
 
 
@@ -87,6 +89,8 @@ class Sequence:
     # output so far. Preemption by recompute keeps it (the output is kept); n > 1 siblings get copies.
     grammar: Any = None
     lora: Any = None  # its LoRA adapter (engine.lora_manager.Adapter); None: the base model
+    kv_load_tokens: int = 0  # tokens a KV connector is loading into its pages (Status.WAITING_FOR_KV)
+    kv_transfer_params_out: dict | None = None  # what its connector's request_finished returned
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

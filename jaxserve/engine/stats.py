@@ -23,6 +23,8 @@ def engine_stats(core: Any) -> dict:
         pages_free=[b.num_free_pages(r) for r in replicas],
         kv_cache_utilization=[b.kv_utilization(r) for r in replicas],
         prefix_cache_hit_rate=(b.num_prefix_hit_tokens / queried) if queried else 0.0,
+        prefix_cache_queries=queried,  # tokens, as vLLM counts them (device tier)
+        prefix_cache_hits=b.num_prefix_hit_tokens,
         prompt_tokens_total=core.counters["prompt_tokens"],
         generation_tokens_total=core.counters["generation_tokens"],
         prefill_tokens_computed=core.counters["prefill_tokens_computed"],
@@ -33,6 +35,7 @@ def engine_stats(core: Any) -> dict:
         **core.composition.as_stats(),
         **(core.spec.stats() if core.spec is not None else {}),
         **(core.multihost.stats() if core.multihost is not None else {}),
+        **(s.kv.stats() if s.kv is not None else {}),  # KV connector: host-tier hits, bytes moved
         **(
             {}
             if core.lora is None

@@ -171,6 +171,10 @@ class KVConnectorWorker:
         """What finished since the last call (polled once per step, never blocking)."""
         return KVConnectorOutput()
 
+    def stats(self) -> dict:
+        """Counters for `EngineCore.stats()` and /metrics (bytes moved, say)."""
+        return {}
+
     def close(self) -> None:
         """Release what the worker holds (host buffers, transfer servers)."""
 
@@ -186,6 +190,13 @@ class KVTransferConfig:
     kv_connector_extra_config: dict = dataclasses.field(default_factory=dict)
     engine_id: str | None = None
     kv_buffer_size: float | None = None  # bytes (vLLM's), where a connector sizes a buffer by it
+    # vLLM's transport fields, for connectors that move pages between engines (pd's)
+    kv_ip: str | None = None
+    kv_port: int | None = None
+    kv_rank: int | None = None
+    kv_parallel_size: int | None = None
+    kv_buffer_device: str | None = None
+    kv_load_failure_policy: str = "recompute"  # vLLM's: recompute | fail
 
     @classmethod
     def from_dict(cls, value: Any) -> KVTransferConfig:
@@ -207,13 +218,9 @@ class KVTransferConfig:
         extra = value.get("kv_connector_extra_config") or {}
         if not isinstance(extra, dict):
             raise ConfigError("kv_transfer_config: kv_connector_extra_config must be a JSON object")
-        return cls(
-            value["kv_connector"],
-            role,
-            dict(extra),
-            value.get("engine_id"),
-            value.get("kv_buffer_size"),
-        )
+        if value.get("kv_load_failure_policy", "recompute") not in ("recompute", "fail"):
+            raise ConfigError("kv_transfer_config: kv_load_failure_policy must be recompute or fail")
+        return cls(**{**value, "kv_role": role, "kv_connector_extra_config": dict(extra)})
 
     @property
     def is_producer(self) -> bool:

@@ -76,6 +76,7 @@ class ModelRunner:
         self._lora_writes = 0  # the slot write's executable, once LoRA is served
         self.compiles_at_warm_up: int | None = None  # CompileCounter.foreground() once warmed up
         self.background: Any = None  # runner/background_compile.BackgroundCompile: buckets compiling after start-up
+        self.page_io: Any = None  # enable_page_io: runner/page_io.PageIO, for a KV connector
         self.closed = False  # close(): executables dropped, params and cache deleted
         CompileCounter.install()
 
@@ -164,9 +165,20 @@ class ModelRunner:
         jax.block_until_ready(self.cache)
 
     def warm_up_page_copies(self) -> None:
-        """Compile the page copy of forked (n > 1) sequences, one per replica."""
+        """Compile the page copy of forked (n > 1) sequences, one per replica (and a KV connector's page
+        read and write)."""
         for replica in range(self.num_replicas):
             self.copy_pages(replica, np.zeros(0, np.int32), np.zeros(0, np.int32))
+        if self.page_io is not None:
+            self.page_io.warm_up(self.num_replicas)
+
+    def enable_page_io(self) -> Any:
+        """Whole pages between the KV cache and host memory (`runner/page_io.PageIO`) for a KV connector."""
+        from jaxserve.runner.page_io import PageIO
+
+        if self.page_io is None:
+            self.page_io = PageIO(self.state)
+        return self.page_io
 
     def num_executables(self) -> int:
         """Compiled executables: every variant's steps, the LoRA slot write, and the page copy of
@@ -174,7 +186,8 @@ class ModelRunner:
         if self.closed:
             return 0
         copies = self.num_replicas * len(self.state.caches()) if self.compiles_at_warm_up is not None else 0
-        return len(self.table) + self._lora_writes + copies
+        page_io = self.page_io.num_executables if self.page_io is not None else 0
+        return len(self.table) + self._lora_writes + copies + page_io
 
     def stats(self) -> dict:
         return dict(

@@ -45,6 +45,9 @@ class SamplingParams:
     # (build one with StructuredSpec's classmethods or jaxserve.structured.spec_from_request). A
     # finished grammar ends the output; one cut by max_tokens is finish_reason "length".
     structured: StructuredSpec | None = None
+    # vLLM's: what a KV connector (jaxserve.kv_transfer) needs of this request, as a proxy sends it
+    # (prefill and decode apart); passed to the engine's connector untouched.
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self):
         for field in FIELDS:  # types and ranges; a RequestError whose message starts with the field's name
@@ -57,6 +60,8 @@ class SamplingParams:
         self.stop = tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("stop must be a list of non-empty strings")
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise RequestError("kv_transfer_params must be a JSON object")
         if self.logit_bias is not None:
             self.logit_bias = _check_logit_bias(self.logit_bias)
         if self.min_tokens > self.max_tokens:
