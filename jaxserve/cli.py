@@ -3,6 +3,7 @@
     jaxserve serve [MODEL] [flags]  the OpenAI-compatible server (= python -m jaxserve.serve); MODEL a
                                   directory, a GGUF file or a Hugging Face ID, as `vllm serve ORG/NAME`
     jaxserve serve-ray [MODEL] [flags]  the same server over replicas on Ray Serve (= jaxserve.serving.ray.cli)
+    jaxserve disagg-proxy --prefill URL.. --decode URL..  prefill then decode on separate servers (docs/disaggregation.md)
     jaxserve compile [MODEL] [flags]  every executable `serve` with these flags uses, into the executable store
                                   (= python -m jaxserve.precompile); `jaxserve compile --list` shows the store
     jaxserve plan [flags]           will a model fit, how many sequences, how fast (= python -m jaxserve.plan)
@@ -25,6 +26,10 @@ SUBCOMMANDS = {
     "serve-ray": (
         "jaxserve.serving.ray.cli",
         "the same server over engine replicas on Ray Serve (needs jaxserve[ray])",
+    ),
+    "disagg-proxy": (
+        "jaxserve.serving.disagg_proxy",
+        "one OpenAI endpoint over prefill and decode servers (docs/disaggregation.md)",
     ),
     "compile": (
         "jaxserve.precompile",

@@ -143,21 +143,9 @@ def _itemsize(dtype: str) -> int:
     return np.dtype(dtype).itemsize
 
 
-class _Scheduler(DisaggScheduler):
-    """The scheduler half, with the worker's transfer counters in its stats (the engine reports the
-    scheduler half's)."""
-
-    def __init__(self, config, page_size, endpoint, worker):
-        super().__init__(config, page_size, endpoint)
-        self._worker = worker
-
-    def stats(self) -> dict:
-        return {**super().stats(), **self._worker.stats()}
-
-
 def make_connector(config: KVTransferConfig, *, page_size: int, **options: Any):
     extra = config.kv_connector_extra_config
     endpoint = TransferEndpoint(host=str(extra.get("host", "127.0.0.1")))
     worker = DisaggWorker(config, endpoint)
     address = {"host": endpoint.host, "port": endpoint.side_port, "transfer_address": endpoint.transfer_address}
-    return _Scheduler(config, page_size, address, worker), worker
+    return DisaggScheduler(config, page_size, address), worker

@@ -173,6 +173,8 @@ class TransferEndpoint:
             if op == "claim":
                 if offer.ended:
                     return {"ok": False, "error": f"transfer {tid} has ended ({offer.ended})"}
+                if offer.claimed:  # a second decode engine (a retry): the first may be mid-pull
+                    return {"ok": False, "error": f"transfer {tid} is already claimed by another engine"}
                 offer.claimed = True
                 offer.expires_at = max(offer.expires_at, time.monotonic() + self.claim_grace_s)
                 deadline = time.monotonic() + float(message.get("wait_s", 10.0))

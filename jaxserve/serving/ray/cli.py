@@ -97,6 +97,14 @@ def build_parser(prog: str = "jaxserve serve-ray") -> argparse.ArgumentParser:
         default=8,
         help="prefix router: leave the prefix's replica when its queue is this much longer than the shortest",
     )
+    g.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=None,
+        help="prefill and decode apart (docs/disaggregation.md): this many prefill replicas (kv_producer), "
+        "with --decode-replicas decode replicas (kv_consumer); each request is prefilled on one, decoded on the other",
+    )
+    g.add_argument("--decode-replicas", type=int, default=None, help="with --prefill-replicas: the decode replicas")
     g.add_argument("--app-name", default="jaxserve", help="the Serve application's name")
     g.add_argument(
         "--placement-strategy",
@@ -142,6 +150,22 @@ def spec_from_namespace(ns: argparse.Namespace) -> Any:
         )
     if processes > 1 and ns.mock_engine:
         raise ConfigError("--mock-engine runs in one process; drop --num-processes")
+    disagg = ns.prefill_replicas is not None or ns.decode_replicas is not None
+    if disagg:
+        if (
+            ns.prefill_replicas is None
+            or ns.decode_replicas is None
+            or min(ns.prefill_replicas, ns.decode_replicas) < 1
+        ):
+            raise ConfigError("--prefill-replicas and --decode-replicas go together, each >= 1")
+        if autoscaled or ns.num_replicas is not None:
+            raise ConfigError(
+                "--prefill-replicas/--decode-replicas fix the replica counts: drop --num-replicas and autoscaling"
+            )
+        if ns.mock_engine or processes > 1:
+            raise ConfigError(
+                "prefill and decode apart need one-process real engines: drop --mock-engine/--num-processes"
+            )
     autoscaling = None
     if autoscaled:
         low = 1 if ns.min_replicas is None else ns.min_replicas
@@ -184,6 +208,8 @@ def spec_from_namespace(ns: argparse.Namespace) -> Any:
         mock_token_delay=ns.mock_token_delay,
         processes_per_replica=processes,
         placement_strategy=ns.placement_strategy,
+        prefill_replicas=ns.prefill_replicas,
+        decode_replicas=ns.decode_replicas,
     )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.processor import EngineRequest
+from jaxserve.serving.ray.disagg import on_this_node
 from jaxserve.serving.ray.metrics import ReplicaMetrics
 from jaxserve.serving.ray.multihost_replica import actor_resources, placement_bundles
 from jaxserve.serving.ray.remote_engine import RemoteEngine, ReplicaHeader, ReplicaUnavailable
@@ -47,6 +48,9 @@ class AppSpec:
     warm_up: bool = True  # compile every bucket before serving (tests turn it off: first calls compile)
     mock_engine: bool = False
     mock_token_delay: float = 0.002
+    # Prefill and decode apart (disagg.py): replicas of each role; None: every replica does both.
+    prefill_replicas: int | None = None
+    decode_replicas: int | None = None
 
 
 def _replica_id() -> str:
@@ -87,7 +91,7 @@ class EngineReplica:
         from jaxserve.llm_engine import LLMEngine  # lazy: pulls in JAX
 
         if spec.processes_per_replica == 1:
-            return LLMEngine(spec.settings, warm_up=spec.warm_up)
+            return LLMEngine(on_this_node(spec.settings), warm_up=spec.warm_up)
         from jaxserve.serving.ray import multihost_replica as mh
 
         settings = mh.process_settings(spec.settings, spec.processes_per_replica, mh.coordinator_address(), 0)
@@ -184,15 +188,22 @@ class OpenAIIngress:
             chat_renderer=None if self.spec.mock_engine else load_chat_renderer(settings),
             generation_defaults=None if self.spec.mock_engine else load_generation_defaults(settings),
         )
-        engine = RemoteEngine(self.handle, tokenizer, info["max_model_len"], info["config"], info["limits"])
+        engine = self._remote_engine(tokenizer, info)
         app = create_app(options, engine, shutdown_engine=True)
         app.add_middleware(ReplicaHeader)
         app.add_middleware(
             ReplicaMetrics,
-            handle=self.handle,
+            handle=self.metric_handles(),
             ingress_registry=lambda: getattr(app.state.jaxserve.metrics, "registry", None),
         )
         return app
+
+    def _remote_engine(self, tokenizer: Any, info: dict) -> RemoteEngine:
+        return RemoteEngine(self.handle, tokenizer, info["max_model_len"], info["config"], info["limits"])
+
+    def metric_handles(self) -> Any:
+        """The engine deployments whose replicas /metrics scrapes."""
+        return self.handle
 
 
 def _load_tokenizer(settings: EngineConfig) -> Any:
@@ -240,6 +251,10 @@ def build_application(spec: AppSpec) -> Any:
     """The bound application: `serve.run(build_application(spec), route_prefix="/")`."""
     from ray import serve
 
+    if spec.prefill_replicas is not None:
+        from jaxserve.serving.ray.disagg_app import build_disagg_application
+
+        return build_disagg_application(spec)
     engine = serve.deployment(EngineReplica, name="JaxserveEngine").options(**engine_deployment_options(spec))
     ingress = serve.deployment(serve.ingress()(OpenAIIngress), name="JaxserveIngress").options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000, graceful_shutdown_timeout_s=spec.grace_seconds

@@ -62,12 +62,13 @@ def render(replica_stats: list[dict], ingress_registry: Any) -> bytes:
 
 class ReplicaMetrics:
     """ASGI middleware: `GET /metrics` is every engine replica's series plus the ingress's own.
-    `handle`: the engine deployment's DeploymentHandle; `ingress_registry()`: the server's registry
-    (or None before the server has one)."""
+    `handle`: the engine deployment's DeploymentHandle (or a list: prefill and decode);
+    `ingress_registry()`: the server's registry (or None before the server has one)."""
 
     def __init__(self, app: Any, handle: Any, ingress_registry: Callable[[], Any], timeout_s: float = 5.0):
         self.app = app
-        self.handle = handle.options(stream=False)
+        handles = handle if isinstance(handle, (list, tuple)) else [handle]  # several: prefill and decode
+        self.handles = [h.options(stream=False) for h in handles]
         self.ingress_registry = ingress_registry
         self.timeout_s = timeout_s
 
@@ -86,13 +87,14 @@ class ReplicaMetrics:
 
     async def replica_stats(self) -> list[dict]:
         """`stats()` of every replica that answered in time."""
-        try:
-            results = await self.handle.broadcast("stats").results_async(
-                timeout_s=self.timeout_s, return_exceptions=True
-            )
-        except Exception as err:  # noqa: BLE001 - Ray's errors: a scrape with the ingress's series only
-            logger.warning("metrics: broadcasting stats to the engine replicas failed: %s", err)
-            return []
+        results = []
+        for handle in self.handles:
+            try:
+                results += await handle.broadcast("stats").results_async(
+                    timeout_s=self.timeout_s, return_exceptions=True
+                )
+            except Exception as err:  # noqa: BLE001 - Ray's errors: a scrape without that deployment's series
+                logger.warning("metrics: broadcasting stats to the engine replicas failed: %s", err)
         answered = [r for r in results if isinstance(r, dict)]
         for r in results:
             if not isinstance(r, dict):
