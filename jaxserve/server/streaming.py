@@ -415,6 +415,8 @@ class ResponseAssembler:
     def _chunk(self, choices: list[dict], usage: Any = None, include_usage: bool = False) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         chunk = {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if self.weight_version is not None:  # SGLang's metadata, as on the whole response: from the first output on
+            chunk["metadata"] = {"weight_version": self.weight_version}
         if include_usage:
             chunk["usage"] = usage
         return f"data: {dumps(chunk)}\n\n"

@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+from server_testlib import sse_events
 from starlette.testclient import TestClient
 
 from jaxserve.config import EngineConfig
@@ -101,6 +102,19 @@ def test_update_weights_from_disk(server):
     assert complete(client) == want
     bad = client.post("/update_weights_from_disk", json={"model_path": "/nonexistent"})
     assert bad.status_code == 400 and bad.json()["success"] is False
+
+
+def test_streamed_chunks_carry_the_weight_version(server):
+    """SGLang's metadata on every streamed chunk from the first output on, as on a whole response."""
+    client, model_dir, _ = server
+    body = {"model_path": model_dir, "weight_version": "v8"}
+    assert client.post("/update_weights_from_disk", json=body).json()["success"] is True
+    stream = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=stream) as response:
+        assert response.status_code == 200
+        chunks = [e for e in sse_events(response.iter_lines()) if e != "[DONE]"]
+    assert len(chunks) >= 2 and "usage" in chunks[-1]  # the tokens' chunks, then the usage chunk
+    assert all(chunk["metadata"] == {"weight_version": "v8"} for chunk in chunks)
 
 
 def test_the_routes_are_off_without_the_flag(make_client):
