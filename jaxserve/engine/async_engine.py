@@ -93,7 +93,8 @@ class AsyncLLMEngine:
                 held = self._held()  # paused or asleep: no step, and new requests wait in the intake
                 outputs = [] if held or self._draining else self.engine.take_intake()
                 busy = not held and overlap.has_unfinished_requests()
-                if busy:
+                polling = not busy and not held and self._kv_transfers()  # pages held for a peer
+                if busy or polling:
                     try:
                         outputs += overlap.step()
                     except Exception as err:  # a failed step fails its requests, never the loop
@@ -106,9 +107,13 @@ class AsyncLLMEngine:
                 else:
                     self._deliver(out.request_id, out)
             if not busy:
-                intake.wake.wait(0.05)
+                intake.wake.wait(0.005 if polling else 0.05)
             elif self._stats_waiting.is_set():
                 time.sleep(0.0005)  # let the stats() caller blocked on the lock take it
+
+    def _kv_transfers(self) -> bool:
+        check = getattr(self.engine, "has_kv_transfers", None)  # LLMEngine's (a stand-in core has none)
+        return check is not None and check()
 
     def _held(self) -> bool:
         state = getattr(self.engine, "pause_state", None)  # LLMEngine's (a stand-in core has none)

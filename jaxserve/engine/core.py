@@ -303,6 +303,11 @@ class EngineCore:
         """Requests not finished (the core keeps no step in flight: `Overlap` does)."""
         return bool(self.requests)
 
+    def has_kv_transfers(self) -> bool:
+        """A KV connector holds finished sequences' pages until saved (a prefill engine's, until pulled or
+        expired): steps must go on polling it even with no request left (AsyncLLMEngine does, slowly)."""
+        return self.scheduler.kv is not None and bool(self.scheduler.kv.saving)
+
     def admit_arrivals(self) -> int:
         """Admit the requests at the head of the intake, up to its first abort (which waits for
         `take_intake`: the step being held back may hold that request's row); returns how many were

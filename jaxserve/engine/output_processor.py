@@ -184,6 +184,7 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
             metrics=self._metrics(request, finished, spec_metrics),
             weight_version=self.weight_version,
+            kv_transfer_params=seqs[0].kv_transfer_params_out if finished else None,
         )
 
     @staticmethod
@@ -264,6 +265,7 @@ class OutputAccumulator:
         total.finished = delta.finished
         total.metrics = delta.metrics
         total.weight_version = delta.weight_version
+        total.kv_transfer_params = delta.kv_transfer_params or total.kv_transfer_params
         if delta.prompt_logprobs is not None:
             total.prompt_logprobs = delta.prompt_logprobs
         return total

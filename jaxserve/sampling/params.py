@@ -172,3 +172,6 @@ class RequestOutput:
     # The weights that produced it: `update_weights(..., weight_version=)`'s, else the count of updates
     # (0: the weights the engine started with), as SGLang's weight_version.
     weight_version: int | str | None = None
+    # vLLM's: what the engine's KV connector returned when the request finished (a prefill engine's
+    # say where its pages wait for a decode engine: docs/disaggregation.md); on the final output only.
+    kv_transfer_params: dict | None = None
