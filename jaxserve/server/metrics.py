@@ -110,6 +110,47 @@ def step_composition(stats: dict):
         )
 
 
+def kv_offload_metrics(stats: dict):
+    """Prefix-cache hits per tier (vLLM's names: the device's `prefix_cache_*`, a connector's
+    `external_prefix_cache_*`, in tokens) and, with a KV connector, pages and bytes moved each way."""
+    for name, doc, key in (
+        ("prefix_cache_queries", "Prompt tokens looked up in the device prefix cache.", "prefix_cache_queries"),
+        ("prefix_cache_hits", "Prompt tokens found in the device prefix cache.", "prefix_cache_hits"),
+        (
+            "external_prefix_cache_queries",
+            "Prompt tokens past the device hit looked up by the KV connector (the host tier).",
+            "external_prefix_cache_queries",
+        ),
+        ("external_prefix_cache_hits", "Prompt tokens the KV connector loaded instead.", "external_prefix_cache_hits"),
+    ):
+        if stats.get(key) is not None:
+            yield CounterMetricFamily("jaxserve:" + name, doc, value=float(stats[key]))
+    for unit, doc in (("pages", "KV pages"), ("bytes", "Bytes of KV pages")):
+        moved = {d: stats.get(f"kv_offload_{unit}_to_{d}_total") for d in ("host", "device")}
+        if any(v is not None for v in moved.values()):
+            family = CounterMetricFamily(
+                f"jaxserve:kv_offload_{unit}", f"{doc} moved by the KV connector, by direction.", labels=["direction"]
+            )
+            for direction, v in moved.items():
+                family.add_metric([f"to_{direction}"], float(v or 0))
+            yield family
+    if stats.get("kv_offload_host_pages") is not None:
+        yield GaugeMetricFamily(
+            "jaxserve:kv_offload_host_pages", "Pages held by the host tier.", value=stats["kv_offload_host_pages"]
+        )
+        yield GaugeMetricFamily(
+            "jaxserve:kv_offload_host_capacity_pages",
+            "Pages the host tier holds at most (--kv-offloading-size).",
+            value=stats["kv_offload_host_capacity_pages"],
+        )
+    if stats.get("num_waiting_for_kv") is not None:
+        yield GaugeMetricFamily(
+            "jaxserve:num_requests_waiting_for_kv",
+            "Sequences holding pages while a KV connector loads them.",
+            value=stats["num_waiting_for_kv"],
+        )
+
+
 def lora_metrics(stats: dict, now: float | None = None):
     """The LoRA adapters' metrics (module docstring), when the engine reports `stats()["lora"]`."""
     lora = stats.get("lora")
@@ -289,6 +330,7 @@ class _EngineCollector:
         yield from spec_positions(stats)
         yield from step_composition(stats)
         yield from lora_metrics(stats)
+        yield from kv_offload_metrics(stats)
         seconds = stats.get("last_step_seconds")
         nbytes = stats.get("last_step_bytes_read")
         if seconds is not None:

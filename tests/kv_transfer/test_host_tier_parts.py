@@ -201,3 +201,31 @@ def test_page_io_round_trips_pages_of_a_cache_sharded_over_kv_heads():
     for name in pages:
         np.testing.assert_array_equal(back[name], pages[name])
     assert io.page_bytes == 2 * (2 * 2 * PS * 8) + 2 * (2 * 2 * PS * 4)
+
+
+def test_metrics_show_hits_per_tier_and_bytes_each_way():
+    from jaxserve.server.metrics import ServerMetrics
+
+    stats = dict(
+        prefix_cache_queries=100,
+        prefix_cache_hits=40,
+        external_prefix_cache_queries=60,
+        external_prefix_cache_hits=32,
+        kv_offload_pages_to_host_total=5,
+        kv_offload_pages_to_device_total=4,
+        kv_offload_bytes_to_host_total=500,
+        kv_offload_bytes_to_device_total=400,
+        kv_offload_host_pages=5,
+        kv_offload_host_capacity_pages=10,
+        num_waiting_for_kv=0,
+    )
+    text = ServerMetrics(lambda: stats, device_bandwidth=1.0).render().decode()
+    for line in (
+        "jaxserve:prefix_cache_hits_total 40.0",
+        "jaxserve:external_prefix_cache_hits_total 32.0",
+        'jaxserve:kv_offload_bytes_total{direction="to_host"} 500.0',
+        'jaxserve:kv_offload_bytes_total{direction="to_device"} 400.0',
+        "jaxserve:kv_offload_host_pages 5.0",
+        "jaxserve:num_requests_waiting_for_kv 0.0",
+    ):
+        assert line in text, line
