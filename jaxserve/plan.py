@@ -36,7 +36,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.planning.devices import DEVICES, DeviceSpec, cpu_spec, get_device, spec_for_device_kind
 from jaxserve.errors import ConfigError, JaxServeError
 from jaxserve.planning.capacity import capacity_plan, replica_capacity
-from jaxserve.planning.memory import RESERVED_PAGES
+from jaxserve.planning.memory import RESERVED_PAGES, host_tier_line
 from jaxserve.planning.mesh import plan_from_settings, suggest_mesh
 from jaxserve.planning.roofline import Plan, Target, fmt_bytes
 from jaxserve.config.settings import parse_size
@@ -482,10 +482,18 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m jaxserve.plan
     except (JaxServeError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    host = int(settings.kv_offloading_size * 2**30) if settings.kv_offloading_size else 0
+    page_bytes = plan.kv_bytes_per_token * plan.page_size
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2, default=str))
+        out = plan.to_dict()
+        if host:  # the prefix cache's host tier: host memory, beside the devices' plan
+            out.update(host_tier_bytes=host, host_tier_pages=host // page_bytes)
+        print(json.dumps(out, indent=2, default=str))
     else:
         print(describe(plan))
+        if host:
+            pages = plan.engine_pages - RESERVED_PAGES if plan.engine_pages else plan.pages_per_replica
+            print("\nhost memory\n  " + host_tier_line(host, page_bytes, pages))
     if not plan.fits:
         print(f"error: the plan does not fit: {'; '.join(plan.problems)}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT

@@ -177,6 +177,12 @@ class MemoryPlan:
     num_replicas: int = 1  # data-parallel replicas, each with num_pages pages
     sizing: str = ""  # how num_pages was chosen, in words (the start-up log)
     lora_bytes: int = 0  # LoRA serving: the resident adapters' stacks, counted in param_bytes (read every step)
+    host_kv_bytes: int = 0  # the prefix cache's host tier (--kv-offloading-size): host memory, not device
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page, every layer (what the host tier stores per page)."""
+        return self.page_size * self.kv_bytes_per_token
 
     @property
     def window_unread_bytes(self) -> int:
@@ -265,6 +271,8 @@ class MemoryPlan:
                 f"{self.draft_kv_bytes_per_token} bytes/token in the same pages "
                 f"(+{draft / gib:.3f} GiB)"
             )
+        if self.host_kv_bytes:
+            text += "; " + host_tier_line(self.host_kv_bytes, self.page_bytes, self.num_pages - RESERVED_PAGES)
         if self.window_unread_bytes:
             every = self.num_sliding_layers == self.num_layers
             fate = (
@@ -286,6 +294,16 @@ class MemoryPlan:
                 f"({self.kv_bytes_per_token_model_dtype} bytes/token: {base} tokens in these bytes{ratio})"
             )
         return text
+
+
+def host_tier_line(host_bytes: int, page_bytes: int, device_pages: int) -> str:
+    """The host tier in words: its pages, and how many times the device pool's (per replica) they are."""
+    pages = host_bytes // page_bytes
+    times = f", {pages / device_pages:.1f}x the device pool" if device_pages > 0 else ""
+    return (
+        f"host tier (--kv-offloading-size) {host_bytes / GIB:.3f} GiB of host memory: {pages:,} pages of "
+        f"{page_bytes:,} bytes{times}"
+    )
 
 
 def plan_memory(
@@ -374,6 +392,7 @@ def plan_memory(
         num_replicas=settings.mesh_shape[0],
         sizing=sizing,
         lora_bytes=lora_bytes,
+        host_kv_bytes=int(settings.kv_offloading_size * GIB) if settings.kv_offloading_size else 0,
     )
 
 

@@ -229,3 +229,15 @@ def test_metrics_show_hits_per_tier_and_bytes_each_way():
         "jaxserve:num_requests_waiting_for_kv 0.0",
     ):
         assert line in text, line
+
+
+def test_the_plan_counts_the_host_tier(capsys):
+    from jaxserve.plan import main
+
+    args = ["--model", "configs/models/smollm2-135m", "--device", "cpu", "--num-pages", "65"]
+    assert main(args + ["--kv-offloading-size", "0.5"]) == 0
+    # SmolLM2-135M in float32: 2 x 4 bytes x 64 x 3 KV heads x 30 layers = 46,080 bytes per token.
+    page = 16 * 46_080
+    line = f"{2**29 // page:,} pages of {page:,} bytes, {(2**29 // page) / 64:.1f}x the device pool"
+    assert line in capsys.readouterr().out
+    assert main(args) == 0 and "host tier" not in capsys.readouterr().out
