@@ -34,8 +34,8 @@ class DisaggWorker(KVConnectorWorker):
     def __init__(self, config: KVTransferConfig, endpoint: TransferEndpoint):
         super().__init__(config)
         self.endpoint = endpoint
-        self._reading: dict[int, tuple[str, Any]] = {}  # transfer id -> (seq id, PendingRead)
-        self._offered: dict[int, str] = {}  # transfer id -> seq id, until it ends
+        self._reading: dict[int, Any] = {}  # transfer id -> its PendingRead, until offered
+        self._sending: dict[int, str] = {}  # transfer id -> seq id, until the offer ends
         self._loading: dict[str, tuple[Any, Any]] = {}  # seq id -> (future of the pages, PageLoad)
         self.pages_sent = 0
         self.pages_received = 0
@@ -45,16 +45,15 @@ class DisaggWorker(KVConnectorWorker):
 
     def start_save_kv(self, meta: DisaggMeta) -> None:
         for save in meta.saves:
-            transfer_id, ttl = save.dest
-            self.endpoint.expect(transfer_id, ttl)
-            self._reading[transfer_id] = (save.seq_id, self.page_io.read_pages(save.replica, save.page_ids))
+            transfer_id, _ = save.dest  # registered with the endpoint when the request finished
+            self._sending[transfer_id] = save.seq_id
+            self._reading[transfer_id] = self.page_io.read_pages(save.replica, save.page_ids)
 
     def _offer_read_pages(self) -> None:
-        for transfer_id, (seq_id, pending) in list(self._reading.items()):
+        for transfer_id, pending in list(self._reading.items()):
             pages = pending.result()  # dispatched a step ago: its host copy is there
             self.endpoint.offer(transfer_id, pages)
             self.pages_sent += len(next(iter(pages.values())))
-            self._offered[transfer_id] = seq_id
             del self._reading[transfer_id]
 
     # -- decode side ------------------------------------------------------------------------------
@@ -93,7 +92,8 @@ class DisaggWorker(KVConnectorWorker):
         out = KVConnectorOutput()
         self._offer_read_pages()
         for transfer_id, how in self.endpoint.take_ended().items():
-            seq_id = self._offered.pop(transfer_id, None)
+            seq_id = self._sending.pop(transfer_id, None)
+            self._reading.pop(transfer_id, None)  # ended before its pages were read: never offered
             if seq_id is None:
                 continue
             if how == "expired":
@@ -148,4 +148,4 @@ def make_connector(config: KVTransferConfig, *, page_size: int, **options: Any):
     endpoint = TransferEndpoint(host=str(extra.get("host", "127.0.0.1")))
     worker = DisaggWorker(config, endpoint)
     address = {"host": endpoint.host, "port": endpoint.side_port, "transfer_address": endpoint.transfer_address}
-    return DisaggScheduler(config, page_size, address), worker
+    return DisaggScheduler(config, page_size, address, expect=endpoint.expect), worker

@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import logging
 import random
+from collections.abc import Callable
 from typing import Any
 
 from jaxserve.errors import RequestError
@@ -103,10 +104,20 @@ class _Offered:
 
 class DisaggScheduler(KVConnectorScheduler):
     """Both roles' scheduler half. `endpoint`: where this engine's worker serves pulls ({"host",
-    "port", "transfer_address"}; the producer writes it into its params)."""
+    "port", "transfer_address"}; the producer writes it into its params); `expect(id, ttl)`: the
+    transport's registration of a transfer id."""
 
-    def __init__(self, config: Any, page_size: int, endpoint: dict | None = None):
+    def __init__(
+        self,
+        config: Any,
+        page_size: int,
+        endpoint: dict | None = None,
+        expect: Callable[[int, float], None] | None = None,
+    ):
         super().__init__(config, page_size)
+        # The transport's registration of a transfer id, called before the params leave: a decode
+        # engine's claim that arrives before the pages are read then waits for them.
+        self._expect = expect
         extra = config.kv_connector_extra_config
         self.abort_timeout_s = float(extra.get("abort_request_timeout", DEFAULT_ABORT_TIMEOUT_S))
         self.pull_timeout_s = float(extra.get("pull_timeout", DEFAULT_PULL_TIMEOUT_S))
@@ -166,10 +177,14 @@ class DisaggScheduler(KVConnectorScheduler):
             return False, None
         if seq.finish_reason == "abort" or seq.num_computed < len(seq.prompt_token_ids):
             return False, None
-        pages = list(page_ids[: -(-len(seq.prompt_token_ids) // self.page_size)])
+        # What a decode engine can load: whole pages before the prompt's last token (that one it
+        # computes itself, sampling the first output token); a prompt within one page keeps nothing.
+        pages = list(page_ids[: (len(seq.prompt_token_ids) - 1) // self.page_size])
         if not pages:
             return False, None
         transfer_id = random.SystemRandom().getrandbits(53)
+        if self._expect is not None:
+            self._expect(transfer_id, self.abort_timeout_s)
         self._sending[seq.seq_id] = _Offered(transfer_id, pages)
         self._meta.saves.append(PageSave(seq.seq_id, seq.replica, pages, (transfer_id, self.abort_timeout_s)))
         self._counts["kv_transfer_offers"] += 1
