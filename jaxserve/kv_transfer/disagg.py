@@ -128,7 +128,9 @@ class DisaggScheduler(KVConnectorScheduler):
         self._loading: dict[str, dict] = {}  # consumer: seq id -> its params, until its load ends
         self._counts = dict.fromkeys(
             ("kv_transfer_offers", "kv_transfer_offers_freed", "kv_transfer_loads", "kv_transfer_loads_done",
-             "kv_transfer_loads_failed", "kv_transfer_loads_cancelled", "kv_transfer_params_refused"),
+             "kv_transfer_loads_failed", "kv_transfer_loads_cancelled", "kv_transfer_params_refused",
+             # vLLM's names (tokens): what the decode engine asked a prefill engine for, and loaded
+             "external_prefix_cache_queries", "external_prefix_cache_hits"),
             0,
         )  # fmt: skip
 
@@ -156,7 +158,8 @@ class DisaggScheduler(KVConnectorScheduler):
         if n <= 0:  # the decode engine's own prefix cache holds it all
             self._meta.releases.append(params)
             return 0, False
-        self._loading[seq.seq_id] = dict(params, first_page=num_computed_tokens // self.page_size)
+        self._loading[seq.seq_id] = dict(params, first_page=num_computed_tokens // self.page_size, num_tokens=n)
+        self._counts["external_prefix_cache_queries"] += n
         return n, True
 
     def update_state_after_alloc(self, seq: Any, page_ids: list[int], num_external_tokens: int) -> None:
@@ -212,8 +215,9 @@ class DisaggScheduler(KVConnectorScheduler):
             if self._sending.pop(seq_id, None) is not None:
                 self._counts["kv_transfer_offers_freed"] += 1
         for seq_id in output.finished_loading:
-            if self._loading.pop(seq_id, None) is not None:
+            if (loaded := self._loading.pop(seq_id, None)) is not None:
                 self._counts["kv_transfer_loads_done"] += 1
+                self._counts["external_prefix_cache_hits"] += loaded["num_tokens"]
         for seq_id in output.failed_loading:
             if self._loading.pop(seq_id, None) is not None:
                 self._counts["kv_transfer_loads_failed"] += 1

@@ -143,6 +143,23 @@ def kv_offload_metrics(stats: dict):
             "Pages the host tier holds at most (--kv-offloading-size).",
             value=stats["kv_offload_host_capacity_pages"],
         )
+    if stats.get("kv_transfer_pages_held") is not None:  # prefill and decode apart (JaxTransferConnector)
+        yield GaugeMetricFamily(
+            "jaxserve:kv_transfer_pages_held",
+            "Pages a prefill engine keeps until a decode engine pulls them (or the timeout frees them).",
+            value=stats["kv_transfer_pages_held"],
+        )
+        family = CounterMetricFamily(
+            "jaxserve:kv_transfer_pages", "KV pages moved between engines, by direction.", labels=["direction"]
+        )
+        for direction in ("sent", "received"):
+            family.add_metric([direction], float(stats.get(f"kv_transfer_pages_{direction}", 0)))
+        yield family
+        for name, doc in (
+            ("kv_transfer_offers_expired", "Prefill pages freed because nobody pulled them in time."),
+            ("kv_transfer_loads_failed", "Pulls that failed (the decode engine recomputed the prompt)."),
+        ):
+            yield CounterMetricFamily(f"jaxserve:{name}", doc, value=float(stats.get(name, 0)))
     if stats.get("num_waiting_for_kv") is not None:
         yield GaugeMetricFamily(
             "jaxserve:num_requests_waiting_for_kv",

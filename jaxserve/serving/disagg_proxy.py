@@ -22,6 +22,7 @@ carry `x-jaxserve-prefill` and `x-jaxserve-decode`: the servers that served them
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
@@ -202,7 +203,12 @@ class DisaggProxy:
 
 
 def create_app(proxy: DisaggProxy) -> FastAPI:
-    app = FastAPI(title="jaxserve prefill/decode proxy")
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await proxy.close()
+
+    app = FastAPI(title="jaxserve prefill/decode proxy", lifespan=lifespan)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -226,7 +232,6 @@ def create_app(proxy: DisaggProxy) -> FastAPI:
     async def health():
         return {"status": "ok", **proxy.counts}
 
-    app.add_event_handler("shutdown", proxy.close)
     return app
 
 
