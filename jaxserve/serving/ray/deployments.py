@@ -4,6 +4,9 @@ router is `PrefixAwareRouter` (or Ray's default, power of two choices). With `pr
 each engine replica is process 0 of a multi-host engine whose other processes it starts as Ray actors
 in its own placement group (multihost_replica.py).
 
+With `prefill_replicas` set, two engine deployments (`JaxservePrefill`, `JaxserveDecode`: prefill and
+decode apart, disagg.py) behind a `DisaggIngress`.
+
 `build_application(spec)` binds both from an `AppSpec` (what `jaxserve serve-ray` and the `serve run`
 builder in cli.py fill); `serve.run(build_application(spec), route_prefix="/")` serves it. Ray is
 imported where it is used, so the module imports without the `[ray]` extra.
@@ -18,7 +21,7 @@ from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.processor import EngineRequest
-from jaxserve.serving.ray.disagg import on_this_node
+from jaxserve.serving.ray.disagg import DECODE, PREFILL, DisaggRemoteEngine, on_this_node, role_settings
 from jaxserve.serving.ray.metrics import ReplicaMetrics
 from jaxserve.serving.ray.multihost_replica import actor_resources, placement_bundles
 from jaxserve.serving.ray.remote_engine import RemoteEngine, ReplicaHeader, ReplicaUnavailable
@@ -252,11 +255,44 @@ def build_application(spec: AppSpec) -> Any:
     from ray import serve
 
     if spec.prefill_replicas is not None:
-        from jaxserve.serving.ray.disagg_app import build_disagg_application
-
         return build_disagg_application(spec)
     engine = serve.deployment(EngineReplica, name="JaxserveEngine").options(**engine_deployment_options(spec))
     ingress = serve.deployment(serve.ingress()(OpenAIIngress), name="JaxserveIngress").options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000, graceful_shutdown_timeout_s=spec.grace_seconds
     )
     return ingress.bind(engine.bind(spec), spec)
+
+
+class DisaggIngress(OpenAIIngress):
+    """The OpenAI server over a DisaggRemoteEngine: decode's handle is `self.handle` (the server's
+    engine), prefill's the one each request visits first; /metrics scrapes both."""
+
+    def __init__(self, prefill: Any, decode: Any, spec: Any):
+        super().__init__(decode, spec)
+        self.prefill_handle = prefill.options(stream=True)
+
+    def _remote_engine(self, tokenizer: Any, info: dict) -> RemoteEngine:
+        return DisaggRemoteEngine(
+            self.prefill_handle, self.handle, tokenizer, info["max_model_len"], info["config"], info["limits"]
+        )
+
+    def metric_handles(self) -> Any:
+        return [self.prefill_handle, self.handle]
+
+
+def build_disagg_application(spec: Any) -> Any:
+    """Prefill and decode deployments (`JaxservePrefill`, `JaxserveDecode`) behind one ingress."""
+    from ray import serve
+
+    deployments = []
+    for name, role, count in (
+        ("JaxservePrefill", PREFILL, spec.prefill_replicas),
+        ("JaxserveDecode", DECODE, spec.decode_replicas),
+    ):
+        side = dataclasses.replace(spec, settings=role_settings(spec.settings, role), num_replicas=count)
+        options = engine_deployment_options(side)
+        deployments.append(serve.deployment(EngineReplica, name=name).options(**options).bind(side))
+    ingress = serve.deployment(serve.ingress()(DisaggIngress), name="JaxserveIngress").options(
+        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000, graceful_shutdown_timeout_s=spec.grace_seconds
+    )
+    return ingress.bind(*deployments, spec)
