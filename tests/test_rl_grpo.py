@@ -6,6 +6,7 @@ weights. Whether the reward rises is the full run's question (docs/training_loop
 import json
 import os
 
+import pytest
 import rl_grpo
 
 from jaxserve.loading import resources
@@ -19,10 +20,14 @@ def test_three_iterations_sync_the_weights_and_agree_on_logprobs(tmp_path):
     assert [h["weight_version"] for h in history] == [0, 1, 2]  # rollouts of iteration k: the weights after k - 1
     assert all(h["adopted"] == 38 for h in history)  # every tensor of the small model, no copy
     assert max(h["logprob_mismatch"] for h in history) < 1e-4
-    assert all(0.0 <= h["mean_reward"] <= 1.0 for h in history)
+    for h in history:  # the reward's parts as fractions of the rollouts; correctness 1, format 0.5
+        assert 0.0 <= h["correct"] <= 1.0 and 0.0 <= h["format"] <= 1.0
+        assert h["mean_reward"] == pytest.approx(h["correct"] + rl_grpo.FORMAT_WEIGHT * h["format"])
     assert os.path.getsize(os.path.join(out, "grpo_reward.png")) > 0
     with open(os.path.join(out, "grpo.json")) as f:
-        assert json.load(f) == history
+        saved = json.load(f)
+    assert saved["iterations"] == history
+    assert [e["steps"] for e in saved["evals"]] == [0, 3]  # the held-out sums before and after training
 
 
 def test_trainer_and_engine_on_different_shardings(tmp_path):
@@ -35,8 +40,12 @@ def test_trainer_and_engine_on_different_shardings(tmp_path):
     assert max(h["logprob_mismatch"] for h in history) < 1e-4
 
 
-def test_the_reward_reads_the_first_number():
-    assert rl_grpo.reward(" 7 apples", "7") == 1.0
-    assert rl_grpo.reward("The answer is 7.", "7") == 1.0
-    assert rl_grpo.reward("17", "7") == 0.0
-    assert rl_grpo.reward("seven", "7") == 0.0
+def test_the_reward_reads_the_last_number_and_the_format():
+    assert rl_grpo.reward("14", "14") == 1.5  # correct, and the number alone
+    assert rl_grpo.reward(" 14.", "14") == 1.5
+    assert rl_grpo.reward("8 + 6 = 14", "14") == 1.0  # correct, not the number alone
+    assert rl_grpo.reward("The answer is 14.", "14") == 1.0
+    assert rl_grpo.reward("14", "14", finish_reason="length") == 1.0  # cut off: not known to be alone
+    assert rl_grpo.reward("8 + 6 = 15", "14") == 0.0
+    assert rl_grpo.reward("15", "14") == 0.5  # the format alone
+    assert rl_grpo.reward("fourteen", "14") == 0.0

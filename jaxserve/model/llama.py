@@ -383,12 +383,18 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 
 def forward_dense(
-    params: Params, tokens: jax.Array, *, cfg: ModelConfig, expert_parallel: ExpertParallelFn | None = None
+    params: Params,
+    tokens: jax.Array,
+    *,
+    cfg: ModelConfig,
+    expert_parallel: ExpertParallelFn | None = None,
+    logits_at: jax.Array | None = None,
 ) -> jax.Array:
     """Logits f32[B, T, V] of whole sequences from position 0, without a KV cache (training, scoring).
 
     The same layers as `forward_ragged`, with dense causal attention; `layers` may be stacked (scanned)
-    or a tuple (unrolled)."""
+    or a tuple (unrolled). `logits_at` i32[B, K]: only those positions' logits, f32[B, K, V] (a trainer
+    scoring completions skips the vocabulary-wide head over their prompts)."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     cos, sin, kinds = rope_tables(cfg, positions)
@@ -409,4 +415,6 @@ def forward_dense(
         return decoder_layer(cfg, lp, x, *_layer_rope(cos, sin, kind), attend_fn, expert_parallel), carry
 
     x, _, _ = layer_loop(params.layers, cfg.num_layers, x, None, body, scan=True)
+    if logits_at is not None:
+        x = jnp.take_along_axis(x, logits_at[..., None], axis=1)
     return _logits(params, cfg, x)
