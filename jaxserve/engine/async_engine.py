@@ -108,12 +108,18 @@ class AsyncLLMEngine:
                     self._deliver(out.request_id, out)
             if not busy:
                 intake.wake.wait(0.005 if polling else 0.05)
+            elif self._kv_waits():
+                intake.wake.wait(0.002)
             elif self._stats_waiting.is_set():
                 time.sleep(0.0005)  # let the stats() caller blocked on the lock take it
 
     def _kv_transfers(self) -> bool:
         check = getattr(self.engine, "has_kv_transfers", None)  # LLMEngine's (a stand-in core has none)
         return check is not None and check()
+
+    def _kv_waits(self) -> bool:
+        check = getattr(self.engine, "only_waiting_for_kv", None)
+        return check is not None and not self.overlap.in_flight and check()
 
     def _held(self) -> bool:
         state = getattr(self.engine, "pause_state", None)  # LLMEngine's (a stand-in core has none)

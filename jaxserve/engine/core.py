@@ -308,6 +308,12 @@ class EngineCore:
         expired): steps must go on polling it even with no request left (AsyncLLMEngine does, slowly)."""
         return self.scheduler.kv is not None and bool(self.scheduler.kv.saving)
 
+    def only_waiting_for_kv(self) -> bool:
+        """Every unfinished request waits for a KV connector's load: a step has nothing to run, so the
+        step thread should poll, not spin (a spin starves the threads moving those pages)."""
+        s = self.scheduler
+        return s.kv is not None and bool(s.kv.loading) and not s.running and not s.waiting
+
     def admit_arrivals(self) -> int:
         """Admit the requests at the head of the intake, up to its first abort (which waits for
         `take_intake`: the step being held back may hold that request's row); returns how many were
