@@ -135,7 +135,7 @@ def run(args, tier_gib: float | None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=6)
-    ap.add_argument("--active", type=int, default=2, help="chats taking turns at once")
+    ap.add_argument("--active", type=int, default=3, help="chats taking turns at once")
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--answer-tokens", type=int, default=24)
     ap.add_argument("--num-pages", type=int, default=32, help="the device pool per replica (page 0 is padding)")
