@@ -114,3 +114,34 @@ def test_a_prefill_that_kept_no_pages_sends_the_request_as_it_is():
     eng = engine(prefill, decode)
     asyncio.run(run(eng, request()))
     assert decode.requests[0].params.kv_transfer_params is None and eng.stats()["num_without_pages"] == 1
+
+
+def test_serve_ray_takes_prefill_and_decode_replica_counts_together():
+    import json
+
+    from jaxserve.errors import ConfigError
+    from jaxserve.serving.ray import cli
+    from jaxserve.serving.ray.disagg import role_settings
+
+    def spec(*flags):
+        return cli.spec_from_namespace(cli.build_parser().parse_args(["--config", "small", *flags]))
+
+    s = spec("--prefill-replicas", "2", "--decode-replicas", "3")
+    assert (s.prefill_replicas, s.decode_replicas) == (2, 3)
+    config = json.loads(role_settings(s.settings, "kv_producer", {"host": "10.0.0.2"}).kv_transfer_config)
+    assert config == {
+        "kv_connector": "JaxTransferConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"host": "10.0.0.2"},
+    }
+    for flags, message in (
+        (("--prefill-replicas", "1"), "go together"),
+        (("--prefill-replicas", "1", "--decode-replicas", "0"), "go together"),
+        (("--prefill-replicas", "1", "--decode-replicas", "1", "--num-replicas", "2"), "fix the replica counts"),
+        (("--prefill-replicas", "1", "--decode-replicas", "1", "--mock-engine"), "real engines"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            spec(*flags)
+    other = s.settings.replace(kv_transfer_config=json.dumps({"kv_connector": "OffloadingConnector"}))
+    with pytest.raises(ValueError, match="JaxTransferConnector"):
+        role_settings(other, "kv_consumer")
