@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ConfigError, EngineSleepingError, ModelLoadError, WeightsDeletedError
-from jaxserve.loading.checkpoint import hf_weight_field
+from jaxserve.loading.checkpoint import _expert_parts, hf_weight_field
 from jaxserve.model import quant
 from jaxserve.model.weights import LayerParams, Params
 
@@ -162,14 +162,22 @@ class WeightUpdater:
             yield from self._tree_pieces(new)
             return
         items: Iterable = new.items() if isinstance(new, Mapping) else new
+        experts = _ExpertLayers(self.cfg.num_experts)
         for name, tensor in items:
+            if hasattr(tensor, "dequantize") and not isinstance(tensor, jax.Array):  # a GGUF / AWQ tensor
+                tensor = tensor.dequantize()
+            if self.cfg.is_moe and (parts := _hf_expert_parts(name, tensor, self.cfg)) is not None:
+                for field, layer, expert, array in parts:
+                    whole = array if expert is None else experts.add(field, layer, expert, array, name)
+                    if whole is not None:
+                        yield field, layer, whole
+                continue
             where = hf_weight_field(name, self.cfg)
             if where is None:
                 continue
             field, layer, transpose = where
-            if hasattr(tensor, "dequantize") and not isinstance(tensor, jax.Array):  # a GGUF / AWQ tensor
-                tensor = tensor.dequantize()
             yield field, layer, (tensor.T if transpose else tensor)
+        experts.check_complete()
 
     def _tree_pieces(self, new: Params) -> Iterator[tuple[str, int | None, Any]]:
         for f in TOP_FIELDS:
@@ -351,6 +359,56 @@ class WeightUpdater:
             params = jax.tree.map(lambda h, s: jax.device_put(h, s.sharding), self.host, self.layout)
         self._put(params)
         self.host, self.on_device = None, True
+
+
+def _hf_expert_parts(name: str, tensor: Any, cfg: ModelConfig) -> list[tuple[str, int, int | None, Any]] | None:
+    """(field, layer, expert or None for all of them, array in our [in, out] layout) of an HF expert
+    tensor (Qwen3-MoE / Mixtral's one expert at a time, or the fused f[E, ...] layouts); None for any
+    other tensor."""
+    if not name.startswith("model.layers."):
+        return None
+    index, _, rest = name[len("model.layers.") :].partition(".")
+    parts = _expert_parts(rest, tensor) if index.isdigit() else None
+    if parts is None:
+        return None
+    layer = int(index)
+    if layer >= cfg.num_layers or any(e is not None and e >= cfg.num_experts for _, e, _ in parts):
+        raise ModelLoadError(f"unexpected tensor {name!r} ({cfg.num_layers} layers, {cfg.num_experts} experts)")
+    return [(field, layer, expert, array) for field, expert, array in parts]
+
+
+class _ExpertLayers:
+    """A layer's experts given one at a time (HF names), gathered on the host into the layer's
+    f[E, ...] weight; handed on when its last expert arrives, so the host holds one layer of an
+    expert weight at a time."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.open: dict[tuple[str, int], tuple[np.ndarray, set[int]]] = {}
+
+    def add(self, field: str, layer: int, expert: int, array: Any, name: str) -> np.ndarray | None:
+        key = (field, layer)
+        if key not in self.open:
+            self.open[key] = (np.empty((self.num_experts, *np.shape(array)), np.asarray(array).dtype), set())
+        buffer, seen = self.open[key]
+        if np.shape(array) != buffer.shape[1:]:
+            raise ModelLoadError(f"{name} has shape {tuple(np.shape(array))}; expected {buffer.shape[1:]}")
+        buffer[expert] = np.asarray(array)
+        seen.add(expert)
+        if len(seen) < self.num_experts:
+            return None
+        del self.open[key]
+        return buffer
+
+    def check_complete(self) -> None:
+        """An expert weight is replaced whole: a layer given only some of its experts is refused."""
+        if self.open:
+            (field, layer), (_, seen) = next(iter(self.open.items()))
+            missing = sorted(set(range(self.num_experts)) - seen)
+            raise ModelLoadError(
+                f"{_name(field, layer)}: the update gives {len(seen)} of its {self.num_experts} experts "
+                f"(missing {missing[:8]}); an expert weight is replaced with all its experts"
+            )
 
 
 def _layer_spec(spec: Any) -> Any:
