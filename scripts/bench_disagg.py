@@ -73,7 +73,16 @@ class Proc:
 
 def server(args, log_dir: Path, name: str, *flags: str) -> Proc:
     port = free_port()
-    argv = [sys.executable, "-m", "jaxserve.serve", "--port", str(port), "--no-access-log"]
+    # Every bucket compiled before /health: no request of the run waits for a compilation.
+    argv = [
+        sys.executable,
+        "-m",
+        "jaxserve.serve",
+        "--port",
+        str(port),
+        "--no-access-log",
+        "--no-compile-in-background",
+    ]
     argv += ["--max-model-len", str(args.max_model_len)] + (["--model", args.model] if args.model else [])
     return Proc(argv + list(flags), log_dir / f"{name}.log", port)
 
