@@ -154,8 +154,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--engine-tp",
         type=int,
         default=1,
-        help="the engine tensor-parallel over this many devices while the trainer keeps its params replicated "
-        "over all of them: every update_weights reshards (on a CPU: 4 virtual devices)",
+        help="the engine tensor-parallel over this many devices while the trainer is data-parallel over all of "
+        "them (params replicated, each device a slice of the rollouts): every update_weights reshards (on a "
+        "CPU: 4 virtual devices)",
     )
     args = ap.parse_args(argv)
 
@@ -174,9 +175,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # are placed as the train step's outputs will be (one compile of the step, not two): on the engine's
     # devices and shardings, or (--engine-tp) replicated over every device, shardings the engine does not use.
     copy = lambda p: jax.tree.map(lambda x: x + 0, p)
+    rows = None  # --engine-tp: the rollouts' sharding, split over every device (a data-parallel trainer)
     if args.engine_tp > 1:
-        everywhere = NamedSharding(Mesh(np.asarray(jax.devices()), ("all",)), PartitionSpec())
-        params = jax.jit(copy)(jax.device_put(llm.runner.params, everywhere))
+        mesh = Mesh(np.asarray(jax.devices()), ("all",))
+        if (args.prompts * args.group) % mesh.size:
+            raise SystemExit(f"--prompts x --group must be a multiple of the {mesh.size} devices with --engine-tp")
+        rows = NamedSharding(mesh, PartitionSpec("all"))
+        params = jax.jit(copy)(jax.device_put(llm.runner.params, NamedSharding(mesh, PartitionSpec())))
     else:
         params = jax.jit(copy)(llm.runner.params)
     # Adam with the global gradient norm clipped at 1 (TRL's GRPO default max_grad_norm).
@@ -187,8 +192,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rng = np.random.default_rng(args.seed)
     history: list[dict] = []
     os.makedirs(args.out, exist_ok=True)
-    held_out = task(np.random.default_rng(args.seed + 1), args.eval_prompts)  # the same sums every time
-    evals = [evaluate(llm, held_out, args, steps=0)]
+    fixed = task(np.random.default_rng(args.seed + 1), args.eval_prompts)  # the same sums at every evaluation
+    evals = [evaluate(llm, fixed, args, steps=0)]
     for it in range(args.iterations):
         problems = task(rng, args.prompts)
         prompts = [p for p, _ in problems for _ in range(args.group)]
@@ -210,18 +215,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rewards = right + FORMAT_WEIGHT * formed
         grouped = rewards.reshape(args.prompts, args.group)
         advantages = ((grouped - grouped.mean(1, keepdims=True)) / (grouped.std(1, keepdims=True) + 1e-4)).reshape(-1)
-        rows = [(o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].sampled_logprobs()) for o in outs]
+        rollouts = [(o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].sampled_logprobs()) for o in outs]
         # One width while the prompts keep their length (one compile of the train step), a multiple of 8.
-        width = -(-(max(len(p) for p, _, _ in rows) + args.max_tokens) // 8) * 8
-        tokens, positions, mask, old = batch_of(rows, width, args.max_tokens)
+        width = -(-(max(len(p) for p, _, _ in rollouts) + args.max_tokens) // 8) * 8
+        batch = (*batch_of(rollouts, width, args.max_tokens), advantages.astype(np.float32))
+        tokens, positions, mask, old, advantages = batch if rows is None else jax.device_put(batch, rows)
         start = time.perf_counter()
         params, opt_state, loss, trainer_logprobs = train_step(
-            params, opt_state, tokens, positions, mask, advantages.astype(np.float32), old
+            params, opt_state, tokens, positions, mask, advantages, old
         )
         loss = float(loss)
         train_s = time.perf_counter() - start
         # The trainer's logprobs of the rollouts, on the weights that sampled them (before this step).
-        mismatch = float(np.max(np.abs(np.asarray(trainer_logprobs) - old) * mask))
+        mismatch = float(np.max(np.abs(np.asarray(trainer_logprobs) - np.asarray(old)) * np.asarray(mask)))
         start = time.perf_counter()
         report = llm.update_weights(params, weight_version=it + 1)
         sync_s = time.perf_counter() - start
@@ -251,7 +257,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for (text, reason), a in list(zip(texts, answers))[:: max(1, len(texts) // max(1, args.show))][: args.show]:
             print(f"    {a:>3} <- {text!r} ({reason})", flush=True)
         if (it + 1) % args.eval_every == 0 or it + 1 == args.iterations:
-            evals.append(evaluate(llm, held_out, args, steps=it + 1))
+            evals.append(evaluate(llm, fixed, args, steps=it + 1))
     with open(os.path.join(args.out, "grpo.json"), "w") as f:
         json.dump({"args": vars(args), "iterations": history, "evals": evals}, f, indent=1)
     plot(history, evals, os.path.join(args.out, "grpo_reward.png"))
@@ -301,8 +307,14 @@ def plot(history: list[dict], evals: list[dict], path: str) -> None:
         smooth = np.convolve(values, np.ones(window) / window, mode="valid")
         ax.plot(x[window - 1 :], smooth, color=line.get_color(), label=f"{label}, moving mean ({window})")
     steps = [e["steps"] for e in evals]
-    ax.plot(steps, [e["correct"] for e in evals], "k--o", markersize=3, label="held-out greedy correct")
-    ax.set_xlabel("iteration (held-out: after that many steps)")
+    ax.plot(
+        steps,
+        [e["correct"] for e in evals],
+        "k--o",
+        markersize=3,
+        label="greedy, fixed sums: correct",
+    )
+    ax.set_xlabel("iteration (greedy evals: after that many steps)")
     ax.set_ylabel("reward / fraction of rollouts")
     ax.set_title("GRPO through jaxserve: sum of two digits")
     ax.legend(fontsize=7)

@@ -14,7 +14,18 @@ from jaxserve.loading import resources
 
 def test_three_iterations_sync_the_weights_and_agree_on_logprobs(tmp_path):
     out = str(tmp_path / "grpo")
-    argv = ["--model", str(resources.small_checkpoint()), "--iterations", "3", "--prompts", "2", "--group", "4"]
+    argv = [
+        "--model",
+        str(resources.small_checkpoint()),
+        "--iterations",
+        "3",
+        "--prompts",
+        "2",
+        "--group",
+        "4",
+        "--eval-prompts",
+        "4",
+    ]
     history = rl_grpo.main(argv + ["--no-chat", "--max-model-len", "32", "--out", out])  # bare prompts: short
     assert [h["iteration"] for h in history] == [1, 2, 3]
     assert [h["weight_version"] for h in history] == [0, 1, 2]  # rollouts of iteration k: the weights after k - 1
@@ -27,13 +38,25 @@ def test_three_iterations_sync_the_weights_and_agree_on_logprobs(tmp_path):
     with open(os.path.join(out, "grpo.json")) as f:
         saved = json.load(f)
     assert saved["iterations"] == history
-    assert [e["steps"] for e in saved["evals"]] == [0, 3]  # the held-out sums before and after training
+    assert [e["steps"] for e in saved["evals"]] == [0, 3]  # the fixed sums, greedy, before and after training
 
 
 def test_trainer_and_engine_on_different_shardings(tmp_path):
-    """--engine-tp 2: the engine tensor-parallel over two virtual devices, the trainer's params
-    replicated over four; every update reshards (nothing adopted) and the logprobs still agree."""
-    argv = ["--model", str(resources.small_checkpoint()), "--iterations", "2", "--prompts", "2", "--group", "2"]
+    """--engine-tp 2: the engine tensor-parallel over two virtual devices, the trainer data-parallel
+    over four (params replicated, rollouts split); every update reshards (nothing adopted) and the
+    logprobs still agree."""
+    argv = [
+        "--model",
+        str(resources.small_checkpoint()),
+        "--iterations",
+        "2",
+        "--prompts",
+        "2",
+        "--group",
+        "2",
+        "--eval-prompts",
+        "4",
+    ]
     history = rl_grpo.main(argv + ["--no-chat", "--max-model-len", "32", "--engine-tp", "2", "--out", str(tmp_path)])
     assert [h["adopted"] for h in history] == [0, 0]
     assert [h["weight_version"] for h in history] == [0, 1]
