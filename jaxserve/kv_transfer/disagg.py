@@ -5,8 +5,8 @@ with `max_tokens` 1 and `kv_transfer_params: {"do_remote_decode": true}`. When t
 finishes, `request_finished` keeps its prompt's pages (delay_free) and returns where to pull them
 from; the engine puts those params on the final output, the proxy copies them into the same request
 sent to a decode engine (kv_role kv_consumer). There, `get_num_new_matched_tokens` claims the
-prompt's tokens but the last (that one is recomputed and samples the first output token, so the
-output is the one engine's), the pull runs on the worker's threads while the sequence waits in
+prompt's tokens but the last (the last page partial; that token is recomputed and samples the first
+output token, so the output is the one engine's), the pull runs on the worker's threads while the sequence waits in
 `Scheduler.loading`, and the pages are written before it runs. The prefill engine frees its pages
 when the decode engine says it pulled them, or after `abort_request_timeout` seconds if nobody did
 (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
@@ -140,6 +140,8 @@ class DisaggScheduler(KVConnectorScheduler):
         params = getattr(seq.params, "kv_transfer_params", None)
         if not self.config.is_consumer or not params or not params.get("do_remote_prefill"):
             return 0, False
+        if seq.output_token_ids or seq.num_preemptions:  # readmitted after a preemption: it recomputes
+            return 0, False
         prompt = seq.prompt_token_ids
         if params["num_remote_tokens"] != len(prompt) or params["prompt_hash"] != prompt_hash(prompt):
             logger.warning(
@@ -152,9 +154,9 @@ class DisaggScheduler(KVConnectorScheduler):
             self._counts["kv_transfer_params_refused"] += 1
             self._meta.releases.append(params)
             return 0, False
-        # Every prompt token but the last, whole pages only (the engine's rule): the rest is computed here.
-        usable = (len(prompt) - 1) // self.page_size * self.page_size
-        n = usable - num_computed_tokens
+        # Every prompt token but the last (its step samples the first output token here), the last page
+        # partial; what the device prefix cache already holds is not pulled again.
+        n = len(prompt) - 1 - num_computed_tokens
         if n <= 0:  # the decode engine's own prefix cache holds it all
             self._meta.releases.append(params)
             return 0, False
@@ -180,9 +182,9 @@ class DisaggScheduler(KVConnectorScheduler):
             return False, None
         if seq.finish_reason == "abort" or seq.num_computed < len(seq.prompt_token_ids):
             return False, None
-        # What a decode engine can load: whole pages before the prompt's last token (that one it
-        # computes itself, sampling the first output token); a prompt within one page keeps nothing.
-        pages = list(page_ids[: (len(seq.prompt_token_ids) - 1) // self.page_size])
+        # What a decode engine loads: the pages of every prompt token but the last (that one it computes
+        # itself, sampling the first output token), the last page partial.
+        pages = list(page_ids[: -(-(len(seq.prompt_token_ids) - 1) // self.page_size)])
         if not pages:
             return False, None
         transfer_id = random.SystemRandom().getrandbits(53)

@@ -34,13 +34,17 @@ class KVConnectorDriver:
         if n <= 0:
             return False
         ps = self.blocks.page_size
-        if n % ps or seq.num_computed + n > seq.num_tokens - 1:
+        # Whole pages, or every token but the last (a prefill engine's pages: the last one partial, in a
+        # page this sequence alone holds; only full pages are ever shared).
+        to_last = seq.num_computed + n == seq.num_tokens - 1
+        if (n % ps and not to_last) or seq.num_computed + n > seq.num_tokens - 1:
             raise ValueError(
                 f"{type(self.connector).__name__} offered {n} tokens to {seq.seq_id} ({seq.num_computed} "
-                f"computed of {seq.num_tokens}): need whole pages, and the last token left to compute"
+                f"computed of {seq.num_tokens}): need whole pages (or all but the last token), and the last "
+                "token left to compute"
             )
         first = seq.num_computed // ps
-        pages = self.blocks.page_table(seq.seq_id)[first : first + n // ps]
+        pages = self.blocks.page_table(seq.seq_id)[first : first + -(-n // ps)]
         self.connector.update_state_after_alloc(seq, pages, n)
         if is_async:
             seq.status = Status.WAITING_FOR_KV

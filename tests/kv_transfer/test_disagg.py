@@ -121,7 +121,7 @@ def test_with_an_int8_cache_disaggregated_greedy_outputs_equal_one_engines():
         params = pair.prefill(ids)
         assert pair.decode(ids, params) == want
         stats = pair.stats("d")
-        assert stats["kv_transfer_pages_received"] == 4 and stats["kv_loads_failed_total"] == 0
+        assert stats["kv_transfer_pages_received"] == 5 and stats["kv_loads_failed_total"] == 0
         no_pages_held(pair)
     finally:
         pair.close()
@@ -132,15 +132,17 @@ def test_disaggregated_greedy_outputs_equal_one_engines(pair):
     want = pair.reference(ids)  # the producer alone, colocated (its prefix cache then holds them: hits)
     before = pair.stats("d")
     params = pair.prefill(ids)
-    assert params[3] is None  # 5 tokens: no whole page to move, so none kept
-    for p, prompt in zip(params[:3], ids):
+    for p, prompt in zip(params, ids):
         assert p["do_remote_prefill"] and p["num_remote_tokens"] == len(prompt)
-        assert len(p["remote_block_ids"]) == (len(prompt) - 1) // 16  # the pages a decode can load
+        assert len(p["remote_block_ids"]) == -(-(len(prompt) - 1) // 16)  # every token's but the last
     assert pair.decode(ids, params) == want
     after = pair.stats("d")
-    # Every prompt token but the last, in whole pages, was pulled: 2 + 1 + 3 pages.
-    assert after["kv_transfer_pages_received"] - before["kv_transfer_pages_received"] == 6
-    assert after["kv_transfer_loads_done"] - before["kv_transfer_loads_done"] == 3
+    # Every prompt token but the last was pulled (3 + 1 + 4 + 1 pages, the last ones partial) and
+    # exactly those tokens counted computed: only each prompt's last token was computed here.
+    assert after["kv_transfer_pages_received"] - before["kv_transfer_pages_received"] == 9
+    assert after["kv_transfer_loads_done"] - before["kv_transfer_loads_done"] == 4
+    hits = after["external_prefix_cache_hits"] - before["external_prefix_cache_hits"]
+    assert hits == sum(len(prompt) - 1 for prompt in ids)
     assert after["kv_loads_failed_total"] == before["kv_loads_failed_total"]
     no_pages_held(pair)
 
@@ -149,7 +151,7 @@ def test_pages_nobody_pulls_are_freed_after_the_timeout_and_the_decode_recompute
     ids = prompts(1, lengths=(48,))
     want = pair.reference(ids)
     params = pair.prefill(ids)
-    assert pair.stats("p")["kv_transfer_pages_held"] == 2  # (48 - 1) // 16
+    assert pair.stats("p")["kv_transfer_pages_held"] == 3  # the pages of its first 47 tokens
     time.sleep(2.0)  # abort_request_timeout 1.5 s
     pair.settle()
     stats = pair.stats("p")

@@ -79,7 +79,7 @@ class DisaggRemoteEngine(RemoteEngine):
         super().__init__(*args, **kwargs)
         self._prefill_handle = prefill_handle
         self.num_prefill_retries = 0
-        self.num_without_pages = 0  # prefills that left no pages to pull (a prompt within one page)
+        self.num_without_pages = 0  # prefills that left no pages to pull (a one-token prompt, a refusal)
 
     async def submit(self, request: EngineRequest, queue: asyncio.Queue, tag: Any = None) -> None:
         params = await self._prefill(request)
