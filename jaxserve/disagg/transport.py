@@ -33,7 +33,6 @@ import dataclasses
 import datetime
 import json
 import logging
-import random
 import socket
 import socketserver
 import threading
@@ -54,11 +53,6 @@ class TransferError(RuntimeError):
 
 class PullTimeout(TransferError):
     """A pull that did not finish by its deadline."""
-
-
-def new_transfer_id() -> int:
-    """A random id below 2**53 (JSON numbers stay exact in every client)."""
-    return random.SystemRandom().getrandbits(53)
 
 
 def _leaves(pages: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:

@@ -187,7 +187,7 @@ class DisaggScheduler(KVConnectorScheduler):
         pages = list(page_ids[: -(-(len(seq.prompt_token_ids) - 1) // self.page_size)])
         if not pages:
             return False, None
-        transfer_id = random.SystemRandom().getrandbits(53)
+        transfer_id = random.SystemRandom().getrandbits(53)  # below 2**53: exact in every JSON client
         if self._expect is not None:
             self._expect(transfer_id, self.abort_timeout_s)
         self._sending[seq.seq_id] = _Offered(transfer_id, pages)
