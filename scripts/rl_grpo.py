@@ -300,26 +300,26 @@ def plot(history: list[dict], evals: list[dict], path: str) -> None:
     window = max(1, len(history) // 10)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     x = np.arange(1, len(history) + 1)
-    parts = [("mean_reward", "mean reward"), ("correct", "correct (1)"), ("format", "number alone (0.5)")]
-    for key, label in parts:
+    parts = [  # the reward, then its two parts as fractions of the rollouts (drawn under it where they coincide)
+        ("mean_reward", "mean reward", 3.0, "-"),
+        ("correct", "correct (1)", 1.2, ":"),
+        ("format", "number alone (0.5)", 1.2, ":"),
+    ]
+    for key, label, width, style in parts:
         values = np.asarray([h.get(key, np.nan) for h in history])
-        line = ax.plot(x, values, alpha=0.3)[0]
+        line = ax.plot(x, values, alpha=0.25, linewidth=1)[0]
         smooth = np.convolve(values, np.ones(window) / window, mode="valid")
-        ax.plot(x[window - 1 :], smooth, color=line.get_color(), label=f"{label}, moving mean ({window})")
+        ax.plot(
+            x[window - 1 :], smooth, style, color=line.get_color(), linewidth=width, label=f"{label}, mean of {window}"
+        )
     steps = [e["steps"] for e in evals]
-    ax.plot(
-        steps,
-        [e["correct"] for e in evals],
-        "k--o",
-        markersize=3,
-        label="greedy, fixed sums: correct",
-    )
+    ax.plot(steps, [e["correct"] for e in evals], "k--o", markersize=3, label="greedy on fixed sums: correct")
     ax.set_xlabel("iteration (greedy evals: after that many steps)")
     ax.set_ylabel("reward / fraction of rollouts")
     ax.set_title("GRPO through jaxserve: sum of two digits")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
