@@ -4,7 +4,8 @@ and without `--kv-offloading-size`, the default model (SmolLM2-135M-Instruct) on
 
 The workload: `--conversations` chats under one system prompt, `--active` of them at a time; each round
 sends the next turn of every active chat at once (the chat so far, the model's own earlier answers
-included, plus a new user message), greedy, `--answer-tokens` each. A chat that has had its `--turns`
+included, plus a new user message with a pasted log), greedy, `--answer-tokens` each (few: TTFT is the
+prompt's work, not a wait behind other requests' decoding). A chat that has had its `--turns`
 turns is replaced by the next. The device pool is small (`--num-pages`), so the active chats' histories
 do not fit it: each round's prompts evict the others' pages. Without the tier they are recomputed;
 with a host tier of `--tier-pools` device pools, evicted pages wait in host memory (LRU) and come back.
@@ -88,7 +89,10 @@ def run(args, tier_gib: float | None) -> dict:
             batch = []
             for c in active:
                 ask = ASKS[(turns[c] + c) % len(ASKS)].format(t=TOPICS[c % len(TOPICS)])
-                chats[c].append(("user", f"(chat {c}, turn {turns[c] + 1}) {ask}"))
+                log = " ".join(
+                    f"step {i} took {(c * 31 + turns[c] * 17 + i * 7) % 97} ms;" for i in range(args.log_lines)
+                )
+                chats[c].append(("user", f"(chat {c}, turn {turns[c] + 1}) {ask} Here is the log: {log}"))
                 batch.append(chat_ids(tok, chats[c]))
             outs = llm.generate(prompt_token_ids=batch, sampling_params=params, use_tqdm=False)
             for c, ids, out in zip(active, batch, outs):
@@ -137,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conversations", type=int, default=6)
     ap.add_argument("--active", type=int, default=3, help="chats taking turns at once")
     ap.add_argument("--turns", type=int, default=5)
-    ap.add_argument("--answer-tokens", type=int, default=24)
-    ap.add_argument("--num-pages", type=int, default=32, help="the device pool per replica (page 0 is padding)")
+    ap.add_argument("--answer-tokens", type=int, default=8)
+    ap.add_argument("--log-lines", type=int, default=12, help="a pasted log in each user message (~6 tokens a line)")
+    ap.add_argument("--num-pages", type=int, default=64, help="the device pool per replica (page 0 is padding)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--batched-tokens", type=int, default=256)
     ap.add_argument("--tier-pools", type=float, default=2.0, help="the host tier's size in device pools")
