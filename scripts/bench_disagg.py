@@ -12,7 +12,9 @@ ids, --output-len tokens each, ignore_eos, --num-prompts at --request-rate, stre
   disaggregated    a prefill server (kv_producer) and a decode server (kv_consumer), the
                    JaxTransferConnector between them, behind `jaxserve disagg-proxy`
 
-Goodput counts requests within --slo-ttft and --slo-tpot (ms). Each server starts with warm-up
+Goodput counts requests within --slo-ttft and --slo-tpot (ms). After the disaggregated run, --probe
+requests one at a time split its TTFT: the prefill server's answer, then the decode server's first
+token from the pulled pages, beside the decode server's own TTFT for a plain prompt of that length. Each server starts with warm-up
 (every bucket compiled before /health), and the benchmark's first --warmups requests are not counted.
 On one machine both engines of the disaggregated setup share the same cores, so this measures
 correctness and overheads, not what separate accelerators would give (docs/disaggregation.md).
@@ -133,10 +135,42 @@ def run_setup(args, name: str, log_dir: Path) -> dict:
             result["pages_received"] = next(
                 (float(line.split()[-1]) for line in metrics.splitlines() if 'direction="received"' in line), None
             )
+            result["probe"] = probe(args, procs[0].url, procs[1].url)
         return result
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+def probe(args, prefill: str, decode: str) -> dict:
+    """One request at a time, after the run: the prefill's answer (s), then the decode's first token
+    from the pulled pages (s): what the transfer path adds. The decode server, asked plainly for a
+    prompt of the same length, is the colocated TTFT beside it (its own prefill)."""
+    out = {"prefill_s": [], "pull_to_first_token_s": [], "colocated_ttft_s": []}
+
+    def first_token(url: str, body: dict) -> float:
+        t0 = time.perf_counter()
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    return time.perf_counter() - t0
+        raise RuntimeError(f"no token from {url}")
+
+    for i in range(args.probe):
+        ids = [40000 - 300 * i - j for j in range(args.input_len)]  # unlike the run's and each other's
+        body = {"prompt": ids, "max_tokens": 4, "temperature": 0}
+        t0 = time.perf_counter()
+        answer = httpx.post(
+            prefill + "/v1/completions",
+            json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+            timeout=300,
+        ).json()
+        out["prefill_s"].append(time.perf_counter() - t0)
+        out["pull_to_first_token_s"].append(
+            first_token(decode, {**body, "kv_transfer_params": answer["kv_transfer_params"]})
+        )
+        out["colocated_ttft_s"].append(first_token(decode, {**body, "prompt": [i + 11 for i in ids]}))
+    return out
 
 
 def row(name: str, r: dict) -> str:
@@ -156,6 +190,7 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--request-rate", type=float, default=0.5)
     p.add_argument("--warmups", type=int, default=2)
+    p.add_argument("--probe", type=int, default=6, help="requests sent one at a time after the disaggregated run")
     p.add_argument("--small-chunk", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--slo-ttft", type=float, default=3000.0, help="ms")
@@ -178,7 +213,12 @@ def main() -> int:
     for name, r in results.items():
         print(row(name, r))
     if "disaggregated" in results:
-        print(f"\npages pulled by the decode server: {results['disaggregated'].get('pages_received')}")
+        r = results["disaggregated"]
+        print(f"\npages pulled by the decode server: {r.get('pages_received')}")
+        print(f"one request at a time ({args.probe} prompts of {args.input_len} tokens), median [min, max] s:")
+        for key, values in r["probe"].items():
+            v = sorted(values)
+            print(f"  {key}: {v[len(v) // 2]:.3f} [{v[0]:.3f}, {v[-1]:.3f}]")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
