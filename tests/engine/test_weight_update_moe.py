@@ -1,7 +1,8 @@
 """update_weights of a mixture of experts by Hugging Face names (issue 53, part 2): Qwen3-MoE's
 experts come one tensor per expert (`mlp.experts.{e}.gate_proj.weight`), gathered into each layer's
 f[E, D, F] weight; the served params must equal a fresh load of the new checkpoint, the layers
-stacked (scanned) or a tuple (unrolled). The updater alone, on loaded params: no engine to compile."""
+stacked (scanned) or a tuple (unrolled), float32 or int8. The updater alone, on loaded params: no
+engine to compile."""
 
 import os
 import shutil
@@ -30,14 +31,16 @@ def moe_models(hf_model_dir, tmp_path_factory):
     return a, b, tensors
 
 
-@pytest.mark.parametrize("stacked", [True, False])
-def test_experts_by_hf_name_equal_a_fresh_load(moe_models, stacked):
+@pytest.mark.parametrize("stacked, quantization", [(True, "none"), (False, "none"), (True, "int8")])
+def test_experts_by_hf_name_equal_a_fresh_load(moe_models, stacked, quantization):
+    """int8: the experts requantized as they are placed, as a fresh int8 load quantizes them."""
     a, b, tensors = moe_models
     cfg = ModelConfig.from_dir(a)
-    served = [load_hf_params(a, cfg, np.float32, stacked=stacked)]
+    served = [load_hf_params(a, cfg, np.float32, stacked=stacked, quantization=quantization)]
     updater = WeightUpdater(lambda: served[0], lambda p: served.__setitem__(0, p), cfg)
     report = updater.update(iter_safetensors(os.path.join(b, "model.safetensors")))  # chunks, as streamed
-    fresh = load_hf_params(b, cfg, np.float32, stacked=stacked)
+    fresh = load_hf_params(b, cfg, np.float32, stacked=stacked, quantization=quantization)
+    assert report.quantized == (0 if quantization == "none" else report.tensors - report.copied)
     layer = fresh.layers if stacked else fresh.layers[0]
     per_layer = sum(getattr(layer, f) is not None for f in LAYER_FIELDS)  # the experts' three among them
     assert report.tensors == sum(getattr(fresh, f) is not None for f in TOP_FIELDS) + cfg.num_layers * per_layer
