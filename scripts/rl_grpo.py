@@ -71,14 +71,21 @@ def reward(text: str, answer: str, finish_reason: str | None = "stop") -> float:
     return float(correct(text, answer)) + FORMAT_WEIGHT * float(well_formed(text, finish_reason))
 
 
-SYSTEM = "Answer with the number only."
+STYLES = {  # the chat each sum is asked as: (system turn, user turn)
+    "question": ("Answer with the number only.", "What is {a}+{b}?"),
+    # The model answers a bare number more often here (about 8% of samples at temperature 0.7 against
+    # none), so the format part of the reward can be learned too.
+    "calculator": ("You are a calculator. Reply with the result only.", "{a}+{b}"),
+}
 
 
-def question(prompt: str) -> list[dict]:
+def question(prompt: str, style: str = "question") -> list[dict]:
     """The chat the model is asked (an instruct model answers a question, not a bare "3+4="); a short
-    system turn of our own keeps the prompt at 27 tokens (the template's default one makes it 43, and
-    the train step's cost grows with the width)."""
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {prompt[:-1]}?"}]
+    system turn of our own keeps the prompt at 27-29 tokens (the template's default one makes it 43,
+    and the train step's cost grows with the width)."""
+    system, user = STYLES[style]
+    a, b = prompt[:-1].split("+")
+    return [{"role": "system", "content": system}, {"role": "user", "content": user.format(a=a, b=b)}]
 
 
 def token_logprobs(params, tokens, positions, cfg, temperature: float):
@@ -150,6 +157,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--out", default="out/grpo")
     ap.add_argument("--no-chat", dest="chat", action="store_false", help='bare "3+4=" prompts, no chat template')
+    ap.add_argument("--style", choices=sorted(STYLES), default="question", help="how the chat asks each sum")
     ap.add_argument(
         "--engine-tp",
         type=int,
@@ -204,7 +212,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ]
         start = time.perf_counter()
         if args.chat:
-            outs = llm.chat([question(p) for p in prompts], sampling, use_tqdm=False)
+            outs = llm.chat([question(p, args.style) for p in prompts], sampling, use_tqdm=False)
         else:
             outs = llm.generate(prompts, sampling, use_tqdm=False)
         rollout_s = time.perf_counter() - start
@@ -272,7 +280,7 @@ def evaluate(llm, problems: list[tuple[str, str]], args, steps: int) -> dict:
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     start = time.perf_counter()
     if args.chat:
-        outs = llm.chat([question(p) for p in prompts], greedy, use_tqdm=False)
+        outs = llm.chat([question(p, args.style) for p in prompts], greedy, use_tqdm=False)
     else:
         outs = llm.generate(prompts, greedy, use_tqdm=False)
     texts = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
