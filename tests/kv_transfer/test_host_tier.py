@@ -1,4 +1,5 @@
-"""The prefix cache's host tier through the engine (tiny llama, float32 and int8 KV): greedy outputs are
+"""The prefix cache's host tier through the engine (tiny llama, float32 and int8 KV, and a cache split
+over two devices' KV heads): greedy outputs are
 those of the same engine without the tier, while pages really leave the device pool and come back
 (counters), under preemption and prefix caching, with the block manager's invariants after every step,
 no page leaked, and no compile after warm-up (the page read and write are two executables per replica)."""
@@ -61,16 +62,21 @@ def tiny(hf_model_dir):
     return path
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_greedy_outputs_equal_with_and_without_the_host_tier(tiny, kv_cache_dtype):
+@pytest.mark.parametrize(
+    "kv_cache_dtype, mesh_shape", [("auto", (1, 1)), ("int8", (1, 1)), ("auto", (1, 2))], ids=["f32", "int8", "tp2"]
+)
+def test_greedy_outputs_equal_with_and_without_the_host_tier(tiny, kv_cache_dtype, mesh_shape):
     from jaxserve import LLM
 
-    with LLM(tiny, kv_cache_dtype=kv_cache_dtype, warm_up=False, **ENGINE) as llm:
+    engine = dict(ENGINE, kv_cache_dtype=kv_cache_dtype, mesh_shape=mesh_shape)  # tp2: KV heads split in two
+    with LLM(tiny, warm_up=False, **engine) as llm:
         plain = run(llm)
         plain_stats = llm.engine.stats()
-    # The float32 engine is warmed up and counts its compiles; the int8 one compiles as it goes (cheaper).
-    warm = kv_cache_dtype == "auto"
-    with LLM(tiny, kv_cache_dtype=kv_cache_dtype, kv_offloading_size=0.01, warm_up=warm, **ENGINE) as llm:
+    # The float32 engine is warmed up and counts its compiles; the others compile as they go (cheaper).
+    warm = kv_cache_dtype == "auto" and mesh_shape == (1, 1)
+    with LLM(tiny, kv_offloading_size=0.01, warm_up=warm, **engine) as llm:
+        if mesh_shape != (1, 1):
+            assert len(llm.engine.runner.cache.k.sharding.device_set) == 2
         tiered = run(llm)
         stats = llm.engine.stats()
         io = llm.engine.runner.page_io
