@@ -36,6 +36,10 @@ class DisaggWorker(KVConnectorWorker):
         self.endpoint = endpoint
         self._reading: dict[int, Any] = {}  # transfer id -> its PendingRead, until offered
         self._sending: dict[int, str] = {}  # transfer id -> seq id, until the offer ends
+        # Offers that ended (a decode engine's abort, expiry) before their save reached this worker: the
+        # registration happens when the request finishes, the save one step later, after that step's poll.
+        self._ended_early: set[int] = set()
+        self._freed: set[str] = set()  # seq ids whose pages may be freed at the next poll
         self._loading: dict[str, tuple[Any, Any]] = {}  # seq id -> (future of the pages, PageLoad)
         self.pages_sent = 0
         self.pages_received = 0
@@ -46,6 +50,10 @@ class DisaggWorker(KVConnectorWorker):
     def start_save_kv(self, meta: DisaggMeta) -> None:
         for save in meta.saves:
             transfer_id, _ = save.dest  # registered with the endpoint when the request finished
+            if transfer_id in self._ended_early:  # nobody will pull it: free the pages, read nothing
+                self._ended_early.discard(transfer_id)
+                self._freed.add(save.seq_id)
+                continue
             self._sending[transfer_id] = save.seq_id
             self._reading[transfer_id] = self.page_io.read_pages(save.replica, save.page_ids)
 
@@ -89,12 +97,14 @@ class DisaggWorker(KVConnectorWorker):
         return check
 
     def get_finished(self) -> KVConnectorOutput:
-        out = KVConnectorOutput()
+        out = KVConnectorOutput(finished_saving=self._freed)
+        self._freed = set()
         self._offer_read_pages()
         for transfer_id, how in self.endpoint.take_ended().items():
             seq_id = self._sending.pop(transfer_id, None)
             self._reading.pop(transfer_id, None)  # ended before its pages were read: never offered
             if seq_id is None:
+                self._ended_early.add(transfer_id)
                 continue
             if how == "expired":
                 self.offers_expired += 1

@@ -109,7 +109,8 @@ def pair():
 def no_pages_held(pair):
     pair.settle()
     p, d = pair.stats("p"), pair.stats("d")
-    assert p["pages_used"] == [0] and p["num_saving_kv"] == 0 and p["kv_transfer_offers_waiting"] == 0
+    held = {k: v for k, v in p.items() if k.startswith(("kv_", "num_saving", "pages_"))}
+    assert p["pages_used"] == [0] and p["num_saving_kv"] == 0 and p["kv_transfer_offers_waiting"] == 0, held
     assert d["pages_used"] == [0] and d["num_waiting_for_kv"] == 0
 
 
@@ -194,3 +195,30 @@ def test_a_producer_that_is_gone_or_params_for_another_prompt_are_recomputed(pai
     assert after["kv_transfer_params_refused"] == before["kv_transfer_params_refused"] + 1
     time.sleep(2.0)  # the first offer, never claimed, expires; the second was released at once
     no_pages_held(pair)
+
+
+def test_an_offer_that_ends_before_its_save_reaches_the_worker_still_frees_the_pages():
+    """The transfer id is registered when the request finishes; its save reaches the worker a step
+    later, after that step's poll. A decode engine's abort (or expiry) in between must still free it."""
+    from jaxserve.disagg.connector import DisaggWorker
+    from jaxserve.kv_transfer.base import KVTransferConfig, PageSave
+    from jaxserve.kv_transfer.disagg import DisaggMeta
+
+    class Endpoint:
+        ended: dict = {}
+
+        def take_ended(self):
+            out, self.ended = self.ended, {}
+            return out
+
+    class PageIO:
+        def read_pages(self, replica, page_ids):
+            raise AssertionError("pages nobody will pull are not read")
+
+    worker = DisaggWorker(KVTransferConfig("JaxTransferConnector", "kv_producer"), Endpoint())
+    worker.register_page_io(PageIO())
+    worker.endpoint.ended = {42: "aborted"}  # the poll before the save
+    assert not worker.get_finished().finished_saving
+    worker.start_save_kv(DisaggMeta(saves=[PageSave("seq-1", 0, [3, 4], (42, 120.0))]))
+    assert worker.get_finished().finished_saving == {"seq-1"}
+    assert not worker.get_finished().finished_saving
