@@ -67,14 +67,14 @@ class DisaggWorker(KVConnectorWorker):
     # -- decode side ------------------------------------------------------------------------------
 
     def start_load_kv(self, meta: DisaggMeta) -> None:
-        for seq_id in getattr(meta, "cancels", ()):
-            self._loading.pop(seq_id, None)  # its pages are free again: never write the pull into them
         for params in getattr(meta, "releases", ()):
             self.endpoint.release(_remote(params), params["transfer_id"])
         for load in meta.loads:
             p = load.source
             future = self.endpoint.pull(_remote(p), p["transfer_id"], p["pull_timeout"], check=self._layout_check(load))
             self._loading[load.seq_id] = (future, load)
+        for seq_id in getattr(meta, "cancels", ()):  # after the loads: a cancel may follow its load in one meta
+            self._loading.pop(seq_id, None)  # its pages are free again: never write the pull into them
 
     def _layout_check(self, load: Any):
         need = load.first_page + len(load.page_ids)
