@@ -228,7 +228,9 @@ class TransferEndpoint:
             logger.info("aborting transfer %s: %s", transfer_id, e)
 
     def _pull(self, remote: dict, transfer_id: int, deadline_s: float, check) -> dict[str, np.ndarray]:
-        reply = self._call(remote, {"op": "claim", "id": transfer_id, "wait_s": deadline_s}, timeout=deadline_s + 1)
+        # The producer waits a little longer than our deadline, so a pull that times out is always a
+        # PullTimeout here (and our abort reaches it before its own wait ends).
+        reply = self._call(remote, {"op": "claim", "id": transfer_id, "wait_s": deadline_s + 1}, timeout=deadline_s + 2)
         if not reply.get("ok"):
             raise TransferError(reply.get("error", "the producer refused the claim"))
         leaves = reply["leaves"]
