@@ -192,7 +192,7 @@ def _layer_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
     return {**names, **_ROUTER_NAMES} if cfg.is_moe else names
 
 
-def _expert_parts(rest: str, tensor: np.ndarray) -> list[tuple[str, int | None, np.ndarray]] | None:
+def expert_parts(rest: str, tensor: np.ndarray) -> list[tuple[str, int | None, np.ndarray]] | None:
     """An expert tensor (`rest` after "model.layers.{i}.") as (field, expert, array in our [in, out]
     layout) parts, expert None when the array holds every expert; None when it is no expert tensor."""
     prefix = next((p for p in _EXPERT_PREFIXES if rest.startswith(p)), None)
@@ -338,7 +338,7 @@ def load_hf_params(
             continue
         if name.startswith("model.layers."):
             index_str, _, rest = name[len("model.layers.") :].partition(".")
-            parts = _expert_parts(rest, tensor) if cfg.is_moe else None
+            parts = expert_parts(rest, tensor) if cfg.is_moe else None
             if parts is not None:
                 _copy_experts(target, layer_specs, int(index_str), parts, filled, cfg, stored_name)
                 continue

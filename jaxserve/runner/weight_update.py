@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ConfigError, EngineSleepingError, ModelLoadError, WeightsDeletedError
-from jaxserve.loading.checkpoint import _expert_parts, hf_weight_field
+from jaxserve.loading.checkpoint import expert_parts, hf_weight_field
 from jaxserve.model import quant
 from jaxserve.model.weights import LayerParams, Params
 
@@ -368,7 +368,7 @@ def _hf_expert_parts(name: str, tensor: Any, cfg: ModelConfig) -> list[tuple[str
     if not name.startswith("model.layers."):
         return None
     index, _, rest = name[len("model.layers.") :].partition(".")
-    parts = _expert_parts(rest, tensor) if index.isdigit() else None
+    parts = expert_parts(rest, tensor) if index.isdigit() else None
     if parts is None:
         return None
     layer = int(index)
