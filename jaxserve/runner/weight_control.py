@@ -62,9 +62,18 @@ class WeightControl:
         running go on with the new weights over the KV they have. `weight_version`: what every output
         carries from now on (default: the count of updates)."""
         self._check_open()
+        speculator = self.runner.speculation
+        if draft_params is not None and self.draft_weights is None:
+            if speculator is not None and speculator.method == "eagle3":
+                raise ValueError(
+                    "draft_params: an EAGLE-3 head is served as loaded (it is not updated; restart with a new head)"
+                )
+            raise ValueError("draft_params given, but this engine has no draft model")
         self.weight_updates += 1
         version = weight_version if weight_version is not None else self.weight_updates
         report = UpdateReport(weight_version=version)
+        if speculator is not None and speculator.method == "eagle3":
+            report.draft = "kept"  # the head drafts from the new target's own states from the next step on
         try:
             if params is not None:
                 self.weights.update(params, copy, report)

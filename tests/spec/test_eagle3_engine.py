@@ -137,6 +137,14 @@ def test_eagle3_is_greedy_exact_under_preemption_and_prefix_caching(target, refe
         llm.wake_up()
         again = llm.generate(prompt_token_ids=prompts[:3], sampling_params=params[:3], use_tqdm=False)
         assert token_ids(again) == reference[:3]
+        # New target weights (here a copy of the same): the head is kept and says so; a head's new
+        # weights are refused rather than ignored.
+        report = llm.update_weights(engine.runner.state.params, copy=True)
+        assert report.draft == "kept"
+        with pytest.raises(ValueError, match="EAGLE-3 head is served as loaded"):
+            llm.update_weights(engine.runner.state.params, draft_params={})
+        updated = llm.generate(prompt_token_ids=prompts[:3], sampling_params=params[:3], use_tqdm=False)
+        assert token_ids(updated) == reference[:3]
 
 
 def test_eagle3_settings_are_checked(target, head_dir):
