@@ -19,7 +19,8 @@ that differs).
 Fields with their own code rather than an entry here, because no range or scalar array describes them:
 `stop` and `stop_token_ids` (lists, normalised to tuples), `logit_bias` (a map, checked by
 `sampling_params._check_logit_bias`, two [B, 300] arrays on the device), `structured` (a grammar
-object, checked against ignore_eos and min_tokens). Entries with a little bespoke code next to them:
+object, checked against ignore_eos and min_tokens), `kv_transfer_params` (a KV connector's JSON object,
+checked by the connector: `kv_transfer.disagg.check_params` on the server). Entries with a little bespoke code next to them:
 `max_tokens` and `logprobs` (each endpoint types and defaults them itself: completions' `max_tokens=0`
 with echo, chat's `logprobs` flag plus `top_logprobs`), `top_k` (-1 is normalised to 0), `seed` (the
 device's per-row seed is the one the engine derives for each sample, not the request's).
@@ -221,4 +222,4 @@ BY_NAME: dict[str, SamplingField] = {f.name: f for f in FIELDS}
 # The fields of FIELDS that are per-row arrays of SamplingTensors, in table order.
 DEVICE_FIELDS: tuple[SamplingField, ...] = tuple(f for f in FIELDS if f.device is not None)
 # SamplingParams fields with their own code (see the module docstring).
-BESPOKE = ("stop_token_ids", "stop", "logit_bias", "structured")
+BESPOKE = ("stop_token_ids", "stop", "logit_bias", "structured", "kv_transfer_params")
