@@ -26,7 +26,7 @@ import contextlib
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -83,12 +83,18 @@ class DisaggProxy:
         self.retries = retries
         self.counts = dict.fromkeys(("requests", "prefill_retries", "decode_retries", "failed"), 0)
 
+    def _attempts(self, pool: Pool, kind: str) -> Iterator[Upstream]:
+        """The servers of `pool` to try in turn, at most `retries` + 1; each try after the first is
+        counted as a `kind` retry."""
+        for attempt, server in enumerate(pool.order()[: self.retries + 1]):
+            if attempt:
+                self.counts[f"{kind}_retries"] += 1
+            yield server
+
     async def _prefill(self, path: str, body: dict) -> tuple[Upstream | None, int, Any]:
         """(server, status, JSON body) of the first prefill server that answers below 500."""
         last = "no prefill server answered"
-        for attempt, server in enumerate(self.prefill.order()[: self.retries + 1]):
-            if attempt:
-                self.counts["prefill_retries"] += 1
+        for server in self._attempts(self.prefill, "prefill"):
             server.in_flight += 1
             try:
                 async with server.client.request("POST", path, prefill_body(body)) as r:
@@ -130,9 +136,7 @@ class DisaggProxy:
 
     async def _decode(self, path: str, body: dict, headers: dict) -> Response:
         last = "no decode server answered"
-        for attempt, server in enumerate(self.decode.order()[: self.retries + 1]):
-            if attempt:
-                self.counts["decode_retries"] += 1
+        for server in self._attempts(self.decode, "decode"):
             server.in_flight += 1
             try:
                 async with server.client.request("POST", path, body) as r:
@@ -156,9 +160,7 @@ class DisaggProxy:
     async def _decode_stream(self, path: str, body: dict, headers: dict) -> Response:
         """Open the stream on the first decode server that answers its head below 500, then relay it."""
         last = "no decode server answered"
-        for attempt, server in enumerate(self.decode.order()[: self.retries + 1]):
-            if attempt:
-                self.counts["decode_retries"] += 1
+        for server in self._attempts(self.decode, "decode"):
             server.in_flight += 1
             ctx = server.client.request("POST", path, body)
             try:
