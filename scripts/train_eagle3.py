@@ -306,6 +306,19 @@ def load_state(folder: Path, trainable, opt_state):
     return trainable, opt_state, json.loads((folder / "meta.json").read_text())
 
 
+def warm_start(folder: Path, trainable, opt_state, vocab: str):
+    """The trainable weights of another run's state (its optimizer state and step are dropped), so a
+    finished run can go on under a new schedule; refused when its draft vocabulary differs."""
+    state = load_state(folder, trainable, opt_state)
+    if state is None:
+        raise SystemExit(f"--init-from {folder}: no training state there (meta.json and arrays.npz)")
+    weights, _, meta = state
+    if meta.get("draft_vocab") != vocab:
+        raise SystemExit(f"--init-from {folder}: trained with another draft vocabulary")
+    print(f"weights from {folder} (step {meta['step']} of its run)", flush=True)
+    return weights
+
+
 # ---- the run ----
 
 
@@ -380,6 +393,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--state-dir", default=None, help="the resumable state (default: DATA/train_state/<OUT's name>, outside OUT)"
     )
+    ap.add_argument(
+        "--init-from",
+        default=None,
+        help="start from the weights of another run's --state-dir (a fresh schedule and optimizer: a warm restart)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     args.norm_before_residual = bool(args.norm_before_residual)
@@ -409,6 +427,8 @@ def main(argv=None) -> int:
             )
         print(f"resumed at step {meta['step']} ({meta['elapsed_seconds'] / 60:.1f} min done)", flush=True)
     else:
+        if args.init_from:
+            trainable = warm_start(Path(args.init_from), trainable, opt_state, vocab)
         meta = {
             "step": 0,
             "epoch": 0,

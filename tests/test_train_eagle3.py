@@ -171,3 +171,27 @@ def test_trimmed_prompts_keep_the_counted_indices(work):
     assert (cut["doc"] >= 0).sum() == (full["doc"] >= 0).sum() - (8 - 1 - 3)  # prompt of 8: 4 indices cut
     for name in ("tokens", "positions", "aux", "final", "greedy"):
         np.testing.assert_array_equal(cut[name][cut["mask"]], full[name][full["mask"]], err_msg=name)
+
+
+def test_init_from_starts_a_new_schedule_at_another_runs_weights(tiny, work, tmp_path):
+    """--init-from takes a finished run's weights (not its optimizer or step) and refuses another
+    vocabulary's."""
+    import jax.numpy as jnp
+
+    path, _, _, _ = tiny
+    assert te.main(_args(path, work, tmp_path / "first", max_steps=2)) == 0
+    state = work / "train_state"
+    ns = _namespace(path, work)
+    cfg, head, embed, rows = te.build(ns, work)
+    trainable = te.split_params(head, False)
+    optimizer, _, _ = te.make_steps(ns, cfg, head, embed, rows, 20)
+    vocab = json.loads((state / "first" / "meta.json").read_text())["draft_vocab"]
+    weights = te.warm_start(state / "first", trainable, optimizer.init(trainable), vocab)
+    saved, _, _ = te.load_state(state / "first", trainable, optimizer.init(trainable))
+    for a, b in zip(jax.tree.leaves(weights), jax.tree.leaves(saved)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any(not jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(weights), jax.tree.leaves(trainable)))
+    assert te.main(_args(path, work, tmp_path / "second", max_steps=1, init_from=state / "first")) == 0
+    assert json.loads((state / "second" / "meta.json").read_text())["step"] == 1
+    with pytest.raises(SystemExit, match="another draft vocabulary"):
+        te.warm_start(state / "first", trainable, optimizer.init(trainable), "another")
