@@ -47,9 +47,10 @@ def start_once(
     timeout_s: float,
     env: dict | None = None,
     measure=None,
+    cwd: str | None = None,
 ) -> dict:
     """One start; `measure(port, start)`, if given, runs once the first chat answered and its dict
-    joins the result."""
+    joins the result. `cwd`: where the server runs (a copy of the source, scripts/bench_startup_weights.py)."""
     cmd = [
         sys.executable,
         "-m",
@@ -66,7 +67,7 @@ def start_once(
         **(env or {}),
     }
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     ready = None
     try:
         while time.perf_counter() - start < timeout_s:
@@ -99,6 +100,7 @@ def start_once(
     log.seek(0)
     text = log.read()
     opened = re.search(r"with token buckets ([0-9, ]+) of (\d+)", text)
+    store = re.search(r"(\d+) step executables loaded in ([0-9.]+)s", text)
     return dict(
         ready_s=round(ready, 1),
         first_token_s=round(first_token, 1),
@@ -106,9 +108,24 @@ def start_once(
         loaded_from_store=text.count("loaded from the executable store"),
         compiled=len(re.findall(r"bucket \S.* compiled in", text)) + len(re.findall(r"token bucket \d+ ready", text)),
         opened_buckets=opened.group(1) if opened else None,
+        store_loaded=int(store.group(1)) if store else None,
+        store_load_s=float(store.group(2)) if store else None,
+        weights_s=log_seconds(text, r"INFO jaxserve.serve: loading ", r"INFO jaxserve.llm_engine: memory plan"),
         peak_rss_mib=round(rss or 0.0),
         **measured,
     )
+
+
+def log_seconds(text: str, first: str, second: str) -> float | None:
+    """Seconds between the log lines matching `first` and `second` (their timestamps), None if either
+    is missing: "loading" to "memory plan" is the weights read and placed (plus the backend's start)."""
+    stamps = []
+    for pattern in (first, second):
+        m = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*" + pattern, text, re.M)
+        if m is None:
+            return None
+        stamps.append(time.mktime(time.strptime(m.group(1)[:19], "%Y-%m-%d %H:%M:%S")) + int(m.group(1)[20:]) / 1e3)
+    return round(stamps[1] - stamps[0], 1)
 
 
 def metrics(port: int) -> dict[str, float]:
@@ -190,7 +207,10 @@ def first_chat_token(port: int) -> float:
         for line in r:
             if line.startswith(b"data: {"):
                 choices = json.loads(line[6:]).get("choices") or [{}]
-                if (choices[0].get("delta") or {}).get("content"):
+                delta = choices[0].get("delta") or {}
+                # The first chunk after the role's: a token's, even one a random model's ids past the
+                # tokenizer's vocabulary decode to "" (configs/llama-3.2-1b.yaml)
+                if "content" in delta and "role" not in delta:
                     return time.perf_counter()
     raise RuntimeError("the chat streamed no token")
 

@@ -2,12 +2,13 @@
 
 A GGUF file's weights are dequantized (or requantized) at every load: for the default model's Q4_1
 file that was most of the ~5 s to the weights placed, and the larger share of a warm start once the
-executables come from the store. The first load writes the converted host arrays into one file under
+executables come from the store. A safetensors checkpoint's linear weights are transposed into
+jaxserve's layout, which on a CPU costs more than reading them (`enabled`). The first load writes the converted host arrays into one file under
 `~/.cache/jaxserve/weights` (`$JAXSERVE_CACHE`) with an index holding each array's place, shape, dtype,
 partition spec and CRC-32, and the params' pytree definition; the next load maps that file, checks
 every array's CRC-32 and places it on its sharding. A missing, truncated or damaged file is converted
 again (one warning line) and rewritten: never served. The key holds the GGUF file's identity (path,
-size, modification time: the model directory's name), jaxserve's source hash, the model config and
+size, modification time: the model directory's name) or the safetensors files', jaxserve's source hash, the model config and
 every setting that changes the converted values (dtype, quantization, group size, stacked layers).
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 logger = logging.getLogger(__name__)
@@ -35,12 +37,49 @@ _ALIGN = 64  # each array starts on a 64-byte boundary of the file
 ENV = "JAXSERVE_WEIGHTS_CACHE"  # "0": converted weights are not cached (the test suite's default)
 
 
+MAX_ENV = "JAXSERVE_WEIGHTS_CACHE_MAX"  # the largest safetensors checkpoint whose laid-out weights are kept
+DEFAULT_MAX_BYTES = 8 << 30
+
+
 def enabled(model_dir: str) -> bool:
-    """Whether this model's weights are converted at load and so kept: a GGUF file's, unless $JAXSERVE_WEIGHTS_CACHE=0."""
+    """Whether this model's weights are converted at load and so kept, unless $JAXSERVE_WEIGHTS_CACHE=0:
+    a GGUF file's (dequantized or requantized), and a safetensors checkpoint's of at most
+    $JAXSERVE_WEIGHTS_CACHE_MAX bytes (8 GiB): its linear weights are transposed into jaxserve's
+    [in, out] layout at load, which on a CPU took longer than reading them (a 1.24 B-parameter bf16
+    checkpoint: 5-8 s to lay out against 1.6-3.4 s to read on 2 cores). A copy the size of the
+    checkpoint is the price, hence the bound (a larger model's cache would cost more disk than its
+    load saves time)."""
     from jaxserve.loading.gguf_model import gguf_source
 
     off = os.environ.get(ENV, "").strip().lower() in ("0", "false", "no", "off")
-    return not off and gguf_source(model_dir) is not None
+    if off:
+        return False
+    if gguf_source(model_dir) is not None:
+        return True
+    files = checkpoint_files(model_dir)
+    limit = int(os.environ.get(MAX_ENV) or DEFAULT_MAX_BYTES)
+    return bool(files) and sum(os.path.getsize(f) for f in files) <= limit
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    """A safetensors checkpoint's weight files ([] for a directory without)."""
+    from jaxserve.errors import ModelLoadError
+    from jaxserve.loading.checkpoint import safetensors_files
+
+    try:
+        return safetensors_files(model_dir)
+    except (ModelLoadError, OSError):
+        return []
+
+
+def _files_identity(model_dir: str) -> list:
+    """Each weight file's path, size and modification time: a rewritten checkpoint is a new entry (a
+    GGUF-backed directory's name already says which file it stands for)."""
+    out = []
+    for path in checkpoint_files(model_dir):
+        st = os.stat(path)
+        out.append([os.path.abspath(path), st.st_size, st.st_mtime_ns])
+    return out
 
 
 def cache_dir() -> Path:
@@ -49,12 +88,18 @@ def cache_dir() -> Path:
 
 
 def weights_key(model_dir: str, parts: dict) -> str:
-    """The entry's name: the model directory's name (it carries the GGUF file's identity) and a hash
-    of the settings, config and jaxserve's source."""
+    """The entry's name: the model directory's name and a hash of the weight files' identity (a GGUF
+    file's is in the directory's name), the settings, config and jaxserve's source."""
     from jaxserve.runner.executable_keys import describe, source_hash
 
     material = json.dumps(
-        {"format": FORMAT, "source": source_hash(), "model_dir": os.path.abspath(model_dir), **describe(parts)},
+        {
+            "format": FORMAT,
+            "source": source_hash(),
+            "model_dir": os.path.abspath(model_dir),
+            "files": _files_identity(model_dir),
+            **describe(parts),
+        },
         sort_keys=True,
     )
     return f"{Path(model_dir).name}-{hashlib.sha256(material.encode()).hexdigest()[:20]}"
@@ -90,12 +135,13 @@ def _load(folder: Path, name: str, shardings: Any) -> Any:
         if treedef.num_leaves != len(index["arrays"]) or len(targets) != len(index["arrays"]):
             raise ValueError("another layout of the params")
         leaves = []
-        for (offset, shape, dtype, crc), sharding in zip(index["arrays"], targets):
-            size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        for (offset, shape, name, crc), sharding in zip(index["arrays"], targets):
+            dtype = jnp.dtype(name)  # by name: bfloat16's numpy .str is an opaque "<V2"
+            size = int(np.prod(shape)) * dtype.itemsize
             raw = mapped[offset : offset + size]
             if zlib.crc32(raw) != crc:
                 raise ValueError("checksum mismatch")
-            leaves.append(jax.device_put(raw.view(np.dtype(dtype)).reshape(shape), sharding))
+            leaves.append(jax.device_put(raw.view(dtype).reshape(shape), sharding))
     except Exception as err:  # noqa: BLE001 - anything wrong with the entry: convert again
         logger.warning("cached converted weights %s not used (%s): converting them again", data_path, err)
         return None
@@ -119,7 +165,7 @@ def _save(folder: Path, name: str, params: Any) -> None:
                 offset += pad
                 raw = host.view(np.uint8).reshape(-1)
                 f.write(raw)
-                arrays.append([offset, list(host.shape), host.dtype.str, zlib.crc32(raw)])
+                arrays.append([offset, list(host.shape), host.dtype.name, zlib.crc32(raw)])
                 offset += raw.size
         os.replace(tmp, folder / f"{name}.bin")
     except BaseException:

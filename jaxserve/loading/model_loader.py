@@ -136,7 +136,7 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
             settings.quantize_lm_head,
             settings.quantization_group_size,
         )
-        if converted_weights.enabled(model_dir):  # a GGUF file: its converted weights kept between starts
+        if converted_weights.enabled(model_dir):  # converted (or laid-out) weights kept between starts
             parts = dict(cfg=cfg, dtype=dtype, stacked=stacked, quantization=settings.quantization)
             parts.update(lm_head=settings.quantize_lm_head, group_size=settings.quantization_group_size)
             params = converted_weights.load_or_convert(model_dir, parts, shardings.params, convert)
