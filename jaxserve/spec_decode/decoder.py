@@ -26,7 +26,7 @@ from jaxserve.errors import ConfigError
 from jaxserve.model.kv_cache import PADDING_PAGE
 from jaxserve.model.weights import param_bytes
 from jaxserve.spec_decode.ngram import TokenBuffer, propose_ngram
-from jaxserve.spec_decode.policy import SpecPolicy, SpecState
+from jaxserve.spec_decode.policy import AcceptanceEstimate, SpecPolicy, SpecState
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,7 @@ class SpecCounters:
     accepted: int = 0  # of them accepted
     verified: int = 0  # (sequence, step) pairs with at least one draft verified
     steps: int = 0  # engine steps run speculatively
+    off_steps: int = 0  # steps of more than one row in which the batch decision let no row draft
     # By draft position j (0: the first draft): verifies that proposed a draft there, and those whose
     # draft there was accepted (vLLM's spec_decode_num_accepted_tokens_per_pos).
     proposed_per_pos: list[int] = dataclasses.field(default_factory=list)
@@ -164,6 +165,11 @@ class SpeculativeDecoder:
         self.draft_buckets = draft_buckets(self.k, jax.default_backend())
         self.counters = SpecCounters()
         self.decode_steps = 0
+        # Engine-wide acceptance (the batch decision; a new request's prior), and the batch decision
+        # of this step: (decode_steps, per-replica batch) -> drafts allowed; the last one logged per batch.
+        self.acceptance = AcceptanceEstimate()
+        self._batch_decision: tuple[tuple[int, int], bool] | None = None
+        self._logged_decision: dict[int, bool] = {}
         # Seconds per decode step: ("plain", batch) and ("spec", batch, drafts). `_device` from timing the
         # compiled steps (calibration), `_wall` the engine's recent whole steps (host work too). A median,
         # not an average: one slow step (a collection, another process on the core) must not price a
@@ -224,10 +230,9 @@ class SpeculativeDecoder:
         return self.speculation.draft_cache
 
     # ---- per-sequence decisions (called by the scheduler) ------------------------------------------
-    @staticmethod
-    def state(seq: Any) -> SpecState:
-        if seq.spec is None:
-            seq.spec = SpecState()
+    def state(self, seq: Any) -> SpecState:
+        if seq.spec is None:  # a new request: its estimate starts from the engine's
+            seq.spec = self.acceptance.new_state()
         return seq.spec
 
     def lookahead(self, seq: Any, batch_size: int) -> int:
@@ -237,6 +242,8 @@ class SpeculativeDecoder:
         # Steps are priced by their per-replica batch bucket; the replicas' rows taken as balanced.
         per_replica = min(-(-batch_size // self.num_replicas), self.buckets.batch_sizes[-1])
         costs = self.costs(per_replica) if self.policy.adaptive else None
+        if costs is not None and per_replica > 1 and not self._batch_drafts(per_replica, costs):
+            return 0
         k = min(
             self.policy.choose(state, self.decode_steps, costs),
             seq.params.max_tokens - len(seq.output_token_ids) - 1,  # k + 1 tokens may be emitted
@@ -251,6 +258,29 @@ class SpeculativeDecoder:
             state.proposal = propose_ngram(tokens, k, self.settings.prompt_lookup_min, self.settings.prompt_lookup_max)
             return len(state.proposal)
         return k
+
+    def _batch_drafts(self, batch: int, costs: list[float]) -> bool:
+        """The batch decision (`SpecPolicy.batch_drafts`), made once per step for its first row; a
+        change is logged, and each step it turns speculation off is counted (off_steps)."""
+        key = (self.decode_steps, batch)
+        if self._batch_decision is not None and self._batch_decision[0] == key:
+            return self._batch_decision[1]
+        drafts = self.policy.batch_drafts(self.acceptance, self.decode_steps, costs)
+        self._batch_decision = (key, drafts)
+        self.counters.off_steps += not drafts
+        B = pick_bucket(batch, self.buckets.batch_sizes)
+        pays = self.policy.best(self.acceptance.value, costs) > 0
+        if self._logged_decision.get(B, True) != pays:
+            self._logged_decision[B] = pays
+            logger.info(
+                "speculation at batch %d: %s (engine-wide acceptance %.2f; a step verifying k drafts costs %s "
+                "plain steps)",
+                B,
+                "on" if pays else "off but for probes",
+                self.acceptance.value,
+                "/".join(f"{c:.2f}" for c in costs[1:]),
+            )
+        return drafts
 
     # ---- what speculation costs -------------------------------------------------------------------
     def costs(self, batch_size: int) -> list[float]:
@@ -359,6 +389,7 @@ class SpeculativeDecoder:
                 state.lag = 0
                 continue
             state.record(k, n)
+            self.acceptance.record(k, n)
             if k > 0:
                 self.counters.record(k, n)
                 self.counters.proposed += k
@@ -381,6 +412,7 @@ class SpeculativeDecoder:
             spec_decode_num_accepted_tokens=c.accepted,
             spec_decode_num_verify_steps=c.verified,
             spec_decode_num_steps=c.steps,
+            spec_decode_num_off_steps=c.off_steps,
             spec_decode_acceptance_rate=c.acceptance_rate,
             spec_decode_mean_accepted_length=c.mean_accepted_length,
             spec_decode_num_drafts_per_pos=list(c.proposed_per_pos),

@@ -17,6 +17,14 @@ small-M matmuls run far below its matrix-vector product), on accelerators about 
 A request at k = 0 is re-measured with one draft token every `probe_interval` decode steps; the
 interval grows with the cost of a speculative step (probes cost at most ~2%), and probes are aligned
 on the engine's step count, so a batch of low-acceptance requests probes together.
+
+A step is priced for the whole batch (a row's drafts widen every row's step: at batch 16 one draft
+moves the step from the 16- to the 32-token bucket), so at batch > 1 the batch decides first
+(`SpecPolicy.batch_drafts`, from the engine-wide acceptance `AcceptanceEstimate`): when drafting
+does not pay at the batch's mean acceptance, no row drafts, but at the shared probes. A new request's
+estimate starts from the engine-wide one (`AcceptanceEstimate.prior`), not from a fixed optimistic
+guess: with a head accepting 0.3 a draft, a fixed 0.75 made every new request verify until two
+rejections outweighed it.
 """
 
 from __future__ import annotations
@@ -24,9 +32,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-PRIOR_ACCEPTED = 1.5  # prior pseudo-counts: a = 0.75 before anything is measured (optimistic, so a
-PRIOR_REJECTED = 0.5  # request starts speculating; two verify steps already outweigh it)
+PRIOR_ACCEPTED = 1.5  # prior pseudo-counts: a = 0.75 before the engine has measured anything
+PRIOR_REJECTED = 0.5  # (optimistic, so an engine starts speculating; two verify steps outweigh it)
+PRIOR_WEIGHT = PRIOR_ACCEPTED + PRIOR_REJECTED  # the pseudo-counts of a request's prior, whatever its a
 DECAY = 0.9  # per verify step: the estimate follows roughly the last ten steps
+ENGINE_DECAY = 0.98  # per verify of any request: the engine-wide estimate follows the last ~50 verifies
 PROBE_INTERVAL = 16
 
 
@@ -44,15 +54,17 @@ class SpecState:
     proposed: int = 0
     accepted: int = 0
     verify_steps: int = 0  # steps in which this sequence had at least one draft token verified
-    # Decayed counts behind the acceptance estimate.
+    # Decayed counts behind the acceptance estimate, and the pseudo-counts it starts from.
     recent_accepted: float = 0.0
     recent_rejected: float = 0.0
+    prior_accepted: float = PRIOR_ACCEPTED
+    prior_rejected: float = PRIOR_REJECTED
 
     @property
     def acceptance(self) -> float:
         """Estimated probability that the next draft token is accepted."""
-        a = self.recent_accepted + PRIOR_ACCEPTED
-        return a / (a + self.recent_rejected + PRIOR_REJECTED)
+        a = self.recent_accepted + self.prior_accepted
+        return a / (a + self.recent_rejected + self.prior_rejected)
 
     def record(self, proposed: int, accepted: int) -> None:
         """One verify step of `proposed` drafts of which the first `accepted` were accepted."""
@@ -63,6 +75,31 @@ class SpecState:
         self.verify_steps += 1
         self.recent_accepted = DECAY * self.recent_accepted + accepted
         self.recent_rejected = DECAY * self.recent_rejected + (1.0 if accepted < proposed else 0.0)
+
+
+@dataclasses.dataclass
+class AcceptanceEstimate:
+    """The engine-wide acceptance: decayed counts over every request's verifies (the batch's mean
+    acceptance for the batch decision, and a new request's prior)."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    @property
+    def value(self) -> float:
+        a = self.accepted + PRIOR_ACCEPTED
+        return a / (a + self.rejected + PRIOR_REJECTED)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        self.accepted = ENGINE_DECAY * self.accepted + accepted
+        self.rejected = ENGINE_DECAY * self.rejected + (1.0 if accepted < proposed else 0.0)
+
+    def new_state(self) -> SpecState:
+        """A new request's state: PRIOR_WEIGHT pseudo-counts at the engine's estimate."""
+        a = self.value
+        return SpecState(prior_accepted=PRIOR_WEIGHT * a, prior_rejected=PRIOR_WEIGHT * (1.0 - a))
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -88,12 +125,27 @@ class SpecPolicy:
         costs[k]: a step verifying k drafts, in plain decode steps (costs[0] = 1)."""
         if not self.adaptive:
             return self.max_tokens
-        a = state.acceptance
+        best_k = self.best(state.acceptance, costs)
+        if best_k == 0 and is_probe_step(step_count, costs):
+            return 1  # re-measure: acceptance changes as the text does (e.g. a copied passage starts)
+        return best_k
+
+    def best(self, a: float, costs: Sequence[float]) -> int:
+        """The k in 0..K with the most expected tokens per unit of step time at acceptance a."""
         best_k, best = 0, 1.0  # k = 0: one token per plain decode step of cost 1
         for k in range(1, self.max_tokens + 1):
             rate = expected_tokens(a, k) / costs[k]
             if rate > best:
                 best_k, best = k, rate
-        if best_k == 0 and step_count % probe_interval(costs) == 0:
-            return 1  # re-measure: acceptance changes as the text does (e.g. a copied passage starts)
         return best_k
+
+    def batch_drafts(self, engine: AcceptanceEstimate, step_count: int, costs: Sequence[float]) -> bool:
+        """Whether the rows of a batch priced by `costs` may draft this step: drafting pays at the
+        engine-wide acceptance (the batch's mean), or this is a probe step (shared by every row)."""
+        if not self.adaptive:
+            return True
+        return self.best(engine.value, costs) > 0 or is_probe_step(step_count, costs)
+
+
+def is_probe_step(step_count: int, costs: Sequence[float]) -> bool:
+    return step_count % probe_interval(costs) == 0

@@ -5,7 +5,7 @@ import pytest
 from jaxserve.config import EngineConfig
 from jaxserve.errors import ConfigError
 from jaxserve.spec_decode.ngram import propose_ngram
-from jaxserve.spec_decode.policy import SpecPolicy, SpecState, expected_tokens, probe_interval
+from jaxserve.spec_decode.policy import AcceptanceEstimate, SpecPolicy, SpecState, expected_tokens, probe_interval
 
 
 def test_ngram_copies_what_followed_the_longest_latest_match():
@@ -84,6 +84,38 @@ def test_speculative_settings_are_checked():
     ]:
         with pytest.raises(ConfigError, match=match):
             EngineConfig(model="m", **bad)
+
+
+def test_a_new_request_starts_from_the_engine_wide_acceptance():
+    """A fixed optimistic prior (a = 0.75) had every new request verify drafts until two rejections
+    outweighed it, with a head accepting a third of its drafts; the engine's own estimate does not."""
+    costs = [1.0, 1.5, 1.8, 2.2, 2.5]
+    engine = AcceptanceEstimate()
+    assert engine.new_state().acceptance == pytest.approx(0.75)  # nothing measured yet: the old prior
+    for _ in range(40):
+        engine.record(proposed=3, accepted=0)
+    fresh = engine.new_state()
+    assert fresh.acceptance == pytest.approx(engine.value) and fresh.acceptance < 0.2
+    assert SpecPolicy(4).choose(fresh, 1, costs) == 0
+    assert SpecPolicy(4).choose(SpecState(), 1, costs) > 0  # what the fixed prior did
+    fresh.record(proposed=1, accepted=1)  # its own verifies still move it (the prior weighs two)
+    assert fresh.acceptance > 0.3
+
+
+def test_a_losing_batch_turns_speculation_off():
+    """At batch 16 on a CPU one draft per row moves the step from the 16- to the 32-token bucket
+    (about twice the time): at a head's acceptance of ~0.5 no k pays, so no row drafts but at the
+    shared probe steps; where verifying is cheap (an accelerator) the same acceptance pays."""
+    policy = SpecPolicy(max_tokens=4)
+    batch16 = [1.0, 1.95, 3.4, 3.4, 5.9]  # the 32-, 64-, 64- and 128-token buckets against 16
+    engine = AcceptanceEstimate()
+    for _ in range(40):
+        engine.record(proposed=2, accepted=1)
+    assert engine.value == pytest.approx(0.5, abs=0.05)
+    assert not policy.batch_drafts(engine, 1, batch16)
+    assert policy.batch_drafts(engine, probe_interval(batch16), batch16)  # re-measured together
+    assert policy.batch_drafts(engine, 1, [1.0, 1.1, 1.2, 1.3, 1.4])
+    assert SpecPolicy(4, adaptive=False).batch_drafts(engine, 1, batch16)
 
 
 def test_spec_metrics_in_prometheus():

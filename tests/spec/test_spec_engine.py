@@ -248,3 +248,33 @@ def test_ngram_speculation_over_quantized_weights_is_greedy_exact(target, quanti
     assert token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)) == plain
     assert llm.engine.stats()["spec_decode_num_draft_tokens"] > 0
     assert_pool_whole(llm)
+
+
+def test_a_batch_where_verifying_loses_drafts_only_at_probes(target, reference, caplog):
+    """The adaptive policy decides for the batch first: where a verify step costs four plain steps no
+    acceptance pays, so rows of a batch draft only at the shared probe steps; the engine says so, counts the steps, and the outputs stay exact."""
+    import logging
+
+    from jaxserve.spec_decode.policy import probe_interval
+
+    llm = LLM(target[0], **BASE, speculative_method="ngram", num_speculative_tokens=K)  # adaptive
+    spec = llm.engine.spec
+    losing, cheap = [1.0] + [4.0] * K, [1.0] + [1.0 + 0.1 * k for k in range(1, K + 1)]
+    spec.costs = lambda batch: cheap if batch == 1 else losing
+    seen, lookahead = [], spec.lookahead
+
+    def recorded(seq, batch_size):
+        k = lookahead(seq, batch_size)
+        seen.append((batch_size, spec.decode_steps, k))
+        return k
+
+    llm.engine.scheduler.lookahead = recorded
+    prompts, params = varied_requests()
+    with caplog.at_level(logging.INFO, logger="jaxserve.spec_decode.decoder"):
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert token_ids(outputs) == reference[1]
+    batched = [(step, k) for batch, step, k in seen if batch > 1]
+    assert batched and all(k == 0 or step % probe_interval(losing) == 0 for step, k in batched)
+    assert llm.engine.stats()["spec_decode_num_off_steps"] > 0
+    assert "off but for probes" in caplog.text
+    assert_pool_whole(llm)
