@@ -46,7 +46,7 @@ from jaxserve.model.kv_cache import (
 from jaxserve.model.layers import NO_SLIDING_WINDOW, rope_cos_sin
 from jaxserve.model.llama import _embed
 from jaxserve.model.ragged import PAD_SLOT, PADDING_PAGE, RaggedArrays, RaggedRow, pack_ragged
-from jaxserve.model.sampler import SamplingTensors
+from jaxserve.model.sampler import SAMPLING_EPS, SamplingTensors
 from jaxserve.model.sharding import per_replica
 from jaxserve.model.step_options import StepOptions
 from jaxserve.model.weights import Params
@@ -213,41 +213,48 @@ def propose(
 ) -> tuple[jax.Array, jax.Array, EagleCache]:
     """Drafts i32[R, G, K], their distributions f32[R * G, K, V] and the cache (module docstring).
     Unrolled over K like the draft model's proposals; an idle group recomputes its last position,
-    writing nothing."""
+    writing nothing, and the steps past the most drafts any group verifies are skipped (a verify of
+    one draft runs the head once, not K times). With every row greedy and unbiased a draft is the
+    argmax over the draft vocabulary, mapped to the target's (no target-vocabulary pass)."""
     R, G = num_draft.shape
     V = target_cfg.vocab_size
     attention = ragged_attention_impl(options.attention_backend, options.mesh)
     page_size = cache.kv.k.shape[-2]
 
     def sample(prenorm, j):  # [R, G, D] -> tokens [R, G], q [R * G, V]
-        logits = target_logits(hp, draft_logits(hp, cfg, prenorm), V)
+        small = draft_logits(hp, cfg, prenorm)  # f32[R, G, Vd]
 
-        def replicas(logits, st):
-            n = logits.shape[0] * G
-            flat = jax.tree.map(lambda x: x.reshape((n,) + x.shape[2:]), st)
-            token, q = draw(logits.reshape(n, -1), flat, j)
-            return token.reshape(logits.shape[:2]), q.reshape(logits.shape)
+        def drawn():  # a row samples or biases logits: the draw over the target's vocabulary
+            logits = target_logits(hp, small, V)
 
-        token, q = per_replica(replicas, options.mesh)(logits, sampling)
-        return token, q.reshape(R * G, -1)
+            def replicas(logits, st):
+                n = logits.shape[0] * G
+                flat = jax.tree.map(lambda x: x.reshape((n,) + x.shape[2:]), st)
+                token, q = draw(logits.reshape(n, -1), flat, j)
+                return token.reshape(logits.shape[:2]), q.reshape(logits.shape)
+
+            token, q = per_replica(replicas, options.mesh)(logits, sampling)
+            return token, q.reshape(R * G, -1)
+
+        def greedy():  # every row greedy, unbiased: the argmax of the draft vocabulary, mapped (no q read)
+            token = hp.draft_to_target[jnp.argmax(small, axis=-1)].astype(jnp.int32)
+            return token, jnp.zeros((R * G, V), jnp.float32)
+
+        plain = ~jnp.any(sampling.temperature >= SAMPLING_EPS) & ~jnp.any(sampling.bias_ids >= 0)
+        return jax.lax.cond(plain, greedy, drawn)
 
     def run(cache):
-        kv = cache.kv
         g = jax.vmap(lambda h, s: h[jnp.maximum(s, 0)])(cache.hidden, start.slots)  # f[R, G, D]
-        step = start
-        hidden, tokens, drafts, probs = g, start.tokens, [], []
-        last = start.positions
-        for j in range(num_tokens):
+        most = jnp.max(num_draft)  # head steps past the most any group verifies are skipped
+        head = functools.partial(_head_pass, hp, cfg, attention=attention)
+
+        def head_step(j, carry):  # draft j + 1 of every group; the next step's inputs
+            kv, step, hidden, tokens = carry
             embeds = jax.vmap(lambda t: _embeds(hp, target, target_cfg, t))(tokens)
-            head = functools.partial(_head_pass, hp, cfg, attention=attention)
             prenorm, kv = jax.vmap(head, spmd_axis_name=_spmd(options))(kv, step, hidden, embeds)
             token, q = sample(prenorm, j)
-            drafts.append(token)
-            probs.append(q)
-            if j + 1 == num_tokens:
-                break
             active = j + 1 < num_draft
-            pos = jnp.where(active, last + j + 1, last)
+            pos = jnp.where(active, start.positions + j + 1, start.positions)
             slots = jax.vmap(functools.partial(_slots_at, page_size=page_size))(step.replace(slots=start.slots), pos)
             step = start.replace(
                 positions=pos,
@@ -255,8 +262,22 @@ def propose(
                 # rows are groups (G of them, then padding rows to the batch's S)
                 context_lens=start.context_lens.at[:, :G].add(jnp.where(active, j + 1, 0)),
             )
-            hidden, tokens = prenorm, token
-        return jnp.stack(drafts, axis=-1), jnp.stack(probs, axis=1), cache.replace(kv=kv)
+            return (kv, step, prenorm, token), token, q
+
+        carry, drafts, probs = (cache.kv, start, g, start.tokens), [], []
+        for j in range(num_tokens):
+            if j == 0:  # some group verifies (run's condition): it needs draft 1
+                carry, token, q = head_step(0, carry)
+            else:
+                carry, token, q = jax.lax.cond(
+                    j < most,
+                    functools.partial(head_step, j),
+                    lambda c: (c, jnp.zeros((R, G), jnp.int32), jnp.zeros((R * G, V), jnp.float32)),
+                    carry,
+                )
+            drafts.append(token)
+            probs.append(q)
+        return jnp.stack(drafts, axis=-1), jnp.stack(probs, axis=1), cache.replace(kv=carry[0])
 
     def idle(cache):
         return jnp.zeros((R, G, num_tokens), jnp.int32), jnp.zeros((R * G, num_tokens, V), jnp.float32), cache
