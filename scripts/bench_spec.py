@@ -99,6 +99,9 @@ def make_prompts(workload: str, tokenizer, vocab_size: int, count: int, seed: in
 
 # Per-method overrides of the flags, e.g. --methods ngram,ngram:k=8:min=1 compares two n-gram settings.
 METHOD_KEYS = {"k": "num_speculative_tokens", "min": "prompt_lookup_min", "max": "prompt_lookup_max"}
+# :policy=request - the adaptive policy as it was before the batch decision (issue 54): each row
+# decides alone, and a new request starts from the fixed prior a = 0.75 (`per_request_policy`).
+POLICIES = ("batch", "request")
 
 
 def spec_settings(method: str, args) -> dict:
@@ -122,10 +125,33 @@ def spec_settings(method: str, args) -> dict:
         raise SystemExit(f"unknown method {method!r}")
     for override in overrides:
         key, _, value = override.partition("=")
+        if key == "policy" and value in POLICIES:
+            continue  # applied to the built engine (engine_for)
         if key not in METHOD_KEYS or not value.isdigit() or (key != "k" and name != "ngram"):
-            raise SystemExit(f"bad override {override!r} in {method!r} (k=N; ngram also min=N, max=N)")
+            raise SystemExit(
+                f"bad override {override!r} in {method!r} (k=N, policy=batch|request; ngram also min=N, max=N)"
+            )
         settings[METHOD_KEYS[key]] = int(value)
     return settings
+
+
+def engine_for(model: str, method: str, common: dict, args):
+    """The engine a method runs on (`per_request_policy` applied for :policy=request)."""
+    from jaxserve import LLM
+
+    llm = LLM(model, **common, **spec_settings(method, args))
+    if ":policy=request" in method:
+        per_request_policy(llm.engine.spec)
+    return llm
+
+
+def per_request_policy(decoder) -> None:
+    """The policy before the batch decision, for a before/after comparison in one run: no batch gate,
+    and every new request's estimate starts at the fixed prior (a = 0.75), not the engine's."""
+    from jaxserve.spec_decode.policy import SpecState
+
+    decoder._batch_drafts = lambda batch, costs: True
+    decoder.acceptance.new_state = SpecState
 
 
 def timed_generate(llm, prompts: list[list[int]], batch: int, new_tokens: int, eos: bool = False):
@@ -248,6 +274,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument(
+        "--token-buckets",
+        default=None,
+        help="the engines' token ladder (powers-of-two, fine, auto; default: the engine's)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -255,8 +286,7 @@ def main() -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    from jaxserve import LLM
-
+    logging.getLogger("jaxserve.spec_decode.decoder").setLevel(logging.INFO)  # the policy's decisions
     methods = ["off"] + [
         m
         for m in args.methods.split(",")
@@ -277,7 +307,9 @@ def main() -> None:
         # shorter prefill chunks than it did.
         enable_prefix_caching=False,
     )
-    engines = {m: LLM(args.model, **common, **spec_settings(m, args)) for m in methods}
+    if args.token_buckets:
+        common["token_buckets"] = args.token_buckets
+    engines = {m: engine_for(args.model, m, common, args) for m in methods}
     base = engines["off"]
     prompt_sets = {
         w: make_prompts(w, base.tokenizer, base.model_config.vocab_size, args.prompts, args.seed) for w in workloads
@@ -306,6 +338,7 @@ def main() -> None:
                                 "spec_decode_num_accepted_tokens",
                                 "spec_decode_num_verify_steps",
                                 "spec_decode_num_steps",
+                                "spec_decode_num_off_steps",
                             )
                         }
                         for k in ("spec_decode_num_drafts_per_pos", "spec_decode_num_accepted_tokens_per_pos"):
@@ -341,6 +374,7 @@ def main() -> None:
                         draft_tokens=proposed,
                         verify_steps=verified,
                         spec_steps=s["spec_decode_num_steps"],
+                        off_steps=s["spec_decode_num_off_steps"],  # batches the policy kept from drafting
                     )
                 results.append(row)
                 print(
@@ -369,16 +403,16 @@ def main() -> None:
             json.dump(report, f, indent=1)
     print(
         "\n| workload | batch | method | tok/s | speedup | acceptance | by position | tokens per target step "
-        "| same tokens |"
+        "| verifies | steps kept from drafting | same tokens |"
     )
-    print("|---|---:|---|---:|---:|---:|---|---:|---|")
+    print("|---|---:|---|---:|---:|---:|---|---:|---:|---:|---|")
     for r in results:
         acc = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "–"
         pos = " / ".join(f"{a:.2f}" for a in r.get("acceptance_by_position", [])) or "–"
         length = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "–"
         print(
             f"| {r['workload']} | {r['batch']} | {r['method']} | {r['tok_per_s']:.1f} | {r['speedup']:.2f}x | "
-            f"{acc} | {pos} | {length} | {r['same_tokens']} |"
+            f"{acc} | {pos} | {length} | {r.get('verify_steps', '–')} | {r.get('off_steps', '–')} | {r['same_tokens']} |"
         )
 
 
