@@ -170,6 +170,7 @@ class SpeculativeDecoder:
         self.acceptance = AcceptanceEstimate()
         self._batch_decision: tuple[tuple[int, int], bool] | None = None
         self._logged_decision: dict[int, bool] = {}
+        self._costs_at: tuple[tuple[int, int], list[float]] | None = None  # _step_costs of this step
         # Seconds per decode step: ("plain", batch) and ("spec", batch, drafts). `_device` from timing the
         # compiled steps (calibration), `_wall` the engine's recent whole steps (host work too). A median,
         # not an average: one slow step (a collection, another process on the core) must not price a
@@ -241,7 +242,7 @@ class SpeculativeDecoder:
         state = self.state(seq)
         # Steps are priced by their per-replica batch bucket; the replicas' rows taken as balanced.
         per_replica = min(-(-batch_size // self.num_replicas), self.buckets.batch_sizes[-1])
-        costs = self.costs(per_replica) if self.policy.adaptive else None
+        costs = self._step_costs(per_replica) if self.policy.adaptive else None
         if costs is not None and per_replica > 1 and not self._batch_drafts(per_replica, costs):
             return 0
         k = min(
@@ -283,6 +284,13 @@ class SpeculativeDecoder:
         return drafts
 
     # ---- what speculation costs -------------------------------------------------------------------
+    def _step_costs(self, batch_size: int) -> list[float]:
+        """`costs`, computed once per engine step and batch (every row of the step asks for them)."""
+        key = (self.decode_steps, batch_size)
+        if self._costs_at is None or self._costs_at[0] != key:
+            self._costs_at = (key, self.costs(batch_size))
+        return self._costs_at[1]
+
     def costs(self, batch_size: int) -> list[float]:
         """costs[k]: a step verifying k drafts (its width bucket), in plain decode steps of this batch
         (rows per replica)."""
