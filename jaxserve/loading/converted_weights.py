@@ -56,6 +56,8 @@ def enabled(model_dir: str) -> bool:
         return False
     if gguf_source(model_dir) is not None:
         return True
+    if jax.process_count() > 1:  # each process holds only its shards: no process could write the whole copy
+        return False
     files = checkpoint_files(model_dir)
     limit = int(os.environ.get(MAX_ENV) or DEFAULT_MAX_BYTES)
     return bool(files) and sum(os.path.getsize(f) for f in files) <= limit
