@@ -118,18 +118,22 @@ def spec_settings(method: str, args) -> dict:
     elif name == "draft":
         settings = dict(speculative_model=args.draft, num_speculative_tokens=args.k_draft)
     elif name == "eagle3":
+        heads = args.eagle3.split(",")
+        head = next((int(o[5:]) for o in overrides if o.startswith("head=") and o[5:].isdigit()), 0)
+        if head >= len(heads):
+            raise SystemExit(f"{method!r}: --eagle3 names {len(heads)} heads")
         settings = dict(
-            speculative_method="eagle3", speculative_model=args.eagle3, num_speculative_tokens=args.k_eagle3
+            speculative_method="eagle3", speculative_model=heads[head], num_speculative_tokens=args.k_eagle3
         )
     else:
         raise SystemExit(f"unknown method {method!r}")
     for override in overrides:
         key, _, value = override.partition("=")
-        if key == "policy" and value in POLICIES:
-            continue  # applied to the built engine (engine_for)
+        if (key == "policy" and value in POLICIES) or (key == "head" and name == "eagle3"):
+            continue  # applied to the built engine (engine_for); the head was chosen above
         if key not in METHOD_KEYS or not value.isdigit() or (key != "k" and name != "ngram"):
             raise SystemExit(
-                f"bad override {override!r} in {method!r} (k=N, policy=batch|request; ngram also min=N, max=N)"
+                f"bad override {override!r} in {method!r} (k=N, policy=batch|request; eagle3 also head=N; ngram also min=N, max=N)"
             )
         settings[METHOD_KEYS[key]] = int(value)
     return settings
@@ -267,7 +271,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--k-ngram", type=int, default=6)
     ap.add_argument("--k-draft", type=int, default=4)
-    ap.add_argument("--eagle3", default="", help="EAGLE-3 head directory (speculators format) for method eagle3")
+    ap.add_argument(
+        "--eagle3",
+        default="",
+        help="EAGLE-3 head directory (speculators format) for method eagle3; several, comma-separated: "
+        "method eagle3:head=N runs the N-th (from 0)",
+    )
     ap.add_argument("--k-eagle3", type=int, default=4)
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=4)
