@@ -112,23 +112,29 @@ def test_transpose_into(src_dtype, dest_dtype, shape):
     np.testing.assert_array_equal(dest, src.T.astype(dest_dtype))
 
 
-def test_safetensors_layout_is_kept_and_checked(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_safetensors_layout_is_kept_and_checked(tmp_path, monkeypatch, caplog, dtype):
+    """A bfloat16 checkpoint's laid-out copy is mapped on the next load, identical, in bfloat16 even
+    when the model runs in float32 (cast back as mapped); damage or a rewritten checkpoint lays it out again."""
     monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv(converted_weights.ENV, "1")
     out = str(tmp_path / "ckpt")
-    make_random_checkpoint.make_checkpoint(tiny_config_dir(tmp_path), out, seed=1)
-    settings = EngineConfig(model=out, dtype="bfloat16")
+    written = make_random_checkpoint.make_checkpoint(tiny_config_dir(tmp_path), out, seed=1)
+    assert converted_weights.stored_dtype(out, dtype) == (ml_dtypes.bfloat16 if dtype == "float32" else None)
+    settings = EngineConfig(model=out, dtype=dtype)
     mesh = make_mesh((1, 1))
 
     def load():
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="jaxserve.loading.converted_weights"):
             params = load_model(settings, mesh, stacked=False).params
-        return [np.asarray(x).view(np.uint16) for x in jax.tree.leaves(params)], caplog.text
+        assert {x.dtype.name for x in jax.tree.leaves(params)} == {dtype}
+        return [np.asarray(x).view(np.uint8) for x in jax.tree.leaves(params)], caplog.text
 
     laid_out, log = load()
     assert "converted weights cached" in log
     (data,) = converted_weights.cache_dir().glob("*.bin")
+    assert data.stat().st_size < 1.1 * written["bytes"]  # float32 kept as the checkpoint's bfloat16
     mapped, log = load()
     assert "mapped from" in log and all(np.array_equal(a, b) for a, b in zip(laid_out, mapped))
     raw = data.read_bytes()

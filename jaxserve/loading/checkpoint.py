@@ -78,6 +78,18 @@ def safetensors_files(model_dir: str) -> list[str]:
     raise ModelLoadError(f"{model_dir} has no model.safetensors (nor a sharded model.safetensors.index.json)")
 
 
+def safetensors_dtypes(paths: list[str]) -> set[str]:
+    """The dtypes ("bfloat16", "float32", ...) the tensors of these safetensors files are stored in, from
+    their headers alone."""
+    kinds = set()
+    for path in paths:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        kinds |= {np.dtype(_SAFETENSORS_DTYPES[v["dtype"]]).name for k, v in header.items() if k != "__metadata__"}
+    return kinds
+
+
 def iter_safetensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) for every tensor of one file, each a view into a read-only memory map."""
     with open(path, "rb") as f:

@@ -139,7 +139,8 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
         if converted_weights.enabled(model_dir):  # converted (or laid-out) weights kept between starts
             parts = dict(cfg=cfg, dtype=dtype, stacked=stacked, quantization=settings.quantization)
             parts.update(lm_head=settings.quantize_lm_head, group_size=settings.quantization_group_size)
-            params = converted_weights.load_or_convert(model_dir, parts, shardings.params, convert)
+            stored = converted_weights.stored_dtype(model_dir, dtype) if not quantized else None
+            params = converted_weights.load_or_convert(model_dir, parts, shardings.params, convert, stored)
         else:
             params = convert()
         quantized = False
