@@ -350,7 +350,12 @@ def write_outputs(out: Path, args, cfg, head, trainable, meta: dict, work: Path)
         "speculators format, bf16, without embed_tokens (the target's are shared).\n\n"
         f"- steps: {meta['step']}, training tokens seen: {meta['tokens_seen']}, "
         f"minutes: {meta['elapsed_seconds'] / 60:.1f}\n"
-        f"- draft vocabulary: {cfg.draft_vocab_size} tokens, coverage of answer tokens: "
+        + (
+            f"- a warm restart (fresh schedule and optimizer) from the weights in {args.init_from}\n"
+            if args.init_from
+            else ""
+        )
+        + f"- draft vocabulary: {cfg.draft_vocab_size} tokens, coverage of answer tokens: "
         f"train {data.get('vocab', {}).get('coverage_train')}, held-out {data.get('vocab', {}).get('coverage_heldout')}\n"
         f"- held-out greedy acceptance by draft position (k = {args.eval_k}, chained): "
         f"{last.get('acceptance_by_position')} (at the start: {first.get('acceptance_by_position')})\n"

@@ -193,5 +193,6 @@ def test_init_from_starts_a_new_schedule_at_another_runs_weights(tiny, work, tmp
     assert any(not jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(weights), jax.tree.leaves(trainable)))
     assert te.main(_args(path, work, tmp_path / "second", max_steps=1, init_from=state / "first")) == 0
     assert json.loads((state / "second" / "meta.json").read_text())["step"] == 1
+    assert "a warm restart" in (tmp_path / "second" / "README.md").read_text()
     with pytest.raises(SystemExit, match="another draft vocabulary"):
         te.warm_start(state / "first", trainable, optimizer.init(trainable), "another")
