@@ -18,6 +18,7 @@ shared tree during the run would make the warm starts compile.
     python scripts/make_random_checkpoint.py --out out/llama-3.2-1b-random   # once: 2.5 GB of bf16
     python scripts/bench_startup_weights.py --config configs/llama-3.2-1b.yaml --weights out/llama-3.2-1b-random
     python scripts/bench_startup_weights.py --modes unrolled,unrolled-nocache,unrolled-bg --rounds 1
+    python scripts/bench_startup_weights.py --weights-only --rounds 3   # the weights' load alone, no server
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -100,6 +102,54 @@ def all_ready(port: int, start: float) -> dict:
         time.sleep(0.2)
 
 
+LOAD_WEIGHTS = """
+import json, sys, time
+import jax
+from jaxserve.config import EngineConfig
+from jaxserve.loading.model_loader import load_model
+from jaxserve.model.sharding import make_mesh
+mesh = make_mesh((1, 1))
+start = time.perf_counter()
+params = load_model(EngineConfig(model=sys.argv[1], dtype=sys.argv[2], scan_layers=False), mesh, stacked=False).params
+jax.block_until_ready(params)
+print(json.dumps(dict(seconds=round(time.perf_counter() - start, 2))))
+"""
+
+
+def weights_only(weights: str, dtype: str, rounds: int, cwd: str, root: str) -> dict:
+    """The weights alone (`load_model`, unrolled) in a fresh process each time: a first load that lays
+    them out and writes jaxserve's copy, then `rounds` loads mapping that copy alternated with
+    `rounds` laying them out again from the checkpoint ($JAXSERVE_WEIGHTS_CACHE=0); before each, the
+    checkpoint is read once with its pages dropped ("read_cold_s") and every file's pages dropped again."""
+    data = os.path.join(root, "weights-data")
+    out: dict = {
+        "first_load_writing_the_copy_s": None,
+        "mapped_copy_s": [],
+        "laid_out_at_load_s": [],
+        "read_cold_s": [],
+    }
+    order = [("first_load_writing_the_copy_s", "1")] + [
+        run for _ in range(rounds) for run in (("mapped_copy_s", "1"), ("laid_out_at_load_s", "0"))
+    ]
+    files = weight_files(weights)
+    for name, cache in order:
+        out["read_cold_s"].append(read_times(files)["read_cold_s"])
+        drop_cached(files + cached_weights(data))
+        env = {**os.environ, "JAXSERVE_CACHE": data, "JAXSERVE_WEIGHTS_CACHE": cache}
+        done = subprocess.run(
+            [sys.executable, "-c", LOAD_WEIGHTS, weights, dtype], env=env, cwd=cwd, capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr[-2000:])
+        seconds = json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+        if isinstance(out[name], list):
+            out[name].append(seconds)
+        else:
+            out[name] = seconds
+        print(name, seconds, f"load {os.getloadavg()}", flush=True)
+    return out
+
+
 def snapshot(root: str) -> str:
     """A copy of the source the server imports (and the configs it names) under `root`."""
     for name in SNAPSHOT_DIRS:
@@ -119,6 +169,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--no-snapshot", action="store_true", help="run the server from the working tree")
     parser.add_argument("--out", default=None, help="append the result as a JSON line here")
+    parser.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="only the weights' load (no server): jaxserve's laid-out copy mapped against laid out at load, "
+        "alternated --rounds times",
+    )
+    parser.add_argument("--dtype", default="float32", help="with --weights-only: the dtype the model runs in")
     args, extra = parser.parse_known_args(argv)
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -138,6 +195,9 @@ def main(argv=None) -> dict:
     result: dict = dict(server_args=server_args, cold={}, warm={m: [] for m in modes})
     with tempfile.TemporaryDirectory(prefix="jaxserve-startup-weights-") as root:
         cwd = REPO if args.no_snapshot else snapshot(os.path.join(root, "src"))
+        if args.weights_only:
+            result = dict(weights_only=weights_only(weights, args.dtype, args.rounds, cwd, root), dtype=args.dtype)
+            modes = []
         # One executable store and one $JAXSERVE_CACHE per layer mode: jaxserve keeps one laid-out copy of
         # a model's weights, so unrolled and scanned starts on one cache would replace each other's.
         caches = {m: os.path.join(root, "cache-" + m.split("-")[0]) for m in modes}

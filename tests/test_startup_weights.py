@@ -171,3 +171,14 @@ def test_bench_reads_and_log_timestamps(tmp_path):
     )
     assert bench_startup.log_seconds(log, "INFO jaxserve.serve: loading ", "memory plan") == 16.8
     assert bench_startup.log_seconds(log, "INFO jaxserve.serve: loading ", "never logged") is None
+
+
+def test_bench_weights_only(tmp_path):
+    """The script's weights-only mode end to end on a tiny checkpoint: the first load writes the copy,
+    the next maps it, the one after lays the weights out again."""
+    out = str(tmp_path / "ckpt")
+    make_random_checkpoint.make_checkpoint(tiny_config_dir(tmp_path), out, seed=0)
+    result = bench_startup_weights.main(["--weights-only", "--weights", out, "--rounds", "1", "--no-snapshot"])
+    timing = result["weights_only"]
+    assert timing["first_load_writing_the_copy_s"] > 0 and len(timing["read_cold_s"]) == 3
+    assert len(timing["mapped_copy_s"]) == len(timing["laid_out_at_load_s"]) == 1
