@@ -211,17 +211,18 @@ def propose(
     options: StepOptions,
     num_tokens: int,  # K, static
 ) -> tuple[jax.Array, jax.Array, EagleCache]:
-    """Drafts i32[R, G, K], their distributions f32[R * G, K, V] and the cache (module docstring).
+    """Drafts i32[R, G, K], their distributions over the draft vocabulary f32[R * G, K, Vd] (q is zero
+    at every other id: `rejection.verify`'s draft_vocab) and the cache (module docstring).
     Unrolled over K like the draft model's proposals; an idle group recomputes its last position,
     writing nothing, and the steps past the most drafts any group verifies are skipped (a verify of
     one draft runs the head once, not K times). With every row greedy and unbiased a draft is the
     argmax over the draft vocabulary, mapped to the target's (no target-vocabulary pass)."""
     R, G = num_draft.shape
-    V = target_cfg.vocab_size
+    V, Vd = target_cfg.vocab_size, cfg.draft_vocab_size
     attention = ragged_attention_impl(options.attention_backend, options.mesh)
     page_size = cache.kv.k.shape[-2]
 
-    def sample(prenorm, j):  # [R, G, D] -> tokens [R, G], q [R * G, V]
+    def sample(prenorm, j):  # [R, G, D] -> tokens [R, G], q [R * G, Vd]
         small = draft_logits(hp, cfg, prenorm)  # f32[R, G, Vd]
 
         def drawn():  # a row samples or biases logits: the draw over the target's vocabulary
@@ -234,11 +235,11 @@ def propose(
                 return token.reshape(logits.shape[:2]), q.reshape(logits.shape)
 
             token, q = per_replica(replicas, options.mesh)(logits, sampling)
-            return token, q.reshape(R * G, -1)
+            return token, q.reshape(R * G, -1)[:, hp.draft_to_target]  # zero elsewhere: not kept
 
         def greedy():  # every row greedy, unbiased: the argmax of the draft vocabulary, mapped (no q read)
             token = hp.draft_to_target[jnp.argmax(small, axis=-1)].astype(jnp.int32)
-            return token, jnp.zeros((R * G, V), jnp.float32)
+            return token, jnp.zeros((R * G, Vd), jnp.float32)
 
         plain = ~jnp.any(sampling.temperature >= SAMPLING_EPS) & ~jnp.any(sampling.bias_ids >= 0)
         return jax.lax.cond(plain, greedy, drawn)
@@ -272,7 +273,7 @@ def propose(
                 carry, token, q = jax.lax.cond(
                     j < most,
                     functools.partial(head_step, j),
-                    lambda c: (c, jnp.zeros((R, G), jnp.int32), jnp.zeros((R * G, V), jnp.float32)),
+                    lambda c: (c, jnp.zeros((R, G), jnp.int32), jnp.zeros((R * G, Vd), jnp.float32)),
                     carry,
                 )
             drafts.append(token)
@@ -280,6 +281,6 @@ def propose(
         return jnp.stack(drafts, axis=-1), jnp.stack(probs, axis=1), cache.replace(kv=carry[0])
 
     def idle(cache):
-        return jnp.zeros((R, G, num_tokens), jnp.int32), jnp.zeros((R * G, num_tokens, V), jnp.float32), cache
+        return jnp.zeros((R, G, num_tokens), jnp.int32), jnp.zeros((R * G, num_tokens, Vd), jnp.float32), cache
 
     return jax.lax.cond(verifying, run, idle, cache)

@@ -82,6 +82,9 @@ def verify(
     want_logprobs: jax.Array | None = None,  # bool[G]: groups that return logprobs (None: all)
     *,
     accept_all: bool = False,  # a deliberately wrong verifier (tests show the distribution test fails)
+    # i32[Vd]: the target id of each of draft_probs' Vd columns (an EAGLE-3 head's draft vocabulary;
+    # q is zero at every other id): draft_probs f32[G, K, Vd]. None: draft_probs spans the vocabulary.
+    draft_vocab: jax.Array | None = None,
 ) -> VerifyOutput:
     """Vocabulary-wide work (penalties, argmax, filtering, softmax, top logprobs) runs once per real
     logit position, L of them, never per group slot: a step's groups are ragged (a plain decode is
@@ -112,8 +115,14 @@ def verify(
         p_d = jnp.take_along_axis(p, follows[:, None], axis=1)[:, 0][group_logits[:, :K]]  # f32[G, K]
         if draft_probs is None:
             q_d = jnp.ones_like(p_d)
-        else:
+        elif draft_vocab is None:
             q_d = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
+        else:  # each draft's column in the draft vocabulary (a head drafts only ids there; padding reads 0)
+            column = jnp.full(V, -1, jnp.int32).at[draft_vocab].set(jnp.arange(draft_vocab.shape[0], dtype=jnp.int32))
+            at = column[drafts]
+            q_d = jnp.where(
+                at >= 0, jnp.take_along_axis(draft_probs, jnp.maximum(at, 0)[..., None], axis=-1)[..., 0], 0.0
+            )
         steps = st.step[:, None] + jnp.arange(K, dtype=jnp.int32)[None, :]
         keys = purpose_keys(jnp.repeat(st.seed, K), steps.reshape(-1), ACCEPT)
         u = jax.vmap(jax.random.uniform)(keys).reshape(G, K)
@@ -125,6 +134,8 @@ def verify(
             q_n = jax.nn.one_hot(jnp.take_along_axis(drafts, last, axis=1)[:, 0], V, dtype=p.dtype)
         else:
             q_n = jnp.take_along_axis(draft_probs, last[:, :, None], axis=1)[:, 0]
+            if draft_vocab is not None:  # laid over the vocabulary: [G, Vd] -> [G, V]
+                q_n = jnp.zeros((G, V), q_n.dtype).at[:, draft_vocab].set(q_n)
         residual = jnp.maximum(p_n - q_n, 0.0)
         # A rejection implies p(d) < q(d), so the residual has mass; guard rounding all the same.
         residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_n)

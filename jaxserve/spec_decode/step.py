@@ -174,8 +174,19 @@ def speculative_step(
     def verify_groups():  # every real position gets logits; each replica's groups index its own
         logits = ragged_logits(params, hidden, cfg, options)  # f32[R, L, V]
         probs = None if draft_probs is None else draft_probs.reshape((R, G) + draft_probs.shape[1:])
+        # EAGLE-3's q covers its draft vocabulary only (one copy per replica, for per_replica's split)
+        vocab = None
+        if spec.method == "eagle3":
+            vocab = jnp.broadcast_to(draft_params.draft_to_target, (R,) + draft_params.draft_to_target.shape)
         return per_replica(functools.partial(_verify_replicas, accept_all=spec.accept_all), options.mesh)(
-            logits, rows.group_logits, drafts.reshape(R, G, K), probs, rows.num_draft, sampling, rows.want_logprobs
+            logits,
+            rows.group_logits,
+            drafts.reshape(R, G, K),
+            probs,
+            rows.num_draft,
+            sampling,
+            rows.want_logprobs,
+            vocab,
         )
 
     def sample_groups():  # no group verifies: position 0 of each only
@@ -209,10 +220,12 @@ def _target_with_states(params, cache, head, head_cache, batch, cfg, head_cfg, o
     return hidden, cache, head_cache
 
 
-def _verify_replicas(logits, group_logits, drafts, draft_probs, num_draft, sampling, want_logprobs, *, accept_all):
+def _verify_replicas(
+    logits, group_logits, drafts, draft_probs, num_draft, sampling, want_logprobs, draft_vocab, *, accept_all
+):
     """`verify` of the groups of replicas [R', ...] (all of them, or one data shard's): logits
-    f32[R', L, V], group_logits i32[R', G * W] (positions in the replica's own logits), the rest
-    [R', G, ...]; returns a VerifyOutput [R', G, ...]."""
+    f32[R', L, V], group_logits i32[R', G * W] (positions in the replica's own logits), draft_vocab
+    i32[R', Vd] or None (the same per replica), the rest [R', G, ...]; returns a VerifyOutput [R', G, ...]."""
     R, L = logits.shape[:2]
     G = num_draft.shape[1]
     W = group_logits.shape[1] // G
@@ -230,5 +243,6 @@ def _verify_replicas(logits, group_logits, drafts, draft_probs, num_draft, sampl
         jax.tree.map(flat, sampling),
         flat(want_logprobs),
         accept_all=accept_all,
+        draft_vocab=None if draft_vocab is None else draft_vocab[0],
     )
     return jax.tree.map(lambda x: x.reshape((R, G) + x.shape[1:]), out)
