@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import LLM, SamplingParams, steps
+from jaxserve.engine.buckets import opening_buckets
 from jaxserve.runner.compilation import CompileCounter
 from jaxserve.model.kv_cache import StepBatch
 
@@ -20,6 +21,9 @@ def test_no_compilation_after_warm_up(hf_model_dir):
     path, _ = hf_model_dir("llama")
     llm = LLM(path, compilation_cache_dir="none", **SETTINGS)
     assert len(llm.runner.step_shapes()) == len(llm.runner.table.executables)
+    # On a CPU warm-up runs only the opening buckets once; the others' first calls come with the work.
+    opening = set(opening_buckets(llm.runner.buckets))
+    assert {key[0] for key in llm.runner.table.ran} == opening != set(llm.runner.buckets.token_counts)
     before = CompileCounter.requests  # every executable asked for, persistent-cache hits included
     rng = np.random.RandomState(0)
     for batch in (1, 3, 4, 2):  # varied batch sizes, prompt lengths and output lengths
@@ -31,6 +35,7 @@ def test_no_compilation_after_warm_up(hf_model_dir):
         llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert CompileCounter.requests == before
     assert llm.runner.unplanned_compiles == 0
+    assert {key[0] for key in llm.runner.table.ran} > opening  # prompts ran larger buckets, compiling nothing
 
     # Negative control: a batch of 3 rows is not a bucket, so calling the step with it compiles.
     cfg = llm.model_config
