@@ -157,22 +157,26 @@ def _load(folder: Path, name: str, shardings: Any) -> Any:
         targets = jax.tree.leaves(shardings)
         if treedef.num_leaves != len(index["arrays"]) or len(targets) != len(index["arrays"]):
             raise ValueError("another layout of the params")
-        leaves = []
-        for (offset, shape, name, crc, *wide), sharding in zip(index["arrays"], targets):
-            dtype = jnp.dtype(name)  # by name: bfloat16's numpy .str is an opaque "<V2"
-            size = int(np.prod(shape)) * dtype.itemsize
-            raw = mapped[offset : offset + size]
-            if zlib.crc32(raw) != crc:
-                raise ValueError("checksum mismatch")
-            host = raw.view(dtype).reshape(shape)
-            if wide:  # kept narrower than the model runs (`stored_dtype`)
-                host = host.astype(jnp.dtype(wide[0]))
-            leaves.append(jax.device_put(host, sharding))
+        leaves = [_placed(mapped, entry, sharding) for entry, sharding in zip(index["arrays"], targets)]
     except Exception as err:  # noqa: BLE001 - anything wrong with the entry: convert again
         logger.warning("cached converted weights %s not used (%s): converting them again", data_path, err)
         return None
     logger.info("converted weights mapped from %s", data_path)
     return jax.tree.unflatten(treedef, leaves)
+
+
+def _placed(mapped: np.ndarray, entry: list, sharding: Any) -> jax.Array:
+    """One index entry's array from the mapped data file, its CRC-32 checked, placed on `sharding` in
+    the dtype the model runs in. An array kept narrower (`stored_dtype`) is widened where it is
+    placed: XLA converts it on every core into memory it allocates, where numpy's single-threaded cast
+    into freshly faulted pages was most of a 1B-parameter model's load on a CPU (docs/BENCHMARKS.md)."""
+    offset, shape, name, crc, *wide = entry
+    dtype = jnp.dtype(name)  # by name: bfloat16's numpy .str is an opaque "<V2"
+    raw = mapped[offset : offset + int(np.prod(shape)) * dtype.itemsize]
+    if zlib.crc32(raw) != crc:
+        raise ValueError("checksum mismatch")
+    placed = jax.device_put(raw.view(dtype).reshape(shape), sharding)
+    return placed.astype(jnp.dtype(wide[0])) if wide else placed
 
 
 def _save(folder: Path, name: str, params: Any, stored: Any = None) -> None:
