@@ -43,7 +43,7 @@ class CompileCounter:
     compiles or loads it from the persistent cache) and those XLA actually compiled (`compiles()`)."""
 
     _lock = threading.Lock()
-    _local = threading.local()  # cache hits of the current thread (`thread_cache_hits`)
+    _local = threading.local()  # requests and cache hits of the current thread (`thread_requests`)
     _installed = False
     requests = 0
     cache_hits = 0
@@ -58,6 +58,7 @@ class CompileCounter:
 
         def on_duration(event: str, duration: float, **kwargs) -> None:
             if event == _COMPILE_EVENT:
+                cls._local.requests = getattr(cls._local, "requests", 0) + 1
                 with cls._lock:
                     cls.requests += 1
                     cls.background_requests += getattr(cls._local, "background", False)
@@ -82,6 +83,11 @@ class CompileCounter:
         """Requests made outside background compile threads: what `compiles_after_warmup` counts."""
         with cls._lock:
             return cls.requests - cls.background_requests
+
+    @classmethod
+    def thread_requests(cls) -> int:
+        """Executables requested on the calling thread (compiled, or read from the persistent cache)."""
+        return getattr(cls._local, "requests", 0)
 
     @classmethod
     def thread_cache_hits(cls) -> int:
@@ -231,7 +237,7 @@ def persistent_cache_bypassed(bypass: bool = True):
     to bytes that load but fail at their first call ("Function ... not found", jax 0.10.2), so what
     the store writes must be a real compile. jax reads whether the cache is used once per process
     (`compilation_cache.is_cache_used`), so this flips that private flag; where it is missing (another
-    jax), nothing is bypassed and `compile_buckets` reports the hits, which are then not stored."""
+    jax), nothing is bypassed and `compile_lowered` reports the hits, which are then not stored."""
     try:
         from jax._src import compilation_cache as cc
 
@@ -256,10 +262,25 @@ def persistent_cache_bypassed(bypass: bool = True):
                 cc._cache_used = _bypass["saved"]
 
 
+def compile_lowered(lowered: Any, options: dict[str, str]) -> tuple[Any, bool]:
+    """(executable, whether XLA compiled it in this call) of a lowered step.
+
+    Only such an executable may be stored (`executables.ExecutableTable`): on XLA:CPU one read back from
+    JAX's persistent cache serializes without its object code, and loaded it fails at its first run
+    ("Function ... not found", jax 0.10.2). JAX's in-memory cache (keyed on the lowered module, which
+    JAX's lowering cache shares between engines of one program in a process) returns an executable
+    built earlier without recording any event, so where it came from is unknown: not compiled here."""
+    CompileCounter.install()
+    requests, hits = CompileCounter.thread_requests(), CompileCounter.thread_cache_hits()
+    executable = lowered.compile(options)
+    return executable, CompileCounter.thread_requests() > requests and CompileCounter.thread_cache_hits() == hits
+
+
 def compile_buckets(
     shapes: list[tuple], lower: Callable[[tuple], Any], options: dict[str, str], platform: str, progress: bool = True
 ) -> list[tuple[tuple, Any, float, bool]]:
-    """(shape, executable, seconds, from the persistent cache) of each bucket, lowered by `lower(shape)`.
+    """(shape, executable, seconds, compiled in this call: `compile_lowered`) of each bucket, lowered
+    by `lower(shape)`.
 
     Tracing holds the GIL, so buckets are lowered one by one, each compiled meanwhile on a pool.
     XLA:CPU already spreads one compile over every core (its codegen is split), so on a CPU the
@@ -270,9 +291,9 @@ def compile_buckets(
     from tqdm import tqdm
 
     def compile_one(shape, lowered):
-        start, hits = time.perf_counter(), CompileCounter.thread_cache_hits()
-        executable = lowered.compile(options)
-        return shape, executable, time.perf_counter() - start, CompileCounter.thread_cache_hits() > hits
+        start = time.perf_counter()
+        executable, compiled = compile_lowered(lowered, options)
+        return shape, executable, time.perf_counter() - start, compiled
 
     workers = 1 if platform == "cpu" else (os.cpu_count() or 1)
     with (

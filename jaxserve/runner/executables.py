@@ -13,9 +13,21 @@ import time
 from typing import Any, Callable, Iterable
 
 from jaxserve.model.transfer import Layout
-from jaxserve.runner.compilation import CompileCounter, compile_buckets, persistent_cache_bypassed
+from jaxserve.runner.compilation import compile_buckets, compile_lowered, persistent_cache_bypassed
 
 logger = logging.getLogger(__name__)
+
+_OBJECT_MAGIC = (b"\x7fELF", b"\xcf\xfa\xed\xfe")  # an ELF or a 64-bit Mach-O object file
+
+
+def lacks_object_code(blob: bytes, platform: str) -> bool:
+    """Whether a serialized executable is an XLA:CPU one without machine code: one read back from JAX's
+    persistent cache serializes so (jax 0.10.2), and it loads but fails at its first run, after the
+    step's KV cache was donated to it (the error surfaces asynchronously, when its outputs are
+    awaited), so it must be refused before it is loaded. A compiled step's entry holds an object
+    file per kernel group (~170 for a tiny llama's), so the scan stops early; an entry without any is
+    read whole (~10 ms for the default model's 7 MB EAGLE-3 steps, against 1-4 s to load one)."""
+    return platform == "cpu" and not any(magic in blob for magic in _OBJECT_MAGIC)
 
 
 class ExecutableTable:
@@ -74,12 +86,11 @@ class ExecutableTable:
             executable = self._load(key)
             if executable is None:
                 lowered = self.lower(key)
-                start, hits = time.perf_counter(), CompileCounter.thread_cache_hits()
+                start = time.perf_counter()
                 with persistent_cache_bypassed(self.store is not None and self.fresh_compiles):
-                    executable = lowered.compile(self.compiler_options)
-                cached = CompileCounter.thread_cache_hits() > hits
+                    executable, compiled = compile_lowered(lowered, self.compiler_options)
                 self.compiled.append((key, time.perf_counter() - start))
-                self._save(key, executable, time.perf_counter() - start, cached)
+                self._save(key, executable, time.perf_counter() - start, compiled)
             self.executables[key] = executable  # in place whole: a reader sees it or not
         return executable
 
@@ -123,12 +134,12 @@ class ExecutableTable:
         timings = []
         with persistent_cache_bypassed(self.store is not None and self.fresh_compiles):
             compiled = compile_buckets(keys, self.lower, self.compiler_options, self.platform, progress)
-        for key, executable, seconds, cached in compiled:
+        for key, executable, seconds, compiled_here in compiled:
             self.executables[key] = executable
             self.compiled.append((key, seconds))
             timings.append((key, seconds))
             logger.info("bucket %s compiled in %.2fs", key, seconds)
-            self._save(key, executable, seconds, cached)
+            self._save(key, executable, seconds, compiled_here)
         return timings
 
     # ---- the executable store --------------------------------------------------------------------
@@ -148,6 +159,9 @@ class ExecutableTable:
         entry = self.store.load(signature.key_hash, signature.key)
         if entry is None:
             return None
+        if lacks_object_code(entry.blob, self.platform):
+            self.store._unusable(self.store.path(signature.key_hash), "no object code: it would fail at its first run")
+            return None
         try:  # on the devices the key names, in order: never the backend's default (a sub-mesh would abort)
             executable = deserialize_and_load(
                 entry.blob,
@@ -165,14 +179,18 @@ class ExecutableTable:
         logger.info("bucket %s loaded from the executable store in %.3fs", key, seconds)
         return executable
 
-    def _save(self, key: tuple, executable: Any, seconds: float, from_cache: bool = False) -> None:
-        """Write a compiled executable to the store (when its key's layout and devices are the ones it
-        was compiled with, and it was compiled, not read from JAX's persistent cache, whose executables
-        serialize broken on XLA:CPU: `compilation.persistent_cache_bypassed`, `fresh_compiles`)."""
+    def _save(self, key: tuple, executable: Any, seconds: float, compiled: bool) -> None:
+        """Write an executable XLA `compiled` in this process's call to the store (when its key's layout
+        and devices are the ones it was compiled with). Not one from JAX's persistent cache, whose
+        executables serialize without their code on XLA:CPU (`compilation.compile_lowered`,
+        `persistent_cache_bypassed`, `fresh_compiles`)."""
         if self.store is None:
             return
-        if from_cache:
-            logger.info("step %s not stored: it came from JAX's persistent cache (`jaxserve compile` stores it)", key)
+        if not compiled:
+            logger.info(
+                "step %s not stored: it came from JAX's persistent or in-memory cache (`jaxserve compile` stores it)",
+                key,
+            )
             return
         from jax.experimental.serialize_executable import serialize
 
@@ -192,6 +210,9 @@ class ExecutableTable:
             parts = serialize(executable)
         except (ValueError, NotImplementedError) as err:  # e.g. a program with const_args
             logger.warning("step %s not stored: %s", key, err)
+            return
+        if lacks_object_code(parts[0], self.platform):
+            logger.warning("step %s not stored: it serialized without object code", key)
             return
         m = signature.key.get("model") or {}
         about = dict(
