@@ -6,6 +6,12 @@ decides what each row proposes.
 
 A speculative step's host inputs: (RaggedBatch [R, N] with logit_index [R, min(N, G * W)],
 SamplingTensors [R, G], SpecRows [R, G], DraftInputs or None), G = min(N, max rows), W = K + 1.
+
+Like a plain step it takes and gives the carried samples (`jaxserve.model.placeholders`): a step
+that verifies nothing can follow the one before it without its tokens reaching the host (async
+scheduling, `engine/overlap.py`), its pending tokens named by placeholders in the target's batch,
+the draft's and the penalty histories alike, and it carries each group's last emitted token for
+the step after it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.model.kv_cache import KVCache, RaggedBatch, cache_shardings, init_cache
 from jaxserve.model.weights import Params
 from jaxserve.model.ragged import RaggedArrays, RaggedRow, pack_ragged, row_lora_slots
+from jaxserve.model.placeholders import carry_tokens, resolve
 from jaxserve.model.sampler import RowSampling, SamplingTensors
 from jaxserve.spec_decode.eagle3_draft import eagle3_start_arrays, eagle_cache_sharding, init_eagle_cache
 from jaxserve.spec_decode.step import DraftInputs, SpecOptions, SpecRows, speculative_step
@@ -112,6 +119,7 @@ class SpeculativeStep(StepVariant):
             cache_sharding=c.cache_sharding,
             draft_cache_sharding=self.draft_cache_sharding,
             out_sharding=c.out_sharding,
+            carry_sharding=c.carry_sharding,
         ).lower()
 
     def call(self, executable: Any, state: DeviceState, sparse: tuple, buffer: Any) -> Any:
@@ -160,17 +168,25 @@ def _step(
     cache_sharding=None,
     draft_cache_sharding=None,
     out_sharding=None,
+    carry_sharding=None,
 ):
-    """The executable's calling convention: `carried` (the plain steps' placeholder tokens) passes
-    through, since speculative engines run each step to completion; `sparse`: the sampling's
-    penalty histories and logit-bias slots, as the plain steps take them."""
+    """The executable's calling convention, as the plain step's: `carried` i32[R, S] the previous
+    step's samples, which every placeholder in the inputs names (the target's and the draft's tokens,
+    the penalty histories); `sparse`: the sampling's penalty histories and logit-bias slots. Returns
+    the step's carried samples: each group's last emitted token, at its slot g (a plain sample's
+    placeholder names it; a verifying step's are read on the host before the next is scheduled)."""
+    sampling = with_sparse(sampling, sparse)
+    batch = batch.replace(tokens=resolve(batch.tokens, carried))
+    sampling = sampling.replace(history=resolve(sampling.history, carried))
+    if draft is not None:
+        draft = draft.replace(batch=draft.batch.replace(tokens=resolve(draft.batch.tokens, carried)))
     out, cache, draft_cache = speculative_step(
         params,
         cache,
         draft_params,
         draft_cache,
         batch,
-        with_sparse(sampling, sparse),
+        sampling,
         rows,
         draft,
         cfg=cfg,
@@ -182,6 +198,10 @@ def _step(
     )
     if out_sharding is not None:  # multi-host: every process reads its own full copy of the outputs
         out = jax.lax.with_sharding_constraint(out, out_sharding)
+    last = jnp.take_along_axis(out.tokens, out.num_accepted[..., None], axis=-1)[..., 0]  # i32[R, G]
+    carried = carry_tokens(last, carried.shape[-1])
+    if carry_sharding is not None:
+        carried = jax.lax.with_sharding_constraint(carried, carry_sharding)
     return out, cache, draft_cache, carried
 
 
@@ -197,6 +217,7 @@ _step_jit = jax.jit(
         "cache_sharding",
         "draft_cache_sharding",
         "out_sharding",
+        "carry_sharding",
     ),
     donate_argnums=(1, 3),
 )
