@@ -160,7 +160,7 @@ class EngineConfig(Settings):
         True,
         "overlap the host with the device: step N+1 is scheduled and dispatched before step N's tokens "
         "reach the host (its inputs take them on the device); false runs every step to completion first. "
-        "Speculative and multi-step engines always run serially",
+        "Multi-step engines always run serially; speculative ones overlap only the steps that verify no drafts",
         parse_bool,
         group="scheduling",
     )

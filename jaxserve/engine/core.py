@@ -117,7 +117,7 @@ class EngineCore:
         # A KV connector (jaxserve.kv_transfer: the host tier, or one moving pages between engines).
         self.scheduler.kv = build_driver(s, self.scheduler, runner)
         if s.async_scheduling and not self.can_overlap:
-            logger.info("async scheduling off: speculative and multi-step engines run each step to completion first")
+            logger.info("async scheduling off: multi-step engines run each step to completion first")
         self.intake = Intake()
         self.requests: dict[str, Request] = {}
         self._outbox: list = []  # aborted requests' last deltas and late refusals, out with the next outputs
@@ -328,9 +328,14 @@ class EngineCore:
     @property
     def can_overlap(self) -> bool:
         """Whether a step may be dispatched before the one before it is processed (async scheduling):
-        not with speculation or multi-step, whose acceptance and run lengths decide the next inputs
-        on the host."""
-        return self.spec is None and self.config.num_scheduler_steps == 1
+        not with multi-step, whose run lengths decide the next inputs on the host. With speculation,
+        only steps that verify nothing overlap (`needs_host_tokens`, `InFlightStep.serial`)."""
+        return self.config.num_scheduler_steps == 1
+
+    def needs_host_tokens(self) -> bool:
+        """Whether the next step, not scheduled yet, may need the tokens of the step in flight on the
+        host: a speculative step that drafts (`SpeculativeDecoder.may_draft`)."""
+        return self.spec is not None and self.spec.may_draft(self.scheduler.running)
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -365,11 +370,8 @@ class EngineCore:
         if self.lora is not None:  # every running sequence's adapter in a device slot (at most max_loras)
             self.lora.prepare(self.scheduler.adapters_in_use(waiting=False))
         verifies, calls = False, 1  # calls: decode steps in the call (multi-step), each reading every weight
-        if self.spec is not None:
-            # The scheduler gives no drafts to a step scoring prompt tokens: it verifies nothing.
-            if not any(row.scores_prompt for row in batch.rows):
-                self.spec.prepare(batch.rows, batch.update.rows)
-                verifies = True
+        if self.spec is not None:  # drafts: a step verifying none is a plain step (placeholders, overlap)
+            verifies = self.spec.dispatch(batch.rows, batch.update.rows)
         elif self.config.num_scheduler_steps > 1:  # a step of decodes alone: its rows' later steps in one call
             calls = 1 + max(row.num_lookahead for row in batch.rows)
         serial = verifies or calls > 1

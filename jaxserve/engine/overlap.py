@@ -6,8 +6,12 @@ the step thread waits (no jax).
 calls with a queue of in-flight steps, two deep with async scheduling: it schedules and dispatches
 step N+1, then processes step N, so the host detokenizes N while the device runs N+1 (N+1's inputs
 name N's samples as placeholders, resolved on the device). One deep (`--no-async-scheduling`, and
-on a speculative or multi-step engine, whose runs decide the next inputs on the host) it is the
-core's serial step. Two things make the step thread wait before N+1 is dispatched, both here:
+on a multi-step engine, whose runs decide the next inputs on the host) it is the core's serial step.
+A speculative engine overlaps the steps that verify nothing: a step that verifies drafts is
+`serial` (its acceptance decides the next inputs), processed before the next is scheduled, and the
+step in flight is processed before one that may draft is scheduled (`EngineCore.needs_host_tokens`:
+drafts come from the tokens on the host). Two things make the step thread wait before N+1 is
+dispatched, both here:
 
 - **Grammars.** A constrained row's next mask follows the token it sampled in N: when a constrained
   row samples in N+1, the wrapper waits for N's samples and hands them to the core
@@ -65,7 +69,9 @@ class Overlap:
         requests' last deltas and the late refusals (`EngineCore.step`'s outputs)."""
         core, in_flight, depth = self.core, self.in_flight, self.depth
         outputs: list = []
-        while len(in_flight) >= depth:  # a step left in flight when async scheduling was switched off
+        # A step left in flight when async scheduling was switched off, or one the next step's
+        # scheduling needs on the host (speculation: its acceptance, or the tokens drafts come from).
+        while in_flight and (len(in_flight) >= depth or in_flight[-1].serial or core.needs_host_tokens()):
             outputs += self._process(in_flight.popleft())
         batch = core.schedule()
         if in_flight and batch.rows:
@@ -81,7 +87,9 @@ class Overlap:
         if step is not None:
             self.arrival_window.dispatched(step.dispatched_at - started)
             in_flight.append(step)
-        if in_flight and (step is None or len(in_flight) >= depth):
+        # A serial step (drafts verified) is processed now, as the core's own step would, after the
+        # step before it (whose host work ran beside it on the device).
+        while in_flight and (step is None or len(in_flight) >= depth or in_flight[-1].serial):
             outputs += self._process(in_flight.popleft())
         return outputs + core.take_outbox()
 

@@ -5,6 +5,14 @@ what was accepted. Every step of a speculative engine is one speculative ragged 
 (`jaxserve.spec_decode.step`: prompt chunks, plain decodes and verifications together, the draft
 model's catch-up and proposals inside); the runner holds the draft's params and cache and every
 executable (`jaxserve.runner.speculative`), and a multi-host job's other processes run them too.
+
+Async scheduling: a step in which no row drafts emits one token per sampling row, so the host knows
+everything about it at dispatch but the tokens, which the next step takes on the device like a
+plain step's (placeholders). Such a step overlaps the next one, for every method. A step that drafts
+needs its rows' last tokens on the host (n-gram proposals read them; acceptance decides where
+every row goes next), so the step before it is processed first (`may_draft`), and the drafting step
+is processed before the next is scheduled: a row whose last token is still in flight never drafts
+(`lookahead`), whatever the guess said.
 """
 
 from __future__ import annotations
@@ -169,6 +177,7 @@ class SpeculativeDecoder:
         # of this step: (decode_steps, per-replica batch) -> drafts allowed; the last one logged per batch.
         self.acceptance = AcceptanceEstimate()
         self._batch_decision: tuple[tuple[int, int], bool] | None = None
+        self._counted_decision: tuple[int, int] | None = None  # the last batch decision counted in off_steps
         self._logged_decision: dict[int, bool] = {}
         self._costs_at: tuple[tuple[int, int], list[float]] | None = None  # _step_costs of this step
         # Seconds per decode step: ("plain", batch) and ("spec", batch, drafts). `_device` from timing the
@@ -243,7 +252,14 @@ class SpeculativeDecoder:
         # Steps are priced by their per-replica batch bucket; the replicas' rows taken as balanced.
         per_replica = min(-(-batch_size // self.num_replicas), self.buckets.batch_sizes[-1])
         costs = self._step_costs(per_replica) if self.policy.adaptive else None
-        if costs is not None and per_replica > 1 and not self._batch_drafts(per_replica, costs):
+        if costs is not None and per_replica > 1:
+            drafts = self._batch_drafts(per_replica, costs)
+            if self._counted_decision != (self.decode_steps, per_replica):
+                self._counted_decision = (self.decode_steps, per_replica)
+                self.counters.off_steps += not drafts
+            if not drafts:
+                return 0
+        if seq.in_flight:  # its last token is still on the device (async scheduling): nothing to draft from
             return 0
         k = min(
             self.policy.choose(state, self.decode_steps, costs),
@@ -260,15 +276,32 @@ class SpeculativeDecoder:
             return len(state.proposal)
         return k
 
+    def may_draft(self, running: Sequence[Any]) -> bool:
+        """Whether the next step, not scheduled yet, may give a row of `running` (the scheduler's running
+        sequences) drafts: the overlap wrapper then processes the step in flight first, so that the
+        rows draft from their last tokens. The batch decision is made here for the step (its rows ask
+        again and get the same answer); a guess where the answer needs the tokens in flight (n-gram
+        proposals) or the scheduled batch. A wrong guess costs time, never exactness: `lookahead`
+        gives no row drafts while its last token is in flight."""
+        decoding = [seq for seq in running if seq.compute_target - seq.num_computed == 1]
+        if not decoding:
+            return False
+        if not self.policy.adaptive:
+            return True
+        per_replica = min(-(-len(decoding) // self.num_replicas), self.buckets.batch_sizes[-1])
+        costs = self._step_costs(per_replica)
+        if per_replica > 1:
+            return self._batch_drafts(per_replica, costs)
+        return any(self.policy.choose(self.state(seq), self.decode_steps, costs) > 0 for seq in decoding)
+
     def _batch_drafts(self, batch: int, costs: list[float]) -> bool:
-        """The batch decision (`SpecPolicy.batch_drafts`), made once per step for its first row; a
-        change is logged, and each step it turns speculation off is counted (off_steps)."""
+        """The batch decision (`SpecPolicy.batch_drafts`), made once per step (for `may_draft` or its
+        first row); a change is logged. `lookahead` counts each step it turns speculation off (off_steps)."""
         key = (self.decode_steps, batch)
         if self._batch_decision is not None and self._batch_decision[0] == key:
             return self._batch_decision[1]
         drafts = self.policy.batch_drafts(self.acceptance, self.decode_steps, costs)
         self._batch_decision = (key, drafts)
-        self.counters.off_steps += not drafts
         B = pick_bucket(batch, self.buckets.batch_sizes)
         pays = self.policy.best(self.acceptance.value, costs) > 0
         if self._logged_decision.get(B, True) != pays:
@@ -330,12 +363,16 @@ class SpeculativeDecoder:
         step times replace these as steps run. A width whose rows do not fit the token budget costs
         infinity (the policy never picks it)."""
         self._untimed = True
+        # A step may be in flight (async scheduling): the probes must not replace the samples its
+        # placeholders name. Not donated, so the array is still whole after them.
+        carried = self.runner.carried
         self._device[("plain", B)] = _median_seconds(self.runner.probe_rows(self._probe_rows(B, 0)))
         for d in self.draft_buckets:
             fits = B * (d + 1) <= self.buckets.token_counts[-1]
             self._device[("spec", B, d)] = (
                 _median_seconds(self.runner.probe_rows(self._probe_rows(B, d))) if fits else float("inf")
             )
+        self.runner.carried = carried
         logger.info(
             "speculation at batch %d: plain decode step %.2f ms; speculative step %s",
             B,
@@ -363,6 +400,21 @@ class SpeculativeDecoder:
                 self.costs(batch)
 
     # ---- the speculative step ----------------------------------------------------------------------
+    def dispatch(self, scheduled: Sequence[Any], updates: Sequence[Any]) -> bool:
+        """A step about to be dispatched (`updates`: the batch update's rows): its rows' drafts
+        (`prepare`); returns whether it verifies drafts. One that does not is recorded now (no row
+        accepts anything, so its acceptance is known before it runs), and the engine treats it as a
+        plain step: its tokens take placeholders and the next step may be scheduled at once. A step
+        scoring prompt tokens (the plain scoring variant runs it) drafts nothing and is not recorded."""
+        if any(row.scores_prompt for row in scheduled):
+            self._timing = None
+            return False
+        self.prepare(scheduled, updates)
+        if any(row.num_lookahead for row in scheduled):
+            return True
+        self.record(scheduled, np.zeros(len(scheduled), np.int32))
+        return False
+
     def prepare(self, scheduled: Sequence[Any], updates: Sequence[Any]) -> None:
         """Give each decode row of a step (`updates`: the batch update's rows, in the same order) its
         drafts (`row.num_lookahead`: the host's n-gram proposal, or zeros the draft model fills in the

@@ -53,6 +53,9 @@ class RecordingCore:
             batch, [], Pending(n), serial=False, constrained=self.constrained, dispatched_at=time.perf_counter()
         )
 
+    def needs_host_tokens(self):  # a speculative engine's next step may draft: not here
+        return False
+
     def samples_under_grammar(self, batch):
         return self.constrained and self.grammar_rows_next
 

@@ -69,3 +69,37 @@ def perturbed_copy(model, out_dir: str, scale: float, seed: int = 0) -> str:
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
     draft.save_pretrained(out_dir)
     return out_dir
+
+
+def toggle_drafting(monkeypatch, engine, period: int = 3) -> None:
+    """Make the engine's policy adaptive and let it draft for `period` decode steps, then not for
+    `period` (the batch decision and each request's choice alike): steps that verify drafts and steps
+    that overlap the next one (async scheduling) alternate mid-run, whatever the batch."""
+    from jaxserve.spec_decode.policy import SpecPolicy
+
+    spec = engine.spec
+    on, off = [1.0] * (spec.k + 1), [1.0] + [1e3] * spec.k  # drafting free, then never paying
+    monkeypatch.setattr(spec, "policy", SpecPolicy(spec.k, adaptive=True))
+    monkeypatch.setattr(spec, "costs", lambda batch: on if (spec.decode_steps // period) % 2 == 0 else off)
+
+
+def record_dispatches(monkeypatch, llm) -> list[tuple[int, bool]]:
+    """Each dispatched step's (steps in flight beside it, whether it verifies drafts), as the
+    engine's overlap wrapper dispatches them."""
+    core, seen = llm.engine, []
+    execute = core.execute
+
+    def recorded(batch):
+        step = execute(batch)
+        if step is not None:
+            seen.append((len(llm.overlap.in_flight), step.serial))
+        return step
+
+    monkeypatch.setattr(core, "execute", recorded)
+    return seen
+
+
+def assert_overlapped(seen: list[tuple[int, bool]]) -> None:
+    """Steps that verify nothing ran beside the one before them, and steps verifying drafts ran too."""
+    assert any(depth == 1 and not serial for depth, serial in seen), seen
+    assert any(serial for _, serial in seen), seen

@@ -9,6 +9,8 @@ import optax
 import pytest
 import torch
 
+from spec_testlib import assert_overlapped, record_dispatches, toggle_drafting
+
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import ModelConfig
 from jaxserve.errors import ConfigError
@@ -113,38 +115,71 @@ def head_dir(target, reference, tmp_path_factory):
     return train_head(target, sequences, [len(p) for p in prompts], str(tmp_path_factory.mktemp("eagle3")))
 
 
-def test_eagle3_is_greedy_exact_under_preemption_and_prefix_caching(target, reference, head_dir):
+@pytest.fixture(scope="module")
+def eagle3_llm(target, head_dir):
     spec = {"method": "eagle3", "model": head_dir, "num_speculative_tokens": K}
     with LLM(target[0], **BASE, **SMALL_POOL, speculative_config=spec, speculative_adaptive=False) as llm:
-        prompts, params = requests()
-        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-        assert token_ids(outputs) == reference
-        engine = llm.engine
-        stats = engine.stats()
-        assert engine.scheduler.num_preemptions > 0
-        assert engine.blocks.num_prefix_hit_tokens > 0
-        # The trained head's drafts are accepted often, whole runs too, and rejected too.
-        assert 0.2 < stats["spec_decode_acceptance_rate"] < 0.99, stats
-        assert stats["spec_decode_mean_accepted_length"] > 1.5, stats
-        blocks = engine.blocks
-        assert blocks.num_free_pages(0) == blocks.num_usable_pages
-        blocks.check_invariants()
-        # One at a time too: each sequence's drafts from its own states only.
-        single = llm.generate(prompt_token_ids=prompts[:3], sampling_params=params[:3], use_tqdm=False)
-        assert token_ids(single) == reference[:3]
-        # Sleep frees the head's K/V and stored states with the pool; awake, the same outputs.
-        llm.sleep(1)
-        llm.wake_up()
-        again = llm.generate(prompt_token_ids=prompts[:3], sampling_params=params[:3], use_tqdm=False)
-        assert token_ids(again) == reference[:3]
-        # New target weights (here a copy of the same): the head is kept and says so; a head's new
-        # weights are refused rather than ignored.
-        report = llm.update_weights(engine.runner.state.params, copy=True)
-        assert report.draft == "kept"
-        with pytest.raises(ValueError, match="EAGLE-3 head is served as loaded"):
-            llm.update_weights(engine.runner.state.params, draft_params={})
-        updated = llm.generate(prompt_token_ids=prompts[:3], sampling_params=params[:3], use_tqdm=False)
-        assert token_ids(updated) == reference[:3]
+        yield llm
+
+
+def test_eagle3_is_greedy_exact_under_preemption_and_prefix_caching(eagle3_llm, reference):
+    llm = eagle3_llm
+    prompts, params = requests()
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert token_ids(outputs) == reference
+    engine = llm.engine
+    stats = engine.stats()
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.blocks.num_prefix_hit_tokens > 0
+    # The trained head's drafts are accepted often, whole runs too, and rejected too.
+    assert 0.2 < stats["spec_decode_acceptance_rate"] < 0.99, stats
+    assert stats["spec_decode_mean_accepted_length"] > 1.5, stats
+    blocks = engine.blocks
+    assert blocks.num_free_pages(0) == blocks.num_usable_pages
+    blocks.check_invariants()
+    # One at a time too: each sequence's drafts from its own states only.
+    single = llm.generate(prompt_token_ids=prompts[:3], sampling_params=params[:3], use_tqdm=False)
+    assert token_ids(single) == reference[:3]
+    # Sleep frees the head's K/V and stored states with the pool; awake, the same outputs.
+    llm.sleep(1)
+    llm.wake_up()
+    again = llm.generate(prompt_token_ids=prompts[:3], sampling_params=params[:3], use_tqdm=False)
+    assert token_ids(again) == reference[:3]
+    # New target weights (here a copy of the same): the head is kept and says so; a head's new
+    # weights are refused rather than ignored.
+    report = llm.update_weights(engine.runner.state.params, copy=True)
+    assert report.draft == "kept"
+    with pytest.raises(ValueError, match="EAGLE-3 head is served as loaded"):
+        llm.update_weights(engine.runner.state.params, draft_params={})
+    updated = llm.generate(prompt_token_ids=prompts[:3], sampling_params=params[:3], use_tqdm=False)
+    assert token_ids(updated) == reference[:3]
+
+
+def test_eagle3_overlaps_steps_that_verify_nothing(eagle3_llm, reference, monkeypatch):
+    """Drafting switched on and off every few steps: a step that verifies nothing runs beside the one
+    before it (its pending tokens, the head's start and catch-up alike, taken on the device), a
+    drafting step after the one before it is processed; greedy outputs as plain decoding's, single
+    and batched, async scheduling on and off, and no page lost."""
+    llm = eagle3_llm
+    toggle_drafting(monkeypatch, llm.engine)
+    seen = record_dispatches(monkeypatch, llm)
+    accepted = llm.engine.stats()["spec_decode_num_accepted_tokens"]
+    prompts, params = requests()
+    assert token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)) == reference
+    assert_overlapped(seen)
+    assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > accepted
+    single = llm.generate(prompt_token_ids=prompts[:1], sampling_params=params[:1], use_tqdm=False)
+    assert token_ids(single) == reference[:1]
+    seen.clear()
+    monkeypatch.setattr(llm.overlap, "async_scheduling", False)
+    assert (
+        token_ids(llm.generate(prompt_token_ids=prompts[:4], sampling_params=params[:4], use_tqdm=False))
+        == (reference[:4])
+    )
+    assert seen and all(depth == 0 for depth, _ in seen)
+    blocks = llm.engine.blocks
+    assert blocks.num_free_pages(0) == blocks.num_usable_pages
+    blocks.check_invariants()
 
 
 def test_eagle3_settings_are_checked(target, head_dir):

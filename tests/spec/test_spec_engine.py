@@ -1,12 +1,13 @@
 """Speculative decoding in the engine: greedy outputs identical to plain decoding (draft and n-gram,
-under preemption, prefix caching and penalties), stop conditions inside an accepted run, seeded
-sampling independent of the batch, per-request metrics, and the vocabulary check."""
+under preemption, prefix caching and penalties, with steps that verify nothing overlapping the next
+one), stop conditions inside an accepted run, seeded sampling independent of the batch, per-request
+metrics, and the vocabulary check."""
 
 import dataclasses
 
 import numpy as np
 import pytest
-from spec_testlib import perturbed_copy
+from spec_testlib import assert_overlapped, perturbed_copy, record_dispatches, toggle_drafting
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.errors import ConfigError
@@ -94,6 +95,26 @@ def test_draft_speculation_is_greedy_exact_under_preemption(draft_llm, reference
     assert sum(m.spec_draft_tokens for m in metrics) == stats["spec_decode_num_draft_tokens"]
     assert sum(m.spec_accepted_tokens for m in metrics) == stats["spec_decode_num_accepted_tokens"]
     assert all(m.spec_acceptance_rate is not None for m in metrics)
+    assert_pool_whole(draft_llm)
+
+
+def test_draft_speculation_overlaps_steps_that_verify_nothing(draft_llm, reference, monkeypatch):
+    """Drafting switched on and off every few steps: the steps that verify nothing run beside the one
+    before them (their tokens taken on the device, the draft's too), the others one at a time; the
+    greedy outputs stay those of plain decoding, async scheduling on or off, and no page is lost."""
+    toggle_drafting(monkeypatch, draft_llm.engine)
+    seen = record_dispatches(monkeypatch, draft_llm)
+    prompts, params = varied_requests()
+    outputs = draft_llm.generate(prompt_token_ids=prompts[:16], sampling_params=params[:16], use_tqdm=False)
+    assert token_ids(outputs) == reference[1][:16]
+    assert draft_llm.engine.scheduler.num_preemptions > 0
+    assert_overlapped(seen)
+    assert_pool_whole(draft_llm)
+    seen.clear()
+    monkeypatch.setattr(draft_llm.overlap, "async_scheduling", False)
+    outputs = draft_llm.generate(prompt_token_ids=prompts[:4], sampling_params=params[:4], use_tqdm=False)
+    assert token_ids(outputs) == reference[1][:4]
+    assert seen and all(depth == 0 for depth, _ in seen)
     assert_pool_whole(draft_llm)
 
 
@@ -250,9 +271,10 @@ def test_ngram_speculation_over_quantized_weights_is_greedy_exact(target, quanti
     assert_pool_whole(llm)
 
 
-def test_a_batch_where_verifying_loses_drafts_only_at_probes(target, reference, caplog):
+def test_a_batch_where_verifying_loses_drafts_only_at_probes(target, reference, caplog, monkeypatch):
     """The adaptive policy decides for the batch first: where a verify step costs four plain steps no
-    acceptance pays, so rows of a batch draft only at the shared probe steps; the engine says so, counts the steps, and the outputs stay exact."""
+    acceptance pays, so rows of a batch draft only at the shared probe steps; the engine says so, counts
+    the steps, and the outputs stay exact. The steps kept from drafting overlap the next one."""
     import logging
 
     from jaxserve.spec_decode.policy import probe_interval
@@ -269,6 +291,7 @@ def test_a_batch_where_verifying_loses_drafts_only_at_probes(target, reference, 
         return k
 
     llm.engine.scheduler.lookahead = recorded
+    dispatched = record_dispatches(monkeypatch, llm)
     prompts, params = varied_requests()
     with caplog.at_level(logging.INFO, logger="jaxserve.spec_decode.decoder"):
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -277,4 +300,5 @@ def test_a_batch_where_verifying_loses_drafts_only_at_probes(target, reference, 
     assert batched and all(k == 0 or step % probe_interval(losing) == 0 for step, k in batched)
     assert llm.engine.stats()["spec_decode_num_off_steps"] > 0
     assert "off but for probes" in caplog.text
+    assert any(depth == 1 for depth, _ in dispatched)  # dispatched beside the step before it
     assert_pool_whole(llm)
