@@ -328,7 +328,7 @@ def main() -> None:
     for workload in workloads:
         prompts = prompt_sets[workload]
         for batch in batch_sizes:
-            outputs, times, spec_stats = {}, {m: [] for m in methods}, {}
+            outputs, times, spec_stats, steps = {}, {m: [] for m in methods}, {}, {m: [] for m in methods}
             eos = workload == "chat"  # answers end where the model ends them
             for m in methods:  # untimed: settles the measured step times (and would compile a missed shape)
                 _, outputs[m] = timed_generate(engines[m], prompts, batch, args.new_tokens, eos)
@@ -336,8 +336,10 @@ def main() -> None:
             for _ in range(args.repeats):
                 for m in methods:
                     before = dict(engines[m].engine.stats())
+                    steps_before = engines[m].engine.counters["steps"]
                     seconds, out = timed_generate(engines[m], prompts, batch, args.new_tokens, eos)
                     times[m].append(seconds)
+                    steps[m].append(engines[m].engine.counters["steps"] - steps_before)
                     after = engines[m].engine.stats()
                     if m != "off":
                         spec_stats[m] = {
@@ -366,6 +368,9 @@ def main() -> None:
                     tok_per_s=tokens / statistics.median(times[m]),
                     speedup=statistics.median(times["off"]) / statistics.median(times[m]),
                     same_tokens=outputs[m] == outputs["off"],
+                    # engine steps per timed pass, and the wall time of one (host and device together)
+                    engine_steps=statistics.median(steps[m]),
+                    ms_per_step=1e3 * statistics.median(times[m]) / max(statistics.median(steps[m]), 1),
                     timed_compiles=engines[m].engine.stats()["compiles_after_warmup"] - compiles[m],
                 )
                 if m != "off":
@@ -412,16 +417,17 @@ def main() -> None:
             json.dump(report, f, indent=1)
     print(
         "\n| workload | batch | method | tok/s | speedup | acceptance | by position | tokens per target step "
-        "| verifies | steps kept from drafting | same tokens |"
+        "| verifies | steps kept from drafting | engine steps | ms per step | same tokens |"
     )
-    print("|---|---:|---|---:|---:|---:|---|---:|---:|---:|---|")
+    print("|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|")
     for r in results:
         acc = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "–"
         pos = " / ".join(f"{a:.2f}" for a in r.get("acceptance_by_position", [])) or "–"
         length = f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "–"
         print(
             f"| {r['workload']} | {r['batch']} | {r['method']} | {r['tok_per_s']:.1f} | {r['speedup']:.2f}x | "
-            f"{acc} | {pos} | {length} | {r.get('verify_steps', '–')} | {r.get('off_steps', '–')} | {r['same_tokens']} |"
+            f"{acc} | {pos} | {length} | {r.get('verify_steps', '–')} | {r.get('off_steps', '–')} | {r['engine_steps']:.0f} | {r['ms_per_step']:.1f} "
+            f"| {r['same_tokens']} |"
         )
 
 

@@ -9,6 +9,8 @@ off: it cannot tell the two apart).
     python scripts/bench_spec_step.py --cases 1:0,1:1,1:2,1:4,16:0 --before a164a64~1
     # n-gram (the target's verify alone), the fine token ladder
     python scripts/bench_spec_step.py --method ngram --token-buckets fine --cases 1:0,1:1,1:2,1:3,1:4
+    # what a step that drafts nothing costs a speculative engine: its step against a plain engine's (same bucket)
+    python scripts/bench_spec_step.py --cases 1:0,16:0 --plain
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ def main() -> None:
     ap.add_argument("--token-buckets", default="powers-of-two")
     ap.add_argument("--before", default=None, help="a commit whose eagle3_draft.py is timed beside this tree's")
     ap.add_argument("--calls", type=int, default=15)
+    ap.add_argument(
+        "--plain",
+        action="store_true",
+        help="also time an engine without speculation on the cases that draft nothing (its ragged step, same bucket)",
+    )
     args = ap.parse_args()
 
     import jax
@@ -78,6 +85,19 @@ def main() -> None:
         **spec,
     )
     runner = llm.runner
+    plain = None
+    if args.plain:  # the same model and buckets, no speculation: its plain ragged step
+        plain = LLM(
+            args.model,
+            dtype="float32",
+            max_model_len=1024,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=512,
+            token_buckets=args.token_buckets,
+            warm_up=False,
+            executable_store=args.before is None,
+            enable_prefix_caching=False,
+        ).runner
     cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
 
     def rows(batch, drafts):
@@ -99,6 +119,14 @@ def main() -> None:
             run = runner.probe(packed.shape, packed.inputs)
             jax.block_until_ready(run())
             runs[(name, batch, drafts, packed.shape[0])] = run
+    if plain is not None:
+        for batch, drafts in cases:
+            if drafts == 0:
+                pages = [PADDING_PAGE] * -(-(args.context + 1) // 16)
+                packed = plain.prepare_inputs([StepRow([0], args.context, pages) for _ in range(batch)])
+                run = plain.probe(packed.shape, packed.inputs)
+                jax.block_until_ready(run())
+                runs[("no speculation", batch, 0, packed.shape[0])] = run
     times = {key: [] for key in runs}
     for _ in range(args.calls):
         for key, run in runs.items():
