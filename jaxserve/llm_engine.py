@@ -27,12 +27,8 @@ from jaxserve.model.weights import param_bytes
 from jaxserve.planning.memory import plan_memory
 from jaxserve.runner import multihost
 from jaxserve.runner.backends import default_scan_layers, resolve_attention, resolve_quantized_matmul
-from jaxserve.runner.compilation import (
-    CompileCounter,
-    attach_executable_store,
-    check_memory_mappings,
-    enable_compilation_cache,
-)
+from jaxserve.runner.compilation import CompileCounter, check_memory_mappings, enable_compilation_cache
+from jaxserve.runner.executables import attach_executable_store, open_executable_store
 from jaxserve.runner.runner import ModelRunner
 from jaxserve.runner.weight_control import WeightControl
 from jaxserve.spec_decode.decoder import draft_kv_bytes_per_token
@@ -48,6 +44,7 @@ class LLMEngine(WeightControl, EngineCore):  # WeightControl: update_weights, pa
         multihost.initialize(s)  # num_processes > 1: jax.distributed, before any device is touched
         cache_path = enable_compilation_cache(s.compilation_cache_dir, s.compilation_cache)
         logger.info("persistent compilation cache: %s", cache_path or "off")
+        store = open_executable_store(s)  # the last start's executables load while the weights do
         platform = jax.default_backend()
         self.mesh = make_mesh(s.mesh_shape)
         scan = s.scan_layers if s.scan_layers is not None else default_scan_layers(platform)
@@ -102,8 +99,8 @@ class LLMEngine(WeightControl, EngineCore):  # WeightControl: update_weights, pa
             self.shardings,
             num_scheduler_steps=s.num_scheduler_steps,
         )
-        store = attach_executable_store(runner, s)  # serialized executables: loaded at warm-up, no tracing
-        logger.info("executable store: %s", store.directory if store is not None else "off")
+        attach_executable_store(runner, store)  # serialized executables: taken at warm-up, no tracing
+        logger.info("executable store: %s", store.store.directory if store is not None else "off")
         super().__init__(
             s,
             runner,

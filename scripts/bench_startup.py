@@ -11,6 +11,7 @@ server.
     python scripts/bench_startup.py --label ngram8 -- --speculative-method ngram --num-speculative-tokens 8
     python scripts/bench_startup.py --compare-store --rounds 3   # before (--no-executable-store) vs after, alternated
     python scripts/bench_startup.py --warm-background   # a warm start serving while the rest load from the store
+    python scripts/bench_startup.py --compare-tree /tmp/before --rounds 2   # another commit's source (git archive) vs this tree
     python scripts/bench_startup.py --compare-background --rounds 1   # cold starts: all compiled first vs serving
                                                                      # while the rest compile (TTFT, TPOT meanwhile)
 """
@@ -241,7 +242,16 @@ def main(argv=None) -> dict:
         help="a cold start compiling every bucket (filling the store), then a warm start serving while the rest "
         "load (--compile-in-background): /health, first chat token, all buckets ready, TTFT and TPOT meanwhile",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="warm starts of each with --compare-store")
+    parser.add_argument(
+        "--compare-tree",
+        metavar="DIR",
+        help="before: the server run from DIR, a copy of another commit's source (git archive COMMIT jaxserve "
+        "pallas_kernels configs | tar -x -C DIR), against after: this tree; a cold start of each on caches of "
+        "its own, then --rounds warm starts of each, alternated",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="warm starts of each with --compare-store / --compare-tree"
+    )
     args, server_args = parser.parse_known_args(argv)
     server_args = [a for a in server_args if a != "--"]
     server_args = ["--config", args.config, *server_args]
@@ -256,6 +266,8 @@ def main(argv=None) -> dict:
         result = warm_background(server_args, args)
     elif args.compare_store:
         result = compare_store(server_args, args)
+    elif args.compare_tree:
+        result = compare_tree(server_args, args)
     elif args.compare_background:
         result = compare_background(server_args, args)
     else:
@@ -289,6 +301,28 @@ def compare_store(server_args: list[str], args: argparse.Namespace) -> dict:
                 run = start_once([*server_args, *extra], caches[mode], args.port, args.timeout, envs[mode])
                 result["warm"][mode].append(run)
                 print(mode, "warm", run, flush=True)
+    return result
+
+
+def compare_tree(server_args: list[str], args: argparse.Namespace) -> dict:
+    """Cold then alternated warm starts of the server from another source tree (before) and from this one
+    (after), each on a compilation cache and JAXSERVE_CACHE of its own; the load average after each."""
+    cwds = {"before": os.path.abspath(args.compare_tree), "after": os.path.dirname(os.path.dirname(__file__)) or "."}
+    result: dict = dict(
+        label=args.label, server_args=server_args, before=cwds["before"], cold={}, warm={m: [] for m in cwds}
+    )
+    with tempfile.TemporaryDirectory(prefix="jaxserve-startup-") as root:
+        envs = {m: {"JAXSERVE_CACHE": os.path.join(root, m + "-data")} for m in cwds}
+        caches = {m: os.path.join(root, m) for m in cwds}
+        for mode, cwd in cwds.items():
+            result["cold"][mode] = start_once(server_args, caches[mode], args.port, args.timeout, envs[mode], cwd=cwd)
+            print(mode, "cold", json.dumps(result["cold"][mode]), f"load {os.getloadavg()}", flush=True)
+        for _ in range(args.rounds):
+            for mode, cwd in cwds.items():
+                run = start_once(server_args, caches[mode], args.port, args.timeout, envs[mode], cwd=cwd)
+                run["load_avg"] = os.getloadavg()
+                result["warm"][mode].append(run)
+                print(mode, "warm", json.dumps(run), flush=True)
     return result
 
 

@@ -212,19 +212,6 @@ def store_directory(settings: Any) -> str | None:
     return os.path.join(root, "executables")
 
 
-def attach_executable_store(runner: Any, settings: Any) -> Any:
-    """Give the runner's executable table the store of these settings (see `store_directory`);
-    returns the store, or None (off, or refused as unsafe: the engine compiles as usual)."""
-    from jaxserve.runner.executable_keys import step_signature
-    from jaxserve.runner.executable_store import ExecutableStore
-
-    directory = store_directory(settings)
-    store = None if directory is None else ExecutableStore.open(directory, settings.executable_store_max_size)
-    if store is not None:
-        runner.table.attach_store(store, lambda key: step_signature(runner, key))
-    return store
-
-
 _bypass_lock = threading.Lock()
 _bypass = {"depth": 0, "saved": None}  # nested or concurrent bypasses: the first saves, the last restores
 

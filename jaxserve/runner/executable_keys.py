@@ -106,6 +106,20 @@ def environment_key() -> dict:
     )
 
 
+# Engine settings that change no program: a start differing only in them preloads the same entries.
+_START_IGNORED = ("compile_in_background",)
+
+
+def start_key(settings: Any) -> str:
+    """A digest of what a start knows before its weights load: the process-wide key and the engine's
+    settings. Entries are written with the start key of the engine that compiled them, and the next
+    start with the same one loads them while its weights load (`executables.Preload`); each is only
+    used once its whole key (`step_signature`) matches, so a changed checkpoint behind the same
+    settings costs the wasted loads, never a wrong program."""
+    fields = {k: v for k, v in describe(settings).items() if k not in _START_IGNORED}
+    return digest(dict(environment_key(), settings=fields))
+
+
 def step_signature(runner: Any, key: tuple) -> StepSignature:
     """Executable `key`'s store key, from the runner's static description and its state's abstract
     values (no tracing, no lowering)."""

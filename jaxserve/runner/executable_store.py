@@ -88,10 +88,12 @@ class ExecutableStore:
         return os.path.join(self.directory, key_hash + SUFFIX)
 
     # ---- reading -------------------------------------------------------------------------------
-    def load(self, key_hash: str, key: dict) -> Loaded | None:
+    def load(self, key_hash: str, key: dict | None, warn: bool = True) -> Loaded | None:
         """The entry for `key` (hashing to `key_hash`), or None: absent (silently), or unusable (one
-        warning: the caller compiles and rewrites it)."""
+        warning: the caller compiles and rewrites it). `key` None: whichever key the header holds
+        (the caller compares it); `warn` False: an unusable entry is left to the caller's own load."""
         path = self.path(key_hash)
+        unusable = self._unusable if warn else lambda path, reason: None
         try:
             with open(path, "rb") as f:
                 check_private(path, os.fstat(f.fileno()))
@@ -99,19 +101,19 @@ class ExecutableStore:
         except FileNotFoundError:
             return None
         except (OSError, UnsafeStoreError) as err:
-            return self._unusable(path, str(err))
+            return unusable(path, str(err))
         try:
             header, payload = split_entry(data)
         except ValueError as err:
-            return self._unusable(path, str(err))
-        if header.get("key") != key:
-            return self._unusable(path, "written for another key (" + describe_difference(header.get("key"), key) + ")")
+            return unusable(path, str(err))
+        if key is not None and header.get("key") != key:
+            return unusable(path, "written for another key (" + describe_difference(header.get("key"), key) + ")")
         if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-            return self._unusable(path, "checksum mismatch")
+            return unusable(path, "checksum mismatch")
         try:
             blob, in_tree, out_tree = pickle.loads(payload)
         except Exception as err:  # noqa: BLE001 - checksummed, so only a foreign class can fail here
-            return self._unusable(path, f"cannot be read back ({type(err).__name__}: {err})")
+            return unusable(path, f"cannot be read back ({type(err).__name__}: {err})")
         try:
             os.utime(path)  # recently used: evicted last
         except OSError:
@@ -214,6 +216,12 @@ class ExecutableStore:
             row.update(path=full, bytes=st.st_size if st else 0, used=st.st_mtime if st else 0)
             rows.append(row)
         return sorted(rows, key=lambda r: -r["used"])
+
+    def written_at_start(self, start: str) -> list[str]:
+        """Key hashes of the entries written by an engine of start key `start`
+        (`executable_keys.start_key`), most recently used first."""
+        rows = [r for r in self.entries() if r.get("start") == start]
+        return [os.path.basename(r["path"])[: -len(SUFFIX)] for r in rows]
 
     def total_bytes(self) -> int:
         return sum(r["bytes"] for r in self.entries())

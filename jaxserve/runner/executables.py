@@ -2,7 +2,8 @@
 the variant's tag), with each one's input layout, compiled ahead of time at warm-up and run once
 there; a key needed later is compiled then, and counted (`unplanned_compiles`). With an executable
 store attached (`attach_store`), a key is first looked up there, by a key computed without tracing,
-and loaded instead of lowered and compiled; what is compiled is written to it."""
+and loaded instead of lowered and compiled (most often already loaded, since before the weights, by
+`Preload`); what XLA compiled is written to it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from jaxserve.model.transfer import Layout
-from jaxserve.runner.compilation import compile_buckets, compile_lowered, persistent_cache_bypassed
+from jaxserve.runner.compilation import compile_buckets, compile_lowered, persistent_cache_bypassed, store_directory
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,80 @@ def lacks_object_code(blob: bytes, platform: str) -> bool:
     return platform == "cpu" and not any(magic in blob for magic in _OBJECT_MAGIC)
 
 
+class Preload:
+    """The store's entries written under this start's key (`executable_keys.start_key`: the last start
+    with these settings), loaded on threads from before the weights load: XLA:CPU links a loaded step's
+    code with the GIL released (1-4 s each for the default model's unrolled layers), which would
+    otherwise come after the weights. The table takes one only when its whole key matches (`take`);
+    an entry that cannot be used here is left to the table's own load, which warns once."""
+
+    def __init__(self, store: Any, start: str):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.store, self.start = store, start
+        hashes = store.written_at_start(start)
+        self._futures: dict[str, Any] = {}
+        if hashes:
+            pool = ThreadPoolExecutor(max_workers=min(len(hashes), os.cpu_count() or 1, 8))
+            self._futures = {h: pool.submit(self._load, h) for h in hashes}
+            pool.shutdown(wait=False)
+        logger.info("executable store %s: loading %d executables of the last start", store.directory, len(hashes))
+
+    def _load(self, key_hash: str) -> tuple[dict, Any] | None:
+        import jax
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        entry = self.store.load(key_hash, None, warn=False)
+        key = entry.header.get("key") if entry is not None else None
+        if not isinstance(key, dict) or lacks_object_code(entry.blob, key.get("backend")):
+            return None
+        by_id = {d.id: d for d in jax.devices()}
+        devices = [by_id[i] for i in key["devices"]]  # on the devices the key names, as `_load` does
+        executable = deserialize_and_load(
+            entry.blob, entry.in_tree, entry.out_tree, backend=devices[0].client, execution_devices=devices
+        )
+        return key, executable
+
+    def take(self, key_hash: str, key: dict) -> Any:
+        """The executable preloaded for `key` (waiting for its load), or None: not preloaded, written
+        for another key, or not loadable here."""
+        future = self._futures.pop(key_hash, None)
+        if future is None:
+            return None
+        try:
+            result = future.result()
+        except Exception as err:  # noqa: BLE001 - the table's own load tries again, and warns
+            logger.debug("preloading %s failed (%s: %s)", key_hash, type(err).__name__, err)
+            return None
+        return result[1] if result is not None and result[0] == key else None
+
+    def clear(self) -> None:
+        """Drop what no key took (a changed checkpoint behind the same settings)."""
+        for future in self._futures.values():
+            future.cancel()
+        self._futures.clear()
+
+
+def open_executable_store(settings: Any) -> Preload | None:
+    """The executable store of these settings (`compilation.store_directory`) with the last such
+    start's entries already loading (`Preload`: call before the weights load), or None (off, or
+    refused as unsafe: the engine compiles as usual)."""
+    from jaxserve.runner.executable_keys import start_key
+    from jaxserve.runner.executable_store import ExecutableStore
+
+    directory = store_directory(settings)
+    store = None if directory is None else ExecutableStore.open(directory, settings.executable_store_max_size)
+    return None if store is None else Preload(store, start_key(settings))
+
+
+def attach_executable_store(runner: Any, preload: Preload | None) -> None:
+    """Give the runner's executable table the store `open_executable_store` opened (None: none)."""
+    from jaxserve.runner.executable_keys import step_signature
+
+    if preload is not None:
+        runner.table.attach_store(preload, lambda key: step_signature(runner, key))
+
+
 class ExecutableTable:
     def __init__(self, lower: Callable[[tuple], tuple[Any, Layout]], compiler_options: dict, platform: str):
         self._lower = lower  # key -> (lowered step, its inputs' layout)
@@ -44,6 +119,8 @@ class ExecutableTable:
         self.ran: set[tuple] = set()
         self.warmed = False  # compile_all ran: a compile after it was not foreseen (--enforce-eager: none ran)
         self.store: Any = None  # executable_store.ExecutableStore (attach_store)
+        self.preload: Preload | None = None  # entries loading since before the weights (attach_store)
+        self.preloaded: list[tuple] = []  # keys of `loaded` taken from the preload
         # With a store: compile bypassing JAX's persistent cache, so that every compile is stored
         # (`jaxserve compile`). Otherwise a step JAX's cache holds is served from there and not stored
         # (its executable serializes broken on XLA:CPU), as fast as before the store when only the
@@ -58,10 +135,10 @@ class ExecutableTable:
         # compiler (runner/background_compile.py) and a step needing an unplanned key never build one twice.
         self._building = threading.RLock()
 
-    def attach_store(self, store: Any, signature: Callable[[tuple], Any]) -> None:
-        """Load executables from `store` (by `signature(key)`, computed without tracing) before
-        compiling them, and write what is compiled to it."""
-        self.store, self._signature = store, signature
+    def attach_store(self, preload: Preload, signature: Callable[[tuple], Any]) -> None:
+        """Load executables from the preload's store (by `signature(key)`, computed without tracing),
+        taking those it already loaded, before compiling them, and write what is compiled to it."""
+        self.store, self.preload, self._signature = preload.store, preload, signature
 
     def __len__(self) -> int:
         return len(self.executables)
@@ -156,6 +233,13 @@ class ExecutableTable:
         except Exception as err:  # noqa: BLE001 - a key that cannot be described is compiled, not loaded
             logger.warning("no executable store key for %s (%s: %s): compiling it", key, type(err).__name__, err)
             return None
+        executable = self.preload.take(signature.key_hash, signature.key) if self.preload is not None else None
+        if executable is not None:
+            self.layouts[key] = signature.layout
+            self.loaded.append((key, time.perf_counter() - start))  # the wait for it, if any
+            self.preloaded.append(key)
+            logger.info("bucket %s loaded from the executable store (preloaded)", key)
+            return executable
         entry = self.store.load(signature.key_hash, signature.key)
         if entry is None:
             return None
@@ -219,6 +303,7 @@ class ExecutableTable:
             variant=signature.key["variant"].rsplit(".", 1)[-1],
             bucket=list(key),
             compile_seconds=round(seconds, 3),
+            start=self.preload.start if self.preload is not None else None,
             model=f"{m.get('architecture')} {m.get('num_layers')}x{m.get('hidden_size')}",
         )
         path = self.store.save(signature.key_hash, signature.key, parts, about)
@@ -226,6 +311,8 @@ class ExecutableTable:
             self.stored.append((key, seconds, path))
 
     def clear(self) -> None:
+        if self.preload is not None:
+            self.preload.clear()
         self.executables.clear()
         self.layouts.clear()
         self.ran.clear()
