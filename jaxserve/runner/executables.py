@@ -38,11 +38,11 @@ class Preload:
     otherwise come after the weights. The table takes one only when its whole key matches (`take`);
     an entry that cannot be used here is left to the table's own load, which warns once."""
 
-    def __init__(self, store: Any, start: str):
+    def __init__(self, store: Any, start: str | None):
         from concurrent.futures import ThreadPoolExecutor
 
         self.store, self.start = store, start
-        hashes = store.written_at_start(start)
+        hashes = store.written_at_start(start) if start is not None else []
         self._futures: dict[str, Any] = {}
         if hashes:
             pool = ThreadPoolExecutor(max_workers=min(len(hashes), os.cpu_count() or 1, 8))
@@ -94,7 +94,14 @@ def open_executable_store(settings: Any) -> Preload | None:
 
     directory = store_directory(settings)
     store = None if directory is None else ExecutableStore.open(directory, settings.executable_store_max_size)
-    return None if store is None else Preload(store, start_key(settings))
+    if store is None:
+        return None
+    try:
+        start = start_key(settings)
+    except Exception as err:  # noqa: BLE001 - a setting that cannot be described: the table loads as before
+        logger.warning("executable store: nothing preloaded (no start key: %s: %s)", type(err).__name__, err)
+        start = None
+    return Preload(store, start)
 
 
 def attach_executable_store(runner: Any, preload: Preload | None) -> None:
