@@ -111,20 +111,21 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
         init = jax.jit(init, static_argnums=(0, 1, 2), out_shardings=float_shardings.params)
         params = init(cfg, settings.seed, dtype)
     elif fmt == "orbax":
-        stored = read_manifest(model_dir).get("quantization", "none")
+        checkpoint_quantization = read_manifest(model_dir).get("quantization", "none")
         params = load_orbax_params(
             model_dir,
             cfg,
             dtype,
             mesh,
-            shardings if stored != "none" else float_shardings,
+            shardings if checkpoint_quantization != "none" else float_shardings,
             stacked,
             settings.quantization,
             settings.quantize_lm_head,
             moe,
             settings.quantization_group_size,
         )
-        quantized &= stored == "none"  # an int8 checkpoint is restored as int8: nothing left to quantize
+        # An int8 checkpoint is restored as int8: nothing left to quantize.
+        quantized &= checkpoint_quantization == "none"
     else:  # safetensors, or a GGUF file behind the directory: int8 quantized tensor by tensor as read
         convert = lambda: load_hf_params(  # noqa: E731
             model_dir,
@@ -139,8 +140,8 @@ def load_model(settings: EngineConfig, mesh: Mesh, stacked: bool = True) -> Load
         if converted_weights.enabled(model_dir):  # converted (or laid-out) weights kept between starts
             parts = dict(cfg=cfg, dtype=dtype, stacked=stacked, quantization=settings.quantization)
             parts.update(lm_head=settings.quantize_lm_head, group_size=settings.quantization_group_size)
-            stored = converted_weights.stored_dtype(model_dir, dtype) if not quantized else None
-            params = converted_weights.load_or_convert(model_dir, parts, shardings.params, convert, stored)
+            narrow = converted_weights.stored_dtype(model_dir, dtype) if not quantized else None
+            params = converted_weights.load_or_convert(model_dir, parts, shardings.params, convert, narrow)
         else:
             params = convert()
         quantized = False
