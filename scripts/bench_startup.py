@@ -247,7 +247,8 @@ def main(argv=None) -> dict:
         metavar="DIR",
         help="before: the server run from DIR, a copy of another commit's source (git archive COMMIT jaxserve "
         "pallas_kernels configs | tar -x -C DIR), against after: this tree; a cold start of each on caches of "
-        "its own, then --rounds warm starts of each, alternated",
+        "its own, then --rounds warm starts of each, alternated (with --warm-background: --rounds of its "
+        "two starts for each tree, alternated)",
     )
     parser.add_argument(
         "--rounds", type=int, default=3, help="warm starts of each with --compare-store / --compare-tree"
@@ -262,7 +263,9 @@ def main(argv=None) -> dict:
         # the opening buckets and the warm start after it would load a partial store. Every executable
         # ready before /health, so a warm start's /health is "every executable loaded".
         server_args.append("--no-compile-in-background")
-    if args.warm_background:
+    if args.warm_background and args.compare_tree:
+        result = warm_background_trees(server_args, args)
+    elif args.warm_background:
         result = warm_background(server_args, args)
     elif args.compare_store:
         result = compare_store(server_args, args)
@@ -348,17 +351,29 @@ def compare_background(server_args: list[str], args: argparse.Namespace) -> dict
     return result
 
 
-def warm_background(server_args: list[str], args: argparse.Namespace) -> dict:
+def warm_background(server_args: list[str], args: argparse.Namespace, cwd: str | None = None) -> dict:
     """A cold start compiling every bucket before /health (so the store holds them all), then a warm
-    start on the same caches serving while the rest load."""
+    start on the same caches serving while the rest load (the server run from `cwd`)."""
     with tempfile.TemporaryDirectory(prefix="jaxserve-startup-") as root:
         env = {"JAXSERVE_CACHE": os.path.join(root, "data")}
         cache = os.path.join(root, "cache")
-        cold = start_once([*server_args, "--no-compile-in-background"], cache, args.port, args.timeout, env)
+        cold = start_once([*server_args, "--no-compile-in-background"], cache, args.port, args.timeout, env, cwd=cwd)
         warm = start_once(
-            [*server_args, "--compile-in-background"], cache, args.port, args.timeout, env, measure_background
+            [*server_args, "--compile-in-background"], cache, args.port, args.timeout, env, measure_background, cwd
         )
-    return dict(label=args.label, server_args=server_args, cold=cold, warm=warm)
+    return dict(label=args.label, server_args=server_args, cold=cold, warm=warm, load_avg=os.getloadavg())
+
+
+def warm_background_trees(server_args: list[str], args: argparse.Namespace) -> dict:
+    """`warm_background` of --compare-tree's source (before) and this tree's (after), alternated --rounds times."""
+    cwds = {"before": os.path.abspath(args.compare_tree), "after": os.path.dirname(os.path.dirname(__file__)) or "."}
+    result: dict = dict(label=args.label, server_args=server_args, before=cwds["before"], runs={m: [] for m in cwds})
+    for _ in range(args.rounds):
+        for mode, cwd in cwds.items():
+            run = warm_background(server_args, args, cwd)
+            result["runs"][mode].append(run)
+            print(mode, json.dumps(run["warm"]), f"load {run['load_avg']}", flush=True)
+    return result
 
 
 if __name__ == "__main__":

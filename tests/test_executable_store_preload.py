@@ -10,6 +10,7 @@ import shutil
 from hf_models import make_hf_model
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.engine.buckets import opening_buckets
 from jaxserve.runner import executables
 from jaxserve.runner.compilation import persistent_cache_bypassed
 
@@ -42,6 +43,18 @@ def test_a_warm_start_takes_the_preloaded_executables_only_when_their_keys_match
     assert len(started) == len(keys)
     assert _generate(warm) == expected
     warm.close()
+
+    # Serving while the rest load: only the opening buckets preloaded (first), the rest left to the
+    # background thread, one at a time.
+    started.clear()
+    background = LLM(model, compile_in_background=True, **settings)
+    opening = set(opening_buckets(background.runner.buckets))
+    table = background.runner.table
+    assert {k[0] for k in table.preloaded} == opening and len(started) == len(table.preloaded) < len(keys)
+    assert background.runner.background.wait(120)
+    assert sorted(k for k, _ in table.loaded) == sorted(keys) and not table.stored
+    assert _generate(background) == expected
+    background.close()
 
     # Another checkpoint at the same path, other shapes: the same start key, so the same entries
     # preloaded, but none is its program.

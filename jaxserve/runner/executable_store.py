@@ -217,11 +217,11 @@ class ExecutableStore:
             rows.append(row)
         return sorted(rows, key=lambda r: -r["used"])
 
-    def written_at_start(self, start: str) -> list[str]:
-        """Key hashes of the entries written by an engine of start key `start`
-        (`executable_keys.start_key`), most recently used first."""
-        rows = [r for r in self.entries() if r.get("start") == start]
-        return [os.path.basename(r["path"])[: -len(SUFFIX)] for r in rows]
+    def written_at_start(self, start: str) -> list[tuple[str, list]]:
+        """(key hash, bucket) of each entry written by an engine of start key `start`
+        (`executable_keys.start_key`)."""
+        rows = [r for r in self.entries() if r.get("start") == start and r.get("bucket")]
+        return [(os.path.basename(r["path"])[: -len(SUFFIX)], r["bucket"]) for r in rows]
 
     def total_bytes(self) -> int:
         return sum(r["bytes"] for r in self.entries())

@@ -36,13 +36,24 @@ class Preload:
     with these settings), loaded on threads from before the weights load: XLA:CPU links a loaded step's
     code with the GIL released (1-4 s each for the default model's unrolled layers), which would
     otherwise come after the weights. The table takes one only when its whole key matches (`take`);
-    an entry that cannot be used here is left to the table's own load, which warns once."""
+    an entry that cannot be used here is left to the table's own load, which warns once.
 
-    def __init__(self, store: Any, start: str | None):
+    The opening buckets' come first (`engine.buckets.opening_buckets`, guessed from the entries' token
+    counts and `max_rows`): a server compiling in the background answers once they are in. With
+    `opening_only` the others are left to the background thread, one at a time, as before: loading
+    them on every core at once would slow the first requests served beside it."""
+
+    def __init__(self, store: Any, start: str | None, max_rows: int = 1, opening_only: bool = False):
         from concurrent.futures import ThreadPoolExecutor
 
         self.store, self.start = store, start
-        hashes = store.written_at_start(start) if start is not None else []
+        entries = store.written_at_start(start) if start is not None else []
+        tokens = sorted({bucket[0] for _, bucket in entries})
+        opening = {tokens[0], next((t for t in tokens if t >= max_rows), tokens[-1])} if tokens else set()
+        entries = sorted(
+            (e for e in entries if e[1][0] in opening or not opening_only), key=lambda e: (e[1][0] not in opening, e[1])
+        )
+        hashes = [h for h, _ in entries]
         self._futures: dict[str, Any] = {}
         if hashes:
             pool = ThreadPoolExecutor(max_workers=min(len(hashes), os.cpu_count() or 1, 8))
@@ -101,7 +112,8 @@ def open_executable_store(settings: Any) -> Preload | None:
     except Exception as err:  # noqa: BLE001 - a setting that cannot be described: the table loads as before
         logger.warning("executable store: nothing preloaded (no start key: %s: %s)", type(err).__name__, err)
         start = None
-    return Preload(store, start)
+    background = bool(settings.compile_in_background) and not settings.speculation  # LLMEngine._background_compile
+    return Preload(store, start, settings.max_num_seqs, opening_only=background)
 
 
 def attach_executable_store(runner: Any, preload: Preload | None) -> None:
