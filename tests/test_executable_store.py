@@ -57,6 +57,7 @@ def test_entry_round_trip_and_damage(tmp_path):
         with open(path, "wb") as f:
             f.write(damaged)
         assert store.load(key_hash(key), key) is None
+        assert not os.path.exists(path)  # removed: not refused again at every start
     assert len(store.warnings) == 3 and all("compiled again" in w for w in store.warnings)
     assert "truncated" in store.warnings[0] and "checksum" in store.warnings[1]
     assert store.load(key_hash({"other": 1}), {"other": 1}) is None and len(store.warnings) == 3  # absent: silent

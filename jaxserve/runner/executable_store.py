@@ -90,18 +90,20 @@ class ExecutableStore:
     # ---- reading -------------------------------------------------------------------------------
     def load(self, key_hash: str, key: dict | None, warn: bool = True) -> Loaded | None:
         """The entry for `key` (hashing to `key_hash`), or None: absent (silently), or unusable (one
-        warning: the caller compiles and rewrites it). `key` None: whichever key the header holds
+        warning, and a damaged entry removed: `refuse`; the caller compiles it again). `key` None: whichever key the header holds
         (the caller compares it); `warn` False: an unusable entry is left to the caller's own load."""
         path = self.path(key_hash)
-        unusable = self._unusable if warn else lambda path, reason: None
+        unusable = self.refuse if warn else lambda path, reason: None
         try:
             with open(path, "rb") as f:
                 check_private(path, os.fstat(f.fileno()))
                 data = f.read()
         except FileNotFoundError:
             return None
-        except (OSError, UnsafeStoreError) as err:
-            return unusable(path, str(err))
+        except (OSError, UnsafeStoreError) as err:  # unreadable, or not private: left where it is
+            if warn:
+                self._warn(f"executable store entry {os.path.basename(path)} not used ({err}): compiled again")
+            return None
         try:
             header, payload = split_entry(data)
         except ValueError as err:
@@ -120,9 +122,17 @@ class ExecutableStore:
             pass
         return Loaded(blob, in_tree, out_tree, header)
 
-    def _unusable(self, path: str, reason: str) -> None:
-        """Note (one warning line) that an entry is not used; the caller compiles it again."""
-        line = f"executable store entry {os.path.basename(path)} not used ({reason}): compiled again"
+    def refuse(self, path: str, reason: str) -> None:
+        """Note (one warning line) that an entry is not used, and remove it: the caller compiles the
+        step again, and may not store it (one read back from JAX's persistent cache is never stored),
+        so a damaged entry left in place would be refused again at every start."""
+        self._warn(f"executable store entry {os.path.basename(path)} not used ({reason}): compiled again")
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+    def _warn(self, line: str) -> None:
         self.warnings.append(line)
         logger.warning(line)
 

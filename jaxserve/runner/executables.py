@@ -263,7 +263,7 @@ class ExecutableTable:
         if entry is None:
             return None
         if lacks_object_code(entry.blob, self.platform):
-            self.store._unusable(self.store.path(signature.key_hash), "no object code: it would fail at its first run")
+            self.store.refuse(self.store.path(signature.key_hash), "no object code: it would fail at its first run")
             return None
         try:  # on the devices the key names, in order: never the backend's default (a sub-mesh would abort)
             executable = deserialize_and_load(
@@ -274,7 +274,7 @@ class ExecutableTable:
                 execution_devices=signature.devices,
             )
         except Exception as err:  # noqa: BLE001 - e.g. XLA refusing the code: compiled instead
-            self.store._unusable(self.store.path(signature.key_hash), f"{type(err).__name__}: {err}")
+            self.store.refuse(self.store.path(signature.key_hash), f"{type(err).__name__}: {err}")
             return None
         self.layouts[key] = signature.layout
         seconds = time.perf_counter() - start
