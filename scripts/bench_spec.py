@@ -101,7 +101,9 @@ def make_prompts(workload: str, tokenizer, vocab_size: int, count: int, seed: in
 METHOD_KEYS = {"k": "num_speculative_tokens", "min": "prompt_lookup_min", "max": "prompt_lookup_max"}
 # :policy=request - the adaptive policy as it was before the batch decision (issue 54): each row
 # decides alone, and a new request starts from the fixed prior a = 0.75 (`per_request_policy`).
-POLICIES = ("batch", "request")
+# :policy=off - the speculative engine never drafts (`never_draft`): what its steps cost when the
+# policy turns speculation off, without the policy's own noise.
+POLICIES = ("batch", "request", "off")
 
 
 def spec_settings(method: str, args) -> dict:
@@ -146,7 +148,17 @@ def engine_for(model: str, method: str, common: dict, args):
     llm = LLM(model, **common, **spec_settings(method, args))
     if ":policy=request" in method:
         per_request_policy(llm.engine.spec)
+    if ":policy=off" in method:
+        never_draft(llm.engine)
     return llm
+
+
+def never_draft(core) -> None:
+    """No row drafts, ever (the engine's scheduler asks `lookahead`; an engine that overlaps asks
+    `may_draft` before it schedules)."""
+    core.scheduler.lookahead = lambda seq, batch_size: 0
+    if hasattr(core.spec, "may_draft"):
+        core.spec.may_draft = lambda running: False
 
 
 def per_request_policy(decoder) -> None:
