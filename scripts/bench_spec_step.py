@@ -72,8 +72,7 @@ def main() -> None:
     spec = dict(speculative_method=args.method, num_speculative_tokens=args.k)
     if args.method == "eagle3":
         spec["speculative_model"] = args.head
-    llm = LLM(
-        args.model,
+    settings = dict(
         dtype="float32",
         max_model_len=1024,
         max_num_seqs=args.max_num_seqs,
@@ -82,22 +81,12 @@ def main() -> None:
         warm_up=False,
         executable_store=args.before is None,
         enable_prefix_caching=False,
-        **spec,
     )
+    llm = LLM(args.model, **settings, **spec)
     runner = llm.runner
     plain = None
     if args.plain:  # the same model and buckets, no speculation: its plain ragged step
-        plain = LLM(
-            args.model,
-            dtype="float32",
-            max_model_len=1024,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=512,
-            token_buckets=args.token_buckets,
-            warm_up=False,
-            executable_store=args.before is None,
-            enable_prefix_caching=False,
-        ).runner
+        plain = LLM(args.model, **settings).runner
     cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
 
     def rows(batch, drafts):

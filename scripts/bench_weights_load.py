@@ -24,23 +24,16 @@ import sys
 import tempfile
 import time
 
-LOAD = """
-import json, sys, time
-import jax
-from jaxserve.config import EngineConfig
-from jaxserve.loading.model_loader import load_model
-from jaxserve.model.sharding import make_mesh
-mesh = make_mesh((1, 1))
-start = time.perf_counter()
-params = load_model(EngineConfig(model=sys.argv[1], dtype=sys.argv[2], scan_layers=False), mesh, stacked=False).params
-jax.block_until_ready(params)
-print(json.dumps(dict(seconds=round(time.perf_counter() - start, 2))))
-"""
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_startup_weights import LOAD_WEIGHTS  # noqa: E402
 
 
 def load_once(tree: str, model: str, dtype: str, cache: str) -> float:
     env = {**os.environ, "JAXSERVE_CACHE": cache, "JAXSERVE_WEIGHTS_CACHE": "1", "PYTHONPATH": tree}
-    done = subprocess.run([sys.executable, "-c", LOAD, model, dtype], env=env, cwd=tree, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_WEIGHTS, model, dtype], env=env, cwd=tree, capture_output=True, text=True
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{tree}: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
