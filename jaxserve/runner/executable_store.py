@@ -90,8 +90,9 @@ class ExecutableStore:
     # ---- reading -------------------------------------------------------------------------------
     def load(self, key_hash: str, key: dict | None, warn: bool = True) -> Loaded | None:
         """The entry for `key` (hashing to `key_hash`), or None: absent (silently), or unusable (one
-        warning, and a damaged entry removed: `refuse`; the caller compiles it again). `key` None: whichever key the header holds
-        (the caller compares it); `warn` False: an unusable entry is left to the caller's own load."""
+        warning, and a damaged entry removed: `refuse`; the caller compiles it again). `key` None:
+        whichever key the header holds (the caller compares it); `warn` False: an unusable entry is
+        left to the caller's own load."""
         path = self.path(key_hash)
         unusable = self.refuse if warn else lambda path, reason: None
         try:
