@@ -249,8 +249,7 @@ class SpeculativeDecoder:
         """Draft tokens to propose for `seq` this decode step in a batch of `batch_size` rows, all
         replicas together (the scheduler then gives them pages)."""
         state = self.state(seq)
-        # Steps are priced by their per-replica batch bucket; the replicas' rows taken as balanced.
-        per_replica = min(-(-batch_size // self.num_replicas), self.buckets.batch_sizes[-1])
+        per_replica = self._per_replica(batch_size)  # steps are priced by their per-replica batch bucket
         costs = self._step_costs(per_replica) if self.policy.adaptive else None
         if costs is not None and per_replica > 1:
             drafts = self._batch_drafts(per_replica, costs)
@@ -288,11 +287,16 @@ class SpeculativeDecoder:
             return False
         if not self.policy.adaptive:
             return True
-        per_replica = min(-(-len(decoding) // self.num_replicas), self.buckets.batch_sizes[-1])
+        per_replica = self._per_replica(len(decoding))
         costs = self._step_costs(per_replica)
         if per_replica > 1:
             return self._batch_drafts(per_replica, costs)
         return any(self.policy.choose(self.state(seq), self.decode_steps, costs) > 0 for seq in decoding)
+
+    def _per_replica(self, batch_size: int) -> int:
+        """The per-replica batch a step of `batch_size` decode rows is priced at: the replicas' rows
+        taken as balanced, at most the largest batch bucket."""
+        return min(-(-batch_size // self.num_replicas), self.buckets.batch_sizes[-1])
 
     def _batch_drafts(self, batch: int, costs: list[float]) -> bool:
         """The batch decision (`SpecPolicy.batch_drafts`), made once per step (for `may_draft` or its
