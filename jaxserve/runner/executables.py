@@ -31,6 +31,16 @@ def lacks_object_code(blob: bytes, platform: str) -> bool:
     return platform == "cpu" and not any(magic in blob for magic in _OBJECT_MAGIC)
 
 
+def deserialize_entry(entry: Any, devices: list) -> Any:
+    """A store entry's executable, loaded onto `devices` (the ones its key names, in order): never the
+    backend's default devices, since a sub-mesh executable loaded without them aborts the process."""
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    return deserialize_and_load(
+        entry.blob, entry.in_tree, entry.out_tree, backend=devices[0].client, execution_devices=devices
+    )
+
+
 class Preload:
     """The store's entries written under this start's key (`executable_keys.start_key`: the last start
     with these settings), loaded on threads from before the weights load: XLA:CPU links a loaded step's
@@ -63,18 +73,13 @@ class Preload:
 
     def _load(self, key_hash: str) -> tuple[dict, Any] | None:
         import jax
-        from jax.experimental.serialize_executable import deserialize_and_load
 
         entry = self.store.load(key_hash, None, warn=False)
         key = entry.header.get("key") if entry is not None else None
         if not isinstance(key, dict) or lacks_object_code(entry.blob, key.get("backend")):
             return None
         by_id = {d.id: d for d in jax.devices()}
-        devices = [by_id[i] for i in key["devices"]]  # on the devices the key names, as `_load` does
-        executable = deserialize_and_load(
-            entry.blob, entry.in_tree, entry.out_tree, backend=devices[0].client, execution_devices=devices
-        )
-        return key, executable
+        return key, deserialize_entry(entry, [by_id[i] for i in key["devices"]])
 
     def take(self, key_hash: str, key: dict) -> Any:
         """The executable preloaded for `key` (waiting for its load), or None: not preloaded, written
@@ -244,8 +249,6 @@ class ExecutableTable:
         or an entry that cannot be used (the store warns; the caller compiles)."""
         if self.store is None:
             return None
-        from jax.experimental.serialize_executable import deserialize_and_load
-
         start = time.perf_counter()
         try:
             signature = self._signatures[key] = self._signature(key)
@@ -265,14 +268,8 @@ class ExecutableTable:
         if lacks_object_code(entry.blob, self.platform):
             self.store.refuse(self.store.path(signature.key_hash), "no object code: it would fail at its first run")
             return None
-        try:  # on the devices the key names, in order: never the backend's default (a sub-mesh would abort)
-            executable = deserialize_and_load(
-                entry.blob,
-                entry.in_tree,
-                entry.out_tree,
-                backend=signature.devices[0].client,
-                execution_devices=signature.devices,
-            )
+        try:
+            executable = deserialize_entry(entry, signature.devices)
         except Exception as err:  # noqa: BLE001 - e.g. XLA refusing the code: compiled instead
             self.store.refuse(self.store.path(signature.key_hash), f"{type(err).__name__}: {err}")
             return None
